@@ -1,0 +1,276 @@
+//! The commands behind `main`: each returns an exit code or an error that `main` prints.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use anyhow::{Context, bail};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{self, Config, EMBEDDED_DEFAULT};
+use crate::mock::{self, Flavor, Mock};
+use crate::server::{Gateway, GatewayOptions};
+use crate::store;
+
+const DEFAULT_CONFIG: &str = "config/config.yaml";
+
+/// Logs go to stderr (stdout carries the `listening on` line scripts wait for). `RUST_LOG`
+/// overrides the level; `AUTOHEDGE_LOG_FORMAT=json` switches to JSON lines.
+pub fn init_tracing() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false);
+    if std::env::var("AUTOHEDGE_LOG_FORMAT").as_deref() == Ok("json") {
+        let _ = builder.json().try_init();
+    } else {
+        let _ = builder.try_init();
+    }
+}
+
+/// The config to use: the given path, else `config/config.yaml` if present, else the embedded
+/// default (which is not watched: there is no file).
+fn load_config(path: Option<PathBuf>) -> anyhow::Result<(Config, Option<PathBuf>)> {
+    match path {
+        Some(p) => Ok((Config::load_file(&p)?, Some(p))),
+        None => {
+            let p = PathBuf::from(DEFAULT_CONFIG);
+            if p.exists() {
+                Ok((Config::load_file(&p)?, Some(p)))
+            } else {
+                let cfg = Config::load(EMBEDDED_DEFAULT)
+                    .map_err(|e| anyhow::anyhow!("embedded default config: {e}"))?;
+                Ok((cfg, None))
+            }
+        }
+    }
+}
+
+/// Cancels `token` on SIGTERM or SIGINT.
+fn cancel_on_signals(token: CancellationToken) -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: draining"),
+            _ = int.recv() => tracing::info!("SIGINT: draining"),
+        }
+        token.cancel();
+    });
+    Ok(())
+}
+
+pub async fn serve(
+    config_path: Option<PathBuf>,
+    listen: Option<String>,
+    data_dir: PathBuf,
+) -> anyhow::Result<ExitCode> {
+    let (cfg, path) = load_config(config_path)?;
+    let addr = listen.unwrap_or_else(|| cfg.listen.clone());
+    let listener = TcpListener::bind(&addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))?;
+    let gw = Gateway::start(GatewayOptions {
+        config: cfg,
+        config_path: path.clone(),
+        data_dir: data_dir.clone(),
+        listener,
+        watch: path.is_some(),
+    })
+    .await?;
+    println!("autohedge listening on http://{}", gw.addr);
+    println!(
+        "config: {}; audit: {}",
+        path.map(|p| p.display().to_string())
+            .unwrap_or_else(|| "embedded default".into()),
+        store::db_path(&data_dir).display()
+    );
+    cancel_on_signals(gw.cancel_token())?;
+    gw.run_until_cancelled().await;
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn mock_upstream(
+    listen: String,
+    flavor: Flavor,
+    script: Option<PathBuf>,
+) -> anyhow::Result<ExitCode> {
+    let script = match script {
+        Some(p) => {
+            let text = std::fs::read_to_string(&p)
+                .with_context(|| format!("cannot read {}", p.display()))?;
+            mock::parse_script(&text).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?
+        }
+        None => mock::Script::default(),
+    };
+    let listener = TcpListener::bind(&listen)
+        .await
+        .with_context(|| format!("cannot listen on {listen}"))?;
+    let addr = listener.local_addr()?;
+    println!("mock-upstream ({flavor:?}) listening on http://{addr}");
+    let token = CancellationToken::new();
+    cancel_on_signals(token.clone())?;
+    mock::serve(listener, Mock::new(flavor, script), token).await;
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn check_config(path: Option<PathBuf>) -> anyhow::Result<ExitCode> {
+    let (cfg, used) = match load_config(path) {
+        Ok(v) => v,
+        Err(e) => {
+            println!("INVALID: {e:#}");
+            return Ok(ExitCode::FAILURE);
+        }
+    };
+    println!(
+        "config: {} — valid",
+        used.map(|p| p.display().to_string())
+            .unwrap_or_else(|| "embedded default".into())
+    );
+    print!("{}", config::describe(&cfg));
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn stats(data_dir: &Path, since: &str, json: bool) -> anyhow::Result<ExitCode> {
+    let window = config::duration::parse_duration(since).map_err(|e| anyhow::anyhow!("--since: {e}"))?;
+    let db = store::db_path(data_dir);
+    if !db.exists() {
+        bail!("no audit database at {} (has the gateway run with --data-dir {}?)", db.display(), data_dir.display());
+    }
+    let from = SystemTime::now()
+        .checked_sub(window)
+        .unwrap_or(SystemTime::UNIX_EPOCH);
+    let rows = store::report(data_dir, from).context("reading the audit trail")?;
+    if json {
+        let v: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "endpoint": r.endpoint,
+                    "requests": r.requests,
+                    "success_rate": if r.requests > 0 { Some(r.ok as f64 / r.requests as f64) } else { None },
+                    "p50_ms": r.p50_ms,
+                    "p95_ms": r.p95_ms,
+                    "errors": r.errors.iter().map(|(c, n)| (c.clone(), *n)).collect::<std::collections::BTreeMap<_, _>>(),
+                    "fallbacks_from": r.fallbacks_from,
+                    "fallbacks_served": r.fallbacks_served,
+                })
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!("attempts since {since} ago ({}):", db.display());
+    println!(
+        "{:<24} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9}  errors",
+        "endpoint", "requests", "success", "p50 ms", "p95 ms", "fell from", "fell to"
+    );
+    if rows.is_empty() {
+        println!("(no requests in this period)");
+    }
+    let fmt_ms = |v: Option<f64>| v.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into());
+    for r in rows {
+        let rate = if r.requests > 0 {
+            format!("{:.1}%", 100.0 * r.ok as f64 / r.requests as f64)
+        } else {
+            "-".into()
+        };
+        let errors = r
+            .errors
+            .iter()
+            .map(|(c, n)| format!("{c}={n}"))
+            .collect::<Vec<_>>()
+            .join(" ");
+        println!(
+            "{:<24} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9}  {}",
+            r.endpoint,
+            r.requests,
+            rate,
+            fmt_ms(r.p50_ms),
+            fmt_ms(r.p95_ms),
+            r.fallbacks_from,
+            r.fallbacks_served,
+            if errors.is_empty() { "-".into() } else { errors }
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn endpoint_clear(
+    name: &str,
+    data_dir: &Path,
+    url: Option<String>,
+    config_path: Option<PathBuf>,
+) -> anyhow::Result<ExitCode> {
+    let was_retired = if store::db_path(data_dir).exists() {
+        store::clear_endpoint(data_dir, name).context("updating the audit database")?
+    } else {
+        false
+    };
+    println!(
+        "{name}: {} in {}",
+        if was_retired { "retirement lifted" } else { "no persisted retirement" },
+        store::db_path(data_dir).display()
+    );
+    let url = match url {
+        Some(u) => u,
+        None => {
+            let listen = load_config(config_path)
+                .map(|(c, _)| c.listen)
+                .unwrap_or_else(|_| "127.0.0.1:8000".into());
+            format!("http://{listen}")
+        }
+    };
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(3))
+        .build()?;
+    match client
+        .post(format!("{}/admin/endpoints/{name}/clear", url.trim_end_matches('/')))
+        .send()
+        .await
+    {
+        Ok(r) if r.status().is_success() => println!("{name}: cleared in the running gateway at {url}"),
+        Ok(r) => println!("{name}: the gateway at {url} answered {}", r.status()),
+        Err(_) => println!("{name}: no gateway answering at {url}; it will start with the endpoint cleared"),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn healthcheck(url: &str) -> anyhow::Result<ExitCode> {
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(3))
+        .build()?;
+    match client
+        .get(format!("{}/health", url.trim_end_matches('/')))
+        .send()
+        .await
+    {
+        Ok(r) if r.status().is_success() => Ok(ExitCode::SUCCESS),
+        Ok(r) => {
+            eprintln!("unhealthy: {}", r.status());
+            Ok(ExitCode::FAILURE)
+        }
+        Err(e) => {
+            eprintln!("unreachable: {e}");
+            Ok(ExitCode::FAILURE)
+        }
+    }
+}
+
+/// Starts a mock upstream in-process on an ephemeral loopback port.
+pub async fn spawn_mock(
+    flavor: Flavor,
+    script: mock::Script,
+    cancel: CancellationToken,
+) -> anyhow::Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>)> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let m: Arc<Mock> = Mock::new(flavor, script);
+    let handle = tokio::spawn(mock::serve(listener, m, cancel));
+    Ok((addr, handle))
+}

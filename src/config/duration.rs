@@ -1,0 +1,122 @@
+//! Durations as users write them: integer or fractional seconds (`timeout: 3`, the seed configs'
+//! form) or a string with a unit (`250ms`, `2s`, `5m`, `1h`, `1.5s`).
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::de::{self, Deserializer, Visitor};
+use serde::{Deserialize, Serialize, Serializer};
+
+/// A config duration. Serialises back to milliseconds text so `check-config` prints what it read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub struct Dur(pub Duration);
+
+impl Dur {
+    pub const fn secs(s: u64) -> Self {
+        Dur(Duration::from_secs(s))
+    }
+    pub const fn millis(ms: u64) -> Self {
+        Dur(Duration::from_millis(ms))
+    }
+}
+
+/// Parses `"250ms"`, `"2s"`, `"5m"`, `"1h"`, `"1.5s"` or a bare number of seconds.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    if t.is_empty() {
+        return Err("empty duration".into());
+    }
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let value: f64 = num
+        .parse()
+        .map_err(|_| format!("invalid duration {text:?}: expected e.g. 250ms, 2s, 5m, 1h or 3"))?;
+    let scale = match unit.trim() {
+        "" | "s" | "sec" | "secs" => 1.0,
+        "ms" => 0.001,
+        "us" => 0.000_001,
+        "m" | "min" | "mins" => 60.0,
+        "h" => 3600.0,
+        "d" => 86_400.0,
+        other => {
+            return Err(format!(
+                "invalid duration unit {other:?} in {text:?}: use ms, s, m, h or d"
+            ));
+        }
+    };
+    secs_to_duration(value * scale).ok_or_else(|| format!("duration {text:?} out of range"))
+}
+
+fn secs_to_duration(secs: f64) -> Option<Duration> {
+    if secs.is_finite() && secs >= 0.0 && secs < 1e12 {
+        Some(Duration::from_secs_f64(secs))
+    } else {
+        None
+    }
+}
+
+impl<'de> Deserialize<'de> for Dur {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl Visitor<'_> for V {
+            type Value = Dur;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a duration: seconds as a number, or a string such as 250ms, 2s, 5m")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Dur, E> {
+                Ok(Dur(Duration::from_secs(v)))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Dur, E> {
+                u64::try_from(v)
+                    .map(|v| Dur(Duration::from_secs(v)))
+                    .map_err(|_| E::custom("a duration cannot be negative"))
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<Dur, E> {
+                secs_to_duration(v)
+                    .map(Dur)
+                    .ok_or_else(|| E::custom("duration out of range"))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Dur, E> {
+                parse_duration(v).map(Dur).map_err(E::custom)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl Serialize for Dur {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&format!("{}ms", self.0.as_millis()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_all_forms() {
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("2s").unwrap(), Duration::from_secs(2));
+        assert_eq!(parse_duration("5m").unwrap(), Duration::from_secs(300));
+        assert_eq!(parse_duration("1h").unwrap(), Duration::from_secs(3600));
+        assert_eq!(parse_duration("1.5s").unwrap(), Duration::from_millis(1500));
+        assert_eq!(parse_duration("3").unwrap(), Duration::from_secs(3));
+        assert!(parse_duration("3 fortnights").is_err());
+        assert!(parse_duration("").is_err());
+        assert!(parse_duration("-1s").is_err());
+    }
+
+    #[test]
+    fn deserialises_numbers_and_strings() {
+        let d: Dur = serde_yaml_ng::from_str("3").unwrap();
+        assert_eq!(d.0, Duration::from_secs(3));
+        let d: Dur = serde_yaml_ng::from_str("0.25").unwrap();
+        assert_eq!(d.0, Duration::from_millis(250));
+        let d: Dur = serde_yaml_ng::from_str("\"5m\"").unwrap();
+        assert_eq!(d.0, Duration::from_secs(300));
+        assert!(serde_yaml_ng::from_str::<Dur>("-3").is_err());
+    }
+}

@@ -1,0 +1,726 @@
+//! The routing table: YAML parsed strictly into `Raw*` structs (unknown keys are errors that name
+//! their path), then validated and resolved into the runtime [`Config`] that requests read from
+//! one frozen snapshot. Everything that can fail happens in [`Config::load`]; swapping the result
+//! in (see [`reload`]) cannot fail.
+
+pub mod duration;
+pub mod reload;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+pub use duration::Dur;
+
+/// The default config compiled into the binary, used when no file is given and none exists.
+pub const EMBEDDED_DEFAULT: &str = include_str!("../../config/config.yaml");
+
+/// Request bodies larger than this are refused with 413 unless `server.max_body_bytes` says
+/// otherwise: 8 MiB holds a long conversation with a few base64 images.
+const DEFAULT_MAX_BODY: usize = 8 * 1024 * 1024;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    #[serde(default)]
+    pub server: RawServer,
+    pub models: BTreeMap<String, RawEndpoint>,
+    #[serde(default)]
+    pub routing_policy: RawRoutingPolicy,
+    #[serde(default)]
+    pub routes: BTreeMap<String, Vec<String>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawServer {
+    pub listen: Option<String>,
+    pub max_body_bytes: Option<usize>,
+    /// Capacity of the audit queue in records; a full queue drops records (counted), never stalls.
+    pub audit_queue: Option<usize>,
+    /// How long SIGTERM waits for in-flight requests before closing.
+    pub shutdown_grace: Option<Dur>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EndpointKind {
+    Openai,
+    Vllm,
+    Ollama,
+}
+
+impl fmt::Display for EndpointKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            EndpointKind::Openai => "openai",
+            EndpointKind::Vllm => "vllm",
+            EndpointKind::Ollama => "ollama",
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Capability {
+    Chat,
+    Completions,
+    Embeddings,
+    Tools,
+    Vision,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawEndpoint {
+    #[serde(rename = "type")]
+    pub kind: EndpointKind,
+    pub base_url: Option<String>,
+    /// Ollama users write `host`; it means the same as `base_url`.
+    pub host: Option<String>,
+    pub api_key: Option<String>,
+    pub api_keys: Option<Vec<String>>,
+    pub model: Option<String>,
+    pub context_window: Option<u64>,
+    pub max_tokens: Option<u64>,
+    pub timeouts: Option<RawTimeouts>,
+    /// Shorthand for `timeouts.total` (the seed configs' `timeout: 3`).
+    pub timeout: Option<Dur>,
+    pub capabilities: Option<Vec<Capability>>,
+    /// Extra attempts on this same endpoint after a connect error, timeout or 5xx (default 0).
+    pub retries: Option<u32>,
+    pub retry_backoff: Option<Dur>,
+    /// Cooldown after a 429 that carries no `Retry-After`.
+    pub cooldown: Option<Dur>,
+    pub cost: Option<RawCost>,
+    /// Extra headers sent upstream (e.g. `OpenAI-Organization`). Values may use `env:`/`file:`.
+    pub headers: Option<BTreeMap<String, String>>,
+}
+
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTimeouts {
+    pub connect: Option<Dur>,
+    pub first_token: Option<Dur>,
+    pub total: Option<Dur>,
+}
+
+#[derive(Debug, Default, Clone, Copy, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawCost {
+    /// US dollars per million prompt tokens.
+    #[serde(default)]
+    pub input_per_mtok: f64,
+    /// US dollars per million completion tokens.
+    #[serde(default)]
+    pub output_per_mtok: f64,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRoutingPolicy {
+    #[serde(default)]
+    pub fallback_chain: Vec<String>,
+    pub success_threshold: Option<f64>,
+    pub cache_ttl: Option<Dur>,
+    pub max_wait: Option<Dur>,
+    /// Length of the rolling window the success rate is computed over.
+    pub window: Option<Dur>,
+    /// Outcomes needed in the window before the success rate can demote an endpoint.
+    pub min_samples: Option<u32>,
+    pub default_cooldown: Option<Dur>,
+}
+
+/// Where an API key comes from. Only the source is ever printed; the value lives in [`Secret`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KeySource {
+    Env(String),
+    File(String),
+    Literal,
+}
+
+impl KeySource {
+    fn parse(spec: &str) -> KeySource {
+        if let Some(name) = spec.strip_prefix("env:") {
+            KeySource::Env(name.trim().to_string())
+        } else if let Some(path) = spec.strip_prefix("file:") {
+            KeySource::File(path.trim().to_string())
+        } else {
+            KeySource::Literal
+        }
+    }
+
+    fn resolve(&self, spec: &str) -> Result<Secret, String> {
+        match self {
+            KeySource::Env(name) => match std::env::var(name) {
+                Ok(v) if !v.trim().is_empty() => Ok(Secret(v.trim().to_string())),
+                _ => Err(format!("environment variable {name} is not set")),
+            },
+            KeySource::File(path) => match std::fs::read_to_string(path) {
+                Ok(v) if !v.trim().is_empty() => Ok(Secret(v.trim().to_string())),
+                Ok(_) => Err(format!("key file {path} is empty")),
+                Err(e) => Err(format!("key file {path} cannot be read: {e}")),
+            },
+            KeySource::Literal => Ok(Secret(spec.to_string())),
+        }
+    }
+}
+
+impl fmt::Display for KeySource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeySource::Env(n) => write!(f, "env:{n}"),
+            KeySource::File(p) => write!(f, "file:{p}"),
+            KeySource::Literal => f.write_str("literal (inline in the config)"),
+        }
+    }
+}
+
+/// A secret value. `Debug` and `Display` never show it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct ApiKey {
+    pub source: KeySource,
+    /// `None` when the source could not be resolved; the reason is in `problem`.
+    pub value: Option<Secret>,
+    pub problem: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Timeouts {
+    pub connect: Duration,
+    pub first_token: Duration,
+    pub total: Duration,
+}
+
+/// One upstream endpoint, resolved.
+#[derive(Debug)]
+pub struct Endpoint {
+    pub name: String,
+    pub kind: EndpointKind,
+    /// Root of the API without a trailing slash: `…/v1` for OpenAI-type servers, the bare host
+    /// for Ollama.
+    pub base_url: String,
+    pub upstream_model: String,
+    pub keys: Vec<ApiKey>,
+    pub context_window: Option<u64>,
+    pub max_tokens: Option<u64>,
+    pub timeouts: Timeouts,
+    pub capabilities: BTreeSet<Capability>,
+    pub retries: u32,
+    pub retry_backoff: Duration,
+    pub cooldown: Option<Duration>,
+    pub cost: RawCost,
+    pub headers: Vec<(String, String)>,
+    /// Changes whenever what this endpoint *is* changes (URL, model, type, keys). A retirement is
+    /// stored with the fingerprint it was made under and lifted when the config changes it.
+    pub fingerprint: String,
+    /// The HTTP client for this endpoint (its own connect timeout).
+    pub client: reqwest::Client,
+}
+
+impl Endpoint {
+    pub fn usable_keys(&self) -> usize {
+        self.keys.iter().filter(|k| k.value.is_some()).count()
+    }
+    pub fn needs_key(&self) -> bool {
+        !self.keys.is_empty()
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Policy {
+    pub success_threshold: f64,
+    pub cache_ttl: Duration,
+    pub max_wait: Duration,
+    pub window: Duration,
+    pub min_samples: u32,
+    pub default_cooldown: Duration,
+}
+
+/// The runtime routing table. Requests hold an `Arc<Config>` for their whole life.
+#[derive(Debug)]
+pub struct Config {
+    pub listen: String,
+    pub max_body_bytes: usize,
+    pub audit_queue: usize,
+    pub shutdown_grace: Duration,
+    pub endpoints: BTreeMap<String, Arc<Endpoint>>,
+    pub fallback_chain: Vec<String>,
+    pub routes: BTreeMap<String, Vec<String>>,
+    pub policy: Policy,
+    /// Problems that do not stop the gateway (an unset `env:` key) — reported at start.
+    pub warnings: Vec<String>,
+}
+
+/// A config error that says where it is.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+impl Config {
+    /// Reads and loads a config file.
+    pub fn load_file(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError(format!("cannot read {}: {e}", path.display())))?;
+        Config::load(&text).map_err(|e| ConfigError(format!("{}: {}", path.display(), e.0)))
+    }
+
+    /// Parses, validates and resolves a config text.
+    pub fn load(text: &str) -> Result<Config, ConfigError> {
+        let raw = parse(text)?;
+        build(raw)
+    }
+
+    /// The chain a requested model name resolves to, or `None` (404 `model_not_found`).
+    pub fn chain_for(&self, requested: &str) -> Option<Vec<String>> {
+        if let Some(route) = self.routes.get(requested) {
+            return Some(route.clone());
+        }
+        if self.endpoints.contains_key(requested) {
+            // Start at the named endpoint, then continue along the fallback chain.
+            let mut chain = vec![requested.to_string()];
+            let start = self
+                .fallback_chain
+                .iter()
+                .position(|n| n == requested)
+                .map(|i| i + 1)
+                .unwrap_or(0);
+            for name in self.fallback_chain[start..]
+                .iter()
+                .chain(self.fallback_chain[..start].iter())
+            {
+                if !chain.contains(name) {
+                    chain.push(name.clone());
+                }
+            }
+            return Some(chain);
+        }
+        None
+    }
+}
+
+pub fn parse(text: &str) -> Result<RawConfig, ConfigError> {
+    let de = serde_yaml_ng::Deserializer::from_str(text);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path == "." || path.is_empty() {
+            ConfigError(format!("{inner}"))
+        } else {
+            ConfigError(format!("at `{path}`: {inner}"))
+        }
+    })
+}
+
+fn default_timeouts(kind: EndpointKind) -> Timeouts {
+    // Local servers load models lazily: their first token can take far longer than a cloud's.
+    match kind {
+        EndpointKind::Openai => Timeouts {
+            connect: Duration::from_secs(2),
+            first_token: Duration::from_secs(10),
+            total: Duration::from_secs(120),
+        },
+        EndpointKind::Vllm | EndpointKind::Ollama => Timeouts {
+            connect: Duration::from_secs(2),
+            first_token: Duration::from_secs(30),
+            total: Duration::from_secs(300),
+        },
+    }
+}
+
+fn default_capabilities(kind: EndpointKind) -> BTreeSet<Capability> {
+    use Capability::*;
+    match kind {
+        EndpointKind::Openai => [Chat, Completions, Embeddings, Tools, Vision].into(),
+        // Vision depends on the model a local server runs: opt in with `capabilities:`.
+        EndpointKind::Vllm | EndpointKind::Ollama => [Chat, Completions, Embeddings, Tools].into(),
+    }
+}
+
+fn build(raw: RawConfig) -> Result<Config, ConfigError> {
+    let mut warnings = Vec::new();
+    if raw.models.is_empty() {
+        return Err(ConfigError("at `models`: at least one endpoint is required".into()));
+    }
+    let mut endpoints = BTreeMap::new();
+    for (name, ep) in raw.models {
+        let at = format!("models.{name}");
+        let base = match (ep.base_url, ep.host) {
+            (Some(_), Some(_)) => {
+                return Err(ConfigError(format!(
+                    "at `{at}`: give either `base_url` or `host` (its alias), not both"
+                )));
+            }
+            (Some(u), None) | (None, Some(u)) => u,
+            (None, None) => match ep.kind {
+                EndpointKind::Ollama => "http://127.0.0.1:11434".to_string(),
+                EndpointKind::Vllm => "http://127.0.0.1:8000/v1".to_string(),
+                EndpointKind::Openai => "https://api.openai.com/v1".to_string(),
+            },
+        };
+        let base_url = base.trim_end_matches('/').to_string();
+        let parsed = reqwest::Url::parse(&base_url)
+            .map_err(|e| ConfigError(format!("at `{at}.base_url`: invalid URL {base_url:?}: {e}")))?;
+        if !matches!(parsed.scheme(), "http" | "https") {
+            return Err(ConfigError(format!(
+                "at `{at}.base_url`: scheme must be http or https"
+            )));
+        }
+        let specs: Vec<String> = match (ep.api_key, ep.api_keys) {
+            (Some(_), Some(_)) => {
+                return Err(ConfigError(format!(
+                    "at `{at}`: give either `api_key` or `api_keys`, not both"
+                )));
+            }
+            (Some(k), None) => vec![k],
+            (None, Some(ks)) => ks,
+            (None, None) => vec![],
+        };
+        let mut keys = Vec::new();
+        for (i, spec) in specs.iter().enumerate() {
+            let source = KeySource::parse(spec);
+            match source.resolve(spec) {
+                Ok(v) => keys.push(ApiKey {
+                    source,
+                    value: Some(v),
+                    problem: None,
+                }),
+                Err(problem) => {
+                    warnings.push(format!("{at}: api key #{} ({source}): {problem}", i + 1));
+                    keys.push(ApiKey {
+                        source,
+                        value: None,
+                        problem: Some(problem),
+                    });
+                }
+            }
+        }
+        let mut timeouts = default_timeouts(ep.kind);
+        if let Some(t) = ep.timeout {
+            timeouts.total = t.0;
+        }
+        if let Some(t) = ep.timeouts {
+            if let Some(v) = t.connect {
+                timeouts.connect = v.0;
+            }
+            if let Some(v) = t.first_token {
+                timeouts.first_token = v.0;
+            }
+            if let Some(v) = t.total {
+                timeouts.total = v.0;
+            }
+        }
+        for (what, d) in [
+            ("connect", timeouts.connect),
+            ("first_token", timeouts.first_token),
+            ("total", timeouts.total),
+        ] {
+            if d.is_zero() {
+                return Err(ConfigError(format!(
+                    "at `{at}.timeouts.{what}`: must be greater than zero"
+                )));
+            }
+        }
+        if let Some(0) = ep.context_window {
+            return Err(ConfigError(format!(
+                "at `{at}.context_window`: must be greater than zero"
+            )));
+        }
+        let mut headers = Vec::new();
+        for (k, v) in ep.headers.unwrap_or_default() {
+            if reqwest::header::HeaderName::from_bytes(k.as_bytes()).is_err() {
+                return Err(ConfigError(format!("at `{at}.headers`: invalid header name {k:?}")));
+            }
+            let source = KeySource::parse(&v);
+            let value = match source {
+                KeySource::Literal => v.clone(),
+                _ => match source.resolve(&v) {
+                    Ok(s) => s.expose().to_string(),
+                    Err(problem) => {
+                        warnings.push(format!("{at}.headers.{k}: {problem}"));
+                        continue;
+                    }
+                },
+            };
+            headers.push((k, value));
+        }
+        let upstream_model = ep.model.unwrap_or_else(|| name.clone());
+        let fingerprint = format!(
+            "{}|{}|{}|{}",
+            ep.kind,
+            base_url,
+            upstream_model,
+            keys.iter()
+                .map(|k| k.source.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+        let client = reqwest::Client::builder()
+            .connect_timeout(timeouts.connect)
+            .pool_idle_timeout(Duration::from_secs(60))
+            .tcp_nodelay(true)
+            .build()
+            .map_err(|e| ConfigError(format!("at `{at}`: cannot build HTTP client: {e}")))?;
+        endpoints.insert(
+            name.clone(),
+            Arc::new(Endpoint {
+                name: name.clone(),
+                kind: ep.kind,
+                base_url,
+                upstream_model,
+                keys,
+                context_window: ep.context_window,
+                max_tokens: ep.max_tokens,
+                timeouts,
+                capabilities: ep
+                    .capabilities
+                    .map(|c| c.into_iter().collect())
+                    .unwrap_or_else(|| default_capabilities(ep.kind)),
+                retries: ep.retries.unwrap_or(0),
+                retry_backoff: ep.retry_backoff.map(|d| d.0).unwrap_or(Duration::from_millis(100)),
+                cooldown: ep.cooldown.map(|d| d.0),
+                cost: ep.cost.unwrap_or_default(),
+                headers,
+                fingerprint,
+                client,
+            }),
+        );
+    }
+
+    let p = raw.routing_policy;
+    let mut fallback_chain = p.fallback_chain;
+    if fallback_chain.is_empty() {
+        // No chain given: every endpoint, in name order, so the gateway still fails over.
+        fallback_chain = endpoints.keys().cloned().collect();
+    }
+    check_chain("routing_policy.fallback_chain", &fallback_chain, &endpoints)?;
+    for (route, chain) in &raw.routes {
+        if endpoints.contains_key(route) {
+            return Err(ConfigError(format!(
+                "at `routes.{route}`: the route name is also an endpoint name; a request for it would be ambiguous"
+            )));
+        }
+        if chain.is_empty() {
+            return Err(ConfigError(format!("at `routes.{route}`: the chain is empty")));
+        }
+        check_chain(&format!("routes.{route}"), chain, &endpoints)?;
+    }
+    let success_threshold = p.success_threshold.unwrap_or(0.85);
+    if !(0.0..=1.0).contains(&success_threshold) {
+        return Err(ConfigError(
+            "at `routing_policy.success_threshold`: must be between 0 and 1".into(),
+        ));
+    }
+    let policy = Policy {
+        success_threshold,
+        cache_ttl: p.cache_ttl.map(|d| d.0).unwrap_or(Duration::from_secs(300)),
+        max_wait: p.max_wait.map(|d| d.0).unwrap_or(Duration::ZERO),
+        window: p.window.map(|d| d.0).unwrap_or(Duration::from_secs(300)),
+        min_samples: p.min_samples.unwrap_or(10),
+        default_cooldown: p.default_cooldown.map(|d| d.0).unwrap_or(Duration::from_secs(30)),
+    };
+    if policy.window.is_zero() {
+        return Err(ConfigError("at `routing_policy.window`: must be greater than zero".into()));
+    }
+    let listen = raw
+        .server
+        .listen
+        .unwrap_or_else(|| "127.0.0.1:8000".to_string());
+    Ok(Config {
+        listen,
+        max_body_bytes: raw.server.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY),
+        audit_queue: raw.server.audit_queue.unwrap_or(10_000).max(1),
+        shutdown_grace: raw
+            .server
+            .shutdown_grace
+            .map(|d| d.0)
+            .unwrap_or(Duration::from_secs(30)),
+        endpoints,
+        fallback_chain,
+        routes: raw.routes,
+        policy,
+        warnings,
+    })
+}
+
+fn check_chain(
+    at: &str,
+    chain: &[String],
+    endpoints: &BTreeMap<String, Arc<Endpoint>>,
+) -> Result<(), ConfigError> {
+    let mut seen = BTreeSet::new();
+    for (i, name) in chain.iter().enumerate() {
+        if !endpoints.contains_key(name) {
+            return Err(ConfigError(format!(
+                "at `{at}[{i}]`: unknown endpoint {name:?} (defined under `models`: {})",
+                endpoints.keys().cloned().collect::<Vec<_>>().join(", ")
+            )));
+        }
+        if !seen.insert(name) {
+            return Err(ConfigError(format!("at `{at}[{i}]`: {name:?} is listed twice")));
+        }
+    }
+    Ok(())
+}
+
+/// A printable summary for `check-config`: chains, endpoints and key *sources*, never values.
+pub fn describe(cfg: &Config) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let _ = writeln!(out, "listen: {}", cfg.listen);
+    let _ = writeln!(out, "fallback_chain: {}", cfg.fallback_chain.join(" -> "));
+    for (name, chain) in &cfg.routes {
+        let _ = writeln!(out, "route {name}: {}", chain.join(" -> "));
+    }
+    let _ = writeln!(
+        out,
+        "policy: success_threshold={} window={:?} min_samples={} max_wait={:?} cache_ttl={:?} default_cooldown={:?}",
+        cfg.policy.success_threshold,
+        cfg.policy.window,
+        cfg.policy.min_samples,
+        cfg.policy.max_wait,
+        cfg.policy.cache_ttl,
+        cfg.policy.default_cooldown
+    );
+    let _ = writeln!(out, "endpoints:");
+    for ep in cfg.endpoints.values() {
+        let caps: Vec<String> = ep
+            .capabilities
+            .iter()
+            .map(|c| format!("{c:?}").to_lowercase())
+            .collect();
+        let _ = writeln!(
+            out,
+            "  {}: type={} url={} model={} context_window={} timeouts(connect={:?}, first_token={:?}, total={:?}) retries={} capabilities=[{}]",
+            ep.name,
+            ep.kind,
+            ep.base_url,
+            ep.upstream_model,
+            ep.context_window
+                .map(|c| c.to_string())
+                .unwrap_or_else(|| "unknown".into()),
+            ep.timeouts.connect,
+            ep.timeouts.first_token,
+            ep.timeouts.total,
+            ep.retries,
+            caps.join(",")
+        );
+        if ep.keys.is_empty() {
+            let _ = writeln!(out, "    keys: none");
+        }
+        for (i, k) in ep.keys.iter().enumerate() {
+            let state = match &k.problem {
+                None => "ok".to_string(),
+                Some(p) => format!("UNRESOLVED: {p}"),
+            };
+            let _ = writeln!(out, "    key #{}: {} ({state})", i + 1, k.source);
+        }
+    }
+    for w in &cfg.warnings {
+        let _ = writeln!(out, "warning: {w}");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SEED: &str = r#"
+server: { listen: 127.0.0.1:8000 }
+models:
+  gpt-4o-mini:
+    type: openai
+    base_url: https://api.openai.com/v1
+    api_key: env:AUTOHEDGE_TEST_SURELY_UNSET
+    model: gpt-4o-mini
+    context_window: 128000
+    max_tokens: 16384
+    timeouts: { connect: 2s, first_token: 10s, total: 120s }
+  qwen2.5-7b:
+    type: ollama
+    host: http://127.0.0.1:11434
+    model: qwen2.5:7b
+    timeout: 3
+routing_policy:
+  fallback_chain: [gpt-4o-mini, qwen2.5-7b]
+  success_threshold: 0.85
+  cache_ttl: 300
+routes:
+  chat: [gpt-4o-mini, qwen2.5-7b]
+"#;
+
+    #[test]
+    fn loads_the_contract_shape() {
+        let cfg = Config::load(SEED).unwrap();
+        assert_eq!(cfg.fallback_chain, vec!["gpt-4o-mini", "qwen2.5-7b"]);
+        let q = &cfg.endpoints["qwen2.5-7b"];
+        assert_eq!(q.base_url, "http://127.0.0.1:11434");
+        assert_eq!(q.timeouts.total, Duration::from_secs(3));
+        assert_eq!(cfg.policy.cache_ttl, Duration::from_secs(300));
+        assert_eq!(cfg.chain_for("chat").unwrap(), vec!["gpt-4o-mini", "qwen2.5-7b"]);
+        assert_eq!(
+            cfg.chain_for("qwen2.5-7b").unwrap(),
+            vec!["qwen2.5-7b", "gpt-4o-mini"]
+        );
+        assert!(cfg.chain_for("nope").is_none());
+        assert!(
+            cfg.warnings
+                .iter()
+                .any(|w| w.contains("AUTOHEDGE_TEST_SURELY_UNSET"))
+        );
+    }
+
+    #[test]
+    fn unknown_key_names_its_path() {
+        let bad = SEED.replace("model: qwen2.5:7b", "model: qwen2.5:7b\n    bogus_key: 1");
+        let err = Config::load(&bad).unwrap_err().0;
+        assert!(err.contains("bogus_key"), "{err}");
+        assert!(err.contains("models.qwen2.5-7b"), "{err}");
+    }
+
+    #[test]
+    fn unknown_endpoint_in_chain_is_an_error() {
+        let bad = SEED.replace("chat: [gpt-4o-mini, qwen2.5-7b]", "chat: [gpt-4o-mini, nope]");
+        let err = Config::load(&bad).unwrap_err().0;
+        assert!(err.contains("routes.chat[1]") && err.contains("nope"), "{err}");
+    }
+
+    #[test]
+    fn embedded_default_loads() {
+        let cfg = Config::load(EMBEDDED_DEFAULT).unwrap();
+        assert!(!cfg.fallback_chain.is_empty());
+    }
+
+    #[test]
+    fn describe_never_prints_key_values() {
+        let text = SEED.replace(
+            "api_key: env:AUTOHEDGE_TEST_SURELY_UNSET",
+            "api_keys: [sk-literal-secret-123, file:/nonexistent/key]",
+        );
+        let cfg = Config::load(&text).unwrap();
+        let out = describe(&cfg);
+        assert!(!out.contains("sk-literal-secret-123"), "{out}");
+        assert!(out.contains("literal"), "{out}");
+        assert!(out.contains("file:/nonexistent/key"), "{out}");
+    }
+}

@@ -1,0 +1,170 @@
+//! The gateway's own errors and the one place they become HTTP responses, always in OpenAI's
+//! `{"error": {"message", "type", "param", "code"}}` shape so SDKs raise their matching exception.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Serialize;
+use serde_json::{Value, json};
+
+/// One attempt (or skip) as reported to clients in a 503 and stored in the audit trail.
+#[derive(Clone, Debug, Serialize)]
+pub struct AttemptReport {
+    pub endpoint: String,
+    /// Upstream HTTP status, if one was received.
+    pub status: Option<u16>,
+    /// Error class (`connect_error`, `timeout`, `server_error`, `rate_limited`, …) or `ok`.
+    pub class: String,
+    pub latency_ms: f64,
+    /// Redacted detail; never contains a key.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+#[derive(Debug)]
+pub enum ApiError {
+    /// 400: the request is malformed or misses a required field.
+    InvalidRequest {
+        message: String,
+        param: Option<&'static str>,
+        code: Option<&'static str>,
+    },
+    /// 404: the model names no route or endpoint.
+    ModelNotFound(String),
+    /// 404: no such path.
+    NotFound(String),
+    /// 405
+    MethodNotAllowed,
+    /// 413: the body is over `server.max_body_bytes`.
+    PayloadTooLarge(usize),
+    /// 415: the body is not JSON.
+    UnsupportedMediaType(String),
+    /// 503: every candidate failed or was unusable.
+    AllFailed {
+        message: String,
+        attempts: Vec<AttemptReport>,
+    },
+    /// 403: an admin call from a non-loopback peer.
+    Forbidden(String),
+    /// 500: a bug; the message is safe to show.
+    Internal(String),
+}
+
+impl ApiError {
+    pub fn invalid(message: impl Into<String>) -> Self {
+        ApiError::InvalidRequest {
+            message: message.into(),
+            param: None,
+            code: None,
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
+            ApiError::ModelNotFound(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ApiError::AllFailed { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The error class recorded in the audit trail.
+    pub fn class(&self) -> &'static str {
+        match self {
+            ApiError::InvalidRequest { .. } => "invalid_request",
+            ApiError::ModelNotFound(_) => "model_not_found",
+            ApiError::NotFound(_) => "not_found",
+            ApiError::MethodNotAllowed => "method_not_allowed",
+            ApiError::PayloadTooLarge(_) => "payload_too_large",
+            ApiError::UnsupportedMediaType(_) => "unsupported_media_type",
+            ApiError::AllFailed { .. } => "all_failed",
+            ApiError::Forbidden(_) => "forbidden",
+            ApiError::Internal(_) => "internal",
+        }
+    }
+
+    pub fn body(&self) -> Value {
+        let (message, kind, param, code): (String, &str, Option<&str>, Option<&str>) = match self {
+            ApiError::InvalidRequest {
+                message,
+                param,
+                code,
+            } => (message.clone(), "invalid_request_error", *param, *code),
+            ApiError::ModelNotFound(m) => (
+                format!(
+                    "The model `{m}` does not exist: it names no route or endpoint of this gateway (GET /v1/models lists them)."
+                ),
+                "invalid_request_error",
+                Some("model"),
+                Some("model_not_found"),
+            ),
+            ApiError::NotFound(path) => (
+                format!("Unknown request URL: {path}. Supported: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models."),
+                "invalid_request_error",
+                None,
+                Some("unknown_url"),
+            ),
+            ApiError::MethodNotAllowed => (
+                "Method not allowed for this URL.".into(),
+                "invalid_request_error",
+                None,
+                Some("method_not_allowed"),
+            ),
+            ApiError::PayloadTooLarge(limit) => (
+                format!("Request body is larger than the gateway's limit of {limit} bytes (server.max_body_bytes)."),
+                "invalid_request_error",
+                None,
+                Some("payload_too_large"),
+            ),
+            ApiError::UnsupportedMediaType(ct) => (
+                format!("Content-Type must be application/json, got {ct:?}."),
+                "invalid_request_error",
+                None,
+                Some("unsupported_media_type"),
+            ),
+            ApiError::AllFailed { message, .. } => {
+                (message.clone(), "upstream_error", None, Some("all_upstreams_failed"))
+            }
+            ApiError::Forbidden(m) => (m.clone(), "permission_error", None, Some("forbidden")),
+            ApiError::Internal(m) => (m.clone(), "server_error", None, Some("internal_error")),
+        };
+        let mut err = json!({
+            "message": message,
+            "type": kind,
+            "param": param,
+            "code": code,
+        });
+        if let ApiError::AllFailed { attempts, .. } = self {
+            err["attempts"] = serde_json::to_value(attempts).unwrap_or(Value::Null);
+        }
+        json!({ "error": err })
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = self.body().to_string();
+        let mut resp = (self.status(), body).into_response();
+        resp.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        resp
+    }
+}
+
+/// An OpenAI-style SSE error event, sent when a stream fails after bytes reached the client.
+pub fn stream_error_event(message: &str, code: &str) -> String {
+    let body = json!({
+        "error": {
+            "message": message,
+            "type": "upstream_error",
+            "param": null,
+            "code": code,
+        }
+    });
+    format!("data: {body}\n\n")
+}

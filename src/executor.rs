@@ -1,0 +1,1070 @@
+//! The failover executor: a plain loop over the ranked candidates, each attempt under its own
+//! timeouts, each outcome mapped to one action (fail over, cool down, retire, rotate key, or give
+//! the client its own error back). Every attempt is recorded.
+//!
+//! Streams are committed only when an upstream has produced its first content chunk: until then
+//! nothing reaches the client, so any failure — connection, status, in-band error event, no first
+//! chunk within `first_token` — fails over invisibly. After the commit, bytes pass straight
+//! through; a failure then ends the stream with an OpenAI-style error event.
+
+use std::collections::{HashSet, VecDeque};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use axum::body::Body;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use futures_util::{Stream, StreamExt};
+use serde_json::Value;
+use tokio::time::{Instant, timeout_at};
+
+use crate::config::{Config, Endpoint};
+use crate::error::{ApiError, AttemptReport, stream_error_event};
+use crate::registry::Effect;
+use crate::router::{self, View};
+use crate::state::AppState;
+use crate::store::{AttemptRow, Record, RequestRow};
+use crate::upstream::{self, classify::Class, classify};
+use crate::wire::sse::SseParser;
+use crate::wire::{self, ChunkKind, Inbound, Op, Usage};
+
+/// Longest upstream error body we read before classifying it.
+const MAX_ERROR_BODY: usize = 64 * 1024;
+
+type ByteStream = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
+
+/// A failed attempt, with what the executor needs to act on it.
+struct Failure {
+    class: Class,
+    status: Option<u16>,
+    detail: String,
+    retry_after: Option<Duration>,
+    /// For client errors, the upstream's own response, returned unchanged.
+    passthrough: Option<(StatusCode, HeaderMap, Bytes)>,
+}
+
+impl Failure {
+    fn new(class: Class, status: Option<u16>, detail: impl Into<String>) -> Self {
+        Failure {
+            class,
+            status,
+            detail: detail.into(),
+            retry_after: None,
+            passthrough: None,
+        }
+    }
+}
+
+enum Success {
+    Full {
+        status: StatusCode,
+        content_type: Option<HeaderValue>,
+        body: Bytes,
+        usage: Option<Usage>,
+    },
+    Stream {
+        prelude: Vec<Bytes>,
+        rest: ByteStream,
+        parser: SseParser,
+        done_seen: bool,
+        ttft: Duration,
+        usage: Option<Usage>,
+        out_chars: usize,
+    },
+}
+
+/// One request's journey.
+struct Run {
+    app: Arc<AppState>,
+    cfg: Arc<Config>,
+    req: Inbound,
+    request_id: String,
+    started: Instant,
+    started_wall: SystemTime,
+    attempts: Vec<AttemptReport>,
+    /// Upstream calls made (skips excluded): the `x-autohedge-attempts` header.
+    calls: u32,
+    /// The response of the latest context-length refusal, returned if nothing larger exists.
+    last_context: Option<(StatusCode, HeaderMap, Bytes)>,
+    /// Generated characters of the served full response, for estimating usage.
+    estimated_out_chars: usize,
+}
+
+/// Serves one validated request and returns the response. Always writes exactly one audit row.
+pub async fn execute(
+    app: Arc<AppState>,
+    cfg: Arc<Config>,
+    req: Inbound,
+    chain: Vec<String>,
+    request_id: String,
+) -> Response {
+    let mut run = Run {
+        app,
+        cfg,
+        req,
+        request_id,
+        started: Instant::now(),
+        started_wall: SystemTime::now(),
+        attempts: Vec::new(),
+        calls: 0,
+        last_context: None,
+        estimated_out_chars: 0,
+    };
+    run.go(chain).await
+}
+
+enum EndpointOutcome {
+    Served(Box<Success>),
+    /// The client's own error, to return unchanged.
+    ClientError(StatusCode, HeaderMap, Bytes),
+    /// Failed; go on. `context` is set when the endpoint refused the prompt as too long.
+    Failed { context: bool },
+}
+
+impl Run {
+    async fn go(&mut self, chain: Vec<String>) -> Response {
+        let policy = self.cfg.policy.clone();
+        let wait_until = self.started + policy.max_wait;
+        let mut tried: HashSet<String> = HashSet::new();
+        let mut reported_skip: HashSet<String> = HashSet::new();
+        // After a context-length refusal, only endpoints with a larger window may be tried.
+        let mut context_floor: Option<Option<u64>> = None;
+        let mut last_context_error: Option<(StatusCode, HeaderMap, Bytes)> = None;
+        loop {
+            let remaining: Vec<String> = chain
+                .iter()
+                .filter(|n| !tried.contains(*n))
+                .cloned()
+                .collect();
+            let plan = router::rank(
+                &remaining,
+                &self.views(&remaining),
+                &self.req.needs,
+                policy.success_threshold,
+            );
+            for (name, skip) in &plan.skipped {
+                if reported_skip.insert(name.clone()) {
+                    self.attempts.push(AttemptReport {
+                        endpoint: name.clone(),
+                        status: None,
+                        class: skip.class().to_string(),
+                        latency_ms: 0.0,
+                        error: Some(skip.detail()),
+                    });
+                }
+            }
+            if plan.order.is_empty() {
+                // Everything left is cooling down: wait for the first to come back, within
+                // `max_wait`, instead of failing at once.
+                if let Some(d) = plan.soonest_cooldown() {
+                    if Instant::now() + d <= wait_until {
+                        tokio::time::sleep(d).await;
+                        // The wait is reported again if the endpoint is still unusable.
+                        reported_skip.clear();
+                        continue;
+                    }
+                }
+                break;
+            }
+            for name in plan.order {
+                tried.insert(name.clone());
+                let Some(ep) = self.cfg.endpoints.get(&name).cloned() else {
+                    continue;
+                };
+                if let Some(floor) = context_floor {
+                    let larger = match (ep.context_window, floor) {
+                        (Some(w), Some(f)) => w > f,
+                        (Some(_), None) => true,
+                        (None, _) => false,
+                    };
+                    if !larger {
+                        self.attempts.push(AttemptReport {
+                            endpoint: name.clone(),
+                            status: None,
+                            class: "context_skip".into(),
+                            latency_ms: 0.0,
+                            error: Some(format!(
+                                "context window {} is not larger than the {} that refused the prompt",
+                                fmt_window(ep.context_window),
+                                fmt_window(floor)
+                            )),
+                        });
+                        continue;
+                    }
+                }
+                match self.try_endpoint(&ep).await {
+                    EndpointOutcome::Served(s) => return self.respond(ep, *s),
+                    EndpointOutcome::ClientError(status, headers, body) => {
+                        return self.respond_passthrough(&ep.name, status, headers, body);
+                    }
+                    EndpointOutcome::Failed { context } => {
+                        if context {
+                            context_floor = Some(ep.context_window);
+                        }
+                    }
+                }
+                // A context refusal remembers its response: if nothing larger exists, the
+                // client gets that 400 rather than a 503.
+                if let Some(last) = self.last_context.take() {
+                    last_context_error = Some(last);
+                }
+            }
+        }
+        if let Some((status, headers, body)) = last_context_error {
+            if !self.attempts.iter().any(|a| {
+                !matches!(a.class.as_str(), "context_length" | "context_skip")
+                    && !a.class.starts_with("skipped_")
+            }) {
+                let ep = self
+                    .attempts
+                    .iter()
+                    .rev()
+                    .find(|a| a.class == "context_length")
+                    .map(|a| a.endpoint.clone())
+                    .unwrap_or_default();
+                return self.respond_passthrough(&ep, status, headers, body);
+            }
+        }
+        self.all_failed()
+    }
+
+    fn views(&self, names: &[String]) -> Vec<View> {
+        let now = Instant::now();
+        names
+            .iter()
+            .filter_map(|n| {
+                let ep = self.cfg.endpoints.get(n)?;
+                let (avail, rate, dead) = self.app.registry.with(n, |rt| {
+                    let usable = ep.keys.is_empty()
+                        || (0..ep.keys.len()).any(|i| ep.keys[i].value.is_some());
+                    (
+                        rt.avail(now),
+                        rt.counts(now).rate(self.cfg.policy.min_samples),
+                        !usable,
+                    )
+                })?;
+                Some(View {
+                    name: n.clone(),
+                    avail,
+                    success_rate: rate,
+                    capabilities: ep.capabilities.clone(),
+                    no_usable_key: dead,
+                })
+            })
+            .collect()
+    }
+
+    async fn try_endpoint(&mut self, ep: &Arc<Endpoint>) -> EndpointOutcome {
+        let mut retries_left = ep.retries;
+        let mut backoff = ep.retry_backoff;
+        loop {
+            let key_idx = match self.app.registry.pick_key(ep) {
+                Ok(k) => k,
+                Err(()) => {
+                    self.attempts.push(AttemptReport {
+                        endpoint: ep.name.clone(),
+                        status: None,
+                        class: "skipped_auth_failed".into(),
+                        latency_ms: 0.0,
+                        error: Some("no usable API key".into()),
+                    });
+                    return EndpointOutcome::Failed { context: false };
+                }
+            };
+            let key = key_idx.and_then(|i| ep.keys[i].value.as_ref());
+            let t0 = Instant::now();
+            self.calls += 1;
+            let result = if self.req.stream {
+                self.call_stream(ep, key).await
+            } else {
+                self.call_full(ep, key).await
+            };
+            let latency = t0.elapsed();
+            let latency_ms = latency.as_secs_f64() * 1000.0;
+            match result {
+                Ok(success) => {
+                    let status = match &success {
+                        Success::Full { status, .. } => status.as_u16(),
+                        Success::Stream { .. } => 200,
+                    };
+                    self.attempts.push(AttemptReport {
+                        endpoint: ep.name.clone(),
+                        status: Some(status),
+                        class: "ok".into(),
+                        latency_ms,
+                        error: None,
+                    });
+                    if !self.req.stream {
+                        // Streams report their outcome when they end (see `StreamGuard`).
+                        self.app.registry.apply(
+                            ep,
+                            &self.cfg.policy,
+                            Effect::Success { latency_ms },
+                        );
+                    }
+                    return EndpointOutcome::Served(Box::new(success));
+                }
+                Err(f) => {
+                    let secrets: Vec<&str> = ep
+                        .keys
+                        .iter()
+                        .filter_map(|k| k.value.as_ref().map(|s| s.expose()))
+                        .collect();
+                    let detail = classify::redact(&f.detail, &secrets);
+                    tracing::info!(
+                        request_id = %self.request_id,
+                        endpoint = %ep.name,
+                        class = f.class.as_str(),
+                        status = ?f.status,
+                        latency_ms,
+                        error = %detail,
+                        "attempt failed"
+                    );
+                    self.attempts.push(AttemptReport {
+                        endpoint: ep.name.clone(),
+                        status: f.status,
+                        class: f.class.as_str().into(),
+                        latency_ms,
+                        error: Some(detail.clone()),
+                    });
+                    match f.class {
+                        Class::Client => {
+                            let (s, h, b) = f.passthrough.unwrap_or_else(|| {
+                                (StatusCode::BAD_REQUEST, HeaderMap::new(), Bytes::new())
+                            });
+                            return EndpointOutcome::ClientError(s, h, b);
+                        }
+                        Class::ContextLength => {
+                            self.last_context = f.passthrough;
+                            return EndpointOutcome::Failed { context: true };
+                        }
+                        Class::RateLimited => {
+                            let for_ = f
+                                .retry_after
+                                .or(ep.cooldown)
+                                .unwrap_or(self.cfg.policy.default_cooldown);
+                            self.app.registry.apply(
+                                ep,
+                                &self.cfg.policy,
+                                Effect::Cooldown { for_, detail },
+                            );
+                            return EndpointOutcome::Failed { context: false };
+                        }
+                        Class::Gone => {
+                            self.app
+                                .registry
+                                .apply(ep, &self.cfg.policy, Effect::Retire { detail });
+                            return EndpointOutcome::Failed { context: false };
+                        }
+                        Class::Auth => {
+                            let more = match key_idx {
+                                Some(key) => self.app.registry.apply(
+                                    ep,
+                                    &self.cfg.policy,
+                                    Effect::KeyRejected { key, detail },
+                                ),
+                                None => {
+                                    self.app.registry.apply(
+                                        ep,
+                                        &self.cfg.policy,
+                                        Effect::Failure {
+                                            class: f.class.as_str(),
+                                            detail,
+                                        },
+                                    );
+                                    false
+                                }
+                            };
+                            if more {
+                                continue;
+                            }
+                            return EndpointOutcome::Failed { context: false };
+                        }
+                        _ => {
+                            self.app.registry.apply(
+                                ep,
+                                &self.cfg.policy,
+                                Effect::Failure {
+                                    class: f.class.as_str(),
+                                    detail,
+                                },
+                            );
+                            if retries_left > 0 && f.class.retryable_same_endpoint() {
+                                retries_left -= 1;
+                                // Full jitter: a herd of clients retrying in step is what
+                                // keeps a struggling server down.
+                                let sleep = backoff.mul_f64(fastrand::f64());
+                                tokio::time::sleep(sleep).await;
+                                backoff = (backoff * 2).min(Duration::from_secs(5));
+                                continue;
+                            }
+                            return EndpointOutcome::Failed { context: false };
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    async fn read_error(resp: reqwest::Response, deadline: Instant) -> Failure {
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let mut body = Vec::new();
+        let mut stream = resp.bytes_stream();
+        while body.len() < MAX_ERROR_BODY {
+            match timeout_at(deadline, stream.next()).await {
+                Ok(Some(Ok(b))) => body.extend_from_slice(&b),
+                _ => break,
+            }
+        }
+        body.truncate(MAX_ERROR_BODY);
+        let text = String::from_utf8_lossy(&body).into_owned();
+        let class = classify::classify_status(status.as_u16(), &text);
+        let mut f = Failure::new(class, Some(status.as_u16()), error_message(&text));
+        if class == Class::RateLimited {
+            f.retry_after = classify::retry_after(&headers);
+        }
+        if matches!(class, Class::Client | Class::ContextLength) {
+            let mut h = HeaderMap::new();
+            if let Some(ct) = headers.get(header::CONTENT_TYPE) {
+                h.insert(header::CONTENT_TYPE, ct.clone());
+            }
+            f.passthrough = Some((status, h, Bytes::from(body)));
+        }
+        f
+    }
+
+    async fn call_full(
+        &mut self,
+        ep: &Endpoint,
+        key: Option<&crate::config::Secret>,
+    ) -> Result<Success, Failure> {
+        let deadline = Instant::now() + ep.timeouts.total;
+        let rb = upstream::request(ep, self.req.op, &self.req.body, key, &self.request_id);
+        let resp = match timeout_at(deadline, rb.send()).await {
+            Err(_) => return Err(Failure::new(Class::Timeout, None, "no response within timeouts.total")),
+            Ok(Err(e)) => return Err(send_error(&e)),
+            Ok(Ok(r)) => r,
+        };
+        if !resp.status().is_success() {
+            return Err(Self::read_error(resp, deadline).await);
+        }
+        let status = resp.status();
+        let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
+        let body = match timeout_at(deadline, resp.bytes()).await {
+            Err(_) => return Err(Failure::new(Class::Timeout, Some(status.as_u16()), "body not complete within timeouts.total")),
+            Ok(Err(e)) => return Err(Failure::new(Class::Connection, Some(status.as_u16()), format!("reading body: {}", error_chain(&e)))),
+            Ok(Ok(b)) => b,
+        };
+        let parsed: Value = match serde_json::from_slice(&body) {
+            Ok(v) => v,
+            Err(e) => {
+                return Err(Failure::new(
+                    Class::Malformed,
+                    Some(status.as_u16()),
+                    format!("2xx body is not JSON: {e}"),
+                ));
+            }
+        };
+        if let ChunkKind::Error(msg) = wire::classify_chunk(&parsed) {
+            return Err(Failure::new(Class::InBand, Some(status.as_u16()), msg));
+        }
+        let usage = wire::usage_of(&parsed);
+        self.estimated_out_chars = response_text_chars(&parsed);
+        Ok(Success::Full {
+            status,
+            content_type,
+            body,
+            usage,
+        })
+    }
+
+    async fn call_stream(
+        &mut self,
+        ep: &Endpoint,
+        key: Option<&crate::config::Secret>,
+    ) -> Result<Success, Failure> {
+        let t0 = Instant::now();
+        let first_deadline = (t0 + ep.timeouts.first_token).min(t0 + ep.timeouts.total);
+        let rb = upstream::request(ep, self.req.op, &self.req.body, key, &self.request_id);
+        let resp = match timeout_at(first_deadline, rb.send()).await {
+            Err(_) => {
+                return Err(Failure::new(
+                    Class::FirstTokenTimeout,
+                    None,
+                    "no response headers within timeouts.first_token",
+                ));
+            }
+            Ok(Err(e)) => return Err(send_error(&e)),
+            Ok(Ok(r)) => r,
+        };
+        if !resp.status().is_success() {
+            return Err(Self::read_error(resp, t0 + ep.timeouts.total).await);
+        }
+        let status = resp.status().as_u16();
+        let is_sse = resp
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        if !is_sse {
+            // A JSON body on a stream request is an error some servers send with 200.
+            let body = timeout_at(first_deadline, resp.bytes()).await;
+            let detail = match body {
+                Ok(Ok(b)) => match serde_json::from_slice::<Value>(&b) {
+                    Ok(v) => match wire::classify_chunk(&v) {
+                        ChunkKind::Error(m) => return Err(Failure::new(Class::InBand, Some(status), m)),
+                        _ => "stream requested but the upstream answered with a non-SSE body".to_string(),
+                    },
+                    Err(_) => "stream requested but the upstream answered with a non-SSE body".to_string(),
+                },
+                _ => "stream requested but the upstream answered with a non-SSE body".to_string(),
+            };
+            return Err(Failure::new(Class::Malformed, Some(status), detail));
+        }
+        let mut rest: ByteStream = Box::pin(resp.bytes_stream());
+        let mut parser = SseParser::new();
+        let mut prelude = Vec::new();
+        let mut usage = None;
+        let mut out_chars = 0usize;
+        loop {
+            let next = match timeout_at(first_deadline, rest.next()).await {
+                Err(_) => {
+                    return Err(Failure::new(
+                        Class::FirstTokenTimeout,
+                        Some(status),
+                        format!(
+                            "no content within timeouts.first_token ({}ms)",
+                            ep.timeouts.first_token.as_millis()
+                        ),
+                    ));
+                }
+                Ok(None) => {
+                    return Err(Failure::new(
+                        Class::Connection,
+                        Some(status),
+                        "stream ended before any content",
+                    ));
+                }
+                Ok(Some(Err(e))) => {
+                    return Err(Failure::new(
+                        Class::Connection,
+                        Some(status),
+                        format!("stream broke before any content: {}", error_chain(&e)),
+                    ));
+                }
+                Ok(Some(Ok(b))) => b,
+            };
+            let events = parser.push(&next).map_err(|e| {
+                Failure::new(Class::Malformed, Some(status), format!("invalid SSE: {}", e.0))
+            })?;
+            prelude.push(next);
+            let mut commit = false;
+            let mut done_seen = false;
+            for ev in events {
+                if ev.data.trim() == "[DONE]" {
+                    done_seen = true;
+                    commit = true;
+                    continue;
+                }
+                let v: Value = match serde_json::from_str(&ev.data) {
+                    Ok(v) => v,
+                    Err(_) if ev.event.as_deref() == Some("error") => {
+                        return Err(Failure::new(Class::InBand, Some(status), ev.data));
+                    }
+                    Err(e) => {
+                        return Err(Failure::new(
+                            Class::Malformed,
+                            Some(status),
+                            format!("SSE data is not JSON: {e}"),
+                        ));
+                    }
+                };
+                if let Some(u) = wire::usage_of(&v) {
+                    usage = Some(u);
+                }
+                match wire::classify_chunk(&v) {
+                    ChunkKind::Error(m) => {
+                        let class = if classify::is_context_message(&m) {
+                            Class::ContextLength
+                        } else {
+                            Class::InBand
+                        };
+                        return Err(Failure::new(class, Some(status), m));
+                    }
+                    ChunkKind::Content => {
+                        out_chars += chunk_text_chars(&v);
+                        commit = true;
+                    }
+                    ChunkKind::Preamble => {}
+                }
+            }
+            if commit {
+                return Ok(Success::Stream {
+                    prelude,
+                    rest,
+                    parser,
+                    done_seen,
+                    ttft: t0.elapsed(),
+                    usage,
+                    out_chars,
+                });
+            }
+        }
+    }
+
+    fn base_row(&self, endpoint: Option<&str>, status: u16, error_class: Option<String>) -> RequestRow {
+        RequestRow {
+            request_id: self.request_id.clone(),
+            ts: self.started_wall,
+            operation: self.req.op.name(),
+            requested_model: Some(self.req.model.clone()),
+            endpoint: endpoint.map(str::to_string),
+            status,
+            error_class,
+            stream: self.req.stream,
+            latency_ms: self.started.elapsed().as_secs_f64() * 1000.0,
+            ttft_ms: None,
+            tokens_in: None,
+            tokens_out: None,
+            tokens_estimated: false,
+            cost_usd: None,
+            attempts: self
+                .attempts
+                .iter()
+                .enumerate()
+                .map(|(i, a)| AttemptRow {
+                    seq: i as u32 + 1,
+                    endpoint: a.endpoint.clone(),
+                    class: a.class.clone(),
+                    status: a.status,
+                    error: a.error.clone(),
+                    latency_ms: a.latency_ms,
+                })
+                .collect(),
+        }
+    }
+
+    fn headers(&self, resp: &mut Response, endpoint: Option<&str>) {
+        let h = resp.headers_mut();
+        if let Ok(v) = HeaderValue::from_str(&self.request_id) {
+            h.insert("x-request-id", v);
+        }
+        if let Some(ep) = endpoint.and_then(|e| HeaderValue::from_str(e).ok()) {
+            h.insert("x-autohedge-endpoint", ep);
+        }
+        h.insert("x-autohedge-attempts", HeaderValue::from(self.calls));
+    }
+
+    fn respond_passthrough(
+        &mut self,
+        endpoint: &str,
+        status: StatusCode,
+        headers: HeaderMap,
+        body: Bytes,
+    ) -> Response {
+        let class = classify::classify_status(status.as_u16(), &String::from_utf8_lossy(&body));
+        let row = self.base_row(Some(endpoint), status.as_u16(), Some(class.as_str().into()));
+        self.app.store.send(Record::Request(Box::new(row)));
+        let mut resp = (status, body).into_response();
+        for (k, v) in headers.iter() {
+            resp.headers_mut().insert(k.clone(), v.clone());
+        }
+        if !resp.headers().contains_key(header::CONTENT_TYPE) {
+            resp.headers_mut()
+                .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        }
+        self.headers(&mut resp, Some(endpoint));
+        resp
+    }
+
+    fn all_failed(&mut self) -> Response {
+        let real: Vec<&AttemptReport> = self
+            .attempts
+            .iter()
+            .filter(|a| !a.class.starts_with("skipped_") && a.class != "context_skip")
+            .collect();
+        let message = if real.is_empty() {
+            format!(
+                "No endpoint could take this request for model `{}`: every candidate was skipped (see attempts).",
+                self.req.model
+            )
+        } else {
+            format!(
+                "All {} upstream attempts for model `{}` failed (see attempts).",
+                real.len(),
+                self.req.model
+            )
+        };
+        let err = ApiError::AllFailed {
+            message,
+            attempts: self.attempts.clone(),
+        };
+        let row = self.base_row(None, 503, Some(err.class().into()));
+        self.app.store.send(Record::Request(Box::new(row)));
+        tracing::warn!(request_id = %self.request_id, model = %self.req.model, attempts = self.attempts.len(), "all upstreams failed");
+        let mut resp = err.into_response();
+        self.headers(&mut resp, None);
+        resp
+    }
+
+    fn respond(&mut self, ep: Arc<Endpoint>, success: Success) -> Response {
+        match success {
+            Success::Full {
+                status,
+                content_type,
+                body,
+                usage,
+            } => {
+                let mut row = self.base_row(Some(&ep.name), status.as_u16(), None);
+                let prompt_estimate = wire::estimate_tokens(wire::prompt_chars(&self.req.body));
+                let out_estimate = wire::estimate_tokens(self.estimated_out_chars);
+                fill_usage(&mut row, &ep, usage, prompt_estimate, out_estimate, self.req.op);
+                self.app.registry.record_tokens(
+                    &ep.name,
+                    row.tokens_in.unwrap_or(0),
+                    row.tokens_out.unwrap_or(0),
+                    row.tokens_estimated,
+                );
+                self.app.store.send(Record::Request(Box::new(row)));
+                let mut resp = (status, body).into_response();
+                resp.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    content_type.unwrap_or(HeaderValue::from_static("application/json")),
+                );
+                self.headers(&mut resp, Some(&ep.name));
+                resp
+            }
+            Success::Stream {
+                prelude,
+                rest,
+                parser,
+                done_seen,
+                ttft,
+                usage,
+                out_chars,
+            } => {
+                let mut row = self.base_row(Some(&ep.name), 200, None);
+                row.ttft_ms = Some(self.started.elapsed().as_secs_f64() * 1000.0);
+                let guard = StreamGuard {
+                    app: self.app.clone(),
+                    cfg: self.cfg.clone(),
+                    ep: ep.clone(),
+                    row: Some(row),
+                    started: self.started,
+                    ttft,
+                    usage,
+                    out_chars,
+                    prompt_estimate: wire::estimate_tokens(wire::prompt_chars(&self.req.body)),
+                };
+                let idle = ep.timeouts.first_token;
+                let deadline = Instant::now() + ep.timeouts.total.saturating_sub(ttft);
+                let state = PassThrough {
+                    prelude: prelude.into(),
+                    rest,
+                    parser,
+                    done_seen,
+                    finished: false,
+                    idle,
+                    deadline,
+                    guard,
+                };
+                let body = Body::from_stream(futures_util::stream::unfold(state, pump));
+                let mut resp = Response::new(body);
+                let h = resp.headers_mut();
+                h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+                h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+                self.headers(&mut resp, Some(&ep.name));
+                resp
+            }
+        }
+    }
+}
+
+fn fmt_window(w: Option<u64>) -> String {
+    w.map(|w| w.to_string()).unwrap_or_else(|| "unknown".into())
+}
+
+fn fill_usage(
+    row: &mut RequestRow,
+    ep: &Endpoint,
+    usage: Option<Usage>,
+    prompt_estimate: u64,
+    out_estimate: u64,
+    op: Op,
+) {
+    let (tin, tout, est) = match usage {
+        Some(u) => (u.prompt, u.completion, false),
+        None => (
+            prompt_estimate,
+            if op == Op::Embeddings { 0 } else { out_estimate },
+            true,
+        ),
+    };
+    row.tokens_in = Some(tin);
+    row.tokens_out = Some(tout);
+    row.tokens_estimated = est;
+    if ep.cost.input_per_mtok > 0.0 || ep.cost.output_per_mtok > 0.0 {
+        row.cost_usd = Some(
+            (tin as f64 * ep.cost.input_per_mtok + tout as f64 * ep.cost.output_per_mtok) / 1e6,
+        );
+    }
+}
+
+/// Characters of generated text in a full response, for estimating completion tokens.
+fn response_text_chars(v: &Value) -> usize {
+    let Some(choices) = v.get("choices").and_then(Value::as_array) else {
+        return 0;
+    };
+    choices
+        .iter()
+        .map(|c| {
+            c.pointer("/message/content")
+                .and_then(Value::as_str)
+                .map(str::len)
+                .unwrap_or(0)
+                + c.get("text").and_then(Value::as_str).map(str::len).unwrap_or(0)
+        })
+        .sum()
+}
+
+fn chunk_text_chars(v: &Value) -> usize {
+    let Some(choices) = v.get("choices").and_then(Value::as_array) else {
+        return 0;
+    };
+    choices
+        .iter()
+        .map(|c| {
+            c.pointer("/delta/content")
+                .and_then(Value::as_str)
+                .map(str::len)
+                .unwrap_or(0)
+                + c.get("text").and_then(Value::as_str).map(str::len).unwrap_or(0)
+        })
+        .sum()
+}
+
+/// The message inside an upstream error body, whatever its shape (OpenAI's `error.message`,
+/// vLLM's top-level `message`, Ollama's `error` string), else the body itself.
+fn error_message(body: &str) -> String {
+    if let Ok(v) = serde_json::from_str::<Value>(body) {
+        if let Some(m) = v.pointer("/error/message").and_then(Value::as_str) {
+            return m.to_string();
+        }
+        if let Some(m) = v.get("error").and_then(Value::as_str) {
+            return m.to_string();
+        }
+        if let Some(m) = v.get("message").and_then(Value::as_str) {
+            return m.to_string();
+        }
+        if let Some(m) = v.get("detail").and_then(Value::as_str) {
+            return m.to_string();
+        }
+    }
+    body.chars().take(300).collect()
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        let t = inner.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        src = inner.source();
+    }
+    s
+}
+
+fn send_error(e: &reqwest::Error) -> Failure {
+    let class = if e.is_connect() {
+        Class::Connect
+    } else if e.is_timeout() {
+        Class::Timeout
+    } else {
+        Class::Connection
+    };
+    // reqwest's Display includes the URL; that holds no key (keys travel in headers).
+    Failure::new(class, None, error_chain(e))
+}
+
+/// Owns a committed stream's audit row and reports the outcome exactly once: when the stream
+/// ends, fails, or is dropped because the client went away.
+struct StreamGuard {
+    app: Arc<AppState>,
+    cfg: Arc<Config>,
+    ep: Arc<Endpoint>,
+    row: Option<RequestRow>,
+    started: Instant,
+    ttft: Duration,
+    usage: Option<Usage>,
+    out_chars: usize,
+    prompt_estimate: u64,
+}
+
+impl StreamGuard {
+    fn finish(&mut self, failure: Option<(&'static str, String)>) {
+        let Some(mut row) = self.row.take() else {
+            return;
+        };
+        row.latency_ms = self.started.elapsed().as_secs_f64() * 1000.0;
+        let out_estimate = wire::estimate_tokens(self.out_chars);
+        fill_usage(
+            &mut row,
+            &self.ep,
+            self.usage,
+            self.prompt_estimate,
+            out_estimate,
+            Op::Chat,
+        );
+        self.app.registry.record_tokens(
+            &self.ep.name,
+            row.tokens_in.unwrap_or(0),
+            row.tokens_out.unwrap_or(0),
+            row.tokens_estimated,
+        );
+        let ttft_ms = self.ttft.as_secs_f64() * 1000.0;
+        match failure {
+            None => {
+                self.app.registry.apply(
+                    &self.ep,
+                    &self.cfg.policy,
+                    Effect::Success { latency_ms: ttft_ms },
+                );
+            }
+            Some(("client_closed", detail)) => {
+                // The client left: not the endpoint's fault, but the record says so.
+                row.error_class = Some("client_closed".into());
+                let _ = detail;
+            }
+            Some((class, detail)) => {
+                row.error_class = Some(class.into());
+                let n = row.attempts.len() as u32 + 1;
+                row.attempts.push(AttemptRow {
+                    seq: n,
+                    endpoint: self.ep.name.clone(),
+                    class: class.into(),
+                    status: Some(200),
+                    error: Some(detail.clone()),
+                    latency_ms: row.latency_ms,
+                });
+                tracing::warn!(request_id = %row.request_id, endpoint = %self.ep.name, class, error = %detail, "stream failed after commit");
+                self.app.registry.apply(
+                    &self.ep,
+                    &self.cfg.policy,
+                    Effect::Failure { class, detail },
+                );
+            }
+        }
+        self.app.store.send(Record::Request(Box::new(row)));
+    }
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        if self.row.is_some() {
+            self.finish(Some(("client_closed", "client disconnected mid-stream".into())));
+        }
+    }
+}
+
+struct PassThrough {
+    prelude: VecDeque<Bytes>,
+    rest: ByteStream,
+    parser: SseParser,
+    done_seen: bool,
+    finished: bool,
+    idle: Duration,
+    deadline: Instant,
+    guard: StreamGuard,
+}
+
+impl PassThrough {
+    /// Watches the passing bytes for usage, `[DONE]` and in-band errors without holding them.
+    fn scan(&mut self, b: &Bytes) -> Option<String> {
+        let events = match self.parser.push(b) {
+            Ok(e) => e,
+            Err(e) => return Some(e.0),
+        };
+        let mut err = None;
+        for ev in events {
+            if ev.data.trim() == "[DONE]" {
+                self.done_seen = true;
+                continue;
+            }
+            if let Ok(v) = serde_json::from_str::<Value>(&ev.data) {
+                if let Some(u) = wire::usage_of(&v) {
+                    self.guard.usage = Some(u);
+                }
+                match wire::classify_chunk(&v) {
+                    ChunkKind::Error(m) => err = Some(m),
+                    ChunkKind::Content => self.guard.out_chars += chunk_text_chars(&v),
+                    ChunkKind::Preamble => {}
+                }
+            }
+        }
+        err
+    }
+}
+
+async fn pump(mut st: PassThrough) -> Option<(Result<Bytes, std::io::Error>, PassThrough)> {
+    if let Some(b) = st.prelude.pop_front() {
+        return Some((Ok(b), st));
+    }
+    if st.finished {
+        return None;
+    }
+    let wait_until = (Instant::now() + st.idle).min(st.deadline);
+    match timeout_at(wait_until, st.rest.next()).await {
+        Ok(Some(Ok(b))) => {
+            if let Some(err) = st.scan(&b) {
+                // The upstream's own error event passes through to the client as sent.
+                st.finished = true;
+                st.guard.finish(Some(("stream_error_event", err)));
+            }
+            Some((Ok(b), st))
+        }
+        Ok(None) => {
+            st.finished = true;
+            if st.done_seen {
+                st.guard.finish(None);
+                None
+            } else {
+                st.guard.finish(Some((
+                    "stream_truncated",
+                    "upstream closed the stream without [DONE]".into(),
+                )));
+                let ev = stream_error_event(
+                    "The upstream closed the stream before it finished.",
+                    "stream_truncated",
+                );
+                Some((Ok(Bytes::from(ev)), st))
+            }
+        }
+        Ok(Some(Err(e))) => {
+            st.finished = true;
+            let detail = error_chain(&e);
+            st.guard.finish(Some(("stream_broken", detail)));
+            let ev = stream_error_event(
+                "The upstream connection failed mid-stream.",
+                "stream_broken",
+            );
+            Some((Ok(Bytes::from(ev)), st))
+        }
+        Err(_) => {
+            st.finished = true;
+            let total = Instant::now() >= st.deadline;
+            let (code, msg) = if total {
+                ("stream_timeout", "The stream exceeded timeouts.total.")
+            } else {
+                ("stream_stalled", "The upstream stalled mid-stream.")
+            };
+            st.guard.finish(Some((code, msg.into())));
+            Some((Ok(Bytes::from(stream_error_event(msg, code))), st))
+        }
+    }
+}

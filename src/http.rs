@@ -1,0 +1,232 @@
+//! The front door: the route table and thin handlers. Each proxy handler validates the body
+//! (one extractor path, so every rejection is OpenAI-shaped) and hands it to the executor.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{ConnectInfo, Path, State};
+use axum::http::{HeaderMap, HeaderValue, Method, Uri, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde_json::{Value, json};
+
+use crate::error::ApiError;
+use crate::executor;
+use crate::state::AppState;
+use crate::store::{Record, RequestRow};
+use crate::wire::{self, Op};
+
+pub fn router(app: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/embeddings", post(embeddings))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/status", get(status))
+        .route("/admin/endpoints/{name}/clear", post(clear_endpoint))
+        .fallback(fallback)
+        .with_state(app)
+}
+
+async fn chat(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    proxy(app, Op::Chat, headers, body).await
+}
+
+async fn completions(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    proxy(app, Op::Completions, headers, body).await
+}
+
+async fn embeddings(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    proxy(app, Op::Embeddings, headers, body).await
+}
+
+/// The client's `x-request-id` when it is a sane token, else a fresh UUID.
+fn request_id(headers: &HeaderMap) -> String {
+    headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
+        .map(str::to_string)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string())
+}
+
+async fn proxy(app: Arc<AppState>, op: Op, headers: HeaderMap, body: Body) -> Response {
+    let id = request_id(&headers);
+    let cfg = app.config.load_full();
+    let inbound = match read_json(&headers, body, cfg.max_body_bytes).await {
+        Ok(v) => wire::inspect(op, v),
+        Err(e) => Err(e),
+    };
+    let inbound = match inbound {
+        Ok(i) => i,
+        Err(e) => return with_request_id(e.into_response(), &id),
+    };
+    let Some(chain) = cfg.chain_for(&inbound.model) else {
+        let err = ApiError::ModelNotFound(inbound.model.clone());
+        app.store.send(Record::Request(Box::new(RequestRow {
+            request_id: id.clone(),
+            ts: std::time::SystemTime::now(),
+            operation: op.name(),
+            requested_model: Some(inbound.model.clone()),
+            endpoint: None,
+            status: 404,
+            error_class: Some(err.class().into()),
+            stream: inbound.stream,
+            latency_ms: 0.0,
+            ttft_ms: None,
+            tokens_in: None,
+            tokens_out: None,
+            tokens_estimated: false,
+            cost_usd: None,
+            attempts: vec![],
+        })));
+        return with_request_id(err.into_response(), &id);
+    };
+    executor::execute(app, cfg, inbound, chain, id).await
+}
+
+fn with_request_id(mut resp: Response, id: &str) -> Response {
+    if let Ok(v) = HeaderValue::from_str(id) {
+        resp.headers_mut().insert("x-request-id", v);
+    }
+    resp
+}
+
+/// Reads a JSON body within `limit`, mapping every failure to the right status.
+async fn read_json(headers: &HeaderMap, body: Body, limit: usize) -> Result<Value, ApiError> {
+    let ct = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let mime = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    if mime != "application/json" && !mime.ends_with("+json") {
+        return Err(ApiError::UnsupportedMediaType(ct.to_string()));
+    }
+    if let Some(len) = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        if len > limit {
+            return Err(ApiError::PayloadTooLarge(limit));
+        }
+    }
+    let bytes: Bytes = axum::body::to_bytes(body, limit)
+        .await
+        .map_err(|e| {
+            // `to_bytes` fails for an over-long body or a broken connection.
+            if std::error::Error::source(&e)
+                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
+                || e.to_string().contains("length limit")
+            {
+                ApiError::PayloadTooLarge(limit)
+            } else {
+                ApiError::invalid(format!("could not read the request body: {e}"))
+            }
+        })?;
+    let text = std::str::from_utf8(&bytes).map_err(|e| ApiError::InvalidRequest {
+        message: format!("The request body is not valid UTF-8 (at byte {}).", e.valid_up_to()),
+        param: None,
+        code: Some("invalid_utf8"),
+    })?;
+    serde_json::from_str(text).map_err(|e| ApiError::InvalidRequest {
+        message: format!(
+            "We could not parse the JSON body of your request: {e}. (The OpenAI API expects a JSON payload.)"
+        ),
+        param: None,
+        code: Some("invalid_json"),
+    })
+}
+
+async fn models(State(app): State<Arc<AppState>>) -> Response {
+    let cfg = app.config.load();
+    let created = 0;
+    let mut data = Vec::new();
+    for (name, chain) in &cfg.routes {
+        data.push(json!({"id": name, "object": "model", "created": created, "owned_by": "autohedge", "autohedge": {"kind": "route", "chain": chain}}));
+    }
+    for (name, ep) in &cfg.endpoints {
+        data.push(json!({"id": name, "object": "model", "created": created, "owned_by": "autohedge", "autohedge": {"kind": "endpoint", "type": ep.kind.to_string(), "upstream_model": ep.upstream_model}}));
+    }
+    axum::Json(json!({"object": "list", "data": data})).into_response()
+}
+
+async fn health() -> Response {
+    axum::Json(json!({"status": "ok"})).into_response()
+}
+
+async fn status(State(app): State<Arc<AppState>>) -> Response {
+    let cfg = app.config.load();
+    let mut endpoints = serde_json::Map::new();
+    for (name, ep) in &cfg.endpoints {
+        endpoints.insert(name.clone(), app.registry.status_json(ep, &cfg.policy));
+    }
+    let reload = app.reload.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let ms = |t: Option<std::time::SystemTime>| {
+        t.and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map(|d| d.as_millis() as u64)
+    };
+    axum::Json(json!({
+        "status": "ok",
+        "uptime_seconds": app.started.elapsed().as_secs(),
+        "endpoints": endpoints,
+        "chains": {
+            "fallback_chain": cfg.fallback_chain,
+            "routes": cfg.routes,
+        },
+        "policy": {
+            "success_threshold": cfg.policy.success_threshold,
+            "window_seconds": cfg.policy.window.as_secs_f64(),
+            "min_samples": cfg.policy.min_samples,
+            "max_wait_ms": cfg.policy.max_wait.as_millis() as u64,
+        },
+        "audit": {
+            "written": app.store.written(),
+            "dropped": app.store.dropped(),
+        },
+        "config": {
+            "path": app.config_path.as_ref().map(|p| p.display().to_string()),
+            "reloads": reload.reloads,
+            "last_reload_unix_ms": ms(reload.last_ok),
+            "last_reload_error": reload.last_error,
+            "warnings": cfg.warnings,
+        },
+    }))
+    .into_response()
+}
+
+/// Operator call behind `autohedge endpoint clear`; only from loopback, since it changes routing.
+async fn clear_endpoint(
+    State(app): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    Path(name): Path<String>,
+) -> Response {
+    if !peer.ip().is_loopback() {
+        return ApiError::Forbidden("admin calls are accepted from loopback only".into())
+            .into_response();
+    }
+    if app.registry.clear(&name) {
+        axum::Json(json!({"cleared": name})).into_response()
+    } else {
+        ApiError::NotFound(format!("/admin/endpoints/{name} (no such endpoint)")).into_response()
+    }
+}
+
+async fn fallback(method: Method, uri: Uri) -> Response {
+    let known = [
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/models",
+        "/health",
+        "/status",
+    ];
+    if known.contains(&uri.path()) {
+        let _ = method;
+        return ApiError::MethodNotAllowed.into_response();
+    }
+    ApiError::NotFound(uri.path().to_string()).into_response()
+}

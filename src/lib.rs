@@ -1,0 +1,18 @@
+//! AutoHedge: one OpenAI-compatible endpoint over a fleet of LLM backends. See ARCHITECTURE.md
+//! for how a request flows through these modules.
+
+pub mod cli;
+pub mod config;
+pub mod demo;
+pub mod error;
+pub mod executor;
+pub mod http;
+pub mod mock;
+pub mod registry;
+pub mod router;
+pub mod server;
+pub mod state;
+pub mod stats;
+pub mod store;
+pub mod upstream;
+pub mod wire;

@@ -1,0 +1,139 @@
+//! `autohedge`: the command line. Parsing lives here; each command is a function in `cli`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use autohedge::cli;
+use autohedge::mock::Flavor;
+
+#[derive(Parser)]
+#[command(name = "autohedge", version, about = "One OpenAI-compatible endpoint over a fleet of LLM backends that fails over on the errors that really happen.")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the gateway.
+    Serve {
+        /// Config file (default: config/config.yaml, or the embedded default if that is absent).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Listen address (default: the config's server.listen).
+        #[arg(long)]
+        listen: Option<String>,
+        /// Where autohedge.db lives.
+        #[arg(long, default_value = "./data")]
+        data_dir: PathBuf,
+    },
+    /// Run a scriptable upstream that speaks the OpenAI, vLLM or Ollama wire format.
+    MockUpstream {
+        #[arg(long)]
+        listen: String,
+        #[arg(long, value_enum, default_value = "openai")]
+        flavor: Flavor,
+        /// Script file (YAML); see README.md "mock-upstream script".
+        #[arg(long)]
+        script: Option<PathBuf>,
+    },
+    /// Start the gateway with two in-process mock upstreams, send a burst, show where each
+    /// request went and why.
+    Demo {
+        /// Requests to send.
+        #[arg(long, default_value_t = 24)]
+        requests: u32,
+    },
+    /// Per-endpoint figures from the audit trail.
+    Stats {
+        #[arg(long, default_value = "./data")]
+        data_dir: PathBuf,
+        /// How far back: 1h, 30m, 7d …
+        #[arg(long, default_value = "1h")]
+        since: String,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Validate a config and print what it resolved (key sources, never key values).
+    CheckConfig {
+        path: Option<PathBuf>,
+    },
+    /// Operator actions on endpoints.
+    Endpoint {
+        #[command(subcommand)]
+        action: EndpointAction,
+    },
+    /// Exit 0 if the gateway at URL answers /health (for container health checks).
+    Healthcheck {
+        #[arg(long, default_value = "http://127.0.0.1:8000")]
+        url: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum EndpointAction {
+    /// Lift a retirement (410 Gone), auth failure or cooldown.
+    Clear {
+        name: String,
+        #[arg(long, default_value = "./data")]
+        data_dir: PathBuf,
+        /// The running gateway to tell (default: http://<server.listen of the config>).
+        #[arg(long)]
+        url: Option<String>,
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+}
+
+fn main() -> ExitCode {
+    let args = Cli::parse();
+    cli::init_tracing();
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("autohedge: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = rt.block_on(async move {
+        match args.command {
+            Command::Serve {
+                config,
+                listen,
+                data_dir,
+            } => cli::serve(config, listen, data_dir).await,
+            Command::MockUpstream {
+                listen,
+                flavor,
+                script,
+            } => cli::mock_upstream(listen, flavor, script).await,
+            Command::Demo { requests } => autohedge::demo::run(requests).await,
+            Command::Stats {
+                data_dir,
+                since,
+                json,
+            } => cli::stats(&data_dir, &since, json),
+            Command::CheckConfig { path } => cli::check_config(path),
+            Command::Endpoint {
+                action:
+                    EndpointAction::Clear {
+                        name,
+                        data_dir,
+                        url,
+                        config,
+                    },
+            } => cli::endpoint_clear(&name, &data_dir, url, config).await,
+            Command::Healthcheck { url } => cli::healthcheck(&url).await,
+        }
+    });
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("autohedge: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -1,0 +1,654 @@
+//! `autohedge mock-upstream`: a scriptable upstream that speaks the OpenAI, vLLM and Ollama wire
+//! formats — success bodies, SSE streams, error bodies in each server's own shape, `Retry-After`
+//! and `x-ratelimit-*` headers — and misbehaves on cue: error statuses, delays, stalls after N
+//! chunks, in-band error events, truncated streams, connection resets and malformed bodies.
+//! Users rehearse their fallback chains with it; the test suite and the demo use it.
+//!
+//! The script format is documented in README.md ("mock-upstream script").
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use base64::Engine;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use http_body_util::{BodyExt, Full, StreamBody, combinators::BoxBody};
+use hyper::body::{Frame, Incoming};
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, mpsc};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Dur;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Flavor {
+    Openai,
+    Vllm,
+    Ollama,
+}
+
+/// A mock script (YAML or JSON).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Script {
+    /// Name used in the default reply ("Hello from NAME!").
+    pub name: Option<String>,
+    /// Default reply text.
+    pub reply: Option<String>,
+    /// Keys accepted as `Authorization: Bearer KEY`; absent means any key (or none) is accepted.
+    pub keys: Option<Vec<String>>,
+    /// Prompts estimated (4 characters a token) above this many tokens get the flavor's
+    /// context-length error.
+    pub context_window: Option<u64>,
+    /// Delay between stream chunks.
+    pub chunk_delay: Option<Dur>,
+    /// Rules, first match wins.
+    #[serde(default)]
+    pub rules: Vec<Rule>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct When {
+    pub path: Option<String>,
+    pub stream: Option<bool>,
+    /// Matches the bearer key.
+    pub key: Option<String>,
+    /// Matches the request body's `model`.
+    pub model: Option<String>,
+    /// Matches every Nth request that meets the other conditions (1-based: 3 → 3rd, 6th, …).
+    pub every: Option<u64>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Rule {
+    #[serde(default)]
+    pub when: When,
+    /// Apply to the first N matches only.
+    pub times: Option<u64>,
+    pub status: Option<u16>,
+    /// The error message; the body takes the flavor's error shape.
+    pub error: Option<String>,
+    /// The OpenAI error `type` and `code`.
+    pub error_type: Option<String>,
+    pub error_code: Option<String>,
+    /// A raw body sent as-is (for malformed responses).
+    pub body: Option<String>,
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+    /// Delay before the response headers.
+    pub delay: Option<Dur>,
+    /// Close the connection without answering.
+    #[serde(default)]
+    pub reset: bool,
+    pub reply: Option<String>,
+    /// Streams: after N content chunks send an in-band error event.
+    pub stream_error_after: Option<usize>,
+    /// Streams: after N content chunks stop sending but keep the connection open.
+    pub stall_after: Option<usize>,
+    /// Streams: after N content chunks end the body cleanly but without `[DONE]`.
+    pub cut_after: Option<usize>,
+    /// Streams: after N content chunks drop the connection.
+    pub reset_after: Option<usize>,
+    /// Leave `usage` out of responses.
+    #[serde(default)]
+    pub no_usage: bool,
+    /// Answer with a tool call to this function name.
+    pub tool_call: Option<String>,
+}
+
+#[derive(Default)]
+struct Counters {
+    requests: u64,
+    by_path: BTreeMap<String, u64>,
+    rule_matches: Vec<u64>,
+    rule_applied: Vec<u64>,
+    last_body: Option<Value>,
+    /// The last four characters of each key seen, in order (never whole keys).
+    key_tails: Vec<String>,
+}
+
+pub struct Mock {
+    flavor: Flavor,
+    script: Mutex<Script>,
+    counters: Mutex<Counters>,
+}
+
+type RespBody = BoxBody<Bytes, Infallible>;
+
+fn full(b: impl Into<Bytes>) -> RespBody {
+    Full::new(b.into()).boxed()
+}
+
+fn now_secs() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn words(text: &str) -> u64 {
+    text.split_whitespace().count().max(1) as u64
+}
+
+impl Mock {
+    pub fn new(flavor: Flavor, script: Script) -> Arc<Mock> {
+        Arc::new(Mock {
+            flavor,
+            script: Mutex::new(script),
+            counters: Mutex::new(Counters::default()),
+        })
+    }
+
+    fn script(&self) -> Script {
+        self.script.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Picks the rule for a request, advancing the counters.
+    fn pick(&self, path: &str, stream: bool, key: Option<&str>, model: Option<&str>) -> Option<Rule> {
+        let script = self.script();
+        let mut c = self.counters.lock().unwrap_or_else(|e| e.into_inner());
+        c.rule_matches.resize(script.rules.len(), 0);
+        c.rule_applied.resize(script.rules.len(), 0);
+        for (i, r) in script.rules.iter().enumerate() {
+            let w = &r.when;
+            if w.path.as_deref().is_some_and(|p| p != path)
+                || w.stream.is_some_and(|s| s != stream)
+                || w.key.as_deref().is_some_and(|k| Some(k) != key)
+                || w.model.as_deref().is_some_and(|m| Some(m) != model)
+            {
+                continue;
+            }
+            c.rule_matches[i] += 1;
+            if let Some(n) = w.every {
+                if n == 0 || c.rule_matches[i] % n != 0 {
+                    continue;
+                }
+            }
+            if r.times.is_some_and(|t| c.rule_applied[i] >= t) {
+                continue;
+            }
+            c.rule_applied[i] += 1;
+            return Some(r.clone());
+        }
+        None
+    }
+
+    fn error_body(&self, status: u16, message: &str, kind: Option<&str>, code: Option<&str>) -> Value {
+        let default_type = match status {
+            400 | 404 | 413 | 422 => "invalid_request_error",
+            401 => "invalid_request_error",
+            403 => "permission_error",
+            429 => "requests",
+            _ => "server_error",
+        };
+        match self.flavor {
+            Flavor::Openai => json!({"error": {
+                "message": message,
+                "type": kind.unwrap_or(default_type),
+                "param": null,
+                "code": code,
+            }}),
+            Flavor::Vllm => json!({
+                "object": "error",
+                "message": message,
+                "type": kind.unwrap_or(match status { 400 => "BadRequestError", 404 => "NotFoundError", _ => "InternalServerError" }),
+                "param": null,
+                "code": status,
+            }),
+            Flavor::Ollama => json!({"error": {
+                "message": message,
+                "type": kind.unwrap_or("api_error"),
+                "param": null,
+                "code": code,
+            }}),
+        }
+    }
+
+    fn json_response(&self, status: u16, body: &Value, extra: &BTreeMap<String, String>) -> Response<RespBody> {
+        let mut b = Response::builder()
+            .status(status)
+            .header("content-type", "application/json");
+        b = self.standard_headers(b, status);
+        for (k, v) in extra {
+            b = b.header(k.as_str(), v.as_str());
+        }
+        b.body(full(body.to_string()))
+            .unwrap_or_else(|_| Response::new(full("{}")))
+    }
+
+    fn standard_headers(&self, mut b: hyper::http::response::Builder, status: u16) -> hyper::http::response::Builder {
+        if self.flavor == Flavor::Openai {
+            let remaining = if status == 429 { "0" } else { "9999" };
+            b = b
+                .header("x-request-id", format!("req_{:016x}", fastrand::u64(..)))
+                .header("openai-processing-ms", "1")
+                .header("x-ratelimit-limit-requests", "10000")
+                .header("x-ratelimit-remaining-requests", remaining)
+                .header("x-ratelimit-reset-requests", "6ms")
+                .header("x-ratelimit-limit-tokens", "200000")
+                .header("x-ratelimit-remaining-tokens", "199000")
+                .header("x-ratelimit-reset-tokens", "300ms");
+        }
+        b
+    }
+
+    fn error(&self, status: u16, message: &str, kind: Option<&str>, code: Option<&str>, extra: &BTreeMap<String, String>) -> Response<RespBody> {
+        let body = self.error_body(status, message, kind, code);
+        self.json_response(status, &body, extra)
+    }
+
+    pub async fn handle(self: Arc<Self>, kill: Arc<Notify>, req: Request<Incoming>) -> Response<RespBody> {
+        let path = req.uri().path().to_string();
+        let method = req.method().clone();
+        let key = req
+            .headers()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::to_string);
+        let bytes = match req.into_body().collect().await {
+            Ok(b) => b.to_bytes(),
+            Err(_) => Bytes::new(),
+        };
+        // Control plane for tests and rehearsals.
+        match (method.as_str(), path.as_str()) {
+            ("GET", "/__mock/stats") => {
+                let c = self.counters.lock().unwrap_or_else(|e| e.into_inner());
+                let v = json!({
+                    "requests": c.requests,
+                    "by_path": c.by_path,
+                    "rule_applied": c.rule_applied,
+                    "last_body": c.last_body,
+                    "key_tails": c.key_tails,
+                });
+                return self.json_response(200, &v, &BTreeMap::new());
+            }
+            ("POST", "/__mock/script") => {
+                return match parse_script(&String::from_utf8_lossy(&bytes)) {
+                    Ok(s) => {
+                        *self.script.lock().unwrap_or_else(|e| e.into_inner()) = s;
+                        *self.counters.lock().unwrap_or_else(|e| e.into_inner()) = Counters::default();
+                        self.json_response(200, &json!({"ok": true}), &BTreeMap::new())
+                    }
+                    Err(e) => self.error(400, &e, None, None, &BTreeMap::new()),
+                };
+            }
+            _ => {}
+        }
+        let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        {
+            let mut c = self.counters.lock().unwrap_or_else(|e| e.into_inner());
+            c.requests += 1;
+            *c.by_path.entry(path.clone()).or_default() += 1;
+            if !body.is_null() {
+                c.last_body = Some(body.clone());
+            }
+            if let Some(k) = &key {
+                let tail: String = k.chars().rev().take(4).collect::<Vec<_>>().into_iter().rev().collect();
+                c.key_tails.push(tail);
+            }
+        }
+        let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+        let model = body.get("model").and_then(Value::as_str).map(str::to_string);
+        let rule = self
+            .pick(&path, stream, key.as_deref(), model.as_deref())
+            .unwrap_or_default();
+        if let Some(d) = rule.delay {
+            tokio::time::sleep(d.0).await;
+        }
+        if rule.reset {
+            kill.notify_one();
+            std::future::pending::<()>().await;
+        }
+        if let Some(status) = rule.status {
+            if !(200..300).contains(&status) {
+                let mut headers = rule.headers.clone();
+                if status == 429 && !headers.keys().any(|k| k.eq_ignore_ascii_case("retry-after")) {
+                    headers.insert("retry-after".into(), "1".into());
+                }
+                if let Some(raw) = &rule.body {
+                    let mut b = Response::builder().status(status);
+                    for (k, v) in &headers {
+                        b = b.header(k.as_str(), v.as_str());
+                    }
+                    return b.body(full(raw.clone())).unwrap_or_else(|_| Response::new(full("")));
+                }
+                let msg = rule.error.clone().unwrap_or_else(|| default_message(status).into());
+                return self.error(status, &msg, rule.error_type.as_deref(), rule.error_code.as_deref(), &headers);
+            }
+        }
+        if let Some(raw) = &rule.body {
+            let mut b = Response::builder().status(rule.status.unwrap_or(200));
+            for (k, v) in &rule.headers {
+                b = b.header(k.as_str(), v.as_str());
+            }
+            return b.body(full(raw.clone())).unwrap_or_else(|_| Response::new(full("")));
+        }
+        let script = self.script();
+        if let Some(keys) = &script.keys {
+            if !key.as_ref().is_some_and(|k| keys.contains(k)) {
+                let shown = key.as_deref().map(mask).unwrap_or_default();
+                return self.error(
+                    401,
+                    &format!("Incorrect API key provided: {shown}. You can find your API key at https://platform.openai.com/account/api-keys."),
+                    Some("invalid_request_error"),
+                    Some("invalid_api_key"),
+                    &rule.headers,
+                );
+            }
+        }
+        if let Some(window) = script.context_window {
+            let chars = crate::wire::prompt_chars(body.as_object().unwrap_or(&serde_json::Map::new()));
+            let tokens = crate::wire::estimate_tokens(chars);
+            if tokens > window {
+                let msg = match self.flavor {
+                    Flavor::Ollama => "input length exceeds the context length".to_string(),
+                    _ => format!(
+                        "This model's maximum context length is {window} tokens. However, your messages resulted in {tokens} tokens. Please reduce the length of the messages."
+                    ),
+                };
+                return self.error(400, &msg, Some("invalid_request_error"), Some("context_length_exceeded"), &rule.headers);
+            }
+        }
+        let reply = rule
+            .reply
+            .clone()
+            .or(script.reply.clone())
+            .unwrap_or_else(|| format!("Hello from {}!", script.name.as_deref().unwrap_or("mock")));
+        let model = model.unwrap_or_else(|| "mock-model".into());
+        let chunk_delay = script.chunk_delay.map(|d| d.0).unwrap_or(Duration::ZERO);
+        match (method.as_str(), path.as_str(), self.flavor) {
+            ("GET", "/v1/models", _) => {
+                let v = json!({"object": "list", "data": [{"id": model, "object": "model", "created": 1700000000, "owned_by": "mock"}]});
+                self.json_response(200, &v, &rule.headers)
+            }
+            ("GET", "/health", Flavor::Vllm) => Response::builder().status(200).body(full("")).unwrap_or_else(|_| Response::new(full(""))),
+            ("GET", "/metrics", Flavor::Vllm) => Response::builder()
+                .status(200)
+                .header("content-type", "text/plain; version=0.0.4")
+                .body(full("# HELP vllm:num_requests_running Number of requests running.\n# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"mock\"} 0.0\nvllm:num_requests_waiting{model_name=\"mock\"} 0.0\nvllm:gpu_cache_usage_perc{model_name=\"mock\"} 0.1\n"))
+                .unwrap_or_else(|_| Response::new(full(""))),
+            ("GET", "/api/tags", Flavor::Ollama) => {
+                let v = json!({"models": [{"name": model, "model": model, "modified_at": "2024-01-01T00:00:00Z", "size": 1, "digest": "0", "details": {}}]});
+                self.json_response(200, &v, &rule.headers)
+            }
+            ("GET", "/api/ps", Flavor::Ollama) => self.json_response(200, &json!({"models": []}), &rule.headers),
+            ("GET", "/api/version", Flavor::Ollama) => self.json_response(200, &json!({"version": "0.5.0"}), &rule.headers),
+            ("POST", "/v1/chat/completions", _) => {
+                self.chat(&body, &model, &reply, &rule, stream, chunk_delay, kill)
+            }
+            ("POST", "/v1/completions", _) => {
+                self.completion(&body, &model, &reply, &rule, stream, chunk_delay, kill)
+            }
+            ("POST", "/v1/embeddings", _) => self.embeddings(&body, &model, &rule),
+            _ => self.error(404, &format!("Invalid URL ({method} {path})"), Some("invalid_request_error"), None, &BTreeMap::new()),
+        }
+    }
+
+    fn usage(&self, body: &Value, reply: &str) -> Value {
+        let prompt = crate::wire::estimate_tokens(crate::wire::prompt_chars(body.as_object().unwrap_or(&serde_json::Map::new()))).max(1);
+        let completion = words(reply);
+        json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn chat(&self, body: &Value, model: &str, reply: &str, rule: &Rule, stream: bool, chunk_delay: Duration, kill: Arc<Notify>) -> Response<RespBody> {
+        let id = format!("chatcmpl-{:024x}", fastrand::u128(..));
+        let created = now_secs();
+        let usage = self.usage(body, reply);
+        if !stream {
+            let message = match &rule.tool_call {
+                Some(name) => json!({"role": "assistant", "content": null, "refusal": null, "tool_calls": [{"id": format!("call_{:016x}", fastrand::u64(..)), "type": "function", "function": {"name": name, "arguments": "{\"city\":\"Paris\"}"}}]}),
+                None => json!({"role": "assistant", "content": reply, "refusal": null}),
+            };
+            let finish = if rule.tool_call.is_some() { "tool_calls" } else { "stop" };
+            let mut v = json!({
+                "id": id, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "message": message, "logprobs": null, "finish_reason": finish}],
+                "usage": usage, "system_fingerprint": "fp_mock",
+            });
+            if rule.no_usage {
+                v.as_object_mut().map(|o| o.remove("usage"));
+            }
+            return self.json_response(200, &v, &rule.headers);
+        }
+        let include_usage = body.pointer("/stream_options/include_usage").and_then(Value::as_bool).unwrap_or(false) && !rule.no_usage;
+        let chunk = |delta: Value, finish: Value| {
+            json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "system_fingerprint": "fp_mock",
+                   "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]})
+        };
+        let mut events = vec![chunk(json!({"role": "assistant", "content": "", "refusal": null}), Value::Null)];
+        let finish = if let Some(name) = &rule.tool_call {
+            events.push(chunk(json!({"tool_calls": [{"index": 0, "id": format!("call_{:016x}", fastrand::u64(..)), "type": "function", "function": {"name": name, "arguments": ""}}]}), Value::Null));
+            events.push(chunk(json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"city\":\"Paris\"}"}}]}), Value::Null));
+            "tool_calls"
+        } else {
+            for piece in split_words(reply) {
+                events.push(chunk(json!({"content": piece}), Value::Null));
+            }
+            "stop"
+        };
+        events.push(chunk(json!({}), json!(finish)));
+        if include_usage {
+            events.push(json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": usage}));
+        }
+        self.sse(events, rule, chunk_delay, kill)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn completion(&self, body: &Value, model: &str, reply: &str, rule: &Rule, stream: bool, chunk_delay: Duration, kill: Arc<Notify>) -> Response<RespBody> {
+        let id = format!("cmpl-{:024x}", fastrand::u128(..));
+        let created = now_secs();
+        if !stream {
+            let mut v = json!({"id": id, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"text": reply, "index": 0, "logprobs": null, "finish_reason": "stop"}], "usage": self.usage(body, reply)});
+            if rule.no_usage {
+                v.as_object_mut().map(|o| o.remove("usage"));
+            }
+            return self.json_response(200, &v, &rule.headers);
+        }
+        let mut events: Vec<Value> = split_words(reply)
+            .into_iter()
+            .map(|p| json!({"id": id, "object": "text_completion", "created": created, "model": model, "choices": [{"text": p, "index": 0, "logprobs": null, "finish_reason": null}]}))
+            .collect();
+        events.push(json!({"id": id, "object": "text_completion", "created": created, "model": model, "choices": [{"text": "", "index": 0, "logprobs": null, "finish_reason": "stop"}]}));
+        self.sse(events, rule, chunk_delay, kill)
+    }
+
+    fn embeddings(&self, body: &Value, model: &str, rule: &Rule) -> Response<RespBody> {
+        let inputs: Vec<String> = match body.get("input") {
+            Some(Value::String(s)) => vec![s.clone()],
+            Some(Value::Array(a)) => a.iter().map(|v| v.as_str().map(str::to_string).unwrap_or_else(|| v.to_string())).collect(),
+            _ => vec![],
+        };
+        let base64 = body.get("encoding_format").and_then(Value::as_str) == Some("base64");
+        let data: Vec<Value> = inputs
+            .iter()
+            .enumerate()
+            .map(|(i, text)| {
+                let vec = embed(text);
+                let embedding = if base64 {
+                    let bytes: Vec<u8> = vec.iter().flat_map(|f| f.to_le_bytes()).collect();
+                    json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+                } else {
+                    json!(vec)
+                };
+                json!({"object": "embedding", "index": i, "embedding": embedding})
+            })
+            .collect();
+        let tokens: u64 = inputs.iter().map(|t| words(t)).sum();
+        let v = json!({"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}});
+        self.json_response(200, &v, &rule.headers)
+    }
+
+    /// Sends events as SSE, misbehaving as the rule says.
+    fn sse(&self, events: Vec<Value>, rule: &Rule, chunk_delay: Duration, kill: Arc<Notify>) -> Response<RespBody> {
+        let (tx, rx) = mpsc::channel::<Bytes>(16);
+        let extra_headers = rule.headers.clone();
+        let rule = rule.clone();
+        let flavor = self.flavor;
+        tokio::spawn(async move {
+            // Content chunks sent so far (the role preamble does not count).
+            let mut sent_content = 0usize;
+            for (i, ev) in events.into_iter().enumerate() {
+                if i > 0 {
+                    if rule.stream_error_after == Some(sent_content) {
+                        let err = match flavor {
+                            Flavor::Vllm => json!({"object": "error", "message": "mock in-band error", "type": "InternalServerError", "param": null, "code": 500}),
+                            _ => json!({"error": {"message": "mock in-band error", "type": "server_error", "param": null, "code": null}}),
+                        };
+                        let _ = tx.send(Bytes::from(format!("data: {err}\n\n"))).await;
+                        return;
+                    }
+                    if rule.stall_after == Some(sent_content) {
+                        // Hold the connection open, silent, until the client gives up.
+                        let _ = tokio::time::timeout(Duration::from_secs(600), tx.closed()).await;
+                        return;
+                    }
+                    if rule.cut_after == Some(sent_content) {
+                        return;
+                    }
+                    if rule.reset_after == Some(sent_content) {
+                        kill.notify_one();
+                        return;
+                    }
+                    if !chunk_delay.is_zero() {
+                        tokio::time::sleep(chunk_delay).await;
+                    }
+                    sent_content += 1;
+                }
+                if tx.send(Bytes::from(format!("data: {ev}\n\n"))).await.is_err() {
+                    return;
+                }
+            }
+            let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+        });
+        let stream = tokio_stream::wrappers::ReceiverStream::new(rx).map(|b| Ok::<_, Infallible>(Frame::data(b)));
+        let mut b = Response::builder()
+            .status(200)
+            .header("content-type", "text/event-stream; charset=utf-8")
+            .header("cache-control", "no-cache");
+        b = self.standard_headers(b, 200);
+        for (k, v) in &extra_headers {
+            b = b.header(k.as_str(), v.as_str());
+        }
+        b.body(BodyExt::boxed(StreamBody::new(stream)))
+            .unwrap_or_else(|_| Response::new(full("")))
+    }
+}
+
+fn default_message(status: u16) -> &'static str {
+    match status {
+        400 => "Invalid request.",
+        401 => "Incorrect API key provided.",
+        403 => "You are not allowed to access this resource.",
+        404 => "The model does not exist or you do not have access to it.",
+        410 => "This model has been deprecated and is no longer available.",
+        429 => "Rate limit reached for requests. Please try again in 1s.",
+        500 => "The server had an error while processing your request. Sorry about that!",
+        502 => "Bad gateway.",
+        503 => "The engine is currently overloaded, please try again later.",
+        504 => "Gateway timeout.",
+        _ => "Mock error.",
+    }
+}
+
+/// Shows a key the way OpenAI does in its 401: first three and last four characters.
+fn mask(k: &str) -> String {
+    let chars: Vec<char> = k.chars().collect();
+    if chars.len() <= 8 {
+        return "****".into();
+    }
+    let head: String = chars[..3].iter().collect();
+    let tail: String = chars[chars.len() - 4..].iter().collect();
+    format!("{head}***{tail}")
+}
+
+fn split_words(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    for ch in text.chars() {
+        cur.push(ch);
+        if ch == ' ' {
+            out.push(std::mem::take(&mut cur));
+        }
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+/// A deterministic 8-dimensional unit vector from the text, so equal inputs embed equally.
+fn embed(text: &str) -> Vec<f32> {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut v = Vec::with_capacity(8);
+    for i in 0..8u64 {
+        for b in text.bytes().chain(i.to_le_bytes()) {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x100_0000_01b3);
+        }
+        v.push(((h >> 40) as f32 / (1u64 << 24) as f32) - 0.5);
+    }
+    let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-6);
+    v.iter().map(|x| x / norm).collect()
+}
+
+pub fn parse_script(text: &str) -> Result<Script, String> {
+    if text.trim().is_empty() {
+        return Ok(Script::default());
+    }
+    let de = serde_yaml_ng::Deserializer::from_str(text);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        format!("mock script at `{path}`: {}", e.into_inner())
+    })
+}
+
+/// Serves the mock on `listener` until `cancel`.
+pub async fn serve(listener: TcpListener, mock: Arc<Mock>, cancel: CancellationToken) {
+    loop {
+        let (stream, _) = tokio::select! {
+            _ = cancel.cancelled() => return,
+            r = listener.accept() => match r {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, "mock accept failed");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let mock = mock.clone();
+        let cancel = cancel.clone();
+        tokio::spawn(async move {
+            let kill = Arc::new(Notify::new());
+            let k = kill.clone();
+            let svc = hyper::service::service_fn(move |req| {
+                let m = mock.clone();
+                let k = k.clone();
+                async move { Ok::<_, Infallible>(m.handle(k, req).await) }
+            });
+            let conn = hyper::server::conn::http1::Builder::new()
+                .keep_alive(true)
+                .serve_connection(TokioIo::new(stream), svc);
+            // Dropping the connection future closes the socket: that is the "reset".
+            tokio::select! {
+                _ = conn => {}
+                _ = kill.notified() => {}
+                _ = cancel.cancelled() => {}
+            }
+        });
+    }
+}

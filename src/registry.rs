@@ -1,0 +1,400 @@
+//! Live per-endpoint state, keyed by endpoint name so it survives config reloads: outcome window,
+//! latency, cooldown, retirement, failed keys. Each endpoint's state sits behind its own short
+//! `std::sync::Mutex` (never held across an await). Transitions that matter to operators are sent
+//! to the audit store as `endpoint_events`.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, SystemTime};
+
+use serde_json::{Value, json};
+use tokio::time::Instant;
+
+use crate::config::{Config, Endpoint, Policy};
+use crate::stats::{Counts, Ewma, LatencySample, RollingWindow};
+use crate::store::{EndpointEvent, PersistedStats, StoreHandle};
+
+/// Recent latencies kept per endpoint for percentiles.
+const LATENCY_SAMPLES: usize = 512;
+
+/// Why an endpoint cannot take a request right now.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Avail {
+    Ready,
+    Cooldown(Duration),
+    Retired,
+    AuthFailed,
+}
+
+#[derive(Debug)]
+struct Retirement {
+    reason: String,
+    fingerprint: String,
+}
+
+#[derive(Debug)]
+pub struct EndpointRuntime {
+    window: RollingWindow,
+    latency: Ewma,
+    samples: LatencySample,
+    cooldown_until: Option<Instant>,
+    cooldown_reason: Option<String>,
+    retired: Option<Retirement>,
+    auth_failed: Option<String>,
+    dead_keys: BTreeSet<usize>,
+    key_cursor: usize,
+    last_error: Option<(String, SystemTime)>,
+    requests: u64,
+    successes: u64,
+    failures: u64,
+    tokens_in: u64,
+    tokens_out: u64,
+    tokens_estimated: u64,
+    fingerprint: String,
+}
+
+impl EndpointRuntime {
+    fn new(policy: &Policy, fingerprint: &str) -> Self {
+        EndpointRuntime {
+            window: RollingWindow::new(policy.window),
+            latency: Ewma::new(0.2),
+            samples: LatencySample::new(LATENCY_SAMPLES),
+            cooldown_until: None,
+            cooldown_reason: None,
+            retired: None,
+            auth_failed: None,
+            dead_keys: BTreeSet::new(),
+            key_cursor: 0,
+            last_error: None,
+            requests: 0,
+            successes: 0,
+            failures: 0,
+            tokens_in: 0,
+            tokens_out: 0,
+            tokens_estimated: 0,
+            fingerprint: fingerprint.to_string(),
+        }
+    }
+
+    pub fn avail(&self, now: Instant) -> Avail {
+        if self.retired.is_some() {
+            return Avail::Retired;
+        }
+        if self.auth_failed.is_some() {
+            return Avail::AuthFailed;
+        }
+        match self.cooldown_until {
+            Some(until) if until > now => Avail::Cooldown(until - now),
+            _ => Avail::Ready,
+        }
+    }
+
+    pub fn counts(&self, now: Instant) -> Counts {
+        self.window.counts(now)
+    }
+}
+
+/// All endpoints' live state.
+pub struct Registry {
+    map: RwLock<HashMap<String, Arc<Mutex<EndpointRuntime>>>>,
+    store: StoreHandle,
+}
+
+/// What one attempt's outcome does to the endpoint's state.
+#[derive(Debug, Clone)]
+pub enum Effect {
+    /// Served: counts as a success.
+    Success { latency_ms: f64 },
+    /// Counts against the endpoint (connect error, timeout, 5xx, broken stream).
+    Failure { class: &'static str, detail: String },
+    /// 429: no health penalty, but no traffic until the cooldown ends.
+    Cooldown { for_: Duration, detail: String },
+    /// 410: out of rotation until the config changes it or an operator clears it.
+    Retire { detail: String },
+    /// 401/403 with key `key`.
+    KeyRejected { key: usize, detail: String },
+}
+
+impl Registry {
+    pub fn new(store: StoreHandle) -> Self {
+        Registry {
+            map: RwLock::new(HashMap::new()),
+            store,
+        }
+    }
+
+    pub fn get(&self, name: &str) -> Option<Arc<Mutex<EndpointRuntime>>> {
+        self.map.read().ok()?.get(name).cloned()
+    }
+
+    /// Brings the registry in line with a new config: new endpoints get fresh state, removed
+    /// ones are dropped, and kept ones keep their stats. A retirement or auth failure made under
+    /// a different endpoint definition is lifted: the operator changed what the endpoint is.
+    pub fn sync(&self, cfg: &Config, persisted: &[PersistedStats]) {
+        let now = Instant::now();
+        let Ok(mut map) = self.map.write() else {
+            return;
+        };
+        map.retain(|name, _| cfg.endpoints.contains_key(name));
+        for (name, ep) in &cfg.endpoints {
+            let entry = map.entry(name.clone()).or_insert_with(|| {
+                let mut rt = EndpointRuntime::new(&cfg.policy, &ep.fingerprint);
+                if let Some(p) = persisted.iter().find(|p| &p.endpoint == name) {
+                    rt.latency = Ewma::seeded(0.2, p.ewma_latency_ms);
+                    rt.requests = p.requests;
+                    rt.successes = p.successes;
+                    rt.failures = p.failures;
+                    if let Some(reason) = &p.retired_reason {
+                        if p.retired_fingerprint.as_deref() == Some(ep.fingerprint.as_str()) {
+                            rt.retired = Some(Retirement {
+                                reason: reason.clone(),
+                                fingerprint: ep.fingerprint.clone(),
+                            });
+                        }
+                    }
+                }
+                Arc::new(Mutex::new(rt))
+            });
+            let mut rt = lock(entry);
+            rt.window.resize(cfg.policy.window, now);
+            if rt.fingerprint != ep.fingerprint {
+                rt.fingerprint = ep.fingerprint.clone();
+                rt.dead_keys.clear();
+                if rt.auth_failed.take().is_some() {
+                    self.event(name, "auth_cleared", "endpoint definition changed in the config");
+                }
+                if rt.retired.as_ref().is_some_and(|r| r.fingerprint != ep.fingerprint) {
+                    rt.retired = None;
+                    self.event(name, "unretired", "endpoint definition changed in the config");
+                    self.store.send_flag(name, None, None);
+                }
+            }
+        }
+    }
+
+    fn event(&self, endpoint: &str, event: &str, reason: &str) {
+        tracing::info!(endpoint, event, reason, "endpoint event");
+        self.store.send(crate::store::Record::Event(EndpointEvent {
+            ts: SystemTime::now(),
+            endpoint: endpoint.to_string(),
+            event: event.to_string(),
+            reason: reason.to_string(),
+        }));
+    }
+
+    /// Picks the key index to use for the next call: round-robin over keys that resolved and
+    /// have not been rejected. `Ok(None)` when the endpoint needs no key.
+    pub fn pick_key(&self, ep: &Endpoint) -> Result<Option<usize>, ()> {
+        if !ep.needs_key() {
+            return Ok(None);
+        }
+        let Some(rt) = self.get(&ep.name) else {
+            return Err(());
+        };
+        let mut rt = lock(&rt);
+        let n = ep.keys.len();
+        for step in 0..n {
+            let i = (rt.key_cursor + step) % n;
+            if ep.keys[i].value.is_some() && !rt.dead_keys.contains(&i) {
+                rt.key_cursor = (i + 1) % n;
+                return Ok(Some(i));
+            }
+        }
+        Err(())
+    }
+
+    /// Applies an attempt's outcome. Returns true when the endpoint has another key to try.
+    pub fn apply(&self, ep: &Endpoint, policy: &Policy, effect: Effect) -> bool {
+        let Some(rt) = self.get(&ep.name) else {
+            return false;
+        };
+        let now = Instant::now();
+        let mut rt = lock(&rt);
+        match effect {
+            Effect::Success { latency_ms } => {
+                rt.window.record(now, true);
+                rt.latency.observe(latency_ms);
+                rt.samples.push(latency_ms);
+                rt.requests += 1;
+                rt.successes += 1;
+                false
+            }
+            Effect::Failure { class, detail } => {
+                rt.window.record(now, false);
+                rt.requests += 1;
+                rt.failures += 1;
+                rt.last_error = Some((format!("{class}: {detail}"), SystemTime::now()));
+                false
+            }
+            Effect::Cooldown { for_, detail } => {
+                let until = now + for_;
+                rt.cooldown_until = Some(rt.cooldown_until.map_or(until, |u| u.max(until)));
+                rt.cooldown_reason = Some(detail.clone());
+                rt.last_error = Some((format!("rate_limited: {detail}"), SystemTime::now()));
+                drop(rt);
+                self.event(
+                    &ep.name,
+                    "cooldown",
+                    &format!("{detail}; cooling down for {}ms", for_.as_millis()),
+                );
+                false
+            }
+            Effect::Retire { detail } => {
+                rt.retired = Some(Retirement {
+                    reason: detail.clone(),
+                    fingerprint: ep.fingerprint.clone(),
+                });
+                rt.last_error = Some((format!("gone: {detail}"), SystemTime::now()));
+                drop(rt);
+                self.store
+                    .send_flag(&ep.name, Some(&detail), Some(&ep.fingerprint));
+                self.event(&ep.name, "retired", &detail);
+                false
+            }
+            Effect::KeyRejected { key, detail } => {
+                rt.dead_keys.insert(key);
+                rt.last_error = Some((format!("auth: {detail}"), SystemTime::now()));
+                let left = (0..ep.keys.len())
+                    .any(|i| ep.keys[i].value.is_some() && !rt.dead_keys.contains(&i));
+                if left {
+                    drop(rt);
+                    self.event(
+                        &ep.name,
+                        "key_rejected",
+                        &format!("key #{} rejected ({detail}); rotating to the next key", key + 1),
+                    );
+                } else {
+                    rt.auth_failed = Some(detail.clone());
+                    drop(rt);
+                    self.event(&ep.name, "auth_failed", &detail);
+                }
+                let _ = policy;
+                left
+            }
+        }
+    }
+
+    pub fn record_tokens(&self, endpoint: &str, tokens_in: u64, tokens_out: u64, estimated: bool) {
+        if let Some(rt) = self.get(endpoint) {
+            let mut rt = lock(&rt);
+            rt.tokens_in += tokens_in;
+            rt.tokens_out += tokens_out;
+            if estimated {
+                rt.tokens_estimated += tokens_in + tokens_out;
+            }
+        }
+    }
+
+    /// Lifts retirement, auth failure, cooldown and rejected keys (operator's `endpoint clear`).
+    pub fn clear(&self, name: &str) -> bool {
+        let Some(rt) = self.get(name) else {
+            return false;
+        };
+        {
+            let mut rt = lock(&rt);
+            rt.retired = None;
+            rt.auth_failed = None;
+            rt.cooldown_until = None;
+            rt.cooldown_reason = None;
+            rt.dead_keys.clear();
+        }
+        self.store.send_flag(name, None, None);
+        self.event(name, "cleared", "cleared by operator");
+        true
+    }
+
+    pub fn with<R>(&self, name: &str, f: impl FnOnce(&EndpointRuntime) -> R) -> Option<R> {
+        let rt = self.get(name)?;
+        let g = lock(&rt);
+        Some(f(&g))
+    }
+
+    /// Rows for the periodic stats snapshot in SQLite.
+    pub fn snapshot(&self) -> Vec<PersistedStats> {
+        let Ok(map) = self.map.read() else {
+            return vec![];
+        };
+        map.iter()
+            .map(|(name, rt)| {
+                let rt = lock(rt);
+                PersistedStats {
+                    endpoint: name.clone(),
+                    requests: rt.requests,
+                    successes: rt.successes,
+                    failures: rt.failures,
+                    ewma_latency_ms: rt.latency.get(),
+                    retired_reason: rt.retired.as_ref().map(|r| r.reason.clone()),
+                    retired_fingerprint: rt.retired.as_ref().map(|r| r.fingerprint.clone()),
+                }
+            })
+            .collect()
+    }
+
+    /// The `/status` view of one endpoint.
+    pub fn status_json(&self, ep: &Endpoint, policy: &Policy) -> Value {
+        let now = Instant::now();
+        let Some(rt) = self.get(&ep.name) else {
+            return json!({"state": "unknown"});
+        };
+        let rt = lock(&rt);
+        let counts = rt.window.counts(now);
+        let rate = counts.rate(policy.min_samples);
+        let avail = rt.avail(now);
+        let usable_keys = (0..ep.keys.len())
+            .filter(|i| ep.keys[*i].value.is_some() && !rt.dead_keys.contains(i))
+            .count();
+        let state = match &avail {
+            Avail::Retired => "retired",
+            Avail::AuthFailed => "auth_failed",
+            Avail::Cooldown(_) => "cooldown",
+            Avail::Ready if ep.needs_key() && usable_keys == 0 => "auth_failed",
+            Avail::Ready if rate.is_some_and(|r| r < policy.success_threshold) => "degraded",
+            Avail::Ready => "healthy",
+        };
+        let pct = rt.samples.percentiles(&[50.0, 95.0, 99.0]);
+        let cooldown_ms = match avail {
+            Avail::Cooldown(d) => d.as_millis() as u64,
+            _ => 0,
+        };
+        json!({
+            "type": ep.kind.to_string(),
+            "state": state,
+            "success_rate": rate,
+            "window": {
+                "seconds": rt.window.window().as_secs_f64(),
+                "ok": counts.ok,
+                "failed": counts.failed,
+            },
+            "latency_ms": {
+                "ewma": rt.latency.get(),
+                "p50": pct[0],
+                "p95": pct[1],
+                "p99": pct[2],
+            },
+            "last_error": rt.last_error.as_ref().map(|(m, t)| json!({
+                "message": m,
+                "at_unix_ms": t.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
+            })),
+            "cooldown_remaining_ms": cooldown_ms,
+            "cooldown_reason": if cooldown_ms > 0 { rt.cooldown_reason.clone() } else { None },
+            "retired_reason": rt.retired.as_ref().map(|r| r.reason.clone()),
+            "auth_failed": rt.auth_failed.clone(),
+            "keys": { "configured": ep.keys.len(), "usable": usable_keys },
+            "context_window": ep.context_window,
+            "totals": {
+                "requests": rt.requests,
+                "successes": rt.successes,
+                "failures": rt.failures,
+                "tokens_in": rt.tokens_in,
+                "tokens_out": rt.tokens_out,
+                "tokens_estimated": rt.tokens_estimated,
+            },
+        })
+    }
+}
+
+/// Locks an endpoint's state. A poisoned lock (a panic while held) still holds consistent
+/// counters, so it is used rather than propagating the panic to every later request.
+pub fn lock(m: &Mutex<EndpointRuntime>) -> std::sync::MutexGuard<'_, EndpointRuntime> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}

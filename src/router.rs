@@ -1,0 +1,178 @@
+//! Pure ranking: given a chain and each endpoint's current view, which endpoints to try and in
+//! what order, and why the others were skipped. No I/O, no clock: the caller passes the views.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use crate::config::Capability;
+use crate::registry::Avail;
+
+/// What the ranking needs to know about one endpoint.
+#[derive(Clone, Debug)]
+pub struct View {
+    pub name: String,
+    pub avail: Avail,
+    /// Success rate over the window, `None` until enough samples exist.
+    pub success_rate: Option<f64>,
+    pub capabilities: BTreeSet<Capability>,
+    /// Configured keys exist but none is usable (unset env var, all rejected).
+    pub no_usable_key: bool,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Skip {
+    Retired,
+    AuthFailed,
+    Cooldown(Duration),
+    MissingCapability(Capability),
+}
+
+impl Skip {
+    /// The error class recorded for the skip in the attempts list.
+    pub fn class(&self) -> &'static str {
+        match self {
+            Skip::Retired => "skipped_retired",
+            Skip::AuthFailed => "skipped_auth_failed",
+            Skip::Cooldown(_) => "skipped_cooldown",
+            Skip::MissingCapability(_) => "skipped_capability",
+        }
+    }
+    pub fn detail(&self) -> String {
+        match self {
+            Skip::Retired => "endpoint is retired (410 Gone)".into(),
+            Skip::AuthFailed => "no usable API key".into(),
+            Skip::Cooldown(d) => format!("cooling down for {}ms more", d.as_millis()),
+            Skip::MissingCapability(c) => {
+                format!("endpoint lacks the {c:?} capability").to_lowercase()
+            }
+        }
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct Plan {
+    /// Endpoints to try, in order.
+    pub order: Vec<String>,
+    pub skipped: Vec<(String, Skip)>,
+    /// Endpoints moved behind the healthy ones for a success rate under the threshold.
+    pub demoted: Vec<String>,
+}
+
+impl Plan {
+    /// The shortest remaining cooldown among skipped endpoints, for `max_wait`.
+    pub fn soonest_cooldown(&self) -> Option<Duration> {
+        self.skipped
+            .iter()
+            .filter_map(|(_, s)| match s {
+                Skip::Cooldown(d) => Some(*d),
+                _ => None,
+            })
+            .min()
+    }
+}
+
+/// Ranks `chain`: unusable endpoints are skipped; the rest keep chain order, except that those
+/// whose success rate is below `threshold` go behind the healthy ones (keeping their relative
+/// order). A demoted endpoint is still tried: a degraded backend beats none.
+pub fn rank(chain: &[String], views: &[View], needs: &BTreeSet<Capability>, threshold: f64) -> Plan {
+    let mut plan = Plan::default();
+    let mut healthy = Vec::new();
+    let mut demoted = Vec::new();
+    for name in chain {
+        let Some(v) = views.iter().find(|v| &v.name == name) else {
+            continue;
+        };
+        if let Some(missing) = needs.iter().find(|c| !v.capabilities.contains(c)) {
+            plan.skipped
+                .push((name.clone(), Skip::MissingCapability(*missing)));
+            continue;
+        }
+        match &v.avail {
+            Avail::Retired => plan.skipped.push((name.clone(), Skip::Retired)),
+            Avail::AuthFailed => plan.skipped.push((name.clone(), Skip::AuthFailed)),
+            Avail::Cooldown(d) => plan.skipped.push((name.clone(), Skip::Cooldown(*d))),
+            Avail::Ready if v.no_usable_key => {
+                plan.skipped.push((name.clone(), Skip::AuthFailed))
+            }
+            Avail::Ready => {
+                if v.success_rate.is_some_and(|r| r < threshold) {
+                    demoted.push(name.clone());
+                } else {
+                    healthy.push(name.clone());
+                }
+            }
+        }
+    }
+    plan.order = healthy;
+    plan.order.extend(demoted.iter().cloned());
+    plan.demoted = demoted;
+    plan
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(name: &str, avail: Avail, rate: Option<f64>) -> View {
+        View {
+            name: name.into(),
+            avail,
+            success_rate: rate,
+            capabilities: [Capability::Chat, Capability::Tools].into(),
+            no_usable_key: false,
+        }
+    }
+
+    fn chain(names: &[&str]) -> Vec<String> {
+        names.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn keeps_chain_order_when_healthy() {
+        let views = vec![
+            view("a", Avail::Ready, Some(0.99)),
+            view("b", Avail::Ready, None),
+            view("c", Avail::Ready, Some(0.9)),
+        ];
+        let p = rank(&chain(&["c", "a", "b"]), &views, &BTreeSet::new(), 0.85);
+        assert_eq!(p.order, chain(&["c", "a", "b"]));
+    }
+
+    #[test]
+    fn demotes_below_threshold_behind_healthy() {
+        let views = vec![
+            view("a", Avail::Ready, Some(0.5)),
+            view("b", Avail::Ready, Some(0.6)),
+            view("c", Avail::Ready, Some(0.95)),
+        ];
+        let p = rank(&chain(&["a", "b", "c"]), &views, &BTreeSet::new(), 0.85);
+        assert_eq!(p.order, chain(&["c", "a", "b"]));
+        assert_eq!(p.demoted, chain(&["a", "b"]));
+    }
+
+    #[test]
+    fn skips_unusable_and_missing_capabilities() {
+        let mut vision = view("v", Avail::Ready, None);
+        vision.capabilities.insert(Capability::Vision);
+        let mut nokey = view("k", Avail::Ready, None);
+        nokey.no_usable_key = true;
+        let views = vec![
+            view("r", Avail::Retired, None),
+            view("cd", Avail::Cooldown(Duration::from_secs(3)), None),
+            view("plain", Avail::Ready, None),
+            vision,
+            nokey,
+        ];
+        let needs: BTreeSet<_> = [Capability::Vision].into();
+        let p = rank(&chain(&["r", "cd", "plain", "v", "k"]), &views, &needs, 0.85);
+        assert_eq!(p.order, chain(&["v"]));
+        assert_eq!(p.skipped.len(), 4);
+        assert_eq!(
+            p.skipped[2],
+            ("plain".to_string(), Skip::MissingCapability(Capability::Vision))
+        );
+        let p = rank(&chain(&["r", "cd"]), &views, &BTreeSet::new(), 0.85);
+        assert!(p.order.is_empty());
+        assert_eq!(p.soonest_cooldown(), Some(Duration::from_secs(3)));
+    }
+}

@@ -1,0 +1,140 @@
+//! Starting and stopping a gateway: opens the store, builds state, starts the named background
+//! tasks (config watcher, stats persister), serves until told to stop, then drains in order —
+//! in-flight requests, background tasks, and finally the audit queue.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+use crate::state::AppState;
+use crate::store::{Record, Store};
+
+/// How often endpoint stats are written to SQLite: often enough that a crash loses little,
+/// rarely enough to cost nothing.
+const STATS_PERSIST_EVERY: Duration = Duration::from_secs(10);
+
+pub struct GatewayOptions {
+    pub config: Config,
+    pub config_path: Option<PathBuf>,
+    pub data_dir: PathBuf,
+    pub listener: TcpListener,
+    /// Watch `config_path` for changes (and SIGHUP).
+    pub watch: bool,
+}
+
+/// A running gateway. Dropping it does not stop it; call [`Gateway::shutdown`].
+pub struct Gateway {
+    pub addr: SocketAddr,
+    pub state: Arc<AppState>,
+    cancel: CancellationToken,
+    server: tokio::task::JoinHandle<()>,
+    tasks: JoinSet<()>,
+    store: Option<Store>,
+}
+
+impl Gateway {
+    pub async fn start(opts: GatewayOptions) -> anyhow::Result<Gateway> {
+        let opened = Store::open(&opts.data_dir, opts.config.audit_queue)?;
+        for w in &opts.config.warnings {
+            tracing::warn!(warning = %w, "config warning");
+        }
+        let grace = opts.config.shutdown_grace;
+        let state = AppState::new(
+            opts.config,
+            opened.store.handle(),
+            opts.config_path.clone(),
+            &opened.persisted,
+        );
+        let addr = opts.listener.local_addr()?;
+        let cancel = CancellationToken::new();
+        let mut tasks = JoinSet::new();
+
+        if opts.watch {
+            if let Some(path) = opts.config_path.clone() {
+                let st = state.clone();
+                let c = cancel.clone();
+                tasks.spawn(async move {
+                    if let Err(e) = crate::config::reload::watch(st, path, c).await {
+                        tracing::error!(error = %e, "config watcher stopped");
+                    }
+                });
+            }
+        }
+        {
+            let st = state.clone();
+            let c = cancel.clone();
+            tasks.spawn(async move {
+                let mut tick = tokio::time::interval(STATS_PERSIST_EVERY);
+                tick.tick().await;
+                loop {
+                    tokio::select! {
+                        _ = c.cancelled() => break,
+                        _ = tick.tick() => st.store.send(Record::Stats(st.registry.snapshot())),
+                    }
+                }
+            });
+        }
+
+        let app = crate::http::router(state.clone());
+        let c = cancel.clone();
+        let server = tokio::spawn(async move {
+            let serve = axum::serve(
+                opts.listener,
+                app.into_make_service_with_connect_info::<SocketAddr>(),
+            )
+            .with_graceful_shutdown(async move { c.cancelled().await });
+            // Bound the drain: a client holding a stream open must not block shutdown forever.
+            let drained = tokio::time::timeout(grace + Duration::from_secs(1), async {
+                if let Err(e) = serve.await {
+                    tracing::error!(error = %e, "server error");
+                }
+            });
+            if drained.await.is_err() {
+                tracing::warn!("in-flight requests did not finish within shutdown_grace");
+            }
+        });
+        tracing::info!(%addr, "autohedge listening");
+        Ok(Gateway {
+            addr,
+            state,
+            cancel,
+            server,
+            tasks,
+            store: Some(opened.store),
+        })
+    }
+
+    /// A token that stops the gateway when cancelled.
+    pub fn cancel_token(&self) -> CancellationToken {
+        self.cancel.clone()
+    }
+
+    /// Stops accepting, lets in-flight requests finish, stops background tasks, persists stats
+    /// and drains the audit queue.
+    pub async fn shutdown(mut self) {
+        self.cancel.cancel();
+        let _ = (&mut self.server).await;
+        while self.tasks.join_next().await.is_some() {}
+        self.state
+            .store
+            .send(Record::Stats(self.state.registry.snapshot()));
+        if let Some(store) = self.store.take() {
+            tokio::task::spawn_blocking(move || store.close())
+                .await
+                .ok();
+        }
+        tracing::info!("autohedge stopped; audit queue drained");
+    }
+
+    /// Waits until the gateway is cancelled (by a signal handler or a caller), then shuts down.
+    pub async fn run_until_cancelled(self) {
+        self.cancel.cancelled().await;
+        self.shutdown().await;
+    }
+}

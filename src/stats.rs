@@ -1,0 +1,214 @@
+//! Small pure types for per-endpoint statistics: a time-bucketed rolling window of outcomes, an
+//! EWMA of latency, and a bounded sample of recent latencies for percentiles. Time is always passed
+//! in, so tests drive them with `tokio::time::pause()`.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// The window is split into this many buckets. Twelve keeps the error of "what fell out of the
+/// window" under 1/12 of its length while costing a dozen counters per endpoint.
+const BUCKETS: u32 = 12;
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counts {
+    pub ok: u64,
+    pub failed: u64,
+}
+
+impl Counts {
+    pub fn total(&self) -> u64 {
+        self.ok + self.failed
+    }
+    /// Success rate, or `None` when there are fewer than `min_samples` outcomes: a ratio over
+    /// two requests says nothing, and demoting on it would make routing flap.
+    pub fn rate(&self, min_samples: u32) -> Option<f64> {
+        let total = self.total();
+        if total == 0 || total < u64::from(min_samples) {
+            None
+        } else {
+            Some(self.ok as f64 / total as f64)
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct RollingWindow {
+    window: Duration,
+    width: Duration,
+    buckets: VecDeque<(Instant, Counts)>,
+}
+
+impl RollingWindow {
+    pub fn new(window: Duration) -> Self {
+        let window = window.max(Duration::from_millis(BUCKETS as u64));
+        RollingWindow {
+            window,
+            width: window / BUCKETS,
+            buckets: VecDeque::with_capacity(BUCKETS as usize + 1),
+        }
+    }
+
+    pub fn window(&self) -> Duration {
+        self.window
+    }
+
+    /// Changes the window length (a reload changed `routing_policy.window`), keeping what fits.
+    pub fn resize(&mut self, window: Duration, now: Instant) {
+        if window != self.window {
+            let old = std::mem::take(&mut self.buckets);
+            *self = RollingWindow::new(window);
+            self.buckets = old;
+            self.prune(now);
+        }
+    }
+
+    fn prune(&mut self, now: Instant) {
+        while let Some((start, _)) = self.buckets.front() {
+            if now.saturating_duration_since(*start) >= self.window {
+                self.buckets.pop_front();
+            } else {
+                break;
+            }
+        }
+    }
+
+    pub fn record(&mut self, now: Instant, ok: bool) {
+        self.prune(now);
+        let fresh = match self.buckets.back() {
+            Some((start, _)) => now.saturating_duration_since(*start) >= self.width,
+            None => true,
+        };
+        if fresh {
+            self.buckets.push_back((now, Counts::default()));
+        }
+        if let Some((_, c)) = self.buckets.back_mut() {
+            if ok {
+                c.ok += 1;
+            } else {
+                c.failed += 1;
+            }
+        }
+    }
+
+    pub fn counts(&self, now: Instant) -> Counts {
+        let mut sum = Counts::default();
+        for (start, c) in &self.buckets {
+            if now.saturating_duration_since(*start) < self.window {
+                sum.ok += c.ok;
+                sum.failed += c.failed;
+            }
+        }
+        sum
+    }
+}
+
+/// Exponentially weighted moving average. `alpha` 0.2 weighs roughly the last ten samples.
+#[derive(Clone, Copy, Debug)]
+pub struct Ewma {
+    alpha: f64,
+    value: Option<f64>,
+}
+
+impl Ewma {
+    pub fn new(alpha: f64) -> Self {
+        Ewma { alpha, value: None }
+    }
+    pub fn seeded(alpha: f64, value: Option<f64>) -> Self {
+        Ewma { alpha, value }
+    }
+    pub fn observe(&mut self, x: f64) {
+        self.value = Some(match self.value {
+            None => x,
+            Some(v) => v + self.alpha * (x - v),
+        });
+    }
+    pub fn get(&self) -> Option<f64> {
+        self.value
+    }
+}
+
+/// The last `cap` latency samples, for percentiles in `/status`.
+#[derive(Clone, Debug)]
+pub struct LatencySample {
+    cap: usize,
+    samples: VecDeque<f64>,
+}
+
+impl LatencySample {
+    pub fn new(cap: usize) -> Self {
+        LatencySample {
+            cap: cap.max(1),
+            samples: VecDeque::with_capacity(cap.max(1)),
+        }
+    }
+    pub fn push(&mut self, ms: f64) {
+        if self.samples.len() == self.cap {
+            self.samples.pop_front();
+        }
+        self.samples.push_back(ms);
+    }
+    /// Percentiles (0..=100) by nearest rank; `None` with no samples.
+    pub fn percentiles(&self, ps: &[f64]) -> Vec<Option<f64>> {
+        let mut sorted: Vec<f64> = self.samples.iter().copied().collect();
+        sorted.sort_by(f64::total_cmp);
+        ps.iter().map(|p| percentile_sorted(&sorted, *p)).collect()
+    }
+}
+
+/// Nearest-rank percentile of an ascending slice.
+pub fn percentile_sorted(sorted: &[f64], p: f64) -> Option<f64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    Some(sorted[rank.clamp(1, sorted.len()) - 1])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn window_forgets_old_outcomes() {
+        let mut w = RollingWindow::new(Duration::from_secs(60));
+        let t0 = Instant::now();
+        for _ in 0..5 {
+            w.record(t0, false);
+        }
+        tokio::time::advance(Duration::from_secs(30)).await;
+        for _ in 0..5 {
+            w.record(Instant::now(), true);
+        }
+        assert_eq!(w.counts(Instant::now()), Counts { ok: 5, failed: 5 });
+        tokio::time::advance(Duration::from_secs(31)).await;
+        assert_eq!(w.counts(Instant::now()), Counts { ok: 5, failed: 0 });
+        tokio::time::advance(Duration::from_secs(60)).await;
+        assert_eq!(w.counts(Instant::now()).total(), 0);
+    }
+
+    #[test]
+    fn rate_needs_min_samples() {
+        let c = Counts { ok: 1, failed: 1 };
+        assert_eq!(c.rate(10), None);
+        assert_eq!(c.rate(2), Some(0.5));
+    }
+
+    #[test]
+    fn ewma_and_percentiles() {
+        let mut e = Ewma::new(0.5);
+        e.observe(10.0);
+        e.observe(20.0);
+        assert_eq!(e.get(), Some(15.0));
+        let mut s = LatencySample::new(100);
+        for i in 1..=100 {
+            s.push(i as f64);
+        }
+        assert_eq!(
+            s.percentiles(&[50.0, 95.0, 99.0]),
+            vec![Some(50.0), Some(95.0), Some(99.0)]
+        );
+        assert_eq!(percentile_sorted(&[], 50.0), None);
+    }
+}

@@ -1,0 +1,621 @@
+//! The audit trail and persisted endpoint state, in SQLite (WAL). One writer owns the connection
+//! on its own OS thread behind a bounded queue: the request path only ever does a non-blocking
+//! `try_send`, and a full queue or a failing disk drops records with a counter and a warning
+//! instead of stalling or failing requests. Reads for the CLI open their own connection.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use rusqlite::{Connection, OptionalExtension, params};
+
+/// Migrations, applied in order; `PRAGMA user_version` holds how many have run.
+const MIGRATIONS: &[&str] = &[
+    // 1: the audit trail and endpoint state.
+    r#"
+    CREATE TABLE requests (
+        id INTEGER PRIMARY KEY,
+        request_id TEXT NOT NULL,
+        ts_ms INTEGER NOT NULL,
+        operation TEXT NOT NULL,
+        requested_model TEXT,
+        endpoint TEXT,
+        status INTEGER NOT NULL,
+        error_class TEXT,
+        stream INTEGER NOT NULL DEFAULT 0,
+        latency_ms REAL NOT NULL,
+        ttft_ms REAL,
+        tokens_in INTEGER,
+        tokens_out INTEGER,
+        tokens_estimated INTEGER NOT NULL DEFAULT 0,
+        cost_usd REAL,
+        attempts INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE INDEX requests_ts ON requests(ts_ms);
+    CREATE INDEX requests_request_id ON requests(request_id);
+    CREATE TABLE attempts (
+        id INTEGER PRIMARY KEY,
+        request_id TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        ts_ms INTEGER NOT NULL,
+        endpoint TEXT NOT NULL,
+        class TEXT NOT NULL,
+        status INTEGER,
+        error TEXT,
+        latency_ms REAL NOT NULL
+    );
+    CREATE INDEX attempts_request_id ON attempts(request_id);
+    CREATE INDEX attempts_ts ON attempts(ts_ms);
+    CREATE TABLE endpoint_events (
+        id INTEGER PRIMARY KEY,
+        ts_ms INTEGER NOT NULL,
+        endpoint TEXT NOT NULL,
+        event TEXT NOT NULL,
+        reason TEXT NOT NULL
+    );
+    CREATE INDEX endpoint_events_endpoint ON endpoint_events(endpoint, ts_ms);
+    CREATE TABLE endpoint_state (
+        endpoint TEXT PRIMARY KEY,
+        requests INTEGER NOT NULL DEFAULT 0,
+        successes INTEGER NOT NULL DEFAULT 0,
+        failures INTEGER NOT NULL DEFAULT 0,
+        ewma_latency_ms REAL,
+        retired_reason TEXT,
+        retired_fingerprint TEXT,
+        updated_ms INTEGER NOT NULL
+    );
+    "#,
+];
+
+/// How many records the writer commits in one transaction at most. Batching turns a burst of
+/// small inserts into one fsync.
+const BATCH: usize = 512;
+
+pub fn db_path(data_dir: &Path) -> PathBuf {
+    data_dir.join("autohedge.db")
+}
+
+fn ms(t: SystemTime) -> i64 {
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+#[derive(Debug, Clone)]
+pub struct AttemptRow {
+    pub seq: u32,
+    pub endpoint: String,
+    pub class: String,
+    pub status: Option<u16>,
+    /// Already redacted: never contains a key.
+    pub error: Option<String>,
+    pub latency_ms: f64,
+}
+
+#[derive(Debug, Clone)]
+pub struct RequestRow {
+    pub request_id: String,
+    pub ts: SystemTime,
+    pub operation: &'static str,
+    pub requested_model: Option<String>,
+    pub endpoint: Option<String>,
+    pub status: u16,
+    pub error_class: Option<String>,
+    pub stream: bool,
+    pub latency_ms: f64,
+    pub ttft_ms: Option<f64>,
+    pub tokens_in: Option<u64>,
+    pub tokens_out: Option<u64>,
+    pub tokens_estimated: bool,
+    pub cost_usd: Option<f64>,
+    pub attempts: Vec<AttemptRow>,
+}
+
+#[derive(Debug, Clone)]
+pub struct EndpointEvent {
+    pub ts: SystemTime,
+    pub endpoint: String,
+    pub event: String,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct PersistedStats {
+    pub endpoint: String,
+    pub requests: u64,
+    pub successes: u64,
+    pub failures: u64,
+    pub ewma_latency_ms: Option<f64>,
+    pub retired_reason: Option<String>,
+    pub retired_fingerprint: Option<String>,
+}
+
+pub enum Record {
+    Request(Box<RequestRow>),
+    Event(EndpointEvent),
+    /// Sets (`Some`) or clears (`None`) an endpoint's persisted retirement.
+    Retired {
+        endpoint: String,
+        reason: Option<String>,
+        fingerprint: Option<String>,
+    },
+    Stats(Vec<PersistedStats>),
+    /// Replies once everything queued before it is committed.
+    Flush(std::sync::mpsc::Sender<()>),
+}
+
+/// The request path's side of the store: cheap to clone, never blocks.
+#[derive(Clone)]
+pub struct StoreHandle {
+    tx: SyncSender<Record>,
+    dropped: Arc<AtomicU64>,
+    written: Arc<AtomicU64>,
+}
+
+impl StoreHandle {
+    /// Queues a record. A full queue drops it and counts the drop.
+    pub fn send(&self, r: Record) {
+        match self.tx.try_send(r) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
+                let n = self.dropped.fetch_add(1, Ordering::Relaxed) + 1;
+                // Warn on the first drop and then every thousandth: a storm of warnings would
+                // itself become the stall we are avoiding.
+                if n == 1 || n % 1000 == 0 {
+                    tracing::warn!(dropped_total = n, "audit queue full or closed: record dropped");
+                }
+            }
+        }
+    }
+
+    pub fn send_flag(&self, endpoint: &str, reason: Option<&str>, fingerprint: Option<&str>) {
+        self.send(Record::Retired {
+            endpoint: endpoint.to_string(),
+            reason: reason.map(str::to_string),
+            fingerprint: fingerprint.map(str::to_string),
+        });
+    }
+
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
+    }
+
+    pub fn written(&self) -> u64 {
+        self.written.load(Ordering::Relaxed)
+    }
+
+    /// Waits (blocking) until everything queued so far is on disk, or `timeout`.
+    pub fn flush_blocking(&self, timeout: Duration) -> bool {
+        let (tx, rx) = std::sync::mpsc::channel();
+        if self.tx.send(Record::Flush(tx)).is_err() {
+            return false;
+        }
+        rx.recv_timeout(timeout).is_ok()
+    }
+}
+
+/// The writer thread. Dropping every `StoreHandle` and calling [`Store::close`] drains the queue.
+pub struct Store {
+    handle: StoreHandle,
+    thread: Option<JoinHandle<()>>,
+}
+
+pub struct Opened {
+    pub store: Store,
+    pub persisted: Vec<PersistedStats>,
+}
+
+pub fn open_connection(path: &Path) -> rusqlite::Result<Connection> {
+    let conn = Connection::open(path)?;
+    conn.busy_timeout(Duration::from_secs(5))?;
+    conn.pragma_update(None, "journal_mode", "WAL")?;
+    conn.pragma_update(None, "synchronous", "NORMAL")?;
+    migrate(&conn)?;
+    Ok(conn)
+}
+
+fn migrate(conn: &Connection) -> rusqlite::Result<()> {
+    let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
+    for (i, sql) in MIGRATIONS.iter().enumerate().skip(version.max(0) as usize) {
+        let tx = conn.unchecked_transaction()?;
+        tx.execute_batch(sql)?;
+        tx.pragma_update(None, "user_version", (i + 1) as i64)?;
+        tx.commit()?;
+    }
+    Ok(())
+}
+
+impl Store {
+    /// Opens (creating) `<data_dir>/autohedge.db`, reads persisted endpoint state, and starts the
+    /// writer thread.
+    pub fn open(data_dir: &Path, capacity: usize) -> anyhow::Result<Opened> {
+        std::fs::create_dir_all(data_dir).map_err(|e| {
+            anyhow::anyhow!("cannot create data dir {}: {e}", data_dir.display())
+        })?;
+        let path = db_path(data_dir);
+        let conn = open_connection(&path)
+            .map_err(|e| anyhow::anyhow!("cannot open {}: {e}", path.display()))?;
+        let persisted = read_persisted(&conn)
+            .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+        let (tx, rx) = sync_channel(capacity);
+        let dropped = Arc::new(AtomicU64::new(0));
+        let written = Arc::new(AtomicU64::new(0));
+        let handle = StoreHandle {
+            tx,
+            dropped: dropped.clone(),
+            written: written.clone(),
+        };
+        let thread = std::thread::Builder::new()
+            .name("autohedge-audit".into())
+            .spawn(move || writer(conn, rx, dropped, written))
+            .map_err(|e| anyhow::anyhow!("cannot start audit writer: {e}"))?;
+        Ok(Opened {
+            store: Store {
+                handle,
+                thread: Some(thread),
+            },
+            persisted,
+        })
+    }
+
+    pub fn handle(&self) -> StoreHandle {
+        self.handle.clone()
+    }
+
+    /// Drains the queue: returns once every record queued before the call is committed. The
+    /// writer thread itself lives on until the last handle (held by in-flight streams, say) is
+    /// dropped, so a record queued later still lands.
+    pub fn close(mut self) {
+        if !self.handle.flush_blocking(Duration::from_secs(30)) {
+            tracing::warn!("audit writer did not drain within 30s");
+        }
+        drop(self.thread.take());
+    }
+}
+
+fn writer(
+    mut conn: Connection,
+    rx: Receiver<Record>,
+    dropped: Arc<AtomicU64>,
+    written: Arc<AtomicU64>,
+) {
+    let mut batch = Vec::with_capacity(BATCH);
+    while let Ok(first) = rx.recv() {
+        batch.push(first);
+        while batch.len() < BATCH {
+            match rx.try_recv() {
+                Ok(r) => batch.push(r),
+                Err(_) => break,
+            }
+        }
+        let mut flushes = Vec::new();
+        let n = batch
+            .iter()
+            .filter(|r| !matches!(r, Record::Flush(_)))
+            .count() as u64;
+        match write_batch(&mut conn, &mut batch, &mut flushes) {
+            Ok(()) => {
+                written.fetch_add(n, Ordering::Relaxed);
+            }
+            Err(e) => {
+                let total = dropped.fetch_add(n, Ordering::Relaxed) + n;
+                tracing::warn!(error = %e, dropped = n, dropped_total = total, "audit write failed; records dropped");
+            }
+        }
+        batch.clear();
+        for f in flushes {
+            let _ = f.send(());
+        }
+    }
+}
+
+fn write_batch(
+    conn: &mut Connection,
+    batch: &mut Vec<Record>,
+    flushes: &mut Vec<std::sync::mpsc::Sender<()>>,
+) -> rusqlite::Result<()> {
+    let tx = conn.transaction()?;
+    {
+        let mut ins_req = tx.prepare_cached(
+            "INSERT INTO requests (request_id, ts_ms, operation, requested_model, endpoint, status, error_class, stream, latency_ms, ttft_ms, tokens_in, tokens_out, tokens_estimated, cost_usd, attempts)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
+        )?;
+        let mut ins_att = tx.prepare_cached(
+            "INSERT INTO attempts (request_id, seq, ts_ms, endpoint, class, status, error, latency_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+        )?;
+        let mut ins_ev = tx.prepare_cached(
+            "INSERT INTO endpoint_events (ts_ms, endpoint, event, reason) VALUES (?1, ?2, ?3, ?4)",
+        )?;
+        for r in batch.drain(..) {
+            match r {
+                Record::Request(row) => {
+                    let ts = ms(row.ts);
+                    ins_req.execute(params![
+                        row.request_id,
+                        ts,
+                        row.operation,
+                        row.requested_model,
+                        row.endpoint,
+                        row.status,
+                        row.error_class,
+                        row.stream,
+                        row.latency_ms,
+                        row.ttft_ms,
+                        row.tokens_in.map(|v| v as i64),
+                        row.tokens_out.map(|v| v as i64),
+                        row.tokens_estimated,
+                        row.cost_usd,
+                        row.attempts.iter().filter(|a| !a.class.starts_with("skipped_") && a.class != "context_skip").count() as i64,
+                    ])?;
+                    for a in &row.attempts {
+                        ins_att.execute(params![
+                            row.request_id,
+                            a.seq,
+                            ts,
+                            a.endpoint,
+                            a.class,
+                            a.status,
+                            a.error,
+                            a.latency_ms
+                        ])?;
+                    }
+                }
+                Record::Event(ev) => {
+                    ins_ev.execute(params![ms(ev.ts), ev.endpoint, ev.event, ev.reason])?;
+                }
+                Record::Retired {
+                    endpoint,
+                    reason,
+                    fingerprint,
+                } => {
+                    tx.execute(
+                        "INSERT INTO endpoint_state (endpoint, retired_reason, retired_fingerprint, updated_ms) VALUES (?1, ?2, ?3, ?4)
+                         ON CONFLICT(endpoint) DO UPDATE SET retired_reason = excluded.retired_reason, retired_fingerprint = excluded.retired_fingerprint, updated_ms = excluded.updated_ms",
+                        params![endpoint, reason, fingerprint, ms(SystemTime::now())],
+                    )?;
+                }
+                Record::Stats(rows) => {
+                    for s in rows {
+                        tx.execute(
+                            "INSERT INTO endpoint_state (endpoint, requests, successes, failures, ewma_latency_ms, updated_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+                             ON CONFLICT(endpoint) DO UPDATE SET requests = excluded.requests, successes = excluded.successes, failures = excluded.failures, ewma_latency_ms = excluded.ewma_latency_ms, updated_ms = excluded.updated_ms",
+                            params![s.endpoint, s.requests as i64, s.successes as i64, s.failures as i64, s.ewma_latency_ms, ms(SystemTime::now())],
+                        )?;
+                    }
+                }
+                Record::Flush(f) => flushes.push(f),
+            }
+        }
+    }
+    tx.commit()
+}
+
+fn read_persisted(conn: &Connection) -> rusqlite::Result<Vec<PersistedStats>> {
+    let mut stmt = conn.prepare(
+        "SELECT endpoint, requests, successes, failures, ewma_latency_ms, retired_reason, retired_fingerprint FROM endpoint_state",
+    )?;
+    let rows = stmt.query_map([], |r| {
+        Ok(PersistedStats {
+            endpoint: r.get(0)?,
+            requests: r.get::<_, i64>(1)? as u64,
+            successes: r.get::<_, i64>(2)? as u64,
+            failures: r.get::<_, i64>(3)? as u64,
+            ewma_latency_ms: r.get(4)?,
+            retired_reason: r.get(5)?,
+            retired_fingerprint: r.get(6)?,
+        })
+    })?;
+    rows.collect()
+}
+
+/// `autohedge endpoint clear NAME`, offline half: lifts the persisted retirement and records it.
+/// Returns whether the endpoint had been retired.
+pub fn clear_endpoint(data_dir: &Path, name: &str) -> rusqlite::Result<bool> {
+    let conn = open_connection(&db_path(data_dir))?;
+    let was: Option<Option<String>> = conn
+        .query_row(
+            "SELECT retired_reason FROM endpoint_state WHERE endpoint = ?1",
+            [name],
+            |r| r.get(0),
+        )
+        .optional()?;
+    conn.execute(
+        "UPDATE endpoint_state SET retired_reason = NULL, retired_fingerprint = NULL, updated_ms = ?2 WHERE endpoint = ?1",
+        params![name, ms(SystemTime::now())],
+    )?;
+    conn.execute(
+        "INSERT INTO endpoint_events (ts_ms, endpoint, event, reason) VALUES (?1, ?2, 'cleared', 'cleared by operator (autohedge endpoint clear)')",
+        params![ms(SystemTime::now()), name],
+    )?;
+    Ok(matches!(was, Some(Some(_))))
+}
+
+/// One endpoint's figures for `autohedge stats`.
+#[derive(Debug, Default)]
+pub struct EndpointReport {
+    pub endpoint: String,
+    pub requests: u64,
+    pub ok: u64,
+    pub p50_ms: Option<f64>,
+    pub p95_ms: Option<f64>,
+    pub errors: Vec<(String, u64)>,
+    /// Requests this endpoint served after at least one earlier endpoint failed.
+    pub fallbacks_served: u64,
+    /// Attempts on this endpoint that failed and passed the request on.
+    pub fallbacks_from: u64,
+}
+
+/// Aggregates the audit trail since `since` (a wall-clock time).
+pub fn report(data_dir: &Path, since: SystemTime) -> rusqlite::Result<Vec<EndpointReport>> {
+    let path = db_path(data_dir);
+    let conn = Connection::open_with_flags(
+        &path,
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )?;
+    conn.busy_timeout(Duration::from_secs(5))?;
+    let since = ms(since);
+    let mut out: std::collections::BTreeMap<String, EndpointReport> = Default::default();
+    // Real attempts (not skips) per endpoint: counts, successes, latencies.
+    let mut stmt = conn.prepare(
+        "SELECT endpoint, class, latency_ms FROM attempts WHERE ts_ms >= ?1 AND class NOT LIKE 'skipped_%' AND class <> 'context_skip'",
+    )?;
+    let mut lat: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
+    let mut errors: std::collections::BTreeMap<(String, String), u64> = Default::default();
+    let mut rows = stmt.query([since])?;
+    while let Some(r) = rows.next()? {
+        let ep: String = r.get(0)?;
+        let class: String = r.get(1)?;
+        let latency: f64 = r.get(2)?;
+        let e = out.entry(ep.clone()).or_insert_with(|| EndpointReport {
+            endpoint: ep.clone(),
+            ..Default::default()
+        });
+        e.requests += 1;
+        if class == "ok" {
+            e.ok += 1;
+            lat.entry(ep).or_default().push(latency);
+        } else {
+            *errors.entry((ep, class)).or_default() += 1;
+        }
+    }
+    for ((ep, class), n) in errors {
+        if let Some(e) = out.get_mut(&ep) {
+            e.errors.push((class, n));
+        }
+    }
+    for (ep, mut v) in lat {
+        v.sort_by(f64::total_cmp);
+        if let Some(e) = out.get_mut(&ep) {
+            e.p50_ms = crate::stats::percentile_sorted(&v, 50.0);
+            e.p95_ms = crate::stats::percentile_sorted(&v, 95.0);
+        }
+    }
+    let mut stmt = conn.prepare(
+        "SELECT endpoint, COUNT(*) FROM requests WHERE ts_ms >= ?1 AND endpoint IS NOT NULL AND attempts > 1 AND status < 400 GROUP BY endpoint",
+    )?;
+    let mut rows = stmt.query([since])?;
+    while let Some(r) = rows.next()? {
+        let ep: String = r.get(0)?;
+        let n: i64 = r.get(1)?;
+        if let Some(e) = out.get_mut(&ep) {
+            e.fallbacks_served = n as u64;
+        }
+    }
+    // Failed attempts followed by another attempt of the same request.
+    let mut stmt = conn.prepare(
+        "SELECT a.endpoint, COUNT(*) FROM attempts a WHERE a.ts_ms >= ?1 AND a.class <> 'ok' AND a.class NOT LIKE 'skipped_%'
+         AND EXISTS (SELECT 1 FROM attempts b WHERE b.request_id = a.request_id AND b.seq > a.seq AND b.endpoint <> a.endpoint AND b.class NOT LIKE 'skipped_%')
+         GROUP BY a.endpoint",
+    )?;
+    let mut rows = stmt.query([since])?;
+    while let Some(r) = rows.next()? {
+        let ep: String = r.get(0)?;
+        let n: i64 = r.get(1)?;
+        if let Some(e) = out.get_mut(&ep) {
+            e.fallbacks_from = n as u64;
+        }
+    }
+    Ok(out.into_values().collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(id: &str, endpoint: &str, class: &str) -> RequestRow {
+        RequestRow {
+            request_id: id.into(),
+            ts: SystemTime::now(),
+            operation: "chat",
+            requested_model: Some("m".into()),
+            endpoint: Some(endpoint.into()),
+            status: 200,
+            error_class: None,
+            stream: false,
+            latency_ms: 5.0,
+            ttft_ms: None,
+            tokens_in: Some(3),
+            tokens_out: Some(4),
+            tokens_estimated: false,
+            cost_usd: None,
+            attempts: vec![
+                AttemptRow {
+                    seq: 1,
+                    endpoint: "a".into(),
+                    class: class.into(),
+                    status: Some(503),
+                    error: None,
+                    latency_ms: 1.0,
+                },
+                AttemptRow {
+                    seq: 2,
+                    endpoint: endpoint.into(),
+                    class: "ok".into(),
+                    status: Some(200),
+                    error: None,
+                    latency_ms: 4.0,
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn writes_drains_and_reports() {
+        let dir = tempfile::tempdir().unwrap();
+        let opened = Store::open(dir.path(), 100).unwrap();
+        let h = opened.store.handle();
+        for i in 0..10 {
+            h.send(Record::Request(Box::new(row(&format!("r{i}"), "b", "server_error"))));
+        }
+        h.send_flag("a", Some("gone"), Some("fp"));
+        drop(h);
+        opened.store.close();
+        let rep = report(dir.path(), UNIX_EPOCH).unwrap();
+        let a = rep.iter().find(|r| r.endpoint == "a").unwrap();
+        let b = rep.iter().find(|r| r.endpoint == "b").unwrap();
+        assert_eq!(a.requests, 10);
+        assert_eq!(a.errors, vec![("server_error".to_string(), 10)]);
+        assert_eq!(a.fallbacks_from, 10);
+        assert_eq!(b.ok, 10);
+        assert_eq!(b.fallbacks_served, 10);
+        assert_eq!(b.p50_ms, Some(4.0));
+        // Retirement persisted and cleared.
+        let reopened = Store::open(dir.path(), 10).unwrap();
+        assert_eq!(
+            reopened.persisted[0].retired_reason.as_deref(),
+            Some("gone")
+        );
+        reopened.store.close();
+        assert!(clear_endpoint(dir.path(), "a").unwrap());
+        let again = Store::open(dir.path(), 10).unwrap();
+        assert_eq!(again.persisted[0].retired_reason, None);
+        again.store.close();
+    }
+
+    #[test]
+    fn full_queue_drops_and_counts() {
+        let (tx, _rx) = sync_channel(1);
+        let h = StoreHandle {
+            tx,
+            dropped: Arc::new(AtomicU64::new(0)),
+            written: Arc::new(AtomicU64::new(0)),
+        };
+        h.send(Record::Event(EndpointEvent {
+            ts: SystemTime::now(),
+            endpoint: "a".into(),
+            event: "x".into(),
+            reason: "y".into(),
+        }));
+        h.send(Record::Event(EndpointEvent {
+            ts: SystemTime::now(),
+            endpoint: "a".into(),
+            event: "x".into(),
+            reason: "y".into(),
+        }));
+        assert_eq!(h.dropped(), 1);
+    }
+}

@@ -1,0 +1,64 @@
+//! Protocol adapters: how a validated OpenAI-shaped request becomes an HTTP request to each kind
+//! of upstream. One `match` on the endpoint kind, no trait objects. vLLM and other
+//! OpenAI-compatible servers reuse the OpenAI path unchanged; Ollama is reached through its
+//! OpenAI-compatible `/v1` API, so every answer comes back in OpenAI's wire format.
+
+pub mod classify;
+
+use serde_json::{Map, Value};
+
+use crate::config::{Endpoint, EndpointKind, Secret};
+use crate::wire::Op;
+
+/// The URL of `op` on `ep`.
+pub fn url(ep: &Endpoint, op: Op) -> String {
+    match ep.kind {
+        EndpointKind::Openai | EndpointKind::Vllm => format!("{}{}", ep.base_url, op.openai_path()),
+        EndpointKind::Ollama => {
+            // `host` is the bare server (http://127.0.0.1:11434); tolerate a configured `/v1`.
+            let base = ep.base_url.trim_end_matches("/v1");
+            format!("{base}/v1{}", op.openai_path())
+        }
+    }
+}
+
+/// The body sent upstream: the client's body with `model` replaced by the endpoint's id and,
+/// when the client gave none, `max_tokens` capped at the endpoint's configured maximum. Every
+/// other field passes through untouched.
+pub fn body(ep: &Endpoint, op: Op, client: &Map<String, Value>) -> Vec<u8> {
+    let mut b = client.clone();
+    b.insert("model".into(), Value::String(ep.upstream_model.clone()));
+    if let (Some(max), Op::Chat | Op::Completions) = (ep.max_tokens, op) {
+        for key in ["max_tokens", "max_completion_tokens"] {
+            if let Some(v) = b.get(key).and_then(Value::as_u64) {
+                if v > max {
+                    b.insert(key.into(), Value::from(max));
+                }
+            }
+        }
+    }
+    serde_json::to_vec(&b).unwrap_or_default()
+}
+
+/// Builds the request for one attempt.
+pub fn request(
+    ep: &Endpoint,
+    op: Op,
+    client_body: &Map<String, Value>,
+    key: Option<&Secret>,
+    request_id: &str,
+) -> reqwest::RequestBuilder {
+    let mut rb = ep
+        .client
+        .post(url(ep, op))
+        .header(reqwest::header::CONTENT_TYPE, "application/json")
+        .header("x-request-id", request_id)
+        .body(body(ep, op, client_body));
+    if let Some(k) = key {
+        rb = rb.bearer_auth(k.expose());
+    }
+    for (k, v) in &ep.headers {
+        rb = rb.header(k.as_str(), v.as_str());
+    }
+    rb
+}

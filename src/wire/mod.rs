@@ -1,0 +1,330 @@
+//! OpenAI wire format: validating what clients send, and reading what upstreams return (usage,
+//! whether a stream chunk carries content, in-band errors). Bodies stay `serde_json` maps so
+//! unknown fields pass through to OpenAI-type upstreams untouched.
+
+pub mod sse;
+
+use std::collections::BTreeSet;
+
+use serde_json::{Map, Value};
+
+use crate::config::Capability;
+use crate::error::ApiError;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    Chat,
+    Completions,
+    Embeddings,
+}
+
+impl Op {
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Chat => "chat",
+            Op::Completions => "completions",
+            Op::Embeddings => "embeddings",
+        }
+    }
+    /// Path under an OpenAI-compatible API root.
+    pub fn openai_path(self) -> &'static str {
+        match self {
+            Op::Chat => "/chat/completions",
+            Op::Completions => "/completions",
+            Op::Embeddings => "/embeddings",
+        }
+    }
+    pub fn capability(self) -> Capability {
+        match self {
+            Op::Chat => Capability::Chat,
+            Op::Completions => Capability::Completions,
+            Op::Embeddings => Capability::Embeddings,
+        }
+    }
+}
+
+/// A validated client request.
+#[derive(Debug)]
+pub struct Inbound {
+    pub op: Op,
+    pub model: String,
+    pub stream: bool,
+    pub body: Map<String, Value>,
+    pub needs: BTreeSet<Capability>,
+}
+
+/// Validates a parsed body the way OpenAI does, so clients get the same 400s.
+pub fn inspect(op: Op, value: Value) -> Result<Inbound, ApiError> {
+    let Value::Object(body) = value else {
+        return Err(ApiError::invalid("The request body must be a JSON object."));
+    };
+    let model = match body.get("model") {
+        Some(Value::String(m)) if !m.is_empty() => m.clone(),
+        Some(Value::String(_)) | None | Some(Value::Null) => {
+            return Err(ApiError::InvalidRequest {
+                message: "you must provide a model parameter".into(),
+                param: Some("model"),
+                code: None,
+            });
+        }
+        Some(_) => {
+            return Err(ApiError::InvalidRequest {
+                message: "'model' must be a string".into(),
+                param: Some("model"),
+                code: Some("invalid_type"),
+            });
+        }
+    };
+    let stream = match body.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(ApiError::InvalidRequest {
+                message: "'stream' must be a boolean".into(),
+                param: Some("stream"),
+                code: Some("invalid_type"),
+            });
+        }
+    };
+    let mut needs = BTreeSet::from([op.capability()]);
+    match op {
+        Op::Chat => {
+            match body.get("messages") {
+                Some(Value::Array(m)) if !m.is_empty() => {
+                    for (i, msg) in m.iter().enumerate() {
+                        let Some(obj) = msg.as_object() else {
+                            return Err(ApiError::InvalidRequest {
+                                message: format!("messages[{i}] must be an object"),
+                                param: Some("messages"),
+                                code: Some("invalid_type"),
+                            });
+                        };
+                        if !obj.get("role").is_some_and(Value::is_string) {
+                            return Err(ApiError::InvalidRequest {
+                                message: format!("messages[{i}].role is required and must be a string"),
+                                param: Some("messages"),
+                                code: None,
+                            });
+                        }
+                        if let Some(Value::Array(parts)) = obj.get("content") {
+                            if parts.iter().any(|p| {
+                                matches!(
+                                    p.get("type").and_then(Value::as_str),
+                                    Some("image_url" | "input_image" | "image")
+                                )
+                            }) {
+                                needs.insert(Capability::Vision);
+                            }
+                        }
+                    }
+                }
+                Some(Value::Array(_)) => {
+                    return Err(ApiError::InvalidRequest {
+                        message: "'messages' must contain at least one message (got an empty array)".into(),
+                        param: Some("messages"),
+                        code: Some("empty_array"),
+                    });
+                }
+                Some(_) => {
+                    return Err(ApiError::InvalidRequest {
+                        message: "'messages' must be an array".into(),
+                        param: Some("messages"),
+                        code: Some("invalid_type"),
+                    });
+                }
+                None => {
+                    return Err(ApiError::InvalidRequest {
+                        message: "Missing required parameter: 'messages'.".into(),
+                        param: Some("messages"),
+                        code: Some("missing_required_parameter"),
+                    });
+                }
+            }
+            if matches!(body.get("tools"), Some(Value::Array(t)) if !t.is_empty())
+                || matches!(body.get("functions"), Some(Value::Array(t)) if !t.is_empty())
+            {
+                needs.insert(Capability::Tools);
+            }
+        }
+        Op::Completions => {
+            if body.get("prompt").is_none_or(Value::is_null) {
+                return Err(ApiError::InvalidRequest {
+                    message: "Missing required parameter: 'prompt'.".into(),
+                    param: Some("prompt"),
+                    code: Some("missing_required_parameter"),
+                });
+            }
+        }
+        Op::Embeddings => {
+            let ok = match body.get("input") {
+                Some(Value::String(_)) => true,
+                Some(Value::Array(a)) => !a.is_empty(),
+                _ => false,
+            };
+            if !ok {
+                return Err(ApiError::InvalidRequest {
+                    message: "'input' must be a non-empty string or array".into(),
+                    param: Some("input"),
+                    code: Some("missing_required_parameter"),
+                });
+            }
+        }
+    }
+    Ok(Inbound {
+        op,
+        model,
+        stream: stream && op != Op::Embeddings,
+        body,
+        needs,
+    })
+}
+
+/// Token usage read from a response or final stream chunk.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt: u64,
+    pub completion: u64,
+}
+
+pub fn usage_of(v: &Value) -> Option<Usage> {
+    let u = v.get("usage")?;
+    if u.is_null() {
+        return None;
+    }
+    Some(Usage {
+        prompt: u.get("prompt_tokens").and_then(Value::as_u64).unwrap_or(0),
+        completion: u.get("completion_tokens").and_then(Value::as_u64).unwrap_or(0),
+    })
+}
+
+/// What a stream chunk's JSON means for the commit decision.
+#[derive(Debug, PartialEq, Eq)]
+pub enum ChunkKind {
+    /// Carries content (text, tool calls, refusal, reasoning) or a finish reason: commit.
+    Content,
+    /// Role-only or empty delta: buffer and keep waiting.
+    Preamble,
+    /// An in-band error object.
+    Error(String),
+}
+
+pub fn classify_chunk(v: &Value) -> ChunkKind {
+    if let Some(err) = v.get("error") {
+        let msg = err
+            .get("message")
+            .and_then(Value::as_str)
+            .map(str::to_string)
+            .or_else(|| err.as_str().map(str::to_string))
+            .unwrap_or_else(|| err.to_string());
+        return ChunkKind::Error(msg);
+    }
+    if v.get("object").and_then(Value::as_str) == Some("error") {
+        let msg = v
+            .get("message")
+            .and_then(Value::as_str)
+            .unwrap_or("upstream error event")
+            .to_string();
+        return ChunkKind::Error(msg);
+    }
+    let Some(choices) = v.get("choices").and_then(Value::as_array) else {
+        // A usage-only chunk (stream_options.include_usage) is content-neutral.
+        return ChunkKind::Preamble;
+    };
+    for c in choices {
+        if c.get("finish_reason").is_some_and(|f| !f.is_null()) {
+            return ChunkKind::Content;
+        }
+        // Legacy completions stream `text`.
+        if c.get("text").and_then(Value::as_str).is_some_and(|t| !t.is_empty()) {
+            return ChunkKind::Content;
+        }
+        if let Some(d) = c.get("delta") {
+            for key in ["content", "refusal", "reasoning_content", "reasoning"] {
+                if d.get(key).and_then(Value::as_str).is_some_and(|t| !t.is_empty()) {
+                    return ChunkKind::Content;
+                }
+            }
+            if d.get("tool_calls").and_then(Value::as_array).is_some_and(|t| !t.is_empty())
+                || d.get("function_call").is_some_and(|f| !f.is_null())
+            {
+                return ChunkKind::Content;
+            }
+        }
+    }
+    ChunkKind::Preamble
+}
+
+/// A rough token estimate for bodies whose upstream reported no usage: four characters a token,
+/// OpenAI's own rule of thumb for English. Marked as estimated wherever it is stored.
+pub fn estimate_tokens(text_len: usize) -> u64 {
+    (text_len as u64).div_ceil(4)
+}
+
+/// The characters of message contents and prompt, for estimating prompt tokens.
+pub fn prompt_chars(body: &Map<String, Value>) -> usize {
+    fn walk(v: &Value) -> usize {
+        match v {
+            Value::String(s) => s.len(),
+            Value::Array(a) => a.iter().map(walk).sum(),
+            Value::Object(o) => o
+                .iter()
+                .filter(|(k, _)| k.as_str() != "image_url")
+                .map(|(_, v)| walk(v))
+                .sum(),
+            _ => 0,
+        }
+    }
+    ["messages", "prompt", "input"]
+        .iter()
+        .filter_map(|k| body.get(*k))
+        .map(walk)
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn validates_like_openai() {
+        assert!(inspect(Op::Chat, json!([])).is_err());
+        assert!(inspect(Op::Chat, json!({"messages": [{"role":"user","content":"x"}]})).is_err());
+        assert!(inspect(Op::Chat, json!({"model": 3, "messages": []})).is_err());
+        assert!(inspect(Op::Chat, json!({"model": "m", "messages": []})).is_err());
+        let ok = inspect(
+            Op::Chat,
+            json!({"model": "m", "stream": true, "messages": [{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:"}}]}], "tools": [{"type":"function"}]}),
+        )
+        .unwrap();
+        assert!(ok.stream);
+        assert!(ok.needs.contains(&Capability::Vision));
+        assert!(ok.needs.contains(&Capability::Tools));
+        assert!(inspect(Op::Embeddings, json!({"model": "m", "input": []})).is_err());
+        assert!(!inspect(Op::Embeddings, json!({"model": "m", "input": "x", "stream": true})).unwrap().stream);
+    }
+
+    #[test]
+    fn chunk_kinds() {
+        assert_eq!(
+            classify_chunk(&json!({"choices":[{"delta":{"role":"assistant","content":""}}]})),
+            ChunkKind::Preamble
+        );
+        assert_eq!(
+            classify_chunk(&json!({"choices":[{"delta":{"content":"Hi"}}]})),
+            ChunkKind::Content
+        );
+        assert_eq!(
+            classify_chunk(&json!({"choices":[{"delta":{"tool_calls":[{"index":0}]}}]})),
+            ChunkKind::Content
+        );
+        assert_eq!(
+            classify_chunk(&json!({"error":{"message":"boom"}})),
+            ChunkKind::Error("boom".into())
+        );
+        assert_eq!(
+            classify_chunk(&json!({"object":"error","message":"vllm boom"})),
+            ChunkKind::Error("vllm boom".into())
+        );
+    }
+}

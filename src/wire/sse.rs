@@ -1,0 +1,156 @@
+//! An incremental Server-Sent Events parser: bytes in, complete events out, however the bytes
+//! were split across reads. Handles `\n`, `\r\n` and `\r` line endings, multi-line `data:`,
+//! comments, and a missing space after the colon.
+
+/// One event: its `event:` name (if any) and its `data:` lines joined with `\n`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SseEvent {
+    pub event: Option<String>,
+    pub data: String,
+}
+
+#[derive(Debug, Default)]
+pub struct SseParser {
+    line: Vec<u8>,
+    event: Option<String>,
+    data: Vec<String>,
+    has_data: bool,
+    last_was_cr: bool,
+}
+
+/// A line longer than this is not SSE from an LLM server; refusing it bounds memory on garbage.
+const MAX_LINE: usize = 4 * 1024 * 1024;
+
+#[derive(Debug, PartialEq, Eq)]
+pub struct SseError(pub String);
+
+impl SseParser {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Feeds bytes; returns the events they completed.
+    pub fn push(&mut self, bytes: &[u8]) -> Result<Vec<SseEvent>, SseError> {
+        let mut out = Vec::new();
+        for &b in bytes {
+            if self.last_was_cr {
+                self.last_was_cr = false;
+                if b == b'\n' {
+                    continue;
+                }
+            }
+            match b {
+                b'\n' | b'\r' => {
+                    self.last_was_cr = b == b'\r';
+                    let line = std::mem::take(&mut self.line);
+                    self.line_done(&line, &mut out)?;
+                }
+                _ => {
+                    if self.line.len() >= MAX_LINE {
+                        return Err(SseError("SSE line over 4 MiB".into()));
+                    }
+                    self.line.push(b);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn line_done(&mut self, line: &[u8], out: &mut Vec<SseEvent>) -> Result<(), SseError> {
+        if line.is_empty() {
+            if self.has_data || self.event.is_some() {
+                out.push(SseEvent {
+                    event: self.event.take(),
+                    data: std::mem::take(&mut self.data).join("\n"),
+                });
+                self.has_data = false;
+            }
+            return Ok(());
+        }
+        if line[0] == b':' {
+            return Ok(());
+        }
+        let text = std::str::from_utf8(line).map_err(|_| SseError("SSE line is not UTF-8".into()))?;
+        let (field, value) = match text.find(':') {
+            Some(i) => {
+                let v = &text[i + 1..];
+                (&text[..i], v.strip_prefix(' ').unwrap_or(v))
+            }
+            None => (text, ""),
+        };
+        match field {
+            "data" => {
+                self.data.push(value.to_string());
+                self.has_data = true;
+            }
+            "event" => self.event = Some(value.to_string()),
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Whether a partial event is buffered (bytes after the last blank line).
+    pub fn has_partial(&self) -> bool {
+        !self.line.is_empty() || self.has_data
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const STREAM: &str = "data: {\"a\":1}\n\n: keepalive\n\nevent: error\ndata: {\"error\":{}}\n\r\ndata: line1\ndata: line2\r\n\r\ndata:[DONE]\n\n";
+
+    fn all_at_once() -> Vec<SseEvent> {
+        SseParser::new().push(STREAM.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn parses_events() {
+        let ev = all_at_once();
+        assert_eq!(ev.len(), 4);
+        assert_eq!(ev[0].data, "{\"a\":1}");
+        assert_eq!(ev[1].event.as_deref(), Some("error"));
+        assert_eq!(ev[2].data, "line1\nline2");
+        assert_eq!(ev[3].data, "[DONE]");
+    }
+
+    #[test]
+    fn any_split_gives_the_same_events() {
+        let whole = all_at_once();
+        let bytes = STREAM.as_bytes();
+        // Every two-way and a sample of three-way splits.
+        for i in 0..=bytes.len() {
+            for j in (i..=bytes.len()).step_by(7) {
+                let mut p = SseParser::new();
+                let mut got = p.push(&bytes[..i]).unwrap();
+                got.extend(p.push(&bytes[i..j]).unwrap());
+                got.extend(p.push(&bytes[j..]).unwrap());
+                assert_eq!(got, whole, "split at {i},{j}");
+            }
+        }
+        // Byte by byte.
+        let mut p = SseParser::new();
+        let mut got = Vec::new();
+        for b in bytes {
+            got.extend(p.push(std::slice::from_ref(b)).unwrap());
+        }
+        assert_eq!(got, whole);
+    }
+
+    #[test]
+    fn garbage_never_panics() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        for _ in 0..2000 {
+            let mut p = SseParser::new();
+            let mut buf = Vec::new();
+            for _ in 0..64 {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                buf.push((seed & 0xff) as u8);
+            }
+            let _ = p.push(&buf);
+        }
+    }
+}

@@ -18,9 +18,10 @@ const DEFAULT_CONFIG: &str = "config/config.yaml";
 
 /// Logs go to stderr (stdout carries the `listening on` line scripts wait for). `RUST_LOG`
 /// overrides the level; `AUTOHEDGE_LOG_FORMAT=json` switches to JSON lines.
-pub fn init_tracing() {
+pub fn init_tracing(default_level: &str) {
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -207,16 +208,6 @@ pub async fn endpoint_clear(
     url: Option<String>,
     config_path: Option<PathBuf>,
 ) -> anyhow::Result<ExitCode> {
-    let was_retired = if store::db_path(data_dir).exists() {
-        store::clear_endpoint(data_dir, name).context("updating the audit database")?
-    } else {
-        false
-    };
-    println!(
-        "{name}: {} in {}",
-        if was_retired { "retirement lifted" } else { "no persisted retirement" },
-        store::db_path(data_dir).display()
-    );
     let url = match url {
         Some(u) => u,
         None => {
@@ -226,18 +217,38 @@ pub async fn endpoint_clear(
             format!("http://{listen}")
         }
     };
+    // A running gateway clears its memory and persists the change itself; only when none
+    // answers is the database edited directly, for the next start.
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(3))
         .build()?;
-    match client
+    let online = client
         .post(format!("{}/admin/endpoints/{name}/clear", url.trim_end_matches('/')))
         .send()
-        .await
-    {
-        Ok(r) if r.status().is_success() => println!("{name}: cleared in the running gateway at {url}"),
+        .await;
+    match online {
+        Ok(r) if r.status().is_success() => {
+            println!("{name}: retirement lifted; cleared in the running gateway at {url}");
+            return Ok(ExitCode::SUCCESS);
+        }
+        Ok(r) if r.status() == reqwest::StatusCode::NOT_FOUND => {
+            println!("{name}: the gateway at {url} has no such endpoint");
+            return Ok(ExitCode::FAILURE);
+        }
         Ok(r) => println!("{name}: the gateway at {url} answered {}", r.status()),
-        Err(_) => println!("{name}: no gateway answering at {url}; it will start with the endpoint cleared"),
+        Err(_) => println!("{name}: no gateway answering at {url}"),
     }
+    if !store::db_path(data_dir).exists() {
+        println!("{name}: no audit database at {}", store::db_path(data_dir).display());
+        return Ok(ExitCode::FAILURE);
+    }
+    let was_retired =
+        store::clear_endpoint(data_dir, name).context("updating the audit database")?;
+    println!(
+        "{name}: {} in {}; the next start uses it",
+        if was_retired { "retirement lifted" } else { "no persisted retirement" },
+        store::db_path(data_dir).display()
+    );
     Ok(ExitCode::SUCCESS)
 }
 

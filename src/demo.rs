@@ -19,12 +19,15 @@ const PRIMARY_SCRIPT: &str = r#"
 name: primary
 reply: "Hello from the primary endpoint!"
 rules:
-  - when: { every: 4 }
+  - when: { every: 3 }
+    times: 2
     status: 503
-  - when: { every: 9 }
+  - when: { every: 5 }
+    times: 1
     status: 429
     headers: { retry-after: "1" }
-  - when: { stream: true, every: 3 }
+  - when: { stream: true, every: 2 }
+    times: 1
     stall_after: 0
 "#;
 
@@ -81,7 +84,7 @@ routes:
     .await?;
     let base = format!("http://{}", gw.addr);
     println!("AutoHedge demo: gateway on {base}, primary mock on {primary}, backup mock on {backup}");
-    println!("chain `chat`: primary -> backup. primary fails every 4th call (503), every 9th (429, Retry-After: 1s), and stalls every 3rd stream.\n");
+    println!("chain `chat`: primary -> backup. primary answers 503 twice, 429 once (Retry-After: 1s), and stalls one stream before its first token.\n");
 
     let client = reqwest::Client::new();
     let mut ids = Vec::new();

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{ConnectInfo, Path, State};
-use axum::http::{HeaderMap, HeaderValue, Method, Uri, header};
+use axum::http::{HeaderMap, HeaderValue, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde_json::{Value, json};
@@ -27,6 +27,7 @@ pub fn router(app: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .route("/status", get(status))
         .route("/admin/endpoints/{name}/clear", post(clear_endpoint))
+        .method_not_allowed_fallback(method_not_allowed)
         .fallback(fallback)
         .with_state(app)
 }
@@ -215,18 +216,10 @@ async fn clear_endpoint(
     }
 }
 
-async fn fallback(method: Method, uri: Uri) -> Response {
-    let known = [
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/embeddings",
-        "/v1/models",
-        "/health",
-        "/status",
-    ];
-    if known.contains(&uri.path()) {
-        let _ = method;
-        return ApiError::MethodNotAllowed.into_response();
-    }
+async fn method_not_allowed() -> Response {
+    ApiError::MethodNotAllowed.into_response()
+}
+
+async fn fallback(uri: Uri) -> Response {
     ApiError::NotFound(uri.path().to_string()).into_response()
 }

@@ -90,7 +90,11 @@ enum EndpointAction {
 
 fn main() -> ExitCode {
     let args = Cli::parse();
-    cli::init_tracing();
+    // The demo prints its own report; its logs would only interleave with it.
+    cli::init_tracing(match args.command {
+        Command::Demo { .. } | Command::Stats { .. } | Command::CheckConfig { .. } => "warn",
+        _ => "info",
+    });
     let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

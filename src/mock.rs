@@ -519,7 +519,11 @@ impl Mock {
                         return;
                     }
                     if rule.reset_after == Some(sent_content) {
+                        // Let hyper flush the chunks already queued, then drop the connection
+                        // while the body is still open so it cannot end cleanly.
+                        tokio::time::sleep(Duration::from_millis(50)).await;
                         kill.notify_one();
+                        let _ = tokio::time::timeout(Duration::from_secs(10), tx.closed()).await;
                         return;
                     }
                     if !chunk_delay.is_zero() {

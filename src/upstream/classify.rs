@@ -90,7 +90,7 @@ static CONTEXT_RE: LazyLock<Regex> = LazyLock::new(|| {
 /// Numbers that state the limit, in the same servers' wording.
 static LIMIT_RE: LazyLock<Regex> = LazyLock::new(|| {
     Regex::new(
-        r"(?i)(?:maximum context length is|context length (?:is|of)|context size \(|n_ctx(?:_slot)?"?\s*[=:]?\s*|max_model_len"?\s*[=:]?\s*|context window of)\s*(\d+)",
+        r#"(?i)(?:maximum context length is|context length (?:is|of)|context size \(|n_ctx(?:_slot)?"?\s*[=:]?\s*|max_model_len"?\s*[=:]?\s*|context window of)\s*(\d+)"#,
     )
     .expect("limit regex compiles")
 });

@@ -1,0 +1,279 @@
+//! Test harness: starts the real `autohedge` binary on port 0 against in-process mock upstreams
+//! (real HTTP servers on 127.0.0.1) and talks to it over HTTP.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use autohedge::mock::{self, Flavor};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_autohedge");
+
+/// An in-process mock upstream; stops when dropped.
+pub struct MockUp {
+    pub addr: SocketAddr,
+    cancel: CancellationToken,
+}
+
+impl MockUp {
+    pub async fn start(flavor: Flavor, script: &str) -> MockUp {
+        let cancel = CancellationToken::new();
+        let (addr, _) = autohedge::cli::spawn_mock(
+            flavor,
+            mock::parse_script(script).expect("mock script"),
+            cancel.clone(),
+        )
+        .await
+        .expect("mock starts");
+        MockUp { addr, cancel }
+    }
+
+    pub async fn openai(script: &str) -> MockUp {
+        Self::start(Flavor::Openai, script).await
+    }
+
+    pub fn base(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+
+    pub async fn stats(&self) -> Value {
+        reqwest::get(format!("http://{}/__mock/stats", self.addr))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    pub async fn requests(&self) -> u64 {
+        self.stats().await["requests"].as_u64().unwrap()
+    }
+
+    pub async fn set_script(&self, script: &str) {
+        let r = reqwest::Client::new()
+            .post(format!("http://{}/__mock/script", self.addr))
+            .body(script.to_string())
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success());
+    }
+}
+
+impl Drop for MockUp {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+/// A port nothing listens on (bound then released).
+pub fn dead_addr() -> SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap()
+}
+
+/// The real gateway binary.
+pub struct Gw {
+    pub addr: SocketAddr,
+    pub dir: PathBuf,
+    pub config_path: PathBuf,
+    pub log_path: PathBuf,
+    child: Option<Child>,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+impl Gw {
+    pub fn start(config: &str) -> Gw {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
+        let mut gw = Gw::start_in(&dir, config, &[]);
+        gw._tmp = Some(tmp);
+        gw
+    }
+
+    pub fn start_with_env(config: &str, env: &[(&str, &str)]) -> Gw {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
+        let mut gw = Gw::start_in(&dir, config, env);
+        gw._tmp = Some(tmp);
+        gw
+    }
+
+    /// Starts in `dir` (config.yaml, data/, gateway.log there).
+    pub fn start_in(dir: &Path, config: &str, env: &[(&str, &str)]) -> Gw {
+        let config_path = dir.join("config.yaml");
+        std::fs::write(&config_path, config).unwrap();
+        let log_path = dir.join("gateway.log");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .unwrap();
+        let mut cmd = Command::new(BIN);
+        cmd.args(["serve", "--listen", "127.0.0.1:0", "--config"])
+            .arg(&config_path)
+            .arg("--data-dir")
+            .arg(dir.join("data"))
+            .env("RUST_LOG", "debug")
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::piped())
+            .stderr(log);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("gateway starts");
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = BufReader::new(stdout).lines();
+        let addr = loop {
+            match lines.next() {
+                Some(Ok(line)) => {
+                    if let Some(rest) = line.strip_prefix("autohedge listening on http://") {
+                        break rest.trim().parse().unwrap();
+                    }
+                }
+                _ => {
+                    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                    panic!("gateway exited before listening:\n{log}");
+                }
+            }
+        };
+        // Keep draining stdout so the child never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        Gw {
+            addr,
+            dir: dir.to_path_buf(),
+            config_path,
+            log_path,
+            child: Some(child),
+            _tmp: None,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.join("data")
+    }
+
+    pub fn db(&self) -> PathBuf {
+        self.data_dir().join("autohedge.db")
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    pub async fn chat(&self, model: &str, content: &str) -> reqwest::Response {
+        self.post(
+            "/v1/chat/completions",
+            json!({"model": model, "messages": [{"role": "user", "content": content}]}),
+        )
+        .await
+    }
+
+    pub async fn post(&self, path: &str, body: Value) -> reqwest::Response {
+        reqwest::Client::new()
+            .post(self.url(path))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    pub async fn status(&self) -> Value {
+        reqwest::get(self.url("/status"))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    /// SIGTERM and wait for a clean exit (the audit queue drained).
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                match child.try_wait() {
+                    Ok(Some(status)) => {
+                        assert!(status.success(), "gateway exited with {status}");
+                        return;
+                    }
+                    _ if Instant::now() > deadline => {
+                        let _ = child.kill();
+                        panic!("gateway did not stop within 20s after SIGTERM");
+                    }
+                    _ => std::thread::sleep(Duration::from_millis(20)),
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Gw {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+pub fn header(r: &reqwest::Response, name: &str) -> String {
+    r.headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string()
+}
+
+/// Polls `f` until it returns true or `within` passes.
+pub async fn eventually<F, Fut>(within: Duration, mut f: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if f().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
+/// Reads an SSE response into its `data:` payloads.
+pub async fn sse_events(r: reqwest::Response) -> Vec<String> {
+    let text = r.text().await.unwrap();
+    let mut p = autohedge::wire::sse::SseParser::new();
+    p.push(text.as_bytes())
+        .unwrap()
+        .into_iter()
+        .map(|e| e.data)
+        .collect()
+}
+
+/// The streamed text content of chat chunks.
+pub fn stream_text(events: &[String]) -> String {
+    events
+        .iter()
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|v| {
+            v.pointer("/choices/0/delta/content")
+                .and_then(Value::as_str)
+                .map(str::to_string)
+        })
+        .collect()
+}

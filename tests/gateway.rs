@@ -1,0 +1,769 @@
+//! Integration tests: the real binary against real loopback upstreams, one test per routing rule.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{Value, json};
+
+fn two(a: &MockUp, b: &MockUp, extra_policy: &str) -> String {
+    format!(
+        r#"
+models:
+  a:
+    type: openai
+    base_url: {}
+    model: upstream-a
+    timeouts: {{ connect: 1s, first_token: 500ms, total: 5s }}
+  b:
+    type: openai
+    base_url: {}
+    model: upstream-b
+    timeouts: {{ connect: 1s, first_token: 500ms, total: 5s }}
+routing_policy:
+  fallback_chain: [a, b]
+{extra_policy}
+routes:
+  chat: [a, b]
+"#,
+        a.base(),
+        b.base()
+    )
+}
+
+#[tokio::test]
+async fn non_stream_passes_through_with_headers() {
+    let a = MockUp::openai("name: a").await;
+    let b = MockUp::openai("name: b").await;
+    let gw = Gw::start(&two(&a, &b, ""));
+    let r = reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .header("x-request-id", "my-req-1")
+        .json(&json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}], "foo_unknown": {"x": 1}, "temperature": 0.2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-request-id"), "my-req-1");
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "a");
+    assert_eq!(header(&r, "x-autohedge-attempts"), "1");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["content"], "Hello from a!");
+    let last = &a.stats().await["last_body"];
+    assert_eq!(last["foo_unknown"], json!({"x": 1}), "unknown fields pass through");
+    assert_eq!(last["model"], "upstream-a", "model rewritten to the endpoint's id");
+    assert_eq!(b.requests().await, 0);
+
+    // Naming an endpoint starts there; a fresh request id is generated when none is given.
+    let r = gw.chat("b", "hi").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    assert_eq!(header(&r, "x-request-id").len(), 36);
+
+    // Completions and embeddings go through too.
+    let r = gw
+        .post("/v1/completions", json!({"model": "chat", "prompt": "Say hi"}))
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap()["object"], "text_completion");
+    let r = gw
+        .post("/v1/embeddings", json!({"model": "chat", "input": ["a", "b"]}))
+        .await;
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["data"].as_array().unwrap().len(), 2);
+
+    // /v1/models lists routes and endpoints.
+    let v: Value = reqwest::get(gw.url("/v1/models")).await.unwrap().json().await.unwrap();
+    let ids: Vec<&str> = v["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, vec!["chat", "a", "b"]);
+    let h: Value = reqwest::get(gw.url("/health")).await.unwrap().json().await.unwrap();
+    assert_eq!(h["status"], "ok");
+}
+
+#[tokio::test]
+async fn connect_error_and_5xx_fail_over() {
+    let dead = dead_addr();
+    let a = MockUp::openai("rules: [{status: 502}]").await;
+    let b = MockUp::openai("name: b").await;
+    let cfg = format!(
+        r#"
+models:
+  dead: {{ type: openai, base_url: "http://{dead}/v1", timeouts: {{ connect: 500ms }} }}
+  a: {{ type: openai, base_url: "{}" }}
+  b: {{ type: openai, base_url: "{}" }}
+routing_policy: {{ fallback_chain: [dead, a, b] }}
+"#,
+        a.base(),
+        b.base()
+    );
+    let gw = Gw::start(&cfg);
+    for stream in [false, true] {
+        let r = gw
+            .post(
+                "/v1/chat/completions",
+                json!({"model": "dead", "stream": stream, "messages": [{"role": "user", "content": "x"}]}),
+            )
+            .await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+        assert_eq!(header(&r, "x-autohedge-attempts"), "3");
+        if stream {
+            let ev = sse_events(r).await;
+            assert_eq!(stream_text(&ev), "Hello from b!");
+            assert_eq!(ev.last().unwrap(), "[DONE]");
+        }
+    }
+    let st = gw.status().await;
+    assert!(st["endpoints"]["dead"]["last_error"]["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("connect_error"));
+    assert_eq!(st["endpoints"]["a"]["totals"]["failures"], 2);
+}
+
+#[tokio::test]
+async fn retries_same_endpoint_when_configured() {
+    let a = MockUp::openai("rules: [{status: 503, times: 1}]").await;
+    let b = MockUp::openai("name: b").await;
+    let cfg = format!(
+        r#"
+models:
+  a: {{ type: openai, base_url: "{}", retries: 1, retry_backoff: 10ms }}
+  b: {{ type: openai, base_url: "{}" }}
+"#,
+        a.base(),
+        b.base()
+    );
+    let gw = Gw::start(&cfg);
+    let r = gw.chat("a", "x").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "a");
+    assert_eq!(header(&r, "x-autohedge-attempts"), "2");
+    assert_eq!(a.requests().await, 2);
+    assert_eq!(b.requests().await, 0);
+}
+
+#[tokio::test]
+async fn rate_limit_cools_down_and_is_never_retried() {
+    let a = MockUp::openai(
+        "rules: [{status: 429, times: 1, headers: {retry-after: \"30\"}, error: \"Rate limit reached for gpt-4o-mini\"}]",
+    )
+    .await;
+    let b = MockUp::openai("name: b").await;
+    let cfg = format!(
+        r#"
+models:
+  a: {{ type: openai, base_url: "{}", retries: 3 }}
+  b: {{ type: openai, base_url: "{}" }}
+"#,
+        a.base(),
+        b.base()
+    );
+    let gw = Gw::start(&cfg);
+    let r = gw.chat("a", "x").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    assert_eq!(a.requests().await, 1, "a 429 is never retried on the same endpoint");
+    let r = gw.chat("a", "x").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    assert_eq!(header(&r, "x-autohedge-attempts"), "1");
+    assert_eq!(a.requests().await, 1, "a cooling endpoint is skipped");
+    let st = gw.status().await;
+    let ea = &st["endpoints"]["a"];
+    assert_eq!(ea["state"], "cooldown");
+    let left = ea["cooldown_remaining_ms"].as_u64().unwrap();
+    assert!(left > 25_000 && left <= 30_000, "Retry-After honoured: {left}");
+    assert_eq!(ea["totals"]["failures"], 0, "a 429 is not a health failure");
+}
+
+#[tokio::test]
+async fn max_wait_waits_for_a_cooling_endpoint() {
+    let a = MockUp::openai("rules: [{status: 429, times: 1, headers: {retry-after-ms: \"700\"}}]").await;
+    let cfg = |wait: &str| {
+        format!(
+            "models:\n  a: {{ type: openai, base_url: \"{}\" }}\nrouting_policy: {{ max_wait: {wait} }}\n",
+            a.base()
+        )
+    };
+    let gw = Gw::start(&cfg("0"));
+    assert_eq!(gw.chat("a", "x").await.status(), 503);
+    let t = Instant::now();
+    let r = gw.chat("a", "x").await;
+    assert_eq!(r.status(), 503, "max_wait 0: fail at once");
+    assert!(t.elapsed() < Duration::from_millis(500));
+    drop(gw);
+
+    a.set_script("rules: [{status: 429, times: 1, headers: {retry-after-ms: \"700\"}}]").await;
+    let gw = Gw::start(&cfg("5s"));
+    assert_eq!(gw.chat("a", "x").await.status(), 503);
+    let t = Instant::now();
+    let r = gw.chat("a", "x").await;
+    assert_eq!(r.status(), 200, "waited for the cooldown to end");
+    assert!(t.elapsed() >= Duration::from_millis(400), "{:?}", t.elapsed());
+}
+
+#[tokio::test]
+async fn gone_retires_across_restarts_until_cleared() {
+    let a = MockUp::openai("rules: [{status: 410, error: \"The model gpt-4-0314 has been deprecated\"}]").await;
+    let b = MockUp::openai("name: b").await;
+    let cfg = two(&a, &b, "");
+    let tmp = tempfile::tempdir().unwrap();
+    let mut gw = Gw::start_in(tmp.path(), &cfg, &[]);
+    let r = gw.chat("chat", "x").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    assert_eq!(gw.status().await["endpoints"]["a"]["state"], "retired");
+    gw.stop();
+
+    let mut gw = Gw::start_in(tmp.path(), &cfg, &[]);
+    assert_eq!(gw.status().await["endpoints"]["a"]["state"], "retired", "retirement survives a restart");
+    let r = gw.chat("chat", "x").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    assert_eq!(a.requests().await, 1);
+
+    a.set_script("name: a").await;
+    let out = std::process::Command::new(BIN)
+        .args(["endpoint", "clear", "a", "--url"])
+        .arg(gw.url(""))
+        .arg("--data-dir")
+        .arg(gw.data_dir())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("retirement lifted") && text.contains("cleared in the running gateway"), "{text}");
+    assert_eq!(gw.status().await["endpoints"]["a"]["state"], "healthy");
+    let r = gw.chat("chat", "x").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "a");
+    gw.stop();
+
+    // A config change to the endpoint lifts a retirement too.
+    a.set_script("rules: [{status: 410}]").await;
+    let mut gw = Gw::start_in(tmp.path(), &cfg, &[]);
+    gw.chat("chat", "x").await;
+    assert_eq!(gw.status().await["endpoints"]["a"]["state"], "retired");
+    gw.stop();
+    let changed = cfg.replace("model: upstream-a", "model: upstream-a2");
+    let gw = Gw::start_in(tmp.path(), &changed, &[]);
+    assert_eq!(gw.status().await["endpoints"]["a"]["state"], "healthy");
+    let conn = rusqlite::Connection::open(gw.db()).unwrap();
+    let events: Vec<String> = conn
+        .prepare("SELECT event FROM endpoint_events WHERE endpoint = 'a' ORDER BY id")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(events, vec!["retired", "cleared", "retired"]);
+}
+
+#[tokio::test]
+async fn rejected_key_rotates_then_marks_auth_failed() {
+    let a = MockUp::openai("keys: [sk-good-key-2222]").await;
+    let b = MockUp::openai("name: b").await;
+    let cfg = format!(
+        r#"
+models:
+  a:
+    type: openai
+    base_url: "{}"
+    api_keys: [env:AH_TEST_KEY_OLD, env:AH_TEST_KEY_NEW]
+  single:
+    type: openai
+    base_url: "{}"
+    api_key: env:AH_TEST_KEY_OLD
+  b: {{ type: openai, base_url: "{}" }}
+routing_policy: {{ fallback_chain: [a, single, b] }}
+"#,
+        a.base(),
+        a.base(),
+        b.base()
+    );
+    let gw = Gw::start_with_env(
+        &cfg,
+        &[("AH_TEST_KEY_OLD", "sk-revoked-1111"), ("AH_TEST_KEY_NEW", "sk-good-key-2222")],
+    );
+    let r = gw.chat("a", "x").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "a", "served by a with its second key");
+    assert_eq!(header(&r, "x-autohedge-attempts"), "2");
+    assert_eq!(a.stats().await["key_tails"], json!(["1111", "2222"]));
+    // Next request goes straight to the good key.
+    gw.chat("a", "x").await;
+    assert_eq!(a.stats().await["key_tails"], json!(["1111", "2222", "2222"]));
+
+    let r = gw.chat("single", "x").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    let st = gw.status().await;
+    assert_eq!(st["endpoints"]["single"]["state"], "auth_failed");
+    assert_eq!(st["endpoints"]["a"]["state"], "healthy");
+    assert_eq!(st["endpoints"]["a"]["keys"], json!({"configured": 2, "usable": 1}));
+}
+
+#[tokio::test]
+async fn context_length_fails_over_only_to_larger_windows() {
+    let small = MockUp::openai("context_window: 50").await;
+    let same = MockUp::openai("name: same").await;
+    let big = MockUp::openai("name: big").await;
+    let cfg = format!(
+        r#"
+models:
+  small: {{ type: openai, base_url: "{}", context_window: 50 }}
+  same: {{ type: openai, base_url: "{}", context_window: 50 }}
+  big: {{ type: openai, base_url: "{}", context_window: 100000 }}
+routing_policy: {{ fallback_chain: [small, same, big] }}
+routes:
+  short: [small, same]
+"#,
+        small.base(),
+        same.base(),
+        big.base()
+    );
+    let gw = Gw::start(&cfg);
+    let long = "lorem ipsum ".repeat(100);
+    let r = gw.chat("small", &long).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "big");
+    assert_eq!(header(&r, "x-autohedge-attempts"), "2");
+    assert_eq!(same.requests().await, 0, "an endpoint with no larger window is skipped");
+    // A short prompt still goes to small.
+    let r = gw.chat("small", "hi").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "small");
+    // Context errors do not count against the endpoint.
+    assert_eq!(gw.status().await["endpoints"]["small"]["totals"]["failures"], 0);
+    // Nothing larger: the client gets the upstream's own 400.
+    let r = gw.chat("short", &long).await;
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "context_length_exceeded");
+    let conn = rusqlite::Connection::open(gw.db()).unwrap();
+    let _ = conn;
+}
+
+#[tokio::test]
+async fn client_errors_come_back_unchanged_without_failover() {
+    let a = MockUp::openai(
+        "rules: [{status: 400, when: {model: upstream-a}, error: \"Invalid value for 'temperature': must be <= 2\", error_code: invalid_value}]",
+    )
+    .await;
+    let b = MockUp::openai("name: b").await;
+    let gw = Gw::start(&two(&a, &b, ""));
+    let r = gw.chat("chat", "x").await;
+    assert_eq!(r.status(), 400);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "a");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(
+        v,
+        json!({"error": {"message": "Invalid value for 'temperature': must be <= 2", "type": "invalid_request_error", "param": null, "code": "invalid_value"}})
+    );
+    assert_eq!(b.requests().await, 0);
+    let st = gw.status().await;
+    assert_eq!(st["endpoints"]["a"]["totals"]["failures"], 0);
+    assert_eq!(st["endpoints"]["a"]["state"], "healthy");
+}
+
+#[tokio::test]
+async fn all_failed_is_503_with_attempts() {
+    let a = MockUp::openai("rules: [{status: 500}]").await;
+    let b = MockUp::openai("rules: [{status: 503}]").await;
+    let gw = Gw::start(&two(&a, &b, ""));
+    let r = gw.chat("chat", "x").await;
+    assert_eq!(r.status(), 503);
+    assert_eq!(header(&r, "x-autohedge-attempts"), "2");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "all_upstreams_failed");
+    let att = v["error"]["attempts"].as_array().unwrap();
+    assert_eq!(att.len(), 2);
+    assert_eq!(att[0]["endpoint"], "a");
+    assert_eq!(att[0]["status"], 500);
+    assert_eq!(att[0]["class"], "server_error");
+    assert!(att[0]["latency_ms"].as_f64().unwrap() >= 0.0);
+    assert_eq!(att[1]["endpoint"], "b");
+    assert_eq!(att[1]["status"], 503);
+}
+
+#[tokio::test]
+async fn stream_failures_before_first_chunk_fail_over_invisibly() {
+    let b = MockUp::openai("name: b").await;
+    for script in [
+        "rules: [{status: 503}]",
+        "rules: [{stream_error_after: 0}]",
+        "rules: [{stall_after: 0}]",
+        "rules: [{reset: true}]",
+        "rules: [{cut_after: 0}]",
+        "rules: [{body: 'not json at all', status: 200}]",
+    ] {
+        let a = MockUp::openai(script).await;
+        let gw = Gw::start(&two(&a, &b, ""));
+        let t = Instant::now();
+        let r = gw
+            .post(
+                "/v1/chat/completions",
+                json!({"model": "chat", "stream": true, "messages": [{"role": "user", "content": "x"}]}),
+            )
+            .await;
+        assert_eq!(r.status(), 200, "{script}");
+        assert_eq!(header(&r, "x-autohedge-endpoint"), "b", "{script}");
+        let ev = sse_events(r).await;
+        assert_eq!(stream_text(&ev), "Hello from b!", "{script}");
+        let roles = ev.iter().filter(|e| e.contains("\"role\"")).count();
+        assert_eq!(roles, 1, "nothing from the failed upstream reached the client: {script}");
+        assert_eq!(ev.last().unwrap(), "[DONE]");
+        assert!(t.elapsed() < Duration::from_secs(3), "{script}: {:?}", t.elapsed());
+    }
+}
+
+#[tokio::test]
+async fn mid_stream_failure_ends_with_an_error_event() {
+    let b = MockUp::openai("name: b").await;
+    for (script, code) in [
+        ("rules: [{reset_after: 2}]", "stream_broken"),
+        ("rules: [{stall_after: 2}]", "stream_stalled"),
+        ("rules: [{cut_after: 2}]", "stream_truncated"),
+    ] {
+        let a = MockUp::openai(&format!("reply: \"one two three four five\"\n{script}")).await;
+        let gw = Gw::start(&two(&a, &b, ""));
+        let r = reqwest::Client::new()
+            .post(gw.url("/v1/chat/completions"))
+            .header("x-request-id", "mid-1")
+            .json(&json!({"model": "chat", "stream": true, "messages": [{"role": "user", "content": "x"}]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(header(&r, "x-autohedge-endpoint"), "a");
+        let ev = sse_events(r).await;
+        assert_eq!(stream_text(&ev), "one two ", "{script}");
+        let last: Value = serde_json::from_str(ev.last().unwrap()).unwrap();
+        assert_eq!(last["error"]["code"], code, "{script}");
+        assert!(!ev.contains(&"[DONE]".to_string()));
+        assert_eq!(b.requests().await, 0, "no failover after the first byte");
+        let mut gw = gw;
+        gw.stop();
+        let conn = rusqlite::Connection::open(gw.db()).unwrap();
+        let class: String = conn
+            .query_row("SELECT error_class FROM requests WHERE request_id = 'mid-1'", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(class, code);
+    }
+}
+
+#[tokio::test]
+async fn stream_passes_chunks_and_usage_through() {
+    let a = MockUp::openai("reply: \"alpha beta gamma\"\nchunk_delay: 5ms").await;
+    let b = MockUp::openai("name: b").await;
+    let mut gw = Gw::start(&two(&a, &b, ""));
+    let r = reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .header("x-request-id", "stream-ok")
+        .json(&json!({"model": "chat", "stream": true, "stream_options": {"include_usage": true}, "messages": [{"role": "user", "content": "x"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(header(&r, "content-type"), "text/event-stream");
+    let ev = sse_events(r).await;
+    assert_eq!(stream_text(&ev), "alpha beta gamma");
+    assert_eq!(ev.last().unwrap(), "[DONE]");
+    let usage: Value = serde_json::from_str(&ev[ev.len() - 2]).unwrap();
+    assert_eq!(usage["usage"]["completion_tokens"], 3);
+    gw.stop();
+    let conn = rusqlite::Connection::open(gw.db()).unwrap();
+    let (tin, tout, est, ttft): (i64, i64, bool, Option<f64>) = conn
+        .query_row(
+            "SELECT tokens_in, tokens_out, tokens_estimated, ttft_ms FROM requests WHERE request_id = 'stream-ok'",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+        )
+        .unwrap();
+    assert_eq!(tout, 3);
+    assert!(tin >= 1);
+    assert!(!est);
+    assert!(ttft.is_some());
+}
+
+#[tokio::test]
+async fn low_success_rate_demotes_behind_healthy() {
+    let a = MockUp::openai("rules: [{status: 503, times: 4}]").await;
+    let b = MockUp::openai("name: b").await;
+    let gw = Gw::start(&two(&a, &b, "  success_threshold: 0.85\n  min_samples: 4\n  window: 60s"));
+    for _ in 0..4 {
+        let r = gw.chat("chat", "x").await;
+        assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    }
+    // a is healthy again, but its window says 0/4: it goes behind b.
+    let r = gw.chat("chat", "x").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    assert_eq!(header(&r, "x-autohedge-attempts"), "1");
+    assert_eq!(a.requests().await, 4);
+    let st = gw.status().await;
+    assert_eq!(st["endpoints"]["a"]["state"], "degraded");
+    assert_eq!(st["endpoints"]["a"]["success_rate"], 0.0);
+    // A demoted endpoint is still tried when the healthy one fails.
+    b.set_script("rules: [{status: 500}]").await;
+    let r = gw.chat("chat", "x").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "a");
+}
+
+#[tokio::test]
+async fn missing_capability_is_skipped() {
+    let a = MockUp::start(autohedge::mock::Flavor::Vllm, "name: a").await;
+    let b = MockUp::openai("name: b").await;
+    let gw = Gw::start(&format!(
+        "models:\n  a: {{ type: vllm, base_url: \"{}\" }}\n  b: {{ type: openai, base_url: \"{}\" }}\n",
+        a.base(),
+        b.base()
+    ));
+    let r = gw
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "a", "messages": [{"role": "user", "content": [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}),
+        )
+        .await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    assert_eq!(a.requests().await, 0);
+    // Plain text still goes to the vLLM endpoint.
+    let r = gw.chat("a", "x").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "a");
+}
+
+#[tokio::test]
+async fn bad_input_gets_openai_shaped_errors() {
+    let a = MockUp::openai("name: a").await;
+    let b = MockUp::openai("name: b").await;
+    let cfg = format!("server: {{ max_body_bytes: 2000 }}\n{}", two(&a, &b, ""));
+    let gw = Gw::start(&cfg);
+    let c = reqwest::Client::new();
+    let url = gw.url("/v1/chat/completions");
+    let cases: Vec<(reqwest::RequestBuilder, u16, &str)> = vec![
+        (c.post(&url).header("content-type", "application/json").body("{not json"), 400, "invalid_json"),
+        (c.post(&url).json(&json!({"messages": [{"role": "user", "content": "x"}]})), 400, ""),
+        (c.post(&url).json(&json!({"model": 7, "messages": [{"role": "user", "content": "x"}]})), 400, "invalid_type"),
+        (c.post(&url).json(&json!({"model": "chat", "messages": []})), 400, "empty_array"),
+        (c.post(&url).json(&json!({"model": "chat"})), 400, "missing_required_parameter"),
+        (c.post(&url).json(&json!({"model": "chat", "messages": [{"role": "user", "content": "x".repeat(3000)}]})), 413, "payload_too_large"),
+        (c.post(&url).header("content-type", "text/plain").body("{}"), 415, "unsupported_media_type"),
+        (c.post(&url).header("content-type", "application/json").body(vec![b'{', 0xff, 0xfe, b'}']), 400, "invalid_utf8"),
+        (c.post(&url).json(&json!({"model": "gpt-nope", "messages": [{"role": "user", "content": "x"}]})), 404, "model_not_found"),
+        (c.post(&url).json(&json!([1, 2])), 400, ""),
+        (c.get(&url), 405, "method_not_allowed"),
+        (c.get(gw.url("/v1/nope")), 404, "unknown_url"),
+    ];
+    for (i, (req, status, code)) in cases.into_iter().enumerate() {
+        let r = req.send().await.unwrap();
+        assert_eq!(r.status().as_u16(), status, "case {i}");
+        let v: Value = r.json().await.unwrap_or_else(|e| panic!("case {i}: body not JSON: {e}"));
+        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "case {i}: {v}");
+        assert!(v["error"]["type"].is_string(), "case {i}: {v}");
+        if !code.is_empty() {
+            assert_eq!(v["error"]["code"], code, "case {i}: {v}");
+        }
+    }
+    assert_eq!(a.requests().await + b.requests().await, 0);
+    let st = gw.status().await;
+    assert_eq!(st["endpoints"]["a"]["totals"]["requests"], 0);
+    // Still serving.
+    assert_eq!(gw.chat("chat", "x").await.status(), 200);
+}
+
+#[tokio::test]
+async fn api_keys_never_leak() {
+    const SECRET: &str = "sk-proj-SUPERSECRETVALUE9876543210";
+    let a = MockUp::openai("keys: [sk-some-other-key-000000000]").await;
+    let b = MockUp::openai("rules: [{status: 500}]").await;
+    let tmp = tempfile::tempdir().unwrap();
+    let key_file = tmp.path().join("key.txt");
+    std::fs::write(&key_file, format!("{SECRET}\n")).unwrap();
+    let cfg = format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\", api_key: \"file:{}\" }}\n  b: {{ type: openai, base_url: \"{}\", api_key: env:AH_LEAK_KEY }}\n",
+        a.base(),
+        key_file.display(),
+        b.base()
+    );
+    let mut gw = Gw::start_in(tmp.path(), &cfg, &[("AH_LEAK_KEY", SECRET)]);
+    let r = gw.chat("a", "x").await;
+    assert_eq!(r.status(), 503);
+    let body = r.text().await.unwrap();
+    let status = gw.status().await.to_string();
+    let check = std::process::Command::new(BIN)
+        .env("AH_LEAK_KEY", SECRET)
+        .args(["check-config"])
+        .arg(&gw.config_path)
+        .output()
+        .unwrap();
+    let check_out = String::from_utf8_lossy(&check.stdout).to_string();
+    assert!(check_out.contains("env:AH_LEAK_KEY"), "{check_out}");
+    gw.stop();
+    let mut db = Vec::new();
+    for f in ["autohedge.db", "autohedge.db-wal"] {
+        db.extend(std::fs::read(gw.data_dir().join(f)).unwrap_or_default());
+    }
+    let db = String::from_utf8_lossy(&db).to_string();
+    let log = gw.log();
+    // The whole key and its distinctive middle never appear anywhere.
+    for (what, text) in [("503 body", &body), ("/status", &status), ("check-config", &check_out), ("sqlite", &db), ("log", &log)] {
+        assert!(!text.contains(SECRET), "{what} contains the key");
+        assert!(!text.contains("SUPERSECRET"), "{what} contains part of the key");
+        assert!(!text.contains("3210"), "{what} contains the key's tail");
+    }
+    assert!(body.contains("auth_failed"), "{body}");
+}
+
+#[tokio::test]
+async fn every_request_has_one_audit_row_after_sigterm() {
+    let a = MockUp::openai("rules: [{status: 503, when: {every: 3}}]").await;
+    let b = MockUp::openai("name: b\nchunk_delay: 1ms").await;
+    let mut gw = Gw::start(&two(&a, &b, ""));
+    let c = reqwest::Client::new();
+    let mut ids = Vec::new();
+    let mut tasks = Vec::new();
+    for i in 0..60 {
+        let id = format!("bulk-{i}");
+        ids.push(id.clone());
+        let req = c
+            .post(gw.url("/v1/chat/completions"))
+            .header("x-request-id", id)
+            .json(&json!({"model": if i % 7 == 0 { "nope" } else { "chat" }, "stream": i % 2 == 0, "messages": [{"role": "user", "content": "x"}]}));
+        tasks.push(tokio::spawn(async move {
+            let r = req.send().await.unwrap();
+            let _ = r.bytes().await;
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    gw.stop();
+    let conn = rusqlite::Connection::open(gw.db()).unwrap();
+    let n: i64 = conn.query_row("SELECT COUNT(*) FROM requests", [], |r| r.get(0)).unwrap();
+    assert_eq!(n, 60);
+    let distinct: i64 = conn
+        .query_row("SELECT COUNT(DISTINCT request_id) FROM requests", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(distinct, 60);
+    let failovers: i64 = conn
+        .query_row("SELECT COUNT(*) FROM attempts WHERE class = 'server_error'", [], |r| r.get(0))
+        .unwrap();
+    assert!(failovers >= 10, "{failovers}");
+    let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
+    assert_eq!(version, 1);
+}
+
+#[tokio::test]
+async fn live_reload_swaps_the_order_and_rejects_invalid_files() {
+    let a = MockUp::openai("name: a").await;
+    let b = MockUp::openai("name: b").await;
+    let cfg = two(&a, &b, "");
+    let gw = Gw::start(&cfg);
+    assert_eq!(header(&gw.chat("chat", "x").await, "x-autohedge-endpoint"), "a");
+    // Edit the way an editor does: write a new file and rename it over the old one.
+    let swapped = cfg.replace("chat: [a, b]", "chat: [b, a]");
+    let tmp = gw.dir.join("config.yaml.tmp");
+    std::fs::write(&tmp, &swapped).unwrap();
+    std::fs::rename(&tmp, &gw.config_path).unwrap();
+    let ok = eventually(Duration::from_secs(5), || async {
+        header(&gw.chat("chat", "x").await, "x-autohedge-endpoint") == "b"
+    })
+    .await;
+    assert!(ok, "new order served");
+    // State survives the reload.
+    assert!(gw.status().await["endpoints"]["a"]["totals"]["successes"].as_u64().unwrap() >= 1);
+
+    // An invalid file is rejected with the bad key's path; the old table stays live.
+    std::fs::write(&gw.config_path, swapped.replace("model: upstream-b", "model: upstream-b\n    bogus_key: 1")).unwrap();
+    let ok = eventually(Duration::from_secs(5), || async {
+        gw.status().await["config"]["last_reload_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("models.b") && e.contains("bogus_key"))
+    })
+    .await;
+    assert!(ok, "{}", gw.status().await["config"]);
+    assert_eq!(header(&gw.chat("chat", "x").await, "x-autohedge-endpoint"), "b");
+    assert!(gw.log().contains("bogus_key"));
+
+    // SIGHUP reloads too.
+    std::fs::write(&gw.config_path, &cfg).unwrap();
+    let ok = eventually(Duration::from_secs(5), || async {
+        header(&gw.chat("chat", "x").await, "x-autohedge-endpoint") == "a"
+    })
+    .await;
+    assert!(ok);
+}
+
+#[tokio::test]
+async fn stats_and_check_config_commands() {
+    let a = MockUp::openai("rules: [{status: 503, when: {every: 2}}]").await;
+    let b = MockUp::openai("name: b").await;
+    let mut gw = Gw::start(&two(&a, &b, ""));
+    for _ in 0..6 {
+        gw.chat("chat", "x").await;
+    }
+    gw.stop();
+    let out = std::process::Command::new(BIN)
+        .args(["stats", "--since", "1h", "--json", "--data-dir"])
+        .arg(gw.data_dir())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let a_row = v.as_array().unwrap().iter().find(|r| r["endpoint"] == "a").unwrap();
+    assert_eq!(a_row["requests"], 6);
+    assert_eq!(a_row["success_rate"], 0.5);
+    assert_eq!(a_row["errors"]["server_error"], 3);
+    assert_eq!(a_row["fallbacks_from"], 3);
+    let b_row = v.as_array().unwrap().iter().find(|r| r["endpoint"] == "b").unwrap();
+    assert_eq!(b_row["fallbacks_served"], 3);
+    let out = std::process::Command::new(BIN)
+        .args(["stats", "--data-dir"])
+        .arg(gw.data_dir())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("server_error=3"), "{text}");
+
+    // check-config: resolved chains and key sources; unset env keys named.
+    let cfg = gw.dir.join("check.yaml");
+    std::fs::write(
+        &cfg,
+        "models:\n  x: { type: openai, api_key: env:AH_SURELY_UNSET_KEY }\n  y: { type: ollama, host: \"http://127.0.0.1:11434\", model: \"qwen2.5:7b\", timeout: 3 }\nrouting_policy: { fallback_chain: [x, y], cache_ttl: 5m }\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(BIN).arg("check-config").arg(&cfg).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("fallback_chain: x -> y"), "{text}");
+    assert!(text.contains("AH_SURELY_UNSET_KEY") && text.contains("not set"), "{text}");
+    std::fs::write(&cfg, "models:\n  x: { type: openai, colour: blue }\n").unwrap();
+    let out = std::process::Command::new(BIN).arg("check-config").arg(&cfg).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success());
+    assert!(text.contains("models.x") && text.contains("colour"), "{text}");
+}
+
+#[tokio::test]
+async fn mock_upstream_binary_runs_a_script_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let script = tmp.path().join("s.yaml");
+    std::fs::write(&script, "name: cli\nrules:\n  - when: { every: 2 }\n    status: 429\n    headers: { retry-after: \"7\" }\n").unwrap();
+    let mut child = std::process::Command::new(BIN)
+        .args(["mock-upstream", "--listen", "127.0.0.1:0", "--flavor", "openai", "--script"])
+        .arg(&script)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    use std::io::BufRead;
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let addr = line.trim().rsplit("http://").next().unwrap().to_string();
+    let c = reqwest::Client::new();
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
+    let r1 = c.post(format!("http://{addr}/v1/chat/completions")).json(&body).send().await.unwrap();
+    assert_eq!(r1.status(), 200);
+    let r2 = c.post(format!("http://{addr}/v1/chat/completions")).json(&body).send().await.unwrap();
+    assert_eq!(r2.status(), 429);
+    assert_eq!(header(&r2, "retry-after"), "7");
+    assert_eq!(header(&r2, "x-ratelimit-remaining-requests"), "0");
+    let v: Value = r2.json().await.unwrap();
+    assert_eq!(v["error"]["type"], "requests");
+    let _ = child.kill();
+    let _ = child.wait();
+}

@@ -138,10 +138,15 @@ pub fn check_config(path: Option<PathBuf>) -> anyhow::Result<ExitCode> {
 }
 
 pub fn stats(data_dir: &Path, since: &str, json: bool) -> anyhow::Result<ExitCode> {
-    let window = config::duration::parse_duration(since).map_err(|e| anyhow::anyhow!("--since: {e}"))?;
+    let window =
+        config::duration::parse_duration(since).map_err(|e| anyhow::anyhow!("--since: {e}"))?;
     let db = store::db_path(data_dir);
     if !db.exists() {
-        bail!("no audit database at {} (has the gateway run with --data-dir {}?)", db.display(), data_dir.display());
+        bail!(
+            "no audit database at {} (has the gateway run with --data-dir {}?)",
+            db.display(),
+            data_dir.display()
+        );
     }
     let from = SystemTime::now()
         .checked_sub(window)
@@ -196,7 +201,11 @@ pub fn stats(data_dir: &Path, since: &str, json: bool) -> anyhow::Result<ExitCod
             fmt_ms(r.p95_ms),
             r.fallbacks_from,
             r.fallbacks_served,
-            if errors.is_empty() { "-".into() } else { errors }
+            if errors.is_empty() {
+                "-".into()
+            } else {
+                errors
+            }
         );
     }
     Ok(ExitCode::SUCCESS)
@@ -223,7 +232,10 @@ pub async fn endpoint_clear(
         .timeout(Duration::from_secs(3))
         .build()?;
     let online = client
-        .post(format!("{}/admin/endpoints/{name}/clear", url.trim_end_matches('/')))
+        .post(format!(
+            "{}/admin/endpoints/{name}/clear",
+            url.trim_end_matches('/')
+        ))
         .send()
         .await;
     match online {
@@ -239,14 +251,21 @@ pub async fn endpoint_clear(
         Err(_) => println!("{name}: no gateway answering at {url}"),
     }
     if !store::db_path(data_dir).exists() {
-        println!("{name}: no audit database at {}", store::db_path(data_dir).display());
+        println!(
+            "{name}: no audit database at {}",
+            store::db_path(data_dir).display()
+        );
         return Ok(ExitCode::FAILURE);
     }
     let was_retired =
         store::clear_endpoint(data_dir, name).context("updating the audit database")?;
     println!(
         "{name}: {} in {}; the next start uses it",
-        if was_retired { "retirement lifted" } else { "no persisted retirement" },
+        if was_retired {
+            "retirement lifted"
+        } else {
+            "no persisted retirement"
+        },
         store::db_path(data_dir).display()
     );
     Ok(ExitCode::SUCCESS)

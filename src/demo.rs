@@ -83,8 +83,12 @@ routes:
     })
     .await?;
     let base = format!("http://{}", gw.addr);
-    println!("AutoHedge demo: gateway on {base}, primary mock on {primary}, backup mock on {backup}");
-    println!("chain `chat`: primary -> backup. primary answers 503 twice, 429 once (Retry-After: 1s), and stalls one stream before its first token.\n");
+    println!(
+        "AutoHedge demo: gateway on {base}, primary mock on {primary}, backup mock on {backup}"
+    );
+    println!(
+        "chain `chat`: primary -> backup. primary answers 503 twice, 429 once (Retry-After: 1s), and stalls one stream before its first token.\n"
+    );
 
     let client = reqwest::Client::new();
     let mut ids = Vec::new();
@@ -121,10 +125,15 @@ routes:
     let mut stmt = conn.prepare(
         "SELECT endpoint, class, status, latency_ms, error FROM attempts WHERE request_id = ?1 ORDER BY seq",
     )?;
-    println!("{:<9} {:<7} {:>6}  {:<8} why", "request", "kind", "status", "served by");
+    println!(
+        "{:<9} {:<7} {:>6}  {:<8} why",
+        "request", "kind", "status", "served by"
+    );
     for (id, stream, code) in &ids {
         let attempts: Vec<(String, String, Option<u16>, f64, Option<String>)> = stmt
-            .query_map([id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))?
+            .query_map([id], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+            })?
             .collect::<Result<_, _>>()?;
         let served = attempts
             .iter()
@@ -168,6 +177,10 @@ routes:
         data_dir.display()
     );
     let failed = ids.iter().filter(|(_, _, c)| *c >= 500).count();
-    println!("{} of {} requests answered successfully.", ids.len() - failed, ids.len());
+    println!(
+        "{} of {} requests answered successfully.",
+        ids.len() - failed,
+        ids.len()
+    );
     Ok(ExitCode::SUCCESS)
 }

@@ -102,7 +102,9 @@ impl ApiError {
                 Some("model_not_found"),
             ),
             ApiError::NotFound(path) => (
-                format!("Unknown request URL: {path}. Supported: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models."),
+                format!(
+                    "Unknown request URL: {path}. Supported: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models."
+                ),
                 "invalid_request_error",
                 None,
                 Some("unknown_url"),
@@ -114,7 +116,9 @@ impl ApiError {
                 Some("method_not_allowed"),
             ),
             ApiError::PayloadTooLarge(limit) => (
-                format!("Request body is larger than the gateway's limit of {limit} bytes (server.max_body_bytes)."),
+                format!(
+                    "Request body is larger than the gateway's limit of {limit} bytes (server.max_body_bytes)."
+                ),
                 "invalid_request_error",
                 None,
                 Some("payload_too_large"),
@@ -125,9 +129,12 @@ impl ApiError {
                 None,
                 Some("unsupported_media_type"),
             ),
-            ApiError::AllFailed { message, .. } => {
-                (message.clone(), "upstream_error", None, Some("all_upstreams_failed"))
-            }
+            ApiError::AllFailed { message, .. } => (
+                message.clone(),
+                "upstream_error",
+                None,
+                Some("all_upstreams_failed"),
+            ),
             ApiError::Forbidden(m) => (m.clone(), "permission_error", None, Some("forbidden")),
             ApiError::Internal(m) => (m.clone(), "server_error", None, Some("internal_error")),
         };

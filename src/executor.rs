@@ -26,7 +26,7 @@ use crate::registry::Effect;
 use crate::router::{self, View};
 use crate::state::AppState;
 use crate::store::{AttemptRow, Record, RequestRow};
-use crate::upstream::{self, classify::Class, classify};
+use crate::upstream::{self, classify, classify::Class};
 use crate::wire::sse::SseParser;
 use crate::wire::{self, ChunkKind, Inbound, Op, Usage};
 
@@ -120,7 +120,9 @@ enum EndpointOutcome {
     /// The client's own error, to return unchanged.
     ClientError(StatusCode, HeaderMap, Bytes),
     /// Failed; go on. `context` is set when the endpoint refused the prompt as too long.
-    Failed { context: bool },
+    Failed {
+        context: bool,
+    },
 }
 
 impl Run {
@@ -353,9 +355,11 @@ impl Run {
                             return EndpointOutcome::Failed { context: false };
                         }
                         Class::Gone => {
-                            self.app
-                                .registry
-                                .apply(ep, &self.cfg.policy, Effect::Retire { detail });
+                            self.app.registry.apply(
+                                ep,
+                                &self.cfg.policy,
+                                Effect::Retire { detail },
+                            );
                             return EndpointOutcome::Failed { context: false };
                         }
                         Class::Auth => {
@@ -444,7 +448,13 @@ impl Run {
         let deadline = Instant::now() + ep.timeouts.total;
         let rb = upstream::request(ep, self.req.op, &self.req.body, key, &self.request_id);
         let resp = match timeout_at(deadline, rb.send()).await {
-            Err(_) => return Err(Failure::new(Class::Timeout, None, "no response within timeouts.total")),
+            Err(_) => {
+                return Err(Failure::new(
+                    Class::Timeout,
+                    None,
+                    "no response within timeouts.total",
+                ));
+            }
             Ok(Err(e)) => return Err(send_error(&e)),
             Ok(Ok(r)) => r,
         };
@@ -454,8 +464,20 @@ impl Run {
         let status = resp.status();
         let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
         let body = match timeout_at(deadline, resp.bytes()).await {
-            Err(_) => return Err(Failure::new(Class::Timeout, Some(status.as_u16()), "body not complete within timeouts.total")),
-            Ok(Err(e)) => return Err(Failure::new(Class::Connection, Some(status.as_u16()), format!("reading body: {}", error_chain(&e)))),
+            Err(_) => {
+                return Err(Failure::new(
+                    Class::Timeout,
+                    Some(status.as_u16()),
+                    "body not complete within timeouts.total",
+                ));
+            }
+            Ok(Err(e)) => {
+                return Err(Failure::new(
+                    Class::Connection,
+                    Some(status.as_u16()),
+                    format!("reading body: {}", error_chain(&e)),
+                ));
+            }
             Ok(Ok(b)) => b,
         };
         let parsed: Value = match serde_json::from_slice(&body) {
@@ -515,10 +537,15 @@ impl Run {
             let detail = match body {
                 Ok(Ok(b)) => match serde_json::from_slice::<Value>(&b) {
                     Ok(v) => match wire::classify_chunk(&v) {
-                        ChunkKind::Error(m) => return Err(Failure::new(Class::InBand, Some(status), m)),
-                        _ => "stream requested but the upstream answered with a non-SSE body".to_string(),
+                        ChunkKind::Error(m) => {
+                            return Err(Failure::new(Class::InBand, Some(status), m));
+                        }
+                        _ => "stream requested but the upstream answered with a non-SSE body"
+                            .to_string(),
                     },
-                    Err(_) => "stream requested but the upstream answered with a non-SSE body".to_string(),
+                    Err(_) => {
+                        "stream requested but the upstream answered with a non-SSE body".to_string()
+                    }
                 },
                 _ => "stream requested but the upstream answered with a non-SSE body".to_string(),
             };
@@ -558,7 +585,11 @@ impl Run {
                 Ok(Some(Ok(b))) => b,
             };
             let events = parser.push(&next).map_err(|e| {
-                Failure::new(Class::Malformed, Some(status), format!("invalid SSE: {}", e.0))
+                Failure::new(
+                    Class::Malformed,
+                    Some(status),
+                    format!("invalid SSE: {}", e.0),
+                )
             })?;
             prelude.push(next);
             let mut commit = false;
@@ -615,7 +646,12 @@ impl Run {
         }
     }
 
-    fn base_row(&self, endpoint: Option<&str>, status: u16, error_class: Option<String>) -> RequestRow {
+    fn base_row(
+        &self,
+        endpoint: Option<&str>,
+        status: u16,
+        error_class: Option<String>,
+    ) -> RequestRow {
         RequestRow {
             request_id: self.request_id.clone(),
             ts: self.started_wall,
@@ -673,8 +709,10 @@ impl Run {
             resp.headers_mut().insert(k.clone(), v.clone());
         }
         if !resp.headers().contains_key(header::CONTENT_TYPE) {
-            resp.headers_mut()
-                .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            resp.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
         }
         self.headers(&mut resp, Some(endpoint));
         resp
@@ -721,7 +759,14 @@ impl Run {
                 let mut row = self.base_row(Some(&ep.name), status.as_u16(), None);
                 let prompt_estimate = wire::estimate_tokens(wire::prompt_chars(&self.req.body));
                 let out_estimate = wire::estimate_tokens(self.estimated_out_chars);
-                fill_usage(&mut row, &ep, usage, prompt_estimate, out_estimate, self.req.op);
+                fill_usage(
+                    &mut row,
+                    &ep,
+                    usage,
+                    prompt_estimate,
+                    out_estimate,
+                    self.req.op,
+                );
                 self.app.registry.record_tokens(
                     &ep.name,
                     row.tokens_in.unwrap_or(0),
@@ -774,7 +819,10 @@ impl Run {
                 let body = Body::from_stream(futures_util::stream::unfold(state, pump));
                 let mut resp = Response::new(body);
                 let h = resp.headers_mut();
-                h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+                h.insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("text/event-stream"),
+                );
                 h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
                 self.headers(&mut resp, Some(&ep.name));
                 resp
@@ -799,7 +847,11 @@ fn fill_usage(
         Some(u) => (u.prompt, u.completion, false),
         None => (
             prompt_estimate,
-            if op == Op::Embeddings { 0 } else { out_estimate },
+            if op == Op::Embeddings {
+                0
+            } else {
+                out_estimate
+            },
             true,
         ),
     };
@@ -825,7 +877,10 @@ fn response_text_chars(v: &Value) -> usize {
                 .and_then(Value::as_str)
                 .map(str::len)
                 .unwrap_or(0)
-                + c.get("text").and_then(Value::as_str).map(str::len).unwrap_or(0)
+                + c.get("text")
+                    .and_then(Value::as_str)
+                    .map(str::len)
+                    .unwrap_or(0)
         })
         .sum()
 }
@@ -841,7 +896,10 @@ fn chunk_text_chars(v: &Value) -> usize {
                 .and_then(Value::as_str)
                 .map(str::len)
                 .unwrap_or(0)
-                + c.get("text").and_then(Value::as_str).map(str::len).unwrap_or(0)
+                + c.get("text")
+                    .and_then(Value::as_str)
+                    .map(str::len)
+                    .unwrap_or(0)
         })
         .sum()
 }
@@ -933,7 +991,9 @@ impl StreamGuard {
                 self.app.registry.apply(
                     &self.ep,
                     &self.cfg.policy,
-                    Effect::Success { latency_ms: ttft_ms },
+                    Effect::Success {
+                        latency_ms: ttft_ms,
+                    },
                 );
             }
             Some(("client_closed", detail)) => {
@@ -967,7 +1027,10 @@ impl StreamGuard {
 impl Drop for StreamGuard {
     fn drop(&mut self) {
         if self.row.is_some() {
-            self.finish(Some(("client_closed", "client disconnected mid-stream".into())));
+            self.finish(Some((
+                "client_closed",
+                "client disconnected mid-stream".into(),
+            )));
         }
     }
 }

@@ -102,7 +102,12 @@ async fn read_json(headers: &HeaderMap, body: Body, limit: usize) -> Result<Valu
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    let mime = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    let mime = ct
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
     if mime != "application/json" && !mime.ends_with("+json") {
         return Err(ApiError::UnsupportedMediaType(ct.to_string()));
     }
@@ -115,21 +120,21 @@ async fn read_json(headers: &HeaderMap, body: Body, limit: usize) -> Result<Valu
             return Err(ApiError::PayloadTooLarge(limit));
         }
     }
-    let bytes: Bytes = axum::body::to_bytes(body, limit)
-        .await
-        .map_err(|e| {
-            // `to_bytes` fails for an over-long body or a broken connection.
-            if std::error::Error::source(&e)
-                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
-                || e.to_string().contains("length limit")
-            {
-                ApiError::PayloadTooLarge(limit)
-            } else {
-                ApiError::invalid(format!("could not read the request body: {e}"))
-            }
-        })?;
+    let bytes: Bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
+        // `to_bytes` fails for an over-long body or a broken connection.
+        if std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>())
+            || e.to_string().contains("length limit")
+        {
+            ApiError::PayloadTooLarge(limit)
+        } else {
+            ApiError::invalid(format!("could not read the request body: {e}"))
+        }
+    })?;
     let text = std::str::from_utf8(&bytes).map_err(|e| ApiError::InvalidRequest {
-        message: format!("The request body is not valid UTF-8 (at byte {}).", e.valid_up_to()),
+        message: format!(
+            "The request body is not valid UTF-8 (at byte {}).",
+            e.valid_up_to()
+        ),
         param: None,
         code: Some("invalid_utf8"),
     })?;

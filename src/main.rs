@@ -9,7 +9,11 @@ use autohedge::cli;
 use autohedge::mock::Flavor;
 
 #[derive(Parser)]
-#[command(name = "autohedge", version, about = "One OpenAI-compatible endpoint over a fleet of LLM backends that fails over on the errors that really happen.")]
+#[command(
+    name = "autohedge",
+    version,
+    about = "One OpenAI-compatible endpoint over a fleet of LLM backends that fails over on the errors that really happen."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -58,9 +62,7 @@ enum Command {
         json: bool,
     },
     /// Validate a config and print what it resolved (key sources, never key values).
-    CheckConfig {
-        path: Option<PathBuf>,
-    },
+    CheckConfig { path: Option<PathBuf> },
     /// Operator actions on endpoints.
     Endpoint {
         #[command(subcommand)]
@@ -95,7 +97,10 @@ fn main() -> ExitCode {
         Command::Demo { .. } | Command::Stats { .. } | Command::CheckConfig { .. } => "warn",
         _ => "info",
     });
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("autohedge: cannot start the runtime: {e}");

@@ -150,11 +150,20 @@ impl Mock {
     }
 
     fn script(&self) -> Script {
-        self.script.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.script
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Picks the rule for a request, advancing the counters.
-    fn pick(&self, path: &str, stream: bool, key: Option<&str>, model: Option<&str>) -> Option<Rule> {
+    fn pick(
+        &self,
+        path: &str,
+        stream: bool,
+        key: Option<&str>,
+        model: Option<&str>,
+    ) -> Option<Rule> {
         let script = self.script();
         let mut c = self.counters.lock().unwrap_or_else(|e| e.into_inner());
         c.rule_matches.resize(script.rules.len(), 0);
@@ -183,7 +192,13 @@ impl Mock {
         None
     }
 
-    fn error_body(&self, status: u16, message: &str, kind: Option<&str>, code: Option<&str>) -> Value {
+    fn error_body(
+        &self,
+        status: u16,
+        message: &str,
+        kind: Option<&str>,
+        code: Option<&str>,
+    ) -> Value {
         let default_type = match status {
             400 | 404 | 413 | 422 => "invalid_request_error",
             401 => "invalid_request_error",
@@ -214,7 +229,12 @@ impl Mock {
         }
     }
 
-    fn json_response(&self, status: u16, body: &Value, extra: &BTreeMap<String, String>) -> Response<RespBody> {
+    fn json_response(
+        &self,
+        status: u16,
+        body: &Value,
+        extra: &BTreeMap<String, String>,
+    ) -> Response<RespBody> {
         let mut b = Response::builder()
             .status(status)
             .header("content-type", "application/json");
@@ -226,7 +246,11 @@ impl Mock {
             .unwrap_or_else(|_| Response::new(full("{}")))
     }
 
-    fn standard_headers(&self, mut b: hyper::http::response::Builder, status: u16) -> hyper::http::response::Builder {
+    fn standard_headers(
+        &self,
+        mut b: hyper::http::response::Builder,
+        status: u16,
+    ) -> hyper::http::response::Builder {
         if self.flavor == Flavor::Openai {
             let remaining = if status == 429 { "0" } else { "9999" };
             b = b
@@ -242,12 +266,23 @@ impl Mock {
         b
     }
 
-    fn error(&self, status: u16, message: &str, kind: Option<&str>, code: Option<&str>, extra: &BTreeMap<String, String>) -> Response<RespBody> {
+    fn error(
+        &self,
+        status: u16,
+        message: &str,
+        kind: Option<&str>,
+        code: Option<&str>,
+        extra: &BTreeMap<String, String>,
+    ) -> Response<RespBody> {
         let body = self.error_body(status, message, kind, code);
         self.json_response(status, &body, extra)
     }
 
-    pub async fn handle(self: Arc<Self>, kill: Arc<Notify>, req: Request<Incoming>) -> Response<RespBody> {
+    pub async fn handle(
+        self: Arc<Self>,
+        kill: Arc<Notify>,
+        req: Request<Incoming>,
+    ) -> Response<RespBody> {
         let path = req.uri().path().to_string();
         let method = req.method().clone();
         let key = req
@@ -277,7 +312,8 @@ impl Mock {
                 return match parse_script(&String::from_utf8_lossy(&bytes)) {
                     Ok(s) => {
                         *self.script.lock().unwrap_or_else(|e| e.into_inner()) = s;
-                        *self.counters.lock().unwrap_or_else(|e| e.into_inner()) = Counters::default();
+                        *self.counters.lock().unwrap_or_else(|e| e.into_inner()) =
+                            Counters::default();
                         self.json_response(200, &json!({"ok": true}), &BTreeMap::new())
                     }
                     Err(e) => self.error(400, &e, None, None, &BTreeMap::new()),
@@ -294,12 +330,22 @@ impl Mock {
                 c.last_body = Some(body.clone());
             }
             if let Some(k) = &key {
-                let tail: String = k.chars().rev().take(4).collect::<Vec<_>>().into_iter().rev().collect();
+                let tail: String = k
+                    .chars()
+                    .rev()
+                    .take(4)
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .rev()
+                    .collect();
                 c.key_tails.push(tail);
             }
         }
         let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
-        let model = body.get("model").and_then(Value::as_str).map(str::to_string);
+        let model = body
+            .get("model")
+            .and_then(Value::as_str)
+            .map(str::to_string);
         let rule = self
             .pick(&path, stream, key.as_deref(), model.as_deref())
             .unwrap_or_default();
@@ -313,7 +359,11 @@ impl Mock {
         if let Some(status) = rule.status {
             if !(200..300).contains(&status) {
                 let mut headers = rule.headers.clone();
-                if status == 429 && !headers.keys().any(|k| k.eq_ignore_ascii_case("retry-after")) {
+                if status == 429
+                    && !headers
+                        .keys()
+                        .any(|k| k.eq_ignore_ascii_case("retry-after"))
+                {
                     headers.insert("retry-after".into(), "1".into());
                 }
                 if let Some(raw) = &rule.body {
@@ -321,10 +371,21 @@ impl Mock {
                     for (k, v) in &headers {
                         b = b.header(k.as_str(), v.as_str());
                     }
-                    return b.body(full(raw.clone())).unwrap_or_else(|_| Response::new(full("")));
+                    return b
+                        .body(full(raw.clone()))
+                        .unwrap_or_else(|_| Response::new(full("")));
                 }
-                let msg = rule.error.clone().unwrap_or_else(|| default_message(status).into());
-                return self.error(status, &msg, rule.error_type.as_deref(), rule.error_code.as_deref(), &headers);
+                let msg = rule
+                    .error
+                    .clone()
+                    .unwrap_or_else(|| default_message(status).into());
+                return self.error(
+                    status,
+                    &msg,
+                    rule.error_type.as_deref(),
+                    rule.error_code.as_deref(),
+                    &headers,
+                );
             }
         }
         if let Some(raw) = &rule.body {
@@ -332,7 +393,9 @@ impl Mock {
             for (k, v) in &rule.headers {
                 b = b.header(k.as_str(), v.as_str());
             }
-            return b.body(full(raw.clone())).unwrap_or_else(|_| Response::new(full("")));
+            return b
+                .body(full(raw.clone()))
+                .unwrap_or_else(|_| Response::new(full("")));
         }
         let script = self.script();
         if let Some(keys) = &script.keys {
@@ -348,7 +411,8 @@ impl Mock {
             }
         }
         if let Some(window) = script.context_window {
-            let chars = crate::wire::prompt_chars(body.as_object().unwrap_or(&serde_json::Map::new()));
+            let chars =
+                crate::wire::prompt_chars(body.as_object().unwrap_or(&serde_json::Map::new()));
             let tokens = crate::wire::estimate_tokens(chars);
             if tokens > window {
                 let msg = match self.flavor {
@@ -357,7 +421,13 @@ impl Mock {
                         "This model's maximum context length is {window} tokens. However, your messages resulted in {tokens} tokens. Please reduce the length of the messages."
                     ),
                 };
-                return self.error(400, &msg, Some("invalid_request_error"), Some("context_length_exceeded"), &rule.headers);
+                return self.error(
+                    400,
+                    &msg,
+                    Some("invalid_request_error"),
+                    Some("context_length_exceeded"),
+                    &rule.headers,
+                );
             }
         }
         let reply = rule
@@ -396,22 +466,40 @@ impl Mock {
     }
 
     fn usage(&self, body: &Value, reply: &str) -> Value {
-        let prompt = crate::wire::estimate_tokens(crate::wire::prompt_chars(body.as_object().unwrap_or(&serde_json::Map::new()))).max(1);
+        let prompt = crate::wire::estimate_tokens(crate::wire::prompt_chars(
+            body.as_object().unwrap_or(&serde_json::Map::new()),
+        ))
+        .max(1);
         let completion = words(reply);
         json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn chat(&self, body: &Value, model: &str, reply: &str, rule: &Rule, stream: bool, chunk_delay: Duration, kill: Arc<Notify>) -> Response<RespBody> {
+    fn chat(
+        &self,
+        body: &Value,
+        model: &str,
+        reply: &str,
+        rule: &Rule,
+        stream: bool,
+        chunk_delay: Duration,
+        kill: Arc<Notify>,
+    ) -> Response<RespBody> {
         let id = format!("chatcmpl-{:024x}", fastrand::u128(..));
         let created = now_secs();
         let usage = self.usage(body, reply);
         if !stream {
             let message = match &rule.tool_call {
-                Some(name) => json!({"role": "assistant", "content": null, "refusal": null, "tool_calls": [{"id": format!("call_{:016x}", fastrand::u64(..)), "type": "function", "function": {"name": name, "arguments": "{\"city\":\"Paris\"}"}}]}),
+                Some(name) => {
+                    json!({"role": "assistant", "content": null, "refusal": null, "tool_calls": [{"id": format!("call_{:016x}", fastrand::u64(..)), "type": "function", "function": {"name": name, "arguments": "{\"city\":\"Paris\"}"}}]})
+                }
                 None => json!({"role": "assistant", "content": reply, "refusal": null}),
             };
-            let finish = if rule.tool_call.is_some() { "tool_calls" } else { "stop" };
+            let finish = if rule.tool_call.is_some() {
+                "tool_calls"
+            } else {
+                "stop"
+            };
             let mut v = json!({
                 "id": id, "object": "chat.completion", "created": created, "model": model,
                 "choices": [{"index": 0, "message": message, "logprobs": null, "finish_reason": finish}],
@@ -422,12 +510,19 @@ impl Mock {
             }
             return self.json_response(200, &v, &rule.headers);
         }
-        let include_usage = body.pointer("/stream_options/include_usage").and_then(Value::as_bool).unwrap_or(false) && !rule.no_usage;
+        let include_usage = body
+            .pointer("/stream_options/include_usage")
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+            && !rule.no_usage;
         let chunk = |delta: Value, finish: Value| {
             json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "system_fingerprint": "fp_mock",
                    "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}]})
         };
-        let mut events = vec![chunk(json!({"role": "assistant", "content": "", "refusal": null}), Value::Null)];
+        let mut events = vec![chunk(
+            json!({"role": "assistant", "content": "", "refusal": null}),
+            Value::Null,
+        )];
         let finish = if let Some(name) = &rule.tool_call {
             events.push(chunk(json!({"tool_calls": [{"index": 0, "id": format!("call_{:016x}", fastrand::u64(..)), "type": "function", "function": {"name": name, "arguments": ""}}]}), Value::Null));
             events.push(chunk(json!({"tool_calls": [{"index": 0, "function": {"arguments": "{\"city\":\"Paris\"}"}}]}), Value::Null));
@@ -446,7 +541,16 @@ impl Mock {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn completion(&self, body: &Value, model: &str, reply: &str, rule: &Rule, stream: bool, chunk_delay: Duration, kill: Arc<Notify>) -> Response<RespBody> {
+    fn completion(
+        &self,
+        body: &Value,
+        model: &str,
+        reply: &str,
+        rule: &Rule,
+        stream: bool,
+        chunk_delay: Duration,
+        kill: Arc<Notify>,
+    ) -> Response<RespBody> {
         let id = format!("cmpl-{:024x}", fastrand::u128(..));
         let created = now_secs();
         if !stream {
@@ -468,7 +572,14 @@ impl Mock {
     fn embeddings(&self, body: &Value, model: &str, rule: &Rule) -> Response<RespBody> {
         let inputs: Vec<String> = match body.get("input") {
             Some(Value::String(s)) => vec![s.clone()],
-            Some(Value::Array(a)) => a.iter().map(|v| v.as_str().map(str::to_string).unwrap_or_else(|| v.to_string())).collect(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| {
+                    v.as_str()
+                        .map(str::to_string)
+                        .unwrap_or_else(|| v.to_string())
+                })
+                .collect(),
             _ => vec![],
         };
         let base64 = body.get("encoding_format").and_then(Value::as_str) == Some("base64");
@@ -492,7 +603,13 @@ impl Mock {
     }
 
     /// Sends events as SSE, misbehaving as the rule says.
-    fn sse(&self, events: Vec<Value>, rule: &Rule, chunk_delay: Duration, kill: Arc<Notify>) -> Response<RespBody> {
+    fn sse(
+        &self,
+        events: Vec<Value>,
+        rule: &Rule,
+        chunk_delay: Duration,
+        kill: Arc<Notify>,
+    ) -> Response<RespBody> {
         let (tx, rx) = mpsc::channel::<Bytes>(16);
         let extra_headers = rule.headers.clone();
         let rule = rule.clone();
@@ -504,8 +621,12 @@ impl Mock {
                 if i > 0 {
                     if rule.stream_error_after == Some(sent_content) {
                         let err = match flavor {
-                            Flavor::Vllm => json!({"object": "error", "message": "mock in-band error", "type": "InternalServerError", "param": null, "code": 500}),
-                            _ => json!({"error": {"message": "mock in-band error", "type": "server_error", "param": null, "code": null}}),
+                            Flavor::Vllm => {
+                                json!({"object": "error", "message": "mock in-band error", "type": "InternalServerError", "param": null, "code": 500})
+                            }
+                            _ => {
+                                json!({"error": {"message": "mock in-band error", "type": "server_error", "param": null, "code": null}})
+                            }
                         };
                         let _ = tx.send(Bytes::from(format!("data: {err}\n\n"))).await;
                         return;
@@ -531,13 +652,18 @@ impl Mock {
                     }
                     sent_content += 1;
                 }
-                if tx.send(Bytes::from(format!("data: {ev}\n\n"))).await.is_err() {
+                if tx
+                    .send(Bytes::from(format!("data: {ev}\n\n")))
+                    .await
+                    .is_err()
+                {
                     return;
                 }
             }
             let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
         });
-        let stream = tokio_stream::wrappers::ReceiverStream::new(rx).map(|b| Ok::<_, Infallible>(Frame::data(b)));
+        let stream = tokio_stream::wrappers::ReceiverStream::new(rx)
+            .map(|b| Ok::<_, Infallible>(Frame::data(b)));
         let mut b = Response::builder()
             .status(200)
             .header("content-type", "text/event-stream; charset=utf-8")

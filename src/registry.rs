@@ -161,11 +161,23 @@ impl Registry {
                 rt.fingerprint = ep.fingerprint.clone();
                 rt.dead_keys.clear();
                 if rt.auth_failed.take().is_some() {
-                    self.event(name, "auth_cleared", "endpoint definition changed in the config");
+                    self.event(
+                        name,
+                        "auth_cleared",
+                        "endpoint definition changed in the config",
+                    );
                 }
-                if rt.retired.as_ref().is_some_and(|r| r.fingerprint != ep.fingerprint) {
+                if rt
+                    .retired
+                    .as_ref()
+                    .is_some_and(|r| r.fingerprint != ep.fingerprint)
+                {
                     rt.retired = None;
-                    self.event(name, "unretired", "endpoint definition changed in the config");
+                    self.event(
+                        name,
+                        "unretired",
+                        "endpoint definition changed in the config",
+                    );
                     self.store.send_flag(name, None, None);
                 }
             }
@@ -261,7 +273,10 @@ impl Registry {
                     self.event(
                         &ep.name,
                         "key_rejected",
-                        &format!("key #{} rejected ({detail}); rotating to the next key", key + 1),
+                        &format!(
+                            "key #{} rejected ({detail}); rotating to the next key",
+                            key + 1
+                        ),
                     );
                 } else {
                     rt.auth_failed = Some(detail.clone());

@@ -74,7 +74,12 @@ impl Plan {
 /// Ranks `chain`: unusable endpoints are skipped; the rest keep chain order, except that those
 /// whose success rate is below `threshold` go behind the healthy ones (keeping their relative
 /// order). A demoted endpoint is still tried: a degraded backend beats none.
-pub fn rank(chain: &[String], views: &[View], needs: &BTreeSet<Capability>, threshold: f64) -> Plan {
+pub fn rank(
+    chain: &[String],
+    views: &[View],
+    needs: &BTreeSet<Capability>,
+    threshold: f64,
+) -> Plan {
     let mut plan = Plan::default();
     let mut healthy = Vec::new();
     let mut demoted = Vec::new();
@@ -91,9 +96,7 @@ pub fn rank(chain: &[String], views: &[View], needs: &BTreeSet<Capability>, thre
             Avail::Retired => plan.skipped.push((name.clone(), Skip::Retired)),
             Avail::AuthFailed => plan.skipped.push((name.clone(), Skip::AuthFailed)),
             Avail::Cooldown(d) => plan.skipped.push((name.clone(), Skip::Cooldown(*d))),
-            Avail::Ready if v.no_usable_key => {
-                plan.skipped.push((name.clone(), Skip::AuthFailed))
-            }
+            Avail::Ready if v.no_usable_key => plan.skipped.push((name.clone(), Skip::AuthFailed)),
             Avail::Ready => {
                 if v.success_rate.is_some_and(|r| r < threshold) {
                     demoted.push(name.clone());
@@ -164,12 +167,20 @@ mod tests {
             nokey,
         ];
         let needs: BTreeSet<_> = [Capability::Vision].into();
-        let p = rank(&chain(&["r", "cd", "plain", "v", "k"]), &views, &needs, 0.85);
+        let p = rank(
+            &chain(&["r", "cd", "plain", "v", "k"]),
+            &views,
+            &needs,
+            0.85,
+        );
         assert_eq!(p.order, chain(&["v"]));
         assert_eq!(p.skipped.len(), 4);
         assert_eq!(
             p.skipped[2],
-            ("plain".to_string(), Skip::MissingCapability(Capability::Vision))
+            (
+                "plain".to_string(),
+                Skip::MissingCapability(Capability::Vision)
+            )
         );
         let p = rank(&chain(&["r", "cd"]), &views, &BTreeSet::new(), 0.85);
         assert!(p.order.is_empty());

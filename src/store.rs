@@ -165,7 +165,10 @@ impl StoreHandle {
                 // Warn on the first drop and then every thousandth: a storm of warnings would
                 // itself become the stall we are avoiding.
                 if n == 1 || n % 1000 == 0 {
-                    tracing::warn!(dropped_total = n, "audit queue full or closed: record dropped");
+                    tracing::warn!(
+                        dropped_total = n,
+                        "audit queue full or closed: record dropped"
+                    );
                 }
             }
         }
@@ -232,9 +235,8 @@ impl Store {
     /// Opens (creating) `<data_dir>/autohedge.db`, reads persisted endpoint state, and starts the
     /// writer thread.
     pub fn open(data_dir: &Path, capacity: usize) -> anyhow::Result<Opened> {
-        std::fs::create_dir_all(data_dir).map_err(|e| {
-            anyhow::anyhow!("cannot create data dir {}: {e}", data_dir.display())
-        })?;
+        std::fs::create_dir_all(data_dir)
+            .map_err(|e| anyhow::anyhow!("cannot create data dir {}: {e}", data_dir.display()))?;
         let path = db_path(data_dir);
         let conn = open_connection(&path)
             .map_err(|e| anyhow::anyhow!("cannot open {}: {e}", path.display()))?;
@@ -349,7 +351,12 @@ fn write_batch(
                         row.tokens_out.map(|v| v as i64),
                         row.tokens_estimated,
                         row.cost_usd,
-                        row.attempts.iter().filter(|a| !a.class.starts_with("skipped_") && a.class != "context_skip").count() as i64,
+                        row.attempts
+                            .iter()
+                            .filter(
+                                |a| !a.class.starts_with("skipped_") && a.class != "context_skip"
+                            )
+                            .count() as i64,
                     ])?;
                     for a in &row.attempts {
                         ins_att.execute(params![
@@ -569,7 +576,11 @@ mod tests {
         let opened = Store::open(dir.path(), 100).unwrap();
         let h = opened.store.handle();
         for i in 0..10 {
-            h.send(Record::Request(Box::new(row(&format!("r{i}"), "b", "server_error"))));
+            h.send(Record::Request(Box::new(row(
+                &format!("r{i}"),
+                "b",
+                "server_error",
+            ))));
         }
         h.send_flag("a", Some("gone"), Some("fp"));
         drop(h);

@@ -52,8 +52,15 @@ async fn non_stream_passes_through_with_headers() {
     assert_eq!(v["object"], "chat.completion");
     assert_eq!(v["choices"][0]["message"]["content"], "Hello from a!");
     let last = &a.stats().await["last_body"];
-    assert_eq!(last["foo_unknown"], json!({"x": 1}), "unknown fields pass through");
-    assert_eq!(last["model"], "upstream-a", "model rewritten to the endpoint's id");
+    assert_eq!(
+        last["foo_unknown"],
+        json!({"x": 1}),
+        "unknown fields pass through"
+    );
+    assert_eq!(
+        last["model"], "upstream-a",
+        "model rewritten to the endpoint's id"
+    );
     assert_eq!(b.requests().await, 0);
 
     // Naming an endpoint starts there; a fresh request id is generated when none is given.
@@ -63,22 +70,46 @@ async fn non_stream_passes_through_with_headers() {
 
     // Completions and embeddings go through too.
     let r = gw
-        .post("/v1/completions", json!({"model": "chat", "prompt": "Say hi"}))
+        .post(
+            "/v1/completions",
+            json!({"model": "chat", "prompt": "Say hi"}),
+        )
         .await;
     assert_eq!(r.status(), 200);
-    assert_eq!(r.json::<Value>().await.unwrap()["object"], "text_completion");
+    assert_eq!(
+        r.json::<Value>().await.unwrap()["object"],
+        "text_completion"
+    );
     let r = gw
-        .post("/v1/embeddings", json!({"model": "chat", "input": ["a", "b"]}))
+        .post(
+            "/v1/embeddings",
+            json!({"model": "chat", "input": ["a", "b"]}),
+        )
         .await;
     assert_eq!(r.status(), 200);
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["data"].as_array().unwrap().len(), 2);
 
     // /v1/models lists routes and endpoints.
-    let v: Value = reqwest::get(gw.url("/v1/models")).await.unwrap().json().await.unwrap();
-    let ids: Vec<&str> = v["data"].as_array().unwrap().iter().map(|m| m["id"].as_str().unwrap()).collect();
+    let v: Value = reqwest::get(gw.url("/v1/models"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids: Vec<&str> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
     assert_eq!(ids, vec!["chat", "a", "b"]);
-    let h: Value = reqwest::get(gw.url("/health")).await.unwrap().json().await.unwrap();
+    let h: Value = reqwest::get(gw.url("/health"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     assert_eq!(h["status"], "ok");
 }
 
@@ -116,10 +147,12 @@ routing_policy: {{ fallback_chain: [dead, a, b] }}
         }
     }
     let st = gw.status().await;
-    assert!(st["endpoints"]["dead"]["last_error"]["message"]
-        .as_str()
-        .unwrap()
-        .starts_with("connect_error"));
+    assert!(
+        st["endpoints"]["dead"]["last_error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("connect_error")
+    );
     assert_eq!(st["endpoints"]["a"]["totals"]["failures"], 2);
 }
 
@@ -164,7 +197,11 @@ models:
     let r = gw.chat("a", "x").await;
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
-    assert_eq!(a.requests().await, 1, "a 429 is never retried on the same endpoint");
+    assert_eq!(
+        a.requests().await,
+        1,
+        "a 429 is never retried on the same endpoint"
+    );
     let r = gw.chat("a", "x").await;
     assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
     assert_eq!(header(&r, "x-autohedge-attempts"), "1");
@@ -173,13 +210,17 @@ models:
     let ea = &st["endpoints"]["a"];
     assert_eq!(ea["state"], "cooldown");
     let left = ea["cooldown_remaining_ms"].as_u64().unwrap();
-    assert!(left > 25_000 && left <= 30_000, "Retry-After honoured: {left}");
+    assert!(
+        left > 25_000 && left <= 30_000,
+        "Retry-After honoured: {left}"
+    );
     assert_eq!(ea["totals"]["failures"], 0, "a 429 is not a health failure");
 }
 
 #[tokio::test]
 async fn max_wait_waits_for_a_cooling_endpoint() {
-    let a = MockUp::openai("rules: [{status: 429, times: 1, headers: {retry-after-ms: \"700\"}}]").await;
+    let a = MockUp::openai("rules: [{status: 429, times: 1, headers: {retry-after-ms: \"700\"}}]")
+        .await;
     let cfg = |wait: &str| {
         format!(
             "models:\n  a: {{ type: openai, base_url: \"{}\" }}\nrouting_policy: {{ max_wait: {wait} }}\n",
@@ -194,18 +235,26 @@ async fn max_wait_waits_for_a_cooling_endpoint() {
     assert!(t.elapsed() < Duration::from_millis(500));
     drop(gw);
 
-    a.set_script("rules: [{status: 429, times: 1, headers: {retry-after-ms: \"700\"}}]").await;
+    a.set_script("rules: [{status: 429, times: 1, headers: {retry-after-ms: \"700\"}}]")
+        .await;
     let gw = Gw::start(&cfg("5s"));
     assert_eq!(gw.chat("a", "x").await.status(), 503);
     let t = Instant::now();
     let r = gw.chat("a", "x").await;
     assert_eq!(r.status(), 200, "waited for the cooldown to end");
-    assert!(t.elapsed() >= Duration::from_millis(400), "{:?}", t.elapsed());
+    assert!(
+        t.elapsed() >= Duration::from_millis(400),
+        "{:?}",
+        t.elapsed()
+    );
 }
 
 #[tokio::test]
 async fn gone_retires_across_restarts_until_cleared() {
-    let a = MockUp::openai("rules: [{status: 410, error: \"The model gpt-4-0314 has been deprecated\"}]").await;
+    let a = MockUp::openai(
+        "rules: [{status: 410, error: \"The model gpt-4-0314 has been deprecated\"}]",
+    )
+    .await;
     let b = MockUp::openai("name: b").await;
     let cfg = two(&a, &b, "");
     let tmp = tempfile::tempdir().unwrap();
@@ -216,7 +265,11 @@ async fn gone_retires_across_restarts_until_cleared() {
     gw.stop();
 
     let mut gw = Gw::start_in(tmp.path(), &cfg, &[]);
-    assert_eq!(gw.status().await["endpoints"]["a"]["state"], "retired", "retirement survives a restart");
+    assert_eq!(
+        gw.status().await["endpoints"]["a"]["state"],
+        "retired",
+        "retirement survives a restart"
+    );
     let r = gw.chat("chat", "x").await;
     assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
     assert_eq!(a.requests().await, 1);
@@ -229,9 +282,16 @@ async fn gone_retires_across_restarts_until_cleared() {
         .arg(gw.data_dir())
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("retirement lifted") && text.contains("cleared in the running gateway"), "{text}");
+    assert!(
+        text.contains("retirement lifted") && text.contains("cleared in the running gateway"),
+        "{text}"
+    );
     assert_eq!(gw.status().await["endpoints"]["a"]["state"], "healthy");
     let r = gw.chat("chat", "x").await;
     assert_eq!(header(&r, "x-autohedge-endpoint"), "a");
@@ -281,23 +341,36 @@ routing_policy: {{ fallback_chain: [a, single, b] }}
     );
     let gw = Gw::start_with_env(
         &cfg,
-        &[("AH_TEST_KEY_OLD", "sk-revoked-1111"), ("AH_TEST_KEY_NEW", "sk-good-key-2222")],
+        &[
+            ("AH_TEST_KEY_OLD", "sk-revoked-1111"),
+            ("AH_TEST_KEY_NEW", "sk-good-key-2222"),
+        ],
     );
     let r = gw.chat("a", "x").await;
     assert_eq!(r.status(), 200);
-    assert_eq!(header(&r, "x-autohedge-endpoint"), "a", "served by a with its second key");
+    assert_eq!(
+        header(&r, "x-autohedge-endpoint"),
+        "a",
+        "served by a with its second key"
+    );
     assert_eq!(header(&r, "x-autohedge-attempts"), "2");
     assert_eq!(a.stats().await["key_tails"], json!(["1111", "2222"]));
     // Next request goes straight to the good key.
     gw.chat("a", "x").await;
-    assert_eq!(a.stats().await["key_tails"], json!(["1111", "2222", "2222"]));
+    assert_eq!(
+        a.stats().await["key_tails"],
+        json!(["1111", "2222", "2222"])
+    );
 
     let r = gw.chat("single", "x").await;
     assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
     let st = gw.status().await;
     assert_eq!(st["endpoints"]["single"]["state"], "auth_failed");
     assert_eq!(st["endpoints"]["a"]["state"], "healthy");
-    assert_eq!(st["endpoints"]["a"]["keys"], json!({"configured": 2, "usable": 1}));
+    assert_eq!(
+        st["endpoints"]["a"]["keys"],
+        json!({"configured": 2, "usable": 1})
+    );
 }
 
 #[tokio::test]
@@ -325,12 +398,19 @@ routes:
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "x-autohedge-endpoint"), "big");
     assert_eq!(header(&r, "x-autohedge-attempts"), "2");
-    assert_eq!(same.requests().await, 0, "an endpoint with no larger window is skipped");
+    assert_eq!(
+        same.requests().await,
+        0,
+        "an endpoint with no larger window is skipped"
+    );
     // A short prompt still goes to small.
     let r = gw.chat("small", "hi").await;
     assert_eq!(header(&r, "x-autohedge-endpoint"), "small");
     // Context errors do not count against the endpoint.
-    assert_eq!(gw.status().await["endpoints"]["small"]["totals"]["failures"], 0);
+    assert_eq!(
+        gw.status().await["endpoints"]["small"]["totals"]["failures"],
+        0
+    );
     // Nothing larger: the client gets the upstream's own 400.
     let r = gw.chat("short", &long).await;
     assert_eq!(r.status(), 400);
@@ -407,9 +487,16 @@ async fn stream_failures_before_first_chunk_fail_over_invisibly() {
         let ev = sse_events(r).await;
         assert_eq!(stream_text(&ev), "Hello from b!", "{script}");
         let roles = ev.iter().filter(|e| e.contains("\"role\"")).count();
-        assert_eq!(roles, 1, "nothing from the failed upstream reached the client: {script}");
+        assert_eq!(
+            roles, 1,
+            "nothing from the failed upstream reached the client: {script}"
+        );
         assert_eq!(ev.last().unwrap(), "[DONE]");
-        assert!(t.elapsed() < Duration::from_secs(3), "{script}: {:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "{script}: {:?}",
+            t.elapsed()
+        );
     }
 }
 
@@ -441,7 +528,11 @@ async fn mid_stream_failure_ends_with_an_error_event() {
         gw.stop();
         let conn = rusqlite::Connection::open(gw.db()).unwrap();
         let class: String = conn
-            .query_row("SELECT error_class FROM requests WHERE request_id = 'mid-1'", [], |r| r.get(0))
+            .query_row(
+                "SELECT error_class FROM requests WHERE request_id = 'mid-1'",
+                [],
+                |r| r.get(0),
+            )
             .unwrap();
         assert_eq!(class, code);
     }
@@ -484,7 +575,11 @@ async fn stream_passes_chunks_and_usage_through() {
 async fn low_success_rate_demotes_behind_healthy() {
     let a = MockUp::openai("rules: [{status: 503, times: 4}]").await;
     let b = MockUp::openai("name: b").await;
-    let gw = Gw::start(&two(&a, &b, "  success_threshold: 0.85\n  min_samples: 4\n  window: 60s"));
+    let gw = Gw::start(&two(
+        &a,
+        &b,
+        "  success_threshold: 0.85\n  min_samples: 4\n  window: 60s",
+    ));
     for _ in 0..4 {
         let r = gw.chat("chat", "x").await;
         assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
@@ -551,8 +646,16 @@ async fn bad_input_gets_openai_shaped_errors() {
     for (i, (req, status, code)) in cases.into_iter().enumerate() {
         let r = req.send().await.unwrap();
         assert_eq!(r.status().as_u16(), status, "case {i}");
-        let v: Value = r.json().await.unwrap_or_else(|e| panic!("case {i}: body not JSON: {e}"));
-        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "case {i}: {v}");
+        let v: Value = r
+            .json()
+            .await
+            .unwrap_or_else(|e| panic!("case {i}: body not JSON: {e}"));
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "case {i}: {v}"
+        );
         assert!(v["error"]["type"].is_string(), "case {i}: {v}");
         if !code.is_empty() {
             assert_eq!(v["error"]["code"], code, "case {i}: {v}");
@@ -600,9 +703,18 @@ async fn api_keys_never_leak() {
     let db = String::from_utf8_lossy(&db).to_string();
     let log = gw.log();
     // The whole key and its distinctive middle never appear anywhere.
-    for (what, text) in [("503 body", &body), ("/status", &status), ("check-config", &check_out), ("sqlite", &db), ("log", &log)] {
+    for (what, text) in [
+        ("503 body", &body),
+        ("/status", &status),
+        ("check-config", &check_out),
+        ("sqlite", &db),
+        ("log", &log),
+    ] {
         assert!(!text.contains(SECRET), "{what} contains the key");
-        assert!(!text.contains("SUPERSECRET"), "{what} contains part of the key");
+        assert!(
+            !text.contains("SUPERSECRET"),
+            "{what} contains part of the key"
+        );
         assert!(!text.contains("3210"), "{what} contains the key's tail");
     }
     assert!(body.contains("auth_failed"), "{body}");
@@ -633,17 +745,27 @@ async fn every_request_has_one_audit_row_after_sigterm() {
     }
     gw.stop();
     let conn = rusqlite::Connection::open(gw.db()).unwrap();
-    let n: i64 = conn.query_row("SELECT COUNT(*) FROM requests", [], |r| r.get(0)).unwrap();
+    let n: i64 = conn
+        .query_row("SELECT COUNT(*) FROM requests", [], |r| r.get(0))
+        .unwrap();
     assert_eq!(n, 60);
     let distinct: i64 = conn
-        .query_row("SELECT COUNT(DISTINCT request_id) FROM requests", [], |r| r.get(0))
+        .query_row("SELECT COUNT(DISTINCT request_id) FROM requests", [], |r| {
+            r.get(0)
+        })
         .unwrap();
     assert_eq!(distinct, 60);
     let failovers: i64 = conn
-        .query_row("SELECT COUNT(*) FROM attempts WHERE class = 'server_error'", [], |r| r.get(0))
+        .query_row(
+            "SELECT COUNT(*) FROM attempts WHERE class = 'server_error'",
+            [],
+            |r| r.get(0),
+        )
         .unwrap();
     assert!(failovers >= 10, "{failovers}");
-    let version: i64 = conn.query_row("PRAGMA user_version", [], |r| r.get(0)).unwrap();
+    let version: i64 = conn
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .unwrap();
     assert_eq!(version, 1);
 }
 
@@ -653,7 +775,10 @@ async fn live_reload_swaps_the_order_and_rejects_invalid_files() {
     let b = MockUp::openai("name: b").await;
     let cfg = two(&a, &b, "");
     let gw = Gw::start(&cfg);
-    assert_eq!(header(&gw.chat("chat", "x").await, "x-autohedge-endpoint"), "a");
+    assert_eq!(
+        header(&gw.chat("chat", "x").await, "x-autohedge-endpoint"),
+        "a"
+    );
     // Edit the way an editor does: write a new file and rename it over the old one.
     let swapped = cfg.replace("chat: [a, b]", "chat: [b, a]");
     let tmp = gw.dir.join("config.yaml.tmp");
@@ -665,10 +790,19 @@ async fn live_reload_swaps_the_order_and_rejects_invalid_files() {
     .await;
     assert!(ok, "new order served");
     // State survives the reload.
-    assert!(gw.status().await["endpoints"]["a"]["totals"]["successes"].as_u64().unwrap() >= 1);
+    assert!(
+        gw.status().await["endpoints"]["a"]["totals"]["successes"]
+            .as_u64()
+            .unwrap()
+            >= 1
+    );
 
     // An invalid file is rejected with the bad key's path; the old table stays live.
-    std::fs::write(&gw.config_path, swapped.replace("model: upstream-b", "model: upstream-b\n    bogus_key: 1")).unwrap();
+    std::fs::write(
+        &gw.config_path,
+        swapped.replace("model: upstream-b", "model: upstream-b\n    bogus_key: 1"),
+    )
+    .unwrap();
     let ok = eventually(Duration::from_secs(5), || async {
         gw.status().await["config"]["last_reload_error"]
             .as_str()
@@ -676,7 +810,10 @@ async fn live_reload_swaps_the_order_and_rejects_invalid_files() {
     })
     .await;
     assert!(ok, "{}", gw.status().await["config"]);
-    assert_eq!(header(&gw.chat("chat", "x").await, "x-autohedge-endpoint"), "b");
+    assert_eq!(
+        header(&gw.chat("chat", "x").await, "x-autohedge-endpoint"),
+        "b"
+    );
     assert!(gw.log().contains("bogus_key"));
 
     // SIGHUP reloads too.
@@ -702,14 +839,28 @@ async fn stats_and_check_config_commands() {
         .arg(gw.data_dir())
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let a_row = v.as_array().unwrap().iter().find(|r| r["endpoint"] == "a").unwrap();
+    let a_row = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["endpoint"] == "a")
+        .unwrap();
     assert_eq!(a_row["requests"], 6);
     assert_eq!(a_row["success_rate"], 0.5);
     assert_eq!(a_row["errors"]["server_error"], 3);
     assert_eq!(a_row["fallbacks_from"], 3);
-    let b_row = v.as_array().unwrap().iter().find(|r| r["endpoint"] == "b").unwrap();
+    let b_row = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["endpoint"] == "b")
+        .unwrap();
     assert_eq!(b_row["fallbacks_served"], 3);
     let out = std::process::Command::new(BIN)
         .args(["stats", "--data-dir"])
@@ -726,16 +877,30 @@ async fn stats_and_check_config_commands() {
         "models:\n  x: { type: openai, api_key: env:AH_SURELY_UNSET_KEY }\n  y: { type: ollama, host: \"http://127.0.0.1:11434\", model: \"qwen2.5:7b\", timeout: 3 }\nrouting_policy: { fallback_chain: [x, y], cache_ttl: 5m }\n",
     )
     .unwrap();
-    let out = std::process::Command::new(BIN).arg("check-config").arg(&cfg).output().unwrap();
+    let out = std::process::Command::new(BIN)
+        .arg("check-config")
+        .arg(&cfg)
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}");
     assert!(text.contains("fallback_chain: x -> y"), "{text}");
-    assert!(text.contains("AH_SURELY_UNSET_KEY") && text.contains("not set"), "{text}");
+    assert!(
+        text.contains("AH_SURELY_UNSET_KEY") && text.contains("not set"),
+        "{text}"
+    );
     std::fs::write(&cfg, "models:\n  x: { type: openai, colour: blue }\n").unwrap();
-    let out = std::process::Command::new(BIN).arg("check-config").arg(&cfg).output().unwrap();
+    let out = std::process::Command::new(BIN)
+        .arg("check-config")
+        .arg(&cfg)
+        .output()
+        .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(!out.status.success());
-    assert!(text.contains("models.x") && text.contains("colour"), "{text}");
+    assert!(
+        text.contains("models.x") && text.contains("colour"),
+        "{text}"
+    );
 }
 
 #[tokio::test]
@@ -744,7 +909,14 @@ async fn mock_upstream_binary_runs_a_script_file() {
     let script = tmp.path().join("s.yaml");
     std::fs::write(&script, "name: cli\nrules:\n  - when: { every: 2 }\n    status: 429\n    headers: { retry-after: \"7\" }\n").unwrap();
     let mut child = std::process::Command::new(BIN)
-        .args(["mock-upstream", "--listen", "127.0.0.1:0", "--flavor", "openai", "--script"])
+        .args([
+            "mock-upstream",
+            "--listen",
+            "127.0.0.1:0",
+            "--flavor",
+            "openai",
+            "--script",
+        ])
         .arg(&script)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
@@ -752,13 +924,25 @@ async fn mock_upstream_binary_runs_a_script_file() {
         .unwrap();
     use std::io::BufRead;
     let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
     let addr = line.trim().rsplit("http://").next().unwrap().to_string();
     let c = reqwest::Client::new();
     let body = json!({"model": "m", "messages": [{"role": "user", "content": "x"}]});
-    let r1 = c.post(format!("http://{addr}/v1/chat/completions")).json(&body).send().await.unwrap();
+    let r1 = c
+        .post(format!("http://{addr}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r1.status(), 200);
-    let r2 = c.post(format!("http://{addr}/v1/chat/completions")).json(&body).send().await.unwrap();
+    let r2 = c
+        .post(format!("http://{addr}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r2.status(), 429);
     assert_eq!(header(&r2, "retry-after"), "7");
     assert_eq!(header(&r2, "x-ratelimit-remaining-requests"), "0");

@@ -359,7 +359,9 @@ fn default_capabilities(kind: EndpointKind) -> BTreeSet<Capability> {
 fn build(raw: RawConfig) -> Result<Config, ConfigError> {
     let mut warnings = Vec::new();
     if raw.models.is_empty() {
-        return Err(ConfigError("at `models`: at least one endpoint is required".into()));
+        return Err(ConfigError(
+            "at `models`: at least one endpoint is required".into(),
+        ));
     }
     let mut endpoints = BTreeMap::new();
     for (name, ep) in raw.models {
@@ -378,8 +380,9 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
             },
         };
         let base_url = base.trim_end_matches('/').to_string();
-        let parsed = reqwest::Url::parse(&base_url)
-            .map_err(|e| ConfigError(format!("at `{at}.base_url`: invalid URL {base_url:?}: {e}")))?;
+        let parsed = reqwest::Url::parse(&base_url).map_err(|e| {
+            ConfigError(format!("at `{at}.base_url`: invalid URL {base_url:?}: {e}"))
+        })?;
         if !matches!(parsed.scheme(), "http" | "https") {
             return Err(ConfigError(format!(
                 "at `{at}.base_url`: scheme must be http or https"
@@ -448,7 +451,9 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
         let mut headers = Vec::new();
         for (k, v) in ep.headers.unwrap_or_default() {
             if reqwest::header::HeaderName::from_bytes(k.as_bytes()).is_err() {
-                return Err(ConfigError(format!("at `{at}.headers`: invalid header name {k:?}")));
+                return Err(ConfigError(format!(
+                    "at `{at}.headers`: invalid header name {k:?}"
+                )));
             }
             let source = KeySource::parse(&v);
             let value = match source {
@@ -496,7 +501,10 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
                     .map(|c| c.into_iter().collect())
                     .unwrap_or_else(|| default_capabilities(ep.kind)),
                 retries: ep.retries.unwrap_or(0),
-                retry_backoff: ep.retry_backoff.map(|d| d.0).unwrap_or(Duration::from_millis(100)),
+                retry_backoff: ep
+                    .retry_backoff
+                    .map(|d| d.0)
+                    .unwrap_or(Duration::from_millis(100)),
                 cooldown: ep.cooldown.map(|d| d.0),
                 cost: ep.cost.unwrap_or_default(),
                 headers,
@@ -520,7 +528,9 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
             )));
         }
         if chain.is_empty() {
-            return Err(ConfigError(format!("at `routes.{route}`: the chain is empty")));
+            return Err(ConfigError(format!(
+                "at `routes.{route}`: the chain is empty"
+            )));
         }
         check_chain(&format!("routes.{route}"), chain, &endpoints)?;
     }
@@ -536,10 +546,15 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
         max_wait: p.max_wait.map(|d| d.0).unwrap_or(Duration::ZERO),
         window: p.window.map(|d| d.0).unwrap_or(Duration::from_secs(300)),
         min_samples: p.min_samples.unwrap_or(10),
-        default_cooldown: p.default_cooldown.map(|d| d.0).unwrap_or(Duration::from_secs(30)),
+        default_cooldown: p
+            .default_cooldown
+            .map(|d| d.0)
+            .unwrap_or(Duration::from_secs(30)),
     };
     if policy.window.is_zero() {
-        return Err(ConfigError("at `routing_policy.window`: must be greater than zero".into()));
+        return Err(ConfigError(
+            "at `routing_policy.window`: must be greater than zero".into(),
+        ));
     }
     let listen = raw
         .server
@@ -576,7 +591,9 @@ fn check_chain(
             )));
         }
         if !seen.insert(name) {
-            return Err(ConfigError(format!("at `{at}[{i}]`: {name:?} is listed twice")));
+            return Err(ConfigError(format!(
+                "at `{at}[{i}]`: {name:?} is listed twice"
+            )));
         }
     }
     Ok(())
@@ -677,7 +694,10 @@ routes:
         assert_eq!(q.base_url, "http://127.0.0.1:11434");
         assert_eq!(q.timeouts.total, Duration::from_secs(3));
         assert_eq!(cfg.policy.cache_ttl, Duration::from_secs(300));
-        assert_eq!(cfg.chain_for("chat").unwrap(), vec!["gpt-4o-mini", "qwen2.5-7b"]);
+        assert_eq!(
+            cfg.chain_for("chat").unwrap(),
+            vec!["gpt-4o-mini", "qwen2.5-7b"]
+        );
         assert_eq!(
             cfg.chain_for("qwen2.5-7b").unwrap(),
             vec!["qwen2.5-7b", "gpt-4o-mini"]
@@ -700,9 +720,15 @@ routes:
 
     #[test]
     fn unknown_endpoint_in_chain_is_an_error() {
-        let bad = SEED.replace("chat: [gpt-4o-mini, qwen2.5-7b]", "chat: [gpt-4o-mini, nope]");
+        let bad = SEED.replace(
+            "chat: [gpt-4o-mini, qwen2.5-7b]",
+            "chat: [gpt-4o-mini, nope]",
+        );
         let err = Config::load(&bad).unwrap_err().0;
-        assert!(err.contains("routes.chat[1]") && err.contains("nope"), "{err}");
+        assert!(
+            err.contains("routes.chat[1]") && err.contains("nope"),
+            "{err}"
+        );
     }
 
     #[test]

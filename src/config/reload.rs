@@ -52,7 +52,10 @@ pub async fn watch(
     let tx_watch = tx.clone();
     let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
         if let Ok(ev) = res {
-            let relevant = ev.paths.iter().any(|p| p.file_name() == file_name.as_deref());
+            let relevant = ev
+                .paths
+                .iter()
+                .any(|p| p.file_name() == file_name.as_deref());
             if relevant && !ev.kind.is_access() {
                 let _ = tx_watch.try_send(());
             }

@@ -114,7 +114,10 @@ pub fn classify_status(status: u16, body: &str) -> Class {
 
 fn looks_like_missing_model(body: &str) -> bool {
     let b = body.to_ascii_lowercase();
-    b.contains("model") && (b.contains("not found") || b.contains("does not exist") || b.contains("model_not_found"))
+    b.contains("model")
+        && (b.contains("not found")
+            || b.contains("does not exist")
+            || b.contains("model_not_found"))
 }
 
 pub fn is_context_message(msg: &str) -> bool {
@@ -219,7 +222,11 @@ fn httpdate_parse(s: &str) -> Result<std::time::SystemTime, ()> {
         return Err(());
     }
     // Days from civil (Howard Hinnant's algorithm).
-    let (y, m) = if month <= 2 { (year - 1, month + 9) } else { (year, month - 3) };
+    let (y, m) = if month <= 2 {
+        (year - 1, month + 9)
+    } else {
+        (year, month - 3)
+    };
     let era = y / 400;
     let yoe = y - era * 400;
     let doy = (153 * m + 2) / 5 + day - 1;
@@ -267,8 +274,14 @@ mod tests {
         assert_eq!(classify_status(410, ""), Class::Gone);
         assert_eq!(classify_status(401, ""), Class::Auth);
         assert_eq!(classify_status(503, ""), Class::Server);
-        assert_eq!(classify_status(400, "{\"error\":{\"message\":\"bad temperature\"}}"), Class::Client);
-        assert_eq!(classify_status(404, "{\"error\":\"model 'qwen' not found\"}"), Class::ModelMissing);
+        assert_eq!(
+            classify_status(400, "{\"error\":{\"message\":\"bad temperature\"}}"),
+            Class::Client
+        );
+        assert_eq!(
+            classify_status(404, "{\"error\":\"model 'qwen' not found\"}"),
+            Class::ModelMissing
+        );
         for msg in [
             "This model's maximum context length is 8192 tokens. However, your messages resulted in 9000 tokens.",
             "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens (4000 in the messages, 1000 in the completion).",
@@ -282,8 +295,14 @@ mod tests {
 
     #[test]
     fn reads_the_limit() {
-        assert_eq!(context_limit("This model's maximum context length is 8192 tokens."), Some(8192));
-        assert_eq!(context_limit("\"n_prompt_tokens\":900,\"n_ctx\":512"), Some(512));
+        assert_eq!(
+            context_limit("This model's maximum context length is 8192 tokens."),
+            Some(8192)
+        );
+        assert_eq!(
+            context_limit("\"n_prompt_tokens\":900,\"n_ctx\":512"),
+            Some(512)
+        );
         assert_eq!(context_limit("nothing here"), None);
     }
 
@@ -295,13 +314,22 @@ mod tests {
         h.insert("retry-after-ms", HeaderValue::from_static("1500"));
         assert_eq!(retry_after(&h), Some(Duration::from_millis(1500)));
         let mut h = HeaderMap::new();
-        h.insert("x-ratelimit-remaining-requests", HeaderValue::from_static("0"));
-        h.insert("x-ratelimit-reset-requests", HeaderValue::from_static("6m0s"));
+        h.insert(
+            "x-ratelimit-remaining-requests",
+            HeaderValue::from_static("0"),
+        );
+        h.insert(
+            "x-ratelimit-reset-requests",
+            HeaderValue::from_static("6m0s"),
+        );
         assert_eq!(retry_after(&h), Some(Duration::from_secs(360)));
         assert_eq!(parse_go_duration("20ms"), Some(Duration::from_millis(20)));
         assert_eq!(parse_go_duration("x"), None);
         let mut h = HeaderMap::new();
-        h.insert("retry-after", HeaderValue::from_static("Sun, 06 Nov 1994 08:49:37 GMT"));
+        h.insert(
+            "retry-after",
+            HeaderValue::from_static("Sun, 06 Nov 1994 08:49:37 GMT"),
+        );
         assert_eq!(retry_after(&h), Some(Duration::ZERO));
         assert_eq!(
             httpdate_parse("Sun, 06 Nov 1994 08:49:37 GMT").unwrap(),

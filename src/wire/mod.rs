@@ -101,7 +101,9 @@ pub fn inspect(op: Op, value: Value) -> Result<Inbound, ApiError> {
                         };
                         if !obj.get("role").is_some_and(Value::is_string) {
                             return Err(ApiError::InvalidRequest {
-                                message: format!("messages[{i}].role is required and must be a string"),
+                                message: format!(
+                                    "messages[{i}].role is required and must be a string"
+                                ),
                                 param: Some("messages"),
                                 code: None,
                             });
@@ -120,7 +122,9 @@ pub fn inspect(op: Op, value: Value) -> Result<Inbound, ApiError> {
                 }
                 Some(Value::Array(_)) => {
                     return Err(ApiError::InvalidRequest {
-                        message: "'messages' must contain at least one message (got an empty array)".into(),
+                        message:
+                            "'messages' must contain at least one message (got an empty array)"
+                                .into(),
                         param: Some("messages"),
                         code: Some("empty_array"),
                     });
@@ -193,7 +197,10 @@ pub fn usage_of(v: &Value) -> Option<Usage> {
     }
     Some(Usage {
         prompt: u.get("prompt_tokens").and_then(Value::as_u64).unwrap_or(0),
-        completion: u.get("completion_tokens").and_then(Value::as_u64).unwrap_or(0),
+        completion: u
+            .get("completion_tokens")
+            .and_then(Value::as_u64)
+            .unwrap_or(0),
     })
 }
 
@@ -235,16 +242,24 @@ pub fn classify_chunk(v: &Value) -> ChunkKind {
             return ChunkKind::Content;
         }
         // Legacy completions stream `text`.
-        if c.get("text").and_then(Value::as_str).is_some_and(|t| !t.is_empty()) {
+        if c.get("text")
+            .and_then(Value::as_str)
+            .is_some_and(|t| !t.is_empty())
+        {
             return ChunkKind::Content;
         }
         if let Some(d) = c.get("delta") {
             for key in ["content", "refusal", "reasoning_content", "reasoning"] {
-                if d.get(key).and_then(Value::as_str).is_some_and(|t| !t.is_empty()) {
+                if d.get(key)
+                    .and_then(Value::as_str)
+                    .is_some_and(|t| !t.is_empty())
+                {
                     return ChunkKind::Content;
                 }
             }
-            if d.get("tool_calls").and_then(Value::as_array).is_some_and(|t| !t.is_empty())
+            if d.get("tool_calls")
+                .and_then(Value::as_array)
+                .is_some_and(|t| !t.is_empty())
                 || d.get("function_call").is_some_and(|f| !f.is_null())
             {
                 return ChunkKind::Content;
@@ -289,7 +304,13 @@ mod tests {
     #[test]
     fn validates_like_openai() {
         assert!(inspect(Op::Chat, json!([])).is_err());
-        assert!(inspect(Op::Chat, json!({"messages": [{"role":"user","content":"x"}]})).is_err());
+        assert!(
+            inspect(
+                Op::Chat,
+                json!({"messages": [{"role":"user","content":"x"}]})
+            )
+            .is_err()
+        );
         assert!(inspect(Op::Chat, json!({"model": 3, "messages": []})).is_err());
         assert!(inspect(Op::Chat, json!({"model": "m", "messages": []})).is_err());
         let ok = inspect(
@@ -301,7 +322,14 @@ mod tests {
         assert!(ok.needs.contains(&Capability::Vision));
         assert!(ok.needs.contains(&Capability::Tools));
         assert!(inspect(Op::Embeddings, json!({"model": "m", "input": []})).is_err());
-        assert!(!inspect(Op::Embeddings, json!({"model": "m", "input": "x", "stream": true})).unwrap().stream);
+        assert!(
+            !inspect(
+                Op::Embeddings,
+                json!({"model": "m", "input": "x", "stream": true})
+            )
+            .unwrap()
+            .stream
+        );
     }
 
     #[test]

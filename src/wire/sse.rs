@@ -70,7 +70,8 @@ impl SseParser {
         if line[0] == b':' {
             return Ok(());
         }
-        let text = std::str::from_utf8(line).map_err(|_| SseError("SSE line is not UTF-8".into()))?;
+        let text =
+            std::str::from_utf8(line).map_err(|_| SseError("SSE line is not UTF-8".into()))?;
         let (field, value) = match text.find(':') {
             Some(i) => {
                 let v = &text[i + 1..];

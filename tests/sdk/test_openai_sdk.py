@@ -1,0 +1,146 @@
+"""End-to-end: the official OpenAI Python SDK pointed at the real gateway binary, with
+mock-upstream processes (the same binary) as backends on 127.0.0.1."""
+
+import os
+import pathlib
+import signal
+import subprocess
+import tempfile
+import textwrap
+
+import openai
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BIN = os.environ.get("AUTOHEDGE_BIN", str(ROOT / "target" / "debug" / "autohedge"))
+
+
+def _start(args, log):
+    proc = subprocess.Popen([BIN, *args], stdout=subprocess.PIPE, stderr=log, text=True)
+    line = proc.stdout.readline()
+    if "listening on http://" not in line:
+        proc.kill()
+        raise RuntimeError(f"{args[0]} did not start: {line!r}")
+    return proc, line.strip().rsplit("http://", 1)[1]
+
+
+@pytest.fixture(scope="module")
+def gateway():
+    tmp = tempfile.TemporaryDirectory()
+    d = pathlib.Path(tmp.name)
+    log = open(d / "log.txt", "w")
+    procs = []
+    try:
+        fail_script = d / "fail.yaml"
+        fail_script.write_text("rules: [{status: 503}]\n")
+        ok_script = d / "ok.yaml"
+        ok_script.write_text('name: backup\nreply: "Hello from the backup!"\n')
+        fail, fail_addr = _start(["mock-upstream", "--listen", "127.0.0.1:0", "--flavor", "openai", "--script", str(fail_script)], log)
+        ok, ok_addr = _start(["mock-upstream", "--listen", "127.0.0.1:0", "--flavor", "vllm", "--script", str(ok_script)], log)
+        procs += [fail, ok]
+        cfg = d / "config.yaml"
+        cfg.write_text(textwrap.dedent(f"""
+            models:
+              primary: {{ type: openai, base_url: "http://{fail_addr}/v1", api_key: env:AH_SDK_KEY }}
+              backup: {{ type: vllm, base_url: "http://{ok_addr}/v1", model: qwen }}
+              broken: {{ type: openai, base_url: "http://{fail_addr}/v1" }}
+            routing_policy: {{ fallback_chain: [primary, backup] }}
+            routes:
+              chat: [primary, backup]
+              doomed: [broken]
+        """))
+        env = dict(os.environ, AH_SDK_KEY="sk-sdk-test-key")
+        gw = subprocess.Popen(
+            [BIN, "serve", "--config", str(cfg), "--listen", "127.0.0.1:0", "--data-dir", str(d / "data")],
+            stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+        )
+        procs.append(gw)
+        line = gw.stdout.readline()
+        assert "listening on http://" in line, line
+        addr = line.strip().rsplit("http://", 1)[1]
+        yield openai.OpenAI(base_url=f"http://{addr}/v1", api_key="client-key-unused", max_retries=0, timeout=10)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        log.close()
+        tmp.cleanup()
+
+
+def test_plain_call_fails_over(gateway):
+    raw = gateway.chat.completions.with_raw_response.create(
+        model="chat", messages=[{"role": "user", "content": "hi"}]
+    )
+    assert raw.headers["x-autohedge-endpoint"] == "backup"
+    assert raw.headers["x-autohedge-attempts"] == "2"
+    r = raw.parse()
+    assert r.choices[0].message.content == "Hello from the backup!"
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens > 0
+
+
+def test_stream(gateway):
+    stream = gateway.chat.completions.create(
+        model="chat",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, finish, usage = "", None, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            finish = c.finish_reason or finish
+    assert text == "Hello from the backup!"
+    assert finish == "stop"
+    assert usage is not None and usage.completion_tokens == 4
+
+
+def test_embeddings(gateway):
+    r = gateway.embeddings.create(model="chat", input=["one", "two"])
+    assert len(r.data) == 2
+    assert len(r.data[0].embedding) == 8
+    assert r.data[0].embedding != r.data[1].embedding
+    f = gateway.embeddings.create(model="chat", input="one", encoding_format="float")
+    assert f.data[0].embedding == pytest.approx(r.data[0].embedding, rel=1e-6)
+
+
+def test_completions(gateway):
+    r = gateway.completions.create(model="chat", prompt="Say hi")
+    assert r.choices[0].text == "Hello from the backup!"
+
+
+def test_unknown_model_is_not_found(gateway):
+    with pytest.raises(openai.NotFoundError) as e:
+        gateway.chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "x"}])
+    assert e.value.code == "model_not_found"
+
+
+def test_bad_request(gateway):
+    with pytest.raises(openai.BadRequestError) as e:
+        gateway.chat.completions.create(model="chat", messages=[])
+    assert e.value.status_code == 400
+
+
+def test_all_failed_is_503(gateway):
+    with pytest.raises(openai.InternalServerError) as e:
+        gateway.chat.completions.create(model="doomed", messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 503
+    body = e.value.body
+    assert body["code"] == "all_upstreams_failed"
+    assert body["attempts"][0]["endpoint"] == "broken"
+    assert body["attempts"][0]["status"] == 503
+
+
+def test_stream_all_failed_raises(gateway):
+    with pytest.raises(openai.InternalServerError):
+        for _ in gateway.chat.completions.create(
+            model="doomed", messages=[{"role": "user", "content": "x"}], stream=True
+        ):
+            pass

@@ -36,6 +36,9 @@ name: backup
 reply: "Hello from the backup endpoint!"
 "#;
 
+/// endpoint, class, status, latency (ms), error
+type AttemptLine = (String, String, Option<u16>, f64, Option<String>);
+
 pub async fn run(requests: u32) -> anyhow::Result<ExitCode> {
     let requests = requests.clamp(1, 1000);
     let cancel = CancellationToken::new();
@@ -130,7 +133,7 @@ routes:
         "request", "kind", "status", "served by"
     );
     for (id, stream, code) in &ids {
-        let attempts: Vec<(String, String, Option<u16>, f64, Option<String>)> = stmt
+        let attempts: Vec<AttemptLine> = stmt
             .query_map([id], |r| {
                 Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
             })?

@@ -22,7 +22,7 @@ use tokio::time::{Instant, timeout_at};
 
 use crate::config::{Config, Endpoint};
 use crate::error::{ApiError, AttemptReport, stream_error_event};
-use crate::registry::Effect;
+use crate::registry::{Effect, KeyPick};
 use crate::router::{self, View};
 use crate::state::AppState;
 use crate::store::{AttemptRow, Record, RequestRow};
@@ -160,13 +160,13 @@ impl Run {
             if plan.order.is_empty() {
                 // Everything left is cooling down: wait for the first to come back, within
                 // `max_wait`, instead of failing at once.
-                if let Some(d) = plan.soonest_cooldown() {
-                    if Instant::now() + d <= wait_until {
-                        tokio::time::sleep(d).await;
-                        // The wait is reported again if the endpoint is still unusable.
-                        reported_skip.clear();
-                        continue;
-                    }
+                if let Some(d) = plan.soonest_cooldown()
+                    && Instant::now() + d <= wait_until
+                {
+                    tokio::time::sleep(d).await;
+                    // The wait is reported again if the endpoint is still unusable.
+                    reported_skip.clear();
+                    continue;
                 }
                 break;
             }
@@ -214,20 +214,20 @@ impl Run {
                 }
             }
         }
-        if let Some((status, headers, body)) = last_context_error {
-            if !self.attempts.iter().any(|a| {
+        if let Some((status, headers, body)) = last_context_error
+            && !self.attempts.iter().any(|a| {
                 !matches!(a.class.as_str(), "context_length" | "context_skip")
                     && !a.class.starts_with("skipped_")
-            }) {
-                let ep = self
-                    .attempts
-                    .iter()
-                    .rev()
-                    .find(|a| a.class == "context_length")
-                    .map(|a| a.endpoint.clone())
-                    .unwrap_or_default();
-                return self.respond_passthrough(&ep, status, headers, body);
-            }
+            })
+        {
+            let ep = self
+                .attempts
+                .iter()
+                .rev()
+                .find(|a| a.class == "context_length")
+                .map(|a| a.endpoint.clone())
+                .unwrap_or_default();
+            return self.respond_passthrough(&ep, status, headers, body);
         }
         self.all_failed()
     }
@@ -263,8 +263,9 @@ impl Run {
         let mut backoff = ep.retry_backoff;
         loop {
             let key_idx = match self.app.registry.pick_key(ep) {
-                Ok(k) => k,
-                Err(()) => {
+                KeyPick::NotNeeded => None,
+                KeyPick::Use(i) => Some(i),
+                KeyPick::Exhausted => {
                     self.attempts.push(AttemptReport {
                         endpoint: ep.name.clone(),
                         status: None,

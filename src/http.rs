@@ -115,10 +115,9 @@ async fn read_json(headers: &HeaderMap, body: Body, limit: usize) -> Result<Valu
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<usize>().ok())
+        && len > limit
     {
-        if len > limit {
-            return Err(ApiError::PayloadTooLarge(limit));
-        }
+        return Err(ApiError::PayloadTooLarge(limit));
     }
     let bytes: Bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
         // `to_bytes` fails for an over-long body or a broken connection.

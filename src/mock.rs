@@ -178,10 +178,10 @@ impl Mock {
                 continue;
             }
             c.rule_matches[i] += 1;
-            if let Some(n) = w.every {
-                if n == 0 || c.rule_matches[i] % n != 0 {
-                    continue;
-                }
+            if let Some(n) = w.every
+                && (n == 0 || !c.rule_matches[i].is_multiple_of(n))
+            {
+                continue;
             }
             if r.times.is_some_and(|t| c.rule_applied[i] >= t) {
                 continue;
@@ -356,37 +356,37 @@ impl Mock {
             kill.notify_one();
             std::future::pending::<()>().await;
         }
-        if let Some(status) = rule.status {
-            if !(200..300).contains(&status) {
-                let mut headers = rule.headers.clone();
-                if status == 429
-                    && !headers
-                        .keys()
-                        .any(|k| k.eq_ignore_ascii_case("retry-after"))
-                {
-                    headers.insert("retry-after".into(), "1".into());
-                }
-                if let Some(raw) = &rule.body {
-                    let mut b = Response::builder().status(status);
-                    for (k, v) in &headers {
-                        b = b.header(k.as_str(), v.as_str());
-                    }
-                    return b
-                        .body(full(raw.clone()))
-                        .unwrap_or_else(|_| Response::new(full("")));
-                }
-                let msg = rule
-                    .error
-                    .clone()
-                    .unwrap_or_else(|| default_message(status).into());
-                return self.error(
-                    status,
-                    &msg,
-                    rule.error_type.as_deref(),
-                    rule.error_code.as_deref(),
-                    &headers,
-                );
+        if let Some(status) = rule.status
+            && !(200..300).contains(&status)
+        {
+            let mut headers = rule.headers.clone();
+            if status == 429
+                && !headers
+                    .keys()
+                    .any(|k| k.eq_ignore_ascii_case("retry-after"))
+            {
+                headers.insert("retry-after".into(), "1".into());
             }
+            if let Some(raw) = &rule.body {
+                let mut b = Response::builder().status(status);
+                for (k, v) in &headers {
+                    b = b.header(k.as_str(), v.as_str());
+                }
+                return b
+                    .body(full(raw.clone()))
+                    .unwrap_or_else(|_| Response::new(full("")));
+            }
+            let msg = rule
+                .error
+                .clone()
+                .unwrap_or_else(|| default_message(status).into());
+            return self.error(
+                status,
+                &msg,
+                rule.error_type.as_deref(),
+                rule.error_code.as_deref(),
+                &headers,
+            );
         }
         if let Some(raw) = &rule.body {
             let mut b = Response::builder().status(rule.status.unwrap_or(200));
@@ -398,17 +398,17 @@ impl Mock {
                 .unwrap_or_else(|_| Response::new(full("")));
         }
         let script = self.script();
-        if let Some(keys) = &script.keys {
-            if !key.as_ref().is_some_and(|k| keys.contains(k)) {
-                let shown = key.as_deref().map(mask).unwrap_or_default();
-                return self.error(
+        if let Some(keys) = &script.keys
+            && !key.as_ref().is_some_and(|k| keys.contains(k))
+        {
+            let shown = key.as_deref().map(mask).unwrap_or_default();
+            return self.error(
                     401,
                     &format!("Incorrect API key provided: {shown}. You can find your API key at https://platform.openai.com/account/api-keys."),
                     Some("invalid_request_error"),
                     Some("invalid_api_key"),
                     &rule.headers,
                 );
-            }
         }
         if let Some(window) = script.context_window {
             let chars =

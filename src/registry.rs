@@ -100,6 +100,17 @@ pub struct Registry {
     store: StoreHandle,
 }
 
+/// Which API key an attempt uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyPick {
+    /// The endpoint has no keys configured (a local server).
+    NotNeeded,
+    /// Use key number `n` of the endpoint's list.
+    Use(usize),
+    /// Keys are configured but none is usable.
+    Exhausted,
+}
+
 /// What one attempt's outcome does to the endpoint's state.
 #[derive(Debug, Clone)]
 pub enum Effect {
@@ -144,13 +155,13 @@ impl Registry {
                     rt.requests = p.requests;
                     rt.successes = p.successes;
                     rt.failures = p.failures;
-                    if let Some(reason) = &p.retired_reason {
-                        if p.retired_fingerprint.as_deref() == Some(ep.fingerprint.as_str()) {
-                            rt.retired = Some(Retirement {
-                                reason: reason.clone(),
-                                fingerprint: ep.fingerprint.clone(),
-                            });
-                        }
+                    if let Some(reason) = &p.retired_reason
+                        && p.retired_fingerprint.as_deref() == Some(ep.fingerprint.as_str())
+                    {
+                        rt.retired = Some(Retirement {
+                            reason: reason.clone(),
+                            fingerprint: ep.fingerprint.clone(),
+                        });
                     }
                 }
                 Arc::new(Mutex::new(rt))
@@ -194,14 +205,14 @@ impl Registry {
         }));
     }
 
-    /// Picks the key index to use for the next call: round-robin over keys that resolved and
-    /// have not been rejected. `Ok(None)` when the endpoint needs no key.
-    pub fn pick_key(&self, ep: &Endpoint) -> Result<Option<usize>, ()> {
+    /// Picks the key for the next call: round-robin over keys that resolved and have not been
+    /// rejected.
+    pub fn pick_key(&self, ep: &Endpoint) -> KeyPick {
         if !ep.needs_key() {
-            return Ok(None);
+            return KeyPick::NotNeeded;
         }
         let Some(rt) = self.get(&ep.name) else {
-            return Err(());
+            return KeyPick::Exhausted;
         };
         let mut rt = lock(&rt);
         let n = ep.keys.len();
@@ -209,10 +220,10 @@ impl Registry {
             let i = (rt.key_cursor + step) % n;
             if ep.keys[i].value.is_some() && !rt.dead_keys.contains(&i) {
                 rt.key_cursor = (i + 1) % n;
-                return Ok(Some(i));
+                return KeyPick::Use(i);
             }
         }
-        Err(())
+        KeyPick::Exhausted
     }
 
     /// Applies an attempt's outcome. Returns true when the endpoint has another key to try.

@@ -55,16 +55,16 @@ impl Gateway {
         let cancel = CancellationToken::new();
         let mut tasks = JoinSet::new();
 
-        if opts.watch {
-            if let Some(path) = opts.config_path.clone() {
-                let st = state.clone();
-                let c = cancel.clone();
-                tasks.spawn(async move {
-                    if let Err(e) = crate::config::reload::watch(st, path, c).await {
-                        tracing::error!(error = %e, "config watcher stopped");
-                    }
-                });
-            }
+        if opts.watch
+            && let Some(path) = opts.config_path.clone()
+        {
+            let st = state.clone();
+            let c = cancel.clone();
+            tasks.spawn(async move {
+                if let Err(e) = crate::config::reload::watch(st, path, c).await {
+                    tracing::error!(error = %e, "config watcher stopped");
+                }
+            });
         }
         {
             let st = state.clone();

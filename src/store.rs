@@ -164,7 +164,7 @@ impl StoreHandle {
                 let n = self.dropped.fetch_add(1, Ordering::Relaxed) + 1;
                 // Warn on the first drop and then every thousandth: a storm of warnings would
                 // itself become the stall we are avoiding.
-                if n == 1 || n % 1000 == 0 {
+                if n == 1 || n.is_multiple_of(1000) {
                     tracing::warn!(
                         dropped_total = n,
                         "audit queue full or closed: record dropped"

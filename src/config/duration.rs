@@ -50,7 +50,7 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 }
 
 fn secs_to_duration(secs: f64) -> Option<Duration> {
-    if secs.is_finite() && secs >= 0.0 && secs < 1e12 {
+    if secs.is_finite() && (0.0..1e12).contains(&secs) {
         Some(Duration::from_secs_f64(secs))
     } else {
         None

@@ -75,12 +75,7 @@ pub async fn watch(
             }
             Some(()) = rx.recv() => {
                 // Debounce: wait for the burst of events to end.
-                loop {
-                    match tokio::time::timeout(DEBOUNCE, rx.recv()).await {
-                        Ok(Some(())) => continue,
-                        _ => break,
-                    }
-                }
+                while let Ok(Some(())) = tokio::time::timeout(DEBOUNCE, rx.recv()).await {}
                 let now = std::fs::read(&path).ok();
                 if now.is_none() {
                     // Mid-rename or deleted: keep the live table; the next event retries.

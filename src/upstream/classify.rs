@@ -136,16 +136,18 @@ pub fn context_limit(body: &str) -> Option<u64> {
 /// HTTP date), then OpenAI's `x-ratelimit-reset-*` for whichever budget is exhausted.
 pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     let get = |n: &str| headers.get(n).and_then(|v| v.to_str().ok()).map(str::trim);
-    if let Some(ms) = get("retry-after-ms").and_then(|v| v.parse::<f64>().ok()) {
-        if ms.is_finite() && ms >= 0.0 {
-            return Some(Duration::from_secs_f64(ms / 1000.0));
-        }
+    if let Some(ms) = get("retry-after-ms").and_then(|v| v.parse::<f64>().ok())
+        && ms.is_finite()
+        && ms >= 0.0
+    {
+        return Some(Duration::from_secs_f64(ms / 1000.0));
     }
     if let Some(v) = get("retry-after") {
-        if let Ok(s) = v.parse::<f64>() {
-            if s.is_finite() && s >= 0.0 {
-                return Some(Duration::from_secs_f64(s));
-            }
+        if let Ok(s) = v.parse::<f64>()
+            && s.is_finite()
+            && s >= 0.0
+        {
+            return Some(Duration::from_secs_f64(s));
         }
         if let Ok(t) = httpdate_parse(v) {
             return Some(
@@ -159,11 +161,10 @@ pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
         let exhausted = get(&format!("x-ratelimit-remaining-{budget}"))
             .and_then(|v| v.parse::<u64>().ok())
             == Some(0);
-        if exhausted {
-            if let Some(d) = get(&format!("x-ratelimit-reset-{budget}")).and_then(parse_go_duration)
-            {
-                best = Some(best.map_or(d, |b| b.max(d)));
-            }
+        if exhausted
+            && let Some(d) = get(&format!("x-ratelimit-reset-{budget}")).and_then(parse_go_duration)
+        {
+            best = Some(best.map_or(d, |b| b.max(d)));
         }
     }
     best

@@ -30,10 +30,10 @@ pub fn body(ep: &Endpoint, op: Op, client: &Map<String, Value>) -> Vec<u8> {
     b.insert("model".into(), Value::String(ep.upstream_model.clone()));
     if let (Some(max), Op::Chat | Op::Completions) = (ep.max_tokens, op) {
         for key in ["max_tokens", "max_completion_tokens"] {
-            if let Some(v) = b.get(key).and_then(Value::as_u64) {
-                if v > max {
-                    b.insert(key.into(), Value::from(max));
-                }
+            if let Some(v) = b.get(key).and_then(Value::as_u64)
+                && v > max
+            {
+                b.insert(key.into(), Value::from(max));
             }
         }
     }

@@ -108,15 +108,15 @@ pub fn inspect(op: Op, value: Value) -> Result<Inbound, ApiError> {
                                 code: None,
                             });
                         }
-                        if let Some(Value::Array(parts)) = obj.get("content") {
-                            if parts.iter().any(|p| {
+                        if let Some(Value::Array(parts)) = obj.get("content")
+                            && parts.iter().any(|p| {
                                 matches!(
                                     p.get("type").and_then(Value::as_str),
                                     Some("image_url" | "input_image" | "image")
                                 )
-                            }) {
-                                needs.insert(Capability::Vision);
-                            }
+                            })
+                        {
+                            needs.insert(Capability::Vision);
                         }
                     }
                 }

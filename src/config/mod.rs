@@ -732,6 +732,14 @@ routes:
     }
 
     #[test]
+    fn example_reference_loads() {
+        let cfg = Config::load(include_str!("../../config/example.yaml")).unwrap();
+        assert_eq!(cfg.fallback_chain.len(), 4);
+        assert_eq!(cfg.endpoints["llama-vllm"].timeouts.total, Duration::from_secs(60));
+        assert_eq!(cfg.endpoints["gpt-4o-backup-keys"].keys.len(), 2);
+    }
+
+    #[test]
     fn embedded_default_loads() {
         let cfg = Config::load(EMBEDDED_DEFAULT).unwrap();
         assert!(!cfg.fallback_chain.is_empty());

@@ -137,8 +137,7 @@ async fn proxy(target: String) {
     println!("listening on {}", listener.local_addr().unwrap());
     let mut conn = HttpConnector::new();
     conn.set_nodelay(true);
-    let client: Client<HttpConnector, Incoming> =
-        Client::builder(TokioExecutor::new()).build(conn);
+    let client: Client<HttpConnector, Incoming> = Client::builder(TokioExecutor::new()).build(conn);
     let target: Arc<str> = target.into();
     loop {
         let (s, _) = listener.accept().await.unwrap();
@@ -332,10 +331,17 @@ async fn run() {
     let (mut gw, g) = start_gateway(tmp.path(), &gateway_config(a, b, ["a", "b"]));
     let path = "/v1/chat/completions";
 
-    println!("overhead benchmark: {RATE} req/s for {RATE_SECS}s, then {CONCURRENCY} concurrent for {SATURATION_SECS}s, each target in turn\n");
+    println!(
+        "overhead benchmark: {RATE} req/s for {RATE_SECS}s, then {CONCURRENCY} concurrent for {SATURATION_SECS}s, each target in turn\n"
+    );
     let direct = measure("direct", &format!("http://{a}{path}"), up_a.id()).await;
     let floor = measure("hyper proxy (floor)", &format!("http://{p}{path}"), px.id()).await;
-    let gateway = measure("autohedge (audit on)", &format!("http://{g}{path}"), gw.id()).await;
+    let gateway = measure(
+        "autohedge (audit on)",
+        &format!("http://{g}{path}"),
+        gw.id(),
+    )
+    .await;
 
     println!(
         "| target | p50 ms | p99 ms | added p50 ms | added p99 ms | req/s at saturation | vs floor | CPU µs/req | peak RSS MB |"
@@ -383,7 +389,10 @@ async fn run() {
             if served.as_deref() == Some(want) {
                 break;
             }
-            assert!(t.elapsed() < Duration::from_secs(10), "reload never took effect");
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "reload never took effect"
+            );
         }
         samples.push(t.elapsed().as_secs_f64() * 1000.0);
         tokio::time::sleep(Duration::from_millis(100)).await;

@@ -126,7 +126,7 @@ routes:
 
     let conn = crate::store::open_connection(&crate::store::db_path(&data_dir))?;
     let mut stmt = conn.prepare(
-        "SELECT endpoint, class, status, latency_ms, error FROM attempts WHERE request_id = ?1 ORDER BY seq",
+        "SELECT a.endpoint, a.class, a.status, a.latency_ms, a.error FROM attempts a JOIN requests r ON a.request_row = r.id WHERE r.request_id = ?1 ORDER BY a.seq",
     )?;
     println!(
         "{:<9} {:<7} {:>6}  {:<8} why",

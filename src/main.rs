@@ -6,6 +6,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use autohedge::cli;
+
+/// The request path allocates many small JSON maps and buffers; mimalloc's thread-local free
+/// lists cut the allocator's share of CPU that glibc malloc showed in profiles.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use autohedge::mock::Flavor;
 
 #[derive(Parser)]

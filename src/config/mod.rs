@@ -735,7 +735,10 @@ routes:
     fn example_reference_loads() {
         let cfg = Config::load(include_str!("../../config/example.yaml")).unwrap();
         assert_eq!(cfg.fallback_chain.len(), 4);
-        assert_eq!(cfg.endpoints["llama-vllm"].timeouts.total, Duration::from_secs(60));
+        assert_eq!(
+            cfg.endpoints["llama-vllm"].timeouts.total,
+            Duration::from_secs(60)
+        );
         assert_eq!(cfg.endpoints["gpt-4o-backup-keys"].keys.len(), 2);
     }
 

@@ -20,7 +20,7 @@ use futures_util::{Stream, StreamExt};
 use serde_json::Value;
 use tokio::time::{Instant, timeout_at};
 
-use crate::config::{Config, Endpoint};
+use crate::config::{Config, Endpoint, EndpointKind};
 use crate::error::{ApiError, AttemptReport, stream_error_event};
 use crate::registry::{Effect, KeyPick};
 use crate::router::{self, View};
@@ -72,6 +72,7 @@ enum Success {
         ttft: Duration,
         usage: Option<Usage>,
         out_chars: usize,
+        usage_tap: Option<upstream::ollama::UsageTap>,
     },
 }
 
@@ -176,10 +177,13 @@ impl Run {
                     continue;
                 };
                 if let Some(floor) = context_floor {
+                    // Only a window known to be larger qualifies. When the refusing
+                    // endpoint's window is unknown there is nothing to compare: trying the
+                    // next one is the only way to find out.
                     let larger = match (ep.context_window, floor) {
                         (Some(w), Some(f)) => w > f,
-                        (Some(_), None) => true,
-                        (None, _) => false,
+                        (_, None) => true,
+                        (None, Some(_)) => false,
                     };
                     if !larger {
                         self.attempts.push(AttemptReport {
@@ -355,6 +359,9 @@ impl Run {
                             );
                             return EndpointOutcome::Failed { context: false };
                         }
+                        Class::Unsupported => {
+                            return EndpointOutcome::Failed { context: false };
+                        }
                         Class::Gone => {
                             self.app.registry.apply(
                                 ep,
@@ -413,7 +420,7 @@ impl Run {
         }
     }
 
-    async fn read_error(resp: reqwest::Response, deadline: Instant) -> Failure {
+    async fn read_error(ep: &Endpoint, resp: reqwest::Response, deadline: Instant) -> Failure {
         let status = resp.status();
         let headers = resp.headers().clone();
         let mut body = Vec::new();
@@ -433,10 +440,20 @@ impl Run {
         }
         if matches!(class, Class::Client | Class::ContextLength) {
             let mut h = HeaderMap::new();
-            if let Some(ct) = headers.get(header::CONTENT_TYPE) {
-                h.insert(header::CONTENT_TYPE, ct.clone());
-            }
-            f.passthrough = Some((status, h, Bytes::from(body)));
+            let body = if ep.kind == EndpointKind::Ollama {
+                // Ollama's `{"error": "..."}` becomes OpenAI's error shape for the client.
+                h.insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/json"),
+                );
+                upstream::ollama::error_body(status.as_u16(), &body)
+            } else {
+                if let Some(ct) = headers.get(header::CONTENT_TYPE) {
+                    h.insert(header::CONTENT_TYPE, ct.clone());
+                }
+                Bytes::from(body)
+            };
+            f.passthrough = Some((status, h, body));
         }
         f
     }
@@ -447,7 +464,15 @@ impl Run {
         key: Option<&crate::config::Secret>,
     ) -> Result<Success, Failure> {
         let deadline = Instant::now() + ep.timeouts.total;
-        let rb = upstream::request(ep, self.req.op, &self.req.body, key, &self.request_id);
+        let rb = upstream::request(
+            ep,
+            self.req.op,
+            &self.req.body,
+            false,
+            key,
+            &self.request_id,
+        )
+        .map_err(|u| Failure::new(Class::Unsupported, None, u.0))?;
         let resp = match timeout_at(deadline, rb.send()).await {
             Err(_) => {
                 return Err(Failure::new(
@@ -460,7 +485,7 @@ impl Run {
             Ok(Ok(r)) => r,
         };
         if !resp.status().is_success() {
-            return Err(Self::read_error(resp, deadline).await);
+            return Err(Self::read_error(ep, resp, deadline).await);
         }
         let status = resp.status();
         let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
@@ -481,7 +506,7 @@ impl Run {
             }
             Ok(Ok(b)) => b,
         };
-        let parsed: Value = match serde_json::from_slice(&body) {
+        let mut parsed: Value = match serde_json::from_slice(&body) {
             Ok(v) => v,
             Err(e) => {
                 return Err(Failure::new(
@@ -491,6 +516,26 @@ impl Run {
                 ));
             }
         };
+        let mut body = body;
+        let mut content_type = content_type;
+        if ep.kind == EndpointKind::Ollama {
+            parsed = upstream::ollama::response_body(
+                self.req.op,
+                &self.req.model,
+                &self.req.body,
+                &parsed,
+            )
+            .map_err(|m| {
+                let class = if classify::is_context_message(&m) {
+                    Class::ContextLength
+                } else {
+                    Class::InBand
+                };
+                Failure::new(class, Some(status.as_u16()), m)
+            })?;
+            body = Bytes::from(parsed.to_string());
+            content_type = Some(HeaderValue::from_static("application/json"));
+        }
         if let ChunkKind::Error(msg) = wire::classify_chunk(&parsed) {
             return Err(Failure::new(Class::InBand, Some(status.as_u16()), msg));
         }
@@ -511,7 +556,8 @@ impl Run {
     ) -> Result<Success, Failure> {
         let t0 = Instant::now();
         let first_deadline = (t0 + ep.timeouts.first_token).min(t0 + ep.timeouts.total);
-        let rb = upstream::request(ep, self.req.op, &self.req.body, key, &self.request_id);
+        let rb = upstream::request(ep, self.req.op, &self.req.body, true, key, &self.request_id)
+            .map_err(|u| Failure::new(Class::Unsupported, None, u.0))?;
         let resp = match timeout_at(first_deadline, rb.send()).await {
             Err(_) => {
                 return Err(Failure::new(
@@ -524,35 +570,55 @@ impl Run {
             Ok(Ok(r)) => r,
         };
         if !resp.status().is_success() {
-            return Err(Self::read_error(resp, t0 + ep.timeouts.total).await);
+            return Err(Self::read_error(ep, resp, t0 + ep.timeouts.total).await);
         }
         let status = resp.status().as_u16();
-        let is_sse = resp
-            .headers()
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("text/event-stream"));
-        if !is_sse {
-            // A JSON body on a stream request is an error some servers send with 200.
-            let body = timeout_at(first_deadline, resp.bytes()).await;
-            let detail = match body {
-                Ok(Ok(b)) => match serde_json::from_slice::<Value>(&b) {
-                    Ok(v) => match wire::classify_chunk(&v) {
-                        ChunkKind::Error(m) => {
-                            return Err(Failure::new(Class::InBand, Some(status), m));
-                        }
-                        _ => "stream requested but the upstream answered with a non-SSE body"
+        let mut usage_tap = None;
+        let mut rest: ByteStream = if ep.kind == EndpointKind::Ollama {
+            let include_usage = self
+                .req
+                .body
+                .get("stream_options")
+                .and_then(|o| o.get("include_usage"))
+                .and_then(Value::as_bool)
+                .unwrap_or(false);
+            let tr = upstream::ollama::StreamTranslator::new(
+                self.req.op,
+                &self.req.model,
+                include_usage,
+            );
+            let (s, tap) = upstream::ollama::SseFromNdjson::new(Box::pin(resp.bytes_stream()), tr);
+            usage_tap = Some(tap);
+            Box::pin(s)
+        } else {
+            let is_sse = resp
+                .headers()
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.starts_with("text/event-stream"));
+            if !is_sse {
+                // A JSON body on a stream request is an error some servers send with 200.
+                let body = timeout_at(first_deadline, resp.bytes()).await;
+                let detail = match body {
+                    Ok(Ok(b)) => match serde_json::from_slice::<Value>(&b) {
+                        Ok(v) => match wire::classify_chunk(&v) {
+                            ChunkKind::Error(m) => {
+                                return Err(Failure::new(Class::InBand, Some(status), m));
+                            }
+                            _ => "stream requested but the upstream answered with a non-SSE body"
+                                .to_string(),
+                        },
+                        Err(_) => "stream requested but the upstream answered with a non-SSE body"
                             .to_string(),
                     },
-                    Err(_) => {
+                    _ => {
                         "stream requested but the upstream answered with a non-SSE body".to_string()
                     }
-                },
-                _ => "stream requested but the upstream answered with a non-SSE body".to_string(),
-            };
-            return Err(Failure::new(Class::Malformed, Some(status), detail));
-        }
-        let mut rest: ByteStream = Box::pin(resp.bytes_stream());
+                };
+                return Err(Failure::new(Class::Malformed, Some(status), detail));
+            }
+            Box::pin(resp.bytes_stream())
+        };
         let mut parser = SseParser::new();
         let mut prelude = Vec::new();
         let mut usage = None;
@@ -642,6 +708,7 @@ impl Run {
                     ttft: t0.elapsed(),
                     usage,
                     out_chars,
+                    usage_tap,
                 });
             }
         }
@@ -791,6 +858,7 @@ impl Run {
                 ttft,
                 usage,
                 out_chars,
+                usage_tap,
             } => {
                 let mut row = self.base_row(Some(&ep.name), 200, None);
                 row.ttft_ms = Some(self.started.elapsed().as_secs_f64() * 1000.0);
@@ -804,6 +872,8 @@ impl Run {
                     usage,
                     out_chars,
                     prompt_estimate: wire::estimate_tokens(wire::prompt_chars(&self.req.body)),
+                    usage_tap,
+                    op: self.req.op,
                 };
                 let idle = ep.timeouts.first_token;
                 let deadline = Instant::now() + ep.timeouts.total.saturating_sub(ttft);
@@ -963,6 +1033,9 @@ struct StreamGuard {
     usage: Option<Usage>,
     out_chars: usize,
     prompt_estimate: u64,
+    /// Exact counts a translating adapter saw (Ollama's final object).
+    usage_tap: Option<upstream::ollama::UsageTap>,
+    op: Op,
 }
 
 impl StreamGuard {
@@ -972,13 +1045,17 @@ impl StreamGuard {
         };
         row.latency_ms = self.started.elapsed().as_secs_f64() * 1000.0;
         let out_estimate = wire::estimate_tokens(self.out_chars);
+        let tapped = self
+            .usage_tap
+            .as_ref()
+            .and_then(|t| t.lock().ok().and_then(|u| *u));
         fill_usage(
             &mut row,
             &self.ep,
-            self.usage,
+            self.usage.or(tapped),
             self.prompt_estimate,
             out_estimate,
-            Op::Chat,
+            self.op,
         );
         self.app.registry.record_tokens(
             &self.ep.name,

@@ -194,6 +194,7 @@ impl Mock {
 
     fn error_body(
         &self,
+        path: &str,
         status: u16,
         message: &str,
         kind: Option<&str>,
@@ -220,6 +221,9 @@ impl Mock {
                 "param": null,
                 "code": status,
             }),
+            // Ollama's native API answers `{"error": "..."}`; its OpenAI-compatible /v1 the
+            // OpenAI shape.
+            Flavor::Ollama if path.starts_with("/api/") => json!({"error": message}),
             Flavor::Ollama => json!({"error": {
                 "message": message,
                 "type": kind.unwrap_or("api_error"),
@@ -268,13 +272,14 @@ impl Mock {
 
     fn error(
         &self,
+        path: &str,
         status: u16,
         message: &str,
         kind: Option<&str>,
         code: Option<&str>,
         extra: &BTreeMap<String, String>,
     ) -> Response<RespBody> {
-        let body = self.error_body(status, message, kind, code);
+        let body = self.error_body(path, status, message, kind, code);
         self.json_response(status, &body, extra)
     }
 
@@ -316,7 +321,7 @@ impl Mock {
                             Counters::default();
                         self.json_response(200, &json!({"ok": true}), &BTreeMap::new())
                     }
-                    Err(e) => self.error(400, &e, None, None, &BTreeMap::new()),
+                    Err(e) => self.error(&path, 400, &e, None, None, &BTreeMap::new()),
                 };
             }
             _ => {}
@@ -381,6 +386,7 @@ impl Mock {
                 .clone()
                 .unwrap_or_else(|| default_message(status).into());
             return self.error(
+                &path,
                 status,
                 &msg,
                 rule.error_type.as_deref(),
@@ -403,6 +409,7 @@ impl Mock {
         {
             let shown = key.as_deref().map(mask).unwrap_or_default();
             return self.error(
+&path,
                     401,
                     &format!("Incorrect API key provided: {shown}. You can find your API key at https://platform.openai.com/account/api-keys."),
                     Some("invalid_request_error"),
@@ -422,6 +429,7 @@ impl Mock {
                     ),
                 };
                 return self.error(
+                    &path,
                     400,
                     &msg,
                     Some("invalid_request_error"),
@@ -461,7 +469,24 @@ impl Mock {
                 self.completion(&body, &model, &reply, &rule, stream, chunk_delay, kill)
             }
             ("POST", "/v1/embeddings", _) => self.embeddings(&body, &model, &rule),
-            _ => self.error(404, &format!("Invalid URL ({method} {path})"), Some("invalid_request_error"), None, &BTreeMap::new()),
+            ("POST", "/api/chat", Flavor::Ollama) => {
+                self.ollama_native(&body, &model, &reply, &rule, stream, chunk_delay, kill, true)
+            }
+            ("POST", "/api/generate", Flavor::Ollama) => {
+                self.ollama_native(&body, &model, &reply, &rule, stream, chunk_delay, kill, false)
+            }
+            ("POST", "/api/embed", Flavor::Ollama) => {
+                let inputs: Vec<String> = match body.get("input") {
+                    Some(Value::String(s)) => vec![s.clone()],
+                    Some(Value::Array(a)) => a.iter().filter_map(|v| v.as_str().map(str::to_string)).collect(),
+                    _ => vec![],
+                };
+                let embeddings: Vec<Vec<f32>> = inputs.iter().map(|t| embed(t)).collect();
+                let n: u64 = inputs.iter().map(|t| words(t)).sum();
+                let v = json!({"model": model, "embeddings": embeddings, "total_duration": 1000, "load_duration": 100, "prompt_eval_count": n});
+                self.json_response(200, &v, &rule.headers)
+            }
+            _ => self.error(&path, 404, &format!("Invalid URL ({method} {path})"), Some("invalid_request_error"), None, &BTreeMap::new()),
         }
     }
 
@@ -669,6 +694,108 @@ impl Mock {
             .header("content-type", "text/event-stream; charset=utf-8")
             .header("cache-control", "no-cache");
         b = self.standard_headers(b, 200);
+        for (k, v) in &extra_headers {
+            b = b.header(k.as_str(), v.as_str());
+        }
+        b.body(BodyExt::boxed(StreamBody::new(stream)))
+            .unwrap_or_else(|_| Response::new(full("")))
+    }
+
+    /// Ollama's native `/api/chat` (chat) or `/api/generate`, NDJSON when streaming.
+    #[allow(clippy::too_many_arguments)]
+    fn ollama_native(
+        &self,
+        body: &Value,
+        model: &str,
+        reply: &str,
+        rule: &Rule,
+        stream: bool,
+        chunk_delay: Duration,
+        kill: Arc<Notify>,
+        chat: bool,
+    ) -> Response<RespBody> {
+        let created_at = "2024-01-01T00:00:00.000000Z";
+        let prompt = crate::wire::estimate_tokens(crate::wire::prompt_chars(
+            body.as_object().unwrap_or(&serde_json::Map::new()),
+        ))
+        .max(1);
+        let completion = words(reply);
+        let tool_calls = rule
+            .tool_call
+            .as_ref()
+            .map(|name| json!([{"function": {"name": name, "arguments": {"city": "Paris"}}}]));
+        let piece = |text: &str, done: bool| -> Value {
+            let mut v = if chat {
+                json!({"model": model, "created_at": created_at, "message": {"role": "assistant", "content": text}, "done": done})
+            } else {
+                json!({"model": model, "created_at": created_at, "response": text, "done": done})
+            };
+            if done {
+                v["done_reason"] = json!("stop");
+                v["total_duration"] = json!(1_000_000);
+                v["load_duration"] = json!(1000);
+                if !rule.no_usage {
+                    v["prompt_eval_count"] = json!(prompt);
+                    v["eval_count"] = json!(completion);
+                }
+            }
+            v
+        };
+        if !stream {
+            let mut v = piece(if tool_calls.is_some() { "" } else { reply }, true);
+            if let Some(tc) = &tool_calls {
+                v["message"]["tool_calls"] = tc.clone();
+            }
+            return self.json_response(200, &v, &rule.headers);
+        }
+        let mut objects = Vec::new();
+        if let Some(tc) = &tool_calls {
+            let mut v = piece("", false);
+            v["message"]["tool_calls"] = tc.clone();
+            objects.push(v);
+        } else {
+            for w in split_words(reply) {
+                objects.push(piece(&w, false));
+            }
+        }
+        objects.push(piece("", true));
+        let (tx, rx) = mpsc::channel::<Bytes>(16);
+        let extra_headers = rule.headers.clone();
+        let rule = rule.clone();
+        tokio::spawn(async move {
+            for (sent, v) in objects.into_iter().enumerate() {
+                if rule.stream_error_after == Some(sent) {
+                    let _ = tx
+                        .send(Bytes::from("{\"error\":\"an error was encountered while running the model: mock in-band error\"}\n"))
+                        .await;
+                    return;
+                }
+                if rule.stall_after == Some(sent) {
+                    let _ = tokio::time::timeout(Duration::from_secs(600), tx.closed()).await;
+                    return;
+                }
+                if rule.cut_after == Some(sent) {
+                    return;
+                }
+                if rule.reset_after == Some(sent) {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    kill.notify_one();
+                    let _ = tokio::time::timeout(Duration::from_secs(10), tx.closed()).await;
+                    return;
+                }
+                if sent > 0 && !chunk_delay.is_zero() {
+                    tokio::time::sleep(chunk_delay).await;
+                }
+                if tx.send(Bytes::from(format!("{v}\n"))).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let stream = tokio_stream::wrappers::ReceiverStream::new(rx)
+            .map(|b| Ok::<_, Infallible>(Frame::data(b)));
+        let mut b = Response::builder()
+            .status(200)
+            .header("content-type", "application/x-ndjson");
         for (k, v) in &extra_headers {
             b = b.header(k.as_str(), v.as_str());
         }

@@ -951,3 +951,231 @@ async fn mock_upstream_binary_runs_a_script_file() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+fn ollama_cfg(o: &MockUp, b: &MockUp) -> String {
+    format!(
+        r#"
+models:
+  local:
+    type: ollama
+    host: "http://{}"
+    model: "qwen2.5:7b"
+    max_tokens: 256
+    capabilities: [chat, completions, embeddings, tools, vision]
+    timeouts: {{ connect: 1s, first_token: 500ms, total: 5s }}
+  b: {{ type: openai, base_url: "{}", model: upstream-b }}
+routing_policy: {{ fallback_chain: [local, b] }}
+"#,
+        o.addr,
+        b.base()
+    )
+}
+
+#[tokio::test]
+async fn ollama_answers_look_like_openai() {
+    let o = MockUp::start(
+        autohedge::mock::Flavor::Ollama,
+        "reply: \"Hi there friend\"",
+    )
+    .await;
+    let b = MockUp::openai("name: b").await;
+    let mut gw = Gw::start(&ollama_cfg(&o, &b));
+    let r = reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .header("x-request-id", "ollama-1")
+        .json(&json!({"model": "local", "max_tokens": 1000, "temperature": 0.1, "stop": "END", "messages": [{"role": "user", "content": "hello"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "local");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["model"], "local");
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(v["choices"][0]["message"]["content"], "Hi there friend");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+    let sent = &o.stats().await["last_body"];
+    assert_eq!(sent["model"], "qwen2.5:7b");
+    assert_eq!(
+        sent["options"]["num_predict"], 256,
+        "capped at the endpoint's max_tokens"
+    );
+    assert_eq!(sent["options"]["stop"], json!(["END"]));
+    assert_eq!(sent["stream"], false);
+    assert_eq!(o.stats().await["by_path"]["/api/chat"], 1);
+
+    // Streamed: role first, content chunks, finish, usage, [DONE].
+    let r = reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .header("x-request-id", "ollama-2")
+        .json(&json!({"model": "local", "stream": true, "messages": [{"role": "user", "content": "hello"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(header(&r, "content-type"), "text/event-stream");
+    let ev = sse_events(r).await;
+    assert_eq!(stream_text(&ev), "Hi there friend");
+    let first: Value = serde_json::from_str(&ev[0]).unwrap();
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(first["object"], "chat.completion.chunk");
+    let ids: std::collections::HashSet<String> = ev[..ev.len() - 1]
+        .iter()
+        .map(|e| {
+            serde_json::from_str::<Value>(e).unwrap()["id"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(ids.len(), 1, "one stable id per stream");
+    let fin: Value = serde_json::from_str(&ev[ev.len() - 2]).unwrap();
+    assert_eq!(fin["choices"][0]["finish_reason"], "stop");
+    assert_eq!(ev.last().unwrap(), "[DONE]");
+
+    // Legacy completions and embeddings.
+    let r = gw
+        .post(
+            "/v1/completions",
+            json!({"model": "local", "prompt": "Say hi"}),
+        )
+        .await;
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["choices"][0]["text"], "Hi there friend");
+    assert_eq!(o.stats().await["by_path"]["/api/generate"], 1);
+    let r = gw
+        .post(
+            "/v1/embeddings",
+            json!({"model": "local", "input": ["a", "b"], "encoding_format": "base64"}),
+        )
+        .await;
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["data"].as_array().unwrap().len(), 2);
+    assert!(v["data"][0]["embedding"].is_string(), "base64 honoured");
+    assert_eq!(v["usage"]["prompt_tokens"], 2);
+
+    // Tool calls, plain and streamed.
+    o.set_script("rules: [{tool_call: get_weather}]").await;
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    let r = gw
+        .post("/v1/chat/completions", json!({"model": "local", "tools": tools, "messages": [{"role": "user", "content": "weather?"}]}))
+        .await;
+    let v: Value = r.json().await.unwrap();
+    let call = &v["choices"][0]["message"]["tool_calls"][0];
+    assert_eq!(call["type"], "function");
+    assert_eq!(call["function"]["name"], "get_weather");
+    let args: Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"city": "Paris"}));
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
+    assert_eq!(
+        o.stats().await["last_body"]["tools"],
+        tools,
+        "tools forwarded"
+    );
+    let r = gw
+        .post("/v1/chat/completions", json!({"model": "local", "stream": true, "tools": tools, "messages": [{"role": "user", "content": "weather?"}]}))
+        .await;
+    let ev = sse_events(r).await;
+    let chunk: Value = ev
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .find(|v| v.pointer("/choices/0/delta/tool_calls").is_some())
+        .unwrap();
+    assert_eq!(chunk["choices"][0]["delta"]["tool_calls"][0]["index"], 0);
+    assert_eq!(
+        chunk["choices"][0]["delta"]["tool_calls"][0]["function"]["name"],
+        "get_weather"
+    );
+    let fin: Value = serde_json::from_str(&ev[ev.len() - 2]).unwrap();
+    assert_eq!(fin["choices"][0]["finish_reason"], "tool_calls");
+
+    gw.stop();
+    let conn = rusqlite::Connection::open(gw.db()).unwrap();
+    let (tout, est): (i64, bool) = conn
+        .query_row(
+            "SELECT tokens_out, tokens_estimated FROM requests WHERE request_id = 'ollama-2'",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(
+        (tout, est),
+        (3, false),
+        "Ollama's own counts recorded for a stream without include_usage"
+    );
+}
+
+#[tokio::test]
+async fn ollama_failures_map_to_the_right_action() {
+    let b = MockUp::openai("name: b").await;
+    // Before the first content: fail over invisibly.
+    for script in [
+        "rules: [{stream_error_after: 0}]",
+        "rules: [{cut_after: 0}]",
+        "rules: [{status: 500, error: \"model requires more system memory (9.5 GiB) than is available\"}]",
+        "rules: [{status: 404, error: \"model 'qwen2.5:7b' not found, try pulling it first\"}]",
+    ] {
+        let o = MockUp::start(autohedge::mock::Flavor::Ollama, script).await;
+        let gw = Gw::start(&ollama_cfg(&o, &b));
+        let r = gw
+            .post("/v1/chat/completions", json!({"model": "local", "stream": true, "messages": [{"role": "user", "content": "x"}]}))
+            .await;
+        assert_eq!(header(&r, "x-autohedge-endpoint"), "b", "{script}");
+        assert_eq!(
+            stream_text(&sse_events(r).await),
+            "Hello from b!",
+            "{script}"
+        );
+    }
+    // After it: the stream ends with an error event.
+    let o = MockUp::start(
+        autohedge::mock::Flavor::Ollama,
+        "reply: \"one two three\"\nrules: [{cut_after: 2}]",
+    )
+    .await;
+    let gw = Gw::start(&ollama_cfg(&o, &b));
+    let r = gw
+        .post("/v1/chat/completions", json!({"model": "local", "stream": true, "messages": [{"role": "user", "content": "x"}]}))
+        .await;
+    let ev = sse_events(r).await;
+    assert_eq!(stream_text(&ev), "one two ");
+    let last: Value = serde_json::from_str(ev.last().unwrap()).unwrap();
+    assert_eq!(
+        last["error"]["code"], "stream_truncated",
+        "no done:true is a failure, not an answer"
+    );
+    // A client error comes back in OpenAI's shape.
+    o.set_script(
+        "rules: [{status: 400, error: \"invalid format: expected \\\"json\\\" or a JSON schema\"}]",
+    )
+    .await;
+    let r = gw.chat("local", "x").await;
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("invalid format")
+    );
+    // Context overflow fails over: local's window is unknown, so any next endpoint may try.
+    o.set_script("context_window: 10").await;
+    let r = gw.chat("local", &"long text ".repeat(50)).await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    // A remote image URL cannot go to Ollama: skipped, not held against it.
+    let before = gw.status().await["endpoints"]["local"]["totals"]["failures"].clone();
+    let r = gw
+        .post("/v1/chat/completions", json!({"model": "local", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}))
+        .await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "Hello from b!");
+    assert_eq!(
+        gw.status().await["endpoints"]["local"]["totals"]["failures"],
+        before
+    );
+}

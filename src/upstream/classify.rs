@@ -35,6 +35,9 @@ pub enum Class {
     InBand,
     /// A 2xx body that is not what the protocol promises.
     Malformed,
+    /// The request cannot be expressed in this endpoint's protocol (e.g. a remote image URL for
+    /// Ollama): skipped, not the endpoint's fault.
+    Unsupported,
 }
 
 impl Class {
@@ -53,6 +56,7 @@ impl Class {
             Class::Client => "client_error",
             Class::InBand => "stream_error_event",
             Class::Malformed => "malformed_response",
+            Class::Unsupported => "unsupported_request",
         }
     }
 
@@ -74,7 +78,7 @@ impl Class {
     pub fn counts_against_endpoint(self) -> bool {
         !matches!(
             self,
-            Class::Client | Class::ContextLength | Class::RateLimited
+            Class::Client | Class::ContextLength | Class::RateLimited | Class::Unsupported
         )
     }
 }

@@ -1,9 +1,12 @@
 //! Protocol adapters: how a validated OpenAI-shaped request becomes an HTTP request to each kind
-//! of upstream. One `match` on the endpoint kind, no trait objects. vLLM and other
-//! OpenAI-compatible servers reuse the OpenAI path unchanged; Ollama is reached through its
-//! OpenAI-compatible `/v1` API, so every answer comes back in OpenAI's wire format.
+//! of upstream, and how the answer comes back in OpenAI's wire format. One `match` on the
+//! endpoint kind, no trait objects. vLLM and other OpenAI-compatible servers reuse the OpenAI path
+//! unchanged (unknown fields pass through); Ollama goes through its native API with the
+//! translation in [`ollama`].
 
 pub mod classify;
+pub mod metrics;
+pub mod ollama;
 
 use serde_json::{Map, Value};
 
@@ -17,7 +20,7 @@ pub fn url(ep: &Endpoint, op: Op) -> String {
         EndpointKind::Ollama => {
             // `host` is the bare server (http://127.0.0.1:11434); tolerate a configured `/v1`.
             let base = ep.base_url.trim_end_matches("/v1");
-            format!("{base}/v1{}", op.openai_path())
+            format!("{base}{}", ollama::path(op))
         }
     }
 }
@@ -40,25 +43,34 @@ pub fn body(ep: &Endpoint, op: Op, client: &Map<String, Value>) -> Vec<u8> {
     serde_json::to_vec(&b).unwrap_or_default()
 }
 
-/// Builds the request for one attempt.
+/// Builds the request for one attempt. `Err` when the request cannot be expressed in the
+/// endpoint's protocol (the executor skips the endpoint without holding it against it).
 pub fn request(
     ep: &Endpoint,
     op: Op,
     client_body: &Map<String, Value>,
+    stream: bool,
     key: Option<&Secret>,
     request_id: &str,
-) -> reqwest::RequestBuilder {
+) -> Result<reqwest::RequestBuilder, ollama::Unsupported> {
+    let payload = match ep.kind {
+        EndpointKind::Openai | EndpointKind::Vllm => body(ep, op, client_body),
+        EndpointKind::Ollama => {
+            serde_json::to_vec(&ollama::request_body(ep, op, client_body, stream)?)
+                .unwrap_or_default()
+        }
+    };
     let mut rb = ep
         .client
         .post(url(ep, op))
         .header(reqwest::header::CONTENT_TYPE, "application/json")
         .header("x-request-id", request_id)
-        .body(body(ep, op, client_body));
+        .body(payload);
     if let Some(k) = key {
         rb = rb.bearer_auth(k.expose());
     }
     for (k, v) in &ep.headers {
         rb = rb.header(k.as_str(), v.as_str());
     }
-    rb
+    Ok(rb)
 }

@@ -8,6 +8,7 @@ pub mod error;
 pub mod executor;
 pub mod http;
 pub mod mock;
+pub mod probe;
 pub mod registry;
 pub mod router;
 pub mod server;

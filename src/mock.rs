@@ -50,6 +50,9 @@ pub struct Script {
     pub context_window: Option<u64>,
     /// Delay between stream chunks.
     pub chunk_delay: Option<Dur>,
+    /// Models an Ollama mock lists in `/api/tags` (present) and `/api/ps` (loaded).
+    pub models: Option<Vec<String>>,
+    pub loaded: Option<Vec<String>>,
     /// Rules, first match wins.
     #[serde(default)]
     pub rules: Vec<Rule>,
@@ -329,7 +332,10 @@ impl Mock {
         let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
         {
             let mut c = self.counters.lock().unwrap_or_else(|e| e.into_inner());
-            c.requests += 1;
+            // `requests` counts inference calls; probes (GETs) show only under `by_path`.
+            if method == hyper::Method::POST {
+                c.requests += 1;
+            }
             *c.by_path.entry(path.clone()).or_default() += 1;
             if !body.is_null() {
                 c.last_body = Some(body.clone());
@@ -457,10 +463,13 @@ impl Mock {
                 .body(full("# HELP vllm:num_requests_running Number of requests running.\n# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"mock\"} 0.0\nvllm:num_requests_waiting{model_name=\"mock\"} 0.0\nvllm:gpu_cache_usage_perc{model_name=\"mock\"} 0.1\n"))
                 .unwrap_or_else(|_| Response::new(full(""))),
             ("GET", "/api/tags", Flavor::Ollama) => {
-                let v = json!({"models": [{"name": model, "model": model, "modified_at": "2024-01-01T00:00:00Z", "size": 1, "digest": "0", "details": {}}]});
-                self.json_response(200, &v, &rule.headers)
+                let list: Vec<Value> = script.models.clone().unwrap_or_default().iter().map(|m| json!({"name": m, "model": m, "modified_at": "2024-01-01T00:00:00Z", "size": 4683087332u64, "digest": "0", "details": {"format": "gguf", "family": "qwen2", "parameter_size": "7.6B", "quantization_level": "Q4_K_M"}})).collect();
+                self.json_response(200, &json!({"models": list}), &rule.headers)
             }
-            ("GET", "/api/ps", Flavor::Ollama) => self.json_response(200, &json!({"models": []}), &rule.headers),
+            ("GET", "/api/ps", Flavor::Ollama) => {
+                let list: Vec<Value> = script.loaded.clone().unwrap_or_default().iter().map(|m| json!({"name": m, "model": m, "size": 5137025024u64, "digest": "0", "expires_at": "2099-01-01T00:00:00Z", "size_vram": 5137025024u64})).collect();
+                self.json_response(200, &json!({"models": list}), &rule.headers)
+            }
             ("GET", "/api/version", Flavor::Ollama) => self.json_response(200, &json!({"version": "0.5.0"}), &rule.headers),
             ("POST", "/v1/chat/completions", _) => {
                 self.chat(&body, &model, &reply, &rule, stream, chunk_delay, kill)

@@ -51,6 +51,7 @@ pub struct EndpointRuntime {
     tokens_out: u64,
     tokens_estimated: u64,
     fingerprint: String,
+    probe: Option<crate::probe::ProbeReport>,
 }
 
 impl EndpointRuntime {
@@ -73,6 +74,7 @@ impl EndpointRuntime {
             tokens_out: 0,
             tokens_estimated: 0,
             fingerprint: fingerprint.to_string(),
+            probe: None,
         }
     }
 
@@ -311,6 +313,12 @@ impl Registry {
         }
     }
 
+    pub fn set_probe(&self, endpoint: &str, report: crate::probe::ProbeReport) {
+        if let Some(rt) = self.get(endpoint) {
+            lock(&rt).probe = Some(report);
+        }
+    }
+
     /// Lifts retirement, auth failure, cooldown and rejected keys (operator's `endpoint clear`).
     pub fn clear(&self, name: &str) -> bool {
         let Some(rt) = self.get(name) else {
@@ -407,6 +415,11 @@ impl Registry {
             "auth_failed": rt.auth_failed.clone(),
             "keys": { "configured": ep.keys.len(), "usable": usable_keys },
             "context_window": ep.context_window,
+            "probe": rt.probe.as_ref().map(|p| json!({
+                "ok": p.ok,
+                "at_unix_ms": p.at.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
+                "detail": p.detail,
+            })),
             "totals": {
                 "requests": rt.requests,
                 "successes": rt.successes,

@@ -66,6 +66,7 @@ impl Gateway {
                 }
             });
         }
+        tasks.spawn(crate::probe::run(state.clone(), cancel.clone()));
         {
             let st = state.clone();
             let c = cancel.clone();

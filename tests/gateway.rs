@@ -1179,3 +1179,44 @@ async fn ollama_failures_map_to_the_right_action() {
         before
     );
 }
+
+#[tokio::test]
+async fn probes_report_backend_self_description_in_status() {
+    let o = MockUp::start(
+        autohedge::mock::Flavor::Ollama,
+        "models: [\"qwen2.5:7b\", \"llama3:latest\"]\nloaded: [\"qwen2.5:7b\"]",
+    )
+    .await;
+    let v = MockUp::start(autohedge::mock::Flavor::Vllm, "name: v").await;
+    let gw = Gw::start(&format!(
+        "models:\n  local: {{ type: ollama, host: \"http://{}\", model: \"qwen2.5:7b\" }}\n  llama: {{ type: ollama, host: \"http://{}\", model: llama3 }}\n  missing: {{ type: ollama, host: \"http://{}\", model: \"phi4\" }}\n  v: {{ type: vllm, base_url: \"{}\" }}\nhealth: {{ probe_interval: 100ms, probe_timeout: 1s }}\n",
+        o.addr,
+        o.addr,
+        o.addr,
+        v.base()
+    ));
+    let ok = eventually(Duration::from_secs(5), || async {
+        let st = gw.status().await;
+        !st["endpoints"]["v"]["probe"].is_null() && !st["endpoints"]["missing"]["probe"].is_null()
+    })
+    .await;
+    assert!(ok);
+    let st = gw.status().await;
+    let e = &st["endpoints"];
+    assert_eq!(e["local"]["probe"]["detail"]["model_present"], true);
+    assert_eq!(e["local"]["probe"]["detail"]["model_loaded"], true);
+    assert_eq!(
+        e["llama"]["probe"]["detail"]["model_present"], true,
+        "bare name matches :latest"
+    );
+    assert_eq!(e["llama"]["probe"]["detail"]["model_loaded"], false);
+    assert_eq!(e["missing"]["probe"]["detail"]["model_present"], false);
+    assert_eq!(e["missing"]["probe"]["ok"], false);
+    assert_eq!(e["v"]["probe"]["ok"], true);
+    assert_eq!(e["v"]["probe"]["detail"]["load"]["kv_cache_usage"], 0.1);
+    assert_eq!(
+        e["v"]["probe"]["detail"]["load"]["num_requests_waiting"],
+        0.0
+    );
+    assert_eq!(v.requests().await, 0, "probes never bill a token");
+}

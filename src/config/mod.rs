@@ -33,6 +33,24 @@ pub struct RawConfig {
     pub routing_policy: RawRoutingPolicy,
     #[serde(default)]
     pub routes: BTreeMap<String, Vec<String>>,
+    #[serde(default)]
+    pub health: RawHealth,
+}
+
+/// Background probing of the backends (read-only: what each server says about itself).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawHealth {
+    /// How often each endpoint is probed (default 15s).
+    pub probe_interval: Option<Dur>,
+    /// Timeout of one probe request (default 2s).
+    pub probe_timeout: Option<Dur>,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct HealthPolicy {
+    pub probe_interval: Duration,
+    pub probe_timeout: Duration,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -267,6 +285,7 @@ pub struct Config {
     pub fallback_chain: Vec<String>,
     pub routes: BTreeMap<String, Vec<String>>,
     pub policy: Policy,
+    pub health: HealthPolicy,
     /// Problems that do not stop the gateway (an unset `env:` key) — reported at start.
     pub warnings: Vec<String>,
 }
@@ -556,6 +575,19 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
             "at `routing_policy.window`: must be greater than zero".into(),
         ));
     }
+    let health = HealthPolicy {
+        probe_interval: raw
+            .health
+            .probe_interval
+            .map(|d| d.0)
+            .unwrap_or(Duration::from_secs(15))
+            .max(Duration::from_millis(100)),
+        probe_timeout: raw
+            .health
+            .probe_timeout
+            .map(|d| d.0)
+            .unwrap_or(Duration::from_secs(2)),
+    };
     let listen = raw
         .server
         .listen
@@ -573,6 +605,7 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
         fallback_chain,
         routes: raw.routes,
         policy,
+        health,
         warnings,
     })
 }

@@ -144,3 +144,106 @@ def test_stream_all_failed_raises(gateway):
             model="doomed", messages=[{"role": "user", "content": "x"}], stream=True
         ):
             pass
+
+
+@pytest.fixture(scope="module")
+def twins():
+    """The same gateway in front of an Ollama endpoint and an OpenAI endpoint, each in a plain and
+    a tool-calling variant, so the SDK can compare what it gets from each."""
+    tmp = tempfile.TemporaryDirectory()
+    d = pathlib.Path(tmp.name)
+    log = open(d / "log.txt", "w")
+    procs = []
+    try:
+        plain = d / "plain.yaml"
+        plain.write_text('reply: "Same words from either backend"\n')
+        tools = d / "tools.yaml"
+        tools.write_text("rules: [{tool_call: get_weather}]\n")
+        addrs = {}
+        for name, flavor, script in [
+            ("ollama", "ollama", plain), ("openai", "openai", plain),
+            ("ollama_tools", "ollama", tools), ("openai_tools", "openai", tools),
+        ]:
+            p, addr = _start(["mock-upstream", "--listen", "127.0.0.1:0", "--flavor", flavor, "--script", str(script)], log)
+            procs.append(p)
+            addrs[name] = addr
+        cfg = d / "config.yaml"
+        cfg.write_text(textwrap.dedent(f"""
+            models:
+              ollama: {{ type: ollama, host: "http://{addrs['ollama']}", model: "qwen2.5:7b" }}
+              openai: {{ type: openai, base_url: "http://{addrs['openai']}/v1" }}
+              ollama_tools: {{ type: ollama, host: "http://{addrs['ollama_tools']}", model: "qwen2.5:7b" }}
+              openai_tools: {{ type: openai, base_url: "http://{addrs['openai_tools']}/v1" }}
+            routes:
+              only_ollama: [ollama]
+              only_openai: [openai]
+              tools_ollama: [ollama_tools]
+              tools_openai: [openai_tools]
+        """))
+        gw = subprocess.Popen(
+            [BIN, "serve", "--config", str(cfg), "--listen", "127.0.0.1:0", "--data-dir", str(d / "data")],
+            stdout=subprocess.PIPE, stderr=log, text=True,
+        )
+        procs.append(gw)
+        line = gw.stdout.readline()
+        assert "listening on http://" in line, line
+        addr = line.strip().rsplit("http://", 1)[1]
+        yield openai.OpenAI(base_url=f"http://{addr}/v1", api_key="unused", max_retries=0, timeout=10)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        log.close()
+        tmp.cleanup()
+
+
+def _stream_shape(client, model, **kw):
+    """What a client's stream parser sees: per chunk, which delta fields are set."""
+    shape, text, finish, tool_calls = [], "", None, {}
+    for chunk in client.chat.completions.create(model=model, stream=True, **kw):
+        assert chunk.object == "chat.completion.chunk"
+        for c in chunk.choices:
+            d = c.delta
+            shape.append(tuple(k for k in ("role", "content", "tool_calls") if getattr(d, k)))
+            text += d.content or ""
+            finish = c.finish_reason or finish
+            for tc in d.tool_calls or []:
+                entry = tool_calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                if tc.function.name:
+                    entry["name"] = tc.function.name
+                entry["arguments"] += tc.function.arguments or ""
+    return shape, text, finish, tool_calls
+
+
+def test_ollama_and_openai_streams_have_the_same_shape(twins):
+    msgs = [{"role": "user", "content": "hi"}]
+    a = _stream_shape(twins, "only_ollama", messages=msgs)
+    b = _stream_shape(twins, "only_openai", messages=msgs)
+    assert a[1] == b[1] == "Same words from either backend"
+    assert a[2] == b[2] == "stop"
+    assert a[0][0] == ("role",) and b[0][0] == ("role",)
+    assert set(a[0][1:]) == set(b[0][1:])
+
+
+def test_ollama_and_openai_tool_calls_have_the_same_shape(twins):
+    import json
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    results = []
+    for model in ("tools_ollama", "tools_openai"):
+        r = twins.chat.completions.create(model=model, messages=msgs, tools=tools)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        call = choice.message.tool_calls[0]
+        assert call.type == "function" and call.id
+        results.append((call.function.name, json.loads(call.function.arguments)))
+        _, _, finish, streamed = _stream_shape(twins, model, messages=msgs, tools=tools)
+        assert finish == "tool_calls"
+        assert streamed[0]["name"] == "get_weather"
+        assert json.loads(streamed[0]["arguments"]) == {"city": "Paris"}
+    assert results[0] == results[1] == ("get_weather", {"city": "Paris"})

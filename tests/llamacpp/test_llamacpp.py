@@ -1,0 +1,147 @@
+"""The gateway in front of a server others wrote: llama.cpp's, through llama-cpp-python, serving a
+tiny random-weight GGUF model made by make_tiny_gguf.py. Plain and streamed chat, usage, a prompt
+over the model's 256-token context going to a larger endpoint, and failover when the server is
+stopped."""
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import urllib.request
+
+import openai
+import pytest
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+BIN = os.environ.get("AUTOHEDGE_BIN", str(ROOT / "target" / "debug" / "autohedge"))
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python[server] is installed by tests/run-all.sh")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url, proc, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: server exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(url, timeout=1).read()
+            return
+        except Exception:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def _start(args, log, env=None):
+    proc = subprocess.Popen([BIN, *args], stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    line = proc.stdout.readline()
+    assert "listening on http://" in line, line
+    return proc, line.strip().rsplit("http://", 1)[1]
+
+
+@pytest.fixture(scope="module")
+def stack():
+    tmp = tempfile.TemporaryDirectory()
+    d = pathlib.Path(tmp.name)
+    log = open(d / "log.txt", "w")
+    model = d / "tiny.gguf"
+    subprocess.run([sys.executable, str(HERE / "make_tiny_gguf.py"), str(model)], check=True)
+    port = _free_port()
+    llama = subprocess.Popen(
+        [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--n_ctx", "256",
+         "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log, stderr=log,
+    )
+    procs = [llama]
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/v1/models", llama)
+        big_script = d / "big.yaml"
+        big_script.write_text('name: big\nreply: "Served by the large-context endpoint"\n')
+        big, big_addr = _start(["mock-upstream", "--listen", "127.0.0.1:0", "--flavor", "openai", "--script", str(big_script)], log)
+        procs.append(big)
+        cfg = d / "config.yaml"
+        cfg.write_text(textwrap.dedent(f"""
+            models:
+              llamacpp:
+                type: openai
+                base_url: "http://127.0.0.1:{port}/v1"
+                model: tiny
+                context_window: 256
+                timeouts: {{ connect: 1s, first_token: 20s, total: 60s }}
+              big: {{ type: openai, base_url: "http://{big_addr}/v1", context_window: 128000 }}
+            routing_policy: {{ fallback_chain: [llamacpp, big] }}
+            routes:
+              chat: [llamacpp, big]
+        """))
+        gw, addr = _start(["serve", "--config", str(cfg), "--listen", "127.0.0.1:0", "--data-dir", str(d / "data")], log)
+        procs.append(gw)
+        client = openai.OpenAI(base_url=f"http://{addr}/v1", api_key="unused", max_retries=0, timeout=60)
+        yield client, llama
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        log.close()
+        tmp.cleanup()
+
+
+MSG = [{"role": "user", "content": "hello world"}]
+
+
+def test_plain_chat_with_usage(stack):
+    client, _ = stack
+    raw = client.chat.completions.with_raw_response.create(model="chat", messages=MSG, max_tokens=6, temperature=0)
+    assert raw.headers["x-autohedge-endpoint"] == "llamacpp"
+    r = raw.parse()
+    assert r.object == "chat.completion"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 0
+    assert r.usage.completion_tokens > 0  # llama-cpp-python counts a few past max_tokens
+
+
+def test_streamed_chat(stack):
+    client, _ = stack
+    chunks = list(client.chat.completions.create(model="chat", messages=MSG, max_tokens=6, stream=True, temperature=0))
+    assert chunks, "a stream came back"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes and finishes[-1] in ("stop", "length")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_over_the_context_goes_to_a_larger_endpoint(stack, stream):
+    client, _ = stack
+    long = [{"role": "user", "content": "hello world " * 200}]
+    raw = client.chat.completions.with_raw_response.create(model="chat", messages=long, max_tokens=8, stream=stream)
+    assert raw.headers["x-autohedge-endpoint"] == "big"
+    assert raw.headers["x-autohedge-attempts"] == "2"
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+    else:
+        text = raw.parse().choices[0].message.content
+    assert text == "Served by the large-context endpoint"
+
+
+def test_failover_when_the_server_is_stopped(stack):
+    client, llama = stack
+    llama.send_signal(signal.SIGTERM)
+    llama.wait(timeout=15)
+    for stream in (False, True):
+        raw = client.chat.completions.with_raw_response.create(model="chat", messages=MSG, max_tokens=6, stream=stream)
+        assert raw.headers["x-autohedge-endpoint"] == "big"

@@ -404,7 +404,122 @@ async fn run() {
         samples[samples.len() - 1]
     );
 
+    ollama_stream(tmp.path()).await;
+
     for c in [&mut up_a, &mut up_b, &mut px, &mut gw] {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+/// Words in the benchmark's streamed answer: one NDJSON object (and one SSE chunk) each.
+const STREAM_WORDS: usize = 64;
+const STREAM_RUNS: usize = 200;
+
+/// Reads a streamed response: (time to the first body frame, total time, frames).
+async fn read_stream(client: &HttpClient, url: &str, body: &'static str) -> (f64, f64, usize) {
+    let req = Request::post(url)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(body.as_bytes())))
+        .unwrap();
+    let t = Instant::now();
+    let resp = client.request(req).await.expect("stream request");
+    assert!(resp.status().is_success());
+    let mut body = resp.into_body();
+    let mut first = None;
+    let mut frames = 0;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.expect("frame");
+        if frame.is_data() {
+            frames += 1;
+            first.get_or_insert_with(|| t.elapsed().as_secs_f64() * 1000.0);
+        }
+    }
+    (
+        first.unwrap_or(0.0),
+        t.elapsed().as_secs_f64() * 1000.0,
+        frames,
+    )
+}
+
+/// The translation path: an Ollama NDJSON stream through the gateway (translated to OpenAI SSE)
+/// against the same stream read directly from the Ollama-flavoured mock.
+async fn ollama_stream(dir: &std::path::Path) {
+    let words: Vec<String> = (0..STREAM_WORDS).map(|i| format!("w{i}")).collect();
+    let script = dir.join("ollama.yaml");
+    std::fs::write(&script, format!("reply: \"{}\"\n", words.join(" "))).unwrap();
+    let mut mock = Command::new(GATEWAY)
+        .args([
+            "mock-upstream",
+            "--listen",
+            "127.0.0.1:0",
+            "--flavor",
+            "ollama",
+            "--script",
+        ])
+        .arg(&script)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let o = listen_line(&mut mock, "listening on http://");
+    let gdir = dir.join("ollama-gw");
+    std::fs::create_dir_all(&gdir).unwrap();
+    let (mut gw, g) = start_gateway(
+        &gdir,
+        &format!(
+            "models:\n  local: {{ type: ollama, host: \"http://{o}\", model: \"qwen2.5:7b\" }}\nhealth: {{ probe_interval: 1h }}\n"
+        ),
+    );
+    const DIRECT: &str = r#"{"model":"qwen2.5:7b","stream":true,"messages":[{"role":"user","content":"Say something long."}]}"#;
+    const VIA: &str = r#"{"model":"local","stream":true,"messages":[{"role":"user","content":"Say something long."}]}"#;
+    let c = client();
+    let direct_url = format!("http://{o}/api/chat");
+    let via_url = format!("http://{g}/v1/chat/completions");
+    for _ in 0..20 {
+        read_stream(&c, &direct_url, DIRECT).await;
+        read_stream(&c, &via_url, VIA).await;
+    }
+    let (mut d_ttft, mut d_total, mut g_ttft, mut g_total) = (vec![], vec![], vec![], vec![]);
+    let mut frames = (0, 0);
+    for _ in 0..STREAM_RUNS {
+        let (a, b, n) = read_stream(&c, &direct_url, DIRECT).await;
+        d_ttft.push(a);
+        d_total.push(b);
+        frames.0 = n;
+        let (a, b, n) = read_stream(&c, &via_url, VIA).await;
+        g_ttft.push(a);
+        g_total.push(b);
+        frames.1 = n;
+    }
+    for v in [&mut d_ttft, &mut d_total, &mut g_ttft, &mut g_total] {
+        v.sort_by(f64::total_cmp);
+    }
+    println!(
+        "\nOllama stream ({STREAM_WORDS} chunks, {STREAM_RUNS} runs; direct NDJSON vs translated SSE through the gateway):"
+    );
+    println!("| | p50 first chunk ms | p99 first chunk ms | p50 whole stream ms | body frames |");
+    println!("|---|---|---|---|---|");
+    println!(
+        "| direct /api/chat | {:.3} | {:.3} | {:.3} | {} |",
+        pct(&d_ttft, 50.0),
+        pct(&d_ttft, 99.0),
+        pct(&d_total, 50.0),
+        frames.0
+    );
+    println!(
+        "| gateway /v1/chat/completions | {:.3} | {:.3} | {:.3} | {} |",
+        pct(&g_ttft, 50.0),
+        pct(&g_ttft, 99.0),
+        pct(&g_total, 50.0),
+        frames.1
+    );
+    println!(
+        "added time to first token: p50 {:.3} ms; per-chunk overhead: {:.1} µs",
+        pct(&g_ttft, 50.0) - pct(&d_ttft, 50.0),
+        1000.0 * (pct(&g_total, 50.0) - pct(&d_total, 50.0)) / STREAM_WORDS as f64
+    );
+    for c in [&mut mock, &mut gw] {
         let _ = c.kill();
         let _ = c.wait();
     }

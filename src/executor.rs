@@ -506,20 +506,15 @@ impl Run {
             }
             Ok(Ok(b)) => b,
         };
-        let mut parsed: Value = match serde_json::from_slice(&body) {
-            Ok(v) => v,
-            Err(e) => {
-                return Err(Failure::new(
+        if ep.kind == EndpointKind::Ollama {
+            let parsed: Value = serde_json::from_slice(&body).map_err(|e| {
+                Failure::new(
                     Class::Malformed,
                     Some(status.as_u16()),
                     format!("2xx body is not JSON: {e}"),
-                ));
-            }
-        };
-        let mut body = body;
-        let mut content_type = content_type;
-        if ep.kind == EndpointKind::Ollama {
-            parsed = upstream::ollama::response_body(
+                )
+            })?;
+            let translated = upstream::ollama::response_body(
                 self.req.op,
                 &self.req.model,
                 &self.req.body,
@@ -533,14 +528,33 @@ impl Run {
                 };
                 Failure::new(class, Some(status.as_u16()), m)
             })?;
-            body = Bytes::from(parsed.to_string());
-            content_type = Some(HeaderValue::from_static("application/json"));
+            let usage = wire::usage_of(&translated);
+            if usage.is_none() {
+                self.estimated_out_chars = response_text_chars(&translated);
+            }
+            return Ok(Success::Full {
+                status,
+                content_type: Some(HeaderValue::from_static("application/json")),
+                body: Bytes::from(translated.to_string()),
+                usage,
+            });
         }
-        if let ChunkKind::Error(msg) = wire::classify_chunk(&parsed) {
-            return Err(Failure::new(Class::InBand, Some(status.as_u16()), msg));
+        let probe: wire::ResponseProbe = serde_json::from_slice(&body).map_err(|e| {
+            Failure::new(
+                Class::Malformed,
+                Some(status.as_u16()),
+                format!("2xx body is not JSON: {e}"),
+            )
+        })?;
+        let usage = probe.usage();
+        if probe.is_error() || usage.is_none() {
+            // Rare paths (an error inside a 200, or no usage to record): read the whole tree.
+            let parsed: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+            if let ChunkKind::Error(msg) = wire::classify_chunk(&parsed) {
+                return Err(Failure::new(Class::InBand, Some(status.as_u16()), msg));
+            }
+            self.estimated_out_chars = response_text_chars(&parsed);
         }
-        let usage = wire::usage_of(&parsed);
-        self.estimated_out_chars = response_text_chars(&parsed);
         Ok(Success::Full {
             status,
             content_type,

@@ -51,7 +51,16 @@ fn request_id(headers: &HeaderMap) -> String {
         .and_then(|v| v.to_str().ok())
         .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
         .map(str::to_string)
-        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string())
+        .unwrap_or_else(new_request_id)
+}
+
+/// A random UUID v4. fastrand instead of the OS generator: request ids need uniqueness, not
+/// cryptographic strength, and `getrandom` costs a syscall per request.
+fn new_request_id() -> String {
+    let mut b = fastrand::u128(..).to_be_bytes();
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    uuid::Uuid::from_bytes(b).to_string()
 }
 
 async fn proxy(app: Arc<AppState>, op: Op, headers: HeaderMap, body: Body) -> Response {

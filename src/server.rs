@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
@@ -85,8 +86,13 @@ impl Gateway {
         let app = crate::http::router(state.clone());
         let c = cancel.clone();
         let server = tokio::spawn(async move {
+            // Streams are many small writes: without TCP_NODELAY, Nagle's algorithm holds each
+            // chunk until the client's delayed ACK (~40 ms) arrives.
+            let listener = opts.listener.tap_io(|tcp| {
+                let _ = tcp.set_nodelay(true);
+            });
             let serve = axum::serve(
-                opts.listener,
+                listener,
                 app.into_make_service_with_connect_info::<SocketAddr>(),
             )
             .with_graceful_shutdown(async move { c.cancelled().await });

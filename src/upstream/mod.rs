@@ -26,21 +26,46 @@ pub fn url(ep: &Endpoint, op: Op) -> String {
 }
 
 /// The body sent upstream: the client's body with `model` replaced by the endpoint's id and,
-/// when the client gave none, `max_tokens` capped at the endpoint's configured maximum. Every
-/// other field passes through untouched.
+/// when the client asked for more, `max_tokens` capped at the endpoint's configured maximum. Every
+/// other field passes through untouched. Serialised straight from the client's map, without
+/// copying it.
 pub fn body(ep: &Endpoint, op: Op, client: &Map<String, Value>) -> Vec<u8> {
-    let mut b = client.clone();
-    b.insert("model".into(), Value::String(ep.upstream_model.clone()));
-    if let (Some(max), Op::Chat | Op::Completions) = (ep.max_tokens, op) {
-        for key in ["max_tokens", "max_completion_tokens"] {
-            if let Some(v) = b.get(key).and_then(Value::as_u64)
-                && v > max
-            {
-                b.insert(key.into(), Value::from(max));
+    let cap = match op {
+        Op::Chat | Op::Completions => ep.max_tokens,
+        Op::Embeddings => None,
+    };
+    serde_json::to_vec(&Outgoing {
+        map: client,
+        model: &ep.upstream_model,
+        cap,
+    })
+    .unwrap_or_default()
+}
+
+struct Outgoing<'a> {
+    map: &'a Map<String, Value>,
+    model: &'a str,
+    cap: Option<u64>,
+}
+
+impl serde::Serialize for Outgoing<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(None)?;
+        if !self.map.contains_key("model") {
+            m.serialize_entry("model", self.model)?;
+        }
+        for (k, v) in self.map {
+            match (k.as_str(), self.cap, v.as_u64()) {
+                ("model", _, _) => m.serialize_entry(k, self.model)?,
+                ("max_tokens" | "max_completion_tokens", Some(cap), Some(n)) if n > cap => {
+                    m.serialize_entry(k, &cap)?
+                }
+                _ => m.serialize_entry(k, v)?,
             }
         }
+        m.end()
     }
-    serde_json::to_vec(&b).unwrap_or_default()
 }
 
 /// Builds the request for one attempt. `Err` when the request cannot be expressed in the

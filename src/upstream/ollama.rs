@@ -758,6 +758,21 @@ mod tests {
     }
 
     #[test]
+    fn golden_generate_and_embed_requests() {
+        for name in ["generate_request.json", "embed_request.json"] {
+            let case = fixture(name);
+            let op = if case["op"] == "completions" {
+                Op::Completions
+            } else {
+                Op::Embeddings
+            };
+            let stream = case["stream"].as_bool().unwrap();
+            let got = request_body(&ep(), op, case["openai"].as_object().unwrap(), stream).unwrap();
+            assert_eq!(got, case["ollama"], "{name}");
+        }
+    }
+
+    #[test]
     fn golden_chat_response_and_tool_call() {
         for name in [
             "chat_response.json",

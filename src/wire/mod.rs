@@ -190,6 +190,38 @@ pub struct Usage {
     pub completion: u64,
 }
 
+/// The few fields of a 2xx answer the gateway needs, read without building the whole tree
+/// (serde still checks the whole body is valid JSON while skipping the rest).
+#[derive(Debug, serde::Deserialize)]
+pub struct ResponseProbe {
+    #[serde(default)]
+    pub error: Option<serde::de::IgnoredAny>,
+    #[serde(default)]
+    pub object: Option<String>,
+    #[serde(default)]
+    pub usage: Option<UsageProbe>,
+}
+
+#[derive(Debug, serde::Deserialize)]
+pub struct UsageProbe {
+    #[serde(default)]
+    pub prompt_tokens: Option<u64>,
+    #[serde(default)]
+    pub completion_tokens: Option<u64>,
+}
+
+impl ResponseProbe {
+    pub fn is_error(&self) -> bool {
+        self.error.is_some() || self.object.as_deref() == Some("error")
+    }
+    pub fn usage(&self) -> Option<Usage> {
+        self.usage.as_ref().map(|u| Usage {
+            prompt: u.prompt_tokens.unwrap_or(0),
+            completion: u.completion_tokens.unwrap_or(0),
+        })
+    }
+}
+
 pub fn usage_of(v: &Value) -> Option<Usage> {
     let u = v.get("usage")?;
     if u.is_null() {

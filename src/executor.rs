@@ -255,7 +255,7 @@ impl Run {
                     name: n.clone(),
                     avail,
                     success_rate: rate,
-                    capabilities: ep.capabilities.clone(),
+                    capabilities: ep.caps,
                     no_usable_key: dead,
                 })
             })

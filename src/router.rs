@@ -4,7 +4,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use crate::config::Capability;
+use crate::config::{Capability, Caps};
 use crate::registry::Avail;
 
 /// What the ranking needs to know about one endpoint.
@@ -14,7 +14,7 @@ pub struct View {
     pub avail: Avail,
     /// Success rate over the window, `None` until enough samples exist.
     pub success_rate: Option<f64>,
-    pub capabilities: BTreeSet<Capability>,
+    pub capabilities: Caps,
     /// Configured keys exist but none is usable (unset env var, all rejected).
     pub no_usable_key: bool,
 }
@@ -87,7 +87,7 @@ pub fn rank(
         let Some(v) = views.iter().find(|v| &v.name == name) else {
             continue;
         };
-        if let Some(missing) = needs.iter().find(|c| !v.capabilities.contains(c)) {
+        if let Some(missing) = needs.iter().find(|c| !v.capabilities.contains(**c)) {
             plan.skipped
                 .push((name.clone(), Skip::MissingCapability(*missing)));
             continue;
@@ -121,7 +121,7 @@ mod tests {
             name: name.into(),
             avail,
             success_rate: rate,
-            capabilities: [Capability::Chat, Capability::Tools].into(),
+            capabilities: [Capability::Chat, Capability::Tools].into_iter().collect(),
             no_usable_key: false,
         }
     }

@@ -92,6 +92,35 @@ pub enum Capability {
     Vision,
 }
 
+impl Capability {
+    fn bit(self) -> u8 {
+        1 << (self as u8)
+    }
+}
+
+/// A set of capabilities as a bitmask: checked on every request, so no allocation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Caps(u8);
+
+impl Caps {
+    pub fn contains(self, c: Capability) -> bool {
+        self.0 & c.bit() != 0
+    }
+    pub fn insert(&mut self, c: Capability) {
+        self.0 |= c.bit();
+    }
+}
+
+impl FromIterator<Capability> for Caps {
+    fn from_iter<I: IntoIterator<Item = Capability>>(it: I) -> Self {
+        let mut caps = Caps::default();
+        for c in it {
+            caps.insert(c);
+        }
+        caps
+    }
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawEndpoint {
@@ -243,6 +272,7 @@ pub struct Endpoint {
     pub max_tokens: Option<u64>,
     pub timeouts: Timeouts,
     pub capabilities: BTreeSet<Capability>,
+    pub caps: Caps,
     pub retries: u32,
     pub retry_backoff: Duration,
     pub cooldown: Option<Duration>,
@@ -253,6 +283,8 @@ pub struct Endpoint {
     pub fingerprint: String,
     /// The HTTP client for this endpoint (its own connect timeout).
     pub client: reqwest::Client,
+    /// Upstream URL per operation (indexed by `Op as usize`), parsed once per load.
+    pub urls: [reqwest::Url; 3],
 }
 
 impl Endpoint {
@@ -504,6 +536,22 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
             .tcp_nodelay(true)
             .build()
             .map_err(|e| ConfigError(format!("at `{at}`: cannot build HTTP client: {e}")))?;
+        let mut urls = Vec::with_capacity(3);
+        for op in crate::wire::Op::ALL {
+            let u = crate::upstream::url_for(ep.kind, &base_url, op);
+            urls.push(
+                reqwest::Url::parse(&u).map_err(|e| {
+                    ConfigError(format!("at `{at}.base_url`: invalid URL {u:?}: {e}"))
+                })?,
+            );
+        }
+        let urls: [reqwest::Url; 3] = urls
+            .try_into()
+            .map_err(|_| ConfigError(format!("at `{at}`: internal URL table error")))?;
+        let capabilities: BTreeSet<Capability> = ep
+            .capabilities
+            .map(|c| c.into_iter().collect())
+            .unwrap_or_else(|| default_capabilities(ep.kind));
         endpoints.insert(
             name.clone(),
             Arc::new(Endpoint {
@@ -515,10 +563,8 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
                 context_window: ep.context_window,
                 max_tokens: ep.max_tokens,
                 timeouts,
-                capabilities: ep
-                    .capabilities
-                    .map(|c| c.into_iter().collect())
-                    .unwrap_or_else(|| default_capabilities(ep.kind)),
+                caps: capabilities.iter().copied().collect(),
+                capabilities,
                 retries: ep.retries.unwrap_or(0),
                 retry_backoff: ep
                     .retry_backoff
@@ -529,6 +575,7 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
                 headers,
                 fingerprint,
                 client,
+                urls,
             }),
         );
     }

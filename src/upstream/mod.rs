@@ -13,13 +13,13 @@ use serde_json::{Map, Value};
 use crate::config::{Endpoint, EndpointKind, Secret};
 use crate::wire::Op;
 
-/// The URL of `op` on `ep`.
-pub fn url(ep: &Endpoint, op: Op) -> String {
-    match ep.kind {
-        EndpointKind::Openai | EndpointKind::Vllm => format!("{}{}", ep.base_url, op.openai_path()),
+/// The URL of `op` on an endpoint of `kind` rooted at `base_url` (built once per config load).
+pub fn url_for(kind: EndpointKind, base_url: &str, op: Op) -> String {
+    match kind {
+        EndpointKind::Openai | EndpointKind::Vllm => format!("{base_url}{}", op.openai_path()),
         EndpointKind::Ollama => {
             // `host` is the bare server (http://127.0.0.1:11434); tolerate a configured `/v1`.
-            let base = ep.base_url.trim_end_matches("/v1");
+            let base = base_url.trim_end_matches("/v1");
             format!("{base}{}", ollama::path(op))
         }
     }
@@ -87,7 +87,7 @@ pub fn request(
     };
     let mut rb = ep
         .client
-        .post(url(ep, op))
+        .post(ep.urls[op as usize].clone())
         .header(reqwest::header::CONTENT_TYPE, "application/json")
         .header("x-request-id", request_id)
         .body(payload);

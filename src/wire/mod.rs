@@ -13,9 +13,13 @@ use crate::error::ApiError;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Op {
-    Chat,
-    Completions,
-    Embeddings,
+    Chat = 0,
+    Completions = 1,
+    Embeddings = 2,
+}
+
+impl Op {
+    pub const ALL: [Op; 3] = [Op::Chat, Op::Completions, Op::Embeddings];
 }
 
 impl Op {

@@ -137,6 +137,75 @@ pub fn check_config(path: Option<PathBuf>) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+pub fn count_tokens(
+    model: &str,
+    config_path: Option<PathBuf>,
+    json: bool,
+    file: Option<PathBuf>,
+) -> anyhow::Result<ExitCode> {
+    use std::io::Read;
+    let (cfg, _) = load_config(config_path)?;
+    let Some(chain) = cfg.chain_for(model) else {
+        bail!("`{model}` names no route or endpoint of this config");
+    };
+    let ep = chain
+        .first()
+        .and_then(|n| cfg.endpoints.get(n))
+        .context("empty chain")?;
+    let mut text = String::new();
+    match &file {
+        Some(p) => {
+            text = std::fs::read_to_string(p)
+                .with_context(|| format!("cannot read {}", p.display()))?
+        }
+        None => {
+            std::io::stdin().read_to_string(&mut text)?;
+        }
+    }
+    // A JSON request body is counted as the gateway counts requests; anything else as text.
+    let parsed: Option<(crate::wire::Op, serde_json::Map<String, serde_json::Value>)> =
+        match serde_json::from_str::<serde_json::Value>(&text) {
+            Ok(serde_json::Value::Object(o)) => {
+                let op = if o.contains_key("messages") {
+                    Some(crate::wire::Op::Chat)
+                } else if o.contains_key("prompt") {
+                    Some(crate::wire::Op::Completions)
+                } else if o.contains_key("input") {
+                    Some(crate::wire::Op::Embeddings)
+                } else {
+                    None
+                };
+                op.map(|op| (op, o))
+            }
+            _ => None,
+        };
+    let (kind, count) = match &parsed {
+        Some((op, body)) => (op.name(), ep.counter.request(*op, body)),
+        None => (
+            "text",
+            crate::tokens::Count {
+                tokens: ep.counter.text(&text),
+                exact: ep.counter.is_exact(),
+            },
+        ),
+    };
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"tokens": count.tokens, "exact": count.exact, "method": ep.counter.method(), "endpoint": ep.name, "kind": kind})
+        );
+    } else {
+        println!(
+            "{} tokens ({kind}; {}{}; endpoint {})",
+            count.tokens,
+            ep.counter.method(),
+            if count.exact { "" } else { ", an estimate" },
+            ep.name
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 pub fn stats(data_dir: &Path, since: &str, json: bool) -> anyhow::Result<ExitCode> {
     let window =
         config::duration::parse_duration(since).map_err(|e| anyhow::anyhow!("--since: {e}"))?;

@@ -7,7 +7,7 @@
 //! chunk within `first_token` — fails over invisibly. After the commit, bytes pass straight
 //! through; a failure then ends the stream with an OpenAI-style error event.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -20,15 +20,20 @@ use futures_util::{Stream, StreamExt};
 use serde_json::Value;
 use tokio::time::{Instant, timeout_at};
 
-use crate::config::{Config, Endpoint, EndpointKind};
+use crate::config::{Config, Endpoint, EndpointKind, Overflow};
 use crate::error::{ApiError, AttemptReport, stream_error_event};
 use crate::registry::{Effect, KeyPick};
 use crate::router::{self, View};
 use crate::state::AppState;
 use crate::store::{AttemptRow, Record, RequestRow};
+use crate::tokens::{self, Count, truncate};
 use crate::upstream::{self, classify, classify::Class};
 use crate::wire::sse::SseParser;
 use crate::wire::{self, ChunkKind, Inbound, Op, Usage};
+
+/// Bodies with more text than this are counted on the blocking pool (≈16k tokens: a few
+/// milliseconds of BPE work that should not hold an async worker).
+const BLOCKING_COUNT_CHARS: usize = 64 * 1024;
 
 /// Longest upstream error body we read before classifying it.
 const MAX_ERROR_BODY: usize = 64 * 1024;
@@ -91,6 +96,18 @@ struct Run {
     last_context: Option<(StatusCode, HeaderMap, Bytes)>,
     /// Generated characters of the served full response, for estimating usage.
     estimated_out_chars: usize,
+    /// Prompt tokens per counting method (endpoints that count alike share one count).
+    counts: HashMap<String, Count>,
+    /// The first count made, for the audit row.
+    counted_prompt: Option<u64>,
+    /// Endpoints skipped because the prompt did not fit, with their windows.
+    context_skipped: Vec<(String, u64)>,
+    /// The response of the latest context-length refusal, returned if nothing larger exists.
+    last_context_error: Option<(StatusCode, HeaderMap, Bytes)>,
+    /// (messages, tokens) dropped by truncation.
+    truncation: Option<(usize, u64)>,
+    /// Characters payload hygiene changed in the body sent upstream.
+    sanitized: u64,
 }
 
 /// Serves one validated request and returns the response. Always writes exactly one audit row.
@@ -112,6 +129,12 @@ pub async fn execute(
         calls: 0,
         last_context: None,
         estimated_out_chars: 0,
+        counts: HashMap::new(),
+        counted_prompt: None,
+        context_skipped: Vec::new(),
+        last_context_error: None,
+        truncation: None,
+        sanitized: 0,
     };
     run.go(chain).await
 }
@@ -128,13 +151,206 @@ enum EndpointOutcome {
 
 impl Run {
     async fn go(&mut self, chain: Vec<String>) -> Response {
+        let mut truncated_once = false;
+        loop {
+            if let Some(resp) = self.pass(&chain).await {
+                return resp;
+            }
+            // Nothing served. If the only obstacle was context size, apply the overflow policy.
+            let only_context = !self.context_skipped.is_empty()
+                && !self.attempts.iter().any(|a| {
+                    !matches!(a.class.as_str(), "context_length" | "context_skip")
+                        && !a.class.starts_with("skipped_")
+                });
+            if !only_context {
+                break;
+            }
+            match self.overflow_policy() {
+                Overflow::Truncate if !truncated_once && self.req.op == Op::Chat => {
+                    truncated_once = true;
+                    if let Err(resp) = self.truncate_to_fit().await {
+                        return resp;
+                    }
+                    self.context_skipped.clear();
+                    self.last_context_error = None;
+                }
+                _ => return self.reject_overflow(&chain),
+            }
+        }
+        if let Some((status, headers, body)) = self.last_context_error.take()
+            && !self.attempts.iter().any(|a| {
+                !matches!(a.class.as_str(), "context_length" | "context_skip")
+                    && !a.class.starts_with("skipped_")
+            })
+        {
+            let ep = self
+                .attempts
+                .iter()
+                .rev()
+                .find(|a| a.class == "context_length")
+                .map(|a| a.endpoint.clone())
+                .unwrap_or_default();
+            return self.respond_passthrough(&ep, status, headers, body);
+        }
+        self.all_failed()
+    }
+
+    /// `routes.<name>.on_context_overflow`, else the named endpoint's, else the policy's.
+    fn overflow_policy(&self) -> Overflow {
+        self.cfg
+            .route_overflow
+            .get(&self.req.model)
+            .copied()
+            .or_else(|| {
+                self.cfg
+                    .endpoints
+                    .get(&self.req.model)
+                    .and_then(|e| e.on_context_overflow)
+            })
+            .unwrap_or(self.cfg.policy.on_context_overflow)
+    }
+
+    fn requested_max_tokens(&self) -> u64 {
+        self.req
+            .body
+            .get("max_completion_tokens")
+            .or_else(|| self.req.body.get("max_tokens"))
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
+    }
+
+    /// Prompt tokens as `ep` counts them. Large bodies are counted on the blocking pool so the
+    /// async workers keep serving.
+    async fn prompt_tokens(&mut self, ep: &Endpoint) -> Count {
+        let key = ep.counter.method();
+        if let Some(c) = self.counts.get(&key) {
+            return c.clone();
+        }
+        let count = if wire::prompt_chars(&self.req.body) > BLOCKING_COUNT_CHARS {
+            let counter = ep.counter.clone();
+            let body = self.req.body.clone();
+            let op = self.req.op;
+            tokio::task::spawn_blocking(move || counter.request(op, &body))
+                .await
+                .unwrap_or(Count {
+                    tokens: 0,
+                    exact: false,
+                })
+        } else {
+            ep.counter.request(self.req.op, &self.req.body)
+        };
+        self.counted_prompt.get_or_insert(count.tokens);
+        self.counts.insert(key, count.clone());
+        count
+    }
+
+    /// The 400 for a request no endpoint's window holds.
+    fn reject_overflow(&mut self, chain: &[String]) -> Response {
+        let largest = chain
+            .iter()
+            .filter_map(|n| {
+                let ep = self.cfg.endpoints.get(n)?;
+                Some((n.clone(), self.app.registry.effective_window(ep)?))
+            })
+            .max_by_key(|(_, w)| *w);
+        let counted = self.counted_prompt.unwrap_or(0);
+        let max = self.requested_max_tokens();
+        let message = match largest {
+            Some((name, w)) => format!(
+                "This request needs {counted} prompt tokens plus {max} for the completion; the largest context window in its chain is {w} tokens (endpoint `{name}`), of which {:.0}% may be used. Shorten the messages or set on_context_overflow: truncate.",
+                self.cfg.policy.context_fill * 100.0
+            ),
+            None => format!(
+                "This request needs {counted} prompt tokens plus {max} for the completion, more than any endpoint in its chain accepts."
+            ),
+        };
+        let err = ApiError::InvalidRequest {
+            message,
+            param: Some("messages"),
+            code: Some("context_length_exceeded"),
+        };
+        let row = self.base_row(None, 400, Some("context_length_exceeded".into()));
+        self.app.store.send(Record::Request(Box::new(row)));
+        let mut resp = err.into_response();
+        self.headers(&mut resp, None);
+        resp
+    }
+
+    /// Trims the conversation to the largest window that refused it; `Err` is the response when
+    /// even the protected part does not fit.
+    async fn truncate_to_fit(&mut self) -> Result<(), Response> {
+        let Some((name, window)) = self.context_skipped.iter().max_by_key(|(_, w)| *w).cloned()
+        else {
+            return Err(self.all_failed());
+        };
+        let Some(ep) = self.cfg.endpoints.get(&name).cloned() else {
+            return Err(self.all_failed());
+        };
+        let budget = ((window as f64 * self.cfg.policy.context_fill).floor() as u64)
+            .saturating_sub(self.requested_max_tokens());
+        let messages = self
+            .req
+            .body
+            .get("messages")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        let tools = self
+            .req
+            .body
+            .get("tools")
+            .and_then(Value::as_array)
+            .map(|t| ep.counter.tools(t))
+            .unwrap_or(0);
+        let counter = ep.counter.clone();
+        let opts = self.cfg.policy.truncation;
+        let result = tokio::task::spawn_blocking(move || {
+            truncate::truncate(
+                &messages,
+                budget,
+                tokens::REPLY_PRIMING + tools,
+                &counter,
+                opts,
+            )
+        })
+        .await;
+        match result {
+            Ok(Ok(t)) => {
+                tracing::info!(request_id = %self.request_id, endpoint = %name, dropped_messages = t.dropped_messages, dropped_tokens = t.dropped_tokens, "conversation truncated to fit");
+                self.truncation = Some((t.dropped_messages, t.dropped_tokens));
+                self.req
+                    .body
+                    .insert("messages".into(), Value::Array(t.messages));
+                self.counts.clear();
+                Ok(())
+            }
+            Ok(Err(e)) => {
+                let err = ApiError::InvalidRequest {
+                    message: format!(
+                        "This conversation cannot be truncated to fit: its system messages and latest {} turns alone need {} tokens, and the largest window allows {budget} for the prompt (endpoint `{name}`, {window} tokens).",
+                        self.cfg.policy.truncation.keep_turns, e.minimum
+                    ),
+                    param: Some("messages"),
+                    code: Some("context_length_exceeded"),
+                };
+                let row = self.base_row(None, 400, Some("context_length_exceeded".into()));
+                self.app.store.send(Record::Request(Box::new(row)));
+                let mut resp = err.into_response();
+                self.headers(&mut resp, None);
+                Err(resp)
+            }
+            Err(_) => Err(self.all_failed()),
+        }
+    }
+
+    /// One pass over the chain. `Some` is the response; `None` means nothing served.
+    async fn pass(&mut self, chain: &[String]) -> Option<Response> {
         let policy = self.cfg.policy.clone();
         let wait_until = self.started + policy.max_wait;
         let mut tried: HashSet<String> = HashSet::new();
         let mut reported_skip: HashSet<String> = HashSet::new();
         // After a context-length refusal, only endpoints with a larger window may be tried.
         let mut context_floor: Option<Option<u64>> = None;
-        let mut last_context_error: Option<(StatusCode, HeaderMap, Bytes)> = None;
         loop {
             let remaining: Vec<String> = chain
                 .iter()
@@ -169,18 +385,19 @@ impl Run {
                     reported_skip.clear();
                     continue;
                 }
-                break;
+                return None;
             }
             for name in plan.order {
                 tried.insert(name.clone());
                 let Some(ep) = self.cfg.endpoints.get(&name).cloned() else {
                     continue;
                 };
+                let window = self.app.registry.effective_window(&ep);
                 if let Some(floor) = context_floor {
                     // Only a window known to be larger qualifies. When the refusing
                     // endpoint's window is unknown there is nothing to compare: trying the
                     // next one is the only way to find out.
-                    let larger = match (ep.context_window, floor) {
+                    let larger = match (window, floor) {
                         (Some(w), Some(f)) => w > f,
                         (_, None) => true,
                         (None, Some(_)) => false,
@@ -193,47 +410,62 @@ impl Run {
                             latency_ms: 0.0,
                             error: Some(format!(
                                 "context window {} is not larger than the {} that refused the prompt",
-                                fmt_window(ep.context_window),
+                                fmt_window(window),
                                 fmt_window(floor)
                             )),
                         });
+                        if let Some(w) = window {
+                            self.context_skipped.push((name.clone(), w));
+                        }
+                        continue;
+                    }
+                }
+                if let Some(w) = window
+                    && self.req.op != Op::Embeddings
+                {
+                    let prompt = self.prompt_tokens(&ep).await;
+                    let need = prompt.tokens + self.requested_max_tokens();
+                    let allowed = (w as f64 * policy.context_fill).floor() as u64;
+                    if need > allowed {
+                        self.attempts.push(AttemptReport {
+                            endpoint: name.clone(),
+                            status: None,
+                            class: "context_skip".into(),
+                            latency_ms: 0.0,
+                            error: Some(format!(
+                                "needs {} prompt + {} completion tokens ({}); window {w}, {:.0}% usable = {allowed}",
+                                prompt.tokens,
+                                self.requested_max_tokens(),
+                                if prompt.exact { ep.counter.method() } else { "estimated".into() },
+                                policy.context_fill * 100.0
+                            )),
+                        });
+                        self.context_skipped.push((name.clone(), w));
                         continue;
                     }
                 }
                 match self.try_endpoint(&ep).await {
-                    EndpointOutcome::Served(s) => return self.respond(ep, *s),
+                    EndpointOutcome::Served(s) => return Some(self.respond(ep, *s)),
                     EndpointOutcome::ClientError(status, headers, body) => {
-                        return self.respond_passthrough(&ep.name, status, headers, body);
+                        return Some(self.respond_passthrough(&ep.name, status, headers, body));
                     }
                     EndpointOutcome::Failed { context } => {
                         if context {
-                            context_floor = Some(ep.context_window);
+                            let w = self.app.registry.effective_window(&ep);
+                            context_floor = Some(w);
+                            if let Some(w) = w {
+                                self.context_skipped.push((ep.name.clone(), w));
+                            }
                         }
                     }
                 }
                 // A context refusal remembers its response: if nothing larger exists, the
                 // client gets that 400 rather than a 503.
                 if let Some(last) = self.last_context.take() {
-                    last_context_error = Some(last);
+                    self.last_context_error = Some(last);
                 }
             }
         }
-        if let Some((status, headers, body)) = last_context_error
-            && !self.attempts.iter().any(|a| {
-                !matches!(a.class.as_str(), "context_length" | "context_skip")
-                    && !a.class.starts_with("skipped_")
-            })
-        {
-            let ep = self
-                .attempts
-                .iter()
-                .rev()
-                .find(|a| a.class == "context_length")
-                .map(|a| a.endpoint.clone())
-                .unwrap_or_default();
-            return self.respond_passthrough(&ep, status, headers, body);
-        }
-        self.all_failed()
     }
 
     fn views(&self, names: &[String]) -> Vec<View> {
@@ -344,6 +576,9 @@ impl Run {
                             return EndpointOutcome::ClientError(s, h, b);
                         }
                         Class::ContextLength => {
+                            if let Some(limit) = classify::context_limit(&f.detail) {
+                                self.app.registry.learn_window(ep, limit);
+                            }
                             self.last_context = f.passthrough;
                             return EndpointOutcome::Failed { context: true };
                         }
@@ -464,7 +699,7 @@ impl Run {
         key: Option<&crate::config::Secret>,
     ) -> Result<Success, Failure> {
         let deadline = Instant::now() + ep.timeouts.total;
-        let rb = upstream::request(
+        let (rb, sanitized) = upstream::request(
             ep,
             self.req.op,
             &self.req.body,
@@ -473,6 +708,7 @@ impl Run {
             &self.request_id,
         )
         .map_err(|u| Failure::new(Class::Unsupported, None, u.0))?;
+        self.sanitized = sanitized;
         let resp = match timeout_at(deadline, rb.send()).await {
             Err(_) => {
                 return Err(Failure::new(
@@ -570,8 +806,10 @@ impl Run {
     ) -> Result<Success, Failure> {
         let t0 = Instant::now();
         let first_deadline = (t0 + ep.timeouts.first_token).min(t0 + ep.timeouts.total);
-        let rb = upstream::request(ep, self.req.op, &self.req.body, true, key, &self.request_id)
-            .map_err(|u| Failure::new(Class::Unsupported, None, u.0))?;
+        let (rb, sanitized) =
+            upstream::request(ep, self.req.op, &self.req.body, true, key, &self.request_id)
+                .map_err(|u| Failure::new(Class::Unsupported, None, u.0))?;
+        self.sanitized = sanitized;
         let resp = match timeout_at(first_deadline, rb.send()).await {
             Err(_) => {
                 return Err(Failure::new(
@@ -749,6 +987,10 @@ impl Run {
             tokens_out: None,
             tokens_estimated: false,
             cost_usd: None,
+            prompt_tokens_counted: self.counted_prompt,
+            truncated_messages: self.truncation.map(|t| t.0 as u64).unwrap_or(0),
+            truncated_tokens: self.truncation.map(|t| t.1).unwrap_or(0),
+            sanitized_chars: self.sanitized,
             attempts: self
                 .attempts
                 .iter()
@@ -774,6 +1016,11 @@ impl Run {
             h.insert("x-autohedge-endpoint", ep);
         }
         h.insert("x-autohedge-attempts", HeaderValue::from(self.calls));
+        if let Some((m, t)) = self.truncation
+            && let Ok(v) = HeaderValue::from_str(&format!("{m}/{t}"))
+        {
+            h.insert("x-autohedge-truncated", v);
+        }
     }
 
     fn respond_passthrough(
@@ -839,7 +1086,9 @@ impl Run {
                 usage,
             } => {
                 let mut row = self.base_row(Some(&ep.name), status.as_u16(), None);
-                let prompt_estimate = wire::estimate_tokens(wire::prompt_chars(&self.req.body));
+                let prompt_estimate = self
+                    .counted_prompt
+                    .unwrap_or_else(|| wire::estimate_tokens(wire::prompt_chars(&self.req.body)));
                 let out_estimate = wire::estimate_tokens(self.estimated_out_chars);
                 fill_usage(
                     &mut row,
@@ -885,7 +1134,9 @@ impl Run {
                     ttft,
                     usage,
                     out_chars,
-                    prompt_estimate: wire::estimate_tokens(wire::prompt_chars(&self.req.body)),
+                    prompt_estimate: self.counted_prompt.unwrap_or_else(|| {
+                        wire::estimate_tokens(wire::prompt_chars(&self.req.body))
+                    }),
                     usage_tap,
                     op: self.req.op,
                 };

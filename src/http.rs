@@ -92,6 +92,10 @@ async fn proxy(app: Arc<AppState>, op: Op, headers: HeaderMap, body: Body) -> Re
             tokens_estimated: false,
             cost_usd: None,
             attempts: vec![],
+            prompt_tokens_counted: None,
+            truncated_messages: 0,
+            truncated_tokens: 0,
+            sanitized_chars: 0,
         })));
         return with_request_id(err.into_response(), &id);
     };

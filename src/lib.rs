@@ -15,5 +15,6 @@ pub mod server;
 pub mod state;
 pub mod stats;
 pub mod store;
+pub mod tokens;
 pub mod upstream;
 pub mod wire;

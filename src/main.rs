@@ -68,6 +68,19 @@ enum Command {
     },
     /// Validate a config and print what it resolved (key sources, never key values).
     CheckConfig { path: Option<PathBuf> },
+    /// Print the prompt-token count the gateway would use for a request body (or plain text)
+    /// read from FILE or stdin.
+    CountTokens {
+        /// An endpoint or route name (a route counts with its first endpoint's tokenizer).
+        #[arg(long)]
+        model: String,
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        file: Option<PathBuf>,
+    },
     /// Operator actions on endpoints.
     Endpoint {
         #[command(subcommand)]
@@ -99,7 +112,10 @@ fn main() -> ExitCode {
     let args = Cli::parse();
     // The demo prints its own report; its logs would only interleave with it.
     cli::init_tracing(match args.command {
-        Command::Demo { .. } | Command::Stats { .. } | Command::CheckConfig { .. } => "warn",
+        Command::Demo { .. }
+        | Command::Stats { .. }
+        | Command::CheckConfig { .. }
+        | Command::CountTokens { .. } => "warn",
         _ => "info",
     });
     let rt = match tokio::runtime::Builder::new_multi_thread()
@@ -131,6 +147,12 @@ fn main() -> ExitCode {
                 json,
             } => cli::stats(&data_dir, &since, json),
             Command::CheckConfig { path } => cli::check_config(path),
+            Command::CountTokens {
+                model,
+                config,
+                json,
+                file,
+            } => cli::count_tokens(&model, config, json, file),
             Command::Endpoint {
                 action:
                     EndpointAction::Clear {

@@ -52,6 +52,8 @@ pub struct EndpointRuntime {
     tokens_estimated: u64,
     fingerprint: String,
     probe: Option<crate::probe::ProbeReport>,
+    /// A context limit an upstream's own error stated (smaller than configured, or none was).
+    learned_window: Option<u64>,
 }
 
 impl EndpointRuntime {
@@ -75,6 +77,7 @@ impl EndpointRuntime {
             tokens_estimated: 0,
             fingerprint: fingerprint.to_string(),
             probe: None,
+            learned_window: None,
         }
     }
 
@@ -157,6 +160,7 @@ impl Registry {
                     rt.requests = p.requests;
                     rt.successes = p.successes;
                     rt.failures = p.failures;
+                    rt.learned_window = p.learned_context_window;
                     if let Some(reason) = &p.retired_reason
                         && p.retired_fingerprint.as_deref() == Some(ep.fingerprint.as_str())
                     {
@@ -313,6 +317,42 @@ impl Registry {
         }
     }
 
+    /// The window to plan with: the configured one, lowered by what the upstream said.
+    pub fn effective_window(&self, ep: &Endpoint) -> Option<u64> {
+        let learned = self.get(&ep.name).and_then(|rt| lock(&rt).learned_window);
+        match (ep.context_window, learned) {
+            (Some(c), Some(l)) => Some(c.min(l)),
+            (c, l) => c.or(l),
+        }
+    }
+
+    /// Records a limit stated in a context-length error, if it teaches anything new.
+    pub fn learn_window(&self, ep: &Endpoint, tokens: u64) {
+        let Some(rt) = self.get(&ep.name) else {
+            return;
+        };
+        {
+            let mut rt = lock(&rt);
+            let current = match (ep.context_window, rt.learned_window) {
+                (Some(c), Some(l)) => Some(c.min(l)),
+                (c, l) => c.or(l),
+            };
+            if current.is_some_and(|c| c <= tokens) {
+                return;
+            }
+            rt.learned_window = Some(tokens);
+        }
+        self.store.send(crate::store::Record::LearnedWindow {
+            endpoint: ep.name.clone(),
+            tokens,
+        });
+        self.event(
+            &ep.name,
+            "context_window_learned",
+            &format!("upstream stated a context limit of {tokens} tokens"),
+        );
+    }
+
     pub fn set_probe(&self, endpoint: &str, report: crate::probe::ProbeReport) {
         if let Some(rt) = self.get(endpoint) {
             lock(&rt).probe = Some(report);
@@ -359,6 +399,7 @@ impl Registry {
                     ewma_latency_ms: rt.latency.get(),
                     retired_reason: rt.retired.as_ref().map(|r| r.reason.clone()),
                     retired_fingerprint: rt.retired.as_ref().map(|r| r.fingerprint.clone()),
+                    learned_context_window: rt.learned_window,
                 }
             })
             .collect()
@@ -415,6 +456,8 @@ impl Registry {
             "auth_failed": rt.auth_failed.clone(),
             "keys": { "configured": ep.keys.len(), "usable": usable_keys },
             "context_window": ep.context_window,
+            "learned_context_window": rt.learned_window,
+            "tokenizer": ep.counter.method(),
             "probe": rt.probe.as_ref().map(|p| json!({
                 "ok": p.ok,
                 "at_unix_ms": p.at.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),

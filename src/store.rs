@@ -70,6 +70,15 @@ const MIGRATIONS: &[&str] = &[
         updated_ms INTEGER NOT NULL
     );
     "#,
+    // 2: context-window guard: counted prompt tokens, truncation and payload hygiene per request;
+    // context limits learned from upstream errors.
+    r#"
+    ALTER TABLE requests ADD COLUMN prompt_tokens_counted INTEGER;
+    ALTER TABLE requests ADD COLUMN truncated_messages INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE requests ADD COLUMN truncated_tokens INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE requests ADD COLUMN sanitized_chars INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE endpoint_state ADD COLUMN learned_context_window INTEGER;
+    "#,
 ];
 
 /// How many records the writer commits in one transaction at most. Batching turns a burst of
@@ -118,6 +127,11 @@ pub struct RequestRow {
     pub tokens_estimated: bool,
     pub cost_usd: Option<f64>,
     pub attempts: Vec<AttemptRow>,
+    /// Prompt tokens as the gateway counted them (before any truncation).
+    pub prompt_tokens_counted: Option<u64>,
+    pub truncated_messages: u64,
+    pub truncated_tokens: u64,
+    pub sanitized_chars: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -137,6 +151,7 @@ pub struct PersistedStats {
     pub ewma_latency_ms: Option<f64>,
     pub retired_reason: Option<String>,
     pub retired_fingerprint: Option<String>,
+    pub learned_context_window: Option<u64>,
 }
 
 pub enum Record {
@@ -149,6 +164,11 @@ pub enum Record {
         fingerprint: Option<String>,
     },
     Stats(Vec<PersistedStats>),
+    /// A context limit learned from an upstream's context-length error.
+    LearnedWindow {
+        endpoint: String,
+        tokens: u64,
+    },
     /// Replies once everything queued before it is committed.
     Flush(std::sync::mpsc::Sender<()>),
 }
@@ -341,8 +361,8 @@ fn write_batch(
     let tx = conn.transaction()?;
     {
         let mut ins_req = tx.prepare_cached(
-            "INSERT INTO requests (request_id, ts_ms, operation, requested_model, endpoint, status, error_class, stream, latency_ms, ttft_ms, tokens_in, tokens_out, tokens_estimated, cost_usd, attempts)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
+            "INSERT INTO requests (request_id, ts_ms, operation, requested_model, endpoint, status, error_class, stream, latency_ms, ttft_ms, tokens_in, tokens_out, tokens_estimated, cost_usd, attempts, prompt_tokens_counted, truncated_messages, truncated_tokens, sanitized_chars)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19)",
         )?;
         let mut ins_att = tx.prepare_cached(
             "INSERT INTO attempts (request_row, request_id, seq, ts_ms, endpoint, class, status, error, latency_ms)
@@ -376,6 +396,10 @@ fn write_batch(
                                 |a| !a.class.starts_with("skipped_") && a.class != "context_skip"
                             )
                             .count() as i64,
+                        row.prompt_tokens_counted.map(|v| v as i64),
+                        row.truncated_messages as i64,
+                        row.truncated_tokens as i64,
+                        row.sanitized_chars as i64,
                     ])?;
                     let request_row = tx.last_insert_rowid();
                     for a in &row.attempts {
@@ -415,6 +439,13 @@ fn write_batch(
                         )?;
                     }
                 }
+                Record::LearnedWindow { endpoint, tokens } => {
+                    tx.execute(
+                        "INSERT INTO endpoint_state (endpoint, learned_context_window, updated_ms) VALUES (?1, ?2, ?3)
+                         ON CONFLICT(endpoint) DO UPDATE SET learned_context_window = excluded.learned_context_window, updated_ms = excluded.updated_ms",
+                        params![endpoint, tokens as i64, ms(SystemTime::now())],
+                    )?;
+                }
                 Record::Flush(f) => flushes.push(f),
             }
         }
@@ -424,7 +455,7 @@ fn write_batch(
 
 fn read_persisted(conn: &Connection) -> rusqlite::Result<Vec<PersistedStats>> {
     let mut stmt = conn.prepare(
-        "SELECT endpoint, requests, successes, failures, ewma_latency_ms, retired_reason, retired_fingerprint FROM endpoint_state",
+        "SELECT endpoint, requests, successes, failures, ewma_latency_ms, retired_reason, retired_fingerprint, learned_context_window FROM endpoint_state",
     )?;
     let rows = stmt.query_map([], |r| {
         Ok(PersistedStats {
@@ -435,6 +466,7 @@ fn read_persisted(conn: &Connection) -> rusqlite::Result<Vec<PersistedStats>> {
             ewma_latency_ms: r.get(4)?,
             retired_reason: r.get(5)?,
             retired_fingerprint: r.get(6)?,
+            learned_context_window: r.get::<_, Option<i64>>(7)?.map(|v| v as u64),
         })
     })?;
     rows.collect()
@@ -570,6 +602,10 @@ mod tests {
             tokens_out: Some(4),
             tokens_estimated: false,
             cost_usd: None,
+            prompt_tokens_counted: None,
+            truncated_messages: 0,
+            truncated_tokens: 0,
+            sanitized_chars: 0,
             attempts: vec![
                 AttemptRow {
                     seq: 1,

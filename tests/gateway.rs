@@ -378,16 +378,20 @@ async fn context_length_fails_over_only_to_larger_windows() {
     let small = MockUp::openai("context_window: 50").await;
     let same = MockUp::openai("name: same").await;
     let big = MockUp::openai("name: big").await;
+    let vague = MockUp::openai("rules: [{status: 400, error: \"input length exceeds the context length\", error_code: context_length_exceeded}]").await;
     let cfg = format!(
         r#"
 models:
-  small: {{ type: openai, base_url: "{}", context_window: 50 }}
+  vague: {{ type: openai, base_url: "{}" }}
+  small: {{ type: openai, base_url: "{}" }}
   same: {{ type: openai, base_url: "{}", context_window: 50 }}
   big: {{ type: openai, base_url: "{}", context_window: 100000 }}
 routing_policy: {{ fallback_chain: [small, same, big] }}
 routes:
   short: [small, same]
+  vague_only: [vague]
 "#,
+        vague.base(),
         small.base(),
         same.base(),
         big.base()
@@ -403,6 +407,19 @@ routes:
         0,
         "an endpoint with no larger window is skipped"
     );
+    // small's refusal stated its limit: it is learned, kept, and used from the next request.
+    assert_eq!(
+        gw.status().await["endpoints"]["small"]["learned_context_window"],
+        50
+    );
+    let r = gw.chat("small", &long).await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "big");
+    assert_eq!(header(&r, "x-autohedge-attempts"), "1");
+    assert_eq!(
+        small.requests().await,
+        1,
+        "skipped before the call this time"
+    );
     // A short prompt still goes to small.
     let r = gw.chat("small", "hi").await;
     assert_eq!(header(&r, "x-autohedge-endpoint"), "small");
@@ -411,13 +428,25 @@ routes:
         gw.status().await["endpoints"]["small"]["totals"]["failures"],
         0
     );
-    // Nothing larger: the client gets the upstream's own 400.
+    // Nothing fits: a 400 that says the counted tokens and the largest window.
     let r = gw.chat("short", &long).await;
     assert_eq!(r.status(), 400);
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["error"]["code"], "context_length_exceeded");
-    let conn = rusqlite::Connection::open(gw.db()).unwrap();
-    let _ = conn;
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("largest context window in its chain is 50 tokens"),
+        "{msg}"
+    );
+    // A refusal that states no limit, with nothing else to try: the upstream's own 400.
+    let r = gw.chat("vague_only", &long).await;
+    assert_eq!(r.status(), 400);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "vague");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(
+        v["error"]["message"],
+        "input length exceeds the context length"
+    );
 }
 
 #[tokio::test]
@@ -766,7 +795,7 @@ async fn every_request_has_one_audit_row_after_sigterm() {
     let version: i64 = conn
         .query_row("PRAGMA user_version", [], |r| r.get(0))
         .unwrap();
-    assert_eq!(version, 1);
+    assert_eq!(version, 2);
 }
 
 #[tokio::test]

@@ -32,9 +32,51 @@ pub struct RawConfig {
     #[serde(default)]
     pub routing_policy: RawRoutingPolicy,
     #[serde(default)]
-    pub routes: BTreeMap<String, Vec<String>>,
+    pub routes: BTreeMap<String, RawRoute>,
     #[serde(default)]
     pub health: RawHealth,
+}
+
+/// A route: a plain chain (`chat: [a, b]`) or a chain with its own settings.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum RawRoute {
+    Chain(Vec<String>),
+    Full(RawRouteFull),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRouteFull {
+    pub chain: Vec<String>,
+    pub on_context_overflow: Option<Overflow>,
+}
+
+/// What to do when no endpoint's context window holds a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Overflow {
+    /// 400 in OpenAI's shape with the counted tokens and the largest window.
+    Reject,
+    /// Trim the conversation (see `tokens::truncate`) to fit the largest window.
+    Truncate,
+}
+
+/// Characters some APIs reject, handled before forwarding.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Hygiene {
+    #[default]
+    Off,
+    Strip,
+    Escape,
+}
+
+#[derive(Debug, Default, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTruncation {
+    pub keep_turns: Option<usize>,
+    pub omission_note: Option<bool>,
 }
 
 /// Background probing of the backends (read-only: what each server says about itself).
@@ -144,6 +186,14 @@ pub struct RawEndpoint {
     /// Cooldown after a 429 that carries no `Retry-After`.
     pub cooldown: Option<Dur>,
     pub cost: Option<RawCost>,
+    /// A Hugging Face `tokenizer.json` for exact local counts (read from disk, never fetched).
+    pub tokenizer: Option<String>,
+    /// The tiktoken encoding (`o200k_base`, `cl100k_base`), when the model id does not tell.
+    pub encoding: Option<String>,
+    pub on_context_overflow: Option<Overflow>,
+    /// `strip` or `escape` U+2028, U+2029 and control characters (except \n and \t) in message
+    /// text before forwarding. Off by default.
+    pub payload_hygiene: Option<Hygiene>,
     /// Extra headers sent upstream (e.g. `OpenAI-Organization`). Values may use `env:`/`file:`.
     pub headers: Option<BTreeMap<String, String>>,
 }
@@ -180,6 +230,10 @@ pub struct RawRoutingPolicy {
     /// Outcomes needed in the window before the success rate can demote an endpoint.
     pub min_samples: Option<u32>,
     pub default_cooldown: Option<Dur>,
+    /// An endpoint is skipped when prompt + max_tokens exceed this share of its window.
+    pub context_fill: Option<f64>,
+    pub on_context_overflow: Option<Overflow>,
+    pub truncation: Option<RawTruncation>,
 }
 
 /// Where an API key comes from. Only the source is ever printed; the value lives in [`Secret`].
@@ -278,6 +332,9 @@ pub struct Endpoint {
     pub cooldown: Option<Duration>,
     pub cost: RawCost,
     pub headers: Vec<(String, String)>,
+    pub counter: crate::tokens::Counter,
+    pub on_context_overflow: Option<Overflow>,
+    pub payload_hygiene: Hygiene,
     /// Changes whenever what this endpoint *is* changes (URL, model, type, keys). A retirement is
     /// stored with the fingerprint it was made under and lifted when the config changes it.
     pub fingerprint: String,
@@ -304,6 +361,9 @@ pub struct Policy {
     pub window: Duration,
     pub min_samples: u32,
     pub default_cooldown: Duration,
+    pub context_fill: f64,
+    pub on_context_overflow: Overflow,
+    pub truncation: crate::tokens::truncate::Options,
 }
 
 /// The runtime routing table. Requests hold an `Arc<Config>` for their whole life.
@@ -316,6 +376,8 @@ pub struct Config {
     pub endpoints: BTreeMap<String, Arc<Endpoint>>,
     pub fallback_chain: Vec<String>,
     pub routes: BTreeMap<String, Vec<String>>,
+    /// Per-route overflow settings (routes written in the long form).
+    pub route_overflow: BTreeMap<String, Overflow>,
     pub policy: Policy,
     pub health: HealthPolicy,
     /// Problems that do not stop the gateway (an unset `env:` key) — reported at start.
@@ -536,6 +598,27 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
             .tcp_nodelay(true)
             .build()
             .map_err(|e| ConfigError(format!("at `{at}`: cannot build HTTP client: {e}")))?;
+        let counter = match (&ep.tokenizer, &ep.encoding) {
+            (Some(path), _) => {
+                let path = std::path::PathBuf::from(path);
+                let tok = crate::tokens::load_hf(&path)
+                    .map_err(|e| ConfigError(format!("at `{at}.tokenizer`: {e}")))?;
+                crate::tokens::Counter::Hf { path, tok }
+            }
+            (None, Some(enc)) => match enc.as_str() {
+                "o200k_base" => crate::tokens::Counter::Tiktoken(crate::tokens::Family::O200k),
+                "cl100k_base" => crate::tokens::Counter::Tiktoken(crate::tokens::Family::Cl100k),
+                other => {
+                    return Err(ConfigError(format!(
+                        "at `{at}.encoding`: unknown encoding {other:?} (o200k_base or cl100k_base)"
+                    )));
+                }
+            },
+            (None, None) => match crate::tokens::family_for_model(&upstream_model) {
+                Some(f) => crate::tokens::Counter::Tiktoken(f),
+                None => crate::tokens::Counter::Estimate,
+            },
+        };
         let mut urls = Vec::with_capacity(3);
         for op in crate::wire::Op::ALL {
             let u = crate::upstream::url_for(ep.kind, &base_url, op);
@@ -576,6 +659,9 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
                 fingerprint,
                 client,
                 urls,
+                counter,
+                on_context_overflow: ep.on_context_overflow,
+                payload_hygiene: ep.payload_hygiene.unwrap_or_default(),
             }),
         );
     }
@@ -587,7 +673,22 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
         fallback_chain = endpoints.keys().cloned().collect();
     }
     check_chain("routing_policy.fallback_chain", &fallback_chain, &endpoints)?;
-    for (route, chain) in &raw.routes {
+    let mut routes = BTreeMap::new();
+    let mut route_overflow = BTreeMap::new();
+    for (route, r) in raw.routes {
+        match r {
+            RawRoute::Chain(c) => {
+                routes.insert(route, c);
+            }
+            RawRoute::Full(f) => {
+                if let Some(o) = f.on_context_overflow {
+                    route_overflow.insert(route.clone(), o);
+                }
+                routes.insert(route, f.chain);
+            }
+        }
+    }
+    for (route, chain) in &routes {
         if endpoints.contains_key(route) {
             return Err(ConfigError(format!(
                 "at `routes.{route}`: the route name is also an endpoint name; a request for it would be ambiguous"
@@ -616,7 +717,18 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
             .default_cooldown
             .map(|d| d.0)
             .unwrap_or(Duration::from_secs(30)),
+        context_fill: p.context_fill.unwrap_or(0.95),
+        on_context_overflow: p.on_context_overflow.unwrap_or(Overflow::Reject),
+        truncation: crate::tokens::truncate::Options {
+            keep_turns: p.truncation.and_then(|t| t.keep_turns).unwrap_or(2),
+            note: p.truncation.and_then(|t| t.omission_note).unwrap_or(true),
+        },
     };
+    if !(policy.context_fill > 0.0 && policy.context_fill <= 1.0) {
+        return Err(ConfigError(
+            "at `routing_policy.context_fill`: must be in (0, 1]".into(),
+        ));
+    }
     if policy.window.is_zero() {
         return Err(ConfigError(
             "at `routing_policy.window`: must be greater than zero".into(),
@@ -650,7 +762,8 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
             .unwrap_or(Duration::from_secs(30)),
         endpoints,
         fallback_chain,
-        routes: raw.routes,
+        routes,
+        route_overflow,
         policy,
         health,
         warnings,

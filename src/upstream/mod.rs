@@ -68,8 +68,9 @@ impl serde::Serialize for Outgoing<'_> {
     }
 }
 
-/// Builds the request for one attempt. `Err` when the request cannot be expressed in the
-/// endpoint's protocol (the executor skips the endpoint without holding it against it).
+/// Builds the request for one attempt, with the endpoint's payload hygiene applied; returns it
+/// with the number of characters hygiene changed. `Err` when the request cannot be expressed in
+/// the endpoint's protocol (the executor skips the endpoint without holding it against it).
 pub fn request(
     ep: &Endpoint,
     op: Op,
@@ -77,11 +78,12 @@ pub fn request(
     stream: bool,
     key: Option<&Secret>,
     request_id: &str,
-) -> Result<reqwest::RequestBuilder, ollama::Unsupported> {
+) -> Result<(reqwest::RequestBuilder, u64), ollama::Unsupported> {
+    let (client_body, sanitized) = crate::wire::hygiene::apply(client_body, ep.payload_hygiene);
     let payload = match ep.kind {
-        EndpointKind::Openai | EndpointKind::Vllm => body(ep, op, client_body),
+        EndpointKind::Openai | EndpointKind::Vllm => body(ep, op, &client_body),
         EndpointKind::Ollama => {
-            serde_json::to_vec(&ollama::request_body(ep, op, client_body, stream)?)
+            serde_json::to_vec(&ollama::request_body(ep, op, &client_body, stream)?)
                 .unwrap_or_default()
         }
     };
@@ -97,5 +99,5 @@ pub fn request(
     for (k, v) in &ep.headers {
         rb = rb.header(k.as_str(), v.as_str());
     }
-    Ok(rb)
+    Ok((rb, sanitized))
 }

@@ -2,6 +2,7 @@
 //! whether a stream chunk carries content, in-band errors). Bodies stay `serde_json` maps so
 //! unknown fields pass through to OpenAI-type upstreams untouched.
 
+pub mod hygiene;
 pub mod sse;
 
 use std::collections::BTreeSet;

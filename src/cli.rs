@@ -141,6 +141,7 @@ pub fn count_tokens(
     model: &str,
     config_path: Option<PathBuf>,
     json: bool,
+    as_text: bool,
     file: Option<PathBuf>,
 ) -> anyhow::Result<ExitCode> {
     use std::io::Read;
@@ -165,7 +166,7 @@ pub fn count_tokens(
     // A JSON request body is counted as the gateway counts requests; anything else as text.
     let parsed: Option<(crate::wire::Op, serde_json::Map<String, serde_json::Value>)> =
         match serde_json::from_str::<serde_json::Value>(&text) {
-            Ok(serde_json::Value::Object(o)) => {
+            Ok(serde_json::Value::Object(o)) if !as_text => {
                 let op = if o.contains_key("messages") {
                     Some(crate::wire::Op::Chat)
                 } else if o.contains_key("prompt") {

@@ -79,6 +79,9 @@ enum Command {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+        /// Count the input as plain text even if it is a JSON request body.
+        #[arg(long)]
+        text: bool,
         file: Option<PathBuf>,
     },
     /// Operator actions on endpoints.
@@ -151,8 +154,9 @@ fn main() -> ExitCode {
                 model,
                 config,
                 json,
+                text,
                 file,
-            } => cli::count_tokens(&model, config, json, file),
+            } => cli::count_tokens(&model, config, json, text, file),
             Command::Endpoint {
                 action:
                     EndpointAction::Clear {

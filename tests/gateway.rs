@@ -1249,3 +1249,189 @@ async fn probes_report_backend_self_description_in_status() {
     );
     assert_eq!(v.requests().await, 0, "probes never bill a token");
 }
+
+fn long_conversation() -> Vec<Value> {
+    let mut m = vec![
+        json!({"role": "system", "content": "You are a senior Rust reviewer. Answer briefly."}),
+    ];
+    for i in 0..8 {
+        m.push(json!({"role": "user", "content": format!("Old question {i} about gardening: when should I water tomatoes and how much mulch is right for the beds in a dry summer?")}));
+        m.push(json!({"role": "assistant", "content": format!("Old answer {i}: water deeply twice a week in the morning, keep five centimetres of mulch, and check the soil by hand before watering again.")}));
+    }
+    m.insert(5, json!({"role": "user", "content": "Here is my tokio channel code:\n```rust\nlet (tx, mut rx) = tokio::sync::mpsc::channel::<u32>(16);\ntx.send(1).await?;\n```\nWhy is it slow?"}));
+    m.insert(6, json!({"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "run_clippy", "arguments": "{\"path\": \"src/main.rs\"}"}}]}));
+    m.insert(7, json!({"role": "tool", "tool_call_id": "call_1", "content": "clippy: tokio channel capacity 16 is fine"}));
+    m.push(json!({"role": "user", "content": "Now a different thing: my tokio mpsc channel blocks when the buffer is full. Why?"}));
+    m
+}
+
+#[tokio::test]
+async fn context_guard_skips_rejects_and_truncates() {
+    let a = MockUp::openai("name: a").await;
+    let cfg = format!(
+        r#"
+models:
+  small: {{ type: openai, base_url: "{}", model: gpt-4o-mini, context_window: 400 }}
+routing_policy:
+  fallback_chain: [small]
+  truncation: {{ keep_turns: 2, omission_note: true }}
+routes:
+  strict: [small]
+  trimming: {{ chain: [small], on_context_overflow: truncate }}
+"#,
+        a.base()
+    );
+    let mut gw = Gw::start(&cfg);
+    let convo = long_conversation();
+    // Counted with o200k_base before any call: too big for 95% of 400, so nothing is sent.
+    let r = gw
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "strict", "messages": convo}),
+        )
+        .await;
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "context_length_exceeded");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("400 tokens"),
+        "{v}"
+    );
+    assert_eq!(a.requests().await, 0);
+
+    let r = reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .header("x-request-id", "trunc-1")
+        .json(&json!({"model": "trimming", "max_tokens": 50, "messages": convo}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let trunc = header(&r, "x-autohedge-truncated");
+    let (msgs, toks) = trunc
+        .split_once('/')
+        .expect("x-autohedge-truncated: messages/tokens");
+    let (msgs, toks): (usize, u64) = (msgs.parse().unwrap(), toks.parse().unwrap());
+    assert!(msgs > 0 && toks > 0, "{trunc}");
+    let sent = a.stats().await["last_body"]["messages"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(
+        sent.len() + msgs,
+        convo.len() + 1,
+        "dropped messages plus one note"
+    );
+    assert_eq!(sent[0], convo[0], "system message whole and first");
+    assert!(sent[1]["content"].as_str().unwrap().contains("omitted"));
+    // The latest two user turns are intact at the end.
+    assert_eq!(&sent[sent.len() - 3..], &convo[convo.len() - 3..]);
+    // A tool call never travels without its result, nor a result without its call.
+    let calls = sent
+        .iter()
+        .filter(|m| m.get("tool_calls").is_some())
+        .count();
+    let results = sent.iter().filter(|m| m["role"] == "tool").count();
+    assert_eq!(calls, results);
+    // The tokio exchange is the most related to the last question: it survives the trim.
+    assert!(sent.iter().any(|m| {
+        m["content"]
+            .as_str()
+            .is_some_and(|c| c.contains("mpsc::channel::<u32>"))
+    }));
+    for m in &sent {
+        if let Some(c) = m["content"].as_str() {
+            assert_eq!(c.matches("```").count() % 2, 0, "a code fence was split");
+        }
+    }
+    // What was sent fits: count it the way the gateway does.
+    let out = std::process::Command::new(BIN)
+        .args(["count-tokens", "--json", "--model", "small", "--config"])
+        .arg(&gw.config_path)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin
+                .take()
+                .unwrap()
+                .write_all(json!({"messages": sent}).to_string().as_bytes())?;
+            c.wait_with_output()
+        })
+        .unwrap();
+    let counted: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(counted["tokens"].as_u64().unwrap() + 50 <= 380, "{counted}");
+    assert_eq!(counted["method"], "tiktoken o200k_base");
+    gw.stop();
+    let conn = rusqlite::Connection::open(gw.db()).unwrap();
+    let (tm, tt, counted): (i64, i64, i64) = conn
+        .query_row("SELECT truncated_messages, truncated_tokens, prompt_tokens_counted FROM requests WHERE request_id = 'trunc-1'", [], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .unwrap();
+    assert_eq!((tm as usize, tt as u64), (msgs, toks));
+    assert!(counted > 380);
+}
+
+#[tokio::test]
+async fn payload_hygiene_and_learned_limits_persist() {
+    let a = MockUp::openai("name: a").await;
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\", payload_hygiene: strip }}\n",
+        a.base()
+    );
+    let mut gw = Gw::start_in(tmp.path(), &cfg, &[]);
+    let r = reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .header("x-request-id", "hyg-1")
+        .json(&json!({"model": "a", "messages": [{"role": "user", "content": "line\u{2028}sep\u{0007}bell\nnewline\ttab"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        a.stats().await["last_body"]["messages"][0]["content"],
+        "linesepbell\nnewline\ttab"
+    );
+    gw.stop();
+    let conn = rusqlite::Connection::open(gw.db()).unwrap();
+    let n: i64 = conn
+        .query_row(
+            "SELECT sanitized_chars FROM requests WHERE request_id = 'hyg-1'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(n, 2);
+
+    // A limit learned from an upstream error survives a restart.
+    a.set_script("context_window: 20").await;
+    let cfg = format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\", context_window: 100000 }}\n",
+        a.base()
+    );
+    let mut gw = Gw::start_in(tmp.path(), &cfg, &[]);
+    let r = gw.chat("a", &"word ".repeat(100)).await;
+    assert_eq!(r.status(), 400, "nothing larger to try");
+    assert_eq!(
+        gw.status().await["endpoints"]["a"]["learned_context_window"],
+        20
+    );
+    gw.stop();
+    let gw = Gw::start_in(tmp.path(), &cfg, &[]);
+    assert_eq!(
+        gw.status().await["endpoints"]["a"]["learned_context_window"],
+        20
+    );
+    let before = a.requests().await;
+    let r = gw.chat("a", &"word ".repeat(100)).await;
+    assert_eq!(r.status(), 400);
+    assert_eq!(
+        a.requests().await,
+        before,
+        "skipped before calling, from the learned limit"
+    );
+}

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The whole test suite: unit and integration tests (the real binary against loopback upstreams),
-# the official OpenAI Python SDK end to end, and the gateway in front of llama.cpp's server.
+# the official OpenAI Python SDK end to end, the gateway in front of llama.cpp's server, and our
+# token counts against the tiktoken and tokenizers reference implementations.
 # Installs the Python packages it needs (tests/requirements.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! python3 -c 'import openai, pytest, gguf, numpy, llama_cpp.server.app' 2>/dev/null; then
+if ! python3 -c 'import openai, pytest, gguf, numpy, llama_cpp.server.app, tiktoken, tokenizers' 2>/dev/null; then
   echo "installing Python test packages (llama-cpp-python compiles llama.cpp: several minutes)..."
   python3 -m pip install --quiet --disable-pip-version-check -r tests/requirements.txt
 fi
 
 cargo build --locked --bins
 cargo test --locked
-AUTOHEDGE_BIN="$PWD/target/debug/autohedge" python3 -m pytest -q tests/sdk tests/llamacpp
+AUTOHEDGE_BIN="$PWD/target/debug/autohedge" python3 -m pytest -q tests/sdk tests/llamacpp tests/tokens

@@ -222,6 +222,24 @@ impl Run {
     /// Prompt tokens as `ep` counts them. Large bodies are counted on the blocking pool so the
     /// async workers keep serving.
     async fn prompt_tokens(&mut self, ep: &Endpoint) -> Count {
+        if ep.backend_tokenize.is_some() {
+            let key = format!("backend:{}", ep.name);
+            if let Some(c) = self.counts.get(&key) {
+                return c.clone();
+            }
+            if let Some(b) = tokens::backend_count(ep, self.req.op, &self.req.body).await {
+                if let Some(max) = b.max_model_len {
+                    self.app.registry.learn_window(ep, max);
+                }
+                let count = Count {
+                    tokens: b.tokens,
+                    exact: true,
+                };
+                self.counted_prompt.get_or_insert(count.tokens);
+                self.counts.insert(key, count.clone());
+                return count;
+            }
+        }
         let key = ep.counter.method();
         if let Some(c) = self.counts.get(&key) {
             return c.clone();
@@ -392,6 +410,10 @@ impl Run {
                 let Some(ep) = self.cfg.endpoints.get(&name).cloned() else {
                     continue;
                 };
+                if ep.backend_tokenize.is_some() && self.req.op != Op::Embeddings {
+                    // The backend's count may also teach its window (vLLM's max_model_len).
+                    self.prompt_tokens(&ep).await;
+                }
                 let window = self.app.registry.effective_window(&ep);
                 if let Some(floor) = context_floor {
                     // Only a window known to be larger qualifies. When the refusing

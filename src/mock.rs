@@ -333,7 +333,7 @@ impl Mock {
         {
             let mut c = self.counters.lock().unwrap_or_else(|e| e.into_inner());
             // `requests` counts inference calls; probes (GETs) show only under `by_path`.
-            if method == hyper::Method::POST {
+            if method == hyper::Method::POST && path != "/tokenize" {
                 c.requests += 1;
             }
             *c.by_path.entry(path.clone()).or_default() += 1;
@@ -423,7 +423,7 @@ impl Mock {
                     &rule.headers,
                 );
         }
-        if let Some(window) = script.context_window {
+        if let Some(window) = script.context_window.filter(|_| path != "/tokenize") {
             let chars =
                 crate::wire::prompt_chars(body.as_object().unwrap_or(&serde_json::Map::new()));
             let tokens = crate::wire::estimate_tokens(chars);
@@ -454,6 +454,13 @@ impl Mock {
         match (method.as_str(), path.as_str(), self.flavor) {
             ("GET", "/v1/models", _) => {
                 let v = json!({"object": "list", "data": [{"id": model, "object": "model", "created": 1700000000, "owned_by": "mock"}]});
+                self.json_response(200, &v, &rule.headers)
+            }
+            ("POST", "/tokenize", Flavor::Vllm) => {
+                // vLLM's answer shape; the count is the mock's usual estimate.
+                let chars = crate::wire::prompt_chars(body.as_object().unwrap_or(&serde_json::Map::new()));
+                let n = crate::wire::estimate_tokens(chars);
+                let v = json!({"count": n, "max_model_len": script.context_window.unwrap_or(32768), "tokens": vec![0; n as usize]});
                 self.json_response(200, &v, &rule.headers)
             }
             ("GET", "/health", Flavor::Vllm) => Response::builder().status(200).body(full("")).unwrap_or_else(|_| Response::new(full(""))),

@@ -1435,3 +1435,30 @@ async fn payload_hygiene_and_learned_limits_persist() {
         "skipped before calling, from the learned limit"
     );
 }
+
+#[tokio::test]
+async fn backend_tokenize_counts_and_teaches_the_window() {
+    let v = MockUp::start(autohedge::mock::Flavor::Vllm, "context_window: 30").await;
+    let b = MockUp::openai("name: b").await;
+    let gw = Gw::start(&format!(
+        "models:\n  v: {{ type: vllm, base_url: \"{}\", backend_tokenize: vllm, tokenize_timeout: 500ms }}\n  b: {{ type: openai, base_url: \"{}\", context_window: 128000 }}\n",
+        v.base(),
+        b.base()
+    ));
+    let r = gw.chat("v", &"several words here ".repeat(20)).await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    assert_eq!(
+        v.requests().await,
+        0,
+        "vLLM's own count said it would not fit"
+    );
+    assert_eq!(v.stats().await["by_path"]["/tokenize"], 1);
+    let st = gw.status().await;
+    assert_eq!(
+        st["endpoints"]["v"]["learned_context_window"], 30,
+        "max_model_len learned"
+    );
+    // Short prompts still go to v.
+    let r = gw.chat("v", "hi").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "v");
+}

@@ -72,6 +72,13 @@ pub enum Hygiene {
     Escape,
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendTokenize {
+    Vllm,
+    Llamacpp,
+}
+
 #[derive(Debug, Default, Clone, Copy, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawTruncation {
@@ -194,6 +201,11 @@ pub struct RawEndpoint {
     /// `strip` or `escape` U+2028, U+2029 and control characters (except \n and \t) in message
     /// text before forwarding. Off by default.
     pub payload_hygiene: Option<Hygiene>,
+    /// Ask the backend for an exact prompt count (`vllm`: POST /tokenize with the messages;
+    /// `llamacpp`: POST /tokenize with the text), falling back to the local count.
+    pub backend_tokenize: Option<BackendTokenize>,
+    /// Timeout of that call (default 300ms).
+    pub tokenize_timeout: Option<Dur>,
     /// Extra headers sent upstream (e.g. `OpenAI-Organization`). Values may use `env:`/`file:`.
     pub headers: Option<BTreeMap<String, String>>,
 }
@@ -335,6 +347,9 @@ pub struct Endpoint {
     pub counter: crate::tokens::Counter,
     pub on_context_overflow: Option<Overflow>,
     pub payload_hygiene: Hygiene,
+    pub backend_tokenize: Option<(BackendTokenize, Duration)>,
+    /// Counts the backend gave, by a hash of the body (bounded; cleared when full).
+    pub tokenize_cache: std::sync::Mutex<std::collections::HashMap<u64, u64>>,
     /// Changes whenever what this endpoint *is* changes (URL, model, type, keys). A retirement is
     /// stored with the fingerprint it was made under and lifted when the config changes it.
     pub fingerprint: String,
@@ -662,6 +677,15 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
                 counter,
                 on_context_overflow: ep.on_context_overflow,
                 payload_hygiene: ep.payload_hygiene.unwrap_or_default(),
+                backend_tokenize: ep.backend_tokenize.map(|b| {
+                    (
+                        b,
+                        ep.tokenize_timeout
+                            .map(|d| d.0)
+                            .unwrap_or(Duration::from_millis(300)),
+                    )
+                }),
+                tokenize_cache: Default::default(),
             }),
         );
     }

@@ -490,6 +490,21 @@ impl Run {
         }
     }
 
+    /// For a discovered endpoint, a running task's address; `Err` when there is none.
+    fn discovered_base(&self, ep: &Endpoint) -> Result<Option<String>, Box<Failure>> {
+        if !ep.discover {
+            return Ok(None);
+        }
+        match self.app.registry.discovered_base(&ep.name) {
+            Some(b) => Ok(Some(b)),
+            None => Err(Box::new(Failure::new(
+                Class::Connect,
+                None,
+                "no running task discovered for this endpoint",
+            ))),
+        }
+    }
+
     fn views(&self, names: &[String]) -> Vec<View> {
         let now = Instant::now();
         names
@@ -728,6 +743,7 @@ impl Run {
             false,
             key,
             &self.request_id,
+            self.discovered_base(ep).map_err(|e| *e)?.as_deref(),
         )
         .map_err(|u| Failure::new(Class::Unsupported, None, u.0))?;
         self.sanitized = sanitized;
@@ -828,9 +844,16 @@ impl Run {
     ) -> Result<Success, Failure> {
         let t0 = Instant::now();
         let first_deadline = (t0 + ep.timeouts.first_token).min(t0 + ep.timeouts.total);
-        let (rb, sanitized) =
-            upstream::request(ep, self.req.op, &self.req.body, true, key, &self.request_id)
-                .map_err(|u| Failure::new(Class::Unsupported, None, u.0))?;
+        let (rb, sanitized) = upstream::request(
+            ep,
+            self.req.op,
+            &self.req.body,
+            true,
+            key,
+            &self.request_id,
+            self.discovered_base(ep).map_err(|e| *e)?.as_deref(),
+        )
+        .map_err(|u| Failure::new(Class::Unsupported, None, u.0))?;
         self.sanitized = sanitized;
         let resp = match timeout_at(first_deadline, rb.send()).await {
             Err(_) => {

@@ -201,6 +201,7 @@ async fn status(State(app): State<Arc<AppState>>) -> Response {
             "min_samples": cfg.policy.min_samples,
             "max_wait_ms": cfg.policy.max_wait.as_millis() as u64,
         },
+        "docker": app.docker.lock().map(|d| d.to_json()).unwrap_or_default(),
         "audit": {
             "written": app.store.written(),
             "dropped": app.store.dropped(),

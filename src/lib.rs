@@ -4,8 +4,10 @@
 pub mod cli;
 pub mod config;
 pub mod demo;
+pub mod discovery;
 pub mod error;
 pub mod executor;
+pub mod health;
 pub mod http;
 pub mod mock;
 pub mod probe;

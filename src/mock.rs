@@ -162,6 +162,7 @@ impl Mock {
     /// Picks the rule for a request, advancing the counters.
     fn pick(
         &self,
+        post: bool,
         path: &str,
         stream: bool,
         key: Option<&str>,
@@ -173,7 +174,9 @@ impl Mock {
         c.rule_applied.resize(script.rules.len(), 0);
         for (i, r) in script.rules.iter().enumerate() {
             let w = &r.when;
-            if w.path.as_deref().is_some_and(|p| p != path)
+            // A rule without a path targets inference calls (POST), never probes (GET).
+            if (w.path.is_none() && !post)
+                || w.path.as_deref().is_some_and(|p| p != path)
                 || w.stream.is_some_and(|s| s != stream)
                 || w.key.as_deref().is_some_and(|k| Some(k) != key)
                 || w.model.as_deref().is_some_and(|m| Some(m) != model)
@@ -340,7 +343,7 @@ impl Mock {
             if !body.is_null() {
                 c.last_body = Some(body.clone());
             }
-            if let Some(k) = &key {
+            if let Some(k) = key.as_ref().filter(|_| method == hyper::Method::POST) {
                 let tail: String = k
                     .chars()
                     .rev()
@@ -358,7 +361,13 @@ impl Mock {
             .and_then(Value::as_str)
             .map(str::to_string);
         let rule = self
-            .pick(&path, stream, key.as_deref(), model.as_deref())
+            .pick(
+                method == hyper::Method::POST && path != "/tokenize",
+                &path,
+                stream,
+                key.as_deref(),
+                model.as_deref(),
+            )
             .unwrap_or_default();
         if let Some(d) = rule.delay {
             tokio::time::sleep(d.0).await;

@@ -21,9 +21,16 @@ const LATENCY_SAMPLES: usize = 512;
 #[derive(Clone, Debug, PartialEq)]
 pub enum Avail {
     Ready,
+    /// Served, but ranked behind healthy endpoints (probes say so).
+    Degraded,
     Cooldown(Duration),
     Retired,
     AuthFailed,
+    /// Unhealthy, warming, ejected or half-open: skipped.
+    Unhealthy {
+        state: &'static str,
+        reason: String,
+    },
 }
 
 #[derive(Debug)]
@@ -54,6 +61,9 @@ pub struct EndpointRuntime {
     probe: Option<crate::probe::ProbeReport>,
     /// A context limit an upstream's own error stated (smaller than configured, or none was).
     learned_window: Option<u64>,
+    health: crate::health::Health,
+    /// Where Docker discovery says the endpoint runs now (`http://ip:port`), if it does.
+    discovered: Option<crate::discovery::Discovered>,
 }
 
 impl EndpointRuntime {
@@ -78,6 +88,8 @@ impl EndpointRuntime {
             fingerprint: fingerprint.to_string(),
             probe: None,
             learned_window: None,
+            health: crate::health::Health::default(),
+            discovered: None,
         }
     }
 
@@ -88,9 +100,17 @@ impl EndpointRuntime {
         if self.auth_failed.is_some() {
             return Avail::AuthFailed;
         }
-        match self.cooldown_until {
-            Some(until) if until > now => Avail::Cooldown(until - now),
-            _ => Avail::Ready,
+        if let Some(until) = self.cooldown_until
+            && until > now
+        {
+            return Avail::Cooldown(until - now);
+        }
+        match self.health.verdict(now) {
+            crate::health::Verdict::Healthy => Avail::Ready,
+            crate::health::Verdict::Degraded => Avail::Degraded,
+            crate::health::Verdict::Skip { state, reason, .. } => {
+                Avail::Unhealthy { state, reason }
+            }
         }
     }
 
@@ -155,6 +175,10 @@ impl Registry {
         for (name, ep) in &cfg.endpoints {
             let entry = map.entry(name.clone()).or_insert_with(|| {
                 let mut rt = EndpointRuntime::new(&cfg.policy, &ep.fingerprint);
+                if ep.discover {
+                    rt.health
+                        .observe_docker(now, Some("not discovered yet".into()));
+                }
                 if let Some(p) = persisted.iter().find(|p| &p.endpoint == name) {
                     rt.latency = Ewma::seeded(0.2, p.ewma_latency_ms);
                     rt.requests = p.requests;
@@ -241,6 +265,7 @@ impl Registry {
         let mut rt = lock(&rt);
         match effect {
             Effect::Success { latency_ms } => {
+                rt.health.observe_traffic(now, true, "", &policy.health);
                 rt.window.record(now, true);
                 rt.latency.observe(latency_ms);
                 rt.samples.push(latency_ms);
@@ -253,6 +278,16 @@ impl Registry {
                 rt.requests += 1;
                 rt.failures += 1;
                 rt.last_error = Some((format!("{class}: {detail}"), SystemTime::now()));
+                let tr = rt.health.observe_traffic(
+                    now,
+                    false,
+                    &format!("{class}: {detail}"),
+                    &policy.health,
+                );
+                drop(rt);
+                if let Some(tr) = tr {
+                    self.transition(&ep.name, &tr);
+                }
                 false
             }
             Effect::Cooldown { for_, detail } => {
@@ -300,7 +335,6 @@ impl Registry {
                     drop(rt);
                     self.event(&ep.name, "auth_failed", &detail);
                 }
-                let _ = policy;
                 left
             }
         }
@@ -357,6 +391,67 @@ impl Registry {
         if let Some(rt) = self.get(endpoint) {
             lock(&rt).probe = Some(report);
         }
+    }
+
+    fn transition(&self, endpoint: &str, tr: &crate::health::Transition) {
+        self.event(
+            endpoint,
+            &format!("health:{}->{}", tr.from, tr.to),
+            &tr.reason,
+        );
+    }
+
+    /// Feeds an active probe's result to the health state machine.
+    pub fn observe_probe(
+        &self,
+        endpoint: &str,
+        result: &crate::health::ProbeResult,
+        t: &crate::health::Thresholds,
+    ) {
+        let Some(rt) = self.get(endpoint) else {
+            return;
+        };
+        let tr = lock(&rt).health.observe_probe(Instant::now(), result, t);
+        if let Some(tr) = tr {
+            self.transition(endpoint, &tr);
+        }
+    }
+
+    /// Docker's view of an endpoint: where it runs, and whether it is down.
+    pub fn observe_docker(&self, endpoint: &str, d: Option<crate::discovery::Discovered>) {
+        let Some(rt) = self.get(endpoint) else {
+            return;
+        };
+        let tr = {
+            let mut rt = lock(&rt);
+            let down = d.as_ref().and_then(|d| d.down.clone());
+            rt.discovered = d;
+            rt.health.observe_docker(Instant::now(), down)
+        };
+        if let Some(tr) = tr {
+            self.transition(endpoint, &tr);
+        }
+    }
+
+    /// The address discovery found for the endpoint (round-robin over running tasks).
+    pub fn discovered_base(&self, endpoint: &str) -> Option<String> {
+        let rt = self.get(endpoint)?;
+        let rt = lock(&rt);
+        let d = rt.discovered.as_ref()?;
+        if d.addresses.is_empty() {
+            return None;
+        }
+        let i = fastrand::usize(..d.addresses.len());
+        Some(d.addresses[i].clone())
+    }
+
+    pub fn health_reason(&self, endpoint: &str) -> Option<String> {
+        self.with(endpoint, |rt| rt.health.reason().to_string())
+    }
+
+    pub fn is_ejected(&self, endpoint: &str) -> bool {
+        self.with(endpoint, |rt| rt.health.is_ejected())
+            .unwrap_or(false)
     }
 
     /// Lifts retirement, auth failure, cooldown and rejected keys (operator's `endpoint clear`).
@@ -422,6 +517,8 @@ impl Registry {
             Avail::Retired => "retired",
             Avail::AuthFailed => "auth_failed",
             Avail::Cooldown(_) => "cooldown",
+            Avail::Unhealthy { state, .. } => state,
+            Avail::Degraded => "degraded",
             Avail::Ready if ep.needs_key() && usable_keys == 0 => "auth_failed",
             Avail::Ready if rate.is_some_and(|r| r < policy.success_threshold) => "degraded",
             Avail::Ready => "healthy",
@@ -458,6 +555,14 @@ impl Registry {
             "context_window": ep.context_window,
             "learned_context_window": rt.learned_window,
             "tokenizer": ep.counter.method(),
+            "health_reason": rt.health.reason(),
+            "discovered": rt.discovered.as_ref().map(|d| json!({
+                "service": d.service,
+                "addresses": d.addresses,
+                "running_tasks": d.running,
+                "restarts": d.restarts,
+                "down": d.down,
+            })),
             "probe": rt.probe.as_ref().map(|p| json!({
                 "ok": p.ok,
                 "at_unix_ms": p.at.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),

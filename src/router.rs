@@ -25,6 +25,7 @@ pub enum Skip {
     AuthFailed,
     Cooldown(Duration),
     MissingCapability(Capability),
+    Unhealthy { state: &'static str, reason: String },
 }
 
 impl Skip {
@@ -35,6 +36,7 @@ impl Skip {
             Skip::AuthFailed => "skipped_auth_failed",
             Skip::Cooldown(_) => "skipped_cooldown",
             Skip::MissingCapability(_) => "skipped_capability",
+            Skip::Unhealthy { .. } => "skipped_unhealthy",
         }
     }
     pub fn detail(&self) -> String {
@@ -45,6 +47,7 @@ impl Skip {
             Skip::MissingCapability(c) => {
                 format!("endpoint lacks the {c:?} capability").to_lowercase()
             }
+            Skip::Unhealthy { state, reason } => format!("{state}: {reason}"),
         }
     }
 }
@@ -96,9 +99,18 @@ pub fn rank(
             Avail::Retired => plan.skipped.push((name.clone(), Skip::Retired)),
             Avail::AuthFailed => plan.skipped.push((name.clone(), Skip::AuthFailed)),
             Avail::Cooldown(d) => plan.skipped.push((name.clone(), Skip::Cooldown(*d))),
-            Avail::Ready if v.no_usable_key => plan.skipped.push((name.clone(), Skip::AuthFailed)),
-            Avail::Ready => {
-                if v.success_rate.is_some_and(|r| r < threshold) {
+            Avail::Unhealthy { state, reason } => plan.skipped.push((
+                name.clone(),
+                Skip::Unhealthy {
+                    state,
+                    reason: reason.clone(),
+                },
+            )),
+            Avail::Ready | Avail::Degraded if v.no_usable_key => {
+                plan.skipped.push((name.clone(), Skip::AuthFailed))
+            }
+            Avail::Ready | Avail::Degraded => {
+                if v.avail == Avail::Degraded || v.success_rate.is_some_and(|r| r < threshold) {
                     demoted.push(name.clone());
                 } else {
                     healthy.push(name.clone());

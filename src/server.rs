@@ -68,6 +68,11 @@ impl Gateway {
             });
         }
         tasks.spawn(crate::probe::run(state.clone(), cancel.clone()));
+        tasks.spawn(crate::discovery::run(
+            state.clone(),
+            state.docker.clone(),
+            cancel.clone(),
+        ));
         {
             let st = state.clone();
             let c = cancel.clone();

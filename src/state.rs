@@ -25,6 +25,8 @@ pub struct AppState {
     pub config_path: Option<PathBuf>,
     pub reload: Mutex<ReloadStatus>,
     pub started: std::time::Instant,
+    /// The Docker watcher's last view.
+    pub docker: crate::discovery::SharedStatus,
 }
 
 impl AppState {
@@ -43,6 +45,7 @@ impl AppState {
             config_path,
             reload: Mutex::new(ReloadStatus::default()),
             started: std::time::Instant::now(),
+            docker: Default::default(),
         })
     }
 

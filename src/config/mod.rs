@@ -35,6 +35,72 @@ pub struct RawConfig {
     pub routes: BTreeMap<String, RawRoute>,
     #[serde(default)]
     pub health: RawHealth,
+    #[serde(default)]
+    pub docker: RawDocker,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawDocker {
+    #[serde(default)]
+    pub enabled: bool,
+    pub interval: Option<Dur>,
+    pub timeout: Option<Dur>,
+    /// The network whose addresses tasks are reached at (default: the first non-ingress one).
+    pub network: Option<String>,
+    #[serde(default)]
+    pub remediation: RawRemediation,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRemediation {
+    #[serde(default)]
+    pub enabled: bool,
+    #[serde(default)]
+    pub dry_run: bool,
+    pub unhealthy_after: Option<u32>,
+    pub min_interval: Option<Dur>,
+    #[serde(default)]
+    pub manage: Vec<String>,
+    #[serde(default)]
+    pub standby: Vec<RawStandby>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawStandby {
+    /// The endpoint whose trouble brings the standby up.
+    pub primary: String,
+    /// The Swarm service scaled 0 -> 1 -> 0.
+    pub service: String,
+    pub healthy_for: Option<Dur>,
+}
+
+#[derive(Clone, Debug)]
+pub struct Standby {
+    pub primary: String,
+    pub service: String,
+    pub healthy_for: Duration,
+}
+
+#[derive(Clone, Debug)]
+pub struct Remediation {
+    pub enabled: bool,
+    pub dry_run: bool,
+    pub unhealthy_after: u32,
+    pub min_interval: Duration,
+    pub manage: Vec<String>,
+    pub standby: Vec<Standby>,
+}
+
+#[derive(Clone, Debug)]
+pub struct DockerConfig {
+    pub enabled: bool,
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub network: Option<String>,
+    pub remediation: Remediation,
 }
 
 /// A route: a plain chain (`chat: [a, b]`) or a chain with its own settings.
@@ -94,12 +160,27 @@ pub struct RawHealth {
     pub probe_interval: Option<Dur>,
     /// Timeout of one probe request (default 2s).
     pub probe_timeout: Option<Dur>,
+    /// Consecutive agreeing probe results before a state flips (default 2).
+    pub flip_after: Option<u32>,
+    /// How long a just-restarted backend is held out (default 3m).
+    pub warmup: Option<Dur>,
+    /// Consecutive live-traffic failures that eject an endpoint (default 5).
+    pub eject_after: Option<u32>,
+    /// First ejection time, doubled on each failed half-open probe (default 10s, at most eject_max).
+    pub eject_base: Option<Dur>,
+    pub eject_max: Option<Dur>,
+    /// vLLM: more waiting requests than this → degraded (default 16).
+    pub vllm_max_waiting: Option<f64>,
+    /// vLLM: KV-cache usage above this share → degraded (default 0.95).
+    pub vllm_max_kv_cache: Option<f64>,
 }
 
 #[derive(Clone, Copy, Debug)]
 pub struct HealthPolicy {
     pub probe_interval: Duration,
     pub probe_timeout: Duration,
+    pub vllm_max_waiting: f64,
+    pub vllm_max_kv_cache: f64,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -208,6 +289,15 @@ pub struct RawEndpoint {
     pub tokenize_timeout: Option<Dur>,
     /// Extra headers sent upstream (e.g. `OpenAI-Organization`). Values may use `env:`/`file:`.
     pub headers: Option<BTreeMap<String, String>>,
+    /// `docker`: the address comes from Swarm services / containers labelled
+    /// `autohedge.endpoint=<this name>` (see `docker:`).
+    pub discover: Option<Discover>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Discover {
+    Docker,
 }
 
 #[derive(Debug, Default, Clone, Deserialize)]
@@ -350,6 +440,8 @@ pub struct Endpoint {
     pub backend_tokenize: Option<(BackendTokenize, Duration)>,
     /// Counts the backend gave, by a hash of the body (bounded; cleared when full).
     pub tokenize_cache: std::sync::Mutex<std::collections::HashMap<u64, u64>>,
+    /// The address is resolved by Docker discovery.
+    pub discover: bool,
     /// Changes whenever what this endpoint *is* changes (URL, model, type, keys). A retirement is
     /// stored with the fingerprint it was made under and lifted when the config changes it.
     pub fingerprint: String,
@@ -379,6 +471,7 @@ pub struct Policy {
     pub context_fill: f64,
     pub on_context_overflow: Overflow,
     pub truncation: crate::tokens::truncate::Options,
+    pub health: crate::health::Thresholds,
 }
 
 /// The runtime routing table. Requests hold an `Arc<Config>` for their whole life.
@@ -395,6 +488,7 @@ pub struct Config {
     pub route_overflow: BTreeMap<String, Overflow>,
     pub policy: Policy,
     pub health: HealthPolicy,
+    pub docker: DockerConfig,
     /// Problems that do not stop the gateway (an unset `env:` key) — reported at start.
     pub warnings: Vec<String>,
 }
@@ -501,6 +595,7 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
                 )));
             }
             (Some(u), None) | (None, Some(u)) => u,
+            (None, None) if ep.discover.is_some() => "http://discovered.invalid".to_string(),
             (None, None) => match ep.kind {
                 EndpointKind::Ollama => "http://127.0.0.1:11434".to_string(),
                 EndpointKind::Vllm => "http://127.0.0.1:8000/v1".to_string(),
@@ -686,6 +781,7 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
                     )
                 }),
                 tokenize_cache: Default::default(),
+                discover: ep.discover.is_some(),
             }),
         );
     }
@@ -747,6 +843,8 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
             keep_turns: p.truncation.and_then(|t| t.keep_turns).unwrap_or(2),
             note: p.truncation.and_then(|t| t.omission_note).unwrap_or(true),
         },
+        // Filled from `health:` below.
+        health: crate::health::Thresholds::default(),
     };
     if !(policy.context_fill > 0.0 && policy.context_fill <= 1.0) {
         return Err(ConfigError(
@@ -758,6 +856,70 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
             "at `routing_policy.window`: must be greater than zero".into(),
         ));
     }
+    let rh = &raw.health;
+    let thresholds = crate::health::Thresholds {
+        flip_after: rh.flip_after.unwrap_or(2).max(1),
+        warmup: rh.warmup.map(|d| d.0).unwrap_or(Duration::from_secs(180)),
+        eject_after: rh.eject_after.unwrap_or(5).max(1),
+        eject_base: rh
+            .eject_base
+            .map(|d| d.0)
+            .unwrap_or(Duration::from_secs(10)),
+        eject_max: rh
+            .eject_max
+            .map(|d| d.0)
+            .unwrap_or(Duration::from_secs(300)),
+    };
+    let rd = raw.docker;
+    let docker = DockerConfig {
+        enabled: rd.enabled,
+        interval: rd
+            .interval
+            .map(|d| d.0)
+            .unwrap_or(Duration::from_secs(5))
+            .max(Duration::from_millis(200)),
+        timeout: rd.timeout.map(|d| d.0).unwrap_or(Duration::from_secs(5)),
+        network: rd.network,
+        remediation: Remediation {
+            enabled: rd.remediation.enabled,
+            dry_run: rd.remediation.dry_run,
+            unhealthy_after: rd.remediation.unhealthy_after.unwrap_or(3).max(1),
+            min_interval: rd
+                .remediation
+                .min_interval
+                .map(|d| d.0)
+                .unwrap_or(Duration::from_secs(60)),
+            manage: rd.remediation.manage,
+            standby: rd
+                .remediation
+                .standby
+                .into_iter()
+                .map(|s| Standby {
+                    primary: s.primary,
+                    service: s.service,
+                    healthy_for: s
+                        .healthy_for
+                        .map(|d| d.0)
+                        .unwrap_or(Duration::from_secs(60)),
+                })
+                .collect(),
+        },
+    };
+    for (i, sb) in docker.remediation.standby.iter().enumerate() {
+        if !endpoints.contains_key(&sb.primary) {
+            return Err(ConfigError(format!(
+                "at `docker.remediation.standby[{i}].primary`: unknown endpoint {:?}",
+                sb.primary
+            )));
+        }
+    }
+    if let Some(ep) = endpoints.values().find(|e| e.discover)
+        && !docker.enabled {
+            return Err(ConfigError(format!(
+                "at `models.{}.discover`: discovery needs `docker: {{ enabled: true }}`",
+                ep.name
+            )));
+        }
     let health = HealthPolicy {
         probe_interval: raw
             .health
@@ -770,6 +932,8 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
             .probe_timeout
             .map(|d| d.0)
             .unwrap_or(Duration::from_secs(2)),
+        vllm_max_waiting: raw.health.vllm_max_waiting.unwrap_or(16.0),
+        vllm_max_kv_cache: raw.health.vllm_max_kv_cache.unwrap_or(0.95),
     };
     let listen = raw
         .server
@@ -788,8 +952,12 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
         fallback_chain,
         routes,
         route_overflow,
-        policy,
+        policy: Policy {
+            health: thresholds,
+            ..policy
+        },
         health,
+        docker,
         warnings,
     })
 }

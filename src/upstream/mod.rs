@@ -78,6 +78,7 @@ pub fn request(
     stream: bool,
     key: Option<&Secret>,
     request_id: &str,
+    discovered_base: Option<&str>,
 ) -> Result<(reqwest::RequestBuilder, u64), ollama::Unsupported> {
     let (client_body, sanitized) = crate::wire::hygiene::apply(client_body, ep.payload_hygiene);
     let payload = match ep.kind {
@@ -87,9 +88,14 @@ pub fn request(
                 .unwrap_or_default()
         }
     };
+    let url = match discovered_base {
+        // A discovered task's address: built per request (it moves as tasks come and go).
+        Some(base) => url_for(ep.kind, base, op),
+        None => ep.urls[op as usize].to_string(),
+    };
     let mut rb = ep
         .client
-        .post(ep.urls[op as usize].clone())
+        .post(url)
         .header(reqwest::header::CONTENT_TYPE, "application/json")
         .header("x-request-id", request_id)
         .body(payload);

@@ -1,0 +1,624 @@
+//! Docker and Swarm discovery and remediation (bollard; `DOCKER_HOST` or the default socket).
+//!
+//! Every `docker.interval` the watcher lists Swarm services and plain containers labelled
+//! `autohedge.endpoint=<name>`. A config endpoint with `discover: docker` is backed by them: its
+//! address is a running task's (resolved from the API, which is what `tasks.<service>` DNS would
+//! give without the DNS cache lag), and no running task — or the engine reporting the container
+//! unhealthy — makes it unhealthy at once. Labelled services the config does not name are listed
+//! in `/status` under `docker.unconfigured`.
+//!
+//! When the daemon cannot be reached, `/status` says `docker_daemon_unreachable` (and an
+//! `endpoint_events` row records the transition); HTTP probing and routing carry on with the last
+//! known addresses.
+//!
+//! Remediation is opt-in and allow-listed (services labelled `autohedge.manage=true` or named in
+//! `docker.remediation.manage`): after `unhealthy_after` consecutive unhealthy observations the
+//! primary is force-updated (restarted) and its standby scaled from 0 to 1; once the primary has
+//! been healthy for `healthy_for`, the standby goes back to 0. At most one action per service per
+//! `min_interval`, so nothing flaps; `dry_run` records what it would do. Every action is an
+//! `endpoint_events` row with its reason and result.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use bollard::Docker;
+use bollard::models::{ServiceSpec, TaskState};
+use bollard::query_parameters::{
+    InspectContainerOptions, ListContainersOptionsBuilder, ListServicesOptionsBuilder,
+    ListTasksOptionsBuilder, UpdateServiceOptionsBuilder,
+};
+use serde_json::{Value, json};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{DockerConfig, EndpointKind};
+use crate::state::AppState;
+use crate::store::{EndpointEvent, Record};
+
+pub const LABEL_ENDPOINT: &str = "autohedge.endpoint";
+pub const LABEL_PORT: &str = "autohedge.port";
+pub const LABEL_TYPE: &str = "autohedge.type";
+pub const LABEL_MODEL: &str = "autohedge.model";
+pub const LABEL_MANAGE: &str = "autohedge.manage";
+
+/// Where and how an endpoint runs, as Docker sees it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Discovered {
+    /// Service (or container) name.
+    pub service: String,
+    /// `http://ip:port` of each running task.
+    pub addresses: Vec<String>,
+    pub running: usize,
+    /// Tasks that failed or were restarted (Swarm), or the container's restart count.
+    pub restarts: u64,
+    /// Why it is down, if it is: no running task, or the engine reports it unhealthy.
+    pub down: Option<String>,
+}
+
+/// The watcher's last view, for `/status`.
+#[derive(Clone, Debug, Default)]
+pub struct DockerStatus {
+    pub enabled: bool,
+    pub reachable: Option<bool>,
+    pub error: Option<String>,
+    pub last_scan: Option<SystemTime>,
+    pub unconfigured: Vec<Value>,
+    pub actions: u64,
+}
+
+impl DockerStatus {
+    pub fn to_json(&self) -> Value {
+        json!({
+            "enabled": self.enabled,
+            "status": match self.reachable {
+                None => if self.enabled { "starting" } else { "disabled" },
+                Some(true) => "ok",
+                Some(false) => "docker_daemon_unreachable",
+            },
+            "error": self.error,
+            "last_scan_unix_ms": self.last_scan.and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok()).map(|d| d.as_millis() as u64),
+            "unconfigured": self.unconfigured,
+            "remediation_actions": self.actions,
+        })
+    }
+}
+
+pub type SharedStatus = Arc<Mutex<DockerStatus>>;
+
+#[derive(Clone, Debug)]
+struct Found {
+    endpoint: String,
+    service_id: Option<String>,
+    discovered: Discovered,
+    labels: HashMap<String, String>,
+    replicas: Option<i64>,
+}
+
+fn task_path(kind: EndpointKind) -> &'static str {
+    match kind {
+        EndpointKind::Openai | EndpointKind::Vllm => "/v1",
+        EndpointKind::Ollama => "",
+    }
+}
+
+async fn container_ip_and_health(
+    docker: &Docker,
+    id: &str,
+    network: Option<&str>,
+) -> (Option<String>, Option<String>, u64) {
+    let Ok(c) = docker
+        .inspect_container(id, None::<InspectContainerOptions>)
+        .await
+    else {
+        return (None, None, 0);
+    };
+    let health = c
+        .state
+        .as_ref()
+        .and_then(|s| s.health.as_ref())
+        .and_then(|h| h.status)
+        .map(|s| s.to_string());
+    let restarts = c.restart_count.unwrap_or(0).max(0) as u64;
+    let nets = c
+        .network_settings
+        .and_then(|n| n.networks)
+        .unwrap_or_default();
+    let ip = match network {
+        Some(n) => nets.get(n).and_then(|e| e.ip_address.clone()),
+        None => nets
+            .iter()
+            .filter(|(name, _)| name.as_str() != "ingress")
+            .find_map(|(_, e)| e.ip_address.clone().filter(|ip| !ip.is_empty())),
+    };
+    (ip.filter(|ip| !ip.is_empty()), health, restarts)
+}
+
+/// One scan: Swarm services (when the engine is a manager) and plain containers.
+async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard::errors::Error> {
+    docker.ping().await?;
+    let mut out = Vec::new();
+    let mut filters = HashMap::new();
+    filters.insert("label".to_string(), vec![LABEL_ENDPOINT.to_string()]);
+    // Not a swarm manager: no services, which is fine.
+    let services = docker
+        .list_services(Some(
+            ListServicesOptionsBuilder::default()
+                .filters(&filters)
+                .build(),
+        ))
+        .await
+        .unwrap_or_default();
+    for svc in services {
+        let spec = svc.spec.clone().unwrap_or_default();
+        let labels = spec.labels.clone().unwrap_or_default();
+        let Some(endpoint) = labels.get(LABEL_ENDPOINT).cloned() else {
+            continue;
+        };
+        let name = spec.name.clone().unwrap_or_default();
+        let port = labels
+            .get(LABEL_PORT)
+            .and_then(|p| p.parse::<u16>().ok())
+            .unwrap_or(8000);
+        let replicas = spec
+            .mode
+            .as_ref()
+            .and_then(|m| m.replicated.as_ref())
+            .and_then(|r| r.replicas);
+        let mut tf = HashMap::new();
+        tf.insert("service".to_string(), vec![name.clone()]);
+        let tasks = docker
+            .list_tasks(Some(
+                ListTasksOptionsBuilder::default().filters(&tf).build(),
+            ))
+            .await?;
+        let mut addresses = Vec::new();
+        let mut running = 0;
+        let mut restarts = 0u64;
+        let mut unhealthy = None;
+        for t in &tasks {
+            let state = t.status.as_ref().and_then(|s| s.state);
+            if matches!(state, Some(TaskState::FAILED) | Some(TaskState::REJECTED)) {
+                restarts += 1;
+            }
+            if state != Some(TaskState::RUNNING) || t.desired_state != Some(TaskState::RUNNING) {
+                continue;
+            }
+            let cid = t
+                .status
+                .as_ref()
+                .and_then(|s| s.container_status.as_ref())
+                .and_then(|c| c.container_id.clone());
+            let Some(cid) = cid else { continue };
+            let (ip, health, _) =
+                container_ip_and_health(docker, &cid, cfg.network.as_deref()).await;
+            if health.as_deref() == Some("unhealthy") {
+                unhealthy = Some(format!(
+                    "docker reports task {} of {name} unhealthy",
+                    t.id.clone().unwrap_or_default()
+                ));
+                continue;
+            }
+            if health.as_deref() == Some("starting") {
+                continue;
+            }
+            running += 1;
+            if let Some(ip) = ip {
+                addresses.push(format!("http://{ip}:{port}"));
+            }
+        }
+        let down = if running == 0 {
+            Some(unhealthy.unwrap_or_else(|| format!("service {name} has no running task")))
+        } else {
+            None
+        };
+        out.push(Found {
+            endpoint,
+            service_id: svc.id.clone(),
+            discovered: Discovered {
+                service: name,
+                addresses,
+                running,
+                restarts,
+                down,
+            },
+            labels,
+            replicas,
+        });
+    }
+    // Plain containers (not Swarm tasks).
+    let mut cf = HashMap::new();
+    cf.insert("label".to_string(), vec![LABEL_ENDPOINT.to_string()]);
+    let containers = docker
+        .list_containers(Some(
+            ListContainersOptionsBuilder::default()
+                .all(true)
+                .filters(&cf)
+                .build(),
+        ))
+        .await?;
+    for c in containers {
+        let labels = c.labels.clone().unwrap_or_default();
+        if labels.contains_key("com.docker.swarm.service.id") {
+            continue;
+        }
+        let Some(endpoint) = labels.get(LABEL_ENDPOINT).cloned() else {
+            continue;
+        };
+        let name = c
+            .names
+            .clone()
+            .unwrap_or_default()
+            .first()
+            .cloned()
+            .unwrap_or_default()
+            .trim_start_matches('/')
+            .to_string();
+        let port = labels
+            .get(LABEL_PORT)
+            .and_then(|p| p.parse::<u16>().ok())
+            .unwrap_or(8000);
+        let id = c.id.clone().unwrap_or_default();
+        let is_running = c.state.map(|s| s.to_string()) == Some("running".into());
+        let (ip, health, restarts) =
+            container_ip_and_health(docker, &id, cfg.network.as_deref()).await;
+        let down = if !is_running {
+            Some(format!("container {name} is not running"))
+        } else if health.as_deref() == Some("unhealthy") {
+            Some(format!("docker reports container {name} unhealthy"))
+        } else {
+            None
+        };
+        let addresses = if down.is_none() {
+            ip.map(|ip| vec![format!("http://{ip}:{port}")])
+                .unwrap_or_default()
+        } else {
+            vec![]
+        };
+        out.push(Found {
+            endpoint,
+            service_id: None,
+            discovered: Discovered {
+                service: name,
+                running: usize::from(down.is_none()),
+                addresses,
+                restarts,
+                down,
+            },
+            labels,
+            replicas: None,
+        });
+    }
+    Ok(out)
+}
+
+/// Per-service remediation memory.
+#[derive(Default, Debug)]
+struct Remedy {
+    unhealthy_streak: u32,
+    healthy_since: Option<Instant>,
+    last_action: Option<Instant>,
+    standby_up: bool,
+}
+
+fn event(state: &AppState, endpoint: &str, ev: &str, reason: String) {
+    tracing::info!(endpoint, event = ev, %reason, "docker event");
+    state.store.send(Record::Event(EndpointEvent {
+        ts: SystemTime::now(),
+        endpoint: endpoint.to_string(),
+        event: ev.to_string(),
+        reason,
+    }));
+}
+
+async fn force_update(docker: &Docker, service: &str) -> Result<(), String> {
+    let svc = docker
+        .inspect_service(service, None)
+        .await
+        .map_err(|e| e.to_string())?;
+    let version = svc
+        .version
+        .and_then(|v| v.index)
+        .ok_or("service has no version")?;
+    let mut spec: ServiceSpec = svc.spec.ok_or("service has no spec")?;
+    let mut tt = spec.task_template.take().unwrap_or_default();
+    tt.force_update = Some(tt.force_update.unwrap_or(0) + 1);
+    spec.task_template = Some(tt);
+    docker
+        .update_service(
+            service,
+            spec,
+            UpdateServiceOptionsBuilder::default()
+                .version(version as i32)
+                .build(),
+            None,
+        )
+        .await
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+async fn scale(docker: &Docker, service: &str, replicas: i64) -> Result<(), String> {
+    let svc = docker
+        .inspect_service(service, None)
+        .await
+        .map_err(|e| e.to_string())?;
+    let version = svc
+        .version
+        .and_then(|v| v.index)
+        .ok_or("service has no version")?;
+    let mut spec: ServiceSpec = svc.spec.ok_or("service has no spec")?;
+    let mut mode = spec.mode.take().unwrap_or_default();
+    let mut rep = mode.replicated.take().unwrap_or_default();
+    rep.replicas = Some(replicas);
+    mode.replicated = Some(rep);
+    spec.mode = Some(mode);
+    docker
+        .update_service(
+            service,
+            spec,
+            UpdateServiceOptionsBuilder::default()
+                .version(version as i32)
+                .build(),
+            None,
+        )
+        .await
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+/// Runs the watcher until cancelled.
+pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: CancellationToken) {
+    let mut remedies: BTreeMap<String, Remedy> = BTreeMap::new();
+    let mut was_reachable: Option<bool> = None;
+    loop {
+        let cfg = state.config.load_full();
+        let dcfg = cfg.docker.clone();
+        if !dcfg.enabled {
+            if let Ok(mut s) = status.lock() {
+                s.enabled = false;
+            }
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep(Duration::from_secs(5)) => continue,
+            }
+        }
+        let result = match Docker::connect_with_defaults() {
+            Ok(d) => match tokio::time::timeout(dcfg.timeout, scan(&d, &dcfg)).await {
+                Ok(Ok(found)) => Ok((d, found)),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err(format!("no answer within {}ms", dcfg.timeout.as_millis())),
+            },
+            Err(e) => Err(e.to_string()),
+        };
+        match result {
+            Err(e) => {
+                if was_reachable != Some(false) {
+                    for name in cfg.endpoints.keys() {
+                        event(
+                            &state,
+                            name,
+                            "docker_daemon_unreachable",
+                            format!(
+                                "docker daemon unreachable: {e}; HTTP probing and routing carry on"
+                            ),
+                        );
+                    }
+                    tracing::warn!(error = %e, "docker_daemon_unreachable");
+                }
+                was_reachable = Some(false);
+                if let Ok(mut s) = status.lock() {
+                    s.enabled = true;
+                    s.reachable = Some(false);
+                    s.error = Some(e);
+                    s.last_scan = Some(SystemTime::now());
+                }
+            }
+            Ok((docker, found)) => {
+                if was_reachable == Some(false) {
+                    for name in cfg.endpoints.keys() {
+                        event(
+                            &state,
+                            name,
+                            "docker_daemon_reachable",
+                            "docker daemon reachable again".into(),
+                        );
+                    }
+                }
+                was_reachable = Some(true);
+                let mut unconfigured = Vec::new();
+                for (name, ep) in &cfg.endpoints {
+                    if !ep.discover {
+                        continue;
+                    }
+                    let mine: Vec<&Found> = found.iter().filter(|f| &f.endpoint == name).collect();
+                    let d = if mine.is_empty() {
+                        Discovered {
+                            service: String::new(),
+                            addresses: vec![],
+                            running: 0,
+                            restarts: 0,
+                            down: Some(format!(
+                                "no service or container labelled {LABEL_ENDPOINT}={name}"
+                            )),
+                        }
+                    } else {
+                        let mut d = mine[0].discovered.clone();
+                        for f in &mine[1..] {
+                            d.addresses.extend(f.discovered.addresses.iter().cloned());
+                            d.running += f.discovered.running;
+                            d.restarts += f.discovered.restarts;
+                            d.service = format!("{},{}", d.service, f.discovered.service);
+                        }
+                        if d.running > 0 {
+                            d.down = None;
+                        }
+                        let path = task_path(ep.kind);
+                        d.addresses = d.addresses.iter().map(|a| format!("{a}{path}")).collect();
+                        d
+                    };
+                    state.registry.observe_docker(name, Some(d));
+                }
+                for f in &found {
+                    if !cfg.endpoints.contains_key(&f.endpoint) {
+                        unconfigured.push(json!({
+                            "endpoint": f.endpoint,
+                            "service": f.discovered.service,
+                            "type": f.labels.get(LABEL_TYPE),
+                            "model": f.labels.get(LABEL_MODEL),
+                            "addresses": f.discovered.addresses,
+                        }));
+                    }
+                }
+                let actions = remediate(&state, &docker, &cfg, &found, &mut remedies).await;
+                if let Ok(mut s) = status.lock() {
+                    s.enabled = true;
+                    s.reachable = Some(true);
+                    s.error = None;
+                    s.last_scan = Some(SystemTime::now());
+                    s.unconfigured = unconfigured;
+                    s.actions += actions;
+                }
+            }
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(dcfg.interval) => {}
+        }
+    }
+}
+
+/// One remediation round. Returns the number of actions taken (or, in dry-run, proposed).
+async fn remediate(
+    state: &AppState,
+    docker: &Docker,
+    cfg: &crate::config::Config,
+    found: &[Found],
+    remedies: &mut BTreeMap<String, Remedy>,
+) -> u64 {
+    let r = &cfg.docker.remediation;
+    if !r.enabled {
+        return 0;
+    }
+    let now = Instant::now();
+    let mut actions = 0;
+    for f in found {
+        let Some(ep) = cfg.endpoints.get(&f.endpoint) else {
+            continue;
+        };
+        let svc = f.discovered.service.clone();
+        let managed = f.labels.get(LABEL_MANAGE).map(String::as_str) == Some("true")
+            || r.manage.contains(&svc);
+        // Standbys are acted on through their primary, not for their own health.
+        if !managed || f.service_id.is_none() || r.standby.iter().any(|s| s.service == svc) {
+            continue;
+        }
+        let unhealthy = f.discovered.down.is_some()
+            || state
+                .registry
+                .with(&ep.name, |rt| rt.avail(now))
+                .is_some_and(|a| matches!(a, crate::registry::Avail::Unhealthy { .. }));
+        let m = remedies.entry(svc.clone()).or_default();
+        if unhealthy {
+            m.unhealthy_streak += 1;
+            m.healthy_since = None;
+        } else {
+            m.unhealthy_streak = 0;
+            m.healthy_since.get_or_insert(now);
+        }
+        let standby = r.standby.iter().find(|s| s.primary == ep.name);
+        let allowed = m
+            .last_action
+            .is_none_or(|t| now.duration_since(t) >= r.min_interval);
+        if unhealthy && m.unhealthy_streak >= r.unhealthy_after && allowed {
+            m.last_action = Some(now);
+            let why = format!(
+                "{} consecutive unhealthy observations ({})",
+                m.unhealthy_streak,
+                f.discovered
+                    .down
+                    .clone()
+                    .or_else(|| state.registry.health_reason(&ep.name))
+                    .unwrap_or_default()
+            );
+            if f.replicas.unwrap_or(1) > 0 {
+                actions += 1;
+                if r.dry_run {
+                    event(
+                        state,
+                        &ep.name,
+                        "remediation_dry_run",
+                        format!("would force-update (restart) service {svc}: {why}"),
+                    );
+                } else {
+                    let res = force_update(docker, &svc).await;
+                    event(
+                        state,
+                        &ep.name,
+                        "remediation_restart",
+                        format!(
+                            "force-update (restart) of service {svc}: {why}; result: {}",
+                            res.clone().err().unwrap_or_else(|| "ok".into())
+                        ),
+                    );
+                }
+            }
+            if let Some(sb) = standby
+                && !m.standby_up {
+                    actions += 1;
+                    if r.dry_run {
+                        event(
+                            state,
+                            &ep.name,
+                            "remediation_dry_run",
+                            format!("would scale standby {} to 1: {why}", sb.service),
+                        );
+                    } else {
+                        let res = scale(docker, &sb.service, 1).await;
+                        if res.is_ok() {
+                            m.standby_up = true;
+                        }
+                        event(
+                            state,
+                            &ep.name,
+                            "remediation_scale_up",
+                            format!(
+                                "scaled standby {} 0 -> 1: {why}; result: {}",
+                                sb.service,
+                                res.err().unwrap_or_else(|| "ok".into())
+                            ),
+                        );
+                    }
+                }
+        }
+        if let (Some(sb), Some(since)) = (standby, m.healthy_since)
+            && m.standby_up && now.duration_since(since) >= sb.healthy_for {
+                actions += 1;
+                if r.dry_run {
+                    event(
+                        state,
+                        &ep.name,
+                        "remediation_dry_run",
+                        format!("would scale standby {} back to 0", sb.service),
+                    );
+                } else {
+                    let res = scale(docker, &sb.service, 0).await;
+                    if res.is_ok() {
+                        m.standby_up = false;
+                    }
+                    event(
+                        state,
+                        &ep.name,
+                        "remediation_scale_down",
+                        format!(
+                            "scaled standby {} 1 -> 0: primary healthy for {}s; result: {}",
+                            sb.service,
+                            sb.healthy_for.as_secs(),
+                            res.err().unwrap_or_else(|| "ok".into())
+                        ),
+                    );
+                }
+            }
+    }
+    actions
+}

@@ -564,61 +564,64 @@ async fn remediate(
                 }
             }
             if let Some(sb) = standby
-                && !m.standby_up {
-                    actions += 1;
-                    if r.dry_run {
-                        event(
-                            state,
-                            &ep.name,
-                            "remediation_dry_run",
-                            format!("would scale standby {} to 1: {why}", sb.service),
-                        );
-                    } else {
-                        let res = scale(docker, &sb.service, 1).await;
-                        if res.is_ok() {
-                            m.standby_up = true;
-                        }
-                        event(
-                            state,
-                            &ep.name,
-                            "remediation_scale_up",
-                            format!(
-                                "scaled standby {} 0 -> 1: {why}; result: {}",
-                                sb.service,
-                                res.err().unwrap_or_else(|| "ok".into())
-                            ),
-                        );
-                    }
-                }
-        }
-        if let (Some(sb), Some(since)) = (standby, m.healthy_since)
-            && m.standby_up && now.duration_since(since) >= sb.healthy_for {
+                && !m.standby_up
+            {
                 actions += 1;
                 if r.dry_run {
                     event(
                         state,
                         &ep.name,
                         "remediation_dry_run",
-                        format!("would scale standby {} back to 0", sb.service),
+                        format!("would scale standby {} to 1: {why}", sb.service),
                     );
                 } else {
-                    let res = scale(docker, &sb.service, 0).await;
+                    let res = scale(docker, &sb.service, 1).await;
                     if res.is_ok() {
-                        m.standby_up = false;
+                        m.standby_up = true;
                     }
                     event(
                         state,
                         &ep.name,
-                        "remediation_scale_down",
+                        "remediation_scale_up",
                         format!(
-                            "scaled standby {} 1 -> 0: primary healthy for {}s; result: {}",
+                            "scaled standby {} 0 -> 1: {why}; result: {}",
                             sb.service,
-                            sb.healthy_for.as_secs(),
                             res.err().unwrap_or_else(|| "ok".into())
                         ),
                     );
                 }
             }
+        }
+        if let (Some(sb), Some(since)) = (standby, m.healthy_since)
+            && m.standby_up
+            && now.duration_since(since) >= sb.healthy_for
+        {
+            actions += 1;
+            if r.dry_run {
+                event(
+                    state,
+                    &ep.name,
+                    "remediation_dry_run",
+                    format!("would scale standby {} back to 0", sb.service),
+                );
+            } else {
+                let res = scale(docker, &sb.service, 0).await;
+                if res.is_ok() {
+                    m.standby_up = false;
+                }
+                event(
+                    state,
+                    &ep.name,
+                    "remediation_scale_down",
+                    format!(
+                        "scaled standby {} 1 -> 0: primary healthy for {}s; result: {}",
+                        sb.service,
+                        sb.healthy_for.as_secs(),
+                        res.err().unwrap_or_else(|| "ok".into())
+                    ),
+                );
+            }
+        }
     }
     actions
 }

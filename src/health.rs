@@ -253,9 +253,10 @@ impl Health {
         }
         if self.state == State::Warming {
             if let Some(until) = self.warming_until
-                && until > now {
-                    return None;
-                }
+                && until > now
+            {
+                return None;
+            }
             self.warming_until = None;
         }
         let streak = match self.candidate {

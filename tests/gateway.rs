@@ -1462,3 +1462,129 @@ async fn backend_tokenize_counts_and_teaches_the_window() {
     let r = gw.chat("v", "hi").await;
     assert_eq!(header(&r, "x-autohedge-endpoint"), "v");
 }
+
+#[tokio::test]
+async fn probes_and_passive_ejection_drive_health() {
+    // a's /v1/models answers 401: its key is revoked; after two probes it is unhealthy and skipped.
+    let a = MockUp::openai("rules: [{when: {path: /v1/models}, status: 401}]").await;
+    let b = MockUp::openai("name: b").await;
+    let c = MockUp::openai("name: c").await;
+    let gw = Gw::start(&format!(
+        r#"
+models:
+  a: {{ type: openai, base_url: "{}" }}
+  b: {{ type: openai, base_url: "{}" }}
+  c: {{ type: openai, base_url: "{}" }}
+routing_policy: {{ fallback_chain: [a, b, c] }}
+health: {{ probe_interval: 100ms, flip_after: 2, eject_after: 3, eject_base: 500ms, eject_max: 2s }}
+"#,
+        a.base(),
+        b.base(),
+        c.base()
+    ));
+    let ok = eventually(Duration::from_secs(5), || async {
+        gw.status().await["endpoints"]["a"]["state"] == "unhealthy"
+    })
+    .await;
+    assert!(ok, "{}", gw.status().await["endpoints"]["a"]);
+    assert!(
+        gw.status().await["endpoints"]["a"]["health_reason"]
+            .as_str()
+            .unwrap()
+            .contains("401")
+    );
+    let r = gw.chat("a", "x").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    assert_eq!(
+        a.requests().await,
+        0,
+        "an unhealthy endpoint gets no real traffic"
+    );
+
+    // b starts failing real traffic: three in a row eject it (its probes still pass).
+    b.set_script("rules: [{status: 500}]").await;
+    for _ in 0..3 {
+        let r = gw.chat("b", "x").await;
+        assert_eq!(header(&r, "x-autohedge-endpoint"), "c");
+    }
+    let st = gw.status().await;
+    assert!(
+        matches!(
+            st["endpoints"]["b"]["state"].as_str(),
+            Some("ejected" | "half_open")
+        ),
+        "{}",
+        st["endpoints"]["b"]
+    );
+    let before = b.requests().await;
+    let r = gw.chat("b", "x").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "c");
+    assert_eq!(b.requests().await, before, "ejected: skipped");
+    // b recovers; after the ejection a half-open probe (not real traffic) restores it.
+    b.set_script("name: b").await; // (resets the mock's counters)
+    let ok = eventually(Duration::from_secs(5), || async {
+        gw.status().await["endpoints"]["b"]["state"] == "healthy"
+    })
+    .await;
+    assert!(ok, "{}", gw.status().await["endpoints"]["b"]);
+    assert_eq!(
+        b.requests().await,
+        0,
+        "recovery came from a probe, not real traffic"
+    );
+    assert_eq!(
+        header(&gw.chat("b", "x").await, "x-autohedge-endpoint"),
+        "b"
+    );
+    // Every transition is an endpoint_events row.
+    let mut gw = gw;
+    gw.stop();
+    let conn = rusqlite::Connection::open(gw.db()).unwrap();
+    let evs: Vec<String> = conn
+        .prepare("SELECT endpoint || ' ' || event FROM endpoint_events WHERE event LIKE 'health:%' ORDER BY id")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert!(
+        evs.contains(&"a health:healthy->unhealthy".to_string()),
+        "{evs:?}"
+    );
+    assert!(
+        evs.contains(&"b health:healthy->ejected".to_string()),
+        "{evs:?}"
+    );
+    assert!(
+        evs.contains(&"b health:half_open->healthy".to_string()),
+        "{evs:?}"
+    );
+}
+
+#[tokio::test]
+async fn unreachable_docker_daemon_is_reported_and_routing_goes_on() {
+    let a = MockUp::openai("name: a").await;
+    let mut gw = Gw::start_with_env(
+        &format!(
+            "models:\n  a: {{ type: openai, base_url: \"{}\" }}\ndocker: {{ enabled: true, interval: 200ms, timeout: 1s }}\n",
+            a.base()
+        ),
+        &[("DOCKER_HOST", "tcp://127.0.0.1:1")],
+    );
+    let ok = eventually(Duration::from_secs(5), || async {
+        gw.status().await["docker"]["status"] == "docker_daemon_unreachable"
+    })
+    .await;
+    assert!(ok, "{}", gw.status().await["docker"]);
+    assert_eq!(gw.chat("a", "x").await.status(), 200, "routing carries on");
+    gw.stop();
+    let conn = rusqlite::Connection::open(gw.db()).unwrap();
+    let n: i64 = conn
+        .query_row(
+            "SELECT COUNT(*) FROM endpoint_events WHERE event = 'docker_daemon_unreachable'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(n, 1, "recorded once per transition");
+}

@@ -914,12 +914,13 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
         }
     }
     if let Some(ep) = endpoints.values().find(|e| e.discover)
-        && !docker.enabled {
-            return Err(ConfigError(format!(
-                "at `models.{}.discover`: discovery needs `docker: {{ enabled: true }}`",
-                ep.name
-            )));
-        }
+        && !docker.enabled
+    {
+        return Err(ConfigError(format!(
+            "at `models.{}.discover`: discovery needs `docker: {{ enabled: true }}`",
+            ep.name
+        )));
+    }
     let health = HealthPolicy {
         probe_interval: raw
             .health

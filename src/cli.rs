@@ -356,7 +356,13 @@ pub async fn healthcheck(url: &str) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::FAILURE)
         }
         Err(e) => {
-            eprintln!("unreachable: {e}");
+            let mut msg = e.to_string();
+            let mut src = std::error::Error::source(&e);
+            while let Some(s) = src {
+                msg.push_str(&format!(": {s}"));
+                src = s.source();
+            }
+            eprintln!("unreachable: {msg}");
             Ok(ExitCode::FAILURE)
         }
     }

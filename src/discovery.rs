@@ -23,10 +23,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use bollard::Docker;
-use bollard::models::{ServiceSpec, TaskState};
+use bollard::models::TaskState;
 use bollard::query_parameters::{
     InspectContainerOptions, ListContainersOptionsBuilder, ListServicesOptionsBuilder,
-    ListTasksOptionsBuilder, UpdateServiceOptionsBuilder,
+    ListTasksOptionsBuilder,
 };
 use serde_json::{Value, json};
 use tokio::time::Instant;
@@ -93,6 +93,8 @@ struct Found {
     discovered: Discovered,
     labels: HashMap<String, String>,
     replicas: Option<i64>,
+    /// Tasks Swarm is bringing up right now (restarting is its job, not ours, meanwhile).
+    starting: usize,
 }
 
 fn task_path(kind: EndpointKind) -> &'static str {
@@ -176,10 +178,26 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
         let mut running = 0;
         let mut restarts = 0u64;
         let mut unhealthy = None;
+        let mut starting = 0;
         for t in &tasks {
             let state = t.status.as_ref().and_then(|s| s.state);
             if matches!(state, Some(TaskState::FAILED) | Some(TaskState::REJECTED)) {
                 restarts += 1;
+            }
+            if t.desired_state == Some(TaskState::RUNNING)
+                && matches!(
+                    state,
+                    Some(TaskState::NEW)
+                        | Some(TaskState::ALLOCATED)
+                        | Some(TaskState::PENDING)
+                        | Some(TaskState::ASSIGNED)
+                        | Some(TaskState::ACCEPTED)
+                        | Some(TaskState::PREPARING)
+                        | Some(TaskState::READY)
+                        | Some(TaskState::STARTING)
+                )
+            {
+                starting += 1;
             }
             if state != Some(TaskState::RUNNING) || t.desired_state != Some(TaskState::RUNNING) {
                 continue;
@@ -224,6 +242,7 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
             },
             labels,
             replicas,
+            starting,
         });
     }
     // Plain containers (not Swarm tasks).
@@ -287,6 +306,7 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
             },
             labels,
             replicas: None,
+            starting: 0,
         });
     }
     Ok(out)
@@ -311,60 +331,103 @@ fn event(state: &AppState, endpoint: &str, ev: &str, reason: String) {
     }));
 }
 
-async fn force_update(docker: &Docker, service: &str) -> Result<(), String> {
-    let svc = docker
-        .inspect_service(service, None)
-        .await
+/// A raw Docker Engine API call over `DOCKER_HOST` (unix:// or tcp://, default the local
+/// socket). Service updates go through raw JSON so the read-modify-write of a service spec keeps
+/// every field, including ones a typed model does not know (a typed round trip dropped
+/// `--no-healthcheck`, for one).
+async fn engine(method: &str, path: &str, body: Option<Value>) -> Result<Value, String> {
+    use http_body_util::{BodyExt, Full};
+    use hyper_util::rt::TokioIo;
+    let host =
+        std::env::var("DOCKER_HOST").unwrap_or_else(|_| "unix:///var/run/docker.sock".into());
+    let req = hyper::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", "docker")
+        .header("content-type", "application/json")
+        .body(Full::new(bytes::Bytes::from(
+            body.map(|b| b.to_string()).unwrap_or_default(),
+        )))
         .map_err(|e| e.to_string())?;
-    let version = svc
-        .version
-        .and_then(|v| v.index)
-        .ok_or("service has no version")?;
-    let mut spec: ServiceSpec = svc.spec.ok_or("service has no spec")?;
-    let mut tt = spec.task_template.take().unwrap_or_default();
-    tt.force_update = Some(tt.force_update.unwrap_or(0) + 1);
-    spec.task_template = Some(tt);
-    docker
-        .update_service(
-            service,
-            spec,
-            UpdateServiceOptionsBuilder::default()
-                .version(version as i32)
-                .build(),
-            None,
-        )
-        .await
-        .map(|_| ())
-        .map_err(|e| e.to_string())
+    macro_rules! send {
+        ($stream:expr) => {{
+            let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new($stream))
+                .await
+                .map_err(|e| e.to_string())?;
+            let driver = tokio::spawn(conn);
+            let resp = tx.send_request(req).await.map_err(|e| e.to_string());
+            let out = match resp {
+                Ok(r) => {
+                    let status = r.status();
+                    let bytes = r
+                        .into_body()
+                        .collect()
+                        .await
+                        .map_err(|e| e.to_string())?
+                        .to_bytes();
+                    if !status.is_success() {
+                        Err(format!("{status}: {}", String::from_utf8_lossy(&bytes)))
+                    } else if bytes.is_empty() {
+                        Ok(Value::Null)
+                    } else {
+                        serde_json::from_slice(&bytes).map_err(|e| e.to_string())
+                    }
+                }
+                Err(e) => Err(e),
+            };
+            driver.abort();
+            out
+        }};
+    }
+    if let Some(path) = host.strip_prefix("unix://") {
+        let stream = tokio::net::UnixStream::connect(path)
+            .await
+            .map_err(|e| format!("{path}: {e}"))?;
+        send!(stream)
+    } else if let Some(addr) = host.strip_prefix("tcp://") {
+        let stream = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| format!("{addr}: {e}"))?;
+        send!(stream)
+    } else {
+        Err(format!("unsupported DOCKER_HOST {host}"))
+    }
 }
 
-async fn scale(docker: &Docker, service: &str, replicas: i64) -> Result<(), String> {
-    let svc = docker
-        .inspect_service(service, None)
-        .await
-        .map_err(|e| e.to_string())?;
+/// Reads a service's spec as raw JSON, lets `change` edit it, and posts it back at that version.
+async fn update_spec(service: &str, change: impl FnOnce(&mut Value)) -> Result<(), String> {
+    let svc = engine("GET", &format!("/services/{service}"), None).await?;
     let version = svc
-        .version
-        .and_then(|v| v.index)
+        .pointer("/Version/Index")
+        .and_then(Value::as_u64)
         .ok_or("service has no version")?;
-    let mut spec: ServiceSpec = svc.spec.ok_or("service has no spec")?;
-    let mut mode = spec.mode.take().unwrap_or_default();
-    let mut rep = mode.replicated.take().unwrap_or_default();
-    rep.replicas = Some(replicas);
-    mode.replicated = Some(rep);
-    spec.mode = Some(mode);
-    docker
-        .update_service(
-            service,
-            spec,
-            UpdateServiceOptionsBuilder::default()
-                .version(version as i32)
-                .build(),
-            None,
-        )
-        .await
-        .map(|_| ())
-        .map_err(|e| e.to_string())
+    let mut spec = svc.get("Spec").cloned().ok_or("service has no spec")?;
+    change(&mut spec);
+    engine(
+        "POST",
+        &format!("/services/{service}/update?version={version}"),
+        Some(spec),
+    )
+    .await
+    .map(|_| ())
+}
+
+async fn force_update(_docker: &Docker, service: &str) -> Result<(), String> {
+    update_spec(service, |spec| {
+        let n = spec
+            .pointer("/TaskTemplate/ForceUpdate")
+            .and_then(Value::as_u64)
+            .unwrap_or(0);
+        spec["TaskTemplate"]["ForceUpdate"] = json!(n + 1);
+    })
+    .await
+}
+
+async fn scale(_docker: &Docker, service: &str, replicas: i64) -> Result<(), String> {
+    update_spec(service, |spec| {
+        spec["Mode"]["Replicated"]["Replicas"] = json!(replicas);
+    })
+    .await
 }
 
 /// Runs the watcher until cancelled.
@@ -527,42 +590,17 @@ async fn remediate(
             m.healthy_since.get_or_insert(now);
         }
         let standby = r.standby.iter().find(|s| s.primary == ep.name);
-        let allowed = m
-            .last_action
-            .is_none_or(|t| now.duration_since(t) >= r.min_interval);
-        if unhealthy && m.unhealthy_streak >= r.unhealthy_after && allowed {
-            m.last_action = Some(now);
-            let why = format!(
-                "{} consecutive unhealthy observations ({})",
-                m.unhealthy_streak,
-                f.discovered
-                    .down
-                    .clone()
-                    .or_else(|| state.registry.health_reason(&ep.name))
-                    .unwrap_or_default()
-            );
-            if f.replicas.unwrap_or(1) > 0 {
-                actions += 1;
-                if r.dry_run {
-                    event(
-                        state,
-                        &ep.name,
-                        "remediation_dry_run",
-                        format!("would force-update (restart) service {svc}: {why}"),
-                    );
-                } else {
-                    let res = force_update(docker, &svc).await;
-                    event(
-                        state,
-                        &ep.name,
-                        "remediation_restart",
-                        format!(
-                            "force-update (restart) of service {svc}: {why}; result: {}",
-                            res.clone().err().unwrap_or_else(|| "ok".into())
-                        ),
-                    );
-                }
-            }
+        let reason = format!(
+            "{} consecutive unhealthy observations ({})",
+            m.unhealthy_streak,
+            f.discovered
+                .down
+                .clone()
+                .or_else(|| state.registry.health_reason(&ep.name))
+                .unwrap_or_default()
+        );
+        if unhealthy && m.unhealthy_streak >= r.unhealthy_after {
+            // The standby comes up whenever the primary is down, whatever the cause.
             if let Some(sb) = standby
                 && !m.standby_up
             {
@@ -572,8 +610,9 @@ async fn remediate(
                         state,
                         &ep.name,
                         "remediation_dry_run",
-                        format!("would scale standby {} to 1: {why}", sb.service),
+                        format!("would scale standby {} to 1: {reason}", sb.service),
                     );
+                    m.standby_up = true;
                 } else {
                     let res = scale(docker, &sb.service, 1).await;
                     if res.is_ok() {
@@ -584,8 +623,38 @@ async fn remediate(
                         &ep.name,
                         "remediation_scale_up",
                         format!(
-                            "scaled standby {} 0 -> 1: {why}; result: {}",
+                            "scaled standby {} 0 -> 1: {reason}; result: {}",
                             sb.service,
+                            res.err().unwrap_or_else(|| "ok".into())
+                        ),
+                    );
+                }
+            }
+            // A restart helps a task that runs but is sick. With no running task Swarm is already
+            // rescheduling it; restarting then would only interrupt its start.
+            let allowed = m
+                .last_action
+                .is_none_or(|t| now.duration_since(t) >= r.min_interval);
+            if f.discovered.running > 0 && f.starting == 0 && f.replicas.unwrap_or(1) > 0 && allowed
+            {
+                m.last_action = Some(now);
+                m.unhealthy_streak = 0;
+                actions += 1;
+                if r.dry_run {
+                    event(
+                        state,
+                        &ep.name,
+                        "remediation_dry_run",
+                        format!("would force-update (restart) service {svc}: {reason}"),
+                    );
+                } else {
+                    let res = force_update(docker, &svc).await;
+                    event(
+                        state,
+                        &ep.name,
+                        "remediation_restart",
+                        format!(
+                            "force-update (restart) of service {svc}: {reason}; result: {}",
                             res.err().unwrap_or_else(|| "ok".into())
                         ),
                     );

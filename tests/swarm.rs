@@ -1,0 +1,477 @@
+//! Against the real Docker Engine on this machine: an image built from our own binary (no
+//! registry), a single-node swarm, two mock-upstream services labelled as endpoints plus a
+//! labelled standby at 0 replicas, and the gateway itself as a service on the overlay with the
+//! Docker socket. Shows discovery, failover with no failed client request when the primary's task
+//! dies, remediation (restart of the primary, standby scaled up) and recovery (standby scaled back
+//! down). Everything it creates is removed at the end, the swarm too if it made it.
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+const BIN: &str = env!("CARGO_BIN_EXE_autohedge");
+
+fn docker(args: &[&str]) -> (bool, String) {
+    let out = Command::new("docker")
+        .args(args)
+        .output()
+        .expect("docker CLI");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text.trim().to_string())
+}
+
+fn must(args: &[&str]) -> String {
+    let (ok, out) = docker(args);
+    assert!(ok, "docker {}: {out}", args.join(" "));
+    out
+}
+
+/// Removes what the test made, whatever happens.
+struct Cleanup {
+    services: Vec<String>,
+    network: String,
+    image: String,
+    leave_swarm: bool,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            for s in &self.services {
+                let (_, ps) = docker(&["service", "ps", "--no-trunc", s]);
+                eprintln!("--- docker service ps {s}\n{ps}");
+            }
+            if let Some(gw) = self.services.iter().find(|s| s.ends_with("-gateway")) {
+                let (_, logs) = docker(&["service", "logs", "--raw", "--tail", "60", gw]);
+                eprintln!("--- gateway logs\n{logs}");
+            }
+        }
+        for s in &self.services {
+            let _ = docker(&["service", "rm", s]);
+        }
+        // Tasks take a moment to go; the network can only go after them.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            if docker(&["network", "rm", &self.network]).0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        let _ = docker(&["image", "rm", "-f", &self.image]);
+        if self.leave_swarm {
+            let _ = docker(&["swarm", "leave", "--force"]);
+        }
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn replicas(service: &str) -> i64 {
+    must(&[
+        "service",
+        "inspect",
+        service,
+        "--format",
+        "{{.Spec.Mode.Replicated.Replicas}}",
+    ])
+    .parse()
+    .unwrap_or(-1)
+}
+
+fn force_update(service: &str) -> i64 {
+    must(&[
+        "service",
+        "inspect",
+        service,
+        "--format",
+        "{{.Spec.TaskTemplate.ForceUpdate}}",
+    ])
+    .parse()
+    .unwrap_or(-1)
+}
+
+fn running_container(service: &str) -> Option<String> {
+    let (_, out) = docker(&[
+        "ps",
+        "-q",
+        "--filter",
+        &format!("label=com.docker.swarm.service.name={service}"),
+        "--filter",
+        "status=running",
+    ]);
+    out.lines().next().map(str::to_string)
+}
+
+async fn wait_for<F: FnMut() -> bool>(what: &str, within: Duration, mut f: F) {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+async fn status(url: &str) -> Value {
+    match reqwest::get(format!("{url}/status")).await {
+        Ok(r) => r.json().await.unwrap_or(Value::Null),
+        Err(_) => Value::Null,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn swarm_discovery_failover_remediation_and_recovery() {
+    if std::env::var("AUTOHEDGE_SKIP_DOCKER").is_ok() {
+        eprintln!("AUTOHEDGE_SKIP_DOCKER set: skipping the Docker Engine test");
+        return;
+    }
+    let (ok, info) = docker(&["info", "--format", "{{.Swarm.LocalNodeState}}"]);
+    assert!(
+        ok,
+        "the Docker Engine must be running for this test (or set AUTOHEDGE_SKIP_DOCKER): {info}"
+    );
+    let id = std::process::id();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let image = format!("autohedge-test:{id}");
+    let net = format!("ahtest-{id}");
+    let svc = |s: &str| format!("ahtest-{id}-{s}");
+    let mut cleanup = Cleanup {
+        services: vec![],
+        network: net.clone(),
+        image: image.clone(),
+        leave_swarm: false,
+    };
+    let built = Command::new(root.join("deploy/build-image.sh"))
+        .args([BIN, &image])
+        .output()
+        .unwrap();
+    assert!(
+        built.status.success(),
+        "{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    if info.trim() != "active" {
+        let (ok, out) = docker(&["swarm", "init", "--advertise-addr", "127.0.0.1"]);
+        assert!(ok, "this engine refused swarm mode: {out}");
+        cleanup.leave_swarm = true;
+    }
+    must(&["network", "create", "-d", "overlay", "--attachable", &net]);
+
+    // Scripts live on the host and are bind-mounted: a restarted task reads the current one.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    std::fs::write(dir.join("primary.yaml"), "name: primary\n").unwrap();
+    std::fs::write(dir.join("backup.yaml"), "name: backup\n").unwrap();
+    std::fs::write(dir.join("standby.yaml"), "name: standby\n").unwrap();
+    std::fs::create_dir_all(dir.join("data")).unwrap();
+    let mount = format!("type=bind,src={},dst=/scripts,readonly", dir.display());
+    let upstream = |name: &str, flavor: &str, replicas: &str, manage: bool| {
+        let s = svc(name);
+        let mut args = vec![
+            "service".to_string(),
+            "create".into(),
+            "-q".into(),
+            "--detach".into(),
+            "--name".into(),
+            s.clone(),
+            "--network".into(),
+            net.clone(),
+            "--endpoint-mode".into(),
+            "dnsrr".into(),
+            "--replicas".into(),
+            replicas.into(),
+            "--restart-condition".into(),
+            "any".into(),
+            "--restart-delay".into(),
+            "1s".into(),
+            "--mount".into(),
+            mount.clone(),
+            // The image's HEALTHCHECK is the gateway's; a mock upstream has its own port.
+            "--no-healthcheck".into(),
+            "--label".into(),
+            format!("autohedge.endpoint={name}"),
+            "--label".into(),
+            "autohedge.port=8080".into(),
+            "--label".into(),
+            format!("autohedge.type={flavor}"),
+        ];
+        if manage {
+            args.push("--label".into());
+            args.push("autohedge.manage=true".into());
+        }
+        args.extend([
+            image.clone(),
+            "mock-upstream".into(),
+            "--listen".into(),
+            "0.0.0.0:8080".into(),
+            "--flavor".into(),
+            flavor.into(),
+            "--script".into(),
+            format!("/scripts/{name}.yaml"),
+        ]);
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        must(&a);
+        s
+    };
+    cleanup
+        .services
+        .push(upstream("primary", "vllm", "1", true));
+    cleanup
+        .services
+        .push(upstream("backup", "openai", "1", false));
+    cleanup
+        .services
+        .push(upstream("standby", "openai", "0", false));
+
+    let config = format!(
+        r#"
+models:
+  primary: {{ type: vllm, discover: docker, timeouts: {{ connect: 1s, first_token: 2s, total: 5s }} }}
+  standby: {{ type: openai, discover: docker, timeouts: {{ connect: 1s, first_token: 2s, total: 5s }} }}
+  backup: {{ type: openai, discover: docker, timeouts: {{ connect: 1s, first_token: 2s, total: 5s }} }}
+routing_policy: {{ fallback_chain: [primary, standby, backup] }}
+health: {{ probe_interval: 300ms, probe_timeout: 1s, flip_after: 1, warmup: 1s }}
+docker:
+  enabled: true
+  interval: 500ms
+  network: {net}
+  remediation:
+    enabled: true
+    unhealthy_after: 2
+    min_interval: 3s
+    standby:
+      - {{ primary: primary, service: {standby_svc}, healthy_for: 2s }}
+"#,
+        standby_svc = svc("standby")
+    );
+    std::fs::write(dir.join("config.yaml"), config).unwrap();
+    let port = free_port();
+    let gw = svc("gateway");
+    let publish = format!("mode=host,target=8000,published={port}");
+    let cfg_mount = format!("type=bind,src={},dst=/cfg,readonly", dir.display());
+    let data_mount = format!("type=bind,src={},dst=/data", dir.join("data").display());
+    must(&[
+        "service",
+        "create",
+        "-q",
+        "--detach",
+        "--name",
+        &gw,
+        "--network",
+        &net,
+        "--publish",
+        &publish,
+        "--mount",
+        "type=bind,src=/var/run/docker.sock,dst=/var/run/docker.sock",
+        "--mount",
+        &cfg_mount,
+        "--mount",
+        &data_mount,
+        "--user",
+        "0",
+        "--health-interval",
+        "5s",
+        "--health-retries",
+        "6",
+        &image,
+        "serve",
+        "--config",
+        "/cfg/config.yaml",
+        "--listen",
+        "0.0.0.0:8000",
+        "--data-dir",
+        "/data",
+    ]);
+    cleanup.services.push(gw.clone());
+    let url = format!("http://127.0.0.1:{port}");
+
+    // Discovery finds the primary and the backup, with task addresses.
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let st = status(&url).await;
+        let p = &st["endpoints"]["primary"];
+        let b = &st["endpoints"]["backup"];
+        if p["state"] == "healthy"
+            && b["state"] == "healthy"
+            && p["discovered"]["addresses"]
+                .as_array()
+                .is_some_and(|a| !a.is_empty())
+        {
+            assert_eq!(st["docker"]["status"], "ok");
+            assert_eq!(
+                st["endpoints"]["standby"]["state"], "unhealthy",
+                "standby has no running task"
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "discovery did not settle: {st}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let client = reqwest::Client::new();
+    let chat = json!({"model": "primary", "messages": [{"role": "user", "content": "hi"}]});
+    let r = client
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&chat)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["x-autohedge-endpoint"], "primary");
+
+    // Steady client traffic for the rest of the test: not one request may fail.
+    let stop = Arc::new(AtomicBool::new(false));
+    let (sent, failed, by_backup) = (
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    let traffic = {
+        let (stop, sent, failed, by_backup) = (
+            stop.clone(),
+            sent.clone(),
+            failed.clone(),
+            by_backup.clone(),
+        );
+        let (url, chat, client) = (url.clone(), chat.clone(), client.clone());
+        tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(240);
+            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                sent.fetch_add(1, Ordering::Relaxed);
+                match client
+                    .post(format!("{url}/v1/chat/completions"))
+                    .json(&chat)
+                    .timeout(Duration::from_secs(15))
+                    .send()
+                    .await
+                {
+                    Ok(r) if r.status().is_success() => {
+                        if r.headers()["x-autohedge-endpoint"] == "backup" {
+                            by_backup.fetch_add(1, Ordering::Relaxed);
+                        }
+                        let _ = r.bytes().await;
+                    }
+                    Ok(r) => {
+                        failed.fetch_add(1, Ordering::Relaxed);
+                        eprintln!(
+                            "failed request: {} {}",
+                            r.status(),
+                            r.text().await.unwrap_or_default()
+                        );
+                    }
+                    Err(e) => {
+                        failed.fetch_add(1, Ordering::Relaxed);
+                        eprintln!("failed request: {e}");
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+
+    // Stop the primary's task: traffic moves to the backup, no client request fails.
+    let before_backup = by_backup.load(Ordering::Relaxed);
+    let ctr = running_container(&svc("primary")).expect("primary task running");
+    must(&["kill", &ctr]);
+    wait_for("traffic on the backup", Duration::from_secs(30), || {
+        by_backup.load(Ordering::Relaxed) > before_backup
+    })
+    .await;
+
+    // Make the primary sick: its next task answers 503 on /health. Remediation restarts it
+    // (force-update) and scales the standby up.
+    std::fs::write(
+        dir.join("primary.yaml"),
+        "name: primary\nrules: [{when: {path: /health}, status: 503}]\n",
+    )
+    .unwrap();
+    if let Some(c) = running_container(&svc("primary")) {
+        let _ = docker(&["kill", &c]);
+    }
+    let fu0 = force_update(&svc("primary"));
+    wait_for(
+        "the primary to be restarted by remediation",
+        Duration::from_secs(60),
+        || force_update(&svc("primary")) > fu0,
+    )
+    .await;
+    wait_for(
+        "the standby to be scaled to 1",
+        Duration::from_secs(60),
+        || replicas(&svc("standby")) == 1,
+    )
+    .await;
+
+    // Recovery: the primary's next task is healthy; once it has been healthy for `healthy_for`,
+    // the standby goes back to 0.
+    std::fs::write(dir.join("primary.yaml"), "name: primary\n").unwrap();
+    if let Some(c) = running_container(&svc("primary")) {
+        let _ = docker(&["kill", &c]);
+    }
+    wait_for(
+        "the standby to be scaled back to 0",
+        Duration::from_secs(90),
+        || replicas(&svc("standby")) == 0,
+    )
+    .await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let st = status(&url).await;
+        if st["endpoints"]["primary"]["state"] == "healthy" {
+            assert!(
+                st["docker"]["remediation_actions"].as_u64().unwrap_or(0) >= 3,
+                "{}",
+                st["docker"]
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "primary never recovered: {}",
+            st["endpoints"]["primary"]
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    traffic.await.unwrap();
+    let (sent, failed) = (sent.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
+    assert!(sent > 20, "{sent}");
+    assert_eq!(failed, 0, "{failed} of {sent} client requests failed");
+
+    // The audit trail inside the gateway recorded the remediation with reasons and results.
+    must(&["service", "scale", "-d", &format!("{gw}=0")]);
+    wait_for("the gateway to stop", Duration::from_secs(30), || {
+        running_container(&gw).is_none()
+    })
+    .await;
+    let conn = rusqlite::Connection::open(dir.join("data").join("autohedge.db")).unwrap();
+    let events: Vec<(String, String)> = conn
+        .prepare("SELECT event, reason FROM endpoint_events WHERE event LIKE 'remediation_%' ORDER BY id")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    let kinds: Vec<&str> = events.iter().map(|(e, _)| e.as_str()).collect();
+    assert!(kinds.contains(&"remediation_restart"), "{events:?}");
+    assert!(kinds.contains(&"remediation_scale_up"), "{events:?}");
+    assert!(kinds.contains(&"remediation_scale_down"), "{events:?}");
+    assert!(
+        events.iter().all(|(_, r)| r.contains("result: ok")),
+        "{events:?}"
+    );
+    drop(cleanup);
+}

@@ -57,6 +57,190 @@ async fn get_with(
         .map_err(|_| format!("no answer within {}ms", timeout.as_millis()))?
 }
 
+/// GPU memory share above which a backend is degraded: past ~92% an allocator spike (a long
+/// prompt, a new sequence) risks an out-of-memory error mid-request.
+const GPU_MEMORY_DEGRADED: f64 = 0.92;
+
+/// A backend reporting less uptime than this has just (re)started: warming.
+const WARMING_UPTIME_SECS: f64 = 60.0;
+
+/// What the prober remembers between rounds for one endpoint (KV-cache trend).
+#[derive(Default, Debug)]
+pub struct Memory {
+    kv: std::collections::VecDeque<f64>,
+    purged: bool,
+}
+
+/// Evaluates a custom `health_check` body.
+pub fn judge_custom(
+    hc: &crate::config::RawHealthCheck,
+    status: u16,
+    body: &str,
+    mem: &mut Memory,
+) -> (ProbeResult, bool) {
+    if !(200..300).contains(&status) {
+        return (
+            ProbeResult::Unhealthy(format!("health_check: {status}")),
+            false,
+        );
+    }
+    let Ok(v) = serde_json::from_str::<Value>(body) else {
+        return (
+            ProbeResult::Unhealthy("health_check: body is not JSON".into()),
+            false,
+        );
+    };
+    for (k, want) in &hc.expect {
+        if v.get(k) != Some(want) {
+            return (
+                ProbeResult::Unhealthy(format!(
+                    "health_check: {k} = {}, expected {want}",
+                    v.get(k).unwrap_or(&Value::Null)
+                )),
+                false,
+            );
+        }
+    }
+    // KV cache growing across the last K probes with no fall: a leak the purge hook can clear.
+    let mut purge = false;
+    if let Some(kv) = v.get("kv_cache_size_mb").and_then(Value::as_f64) {
+        let k = hc.kv_growth_probes.unwrap_or(5).max(2);
+        if mem.kv.back().is_some_and(|last| kv < *last) {
+            mem.purged = false;
+            mem.kv.clear();
+        }
+        mem.kv.push_back(kv);
+        while mem.kv.len() > k {
+            mem.kv.pop_front();
+        }
+        let growing = mem.kv.len() == k
+            && mem
+                .kv
+                .iter()
+                .zip(mem.kv.iter().skip(1))
+                .all(|(a, b)| b >= a)
+            && mem.kv.back() > mem.kv.front();
+        if growing && !mem.purged && hc.purge.is_some() {
+            mem.purged = true;
+            purge = true;
+        }
+    }
+    if let Some(up) = v.get("uptime_seconds").and_then(Value::as_f64)
+        && up < WARMING_UPTIME_SECS
+    {
+        return (
+            ProbeResult::Warming(format!("uptime {up:.0}s (under {WARMING_UPTIME_SECS:.0}s)")),
+            purge,
+        );
+    }
+    if let (Some(used), Some(total)) = (
+        v.get("gpu_memory_used_mb").and_then(Value::as_f64),
+        hc.gpu_memory_total_mb,
+    ) && total > 0.0
+        && used / total > GPU_MEMORY_DEGRADED
+    {
+        return (
+            ProbeResult::Degraded(format!(
+                "GPU memory {:.0}% used (over {:.0}%)",
+                100.0 * used / total,
+                100.0 * GPU_MEMORY_DEGRADED
+            )),
+            purge,
+        );
+    }
+    (ProbeResult::Healthy, purge)
+}
+
+fn absolute(url: &str, root: &str) -> String {
+    if url.starts_with("http://") || url.starts_with("https://") {
+        url.to_string()
+    } else {
+        format!("{root}{url}")
+    }
+}
+
+/// A custom check: returns the report and whether the purge hook should be called.
+async fn probe_custom(
+    ep: &Endpoint,
+    root: &str,
+    hc: &crate::config::RawHealthCheck,
+    hp: &HealthPolicy,
+    mem: &mut Memory,
+) -> (ProbeReport, bool) {
+    let at = SystemTime::now();
+    let timeout = hc.timeout.map(|d| d.0).unwrap_or(hp.probe_timeout);
+    let method = reqwest::Method::from_bytes(hc.method.as_bytes()).unwrap_or(reqwest::Method::GET);
+    let r = get_with(ep.client.request(method, absolute(&hc.url, root)), timeout).await;
+    let (result, purge, detail) = match r {
+        Err(e) => (
+            ProbeResult::Unhealthy(format!("health_check: {e}")),
+            false,
+            json!({"error": e}),
+        ),
+        Ok((status, _, body)) => {
+            let (res, purge) = judge_custom(hc, status, &body, mem);
+            let detail = serde_json::from_str::<Value>(&body).unwrap_or(json!({"status": status}));
+            (res, purge, detail)
+        }
+    };
+    (
+        ProbeReport {
+            at,
+            ok: result == ProbeResult::Healthy,
+            detail,
+            result,
+        },
+        purge,
+    )
+}
+
+/// The opt-in semantic probe: one real one-token completion that must return message content.
+async fn probe_semantic(
+    ep: &Endpoint,
+    base: &str,
+    key: Option<&str>,
+    timeout: Duration,
+) -> Result<(), String> {
+    let mut body = serde_json::Map::new();
+    body.insert("model".into(), json!(ep.upstream_model));
+    body.insert(
+        "messages".into(),
+        json!([{"role": "user", "content": "Reply with one word: ok"}]),
+    );
+    body.insert("max_tokens".into(), json!(1));
+    let secret = key.map(|k| crate::config::Secret::new(k.to_string()));
+    let (rb, _) = crate::upstream::request(
+        ep,
+        crate::wire::Op::Chat,
+        &body,
+        false,
+        secret.as_ref(),
+        "autohedge-semantic-probe",
+        Some(base),
+    )
+    .map_err(|u| u.0)?;
+    let fut = async {
+        let r = rb.send().await.map_err(|e| e.to_string())?;
+        let status = r.status();
+        let v: Value = r.json().await.map_err(|e| e.to_string())?;
+        if !status.is_success() {
+            return Err(format!("semantic probe: {status}"));
+        }
+        let v = if ep.kind == EndpointKind::Ollama {
+            crate::upstream::ollama::response_body(crate::wire::Op::Chat, &ep.name, &body, &v)?
+        } else {
+            v
+        };
+        match v.pointer("/choices/0/message/content") {
+            Some(Value::String(_)) => Ok(()),
+            _ => Err("semantic probe: no choices[0].message.content".into()),
+        }
+    };
+    tokio::time::timeout(timeout, fut)
+        .await
+        .map_err(|_| "semantic probe: timed out".to_string())?
+}
+
 /// Probes one endpoint at `base` (its configured or discovered API root).
 pub async fn probe(
     ep: &Endpoint,
@@ -212,12 +396,14 @@ pub async fn probe(
 
 /// Probes every endpoint of the live config every `health.probe_interval` until cancelled.
 pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
+    let memory: std::sync::Mutex<std::collections::HashMap<String, Memory>> = Default::default();
     loop {
         let cfg = state.config.load_full();
         let hp = cfg.health;
         let thresholds = cfg.policy.health;
         let eps: Vec<Arc<Endpoint>> = cfg.endpoints.values().cloned().collect();
         let st = &state;
+        let mem = &memory;
         let results = join_all(eps.iter().map(|ep| async move {
             // A discovered endpoint is probed where it runs now; before discovery, not at all.
             let base = if ep.discover {
@@ -229,10 +415,42 @@ pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
                 .keys
                 .iter()
                 .find_map(|k| k.value.as_ref().map(|v| v.expose().to_string()));
-            let report = match base {
-                Some(b) => probe(ep, &b, key.as_deref(), &hp).await,
-                None => None,
+            let Some(base) = base else {
+                return (ep.name.clone(), None);
             };
+            let root = base.trim_end_matches('/').trim_end_matches("/v1").to_string();
+            let mut report = match &ep.health_check {
+                Some(hc) => {
+                    let mut m = std::mem::take(mem.lock().unwrap_or_else(|e| e.into_inner()).entry(ep.name.clone()).or_default());
+                    let (report, purge) = probe_custom(ep, &root, hc, &hp, &mut m).await;
+                    mem.lock().unwrap_or_else(|e| e.into_inner()).insert(ep.name.clone(), m);
+                    if purge && let Some(hook) = &hc.purge {
+                        let method = reqwest::Method::from_bytes(hook.method.as_bytes()).unwrap_or(reqwest::Method::POST);
+                        let res = get_with(ep.client.request(method, absolute(&hook.url, &root)), hp.probe_timeout).await;
+                        let outcome = match res {
+                            Ok((s, _, _)) if (200..300).contains(&s) => "ok".to_string(),
+                            Ok((s, _, _)) => format!("status {s}"),
+                            Err(e) => e,
+                        };
+                        st.registry.record_event(
+                            &ep.name,
+                            "kv_cache_purge",
+                            &format!("KV cache grew across {} probes with no fall; called {} {}; result: {outcome}", hc.kv_growth_probes.unwrap_or(5), hook.method, hook.url),
+                        );
+                    }
+                    Some(report)
+                }
+                None => probe(ep, &base, key.as_deref(), &hp).await,
+            };
+            if ep.semantic_probe
+                && let Some(r) = report.as_mut()
+                && matches!(r.result, ProbeResult::Healthy | ProbeResult::Degraded(_))
+                && let Err(e) = probe_semantic(ep, &base, key.as_deref(), hp.probe_timeout.max(Duration::from_secs(10))).await
+            {
+                r.result = ProbeResult::Unhealthy(e.clone());
+                r.ok = false;
+                r.detail["semantic_probe"] = json!(e);
+            }
             (ep.name.clone(), report)
         }))
         .await;
@@ -252,5 +470,62 @@ pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(interval) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hc() -> crate::config::RawHealthCheck {
+        serde_yaml_ng::from_str(
+            "url: /health\nexpect: { status: healthy }\ngpu_memory_total_mb: 10000\nkv_growth_probes: 3\npurge: { url: /purge }\n",
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn custom_health_rules() {
+        let mut m = Memory::default();
+        let ok = r#"{"status":"healthy","gpu_memory_used_mb":4210,"kv_cache_size_mb":187,"uptime_seconds":3621}"#;
+        assert_eq!(judge_custom(&hc(), 200, ok, &mut m).0, ProbeResult::Healthy);
+        let hot = r#"{"status":"healthy","gpu_memory_used_mb":9300,"uptime_seconds":3621}"#;
+        assert!(matches!(
+            judge_custom(&hc(), 200, hot, &mut m).0,
+            ProbeResult::Degraded(_)
+        ));
+        let young = r#"{"status":"healthy","uptime_seconds":12}"#;
+        assert!(matches!(
+            judge_custom(&hc(), 200, young, &mut m).0,
+            ProbeResult::Warming(_)
+        ));
+        let bad = r#"{"status":"loading"}"#;
+        assert!(matches!(
+            judge_custom(&hc(), 200, bad, &mut m).0,
+            ProbeResult::Unhealthy(_)
+        ));
+        assert!(matches!(
+            judge_custom(&hc(), 503, ok, &mut m).0,
+            ProbeResult::Unhealthy(_)
+        ));
+    }
+
+    #[test]
+    fn kv_growth_calls_the_purge_hook_once() {
+        let mut m = Memory::default();
+        let body = |kv: u32| {
+            format!(r#"{{"status":"healthy","kv_cache_size_mb":{kv},"uptime_seconds":999}}"#)
+        };
+        assert!(!judge_custom(&hc(), 200, &body(100), &mut m).1);
+        assert!(!judge_custom(&hc(), 200, &body(150), &mut m).1);
+        assert!(
+            judge_custom(&hc(), 200, &body(200), &mut m).1,
+            "grew across 3 probes"
+        );
+        assert!(!judge_custom(&hc(), 200, &body(250), &mut m).1, "once");
+        // A fall re-arms it.
+        assert!(!judge_custom(&hc(), 200, &body(50), &mut m).1);
+        assert!(!judge_custom(&hc(), 200, &body(60), &mut m).1);
+        assert!(judge_custom(&hc(), 200, &body(70), &mut m).1);
     }
 }

@@ -225,6 +225,11 @@ impl Registry {
         }
     }
 
+    /// Records an endpoint event from outside the registry (probes, hooks).
+    pub fn record_event(&self, endpoint: &str, event: &str, reason: &str) {
+        self.event(endpoint, event, reason);
+    }
+
     fn event(&self, endpoint: &str, event: &str, reason: &str) {
         tracing::info!(endpoint, event, reason, "endpoint event");
         self.store.send(crate::store::Record::Event(EndpointEvent {

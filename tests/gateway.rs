@@ -1588,3 +1588,73 @@ async fn unreachable_docker_daemon_is_reported_and_routing_goes_on() {
         .unwrap();
     assert_eq!(n, 1, "recorded once per transition");
 }
+
+#[tokio::test]
+async fn custom_health_check_warming_purge_hook_and_semantic_probe() {
+    let a = MockUp::openai(
+        r#"rules:
+  - { when: { path: /custom-health }, times: 3, status: 200, body: '{"status":"healthy","uptime_seconds":12}' }
+  - { when: { path: /custom-health }, times: 1, status: 200, body: '{"status":"healthy","kv_cache_size_mb":100,"uptime_seconds":999}' }
+  - { when: { path: /custom-health }, times: 1, status: 200, body: '{"status":"healthy","kv_cache_size_mb":150,"uptime_seconds":999}' }
+  - { when: { path: /custom-health }, status: 200, body: '{"status":"healthy","kv_cache_size_mb":200,"uptime_seconds":999}' }
+  - { when: { path: /purge }, status: 200, body: '{}' }
+"#,
+    )
+    .await;
+    let s = MockUp::openai("rules: [{status: 500}]").await;
+    let b = MockUp::openai("name: b").await;
+    let mut gw = Gw::start(&format!(
+        r#"
+models:
+  a:
+    type: vllm
+    base_url: "{}"
+    health_check: {{ url: /custom-health, expect: {{ status: healthy }}, kv_growth_probes: 3, purge: {{ url: /purge, method: POST }} }}
+  s: {{ type: openai, base_url: "{}", semantic_probe: true }}
+  b: {{ type: openai, base_url: "{}" }}
+routing_policy: {{ fallback_chain: [a, s, b] }}
+health: {{ probe_interval: 100ms, flip_after: 1, warmup: 300ms }}
+"#,
+        a.base(),
+        s.base(),
+        b.base()
+    ));
+    // uptime 12s: warming, skipped.
+    let ok = eventually(Duration::from_secs(5), || async {
+        gw.status().await["endpoints"]["a"]["state"] == "warming"
+    })
+    .await;
+    assert!(ok, "{}", gw.status().await["endpoints"]["a"]);
+    // The semantic probe's completion fails although GET /models works: unhealthy.
+    let ok = eventually(Duration::from_secs(5), || async {
+        gw.status().await["endpoints"]["s"]["state"] == "unhealthy"
+    })
+    .await;
+    assert!(ok, "{}", gw.status().await["endpoints"]["s"]);
+    // Then healthy, and the KV cache grows across three probes: the purge hook is called once.
+    let ok = eventually(Duration::from_secs(5), || async {
+        a.stats().await["by_path"]["/purge"] == 1
+    })
+    .await;
+    assert!(ok, "{}", a.stats().await);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        a.stats().await["by_path"]["/purge"],
+        1,
+        "only once while it keeps growing"
+    );
+    assert_eq!(
+        header(&gw.chat("a", "x").await, "x-autohedge-endpoint"),
+        "a"
+    );
+    gw.stop();
+    let conn = rusqlite::Connection::open(gw.db()).unwrap();
+    let reason: String = conn
+        .query_row(
+            "SELECT reason FROM endpoint_events WHERE event = 'kv_cache_purge'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(reason.contains("result: ok"), "{reason}");
+}

@@ -289,9 +289,49 @@ pub struct RawEndpoint {
     pub tokenize_timeout: Option<Dur>,
     /// Extra headers sent upstream (e.g. `OpenAI-Organization`). Values may use `env:`/`file:`.
     pub headers: Option<BTreeMap<String, String>>,
+    /// A custom health endpoint that replaces the type's default probe.
+    pub health_check: Option<RawHealthCheck>,
+    /// Opt-in: also send a real one-token completion each probe (bills one token per probe).
+    pub semantic_probe: Option<bool>,
     /// `docker`: the address comes from Swarm services / containers labelled
     /// `autohedge.endpoint=<this name>` (see `docker:`).
     pub discover: Option<Discover>,
+}
+
+/// `health_check:` for services that report themselves as JSON, e.g.
+/// `{"status":"healthy","gpu_memory_used_mb":4210,"kv_cache_size_mb":187,"uptime_seconds":3621}`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawHealthCheck {
+    /// Absolute URL, or a path under the endpoint's root (`/health`).
+    pub url: String,
+    #[serde(default = "default_get")]
+    pub method: String,
+    pub timeout: Option<Dur>,
+    /// Fields that must have these values (`status: healthy`).
+    #[serde(default)]
+    pub expect: BTreeMap<String, serde_json::Value>,
+    /// GPU memory above 92% of this → degraded.
+    pub gpu_memory_total_mb: Option<f64>,
+    /// KV cache growing with no fall across this many probes → call `purge` once (default 5).
+    pub kv_growth_probes: Option<usize>,
+    pub purge: Option<RawHook>,
+}
+
+fn default_get() -> String {
+    "GET".into()
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawHook {
+    pub url: String,
+    #[serde(default = "default_post")]
+    pub method: String,
+}
+
+fn default_post() -> String {
+    "POST".into()
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
@@ -388,6 +428,9 @@ impl fmt::Display for KeySource {
 pub struct Secret(String);
 
 impl Secret {
+    pub fn new(value: String) -> Self {
+        Secret(value)
+    }
     pub fn expose(&self) -> &str {
         &self.0
     }
@@ -442,6 +485,8 @@ pub struct Endpoint {
     pub tokenize_cache: std::sync::Mutex<std::collections::HashMap<u64, u64>>,
     /// The address is resolved by Docker discovery.
     pub discover: bool,
+    pub health_check: Option<RawHealthCheck>,
+    pub semantic_probe: bool,
     /// Changes whenever what this endpoint *is* changes (URL, model, type, keys). A retirement is
     /// stored with the fingerprint it was made under and lifted when the config changes it.
     pub fingerprint: String,
@@ -782,6 +827,8 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
                 }),
                 tokenize_cache: Default::default(),
                 discover: ep.discover.is_some(),
+                health_check: ep.health_check,
+                semantic_probe: ep.semantic_probe.unwrap_or(false),
             }),
         );
     }

@@ -4,8 +4,10 @@
 //! `autohedge.endpoint=<name>`. A config endpoint with `discover: docker` is backed by them: its
 //! address is a running task's (resolved from the API, which is what `tasks.<service>` DNS would
 //! give without the DNS cache lag), and no running task — or the engine reporting the container
-//! unhealthy — makes it unhealthy at once. Labelled services the config does not name are listed
-//! in `/status` under `docker.unconfigured`.
+//! unhealthy — makes it unhealthy at once. A labelled service or container the config does not
+//! name becomes an endpoint of its own (type and model from its `autohedge.type` and
+//! `autohedge.model` labels), appended to the fallback chain and listed in `/status` under
+//! `docker.discovered_endpoints`; it goes when its label does.
 //!
 //! When the daemon cannot be reached, `/status` says `docker_daemon_unreachable` (and an
 //! `endpoint_events` row records the transition); HTTP probing and routing carry on with the last
@@ -63,7 +65,8 @@ pub struct DockerStatus {
     pub reachable: Option<bool>,
     pub error: Option<String>,
     pub last_scan: Option<SystemTime>,
-    pub unconfigured: Vec<Value>,
+    /// Endpoints that exist only because discovery found them.
+    pub added: Vec<String>,
     pub actions: u64,
 }
 
@@ -78,7 +81,7 @@ impl DockerStatus {
             },
             "error": self.error,
             "last_scan_unix_ms": self.last_scan.and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok()).map(|d| d.as_millis() as u64),
-            "unconfigured": self.unconfigured,
+            "discovered_endpoints": self.added,
             "remediation_actions": self.actions,
         })
     }
@@ -489,7 +492,60 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
                     }
                 }
                 was_reachable = Some(true);
-                let mut unconfigured = Vec::new();
+                // Labelled services the file does not name become endpoints of their own.
+                let mut wanted: Vec<crate::config::DiscoveredEndpoint> = Vec::new();
+                for f in &found {
+                    let synthetic = cfg.discovered_extra.contains(&f.endpoint);
+                    if (synthetic || !cfg.endpoints.contains_key(&f.endpoint))
+                        && !cfg.routes.contains_key(&f.endpoint)
+                        && !wanted.iter().any(|w| w.name == f.endpoint)
+                    {
+                        let kind = match f.labels.get(LABEL_TYPE).map(String::as_str) {
+                            Some("vllm") => EndpointKind::Vllm,
+                            Some("ollama") => EndpointKind::Ollama,
+                            _ => EndpointKind::Openai,
+                        };
+                        wanted.push(crate::config::DiscoveredEndpoint {
+                            name: f.endpoint.clone(),
+                            kind,
+                            model: f.labels.get(LABEL_MODEL).cloned(),
+                        });
+                    }
+                }
+                wanted.sort_by(|a, b| a.name.cmp(&b.name));
+                let changed = state
+                    .discovered
+                    .lock()
+                    .map(|d| *d != wanted)
+                    .unwrap_or(false);
+                if changed {
+                    match crate::config::Config::load_with(&cfg.source, &wanted) {
+                        Ok(new_cfg) if !cfg.source.is_empty() || cfg.endpoints.is_empty() => {
+                            for w in &wanted {
+                                if !cfg.endpoints.contains_key(&w.name) {
+                                    event(
+                                        &state,
+                                        &w.name,
+                                        "discovered",
+                                        format!(
+                                            "labelled {LABEL_ENDPOINT}={} ({}); added to the routing table",
+                                            w.name, w.kind
+                                        ),
+                                    );
+                                }
+                            }
+                            if let Ok(mut d) = state.discovered.lock() {
+                                *d = wanted.clone();
+                            }
+                            state.install(new_cfg);
+                        }
+                        Ok(_) => {}
+                        Err(e) => {
+                            tracing::warn!(error = %e, "discovered endpoints could not be added")
+                        }
+                    }
+                }
+                let cfg = state.config.load_full();
                 for (name, ep) in &cfg.endpoints {
                     if !ep.discover {
                         continue;
@@ -522,24 +578,13 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
                     };
                     state.registry.observe_docker(name, Some(d));
                 }
-                for f in &found {
-                    if !cfg.endpoints.contains_key(&f.endpoint) {
-                        unconfigured.push(json!({
-                            "endpoint": f.endpoint,
-                            "service": f.discovered.service,
-                            "type": f.labels.get(LABEL_TYPE),
-                            "model": f.labels.get(LABEL_MODEL),
-                            "addresses": f.discovered.addresses,
-                        }));
-                    }
-                }
                 let actions = remediate(&state, &docker, &cfg, &found, &mut remedies).await;
                 if let Ok(mut s) = status.lock() {
                     s.enabled = true;
                     s.reachable = Some(true);
                     s.error = None;
                     s.last_scan = Some(SystemTime::now());
-                    s.unconfigured = unconfigured;
+                    s.added = cfg.discovered_extra.clone();
                     s.actions += actions;
                 }
             }

@@ -27,6 +27,8 @@ pub struct AppState {
     pub started: std::time::Instant,
     /// The Docker watcher's last view.
     pub docker: crate::discovery::SharedStatus,
+    /// Endpoints discovery added to the table (kept across file reloads).
+    pub discovered: Mutex<Vec<crate::config::DiscoveredEndpoint>>,
 }
 
 impl AppState {
@@ -46,6 +48,7 @@ impl AppState {
             reload: Mutex::new(ReloadStatus::default()),
             started: std::time::Instant::now(),
             docker: Default::default(),
+            discovered: Mutex::new(Vec::new()),
         })
     }
 

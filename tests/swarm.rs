@@ -323,6 +323,33 @@ docker:
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     let client = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let st = status(&url).await;
+        if st["endpoints"]["extra"]["state"] == "healthy" {
+            assert_eq!(st["docker"]["discovered_endpoints"], json!(["extra"]));
+            assert_eq!(
+                st["chains"]["fallback_chain"],
+                json!(["primary", "standby", "backup", "extra"])
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the unconfigured service never became an endpoint: {st}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let extra = json!({"model": "extra", "messages": [{"role": "user", "content": "hi"}]});
+    let r = client
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&extra)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["x-autohedge-endpoint"], "extra");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "Hello from extra!");
     let chat = json!({"model": "primary", "messages": [{"role": "user", "content": "hi"}]});
     let r = client
         .post(format!("{url}/v1/chat/completions"))

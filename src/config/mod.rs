@@ -534,8 +534,20 @@ pub struct Config {
     pub policy: Policy,
     pub health: HealthPolicy,
     pub docker: DockerConfig,
+    /// The YAML text this table was built from (to rebuild it when discovery changes).
+    pub source: String,
+    /// Endpoints that exist because Docker discovery found them, not because the file names them.
+    pub discovered_extra: Vec<String>,
     /// Problems that do not stop the gateway (an unset `env:` key) — reported at start.
     pub warnings: Vec<String>,
+}
+
+/// A labelled service or container Docker discovery found that the config file does not name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiscoveredEndpoint {
+    pub name: String,
+    pub kind: EndpointKind,
+    pub model: Option<String>,
 }
 
 /// A config error that says where it is.
@@ -546,15 +558,51 @@ pub struct ConfigError(pub String);
 impl Config {
     /// Reads and loads a config file.
     pub fn load_file(path: &Path) -> Result<Config, ConfigError> {
+        Config::load_file_with(path, &[])
+    }
+
+    pub fn load_file_with(
+        path: &Path,
+        discovered: &[DiscoveredEndpoint],
+    ) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| ConfigError(format!("cannot read {}: {e}", path.display())))?;
-        Config::load(&text).map_err(|e| ConfigError(format!("{}: {}", path.display(), e.0)))
+        Config::load_with(&text, discovered)
+            .map_err(|e| ConfigError(format!("{}: {}", path.display(), e.0)))
     }
 
     /// Parses, validates and resolves a config text.
     pub fn load(text: &str) -> Result<Config, ConfigError> {
-        let raw = parse(text)?;
-        build(raw)
+        Config::load_with(text, &[])
+    }
+
+    /// Like `load`, plus endpoints Docker discovery found that the file does not name: each is
+    /// added with `discover: docker` and appended to the fallback chain (when docker is on).
+    pub fn load_with(text: &str, discovered: &[DiscoveredEndpoint]) -> Result<Config, ConfigError> {
+        let mut raw = parse(text)?;
+        let mut extra = Vec::new();
+        if raw.docker.enabled {
+            for d in discovered {
+                if raw.models.contains_key(&d.name) || raw.routes.contains_key(&d.name) {
+                    continue;
+                }
+                let ep: RawEndpoint = serde_json::from_value(serde_json::json!({
+                    "type": d.kind,
+                    "discover": "docker",
+                    "model": d.model,
+                }))
+                .map_err(|e| ConfigError(format!("discovered endpoint {}: {e}", d.name)))?;
+                raw.models.insert(d.name.clone(), ep);
+                if !raw.routing_policy.fallback_chain.is_empty() {
+                    raw.routing_policy.fallback_chain.push(d.name.clone());
+                }
+                extra.push(d.name.clone());
+            }
+        }
+        let mut cfg = build(raw)?;
+        cfg.source = text.to_string();
+        cfg.discovered_extra = extra;
+        Ok(cfg)
     }
 
     /// The chain a requested model name resolves to, or `None` (404 `model_not_found`).
@@ -1006,6 +1054,8 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
         },
         health,
         docker,
+        source: String::new(),
+        discovered_extra: Vec::new(),
         warnings,
     })
 }

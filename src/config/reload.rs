@@ -20,7 +20,12 @@ const DEBOUNCE: Duration = Duration::from_millis(50);
 
 /// Reloads from `path` now. Returns whether a new table was installed.
 pub fn reload_now(state: &AppState, path: &Path) -> bool {
-    match Config::load_file(path) {
+    let discovered = state
+        .discovered
+        .lock()
+        .map(|d| d.clone())
+        .unwrap_or_default();
+    match Config::load_file_with(path, &discovered) {
         Ok(cfg) => {
             for w in &cfg.warnings {
                 tracing::warn!(warning = %w, "config warning");

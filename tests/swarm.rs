@@ -237,6 +237,11 @@ async fn swarm_discovery_failover_remediation_and_recovery() {
     cleanup
         .services
         .push(upstream("standby", "openai", "0", false));
+    // Not in the config: discovery makes it an endpoint of its own.
+    std::fs::write(dir.join("extra.yaml"), "name: extra\n").unwrap();
+    cleanup
+        .services
+        .push(upstream("extra", "openai", "1", false));
 
     let config = format!(
         r#"

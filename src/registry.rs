@@ -570,6 +570,9 @@ impl Registry {
             })),
             "probe": rt.probe.as_ref().map(|p| json!({
                 "ok": p.ok,
+                "age_ms": p.at.elapsed().map(|d| d.as_millis() as u64).unwrap_or(0),
+                // A result older than cache_ttl is shown as stale: the prober could not refresh it.
+                "stale": p.at.elapsed().map(|d| d > policy.cache_ttl).unwrap_or(false),
                 "at_unix_ms": p.at.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
                 "detail": p.detail,
             })),

@@ -1658,3 +1658,27 @@ health: {{ probe_interval: 100ms, flip_after: 1, warmup: 300ms }}
         .unwrap();
     assert!(reason.contains("result: ok"), "{reason}");
 }
+
+#[tokio::test]
+async fn a_slow_non_stream_answer_times_out_and_fails_over() {
+    let a = MockUp::openai("rules: [{delay: 3s}]").await;
+    let b = MockUp::openai("name: b").await;
+    let gw = Gw::start(&format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\", timeouts: {{ total: 300ms }} }}\n  b: {{ type: openai, base_url: \"{}\" }}\n",
+        a.base(),
+        b.base()
+    ));
+    let t = Instant::now();
+    let r = gw.chat("a", "x").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    let st = gw.status().await;
+    assert!(
+        st["endpoints"]["a"]["last_error"]["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("timeout"),
+        "{}",
+        st["endpoints"]["a"]
+    );
+}

@@ -1252,7 +1252,11 @@ mod discovered_tests {
     #[test]
     fn discovered_endpoints_join_the_table() {
         let text = "models:\n  a: { type: openai, base_url: \"http://127.0.0.1:9/v1\" }\nrouting_policy: { fallback_chain: [a] }\ndocker: { enabled: true }\n";
-        let d = vec![DiscoveredEndpoint { name: "extra".into(), kind: EndpointKind::Vllm, model: Some("m".into()) }];
+        let d = vec![DiscoveredEndpoint {
+            name: "extra".into(),
+            kind: EndpointKind::Vllm,
+            model: Some("m".into()),
+        }];
         let cfg = Config::load_with(text, &d).unwrap();
         assert!(cfg.endpoints["extra"].discover);
         assert_eq!(cfg.fallback_chain, vec!["a", "extra"]);

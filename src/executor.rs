@@ -490,6 +490,28 @@ impl Run {
         }
     }
 
+    /// The upstream request for one attempt (discovered address, payload hygiene, adapter).
+    fn build_request(
+        &mut self,
+        ep: &Endpoint,
+        key: Option<&crate::config::Secret>,
+        stream: bool,
+    ) -> Result<reqwest::RequestBuilder, Failure> {
+        let base = self.discovered_base(ep).map_err(|e| *e)?;
+        let (rb, sanitized) = upstream::request(
+            ep,
+            self.req.op,
+            &self.req.body,
+            stream,
+            key,
+            &self.request_id,
+            base.as_deref(),
+        )
+        .map_err(|u| Failure::new(Class::Unsupported, None, u.0))?;
+        self.sanitized = sanitized;
+        Ok(rb)
+    }
+
     /// For a discovered endpoint, a running task's address; `Err` when there is none.
     fn discovered_base(&self, ep: &Endpoint) -> Result<Option<String>, Box<Failure>> {
         if !ep.discover {
@@ -736,17 +758,7 @@ impl Run {
         key: Option<&crate::config::Secret>,
     ) -> Result<Success, Failure> {
         let deadline = Instant::now() + ep.timeouts.total;
-        let (rb, sanitized) = upstream::request(
-            ep,
-            self.req.op,
-            &self.req.body,
-            false,
-            key,
-            &self.request_id,
-            self.discovered_base(ep).map_err(|e| *e)?.as_deref(),
-        )
-        .map_err(|u| Failure::new(Class::Unsupported, None, u.0))?;
-        self.sanitized = sanitized;
+        let rb = self.build_request(ep, key, false)?;
         let resp = match timeout_at(deadline, rb.send()).await {
             Err(_) => {
                 return Err(Failure::new(
@@ -844,17 +856,7 @@ impl Run {
     ) -> Result<Success, Failure> {
         let t0 = Instant::now();
         let first_deadline = (t0 + ep.timeouts.first_token).min(t0 + ep.timeouts.total);
-        let (rb, sanitized) = upstream::request(
-            ep,
-            self.req.op,
-            &self.req.body,
-            true,
-            key,
-            &self.request_id,
-            self.discovered_base(ep).map_err(|e| *e)?.as_deref(),
-        )
-        .map_err(|u| Failure::new(Class::Unsupported, None, u.0))?;
-        self.sanitized = sanitized;
+        let rb = self.build_request(ep, key, true)?;
         let resp = match timeout_at(first_deadline, rb.send()).await {
             Err(_) => {
                 return Err(Failure::new(

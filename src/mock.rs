@@ -669,32 +669,16 @@ impl Mock {
             let mut sent_content = 0usize;
             for (i, ev) in events.into_iter().enumerate() {
                 if i > 0 {
-                    if rule.stream_error_after == Some(sent_content) {
-                        let err = match flavor {
-                            Flavor::Vllm => {
-                                json!({"object": "error", "message": "mock in-band error", "type": "InternalServerError", "param": null, "code": 500})
-                            }
-                            _ => {
-                                json!({"error": {"message": "mock in-band error", "type": "server_error", "param": null, "code": null}})
-                            }
-                        };
-                        let _ = tx.send(Bytes::from(format!("data: {err}\n\n"))).await;
-                        return;
-                    }
-                    if rule.stall_after == Some(sent_content) {
-                        // Hold the connection open, silent, until the client gives up.
-                        let _ = tokio::time::timeout(Duration::from_secs(600), tx.closed()).await;
-                        return;
-                    }
-                    if rule.cut_after == Some(sent_content) {
-                        return;
-                    }
-                    if rule.reset_after == Some(sent_content) {
-                        // Let hyper flush the chunks already queued, then drop the connection
-                        // while the body is still open so it cannot end cleanly.
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        kill.notify_one();
-                        let _ = tokio::time::timeout(Duration::from_secs(10), tx.closed()).await;
+                    let err = match flavor {
+                        Flavor::Vllm => {
+                            json!({"object": "error", "message": "mock in-band error", "type": "InternalServerError", "param": null, "code": 500})
+                        }
+                        _ => {
+                            json!({"error": {"message": "mock in-band error", "type": "server_error", "param": null, "code": null}})
+                        }
+                    };
+                    let err = Bytes::from(format!("data: {err}\n\n"));
+                    if misbehave(&rule, sent_content, &tx, &kill, err).await {
                         return;
                     }
                     if !chunk_delay.is_zero() {
@@ -789,23 +773,10 @@ impl Mock {
         let rule = rule.clone();
         tokio::spawn(async move {
             for (sent, v) in objects.into_iter().enumerate() {
-                if rule.stream_error_after == Some(sent) {
-                    let _ = tx
-                        .send(Bytes::from("{\"error\":\"an error was encountered while running the model: mock in-band error\"}\n"))
-                        .await;
-                    return;
-                }
-                if rule.stall_after == Some(sent) {
-                    let _ = tokio::time::timeout(Duration::from_secs(600), tx.closed()).await;
-                    return;
-                }
-                if rule.cut_after == Some(sent) {
-                    return;
-                }
-                if rule.reset_after == Some(sent) {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    kill.notify_one();
-                    let _ = tokio::time::timeout(Duration::from_secs(10), tx.closed()).await;
+                let err = Bytes::from_static(
+                    b"{\"error\":\"an error was encountered while running the model: mock in-band error\"}\n",
+                );
+                if misbehave(&rule, sent, &tx, &kill, err).await {
                     return;
                 }
                 if sent > 0 && !chunk_delay.is_zero() {
@@ -827,6 +798,38 @@ impl Mock {
         b.body(BodyExt::boxed(StreamBody::new(stream)))
             .unwrap_or_else(|_| Response::new(full("")))
     }
+}
+
+/// A rule's stream misbehaviour before the chunk after `sent` content chunks. Returns true when
+/// the stream must end there.
+async fn misbehave(
+    rule: &Rule,
+    sent: usize,
+    tx: &mpsc::Sender<Bytes>,
+    kill: &Notify,
+    error_event: Bytes,
+) -> bool {
+    if rule.stream_error_after == Some(sent) {
+        let _ = tx.send(error_event).await;
+        return true;
+    }
+    if rule.stall_after == Some(sent) {
+        // Hold the connection open, silent, until the client gives up.
+        let _ = tokio::time::timeout(Duration::from_secs(600), tx.closed()).await;
+        return true;
+    }
+    if rule.cut_after == Some(sent) {
+        return true;
+    }
+    if rule.reset_after == Some(sent) {
+        // Let hyper flush the chunks already queued, then drop the connection while the body is
+        // still open so it cannot end cleanly.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        kill.notify_one();
+        let _ = tokio::time::timeout(Duration::from_secs(10), tx.closed()).await;
+        return true;
+    }
+    false
 }
 
 fn default_message(status: u16) -> &'static str {

@@ -24,6 +24,32 @@ def _start(args, log):
     return proc, line.strip().rsplit("http://", 1)[1]
 
 
+def _serve(d, cfg_text, log, env=None):
+    """Starts the gateway on port 0 with `cfg_text`; returns (process, OpenAI client)."""
+    cfg = d / "config.yaml"
+    cfg.write_text(textwrap.dedent(cfg_text))
+    gw = subprocess.Popen(
+        [BIN, "serve", "--config", str(cfg), "--listen", "127.0.0.1:0", "--data-dir", str(d / "data")],
+        stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+    )
+    line = gw.stdout.readline()
+    assert "listening on http://" in line, line
+    addr = line.strip().rsplit("http://", 1)[1]
+    return gw, openai.OpenAI(base_url=f"http://{addr}/v1", api_key="client-key-unused", max_retries=0, timeout=10)
+
+
+def _stop(procs, log, tmp):
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    log.close()
+    tmp.cleanup()
+
+
 @pytest.fixture(scope="module")
 def gateway():
     tmp = tempfile.TemporaryDirectory()
@@ -38,8 +64,8 @@ def gateway():
         fail, fail_addr = _start(["mock-upstream", "--listen", "127.0.0.1:0", "--flavor", "openai", "--script", str(fail_script)], log)
         ok, ok_addr = _start(["mock-upstream", "--listen", "127.0.0.1:0", "--flavor", "vllm", "--script", str(ok_script)], log)
         procs += [fail, ok]
-        cfg = d / "config.yaml"
-        cfg.write_text(textwrap.dedent(f"""
+        env = dict(os.environ, AH_SDK_KEY="sk-sdk-test-key")
+        gw, client = _serve(d, f"""
             models:
               primary: {{ type: openai, base_url: "http://{fail_addr}/v1", api_key: env:AH_SDK_KEY }}
               backup: {{ type: vllm, base_url: "http://{ok_addr}/v1", model: qwen }}
@@ -48,27 +74,11 @@ def gateway():
             routes:
               chat: [primary, backup]
               doomed: [broken]
-        """))
-        env = dict(os.environ, AH_SDK_KEY="sk-sdk-test-key")
-        gw = subprocess.Popen(
-            [BIN, "serve", "--config", str(cfg), "--listen", "127.0.0.1:0", "--data-dir", str(d / "data")],
-            stdout=subprocess.PIPE, stderr=log, text=True, env=env,
-        )
+        """, log, env)
         procs.append(gw)
-        line = gw.stdout.readline()
-        assert "listening on http://" in line, line
-        addr = line.strip().rsplit("http://", 1)[1]
-        yield openai.OpenAI(base_url=f"http://{addr}/v1", api_key="client-key-unused", max_retries=0, timeout=10)
+        yield client
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        log.close()
-        tmp.cleanup()
+        _stop(procs, log, tmp)
 
 
 def test_plain_call_fails_over(gateway):
@@ -167,8 +177,7 @@ def twins():
             p, addr = _start(["mock-upstream", "--listen", "127.0.0.1:0", "--flavor", flavor, "--script", str(script)], log)
             procs.append(p)
             addrs[name] = addr
-        cfg = d / "config.yaml"
-        cfg.write_text(textwrap.dedent(f"""
+        gw, client = _serve(d, f"""
             models:
               ollama: {{ type: ollama, host: "http://{addrs['ollama']}", model: "qwen2.5:7b" }}
               openai: {{ type: openai, base_url: "http://{addrs['openai']}/v1" }}
@@ -179,26 +188,11 @@ def twins():
               only_openai: [openai]
               tools_ollama: [ollama_tools]
               tools_openai: [openai_tools]
-        """))
-        gw = subprocess.Popen(
-            [BIN, "serve", "--config", str(cfg), "--listen", "127.0.0.1:0", "--data-dir", str(d / "data")],
-            stdout=subprocess.PIPE, stderr=log, text=True,
-        )
+        """, log)
         procs.append(gw)
-        line = gw.stdout.readline()
-        assert "listening on http://" in line, line
-        addr = line.strip().rsplit("http://", 1)[1]
-        yield openai.OpenAI(base_url=f"http://{addr}/v1", api_key="unused", max_retries=0, timeout=10)
+        yield client
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        log.close()
-        tmp.cleanup()
+        _stop(procs, log, tmp)
 
 
 def _stream_shape(client, model, **kw):

@@ -47,7 +47,8 @@ struct Failure {
     detail: String,
     retry_after: Option<Duration>,
     /// For client errors, the upstream's own response, returned unchanged.
-    passthrough: Option<(StatusCode, HeaderMap, Bytes)>,
+    /// Boxed: it is rare, and keeps `Failure` small on the common paths.
+    passthrough: Option<Box<(StatusCode, HeaderMap, Bytes)>>,
 }
 
 impl Failure {
@@ -629,7 +630,7 @@ impl Run {
                     });
                     match f.class {
                         Class::Client => {
-                            let (s, h, b) = f.passthrough.unwrap_or_else(|| {
+                            let (s, h, b) = f.passthrough.map(|p| *p).unwrap_or_else(|| {
                                 (StatusCode::BAD_REQUEST, HeaderMap::new(), Bytes::new())
                             });
                             return EndpointOutcome::ClientError(s, h, b);
@@ -638,7 +639,7 @@ impl Run {
                             if let Some(limit) = classify::context_limit(&f.detail) {
                                 self.app.registry.learn_window(ep, limit);
                             }
-                            self.last_context = f.passthrough;
+                            self.last_context = f.passthrough.map(|p| *p);
                             return EndpointOutcome::Failed { context: true };
                         }
                         Class::RateLimited => {
@@ -747,7 +748,7 @@ impl Run {
                 }
                 Bytes::from(body)
             };
-            f.passthrough = Some((status, h, body));
+            f.passthrough = Some(Box::new((status, h, body)));
         }
         f
     }

@@ -65,7 +65,24 @@ impl Drop for Cleanup {
             }
             std::thread::sleep(Duration::from_millis(500));
         }
+        // The image goes once no container (running or exited) uses it; removing it by ID also
+        // removes the untagged layers the build made.
+        let (_, id) = docker(&["image", "inspect", "-f", "{{.Id}}", &self.image]);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            let (_, users) = docker(&["ps", "-a", "-q", "--filter", &format!("ancestor={}", self.image)]);
+            if users.is_empty() {
+                break;
+            }
+            for c in users.lines() {
+                let _ = docker(&["rm", "-f", c]);
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
         let _ = docker(&["image", "rm", "-f", &self.image]);
+        if id.starts_with("sha256:") {
+            let _ = docker(&["image", "rm", "-f", &id]);
+        }
         if self.leave_swarm {
             let _ = docker(&["swarm", "leave", "--force"]);
         }

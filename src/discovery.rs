@@ -177,6 +177,8 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
                 ListTasksOptionsBuilder::default().filters(&tf).build(),
             ))
             .await?;
+        // Task addresses from the API (what `tasks.<service>` DNS gives), for tasks on any node.
+        let raw_ips = task_addresses(&name, cfg.network.as_deref()).await;
         let mut addresses = Vec::new();
         let mut running = 0;
         let mut restarts = 0u64;
@@ -210,9 +212,13 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
                 .as_ref()
                 .and_then(|s| s.container_status.as_ref())
                 .and_then(|c| c.container_id.clone());
-            let Some(cid) = cid else { continue };
-            let (ip, health, _) =
-                container_ip_and_health(docker, &cid, cfg.network.as_deref()).await;
+            let raw_ip = t.id.as_ref().and_then(|id| raw_ips.get(id).cloned());
+            let (local_ip, health, _) = match &cid {
+                // Health and a fallback address come from the container, when it is on this node.
+                Some(cid) => container_ip_and_health(docker, cid, cfg.network.as_deref()).await,
+                None => (None, None, 0),
+            };
+            let ip = raw_ip.or(local_ip);
             if health.as_deref() == Some("unhealthy") {
                 unhealthy = Some(format!(
                     "docker reports task {} of {name} unhealthy",
@@ -313,6 +319,60 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
         });
     }
     Ok(out)
+}
+
+fn percent_encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// Task ID → address on `network` (or the first non-ingress network), read from the raw `/tasks`
+/// JSON: the typed model lacks `NetworksAttachments`. Empty on any error (the caller falls back to
+/// inspecting local containers).
+async fn task_addresses(service: &str, network: Option<&str>) -> HashMap<String, String> {
+    let filters = percent_encode(&json!({"service": [service]}).to_string());
+    let Ok(Value::Array(tasks)) = engine("GET", &format!("/tasks?filters={filters}"), None).await
+    else {
+        return HashMap::new();
+    };
+    let mut out = HashMap::new();
+    for t in tasks {
+        let Some(id) = t.get("ID").and_then(Value::as_str) else {
+            continue;
+        };
+        let atts = t
+            .get("NetworksAttachments")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        let pick = atts.iter().find(|a| {
+            let name = a
+                .pointer("/Network/Spec/Name")
+                .and_then(Value::as_str)
+                .unwrap_or("");
+            match network {
+                Some(n) => name == n,
+                None => name != "ingress",
+            }
+        });
+        let ip = pick
+            .and_then(|a| a.get("Addresses"))
+            .and_then(Value::as_array)
+            .and_then(|a| a.first())
+            .and_then(Value::as_str)
+            .and_then(|cidr| cidr.split('/').next())
+            .map(str::to_string);
+        if let Some(ip) = ip {
+            out.insert(id.to_string(), ip);
+        }
+    }
+    out
 }
 
 /// Per-service remediation memory.

@@ -510,6 +510,8 @@ impl Run {
         )
         .map_err(|u| Failure::new(Class::Unsupported, None, u.0))?;
         self.sanitized = sanitized;
+        // Counted here: a request the adapter could not express never left the gateway.
+        self.calls += 1;
         Ok(rb)
     }
 
@@ -574,7 +576,6 @@ impl Run {
             };
             let key = key_idx.and_then(|i| ep.keys[i].value.as_ref());
             let t0 = Instant::now();
-            self.calls += 1;
             let result = if self.req.stream {
                 self.call_stream(ep, key).await
             } else {

@@ -70,7 +70,13 @@ impl Drop for Cleanup {
         let (_, id) = docker(&["image", "inspect", "-f", "{{.Id}}", &self.image]);
         let deadline = Instant::now() + Duration::from_secs(60);
         while Instant::now() < deadline {
-            let (_, users) = docker(&["ps", "-a", "-q", "--filter", &format!("ancestor={}", self.image)]);
+            let (_, users) = docker(&[
+                "ps",
+                "-a",
+                "-q",
+                "--filter",
+                &format!("ancestor={}", self.image),
+            ]);
             if users.is_empty() {
                 break;
             }
@@ -476,7 +482,9 @@ docker:
         || replicas(&svc("standby")) == 0,
     )
     .await;
-    let deadline = Instant::now() + Duration::from_secs(30);
+    // (Failed requests while it was sick may have ejected it: recovery then waits for a half-open
+    // probe after the ejection time.)
+    let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let st = status(&url).await;
         if st["endpoints"]["primary"]["state"] == "healthy" {

@@ -90,8 +90,10 @@ pub fn request(
     };
     let url = match discovered_base {
         // A discovered task's address: built per request (it moves as tasks come and go).
-        Some(base) => url_for(ep.kind, base, op),
-        None => ep.urls[op as usize].to_string(),
+        Some(base) => reqwest::Url::parse(&url_for(ep.kind, base, op))
+            .map_err(|e| ollama::Unsupported(format!("discovered address {base}: {e}")))?,
+        // Parsed once per config load; cloning a `Url` skips reqwest's parse (and IDNA) per call.
+        None => ep.urls[op as usize].clone(),
     };
     let mut rb = ep
         .client

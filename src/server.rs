@@ -90,6 +90,7 @@ impl Gateway {
 
         let app = crate::http::router(state.clone());
         let c = cancel.clone();
+        let stop = cancel.clone();
         let server = tokio::spawn(async move {
             // Streams are many small writes: without TCP_NODELAY, Nagle's algorithm holds each
             // chunk until the client's delayed ACK (~40 ms) arrives.
@@ -101,14 +102,22 @@ impl Gateway {
                 app.into_make_service_with_connect_info::<SocketAddr>(),
             )
             .with_graceful_shutdown(async move { c.cancelled().await });
-            // Bound the drain: a client holding a stream open must not block shutdown forever.
-            let drained = tokio::time::timeout(grace + Duration::from_secs(1), async {
-                if let Err(e) = serve.await {
-                    tracing::error!(error = %e, "server error");
+            let mut serve = std::pin::pin!(serve.into_future());
+            tokio::select! {
+                r = &mut serve => {
+                    if let Err(e) = r {
+                        tracing::error!(error = %e, "server error");
+                    }
                 }
-            });
-            if drained.await.is_err() {
-                tracing::warn!("in-flight requests did not finish within shutdown_grace");
+                _ = stop.cancelled() => {
+                    // Shutdown asked: bound the drain, so a client holding a stream open cannot
+                    // block it forever. (The bound applies from the signal on, never before.)
+                    match tokio::time::timeout(grace + Duration::from_secs(1), &mut serve).await {
+                        Ok(Err(e)) => tracing::error!(error = %e, "server error"),
+                        Ok(Ok(())) => {}
+                        Err(_) => tracing::warn!("in-flight requests did not finish within shutdown_grace"),
+                    }
+                }
             }
         });
         tracing::info!(%addr, "autohedge listening");

@@ -1682,3 +1682,27 @@ async fn a_slow_non_stream_answer_times_out_and_fails_over() {
         st["endpoints"]["a"]
     );
 }
+
+#[tokio::test]
+async fn keeps_serving_past_the_shutdown_grace() {
+    // Regression: the drain bound once wrapped the whole server, which stopped accepting after
+    // `shutdown_grace` of uptime.
+    let a = MockUp::openai("name: a").await;
+    let mut gw = Gw::start(&format!(
+        "server: {{ shutdown_grace: 1s }}\nmodels:\n  a: {{ type: openai, base_url: \"{}\" }}\n",
+        a.base()
+    ));
+    assert_eq!(gw.chat("a", "x").await.status(), 200);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        gw.chat("a", "x").await.status(),
+        200,
+        "still serving after shutdown_grace"
+    );
+    let t = Instant::now();
+    gw.stop();
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "SIGTERM still drains promptly"
+    );
+}

@@ -20,6 +20,9 @@ use crate::store::{Record, Store};
 /// rarely enough to cost nothing.
 const STATS_PERSIST_EVERY: Duration = Duration::from_secs(10);
 
+/// How often audit rows past `server.audit_retention` are deleted (also once at start).
+const PRUNE_EVERY: Duration = Duration::from_secs(3600);
+
 pub struct GatewayOptions {
     pub config: Config,
     pub config_path: Option<PathBuf>,
@@ -79,10 +82,18 @@ impl Gateway {
             tasks.spawn(async move {
                 let mut tick = tokio::time::interval(STATS_PERSIST_EVERY);
                 tick.tick().await;
+                let mut prune = tokio::time::interval(PRUNE_EVERY);
                 loop {
                     tokio::select! {
                         _ = c.cancelled() => break,
                         _ = tick.tick() => st.store.send(Record::Stats(st.registry.snapshot())),
+                        _ = prune.tick() => {
+                            if let Some(keep) = st.config.load().audit_retention
+                                && let Some(before) = std::time::SystemTime::now().checked_sub(keep)
+                            {
+                                st.store.send(Record::Prune(before));
+                            }
+                        }
                     }
                 }
             });

@@ -169,6 +169,8 @@ pub enum Record {
         endpoint: String,
         tokens: u64,
     },
+    /// Deletes audit rows (requests, attempts, events) older than this.
+    Prune(SystemTime),
     /// Replies once everything queued before it is committed.
     Flush(std::sync::mpsc::Sender<()>),
 }
@@ -335,7 +337,7 @@ fn writer(
         let mut flushes = Vec::new();
         let n = batch
             .iter()
-            .filter(|r| !matches!(r, Record::Flush(_)))
+            .filter(|r| !matches!(r, Record::Flush(_) | Record::Prune(_)))
             .count() as u64;
         match write_batch(&mut conn, &mut batch, &mut flushes) {
             Ok(()) => {
@@ -445,6 +447,15 @@ fn write_batch(
                          ON CONFLICT(endpoint) DO UPDATE SET learned_context_window = excluded.learned_context_window, updated_ms = excluded.updated_ms",
                         params![endpoint, tokens as i64, ms(SystemTime::now())],
                     )?;
+                }
+                Record::Prune(before) => {
+                    let t = ms(before);
+                    let n = tx.execute("DELETE FROM attempts WHERE ts_ms < ?1", [t])?
+                        + tx.execute("DELETE FROM requests WHERE ts_ms < ?1", [t])?
+                        + tx.execute("DELETE FROM endpoint_events WHERE ts_ms < ?1", [t])?;
+                    if n > 0 {
+                        tracing::info!(rows = n, "audit rows past retention deleted");
+                    }
                 }
                 Record::Flush(f) => flushes.push(f),
             }
@@ -662,6 +673,33 @@ mod tests {
         let again = Store::open(dir.path(), 10).unwrap();
         assert_eq!(again.persisted[0].retired_reason, None);
         again.store.close();
+    }
+
+    #[test]
+    fn prune_deletes_rows_past_retention() {
+        let dir = tempfile::tempdir().unwrap();
+        let opened = Store::open(dir.path(), 100).unwrap();
+        let h = opened.store.handle();
+        let mut old = row("old", "b", "server_error");
+        old.ts = SystemTime::now() - Duration::from_secs(3600);
+        h.send(Record::Request(Box::new(old)));
+        h.send(Record::Request(Box::new(row("new", "b", "server_error"))));
+        h.send(Record::Prune(SystemTime::now() - Duration::from_secs(60)));
+        drop(h);
+        opened.store.close();
+        let conn = Connection::open(db_path(dir.path())).unwrap();
+        let ids: Vec<String> = conn
+            .prepare("SELECT request_id FROM requests")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(ids, vec!["new"]);
+        let n: i64 = conn
+            .query_row("SELECT COUNT(*) FROM attempts", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(n, 2, "only the new request's attempts remain");
     }
 
     #[test]

@@ -190,6 +190,8 @@ pub struct RawServer {
     pub max_body_bytes: Option<usize>,
     /// Capacity of the audit queue in records; a full queue drops records (counted), never stalls.
     pub audit_queue: Option<usize>,
+    /// Audit rows older than this are deleted (hourly). Default 30d; 0 keeps everything.
+    pub audit_retention: Option<Dur>,
     /// How long SIGTERM waits for in-flight requests before closing.
     pub shutdown_grace: Option<Dur>,
 }
@@ -525,6 +527,8 @@ pub struct Config {
     pub listen: String,
     pub max_body_bytes: usize,
     pub audit_queue: usize,
+    /// `None`: keep the audit trail forever.
+    pub audit_retention: Option<Duration>,
     pub shutdown_grace: Duration,
     pub endpoints: BTreeMap<String, Arc<Endpoint>>,
     pub fallback_chain: Vec<String>,
@@ -1039,6 +1043,11 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
         listen,
         max_body_bytes: raw.server.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY),
         audit_queue: raw.server.audit_queue.unwrap_or(10_000).max(1),
+        audit_retention: match raw.server.audit_retention {
+            Some(d) if d.0.is_zero() => None,
+            Some(d) => Some(d.0),
+            None => Some(Duration::from_secs(30 * 86_400)),
+        },
         shutdown_grace: raw
             .server
             .shutdown_grace

@@ -656,6 +656,41 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
     }
 }
 
+/// Carries out one remediation action (or, in dry-run, only records it) and records it as an
+/// `endpoint_events` row with its reason and result. Returns whether it took effect (a dry run
+/// counts, so its bookkeeping advances the same way).
+async fn act(
+    state: &AppState,
+    endpoint: &str,
+    dry_run: bool,
+    event_name: &str,
+    what: String,
+    reason: &str,
+    action: impl std::future::Future<Output = Result<(), String>>,
+) -> bool {
+    if dry_run {
+        event(
+            state,
+            endpoint,
+            "remediation_dry_run",
+            format!("would {what}: {reason}"),
+        );
+        return true;
+    }
+    let res = action.await;
+    let ok = res.is_ok();
+    event(
+        state,
+        endpoint,
+        event_name,
+        format!(
+            "{what}: {reason}; result: {}",
+            res.err().unwrap_or_else(|| "ok".into())
+        ),
+    );
+    ok
+}
+
 /// One remediation round. Returns the number of actions taken (or, in dry-run, proposed).
 async fn remediate(
     state: &AppState,
@@ -710,30 +745,16 @@ async fn remediate(
                 && !m.standby_up
             {
                 actions += 1;
-                if r.dry_run {
-                    event(
-                        state,
-                        &ep.name,
-                        "remediation_dry_run",
-                        format!("would scale standby {} to 1: {reason}", sb.service),
-                    );
-                    m.standby_up = true;
-                } else {
-                    let res = scale(docker, &sb.service, 1).await;
-                    if res.is_ok() {
-                        m.standby_up = true;
-                    }
-                    event(
-                        state,
-                        &ep.name,
-                        "remediation_scale_up",
-                        format!(
-                            "scaled standby {} 0 -> 1: {reason}; result: {}",
-                            sb.service,
-                            res.err().unwrap_or_else(|| "ok".into())
-                        ),
-                    );
-                }
+                m.standby_up = act(
+                    state,
+                    &ep.name,
+                    r.dry_run,
+                    "remediation_scale_up",
+                    format!("scale standby {} 0 -> 1", sb.service),
+                    &reason,
+                    scale(docker, &sb.service, 1),
+                )
+                .await;
             }
             // A restart helps a task that runs but is sick. With no running task Swarm is already
             // rescheduling it; restarting then would only interrupt its start.
@@ -745,25 +766,16 @@ async fn remediate(
                 m.last_action = Some(now);
                 m.unhealthy_streak = 0;
                 actions += 1;
-                if r.dry_run {
-                    event(
-                        state,
-                        &ep.name,
-                        "remediation_dry_run",
-                        format!("would force-update (restart) service {svc}: {reason}"),
-                    );
-                } else {
-                    let res = force_update(docker, &svc).await;
-                    event(
-                        state,
-                        &ep.name,
-                        "remediation_restart",
-                        format!(
-                            "force-update (restart) of service {svc}: {reason}; result: {}",
-                            res.err().unwrap_or_else(|| "ok".into())
-                        ),
-                    );
-                }
+                act(
+                    state,
+                    &ep.name,
+                    r.dry_run,
+                    "remediation_restart",
+                    format!("force-update (restart) service {svc}"),
+                    &reason,
+                    force_update(docker, &svc),
+                )
+                .await;
             }
         }
         if let (Some(sb), Some(since)) = (standby, m.healthy_since)
@@ -771,29 +783,18 @@ async fn remediate(
             && now.duration_since(since) >= sb.healthy_for
         {
             actions += 1;
-            if r.dry_run {
-                event(
-                    state,
-                    &ep.name,
-                    "remediation_dry_run",
-                    format!("would scale standby {} back to 0", sb.service),
-                );
-            } else {
-                let res = scale(docker, &sb.service, 0).await;
-                if res.is_ok() {
-                    m.standby_up = false;
-                }
-                event(
-                    state,
-                    &ep.name,
-                    "remediation_scale_down",
-                    format!(
-                        "scaled standby {} 1 -> 0: primary healthy for {}s; result: {}",
-                        sb.service,
-                        sb.healthy_for.as_secs(),
-                        res.err().unwrap_or_else(|| "ok".into())
-                    ),
-                );
+            let down = act(
+                state,
+                &ep.name,
+                r.dry_run,
+                "remediation_scale_down",
+                format!("scale standby {} 1 -> 0", sb.service),
+                &format!("primary healthy for {}s", sb.healthy_for.as_secs()),
+                scale(docker, &sb.service, 0),
+            )
+            .await;
+            if down {
+                m.standby_up = false;
             }
         }
     }

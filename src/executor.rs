@@ -283,6 +283,11 @@ impl Run {
                 "This request needs {counted} prompt tokens plus {max} for the completion, more than any endpoint in its chain accepts."
             ),
         };
+        self.context_error(message)
+    }
+
+    /// A 400 `context_length_exceeded` the gateway itself decided, recorded in the audit trail.
+    fn context_error(&mut self, message: String) -> Response {
         let err = ApiError::InvalidRequest {
             message,
             param: Some("messages"),
@@ -343,21 +348,10 @@ impl Run {
                 self.counts.clear();
                 Ok(())
             }
-            Ok(Err(e)) => {
-                let err = ApiError::InvalidRequest {
-                    message: format!(
-                        "This conversation cannot be truncated to fit: its system messages and latest {} turns alone need {} tokens, and the largest window allows {budget} for the prompt (endpoint `{name}`, {window} tokens).",
-                        self.cfg.policy.truncation.keep_turns, e.minimum
-                    ),
-                    param: Some("messages"),
-                    code: Some("context_length_exceeded"),
-                };
-                let row = self.base_row(None, 400, Some("context_length_exceeded".into()));
-                self.app.store.send(Record::Request(Box::new(row)));
-                let mut resp = err.into_response();
-                self.headers(&mut resp, None);
-                Err(resp)
-            }
+            Ok(Err(e)) => Err(self.context_error(format!(
+                "This conversation cannot be truncated to fit: its system messages and latest {} turns alone need {} tokens, and the largest window allows {budget} for the prompt (endpoint `{name}`, {window} tokens).",
+                self.cfg.policy.truncation.keep_turns, e.minimum
+            ))),
             Err(_) => Err(self.all_failed()),
         }
     }

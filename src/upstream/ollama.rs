@@ -165,6 +165,23 @@ fn translate_message(
     Ok(Value::Object(out))
 }
 
+/// `stream`, `format` and sampling `options`, shared by `/api/chat` and `/api/generate`.
+fn generation_fields(
+    out: &mut Map<String, Value>,
+    ep: &Endpoint,
+    body: &Map<String, Value>,
+    stream: bool,
+) {
+    out.insert("stream".into(), json!(stream));
+    if let Some(f) = format_of(body) {
+        out.insert("format".into(), f);
+    }
+    let o = options(ep, body);
+    if !o.is_empty() {
+        out.insert("options".into(), Value::Object(o));
+    }
+}
+
 /// The body for `/api/chat`, `/api/generate` or `/api/embed`.
 pub fn request_body(
     ep: &Endpoint,
@@ -206,14 +223,7 @@ pub fn request_body(
             {
                 out.insert("tools".into(), tools.clone());
             }
-            out.insert("stream".into(), json!(stream));
-            if let Some(f) = format_of(body) {
-                out.insert("format".into(), f);
-            }
-            let o = options(ep, body);
-            if !o.is_empty() {
-                out.insert("options".into(), Value::Object(o));
-            }
+            generation_fields(&mut out, ep, body, stream);
         }
         Op::Completions => {
             let prompt = match body.get("prompt") {
@@ -231,14 +241,7 @@ pub fn request_body(
             if let Some(s) = body.get("suffix").filter(|v| v.is_string()) {
                 out.insert("suffix".into(), s.clone());
             }
-            out.insert("stream".into(), json!(stream));
-            if let Some(f) = format_of(body) {
-                out.insert("format".into(), f);
-            }
-            let o = options(ep, body);
-            if !o.is_empty() {
-                out.insert("options".into(), Value::Object(o));
-            }
+            generation_fields(&mut out, ep, body, stream);
         }
         Op::Embeddings => {
             let input = body.get("input").cloned().unwrap_or(Value::Null);

@@ -1706,3 +1706,60 @@ async fn keeps_serving_past_the_shutdown_grace() {
         "SIGTERM still drains promptly"
     );
 }
+
+/// A bounded soak: a minute-scale run past every periodic timer of the first minute (the 10 s
+/// stats snapshot, the 30 s default shutdown grace) with steady loopback traffic: every request
+/// must succeed, memory must stay flat, and the audit trail must hold every request.
+#[tokio::test]
+async fn soak_forty_seconds_of_steady_traffic() {
+    let a = MockUp::openai("rules: [{status: 503, when: {every: 10}}]").await;
+    let b = MockUp::openai("name: b").await;
+    let mut gw = Gw::start(&two(&a, &b, ""));
+    let pid = gw.pid();
+    let rss = || -> u64 {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .unwrap_or_default()
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    let c = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let (mut sent, mut rss_after_warmup) = (0u64, 0u64);
+    while Instant::now() < deadline {
+        let stream = sent % 3 == 0;
+        let r = c
+            .post(gw.url("/v1/chat/completions"))
+            .json(&json!({"model": "chat", "stream": stream, "messages": [{"role": "user", "content": "soak"}]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            r.status(),
+            200,
+            "request {sent} failed at {:?}",
+            Instant::now()
+        );
+        let _ = r.bytes().await.unwrap();
+        sent += 1;
+        if sent == 300 {
+            rss_after_warmup = rss();
+        }
+        tokio::time::sleep(Duration::from_millis(15)).await;
+    }
+    let rss_end = rss();
+    assert!(sent > 1000, "{sent}");
+    assert!(rss_after_warmup > 0, "could not read the gateway's RSS");
+    assert!(
+        rss_end < rss_after_warmup + 20_000,
+        "RSS grew from {rss_after_warmup} kB to {rss_end} kB"
+    );
+    gw.stop();
+    let conn = rusqlite::Connection::open(gw.db()).unwrap();
+    let n: i64 = conn
+        .query_row("SELECT COUNT(*) FROM requests", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(n as u64, sent);
+}

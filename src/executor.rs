@@ -378,13 +378,7 @@ impl Run {
             );
             for (name, skip) in &plan.skipped {
                 if reported_skip.insert(name.clone()) {
-                    self.attempts.push(AttemptReport {
-                        endpoint: name.clone(),
-                        status: None,
-                        class: skip.class().to_string(),
-                        latency_ms: 0.0,
-                        error: Some(skip.detail()),
-                    });
+                    self.skipped(name.clone(), skip.class(), skip.detail());
                 }
             }
             if plan.order.is_empty() {
@@ -420,17 +414,11 @@ impl Run {
                         (None, Some(_)) => false,
                     };
                     if !larger {
-                        self.attempts.push(AttemptReport {
-                            endpoint: name.clone(),
-                            status: None,
-                            class: "context_skip".into(),
-                            latency_ms: 0.0,
-                            error: Some(format!(
+                        self.skipped(name.clone(), "context_skip", format!(
                                 "context window {} is not larger than the {} that refused the prompt",
                                 fmt_window(window),
                                 fmt_window(floor)
-                            )),
-                        });
+                            ));
                         if let Some(w) = window {
                             self.context_skipped.push((name.clone(), w));
                         }
@@ -444,19 +432,13 @@ impl Run {
                     let need = prompt.tokens + self.requested_max_tokens();
                     let allowed = (w as f64 * policy.context_fill).floor() as u64;
                     if need > allowed {
-                        self.attempts.push(AttemptReport {
-                            endpoint: name.clone(),
-                            status: None,
-                            class: "context_skip".into(),
-                            latency_ms: 0.0,
-                            error: Some(format!(
+                        self.skipped(name.clone(), "context_skip", format!(
                                 "needs {} prompt + {} completion tokens ({}); window {w}, {:.0}% usable = {allowed}",
                                 prompt.tokens,
                                 self.requested_max_tokens(),
                                 if prompt.exact { ep.counter.method() } else { "estimated".into() },
                                 policy.context_fill * 100.0
-                            )),
-                        });
+                            ));
                         self.context_skipped.push((name.clone(), w));
                         continue;
                     }
@@ -483,6 +465,17 @@ impl Run {
                 }
             }
         }
+    }
+
+    /// Records an endpoint that was not called (skipped, or ruled out by context size).
+    fn skipped(&mut self, endpoint: String, class: impl Into<String>, detail: String) {
+        self.attempts.push(AttemptReport {
+            endpoint,
+            status: None,
+            class: class.into(),
+            latency_ms: 0.0,
+            error: Some(detail),
+        });
     }
 
     /// The upstream request for one attempt (discovered address, payload hygiene, adapter).
@@ -558,13 +551,11 @@ impl Run {
                 KeyPick::NotNeeded => None,
                 KeyPick::Use(i) => Some(i),
                 KeyPick::Exhausted => {
-                    self.attempts.push(AttemptReport {
-                        endpoint: ep.name.clone(),
-                        status: None,
-                        class: "skipped_auth_failed".into(),
-                        latency_ms: 0.0,
-                        error: Some("no usable API key".into()),
-                    });
+                    self.skipped(
+                        ep.name.clone(),
+                        "skipped_auth_failed",
+                        "no usable API key".into(),
+                    );
                     return EndpointOutcome::Failed { context: false };
                 }
             };

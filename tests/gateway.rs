@@ -556,13 +556,10 @@ async fn mid_stream_failure_ends_with_an_error_event() {
         let mut gw = gw;
         gw.stop();
         let conn = rusqlite::Connection::open(gw.db()).unwrap();
-        let class: String = conn
-            .query_row(
-                "SELECT error_class FROM requests WHERE request_id = 'mid-1'",
-                [],
-                |r| r.get(0),
-            )
-            .unwrap();
+        let class: String = one(
+            &conn,
+            "SELECT error_class FROM requests WHERE request_id = 'mid-1'",
+        );
         assert_eq!(class, code);
     }
 }
@@ -774,9 +771,7 @@ async fn every_request_has_one_audit_row_after_sigterm() {
     }
     gw.stop();
     let conn = rusqlite::Connection::open(gw.db()).unwrap();
-    let n: i64 = conn
-        .query_row("SELECT COUNT(*) FROM requests", [], |r| r.get(0))
-        .unwrap();
+    let n: i64 = one(&conn, "SELECT COUNT(*) FROM requests");
     assert_eq!(n, 60);
     let distinct: i64 = conn
         .query_row("SELECT COUNT(DISTINCT request_id) FROM requests", [], |r| {
@@ -784,17 +779,12 @@ async fn every_request_has_one_audit_row_after_sigterm() {
         })
         .unwrap();
     assert_eq!(distinct, 60);
-    let failovers: i64 = conn
-        .query_row(
-            "SELECT COUNT(*) FROM attempts WHERE class = 'server_error'",
-            [],
-            |r| r.get(0),
-        )
-        .unwrap();
+    let failovers: i64 = one(
+        &conn,
+        "SELECT COUNT(*) FROM attempts WHERE class = 'server_error'",
+    );
     assert!(failovers >= 10, "{failovers}");
-    let version: i64 = conn
-        .query_row("PRAGMA user_version", [], |r| r.get(0))
-        .unwrap();
+    let version: i64 = one(&conn, "PRAGMA user_version");
     assert_eq!(version, 2);
 }
 
@@ -1398,13 +1388,10 @@ async fn payload_hygiene_and_learned_limits_persist() {
     );
     gw.stop();
     let conn = rusqlite::Connection::open(gw.db()).unwrap();
-    let n: i64 = conn
-        .query_row(
-            "SELECT sanitized_chars FROM requests WHERE request_id = 'hyg-1'",
-            [],
-            |r| r.get(0),
-        )
-        .unwrap();
+    let n: i64 = one(
+        &conn,
+        "SELECT sanitized_chars FROM requests WHERE request_id = 'hyg-1'",
+    );
     assert_eq!(n, 2);
 
     // A limit learned from an upstream error survives a restart.
@@ -1579,13 +1566,10 @@ async fn unreachable_docker_daemon_is_reported_and_routing_goes_on() {
     assert_eq!(gw.chat("a", "x").await.status(), 200, "routing carries on");
     gw.stop();
     let conn = rusqlite::Connection::open(gw.db()).unwrap();
-    let n: i64 = conn
-        .query_row(
-            "SELECT COUNT(*) FROM endpoint_events WHERE event = 'docker_daemon_unreachable'",
-            [],
-            |r| r.get(0),
-        )
-        .unwrap();
+    let n: i64 = one(
+        &conn,
+        "SELECT COUNT(*) FROM endpoint_events WHERE event = 'docker_daemon_unreachable'",
+    );
     assert_eq!(n, 1, "recorded once per transition");
 }
 
@@ -1649,13 +1633,10 @@ health: {{ probe_interval: 100ms, flip_after: 1, warmup: 300ms }}
     );
     gw.stop();
     let conn = rusqlite::Connection::open(gw.db()).unwrap();
-    let reason: String = conn
-        .query_row(
-            "SELECT reason FROM endpoint_events WHERE event = 'kv_cache_purge'",
-            [],
-            |r| r.get(0),
-        )
-        .unwrap();
+    let reason: String = one(
+        &conn,
+        "SELECT reason FROM endpoint_events WHERE event = 'kv_cache_purge'",
+    );
     assert!(reason.contains("result: ok"), "{reason}");
 }
 
@@ -1758,8 +1739,6 @@ async fn soak_forty_seconds_of_steady_traffic() {
     );
     gw.stop();
     let conn = rusqlite::Connection::open(gw.db()).unwrap();
-    let n: i64 = conn
-        .query_row("SELECT COUNT(*) FROM requests", [], |r| r.get(0))
-        .unwrap();
+    let n: i64 = one(&conn, "SELECT COUNT(*) FROM requests");
     assert_eq!(n as u64, sent);
 }

@@ -282,3 +282,9 @@ pub fn stream_text(events: &[String]) -> String {
         })
         .collect()
 }
+
+/// One value from the audit database (first column of the first row).
+pub fn one<T: rusqlite::types::FromSql>(conn: &rusqlite::Connection, sql: &str) -> T {
+    conn.query_row(sql, [], |r| r.get(0))
+        .unwrap_or_else(|e| panic!("{sql}: {e}"))
+}

@@ -15,9 +15,15 @@ pub struct AttemptReport {
     /// Error class (`connect_error`, `timeout`, `server_error`, `rate_limited`, …) or `ok`.
     pub class: String,
     pub latency_ms: f64,
-    /// Redacted detail; never contains a key.
+    /// Redacted detail; never contains a key or an internal address.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Tried although health said to skip it (healthy panic, or the last resort).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub panic_mode: bool,
+    /// The detail with what only operators may see (an upstream task's address): audit row only.
+    #[serde(skip)]
+    pub internal: Option<String>,
 }
 
 #[derive(Debug)]
@@ -43,6 +49,17 @@ pub enum ApiError {
         message: String,
         attempts: Vec<AttemptReport>,
     },
+    /// 504: `routing_policy.request_timeout` passed before anything was served.
+    RequestTimeout {
+        message: String,
+        attempts: Vec<AttemptReport>,
+    },
+    /// 503 at once: over `server.max_concurrent_requests` (shed, never queued).
+    Overloaded(usize),
+    /// 408: the client did not send its body within `server.body_timeout`.
+    BodyTimeout(std::time::Duration),
+    /// 503: the gateway cannot serve now (shutting down).
+    Unavailable(String),
     /// 403: an admin call from a non-loopback peer.
     Forbidden(String),
     /// 500: a bug; the message is safe to show.
@@ -66,6 +83,10 @@ impl ApiError {
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::AllFailed { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::RequestTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -81,6 +102,10 @@ impl ApiError {
             ApiError::PayloadTooLarge(_) => "payload_too_large",
             ApiError::UnsupportedMediaType(_) => "unsupported_media_type",
             ApiError::AllFailed { .. } => "all_failed",
+            ApiError::RequestTimeout { .. } => "request_timeout",
+            ApiError::Overloaded(_) => "overloaded",
+            ApiError::BodyTimeout(_) => "body_timeout",
+            ApiError::Unavailable(_) => "shutdown",
             ApiError::Forbidden(_) => "forbidden",
             ApiError::Internal(_) => "internal",
         }
@@ -135,6 +160,30 @@ impl ApiError {
                 None,
                 Some("all_upstreams_failed"),
             ),
+            ApiError::RequestTimeout { message, .. } => (
+                message.clone(),
+                "timeout_error",
+                None,
+                Some("request_timeout"),
+            ),
+            ApiError::Overloaded(limit) => (
+                format!(
+                    "The gateway is serving its limit of {limit} requests at once (server.max_concurrent_requests); retry shortly."
+                ),
+                "server_error",
+                None,
+                Some("overloaded"),
+            ),
+            ApiError::BodyTimeout(d) => (
+                format!(
+                    "The request body did not arrive within {}ms (server.body_timeout).",
+                    d.as_millis()
+                ),
+                "invalid_request_error",
+                None,
+                Some("body_timeout"),
+            ),
+            ApiError::Unavailable(m) => (m.clone(), "server_error", None, Some("shutdown")),
             ApiError::Forbidden(m) => (m.clone(), "permission_error", None, Some("forbidden")),
             ApiError::Internal(m) => (m.clone(), "server_error", None, Some("internal_error")),
         };
@@ -144,7 +193,9 @@ impl ApiError {
             "param": param,
             "code": code,
         });
-        if let ApiError::AllFailed { attempts, .. } = self {
+        if let ApiError::AllFailed { attempts, .. } | ApiError::RequestTimeout { attempts, .. } =
+            self
+        {
             err["attempts"] = serde_json::to_value(attempts).unwrap_or(Value::Null);
         }
         json!({ "error": err })
@@ -159,6 +210,10 @@ impl IntoResponse for ApiError {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
+        if let ApiError::Overloaded(_) = self {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
         resp
     }
 }

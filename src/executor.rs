@@ -35,6 +35,10 @@ use crate::wire::{self, ChunkKind, Inbound, Op, Usage};
 /// milliseconds of BPE work that should not hold an async worker).
 const BLOCKING_COUNT_CHARS: usize = 64 * 1024;
 
+/// The shortest wait before an endpoint that answered 429 in this request is tried again, so a
+/// `Retry-After: 0` cannot turn `max_wait` into a tight loop against the upstream.
+const MIN_REWAIT: Duration = Duration::from_millis(100);
+
 /// Longest upstream error body we read before classifying it.
 const MAX_ERROR_BODY: usize = 64 * 1024;
 
@@ -46,6 +50,8 @@ struct Failure {
     status: Option<u16>,
     detail: String,
     retry_after: Option<Duration>,
+    /// The detail with internal addresses, for the audit row only (never a client's body).
+    internal: Option<String>,
     /// For client errors, the upstream's own response, returned unchanged.
     /// Boxed: it is rare, and keeps `Failure` small on the common paths.
     passthrough: Option<Box<(StatusCode, HeaderMap, Bytes)>>,
@@ -58,6 +64,7 @@ impl Failure {
             status,
             detail: detail.into(),
             retry_after: None,
+            internal: None,
             passthrough: None,
         }
     }
@@ -109,6 +116,45 @@ struct Run {
     truncation: Option<(usize, u64)>,
     /// Characters payload hygiene changed in the body sent upstream.
     sanitized: u64,
+    /// `routing_policy.request_timeout` from the start: nothing of this request outlives it.
+    deadline: Instant,
+    /// The audit row was written (or handed to a `StreamGuard`): `Drop` writes one otherwise.
+    row_written: bool,
+    /// The upstream call in flight, for the record when the request is cut off mid-attempt.
+    current: Option<(String, Instant)>,
+    /// Endpoints tried although health said to skip them (healthy panic, last resort).
+    panic_mode: HashSet<String>,
+}
+
+/// Every request that reached the router has exactly one `requests` row. A `Run` dropped before
+/// it wrote one was cut off: the client left (hyper drops the handler future), shutdown cut it,
+/// or a bug panicked through it.
+impl Drop for Run {
+    fn drop(&mut self) {
+        if self.row_written {
+            return;
+        }
+        let (status, class) = if std::thread::panicking() {
+            (500, "internal_panic")
+        } else if self.app.shutting_down() {
+            (503, "shutdown")
+        } else {
+            (499, "client_closed")
+        };
+        if let Some((endpoint, t0)) = self.current.take() {
+            self.attempts.push(AttemptReport {
+                endpoint,
+                status: None,
+                class: class.into(),
+                latency_ms: t0.elapsed().as_secs_f64() * 1000.0,
+                error: Some("the request ended while this attempt was in flight".into()),
+                panic_mode: false,
+                internal: None,
+            });
+        }
+        let row = self.base_row(None, status, Some(class.into()));
+        self.send_row(row);
+    }
 }
 
 /// Serves one validated request and returns the response. Always writes exactly one audit row.
@@ -136,17 +182,28 @@ pub async fn execute(
         last_context_error: None,
         truncation: None,
         sanitized: 0,
+        deadline: Instant::now(),
+        row_written: false,
+        current: None,
+        panic_mode: HashSet::new(),
     };
-    run.go(chain).await
+    run.deadline = run.started + run.cfg.policy.request_timeout;
+    let deadline = run.deadline;
+    match timeout_at(deadline, run.go(chain)).await {
+        Ok(resp) => resp,
+        Err(_) => run.request_timed_out(),
+    }
 }
 
 enum EndpointOutcome {
     Served(Box<Success>),
     /// The client's own error, to return unchanged.
     ClientError(StatusCode, HeaderMap, Bytes),
-    /// Failed; go on. `context` is set when the endpoint refused the prompt as too long.
+    /// Failed; go on. `context` is set when the endpoint refused the prompt as too long,
+    /// `rate_limited` when it answered 429.
     Failed {
         context: bool,
+        rate_limited: bool,
     },
 }
 
@@ -294,7 +351,7 @@ impl Run {
             code: Some("context_length_exceeded"),
         };
         let row = self.base_row(None, 400, Some("context_length_exceeded".into()));
-        self.app.store.send(Record::Request(Box::new(row)));
+        self.send_row(row);
         let mut resp = err.into_response();
         self.headers(&mut resp, None);
         resp
@@ -362,6 +419,8 @@ impl Run {
         let wait_until = self.started + policy.max_wait;
         let mut tried: HashSet<String> = HashSet::new();
         let mut reported_skip: HashSet<String> = HashSet::new();
+        // Endpoints that answered 429 in this request: `max_wait` may wait for them too.
+        let mut rate_limited: HashSet<String> = HashSet::new();
         // After a context-length refusal, only endpoints with a larger window may be tried.
         let mut context_floor: Option<Option<u64>> = None;
         loop {
@@ -370,27 +429,64 @@ impl Run {
                 .filter(|n| !tried.contains(*n))
                 .cloned()
                 .collect();
-            let plan = router::rank(
+            // Healthy panic is judged on the whole chain, not on what is left of it.
+            let panic = router::in_panic(&self.views(chain), policy.panic_threshold);
+            let mut plan = router::rank(
                 &remaining,
                 &self.views(&remaining),
                 &self.req.needs,
                 policy.success_threshold,
+                panic,
             );
+            if plan.order.is_empty() {
+                // Health can lower a rank; it must never alone turn a servable request into a
+                // 503. With nothing else left, endpoints skipped only for health are the last
+                // resort, tried in chain order.
+                let last_resort: Vec<String> = plan
+                    .skipped
+                    .iter()
+                    .filter(|(_, s)| matches!(s, router::Skip::Unhealthy { .. }))
+                    .map(|(n, _)| n.clone())
+                    .collect();
+                if !last_resort.is_empty() {
+                    plan.skipped
+                        .retain(|(_, s)| !matches!(s, router::Skip::Unhealthy { .. }));
+                    plan.panic_admitted = last_resort.clone();
+                    plan.order = last_resort;
+                }
+            }
             for (name, skip) in &plan.skipped {
                 if reported_skip.insert(name.clone()) {
                     self.skipped(name.clone(), skip.class(), skip.detail());
                 }
             }
+            self.panic_mode.extend(plan.panic_admitted.iter().cloned());
             if plan.order.is_empty() {
-                // Everything left is cooling down: wait for the first to come back, within
+                // Everything left is cooling down — including endpoints that answered 429
+                // earlier in this request: wait for the first to come back, within
                 // `max_wait`, instead of failing at once.
-                if let Some(d) = plan.soonest_cooldown()
-                    && Instant::now() + d <= wait_until
-                {
-                    tokio::time::sleep(d).await;
-                    // The wait is reported again if the endpoint is still unusable.
-                    reported_skip.clear();
-                    continue;
+                let rate_limited: Vec<String> = rate_limited.drain().collect();
+                let again = self.views(&rate_limited);
+                let soonest = plan
+                    .soonest_cooldown()
+                    .into_iter()
+                    .chain(again.iter().map(|v| match v.avail {
+                        crate::registry::Avail::Cooldown(d) => d,
+                        _ => Duration::ZERO,
+                    }))
+                    .min();
+                if let Some(d) = soonest {
+                    // A floor, so a `Retry-After: 0` loop cannot spin against the upstream.
+                    let d = d.max(MIN_REWAIT);
+                    if Instant::now() + d <= wait_until {
+                        tokio::time::sleep(d).await;
+                        for n in rate_limited {
+                            tried.remove(&n);
+                        }
+                        // The wait is reported again if the endpoint is still unusable.
+                        reported_skip.clear();
+                        continue;
+                    }
                 }
                 return None;
             }
@@ -448,7 +544,13 @@ impl Run {
                     EndpointOutcome::ClientError(status, headers, body) => {
                         return Some(self.respond_passthrough(&ep.name, status, headers, body));
                     }
-                    EndpointOutcome::Failed { context } => {
+                    EndpointOutcome::Failed {
+                        context,
+                        rate_limited: limited,
+                    } => {
+                        if limited && !policy.max_wait.is_zero() {
+                            rate_limited.insert(ep.name.clone());
+                        }
                         if context {
                             let w = self.app.registry.effective_window(&ep);
                             context_floor = Some(w);
@@ -475,7 +577,45 @@ impl Run {
             class: class.into(),
             latency_ms: 0.0,
             error: Some(detail),
+            panic_mode: false,
+            internal: None,
         });
+    }
+
+    /// Sends the request's one audit row.
+    fn send_row(&mut self, row: RequestRow) {
+        self.row_written = true;
+        self.app.store.send(Record::Request(Box::new(row)));
+    }
+
+    /// The 504 when `routing_policy.request_timeout` passed before anything was served.
+    fn request_timed_out(&mut self) -> Response {
+        if let Some((endpoint, t0)) = self.current.take() {
+            let panic_mode = self.panic_mode.contains(&endpoint);
+            self.attempts.push(AttemptReport {
+                endpoint,
+                status: None,
+                class: Class::Timeout.as_str().into(),
+                latency_ms: t0.elapsed().as_secs_f64() * 1000.0,
+                error: Some("cut off by routing_policy.request_timeout".into()),
+                panic_mode,
+                internal: None,
+            });
+        }
+        let err = ApiError::RequestTimeout {
+            message: format!(
+                "No upstream served this request for model `{}` within routing_policy.request_timeout ({}ms); see attempts.",
+                self.req.model,
+                self.cfg.policy.request_timeout.as_millis()
+            ),
+            attempts: self.attempts.clone(),
+        };
+        let row = self.base_row(None, 504, Some(err.class().into()));
+        self.send_row(row);
+        tracing::warn!(request_id = %self.request_id, model = %self.req.model, attempts = self.attempts.len(), "request timed out");
+        let mut resp = err.into_response();
+        self.headers(&mut resp, None);
+        resp
     }
 
     /// The upstream request for one attempt (discovered address, payload hygiene, adapter).
@@ -518,29 +658,7 @@ impl Run {
     }
 
     fn views(&self, names: &[String]) -> Vec<View> {
-        let now = Instant::now();
-        names
-            .iter()
-            .filter_map(|n| {
-                let ep = self.cfg.endpoints.get(n)?;
-                let (avail, rate, dead) = self.app.registry.with(n, |rt| {
-                    let usable = ep.keys.is_empty()
-                        || (0..ep.keys.len()).any(|i| ep.keys[i].value.is_some());
-                    (
-                        rt.avail(now),
-                        rt.counts(now).rate(self.cfg.policy.min_samples),
-                        !usable,
-                    )
-                })?;
-                Some(View {
-                    name: n.clone(),
-                    avail,
-                    success_rate: rate,
-                    capabilities: ep.caps,
-                    no_usable_key: dead,
-                })
-            })
-            .collect()
+        self.app.registry.views(&self.cfg, names)
     }
 
     async fn try_endpoint(&mut self, ep: &Arc<Endpoint>) -> EndpointOutcome {
@@ -556,16 +674,22 @@ impl Run {
                         "skipped_auth_failed",
                         "no usable API key".into(),
                     );
-                    return EndpointOutcome::Failed { context: false };
+                    return EndpointOutcome::Failed {
+                        context: false,
+                        rate_limited: false,
+                    };
                 }
             };
             let key = key_idx.and_then(|i| ep.keys[i].value.as_ref());
             let t0 = Instant::now();
+            self.current = Some((ep.name.clone(), t0));
             let result = if self.req.stream {
                 self.call_stream(ep, key).await
             } else {
                 self.call_full(ep, key).await
             };
+            self.current = None;
+            let panic_mode = self.panic_mode.contains(&ep.name);
             let latency = t0.elapsed();
             let latency_ms = latency.as_secs_f64() * 1000.0;
             match result {
@@ -580,6 +704,8 @@ impl Run {
                         class: "ok".into(),
                         latency_ms,
                         error: None,
+                        panic_mode,
+                        internal: None,
                     });
                     if !self.req.stream {
                         // Streams report their outcome when they end (see `StreamGuard`).
@@ -598,6 +724,7 @@ impl Run {
                         .filter_map(|k| k.value.as_ref().map(|s| s.expose()))
                         .collect();
                     let detail = classify::redact(&f.detail, &secrets);
+                    let internal = f.internal.as_deref().map(|d| classify::redact(d, &secrets));
                     tracing::info!(
                         request_id = %self.request_id,
                         endpoint = %ep.name,
@@ -613,6 +740,8 @@ impl Run {
                         class: f.class.as_str().into(),
                         latency_ms,
                         error: Some(detail.clone()),
+                        panic_mode,
+                        internal,
                     });
                     match f.class {
                         Class::Client => {
@@ -626,7 +755,10 @@ impl Run {
                                 self.app.registry.learn_window(ep, limit);
                             }
                             self.last_context = f.passthrough.map(|p| *p);
-                            return EndpointOutcome::Failed { context: true };
+                            return EndpointOutcome::Failed {
+                                context: true,
+                                rate_limited: false,
+                            };
                         }
                         Class::RateLimited => {
                             let for_ = f
@@ -638,10 +770,16 @@ impl Run {
                                 &self.cfg.policy,
                                 Effect::Cooldown { for_, detail },
                             );
-                            return EndpointOutcome::Failed { context: false };
+                            return EndpointOutcome::Failed {
+                                context: false,
+                                rate_limited: true,
+                            };
                         }
                         Class::Unsupported => {
-                            return EndpointOutcome::Failed { context: false };
+                            return EndpointOutcome::Failed {
+                                context: false,
+                                rate_limited: false,
+                            };
                         }
                         Class::Gone => {
                             self.app.registry.apply(
@@ -649,7 +787,10 @@ impl Run {
                                 &self.cfg.policy,
                                 Effect::Retire { detail },
                             );
-                            return EndpointOutcome::Failed { context: false };
+                            return EndpointOutcome::Failed {
+                                context: false,
+                                rate_limited: false,
+                            };
                         }
                         Class::Auth => {
                             let more = match key_idx {
@@ -673,7 +814,10 @@ impl Run {
                             if more {
                                 continue;
                             }
-                            return EndpointOutcome::Failed { context: false };
+                            return EndpointOutcome::Failed {
+                                context: false,
+                                rate_limited: false,
+                            };
                         }
                         _ => {
                             self.app.registry.apply(
@@ -693,7 +837,10 @@ impl Run {
                                 backoff = (backoff * 2).min(Duration::from_secs(5));
                                 continue;
                             }
-                            return EndpointOutcome::Failed { context: false };
+                            return EndpointOutcome::Failed {
+                                context: false,
+                                rate_limited: false,
+                            };
                         }
                     }
                 }
@@ -701,7 +848,12 @@ impl Run {
         }
     }
 
-    async fn read_error(ep: &Endpoint, resp: reqwest::Response, deadline: Instant) -> Failure {
+    async fn read_error(
+        ep: &Endpoint,
+        resp: reqwest::Response,
+        deadline: Instant,
+        max_cooldown: Duration,
+    ) -> Failure {
         let status = resp.status();
         let headers = resp.headers().clone();
         let mut body = Vec::new();
@@ -717,7 +869,7 @@ impl Run {
         let class = classify::classify_status(status.as_u16(), &text);
         let mut f = Failure::new(class, Some(status.as_u16()), error_message(&text));
         if class == Class::RateLimited {
-            f.retry_after = classify::retry_after(&headers);
+            f.retry_after = classify::retry_after(&headers, max_cooldown);
         }
         if matches!(class, Class::Client | Class::ContextLength) {
             let mut h = HeaderMap::new();
@@ -744,7 +896,8 @@ impl Run {
         ep: &Endpoint,
         key: Option<&crate::config::Secret>,
     ) -> Result<Success, Failure> {
-        let deadline = Instant::now() + ep.timeouts.total;
+        // Each attempt's timeouts are capped by what is left of the request's own deadline.
+        let deadline = (Instant::now() + ep.timeouts.total).min(self.deadline);
         let rb = self.build_request(ep, key, false)?;
         let resp = match timeout_at(deadline, rb.send()).await {
             Err(_) => {
@@ -758,7 +911,7 @@ impl Run {
             Ok(Ok(r)) => r,
         };
         if !resp.status().is_success() {
-            return Err(Self::read_error(ep, resp, deadline).await);
+            return Err(Self::read_error(ep, resp, deadline, self.cfg.policy.max_cooldown).await);
         }
         let status = resp.status();
         let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
@@ -842,7 +995,9 @@ impl Run {
         key: Option<&crate::config::Secret>,
     ) -> Result<Success, Failure> {
         let t0 = Instant::now();
-        let first_deadline = (t0 + ep.timeouts.first_token).min(t0 + ep.timeouts.total);
+        let first_deadline = (t0 + ep.timeouts.first_token)
+            .min(t0 + ep.timeouts.total)
+            .min(self.deadline);
         let rb = self.build_request(ep, key, true)?;
         let resp = match timeout_at(first_deadline, rb.send()).await {
             Err(_) => {
@@ -856,7 +1011,8 @@ impl Run {
             Ok(Ok(r)) => r,
         };
         if !resp.status().is_success() {
-            return Err(Self::read_error(ep, resp, t0 + ep.timeouts.total).await);
+            let deadline = (t0 + ep.timeouts.total).min(self.deadline);
+            return Err(Self::read_error(ep, resp, deadline, self.cfg.policy.max_cooldown).await);
         }
         let status = resp.status().as_u16();
         let mut usage_tap = None;
@@ -1034,8 +1190,11 @@ impl Run {
                     endpoint: a.endpoint.clone(),
                     class: a.class.clone(),
                     status: a.status,
-                    error: a.error.clone(),
+                    // The audit row keeps the internal detail (a task's address); the client's
+                    // body has the redacted one.
+                    error: a.internal.clone().or_else(|| a.error.clone()),
                     latency_ms: a.latency_ms,
+                    panic_mode: a.panic_mode,
                 })
                 .collect(),
         }
@@ -1066,7 +1225,7 @@ impl Run {
     ) -> Response {
         let class = classify::classify_status(status.as_u16(), &String::from_utf8_lossy(&body));
         let row = self.base_row(Some(endpoint), status.as_u16(), Some(class.as_str().into()));
-        self.app.store.send(Record::Request(Box::new(row)));
+        self.send_row(row);
         let mut resp = (status, body).into_response();
         for (k, v) in headers.iter() {
             resp.headers_mut().insert(k.clone(), v.clone());
@@ -1104,7 +1263,7 @@ impl Run {
             attempts: self.attempts.clone(),
         };
         let row = self.base_row(None, 503, Some(err.class().into()));
-        self.app.store.send(Record::Request(Box::new(row)));
+        self.send_row(row);
         tracing::warn!(request_id = %self.request_id, model = %self.req.model, attempts = self.attempts.len(), "all upstreams failed");
         let mut resp = err.into_response();
         self.headers(&mut resp, None);
@@ -1138,7 +1297,7 @@ impl Run {
                     row.tokens_out.unwrap_or(0),
                     row.tokens_estimated,
                 );
-                self.app.store.send(Record::Request(Box::new(row)));
+                self.send_row(row);
                 let mut resp = (status, body).into_response();
                 resp.headers_mut().insert(
                     header::CONTENT_TYPE,
@@ -1174,8 +1333,11 @@ impl Run {
                     usage_tap,
                     op: self.req.op,
                 };
+                // The StreamGuard owns the row from here on.
+                self.row_written = true;
                 let idle = ep.timeouts.first_token;
-                let deadline = Instant::now() + ep.timeouts.total.saturating_sub(ttft);
+                let deadline =
+                    (Instant::now() + ep.timeouts.total.saturating_sub(ttft)).min(self.deadline);
                 let state = PassThrough {
                     prelude: prelude.into(),
                     rest,
@@ -1185,6 +1347,7 @@ impl Run {
                     idle,
                     deadline,
                     guard,
+                    stop: self.app.hard_stop.clone(),
                 };
                 let body = Body::from_stream(futures_util::stream::unfold(state, pump));
                 let mut resp = Response::new(body);
@@ -1316,8 +1479,40 @@ fn send_error(e: &reqwest::Error) -> Failure {
     } else {
         Class::Connection
     };
-    // reqwest's Display includes the URL; that holds no key (keys travel in headers).
-    Failure::new(class, None, error_chain(e))
+    // reqwest's Display includes the URL: a discovered task's internal address, which belongs in
+    // the audit row, not in a client's 503 body.
+    let mut f = Failure::new(class, None, error_chain(&without_url(e)));
+    f.internal = Some(error_chain(e));
+    f
+}
+
+fn without_url(e: &reqwest::Error) -> UrlLess<'_> {
+    UrlLess(e)
+}
+
+/// A reqwest error shown without its URL (reqwest's `without_url` needs ownership).
+struct UrlLess<'a>(&'a reqwest::Error);
+
+impl std::fmt::Debug for UrlLess<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self, f)
+    }
+}
+
+impl std::fmt::Display for UrlLess<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let text = self.0.to_string();
+        match self.0.url() {
+            Some(u) => f.write_str(&text.replace(&format!(" for url ({u})"), "")),
+            None => f.write_str(&text),
+        }
+    }
+}
+
+impl std::error::Error for UrlLess<'_> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
 }
 
 /// Owns a committed stream's audit row and reports the outcome exactly once: when the stream
@@ -1342,6 +1537,16 @@ impl StreamGuard {
         let Some(mut row) = self.row.take() else {
             return;
         };
+        // In-band error texts are upstream bytes: redacted like every other upstream error.
+        let failure = failure.map(|(class, detail)| {
+            let secrets: Vec<&str> = self
+                .ep
+                .keys
+                .iter()
+                .filter_map(|k| k.value.as_ref().map(|s| s.expose()))
+                .collect();
+            (class, classify::redact(&detail, &secrets))
+        });
         row.latency_ms = self.started.elapsed().as_secs_f64() * 1000.0;
         let out_estimate = wire::estimate_tokens(self.out_chars);
         let tapped = self
@@ -1388,6 +1593,7 @@ impl StreamGuard {
                     status: Some(200),
                     error: Some(detail.clone()),
                     latency_ms: row.latency_ms,
+                    panic_mode: false,
                 });
                 tracing::warn!(request_id = %row.request_id, endpoint = %self.ep.name, class, error = %detail, "stream failed after commit");
                 self.app.registry.apply(
@@ -1421,6 +1627,8 @@ struct PassThrough {
     idle: Duration,
     deadline: Instant,
     guard: StreamGuard,
+    /// Cancelled when shutdown cuts the requests still running.
+    stop: tokio_util::sync::CancellationToken,
 }
 
 impl PassThrough {
@@ -1453,18 +1661,37 @@ impl PassThrough {
 
 async fn pump(mut st: PassThrough) -> Option<(Result<Bytes, std::io::Error>, PassThrough)> {
     if let Some(b) = st.prelude.pop_front() {
+        if st.prelude.is_empty() && st.done_seen && !st.finished {
+            // `[DONE]` came with the first chunks: the stream is complete for the client.
+            st.finished = true;
+            st.guard.finish(None);
+        }
         return Some((Ok(b), st));
     }
     if st.finished {
         return None;
     }
     let wait_until = (Instant::now() + st.idle).min(st.deadline);
-    match timeout_at(wait_until, st.rest.next()).await {
+    let next = tokio::select! {
+        r = timeout_at(wait_until, st.rest.next()) => r,
+        _ = st.stop.cancelled() => {
+            st.finished = true;
+            st.guard.finish(Some(("shutdown", "cut by shutdown after shutdown_grace".into())));
+            let ev = stream_error_event("The gateway is shutting down.", "shutdown");
+            return Some((Ok(Bytes::from(ev)), st));
+        }
+    };
+    match next {
         Ok(Some(Ok(b))) => {
             if let Some(err) = st.scan(&b) {
                 // The upstream's own error event passes through to the client as sent.
                 st.finished = true;
                 st.guard.finish(Some(("stream_error_event", err)));
+            } else if st.done_seen {
+                // `data: [DONE]` ends the stream for the client; whatever the upstream does
+                // with its connection afterwards is not the client's problem, nor a failure.
+                st.finished = true;
+                st.guard.finish(None);
             }
             Some((Ok(b), st))
         }

@@ -12,6 +12,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde_json::{Value, json};
 
+use futures_util::FutureExt;
+use http_body_util::BodyExt;
+
 use crate::error::ApiError;
 use crate::executor;
 use crate::state::AppState;
@@ -66,7 +69,21 @@ fn new_request_id() -> String {
 async fn proxy(app: Arc<AppState>, op: Op, headers: HeaderMap, body: Body) -> Response {
     let id = request_id(&headers);
     let cfg = app.config.load_full();
-    let inbound = match read_json(&headers, body, cfg.max_body_bytes).await {
+    // Shed, never queue: a gateway that queues past its capacity turns a spike into timeouts
+    // for everyone; an immediate 503 with Retry-After lets clients back off or go elsewhere.
+    let Some(slot) = app.admit(cfg.max_concurrent_requests) else {
+        return with_request_id(
+            ApiError::Overloaded(cfg.max_concurrent_requests).into_response(),
+            &id,
+        );
+    };
+    let read = tokio::time::timeout(
+        cfg.body_timeout,
+        read_json(&headers, body, cfg.max_body_bytes),
+    )
+    .await
+    .unwrap_or(Err(ApiError::BodyTimeout(cfg.body_timeout)));
+    let inbound = match read {
         Ok(v) => wire::inspect(op, v),
         Err(e) => Err(e),
     };
@@ -99,7 +116,44 @@ async fn proxy(app: Arc<AppState>, op: Op, headers: HeaderMap, body: Body) -> Re
         })));
         return with_request_id(err.into_response(), &id);
     };
-    executor::execute(app, cfg, inbound, chain, id).await
+    // Belt and braces: a panic anywhere below becomes a 500 in OpenAI's shape (the executor's
+    // drop guard writes its audit row), never a reset connection.
+    let run = std::panic::AssertUnwindSafe(executor::execute(
+        app.clone(),
+        cfg,
+        inbound,
+        chain,
+        id.clone(),
+    ))
+    .catch_unwind();
+    let resp = tokio::select! {
+        r = run => match r {
+            Ok(resp) => resp,
+            Err(_) => {
+                tracing::error!(request_id = %id, "request handler panicked; answered 500");
+                with_request_id(
+                    ApiError::Internal(
+                        "The gateway hit an internal error while serving this request; it has been recorded.".into(),
+                    )
+                    .into_response(),
+                    &id,
+                )
+            }
+        },
+        // Cut at the end of `shutdown_grace`: the dropped run records itself as `shutdown`.
+        _ = app.hard_stop.cancelled() => with_request_id(
+            ApiError::Unavailable("The gateway is shutting down; retry on another instance.".into())
+                .into_response(),
+            &id,
+        ),
+    };
+    // The slot lives as long as the body: a stream counts until it ends.
+    let (parts, body) = resp.into_parts();
+    let body = body.map_frame(move |f| {
+        let _held = &slot;
+        f
+    });
+    Response::from_parts(parts, Body::new(body))
 }
 
 fn with_request_id(mut resp: Response, id: &str) -> Response {
@@ -172,8 +226,17 @@ async fn models(State(app): State<Arc<AppState>>) -> Response {
     axum::Json(json!({"object": "list", "data": data})).into_response()
 }
 
-async fn health() -> Response {
-    axum::Json(json!({"status": "ok"})).into_response()
+/// Liveness for orchestrators: 200 while the gateway serves, `degraded` (still 200) when a part
+/// that does not stop serving is off, such as the audit trail.
+async fn health(State(app): State<Arc<AppState>>) -> Response {
+    match app.store.off_reason() {
+        None => axum::Json(json!({"status": "ok"})).into_response(),
+        Some(r) => axum::Json(json!({
+            "status": "degraded",
+            "reasons": [format!("audit trail off: {r}")],
+        }))
+        .into_response(),
+    }
 }
 
 async fn status(State(app): State<Arc<AppState>>) -> Response {
@@ -194,15 +257,26 @@ async fn status(State(app): State<Arc<AppState>>) -> Response {
         "chains": {
             "fallback_chain": cfg.fallback_chain,
             "routes": cfg.routes,
+            // Chains where fewer than panic_threshold of the endpoints are healthy: health is
+            // ignored for their requests.
+            "in_panic": app.registry.chains_in_panic(&cfg),
         },
         "policy": {
             "success_threshold": cfg.policy.success_threshold,
             "window_seconds": cfg.policy.window.as_secs_f64(),
             "min_samples": cfg.policy.min_samples,
             "max_wait_ms": cfg.policy.max_wait.as_millis() as u64,
+            "max_cooldown_ms": cfg.policy.max_cooldown.as_millis() as u64,
+            "panic_threshold": cfg.policy.panic_threshold,
+            "request_timeout_ms": cfg.policy.request_timeout.as_millis() as u64,
         },
+        "in_flight": app.inflight(),
         "docker": app.docker.lock().map(|d| d.to_json()).unwrap_or_default(),
         "audit": {
+            "state": match app.store.off_reason() {
+                None => "ok".to_string(),
+                Some(r) => format!("off: {r}"),
+            },
             "written": app.store.written(),
             "dropped": app.store.dropped(),
         },

@@ -29,14 +29,37 @@ pub struct ProbeReport {
     pub ok: bool,
     pub detail: Value,
     pub result: ProbeResult,
+    /// False when the probe says nothing about health (no probe route on this server, or the
+    /// probe's key was rejected while others remain): the result is shown, not fed to health.
+    pub counts: bool,
+    /// The probe's 401/403 rejected this key (index into the endpoint's keys).
+    pub rejected_key: Option<usize>,
 }
 
-async fn get(
-    client: &reqwest::Client,
-    url: &str,
-    timeout: Duration,
-) -> Result<(u16, String), String> {
-    get_with(client.get(url), timeout)
+impl ProbeReport {
+    fn new(at: SystemTime, result: ProbeResult, detail: Value) -> Self {
+        ProbeReport {
+            at,
+            ok: result == ProbeResult::Healthy,
+            detail,
+            result,
+            counts: true,
+            rejected_key: None,
+        }
+    }
+}
+
+/// The endpoint's `headers:` on a probe request: probes must look like the traffic they vouch
+/// for (an `OpenAI-Organization`, a gateway token in front of a local server).
+fn with_headers(ep: &Endpoint, mut rb: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+    for (k, v) in &ep.headers {
+        rb = rb.header(k.as_str(), v.as_str());
+    }
+    rb
+}
+
+async fn get(ep: &Endpoint, url: &str, timeout: Duration) -> Result<(u16, String), String> {
+    get_with(with_headers(ep, ep.client.get(url)), timeout)
         .await
         .map(|(s, _, t)| (s, t))
 }
@@ -170,7 +193,11 @@ async fn probe_custom(
     let at = SystemTime::now();
     let timeout = hc.timeout.map(|d| d.0).unwrap_or(hp.probe_timeout);
     let method = reqwest::Method::from_bytes(hc.method.as_bytes()).unwrap_or(reqwest::Method::GET);
-    let r = get_with(ep.client.request(method, absolute(&hc.url, root)), timeout).await;
+    let r = get_with(
+        with_headers(ep, ep.client.request(method, absolute(&hc.url, root))),
+        timeout,
+    )
+    .await;
     let (result, purge, detail) = match r {
         Err(e) => (
             ProbeResult::Unhealthy(format!("health_check: {e}")),
@@ -183,15 +210,7 @@ async fn probe_custom(
             (res, purge, detail)
         }
     };
-    (
-        ProbeReport {
-            at,
-            ok: result == ProbeResult::Healthy,
-            detail,
-            result,
-        },
-        purge,
-    )
+    (ProbeReport::new(at, result, detail), purge)
 }
 
 /// The opt-in semantic probe: one real one-token completion that must return message content.
@@ -241,11 +260,12 @@ async fn probe_semantic(
         .map_err(|_| "semantic probe: timed out".to_string())?
 }
 
-/// Probes one endpoint at `base` (its configured or discovered API root).
+/// Probes one endpoint at `base` (its configured or discovered API root) with `key`, the key
+/// (index and value) requests would use now.
 pub async fn probe(
     ep: &Endpoint,
     base: &str,
-    key: Option<&str>,
+    key: Option<(usize, &str)>,
     hp: &HealthPolicy,
 ) -> Option<ProbeReport> {
     let at = SystemTime::now();
@@ -256,10 +276,12 @@ pub async fn probe(
         .to_string();
     match ep.kind {
         EndpointKind::Openai => {
-            let mut rb = ep
-                .client
-                .get(format!("{}/models", base.trim_end_matches('/')));
-            if let Some(k) = key {
+            let mut rb = with_headers(
+                ep,
+                ep.client
+                    .get(format!("{}/models", base.trim_end_matches('/'))),
+            );
+            if let Some((_, k)) = key {
                 rb = rb.bearer_auth(k);
             }
             let r = get_with(rb, timeout).await;
@@ -297,16 +319,31 @@ pub async fn probe(
                     )
                 }
             };
-            Some(ProbeReport {
-                at,
-                ok: result == ProbeResult::Healthy,
-                detail,
-                result,
-            })
+            let status = r.as_ref().ok().map(|(s, _, _)| *s);
+            let mut report = ProbeReport::new(at, result, detail);
+            match (status, key) {
+                // A server without `GET /models` (or one refusing the method) has no probe: its
+                // state comes from live traffic, it is not unhealthy.
+                (Some(404 | 405), _) => {
+                    report.counts = false;
+                    report.ok = true;
+                    report.detail["note"] = json!(
+                        "no probe: GET /models is not served here; health comes from live traffic"
+                    );
+                }
+                // A rejected key is rejected exactly as a request's 401/403 would: the
+                // registry rotates to the next key and marks auth_failed only when none is left.
+                (Some(401 | 403), Some((i, _))) => {
+                    report.counts = false;
+                    report.rejected_key = Some(i);
+                }
+                _ => {}
+            }
+            Some(report)
         }
         EndpointKind::Vllm => {
-            let health = get(&ep.client, &format!("{root}/health"), timeout).await;
-            let load = get(&ep.client, &format!("{root}/metrics"), timeout).await;
+            let health = get(ep, &format!("{root}/health"), timeout).await;
+            let load = get(ep, &format!("{root}/metrics"), timeout).await;
             let load = match load {
                 Ok((200, text)) => Some(metrics::parse_vllm(&text)),
                 _ => None,
@@ -335,19 +372,18 @@ pub async fn probe(
                     _ => ProbeResult::Healthy,
                 },
             };
-            Some(ProbeReport {
+            Some(ProbeReport::new(
                 at,
-                ok: result == ProbeResult::Healthy,
-                detail: json!({
+                result,
+                json!({
                     "health": match &health { Ok((s, _)) => json!(s), Err(e) => json!(e) },
                     "load": load.and_then(|l| serde_json::to_value(l).ok()),
                 }),
-                result,
-            })
+            ))
         }
         EndpointKind::Ollama => {
-            let tags = get(&ep.client, &format!("{root}/api/tags"), timeout).await;
-            let ps = get(&ep.client, &format!("{root}/api/ps"), timeout).await;
+            let tags = get(ep, &format!("{root}/api/tags"), timeout).await;
+            let ps = get(ep, &format!("{root}/api/ps"), timeout).await;
             let names = |r: &Result<(u16, String), String>| -> Option<Vec<String>> {
                 let (200, text) = r.as_ref().ok()? else {
                     return None;
@@ -379,17 +415,16 @@ pub async fn probe(
                 }
                 (Ok((s, _)), None) => ProbeResult::Unhealthy(format!("GET /api/tags: {s}")),
             };
-            Some(ProbeReport {
+            Some(ProbeReport::new(
                 at,
-                ok: result == ProbeResult::Healthy,
-                detail: json!({
+                result,
+                json!({
                     "model": want,
                     "model_present": present,
                     "model_loaded": loaded,
                     "error": tags.as_ref().err(),
                 }),
-                result,
-            })
+            ))
         }
     }
 }
@@ -411,10 +446,20 @@ pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
             } else {
                 Some(ep.base_url.clone())
             };
-            let key = ep
-                .keys
-                .iter()
-                .find_map(|k| k.value.as_ref().map(|v| v.expose().to_string()));
+            // The key requests would use now, not always the first: a revoked first key must not
+            // make a probe fail while the second serves.
+            let key = match st.registry.current_key(ep) {
+                crate::registry::KeyPick::Use(i) => ep.keys[i]
+                    .value
+                    .as_ref()
+                    .map(|v| (i, v.expose().to_string())),
+                _ => None,
+            };
+            if ep.needs_key() && key.is_none() {
+                // No usable key: the endpoint is auth_failed already; a keyless probe would
+                // only report a 401 about nothing.
+                return (ep.name.clone(), None);
+            }
             let Some(base) = base else {
                 return (ep.name.clone(), None);
             };
@@ -426,7 +471,7 @@ pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
                     mem.lock().unwrap_or_else(|e| e.into_inner()).insert(ep.name.clone(), m);
                     if purge && let Some(hook) = &hc.purge {
                         let method = reqwest::Method::from_bytes(hook.method.as_bytes()).unwrap_or(reqwest::Method::POST);
-                        let res = get_with(ep.client.request(method, absolute(&hook.url, &root)), hp.probe_timeout).await;
+                        let res = get_with(with_headers(ep, ep.client.request(method, absolute(&hook.url, &root))), hp.probe_timeout).await;
                         let outcome = match res {
                             Ok((s, _, _)) if (200..300).contains(&s) => "ok".to_string(),
                             Ok((s, _, _)) => format!("status {s}"),
@@ -440,12 +485,13 @@ pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
                     }
                     Some(report)
                 }
-                None => probe(ep, &base, key.as_deref(), &hp).await,
+                None => probe(ep, &base, key.as_ref().map(|(i, k)| (*i, k.as_str())), &hp).await,
             };
             if ep.semantic_probe
                 && let Some(r) = report.as_mut()
                 && matches!(r.result, ProbeResult::Healthy | ProbeResult::Degraded(_))
-                && let Err(e) = probe_semantic(ep, &base, key.as_deref(), hp.probe_timeout.max(Duration::from_secs(10))).await
+                && r.counts
+                && let Err(e) = probe_semantic(ep, &base, key.as_ref().map(|(_, k)| k.as_str()), hp.probe_timeout.max(Duration::from_secs(10))).await
             {
                 r.result = ProbeResult::Unhealthy(e.clone());
                 r.ok = false;
@@ -456,7 +502,25 @@ pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
         .await;
         for (name, report) in results {
             if let Some(r) = report {
-                state.registry.observe_probe(&name, &r.result, &thresholds);
+                if let Some(i) = r.rejected_key
+                    && let Some(ep) = cfg.endpoints.get(&name)
+                {
+                    let detail = match &r.result {
+                        ProbeResult::Unhealthy(d) => d.clone(),
+                        _ => "probe rejected the key".into(),
+                    };
+                    state.registry.apply(
+                        ep,
+                        &cfg.policy,
+                        crate::registry::Effect::KeyRejected {
+                            key: i,
+                            detail: format!("probe: {detail}"),
+                        },
+                    );
+                }
+                if r.counts {
+                    state.registry.observe_probe(&name, &r.result, &thresholds);
+                }
                 state.registry.set_probe(&name, r);
             }
         }

@@ -48,7 +48,8 @@ pub struct EndpointRuntime {
     cooldown_reason: Option<String>,
     retired: Option<Retirement>,
     auth_failed: Option<String>,
-    dead_keys: BTreeSet<usize>,
+    /// Hashes of rejected key values (see `ApiKey::hash`): a replaced value starts afresh.
+    dead_keys: BTreeSet<String>,
     key_cursor: usize,
     last_error: Option<(String, SystemTime)>,
     requests: u64,
@@ -185,29 +186,54 @@ impl Registry {
                     rt.successes = p.successes;
                     rt.failures = p.failures;
                     rt.learned_window = p.learned_context_window;
-                    if let Some(reason) = &p.retired_reason
-                        && p.retired_fingerprint.as_deref() == Some(ep.fingerprint.as_str())
-                    {
-                        rt.retired = Some(Retirement {
-                            reason: reason.clone(),
-                            fingerprint: ep.fingerprint.clone(),
-                        });
+                    if let Some(reason) = &p.retired_reason {
+                        if p.retired_fingerprint.as_deref() == Some(ep.fingerprint.as_str()) {
+                            rt.retired = Some(Retirement {
+                                reason: reason.clone(),
+                                fingerprint: ep.fingerprint.clone(),
+                            });
+                        } else {
+                            // Retired under another definition, changed while we were down.
+                            self.event(
+                                name,
+                                "unretired",
+                                "endpoint definition changed in the config",
+                            );
+                            self.store.send_flag(name, None, None);
+                        }
                     }
                 }
                 Arc::new(Mutex::new(rt))
             });
             let mut rt = lock(entry);
             rt.window.resize(cfg.policy.window, now);
-            if rt.fingerprint != ep.fingerprint {
-                rt.fingerprint = ep.fingerprint.clone();
+            let identity_changed = rt.fingerprint != ep.fingerprint;
+            if identity_changed {
                 rt.dead_keys.clear();
-                if rt.auth_failed.take().is_some() {
-                    self.event(
-                        name,
-                        "auth_cleared",
-                        "endpoint definition changed in the config",
-                    );
-                }
+            } else {
+                // A rejection stays with the value it was made against: a key whose value was
+                // replaced (file rewritten, env var changed, literal edited) starts afresh.
+                rt.dead_keys
+                    .retain(|h| ep.keys.iter().any(|k| k.value.is_some() && &k.hash == h));
+            }
+            let usable = ep
+                .keys
+                .iter()
+                .any(|k| k.value.is_some() && !rt.dead_keys.contains(&k.hash));
+            if rt.auth_failed.is_some() && (identity_changed || usable) {
+                rt.auth_failed = None;
+                self.event(
+                    name,
+                    "auth_cleared",
+                    if identity_changed {
+                        "endpoint definition changed in the config"
+                    } else {
+                        "a rejected key's value was replaced"
+                    },
+                );
+            }
+            if identity_changed {
+                rt.fingerprint = ep.fingerprint.clone();
                 if rt
                     .retired
                     .as_ref()
@@ -253,12 +279,29 @@ impl Registry {
         let n = ep.keys.len();
         for step in 0..n {
             let i = (rt.key_cursor + step) % n;
-            if ep.keys[i].value.is_some() && !rt.dead_keys.contains(&i) {
+            if ep.keys[i].value.is_some() && !rt.dead_keys.contains(&ep.keys[i].hash) {
                 rt.key_cursor = (i + 1) % n;
                 return KeyPick::Use(i);
             }
         }
         KeyPick::Exhausted
+    }
+
+    /// The key the next request would use, without advancing the rotation (for probes: a probe
+    /// must test what traffic would send, not always the first key).
+    pub fn current_key(&self, ep: &Endpoint) -> KeyPick {
+        if !ep.needs_key() {
+            return KeyPick::NotNeeded;
+        }
+        let Some(rt) = self.get(&ep.name) else {
+            return KeyPick::Exhausted;
+        };
+        let rt = lock(&rt);
+        let n = ep.keys.len();
+        (0..n)
+            .map(|step| (rt.key_cursor + step) % n)
+            .find(|&i| ep.keys[i].value.is_some() && !rt.dead_keys.contains(&ep.keys[i].hash))
+            .map_or(KeyPick::Exhausted, KeyPick::Use)
     }
 
     /// Applies an attempt's outcome. Returns true when the endpoint has another key to try.
@@ -321,10 +364,14 @@ impl Registry {
                 false
             }
             Effect::KeyRejected { key, detail } => {
-                rt.dead_keys.insert(key);
+                if let Some(k) = ep.keys.get(key) {
+                    rt.dead_keys.insert(k.hash.clone());
+                }
                 rt.last_error = Some((format!("auth: {detail}"), SystemTime::now()));
-                let left = (0..ep.keys.len())
-                    .any(|i| ep.keys[i].value.is_some() && !rt.dead_keys.contains(&i));
+                let left = ep
+                    .keys
+                    .iter()
+                    .any(|k| k.value.is_some() && !rt.dead_keys.contains(&k.hash));
                 if left {
                     drop(rt);
                     self.event(
@@ -477,6 +524,47 @@ impl Registry {
         true
     }
 
+    /// What the router needs to know about `names`, now.
+    pub fn views(&self, cfg: &Config, names: &[String]) -> Vec<crate::router::View> {
+        let now = Instant::now();
+        names
+            .iter()
+            .filter_map(|n| {
+                let ep = cfg.endpoints.get(n)?;
+                let (avail, rate, dead) = self.with(n, |rt| {
+                    let usable = ep.keys.is_empty() || ep.keys.iter().any(|k| k.value.is_some());
+                    (
+                        rt.avail(now),
+                        rt.counts(now).rate(cfg.policy.min_samples),
+                        !usable,
+                    )
+                })?;
+                Some(crate::router::View {
+                    name: n.clone(),
+                    avail,
+                    success_rate: rate,
+                    capabilities: ep.caps,
+                    no_usable_key: dead,
+                })
+            })
+            .collect()
+    }
+
+    /// The chains (routes by name, and `fallback_chain`) in healthy panic right now.
+    pub fn chains_in_panic(&self, cfg: &Config) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut check = |name: &str, chain: &[String]| {
+            if crate::router::in_panic(&self.views(cfg, chain), cfg.policy.panic_threshold) {
+                out.push(name.to_string());
+            }
+        };
+        check("fallback_chain", &cfg.fallback_chain);
+        for (name, chain) in &cfg.routes {
+            check(name, chain);
+        }
+        out
+    }
+
     pub fn with<R>(&self, name: &str, f: impl FnOnce(&EndpointRuntime) -> R) -> Option<R> {
         let rt = self.get(name)?;
         let g = lock(&rt);
@@ -515,8 +603,10 @@ impl Registry {
         let counts = rt.window.counts(now);
         let rate = counts.rate(policy.min_samples);
         let avail = rt.avail(now);
-        let usable_keys = (0..ep.keys.len())
-            .filter(|i| ep.keys[*i].value.is_some() && !rt.dead_keys.contains(i))
+        let usable_keys = ep
+            .keys
+            .iter()
+            .filter(|k| k.value.is_some() && !rt.dead_keys.contains(&k.hash))
             .count();
         let state = match &avail {
             Avail::Retired => "retired",

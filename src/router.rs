@@ -59,6 +59,10 @@ pub struct Plan {
     pub skipped: Vec<(String, Skip)>,
     /// Endpoints moved behind the healthy ones for a success rate under the threshold.
     pub demoted: Vec<String>,
+    /// Healthy panic: health was ignored, every otherwise usable endpoint is in `order`.
+    pub panic: bool,
+    /// In panic, the endpoints in `order` that health alone would have skipped.
+    pub panic_admitted: Vec<String>,
 }
 
 impl Plan {
@@ -74,16 +78,37 @@ impl Plan {
     }
 }
 
+/// Envoy's healthy-panic rule: true when fewer than `threshold` of the chain's endpoints are
+/// available by health state (unhealthy, ejected, half-open and warming count as unavailable).
+/// Health bookkeeping must never take away every endpoint: in panic, health is ignored.
+pub fn in_panic(views: &[View], threshold: f64) -> bool {
+    if views.is_empty() {
+        return false;
+    }
+    let available = views
+        .iter()
+        .filter(|v| !matches!(v.avail, Avail::Unhealthy { .. }))
+        .count();
+    (available as f64) < threshold * views.len() as f64
+}
+
 /// Ranks `chain`: unusable endpoints are skipped; the rest keep chain order, except that those
 /// whose success rate is below `threshold` go behind the healthy ones (keeping their relative
 /// order). A demoted endpoint is still tried: a degraded backend beats none.
+///
+/// With `panic` (see [`in_panic`]) health is ignored: every endpoint that is not retired,
+/// `auth_failed`, cooling down or lacking a capability is tried, in chain order.
 pub fn rank(
     chain: &[String],
     views: &[View],
     needs: &BTreeSet<Capability>,
     threshold: f64,
+    panic: bool,
 ) -> Plan {
-    let mut plan = Plan::default();
+    let mut plan = Plan {
+        panic,
+        ..Plan::default()
+    };
     let mut healthy = Vec::new();
     let mut demoted = Vec::new();
     for name in chain {
@@ -99,6 +124,17 @@ pub fn rank(
             Avail::Retired => plan.skipped.push((name.clone(), Skip::Retired)),
             Avail::AuthFailed => plan.skipped.push((name.clone(), Skip::AuthFailed)),
             Avail::Cooldown(d) => plan.skipped.push((name.clone(), Skip::Cooldown(*d))),
+            Avail::Unhealthy { .. } if panic && v.no_usable_key => {
+                plan.skipped.push((name.clone(), Skip::AuthFailed))
+            }
+            Avail::Unhealthy { .. } if panic => {
+                plan.panic_admitted.push(name.clone());
+                healthy.push(name.clone());
+            }
+            Avail::Ready | Avail::Degraded if panic && v.no_usable_key => {
+                plan.skipped.push((name.clone(), Skip::AuthFailed))
+            }
+            Avail::Ready | Avail::Degraded if panic => healthy.push(name.clone()),
             Avail::Unhealthy { state, reason } => plan.skipped.push((
                 name.clone(),
                 Skip::Unhealthy {
@@ -142,6 +178,81 @@ mod tests {
         names.iter().map(|s| s.to_string()).collect()
     }
 
+    fn sick(name: &str) -> View {
+        view(
+            name,
+            Avail::Unhealthy {
+                state: "ejected",
+                reason: "5 failures".into(),
+            },
+            None,
+        )
+    }
+
+    #[test]
+    fn panic_threshold_counts_health_only() {
+        let views = vec![
+            sick("a"),
+            view("b", Avail::Cooldown(Duration::from_secs(1)), None),
+            view("c", Avail::Retired, None),
+        ];
+        // One of three unavailable by health: 2/3 >= 0.5.
+        assert!(!in_panic(&views, 0.5));
+        let views = vec![sick("a"), sick("b"), view("c", Avail::Ready, None)];
+        assert!(in_panic(&views, 0.5), "1/3 available");
+        assert!(!in_panic(&views, 0.3));
+        assert!(!in_panic(&views, 0.0), "threshold 0 turns panic off");
+        assert!(in_panic(&[sick("a")], 1.0));
+        assert!(!in_panic(&[], 0.5));
+    }
+
+    #[test]
+    fn panic_tries_every_usable_endpoint_in_chain_order() {
+        let mut nokey = sick("k");
+        nokey.no_usable_key = true;
+        let views = vec![
+            sick("a"),
+            view("b", Avail::Ready, Some(0.1)),
+            view("c", Avail::Cooldown(Duration::from_secs(2)), None),
+            sick("d"),
+            view("r", Avail::Retired, None),
+            view("f", Avail::AuthFailed, None),
+            nokey,
+        ];
+        let p = rank(
+            &chain(&["a", "b", "c", "d", "r", "f", "k"]),
+            &views,
+            &BTreeSet::new(),
+            0.85,
+            true,
+        );
+        assert!(p.panic);
+        assert_eq!(p.order, chain(&["a", "b", "d"]), "chain order, no demotion");
+        assert_eq!(p.panic_admitted, chain(&["a", "d"]));
+        let classes: Vec<_> = p
+            .skipped
+            .iter()
+            .map(|(n, s)| (n.as_str(), s.class()))
+            .collect();
+        assert_eq!(
+            classes,
+            vec![
+                ("c", "skipped_cooldown"),
+                ("r", "skipped_retired"),
+                ("f", "skipped_auth_failed"),
+                ("k", "skipped_auth_failed")
+            ]
+        );
+        let p = rank(
+            &chain(&["a", "b", "c", "d"]),
+            &views,
+            &BTreeSet::new(),
+            0.85,
+            false,
+        );
+        assert_eq!(p.order, chain(&["b"]), "outside panic health skips");
+    }
+
     #[test]
     fn keeps_chain_order_when_healthy() {
         let views = vec![
@@ -149,7 +260,13 @@ mod tests {
             view("b", Avail::Ready, None),
             view("c", Avail::Ready, Some(0.9)),
         ];
-        let p = rank(&chain(&["c", "a", "b"]), &views, &BTreeSet::new(), 0.85);
+        let p = rank(
+            &chain(&["c", "a", "b"]),
+            &views,
+            &BTreeSet::new(),
+            0.85,
+            false,
+        );
         assert_eq!(p.order, chain(&["c", "a", "b"]));
     }
 
@@ -160,7 +277,13 @@ mod tests {
             view("b", Avail::Ready, Some(0.6)),
             view("c", Avail::Ready, Some(0.95)),
         ];
-        let p = rank(&chain(&["a", "b", "c"]), &views, &BTreeSet::new(), 0.85);
+        let p = rank(
+            &chain(&["a", "b", "c"]),
+            &views,
+            &BTreeSet::new(),
+            0.85,
+            false,
+        );
         assert_eq!(p.order, chain(&["c", "a", "b"]));
         assert_eq!(p.demoted, chain(&["a", "b"]));
     }
@@ -184,6 +307,7 @@ mod tests {
             &views,
             &needs,
             0.85,
+            false,
         );
         assert_eq!(p.order, chain(&["v"]));
         assert_eq!(p.skipped.len(), 4);
@@ -194,7 +318,7 @@ mod tests {
                 Skip::MissingCapability(Capability::Vision)
             )
         );
-        let p = rank(&chain(&["r", "cd"]), &views, &BTreeSet::new(), 0.85);
+        let p = rank(&chain(&["r", "cd"]), &views, &BTreeSet::new(), 0.85, false);
         assert!(p.order.is_empty());
         assert_eq!(p.soonest_cooldown(), Some(Duration::from_secs(3)));
     }

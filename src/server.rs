@@ -7,10 +7,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::serve::ListenerExt;
+use axum::extract::ConnectInfo;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use tower::ServiceExt;
 
 use crate::config::Config;
 use crate::state::AppState;
@@ -19,6 +22,13 @@ use crate::store::{Record, Store};
 /// How often endpoint stats are written to SQLite: often enough that a crash loses little,
 /// rarely enough to cost nothing.
 const STATS_PERSIST_EVERY: Duration = Duration::from_secs(10);
+
+/// After the grace, how long requests that were cut get to write their audit rows.
+const INFLIGHT_DRAIN: Duration = Duration::from_secs(3);
+
+/// How long a failing `accept` (out of file descriptors, say) pauses the accept loop, so the
+/// error does not spin a core.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
 /// How often audit rows past `server.audit_retention` are deleted (also once at start).
 const PRUNE_EVERY: Duration = Duration::from_secs(3600);
@@ -44,11 +54,12 @@ pub struct Gateway {
 
 impl Gateway {
     pub async fn start(opts: GatewayOptions) -> anyhow::Result<Gateway> {
-        let opened = Store::open(&opts.data_dir, opts.config.audit_queue)?;
+        let opened = Store::open_or_off(&opts.data_dir, opts.config.audit_queue);
         for w in &opts.config.warnings {
             tracing::warn!(warning = %w, "config warning");
         }
         let grace = opts.config.shutdown_grace;
+        let header_timeout = opts.config.header_timeout;
         let state = AppState::new(
             opts.config,
             opened.store.handle(),
@@ -100,37 +111,14 @@ impl Gateway {
         }
 
         let app = crate::http::router(state.clone());
-        let c = cancel.clone();
-        let stop = cancel.clone();
-        let server = tokio::spawn(async move {
-            // Streams are many small writes: without TCP_NODELAY, Nagle's algorithm holds each
-            // chunk until the client's delayed ACK (~40 ms) arrives.
-            let listener = opts.listener.tap_io(|tcp| {
-                let _ = tcp.set_nodelay(true);
-            });
-            let serve = axum::serve(
-                listener,
-                app.into_make_service_with_connect_info::<SocketAddr>(),
-            )
-            .with_graceful_shutdown(async move { c.cancelled().await });
-            let mut serve = std::pin::pin!(serve.into_future());
-            tokio::select! {
-                r = &mut serve => {
-                    if let Err(e) = r {
-                        tracing::error!(error = %e, "server error");
-                    }
-                }
-                _ = stop.cancelled() => {
-                    // Shutdown asked: bound the drain, so a client holding a stream open cannot
-                    // block it forever. (The bound applies from the signal on, never before.)
-                    match tokio::time::timeout(grace + Duration::from_secs(1), &mut serve).await {
-                        Ok(Err(e)) => tracing::error!(error = %e, "server error"),
-                        Ok(Ok(())) => {}
-                        Err(_) => tracing::warn!("in-flight requests did not finish within shutdown_grace"),
-                    }
-                }
-            }
-        });
+        let server = tokio::spawn(serve(
+            opts.listener,
+            app,
+            state.clone(),
+            cancel.clone(),
+            grace,
+            header_timeout,
+        ));
         tracing::info!(%addr, "autohedge listening");
         Ok(Gateway {
             addr,
@@ -152,6 +140,12 @@ impl Gateway {
     pub async fn shutdown(mut self) {
         self.cancel.cancel();
         let _ = (&mut self.server).await;
+        // Requests cut at the grace write their rows as they unwind; wait for the last of them
+        // (bounded) before the final flush, so none is lost at exit.
+        let t0 = tokio::time::Instant::now();
+        while self.state.inflight() > 0 && t0.elapsed() < INFLIGHT_DRAIN {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         while self.tasks.join_next().await.is_some() {}
         self.state
             .store
@@ -168,5 +162,71 @@ impl Gateway {
     pub async fn run_until_cancelled(self) {
         self.cancel.cancelled().await;
         self.shutdown().await;
+    }
+}
+
+/// The accept loop: hyper with a header read timeout (slow clients cannot hold a connection
+/// without sending a request), TCP_NODELAY, the peer address for `ConnectInfo`, and a graceful
+/// drain on `cancel`. When `grace` is over, `AppState::hard_stop` cuts what is still running;
+/// each cut request records itself (class `shutdown`) before its connection closes.
+async fn serve(
+    listener: TcpListener,
+    app: axum::Router,
+    state: Arc<AppState>,
+    cancel: CancellationToken,
+    grace: Duration,
+    header_timeout: Duration,
+) {
+    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_timeout);
+    let graceful = GracefulShutdown::new();
+    loop {
+        let (tcp, peer) = tokio::select! {
+            _ = cancel.cancelled() => break,
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                    continue;
+                }
+            },
+        };
+        // Streams are many small writes: without TCP_NODELAY, Nagle's algorithm holds each
+        // chunk until the client's delayed ACK (~40 ms) arrives.
+        let _ = tcp.set_nodelay(true);
+        let svc =
+            app.clone()
+                .map_request(move |mut req: axum::http::Request<hyper::body::Incoming>| {
+                    req.extensions_mut().insert(ConnectInfo(peer));
+                    req
+                });
+        let svc = hyper_util::service::TowerToHyperService::new(svc);
+        let conn = builder
+            .serve_connection_with_upgrades(TokioIo::new(tcp), svc)
+            .into_owned();
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            // Client resets and header timeouts end up here; they are the client's business.
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    let drain = graceful.shutdown();
+    tokio::pin!(drain);
+    tokio::select! {
+        _ = &mut drain => {}
+        _ = tokio::time::sleep(grace) => {
+            tracing::warn!("in-flight requests did not finish within shutdown_grace; cutting them");
+            state.hard_stop.cancel();
+            if tokio::time::timeout(INFLIGHT_DRAIN, &mut drain).await.is_err() {
+                tracing::warn!("connections still open after the cut; closing");
+            }
+        }
     }
 }

@@ -79,7 +79,21 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE requests ADD COLUMN sanitized_chars INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE endpoint_state ADD COLUMN learned_context_window INTEGER;
     "#,
+    // 3: attempts tried although health said to skip them (healthy panic, last resort).
+    r#"
+    ALTER TABLE attempts ADD COLUMN panic_mode INTEGER NOT NULL DEFAULT 0;
+    "#,
 ];
+
+/// Rows deleted per transaction when pruning past retention: each delete is a few milliseconds,
+/// so records queued meanwhile wait that long at most, never the whole prune.
+const PRUNE_BATCH: usize = 2000;
+
+/// Pages returned to the file system after a prune (`PRAGMA incremental_vacuum`), per pass.
+const VACUUM_PAGES: usize = 4096;
+
+/// The WAL file is truncated to this after checkpoints: a burst cannot leave it gigabytes large.
+const JOURNAL_SIZE_LIMIT: i64 = 64 * 1024 * 1024;
 
 /// How many records the writer commits in one transaction at most. Batching turns a burst of
 /// small inserts into one commit.
@@ -108,6 +122,8 @@ pub struct AttemptRow {
     /// Already redacted: never contains a key.
     pub error: Option<String>,
     pub latency_ms: f64,
+    /// Tried although health said to skip it (healthy panic, last resort).
+    pub panic_mode: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -178,15 +194,36 @@ pub enum Record {
 /// The request path's side of the store: cheap to clone, never blocks.
 #[derive(Clone)]
 pub struct StoreHandle {
-    tx: SyncSender<Record>,
+    /// `None`: the database could not be opened; the trail is off (see `off_reason`).
+    tx: Option<SyncSender<Record>>,
     dropped: Arc<AtomicU64>,
     written: Arc<AtomicU64>,
+    off_reason: Option<Arc<str>>,
 }
 
 impl StoreHandle {
+    /// A handle whose trail is off: records are counted as dropped. The gateway serves on.
+    pub fn off(reason: String) -> StoreHandle {
+        StoreHandle {
+            tx: None,
+            dropped: Arc::new(AtomicU64::new(0)),
+            written: Arc::new(AtomicU64::new(0)),
+            off_reason: Some(reason.into()),
+        }
+    }
+
+    /// Why the audit trail is off, when it is.
+    pub fn off_reason(&self) -> Option<&str> {
+        self.off_reason.as_deref()
+    }
+
     /// Queues a record. A full queue drops it and counts the drop.
     pub fn send(&self, r: Record) {
-        match self.tx.try_send(r) {
+        let Some(tx) = &self.tx else {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        match tx.try_send(r) {
             Ok(()) => {}
             Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
                 let n = self.dropped.fetch_add(1, Ordering::Relaxed) + 1;
@@ -221,7 +258,10 @@ impl StoreHandle {
     /// Waits (blocking) until everything queued so far is on disk, or `timeout`.
     pub fn flush_blocking(&self, timeout: Duration) -> bool {
         let (tx, rx) = std::sync::mpsc::channel();
-        if self.tx.send(Record::Flush(tx)).is_err() {
+        let Some(sender) = &self.tx else {
+            return true;
+        };
+        if sender.send(Record::Flush(tx)).is_err() {
             return false;
         }
         rx.recv_timeout(timeout).is_ok()
@@ -240,25 +280,34 @@ pub struct Opened {
 }
 
 pub fn open_connection(path: &Path) -> rusqlite::Result<Connection> {
-    let conn = Connection::open(path)?;
+    let mut conn = Connection::open(path)?;
     conn.busy_timeout(Duration::from_secs(5))?;
+    // Only takes effect on a new, empty database (before its first table): lets pruning hand
+    // pages back with `incremental_vacuum` instead of a blocking full VACUUM.
+    conn.pragma_update(None, "auto_vacuum", "INCREMENTAL")?;
     conn.pragma_update(None, "journal_mode", "WAL")?;
+    conn.pragma_update(None, "journal_size_limit", JOURNAL_SIZE_LIMIT)?;
     conn.pragma_update(None, "synchronous", "NORMAL")?;
     // 32 MiB of page cache keeps the indexes' hot pages in memory under load.
     conn.pragma_update(None, "cache_size", -32768)?;
-    migrate(&conn)?;
+    migrate(&mut conn)?;
     Ok(conn)
 }
 
-fn migrate(conn: &Connection) -> rusqlite::Result<()> {
-    let version: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0))?;
-    for (i, sql) in MIGRATIONS.iter().enumerate().skip(version.max(0) as usize) {
-        let tx = conn.unchecked_transaction()?;
-        tx.execute_batch(sql)?;
-        tx.pragma_update(None, "user_version", (i + 1) as i64)?;
-        tx.commit()?;
+/// Runs the pending migrations inside one IMMEDIATE transaction: the version is read under the
+/// write lock, so two processes opening one data dir at once cannot both apply a migration (the
+/// second waits on the busy timeout, then finds nothing to do).
+fn migrate(conn: &mut Connection) -> rusqlite::Result<()> {
+    let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    let version: i64 = tx.pragma_query_value(None, "user_version", |r| r.get(0))?;
+    if version.max(0) as usize >= MIGRATIONS.len() {
+        return Ok(());
     }
-    Ok(())
+    for sql in MIGRATIONS.iter().skip(version.max(0) as usize) {
+        tx.execute_batch(sql)?;
+    }
+    tx.pragma_update(None, "user_version", MIGRATIONS.len() as i64)?;
+    tx.commit()
 }
 
 impl Store {
@@ -276,9 +325,10 @@ impl Store {
         let dropped = Arc::new(AtomicU64::new(0));
         let written = Arc::new(AtomicU64::new(0));
         let handle = StoreHandle {
-            tx,
+            tx: Some(tx),
             dropped: dropped.clone(),
             written: written.clone(),
+            off_reason: None,
         };
         let thread = std::thread::Builder::new()
             .name("autohedge-audit".into())
@@ -291,6 +341,26 @@ impl Store {
             },
             persisted,
         })
+    }
+
+    /// Like [`Store::open`], but a database that cannot be opened (corrupt, read-only volume,
+    /// wrong owner) does not stop the gateway: it serves with the audit trail off, and says why
+    /// in `/status` and `/health`.
+    pub fn open_or_off(data_dir: &Path, capacity: usize) -> Opened {
+        match Store::open(data_dir, capacity) {
+            Ok(o) => o,
+            Err(e) => {
+                let reason = format!("{e:#}");
+                tracing::error!(error = %reason, "audit trail is OFF: the database cannot be opened; serving without it");
+                Opened {
+                    store: Store {
+                        handle: StoreHandle::off(reason),
+                        thread: None,
+                    },
+                    persisted: Vec::new(),
+                }
+            }
+        }
     }
 
     pub fn handle(&self) -> StoreHandle {
@@ -360,6 +430,7 @@ fn write_batch(
     batch: &mut Vec<Record>,
     flushes: &mut Vec<std::sync::mpsc::Sender<()>>,
 ) -> rusqlite::Result<()> {
+    let mut prunes = Vec::new();
     let tx = conn.transaction()?;
     {
         let mut ins_req = tx.prepare_cached(
@@ -367,8 +438,8 @@ fn write_batch(
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19)",
         )?;
         let mut ins_att = tx.prepare_cached(
-            "INSERT INTO attempts (request_row, request_id, seq, ts_ms, endpoint, class, status, error, latency_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+            "INSERT INTO attempts (request_row, request_id, seq, ts_ms, endpoint, class, status, error, latency_ms, panic_mode)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
         )?;
         let mut ins_ev = tx.prepare_cached(
             "INSERT INTO endpoint_events (ts_ms, endpoint, event, reason) VALUES (?1, ?2, ?3, ?4)",
@@ -414,7 +485,8 @@ fn write_batch(
                             a.class,
                             a.status,
                             a.error,
-                            a.latency_ms
+                            a.latency_ms,
+                            a.panic_mode
                         ])?;
                     }
                 }
@@ -448,20 +520,41 @@ fn write_batch(
                         params![endpoint, tokens as i64, ms(SystemTime::now())],
                     )?;
                 }
-                Record::Prune(before) => {
-                    let t = ms(before);
-                    let n = tx.execute("DELETE FROM attempts WHERE ts_ms < ?1", [t])?
-                        + tx.execute("DELETE FROM requests WHERE ts_ms < ?1", [t])?
-                        + tx.execute("DELETE FROM endpoint_events WHERE ts_ms < ?1", [t])?;
-                    if n > 0 {
-                        tracing::info!(rows = n, "audit rows past retention deleted");
-                    }
-                }
+                Record::Prune(before) => prunes.push(before),
                 Record::Flush(f) => flushes.push(f),
             }
         }
     }
-    tx.commit()
+    tx.commit()?;
+    for before in prunes {
+        prune(conn, before)?;
+    }
+    Ok(())
+}
+
+/// Deletes audit rows older than `before` in short transactions of `PRUNE_BATCH` rows, then
+/// hands freed pages back to the file system. Returns the rows deleted.
+pub fn prune(conn: &mut Connection, before: SystemTime) -> rusqlite::Result<usize> {
+    let t = ms(before);
+    let mut total = 0;
+    for table in ["attempts", "requests", "endpoint_events"] {
+        let sql = format!(
+            "DELETE FROM {table} WHERE id IN (SELECT id FROM {table} WHERE ts_ms < ?1 LIMIT {PRUNE_BATCH})"
+        );
+        loop {
+            let n = conn.execute(&sql, [t])?;
+            total += n;
+            if n < PRUNE_BATCH {
+                break;
+            }
+        }
+    }
+    if total > 0 {
+        tracing::info!(rows = total, "audit rows past retention deleted");
+        // A no-op on databases created before auto_vacuum was set.
+        conn.execute_batch(&format!("PRAGMA incremental_vacuum({VACUUM_PAGES})"))?;
+    }
+    Ok(total)
 }
 
 fn read_persisted(conn: &Connection) -> rusqlite::Result<Vec<PersistedStats>> {
@@ -619,6 +712,7 @@ mod tests {
             sanitized_chars: 0,
             attempts: vec![
                 AttemptRow {
+                    panic_mode: false,
                     seq: 1,
                     endpoint: "a".into(),
                     class: class.into(),
@@ -627,6 +721,7 @@ mod tests {
                     latency_ms: 1.0,
                 },
                 AttemptRow {
+                    panic_mode: false,
                     seq: 2,
                     endpoint: endpoint.into(),
                     class: "ok".into(),
@@ -706,9 +801,10 @@ mod tests {
     fn full_queue_drops_and_counts() {
         let (tx, _rx) = sync_channel(1);
         let h = StoreHandle {
-            tx,
+            tx: Some(tx),
             dropped: Arc::new(AtomicU64::new(0)),
             written: Arc::new(AtomicU64::new(0)),
+            off_reason: None,
         };
         h.send(Record::Event(EndpointEvent {
             ts: SystemTime::now(),

@@ -194,6 +194,12 @@ pub struct RawServer {
     pub audit_retention: Option<Dur>,
     /// How long SIGTERM waits for in-flight requests before closing.
     pub shutdown_grace: Option<Dur>,
+    /// A client must send its request headers within this (slowloris guard). Default 10s.
+    pub header_timeout: Option<Dur>,
+    /// A client must send its whole request body within this. Default 30s.
+    pub body_timeout: Option<Dur>,
+    /// Requests served at once; above it new ones get 503 `overloaded` at once. 0: unlimited.
+    pub max_concurrent_requests: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
@@ -291,6 +297,9 @@ pub struct RawEndpoint {
     pub tokenize_timeout: Option<Dur>,
     /// Extra headers sent upstream (e.g. `OpenAI-Organization`). Values may use `env:`/`file:`.
     pub headers: Option<BTreeMap<String, String>>,
+    /// A PEM file of extra CA certificates trusted for this endpoint (a private CA); the
+    /// system's store and the bundled web roots are trusted too.
+    pub ca_file: Option<String>,
     /// A custom health endpoint that replaces the type's default probe.
     pub health_check: Option<RawHealthCheck>,
     /// Opt-in: also send a real one-token completion each probe (bills one token per probe).
@@ -378,6 +387,13 @@ pub struct RawRoutingPolicy {
     pub context_fill: Option<f64>,
     pub on_context_overflow: Option<Overflow>,
     pub truncation: Option<RawTruncation>,
+    /// Upstream-supplied cooldowns (`Retry-After`, `x-ratelimit-reset-*`) are clamped to this.
+    pub max_cooldown: Option<Dur>,
+    /// Envoy's healthy-panic threshold: when fewer than this share of a chain's endpoints are
+    /// available by health, health is ignored for the request.
+    pub panic_threshold: Option<f64>,
+    /// One deadline for the whole request: attempts, retries, backoff and `max_wait`.
+    pub request_timeout: Option<Dur>,
 }
 
 /// Where an API key comes from. Only the source is ever printed; the value lives in [`Secret`].
@@ -447,6 +463,9 @@ impl fmt::Debug for Secret {
 #[derive(Clone, Debug)]
 pub struct ApiKey {
     pub source: KeySource,
+    /// A hash of the value (never the value): a rejection is remembered against it, so
+    /// replacing the value (file rewritten, env var changed) starts that key afresh.
+    pub hash: String,
     /// `None` when the source could not be resolved; the reason is in `problem`.
     pub value: Option<Secret>,
     pub problem: Option<String>,
@@ -519,6 +538,9 @@ pub struct Policy {
     pub on_context_overflow: Overflow,
     pub truncation: crate::tokens::truncate::Options,
     pub health: crate::health::Thresholds,
+    pub max_cooldown: Duration,
+    pub panic_threshold: f64,
+    pub request_timeout: Duration,
 }
 
 /// The runtime routing table. Requests hold an `Arc<Config>` for their whole life.
@@ -530,6 +552,10 @@ pub struct Config {
     /// `None`: keep the audit trail forever.
     pub audit_retention: Option<Duration>,
     pub shutdown_grace: Duration,
+    pub header_timeout: Duration,
+    pub body_timeout: Duration,
+    /// 0: unlimited.
+    pub max_concurrent_requests: usize,
     pub endpoints: BTreeMap<String, Arc<Endpoint>>,
     pub fallback_chain: Vec<String>,
     pub routes: BTreeMap<String, Vec<String>>,
@@ -641,13 +667,43 @@ pub fn parse(text: &str) -> Result<RawConfig, ConfigError> {
     let de = serde_yaml_ng::Deserializer::from_str(text);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
-        let inner = e.into_inner();
+        let inner = scrub_scalars(&e.into_inner().to_string());
         if path == "." || path.is_empty() {
-            ConfigError(format!("{inner}"))
+            ConfigError(inner)
         } else {
             ConfigError(format!("at `{path}`: {inner}"))
         }
     })
+}
+
+/// Removes every scalar of the file from a parse error, keeping the path and the expected type.
+/// serde echoes the offending value (`invalid type: string "sk-…", expected a sequence`), and
+/// that value is often a key written where a list belongs: the error goes to the log, `/status`
+/// and `check-config`, so it must never carry it.
+pub fn scrub_scalars(msg: &str) -> String {
+    use regex::Regex;
+    use std::sync::LazyLock;
+    // serde's `Unexpected` renderings: string "…", integer `…`, floating point `…`, boolean `…`,
+    // character `…`; `unknown variant `…``; and any other quoted text.
+    static TYPED: LazyLock<Regex> = LazyLock::new(|| {
+        Regex::new(r#"(string|integer|floating point|boolean|character|unit variant|newtype variant|tuple variant|struct variant) (?:"(?:[^"\\]|\\.)*"|`[^`]*`)"#)
+            .expect("scrub regex compiles")
+    });
+    static VARIANT: LazyLock<Regex> =
+        LazyLock::new(|| Regex::new(r"unknown variant `[^`]*`").expect("scrub regex compiles"));
+    static QUOTED: LazyLock<Regex> =
+        LazyLock::new(|| Regex::new(r#""(?:[^"\\]|\\.)*""#).expect("scrub regex compiles"));
+    let out = TYPED.replace_all(msg, "a $1");
+    let out = VARIANT.replace_all(&out, "unknown variant");
+    let out = QUOTED.replace_all(&out, "(value hidden)");
+    out.replace("a integer", "an integer")
+}
+
+/// A short, stable hash of a secret's value: enough to tell values apart, useless to recover one.
+fn value_hash(v: &str) -> String {
+    use sha2::Digest;
+    let d = sha2::Sha256::digest(v.as_bytes());
+    d.iter().take(8).map(|b| format!("{b:02x}")).collect()
 }
 
 fn default_timeouts(kind: EndpointKind) -> Timeouts {
@@ -700,9 +756,9 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
             },
         };
         let base_url = base.trim_end_matches('/').to_string();
-        let parsed = reqwest::Url::parse(&base_url).map_err(|e| {
-            ConfigError(format!("at `{at}.base_url`: invalid URL {base_url:?}: {e}"))
-        })?;
+        // The URL is not echoed: it may carry credentials (`https://user:pass@host`).
+        let parsed = reqwest::Url::parse(&base_url)
+            .map_err(|e| ConfigError(format!("at `{at}.base_url`: invalid URL: {e}")))?;
         if !matches!(parsed.scheme(), "http" | "https") {
             return Err(ConfigError(format!(
                 "at `{at}.base_url`: scheme must be http or https"
@@ -724,6 +780,7 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
             match source.resolve(spec) {
                 Ok(v) => keys.push(ApiKey {
                     source,
+                    hash: value_hash(v.expose()),
                     value: Some(v),
                     problem: None,
                 }),
@@ -731,6 +788,7 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
                     warnings.push(format!("{at}: api key #{} ({source}): {problem}", i + 1));
                     keys.push(ApiKey {
                         source,
+                        hash: String::new(),
                         value: None,
                         problem: Some(problem),
                     });
@@ -789,17 +847,28 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
             headers.push((k, value));
         }
         let upstream_model = ep.model.unwrap_or_else(|| name.clone());
-        let fingerprint = format!(
-            "{}|{}|{}|{}",
-            ep.kind,
-            base_url,
-            upstream_model,
-            keys.iter()
-                .map(|k| k.source.to_string())
-                .collect::<Vec<_>>()
-                .join(",")
-        );
-        let client = reqwest::Client::builder()
+        // What the endpoint *is*: a retirement (410) is about the model at this address, not
+        // about the key, so keys are tracked separately (by value hash, see `ApiKey::hash`).
+        let fingerprint = format!("{}|{}|{}", ep.kind, base_url, upstream_model);
+        let mut client = reqwest::Client::builder();
+        if let Some(path) = &ep.ca_file {
+            let pem = std::fs::read(path)
+                .map_err(|e| ConfigError(format!("at `{at}.ca_file`: cannot read {path}: {e}")))?;
+            let certs = reqwest::Certificate::from_pem_bundle(&pem).map_err(|_| {
+                ConfigError(format!(
+                    "at `{at}.ca_file`: {path} holds no PEM certificate"
+                ))
+            })?;
+            if certs.is_empty() {
+                return Err(ConfigError(format!(
+                    "at `{at}.ca_file`: {path} holds no PEM certificate"
+                )));
+            }
+            for c in certs {
+                client = client.add_root_certificate(c);
+            }
+        }
+        let client = client
             .connect_timeout(timeouts.connect)
             .pool_idle_timeout(Duration::from_secs(60))
             .tcp_nodelay(true)
@@ -830,9 +899,8 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
         for op in crate::wire::Op::ALL {
             let u = crate::upstream::url_for(ep.kind, &base_url, op);
             urls.push(
-                reqwest::Url::parse(&u).map_err(|e| {
-                    ConfigError(format!("at `{at}.base_url`: invalid URL {u:?}: {e}"))
-                })?,
+                reqwest::Url::parse(&u)
+                    .map_err(|e| ConfigError(format!("at `{at}.base_url`: invalid URL: {e}")))?,
             );
         }
         let urls: [reqwest::Url; 3] = urls
@@ -944,7 +1012,26 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
         },
         // Filled from `health:` below.
         health: crate::health::Thresholds::default(),
+        max_cooldown: p
+            .max_cooldown
+            .map(|d| d.0)
+            .unwrap_or(Duration::from_secs(600)),
+        panic_threshold: p.panic_threshold.unwrap_or(0.5),
+        request_timeout: p
+            .request_timeout
+            .map(|d| d.0)
+            .unwrap_or(Duration::from_secs(300)),
     };
+    if !(0.0..=1.0).contains(&policy.panic_threshold) {
+        return Err(ConfigError(
+            "at `routing_policy.panic_threshold`: must be between 0 and 1".into(),
+        ));
+    }
+    if policy.request_timeout.is_zero() {
+        return Err(ConfigError(
+            "at `routing_policy.request_timeout`: must be greater than zero".into(),
+        ));
+    }
     if !(policy.context_fill > 0.0 && policy.context_fill <= 1.0) {
         return Err(ConfigError(
             "at `routing_policy.context_fill`: must be in (0, 1]".into(),
@@ -1053,6 +1140,17 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
             .shutdown_grace
             .map(|d| d.0)
             .unwrap_or(Duration::from_secs(30)),
+        header_timeout: raw
+            .server
+            .header_timeout
+            .map(|d| d.0)
+            .unwrap_or(Duration::from_secs(10)),
+        body_timeout: raw
+            .server
+            .body_timeout
+            .map(|d| d.0)
+            .unwrap_or(Duration::from_secs(30)),
+        max_concurrent_requests: raw.server.max_concurrent_requests.unwrap_or(0),
         endpoints,
         fallback_chain,
         routes,

@@ -138,25 +138,28 @@ pub fn context_limit(body: &str) -> Option<u64> {
 
 /// How long a 429 asks us to stay away: `retry-after-ms`, then `Retry-After` (seconds or an
 /// HTTP date), then OpenAI's `x-ratelimit-reset-*` for whichever budget is exhausted.
-pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+///
+/// Every value is hostile input: a number too large for a `Duration`, or a date years ahead, is
+/// clamped to `max` (`routing_policy.max_cooldown`) so one odd header cannot take an endpoint out
+/// for a year; a malformed value is ignored (`None`: the configured cooldown applies).
+pub fn retry_after(headers: &HeaderMap, max: Duration) -> Option<Duration> {
     let get = |n: &str| headers.get(n).and_then(|v| v.to_str().ok()).map(str::trim);
     if let Some(ms) = get("retry-after-ms").and_then(|v| v.parse::<f64>().ok())
-        && ms.is_finite()
-        && ms >= 0.0
+        && let Some(d) = secs_to_duration(ms / 1000.0)
     {
-        return Some(Duration::from_secs_f64(ms / 1000.0));
+        return Some(d.min(max));
     }
     if let Some(v) = get("retry-after") {
         if let Ok(s) = v.parse::<f64>()
-            && s.is_finite()
-            && s >= 0.0
+            && let Some(d) = secs_to_duration(s)
         {
-            return Some(Duration::from_secs_f64(s));
+            return Some(d.min(max));
         }
-        if let Ok(t) = httpdate_parse(v) {
+        if let Ok(t) = httpdate::parse_http_date(v) {
             return Some(
                 t.duration_since(std::time::SystemTime::now())
-                    .unwrap_or(Duration::ZERO),
+                    .unwrap_or(Duration::ZERO)
+                    .min(max),
             );
         }
     }
@@ -171,10 +174,20 @@ pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
             best = Some(best.map_or(d, |b| b.max(d)));
         }
     }
-    best
+    best.map(|d| d.min(max))
 }
 
-/// OpenAI's reset headers use Go's duration text: `1s`, `6m0s`, `20ms`, `1h2m3.5s`.
+/// Seconds as a `Duration`: `None` for NaN or negative values, `Duration::MAX` for values too
+/// large to represent (the caller clamps). Never panics, unlike `Duration::from_secs_f64`.
+fn secs_to_duration(secs: f64) -> Option<Duration> {
+    if secs.is_nan() || secs < 0.0 {
+        return None;
+    }
+    Some(Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX))
+}
+
+/// OpenAI's reset headers use Go's duration text: `1s`, `6m0s`, `20ms`, `1h2m3.5s`. A value too
+/// large to represent saturates at `Duration::MAX` (callers clamp it).
 pub fn parse_go_duration(text: &str) -> Option<Duration> {
     let mut total = 0f64;
     let mut rest = text.trim();
@@ -183,6 +196,9 @@ pub fn parse_go_duration(text: &str) -> Option<Duration> {
     }
     while !rest.is_empty() {
         let num_end = rest.find(|c: char| !(c.is_ascii_digit() || c == '.'))?;
+        if num_end == 0 {
+            return None;
+        }
         let value: f64 = rest[..num_end].parse().ok()?;
         rest = &rest[num_end..];
         let unit_end = rest
@@ -200,45 +216,7 @@ pub fn parse_go_duration(text: &str) -> Option<Duration> {
         total += value * scale;
         rest = &rest[unit_end..];
     }
-    Some(Duration::from_secs_f64(total))
-}
-
-/// Minimal IMF-fixdate parser (`Sun, 06 Nov 1994 08:49:37 GMT`), the only form RFC 9110 says to
-/// send.
-fn httpdate_parse(s: &str) -> Result<std::time::SystemTime, ()> {
-    let parts: Vec<&str> = s.split_whitespace().collect();
-    if parts.len() != 6 || parts[5] != "GMT" {
-        return Err(());
-    }
-    let day: u64 = parts[1].parse().map_err(|_| ())?;
-    let month = [
-        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
-    ]
-    .iter()
-    .position(|m| *m == parts[2])
-    .ok_or(())? as u64
-        + 1;
-    let year: u64 = parts[3].parse().map_err(|_| ())?;
-    let hms: Vec<u64> = parts[4]
-        .split(':')
-        .map(|p| p.parse().map_err(|_| ()))
-        .collect::<Result<_, _>>()?;
-    if hms.len() != 3 || year < 1970 {
-        return Err(());
-    }
-    // Days from civil (Howard Hinnant's algorithm).
-    let (y, m) = if month <= 2 {
-        (year - 1, month + 9)
-    } else {
-        (year, month - 3)
-    };
-    let era = y / 400;
-    let yoe = y - era * 400;
-    let doy = (153 * m + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    let secs = days * 86_400 + hms[0] * 3600 + hms[1] * 60 + hms[2];
-    Ok(std::time::UNIX_EPOCH + Duration::from_secs(secs))
+    secs_to_duration(total)
 }
 
 /// Removes anything that looks like a credential from an upstream error text before it is
@@ -311,8 +289,11 @@ mod tests {
         assert_eq!(context_limit("nothing here"), None);
     }
 
+    const MAX: Duration = Duration::from_secs(600);
+
     #[test]
     fn retry_after_forms() {
+        let retry_after = |h: &HeaderMap| super::retry_after(h, MAX);
         let mut h = HeaderMap::new();
         h.insert("retry-after", HeaderValue::from_static("2"));
         assert_eq!(retry_after(&h), Some(Duration::from_secs(2)));
@@ -336,10 +317,89 @@ mod tests {
             HeaderValue::from_static("Sun, 06 Nov 1994 08:49:37 GMT"),
         );
         assert_eq!(retry_after(&h), Some(Duration::ZERO));
-        assert_eq!(
-            httpdate_parse("Sun, 06 Nov 1994 08:49:37 GMT").unwrap(),
-            std::time::UNIX_EPOCH + Duration::from_secs(784111777)
+        // The obsolete RFC 850 form is a date too.
+        h.insert(
+            "retry-after",
+            HeaderValue::from_static("Sunday, 06-Nov-94 08:49:37 GMT"),
         );
+        assert_eq!(retry_after(&h), Some(Duration::ZERO));
+        let soon = httpdate::fmt_http_date(std::time::SystemTime::now() + Duration::from_secs(90));
+        h.insert("retry-after", HeaderValue::from_str(&soon).unwrap());
+        let d = retry_after(&h).unwrap();
+        assert!(
+            d > Duration::from_secs(85) && d <= Duration::from_secs(90),
+            "{d:?}"
+        );
+    }
+
+    #[test]
+    fn hostile_durations_are_clamped_or_ignored() {
+        let one = |name: &'static str, v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(name, HeaderValue::from_str(v).unwrap());
+            h.insert(
+                "x-ratelimit-remaining-requests",
+                HeaderValue::from_static("0"),
+            );
+            h.insert(
+                "x-ratelimit-remaining-tokens",
+                HeaderValue::from_static("0"),
+            );
+            super::retry_after(&h, MAX)
+        };
+        assert_eq!(one("retry-after", "1e20"), Some(MAX));
+        assert_eq!(
+            one("retry-after", "31536000"),
+            Some(MAX),
+            "a year is clamped"
+        );
+        assert_eq!(one("retry-after", "inf"), Some(MAX));
+        assert_eq!(one("retry-after", "NaN"), None);
+        assert_eq!(one("retry-after", "-5"), None);
+        assert_eq!(one("retry-after", "soon"), None);
+        assert_eq!(one("retry-after-ms", "1e308"), Some(MAX));
+        assert_eq!(
+            one("retry-after", "Fri, 31 Dec 9999 23:59:59 GMT"),
+            Some(MAX)
+        );
+        let digits = "9".repeat(400) + "s";
+        assert_eq!(one("x-ratelimit-reset-requests", &digits), Some(MAX));
+        assert_eq!(
+            one("x-ratelimit-reset-tokens", "1e400h"),
+            None,
+            "not Go syntax"
+        );
+        assert_eq!(parse_go_duration(&"9".repeat(400)), None, "no unit");
+        assert_eq!(parse_go_duration(".s"), None);
+        assert_eq!(parse_go_duration("s"), None);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn header_durations_never_panic(name in proptest::sample::select(vec![
+            "retry-after", "retry-after-ms", "x-ratelimit-reset-requests", "x-ratelimit-reset-tokens",
+        ]), value in "\\PC{0,60}", digits in "[0-9.]{0,400}[a-zµ]{0,3}") {
+            for v in [value.as_str(), digits.as_str()] {
+                if let Ok(hv) = HeaderValue::from_str(v) {
+                    let mut h = HeaderMap::new();
+                    h.insert(name, hv);
+                    h.insert("x-ratelimit-remaining-requests", HeaderValue::from_static("0"));
+                    h.insert("x-ratelimit-remaining-tokens", HeaderValue::from_static("0"));
+                    if let Some(d) = super::retry_after(&h, MAX) {
+                        proptest::prop_assert!(d <= MAX);
+                    }
+                }
+                let _ = parse_go_duration(v);
+            }
+        }
+
+        #[test]
+        fn classify_and_redact_never_panic(status in 0u16..1000, body in "\\PC{0,300}") {
+            let _ = classify_status(status, &body);
+            let _ = context_limit(&body);
+            let out = redact(&body, &["sk-secretsecret"]);
+            proptest::prop_assert!(!out.contains("sk-secretsecret"));
+        }
     }
 
     #[test]

@@ -579,27 +579,26 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
                     .map(|d| *d != wanted)
                     .unwrap_or(false);
                 if changed {
-                    match crate::config::Config::load_with(&cfg.source, &wanted) {
-                        Ok(new_cfg) if !cfg.source.is_empty() || cfg.endpoints.is_empty() => {
-                            for w in &wanted {
-                                if !cfg.endpoints.contains_key(&w.name) {
-                                    event(
-                                        &state,
-                                        &w.name,
-                                        "discovered",
-                                        format!(
-                                            "labelled {LABEL_ENDPOINT}={} ({}); added to the routing table",
-                                            w.name, w.kind
-                                        ),
-                                    );
-                                }
+                    let kinds: Vec<(String, EndpointKind)> =
+                        wanted.iter().map(|w| (w.name.clone(), w.kind)).collect();
+                    match state.install_discovered(wanted) {
+                        Ok(added) => {
+                            for name in added {
+                                let kind = kinds
+                                    .iter()
+                                    .find(|(n, _)| *n == name)
+                                    .map(|(_, k)| *k)
+                                    .unwrap_or(EndpointKind::Openai);
+                                event(
+                                    &state,
+                                    &name,
+                                    "discovered",
+                                    format!(
+                                        "labelled {LABEL_ENDPOINT}={name} ({kind}); added to the routing table"
+                                    ),
+                                );
                             }
-                            if let Ok(mut d) = state.discovered.lock() {
-                                *d = wanted.clone();
-                            }
-                            state.install(new_cfg);
                         }
-                        Ok(_) => {}
                         Err(e) => {
                             tracing::warn!(error = %e, "discovered endpoints could not be added")
                         }

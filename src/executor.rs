@@ -209,6 +209,12 @@ enum EndpointOutcome {
 
 impl Run {
     async fn go(&mut self, chain: Vec<String>) -> Response {
+        // Debug builds only: lets the test suite prove that a panic inside a request becomes a
+        // 500 with its audit row (the release binary has no such hook).
+        #[cfg(debug_assertions)]
+        if self.req.model == "__autohedge_test_panic__" {
+            panic!("test-triggered panic inside the executor");
+        }
         let mut truncated_once = false;
         loop {
             if let Some(resp) = self.pass(&chain).await {
@@ -491,6 +497,11 @@ impl Run {
                 return None;
             }
             for name in plan.order {
+                if Instant::now() >= self.deadline {
+                    // `request_timeout` passed: no new attempt starts; the caller's deadline
+                    // answers 504 with what was tried.
+                    std::future::pending::<()>().await;
+                }
                 tried.insert(name.clone());
                 let Some(ep) = self.cfg.endpoints.get(&name).cloned() else {
                     continue;
@@ -1578,10 +1589,10 @@ impl StreamGuard {
                     },
                 );
             }
-            Some(("client_closed", detail)) => {
-                // The client left: not the endpoint's fault, but the record says so.
-                row.error_class = Some("client_closed".into());
-                let _ = detail;
+            Some((class @ ("client_closed" | "shutdown"), _)) => {
+                // The client left, or shutdown cut the stream: not the endpoint's fault, but
+                // the record says so.
+                row.error_class = Some(class.into());
             }
             Some((class, detail)) => {
                 row.error_class = Some(class.into());

@@ -53,6 +53,9 @@ pub struct Script {
     /// Models an Ollama mock lists in `/api/tags` (present) and `/api/ps` (loaded).
     pub models: Option<Vec<String>>,
     pub loaded: Option<Vec<String>>,
+    /// Headers every request (probes included) must carry; one missing gets 403.
+    #[serde(default)]
+    pub require_headers: BTreeMap<String, String>,
     /// Rules, first match wins.
     #[serde(default)]
     pub rules: Vec<Rule>,
@@ -102,6 +105,9 @@ pub struct Rule {
     pub cut_after: Option<usize>,
     /// Streams: after N content chunks drop the connection.
     pub reset_after: Option<usize>,
+    /// Streams: after `data: [DONE]` keep the connection open (silent) instead of ending it.
+    #[serde(default)]
+    pub hold_after_done: bool,
     /// Leave `usage` out of responses.
     #[serde(default)]
     pub no_usage: bool,
@@ -248,7 +254,7 @@ impl Mock {
         let mut b = Response::builder()
             .status(status)
             .header("content-type", "application/json");
-        b = self.standard_headers(b, status);
+        b = self.standard_headers(b, status, extra);
         for (k, v) in extra {
             b = b.header(k.as_str(), v.as_str());
         }
@@ -256,22 +262,31 @@ impl Mock {
             .unwrap_or_else(|_| Response::new(full("{}")))
     }
 
+    /// OpenAI's own headers on every response, except those a rule scripts itself (a rule's
+    /// header replaces the standard one rather than being sent beside it).
     fn standard_headers(
         &self,
         mut b: hyper::http::response::Builder,
         status: u16,
+        scripted: &BTreeMap<String, String>,
     ) -> hyper::http::response::Builder {
         if self.flavor == Flavor::Openai {
             let remaining = if status == 429 { "0" } else { "9999" };
-            b = b
-                .header("x-request-id", format!("req_{:016x}", fastrand::u64(..)))
-                .header("openai-processing-ms", "1")
-                .header("x-ratelimit-limit-requests", "10000")
-                .header("x-ratelimit-remaining-requests", remaining)
-                .header("x-ratelimit-reset-requests", "6ms")
-                .header("x-ratelimit-limit-tokens", "200000")
-                .header("x-ratelimit-remaining-tokens", "199000")
-                .header("x-ratelimit-reset-tokens", "300ms");
+            let request_id = format!("req_{:016x}", fastrand::u64(..));
+            for (k, v) in [
+                ("x-request-id", request_id.as_str()),
+                ("openai-processing-ms", "1"),
+                ("x-ratelimit-limit-requests", "10000"),
+                ("x-ratelimit-remaining-requests", remaining),
+                ("x-ratelimit-reset-requests", "6ms"),
+                ("x-ratelimit-limit-tokens", "200000"),
+                ("x-ratelimit-remaining-tokens", "199000"),
+                ("x-ratelimit-reset-tokens", "300ms"),
+            ] {
+                if !scripted.keys().any(|s| s.eq_ignore_ascii_case(k)) {
+                    b = b.header(k, v);
+                }
+            }
         }
         b
     }
@@ -302,6 +317,16 @@ impl Mock {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(str::to_string);
+        let missing_header = {
+            let script = self.script();
+            script
+                .require_headers
+                .iter()
+                .find(|(k, v)| {
+                    req.headers().get(k.as_str()).and_then(|h| h.to_str().ok()) != Some(v.as_str())
+                })
+                .map(|(k, _)| k.clone())
+        };
         let bytes = match req.into_body().collect().await {
             Ok(b) => b.to_bytes(),
             Err(_) => Bytes::new(),
@@ -331,6 +356,18 @@ impl Mock {
                 };
             }
             _ => {}
+        }
+        if let Some(h) = missing_header
+            && !path.starts_with("/__mock/")
+        {
+            return self.error(
+                &path,
+                403,
+                &format!("missing required header {h}"),
+                Some("permission_error"),
+                None,
+                &BTreeMap::new(),
+            );
         }
         let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
         {
@@ -473,6 +510,9 @@ impl Mock {
                 self.json_response(200, &v, &rule.headers)
             }
             ("GET", "/health", Flavor::Vllm) => Response::builder().status(200).body(full("")).unwrap_or_else(|_| Response::new(full(""))),
+            // Every flavor answers /health, so an image running a mock backend passes its own
+            // Docker HEALTHCHECK.
+            ("GET", "/health", _) => self.json_response(200, &json!({"status": "ok"}), &BTreeMap::new()),
             ("GET", "/metrics", Flavor::Vllm) => Response::builder()
                 .status(200)
                 .header("content-type", "text/plain; version=0.0.4")
@@ -695,6 +735,9 @@ impl Mock {
                 }
             }
             let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+            if rule.hold_after_done {
+                let _ = tokio::time::timeout(Duration::from_secs(600), tx.closed()).await;
+            }
         });
         let stream = tokio_stream::wrappers::ReceiverStream::new(rx)
             .map(|b| Ok::<_, Infallible>(Frame::data(b)));
@@ -702,7 +745,7 @@ impl Mock {
             .status(200)
             .header("content-type", "text/event-stream; charset=utf-8")
             .header("cache-control", "no-cache");
-        b = self.standard_headers(b, 200);
+        b = self.standard_headers(b, 200, &extra_headers);
         for (k, v) in &extra_headers {
             b = b.header(k.as_str(), v.as_str());
         }

@@ -39,7 +39,7 @@ pub struct AppState {
     inflight: Arc<AtomicUsize>,
     /// Serializes config installs (file reloads, SIGHUP, discovery): each builds from the
     /// newest inputs under this lock, so none installs a table older than another's.
-    pub install_lock: tokio::sync::Mutex<()>,
+    pub install_lock: Mutex<()>,
 }
 
 /// A request slot: counts the request as in flight until dropped.
@@ -71,7 +71,7 @@ impl AppState {
             discovered: Mutex::new(Vec::new()),
             hard_stop: CancellationToken::new(),
             inflight: Arc::new(AtomicUsize::new(0)),
-            install_lock: tokio::sync::Mutex::new(()),
+            install_lock: Mutex::new(()),
         })
     }
 
@@ -107,8 +107,95 @@ impl AppState {
         r.last_error = None;
     }
 
+    /// Adds the endpoints Docker discovery found to the *current* table and installs it, under
+    /// the install lock: the table is rebuilt from the newest source, so a discovery scan that
+    /// began before a file reload cannot reinstall the old file. Returns the names it added.
+    pub fn install_discovered(
+        &self,
+        wanted: Vec<crate::config::DiscoveredEndpoint>,
+    ) -> Result<Vec<String>, crate::config::ConfigError> {
+        let _serial = self.install_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let current = self.config.load_full();
+        if current.source.is_empty() && !current.endpoints.is_empty() {
+            return Ok(Vec::new());
+        }
+        let new_cfg = Config::load_with(&current.source, &wanted)?;
+        let added: Vec<String> = wanted
+            .iter()
+            .filter(|w| !current.endpoints.contains_key(&w.name))
+            .map(|w| w.name.clone())
+            .collect();
+        if let Ok(mut d) = self.discovered.lock() {
+            *d = wanted;
+        }
+        self.install(new_cfg);
+        Ok(added)
+    }
+
     pub fn reload_failed(&self, error: String) {
         let mut r = self.reload.lock().unwrap_or_else(|e| e.into_inner());
         r.last_error = Some(error);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{DiscoveredEndpoint, EndpointKind};
+
+    fn text(model: &str) -> String {
+        format!(
+            "docker: {{ enabled: true }}\nmodels:\n  a: {{ type: openai, base_url: \"http://127.0.0.1:9/v1\", model: {model} }}\n"
+        )
+    }
+
+    /// File reloads and discovery installs interleave freely; the file's newest text always
+    /// wins, and discovery's endpoints are kept on top of it.
+    #[test]
+    fn discovery_never_reverts_a_file_reload() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.yaml");
+        std::fs::write(&path, text("v1")).unwrap();
+        let cfg = Config::load_file(&path).unwrap();
+        let state = AppState::new(
+            cfg,
+            StoreHandle::off("test".into()),
+            Some(path.clone()),
+            &[],
+        );
+        let svc = DiscoveredEndpoint {
+            name: "svc".into(),
+            kind: EndpointKind::Vllm,
+            model: None,
+        };
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                for i in 0..200 {
+                    let wanted = if i % 2 == 0 {
+                        vec![svc.clone()]
+                    } else {
+                        vec![]
+                    };
+                    state.install_discovered(wanted).unwrap();
+                }
+                state.install_discovered(vec![svc.clone()]).unwrap();
+            });
+            s.spawn(|| {
+                for i in 0..50 {
+                    std::fs::write(&path, text(&format!("v{}", i + 2))).unwrap();
+                    assert!(crate::config::reload::reload_now(&state, &path));
+                }
+            });
+        });
+        let live = state.config.load();
+        assert_eq!(
+            live.endpoints["a"].upstream_model, "v51",
+            "the newest file text is live"
+        );
+        assert!(
+            live.endpoints.contains_key("svc"),
+            "discovery's endpoint is kept"
+        );
+        assert_eq!(live.source, text("v51"));
     }
 }

@@ -310,8 +310,9 @@ async fn gone_retires_across_restarts_until_cleared() {
     assert_eq!(gw.status().await["endpoints"]["a"]["state"], "retired");
     gw.stop();
     let changed = cfg.replace("model: upstream-a", "model: upstream-a2");
-    let gw = Gw::start_in(tmp.path(), &changed, &[]);
+    let mut gw = Gw::start_in(tmp.path(), &changed, &[]);
     assert_eq!(gw.status().await["endpoints"]["a"]["state"], "healthy");
+    gw.stop();
     let conn = rusqlite::Connection::open(gw.db()).unwrap();
     let events: Vec<String> = conn
         .prepare("SELECT event FROM endpoint_events WHERE endpoint = 'a' ORDER BY id")

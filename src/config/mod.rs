@@ -699,6 +699,51 @@ pub fn scrub_scalars(msg: &str) -> String {
     out.replace("a integer", "an integer")
 }
 
+/// The TLS settings upstream clients share: the bundled web roots plus the system's CA store,
+/// built once per process (loading the system store per client would cost every reload tens of
+/// milliseconds per endpoint). `extra_pem` (an endpoint's `ca_file`) gets its own config.
+fn tls_config(extra_pem: Option<&[u8]>) -> Result<rustls::ClientConfig, String> {
+    use std::sync::LazyLock;
+    static ROOTS: LazyLock<Arc<rustls::RootCertStore>> = LazyLock::new(|| {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+        let native = rustls_native_certs::load_native_certs();
+        for e in &native.errors {
+            tracing::debug!(error = %e, "system CA store: entry skipped");
+        }
+        let (added, _) = roots.add_parsable_certificates(native.certs);
+        tracing::debug!(added, "system CA certificates trusted");
+        Arc::new(roots)
+    });
+    let roots = match extra_pem {
+        None => ROOTS.clone(),
+        Some(pem) => {
+            use rustls::pki_types::pem::PemObject;
+            let mut roots = (**ROOTS).clone();
+            let mut n = 0;
+            for cert in rustls::pki_types::CertificateDer::pem_slice_iter(pem) {
+                let cert = cert.map_err(|_| "not a PEM certificate bundle".to_string())?;
+                roots
+                    .add(cert)
+                    .map_err(|e| format!("certificate rejected: {e}"))?;
+                n += 1;
+            }
+            if n == 0 {
+                return Err("holds no PEM certificate".into());
+            }
+            Arc::new(roots)
+        }
+    };
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS setup: {e}"))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(cfg)
+}
+
 /// A short, stable hash of a secret's value: enough to tell values apart, useless to recover one.
 fn value_hash(v: &str) -> String {
     use sha2::Digest;
@@ -850,24 +895,17 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
         // What the endpoint *is*: a retirement (410) is about the model at this address, not
         // about the key, so keys are tracked separately (by value hash, see `ApiKey::hash`).
         let fingerprint = format!("{}|{}|{}", ep.kind, base_url, upstream_model);
-        let mut client = reqwest::Client::builder();
-        if let Some(path) = &ep.ca_file {
-            let pem = std::fs::read(path)
-                .map_err(|e| ConfigError(format!("at `{at}.ca_file`: cannot read {path}: {e}")))?;
-            let certs = reqwest::Certificate::from_pem_bundle(&pem).map_err(|_| {
-                ConfigError(format!(
-                    "at `{at}.ca_file`: {path} holds no PEM certificate"
-                ))
-            })?;
-            if certs.is_empty() {
-                return Err(ConfigError(format!(
-                    "at `{at}.ca_file`: {path} holds no PEM certificate"
-                )));
+        let tls = match &ep.ca_file {
+            None => tls_config(None).map_err(|e| ConfigError(format!("at `{at}`: {e}")))?,
+            Some(path) => {
+                let pem = std::fs::read(path).map_err(|e| {
+                    ConfigError(format!("at `{at}.ca_file`: cannot read {path}: {e}"))
+                })?;
+                tls_config(Some(&pem))
+                    .map_err(|e| ConfigError(format!("at `{at}.ca_file`: {path}: {e}")))?
             }
-            for c in certs {
-                client = client.add_root_certificate(c);
-            }
-        }
+        };
+        let client = reqwest::Client::builder().use_preconfigured_tls(tls);
         let client = client
             .connect_timeout(timeouts.connect)
             .pool_idle_timeout(Duration::from_secs(60))
@@ -1371,5 +1409,78 @@ mod discovered_tests {
         // Without docker enabled, nothing is added.
         let cfg = Config::load_with(&text.replace("enabled: true", "enabled: false"), &d).unwrap();
         assert!(!cfg.endpoints.contains_key("extra"));
+    }
+
+    #[test]
+    fn parse_errors_never_echo_a_scalar() {
+        let secret = "sk-live-NEVERSHOWN1234567890";
+        for (text, path) in [
+            (
+                format!("models:\n  a:\n    type: openai\n    api_keys: {secret}\n"),
+                "models.a.api_keys",
+            ),
+            (
+                format!("models:\n  a:\n    type: {secret}\n"),
+                "models.a.type",
+            ),
+            (
+                format!("models:\n  a:\n    type: openai\n    context_window: {secret}\n"),
+                "models.a.context_window",
+            ),
+            (
+                format!("models:\n  a:\n    type: openai\n    timeout: {secret}\n"),
+                "models.a.timeout",
+            ),
+            (
+                format!("models:\n  a:\n    type: openai\n    retries: [\"{secret}\"]\n"),
+                "models.a.retries",
+            ),
+            (
+                format!(
+                    "models:\n  a:\n    type: openai\n    base_url: \"https://u:{secret}@[::1\"\n"
+                ),
+                "models.a.base_url",
+            ),
+        ] {
+            let e = Config::load(&text).unwrap_err().0;
+            assert!(!e.contains(secret) && !e.contains("NEVERSHOWN"), "{e}");
+            assert!(e.contains(path), "names the path: {e}");
+        }
+        let e = Config::load(&format!(
+            "models:\n  a:\n    type: openai\n    api_keys: {secret}\n"
+        ))
+        .unwrap_err()
+        .0;
+        assert!(
+            e.contains("expected a sequence"),
+            "names the expected type: {e}"
+        );
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
+        #[test]
+        fn arbitrary_config_text_never_panics(text in "\\PC{0,300}") {
+            let _ = Config::load(&text);
+        }
+
+        #[test]
+        fn config_errors_never_echo_a_planted_secret(
+            key in "(models|server|routing_policy|health|docker|routes)",
+            field in "[a-z_]{1,16}",
+            shape in 0usize..4,
+        ) {
+            let secret = "sk-planted-SECRETVALUE42";
+            let value = match shape {
+                0 => secret.to_string(),
+                1 => format!("[{secret}]"),
+                2 => format!("{{ x: {secret} }}"),
+                _ => format!("\"{secret}\""),
+            };
+            let text = format!("{key}:\n  {field}: {value}\nmodels:\n  m:\n    type: openai\n    api_key: {value}\n");
+            if let Err(e) = Config::load(&text) {
+                proptest::prop_assert!(!e.0.contains("SECRETVALUE"), "{}", e.0);
+            }
+        }
     }
 }

@@ -20,6 +20,8 @@ const DEBOUNCE: Duration = Duration::from_millis(50);
 
 /// Reloads from `path` now. Returns whether a new table was installed.
 pub fn reload_now(state: &AppState, path: &Path) -> bool {
+    // One install at a time (file, SIGHUP, discovery), each from the newest inputs.
+    let _serial = state.install_lock.lock().unwrap_or_else(|e| e.into_inner());
     let discovered = state
         .discovered
         .lock()
@@ -69,7 +71,14 @@ pub async fn watch(
     watcher.watch(&dir, RecursiveMode::NonRecursive)?;
 
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
-    let mut last = std::fs::read(&path).ok();
+    // A change between the initial load and the watch being in place would be missed:
+    // compare with what is live now, once the watch exists.
+    let mut last = Some(state.config.load().source.clone().into_bytes());
+    let now = std::fs::read(&path).ok();
+    if now.is_some() && now != last {
+        reload_now(&state, &path);
+    }
+    last = now.or(last);
     loop {
         tokio::select! {
             _ = cancel.cancelled() => break,

@@ -88,6 +88,11 @@ pub fn request(
                 .unwrap_or_default()
         }
     };
+    let payload = if ep.payload_hygiene == crate::config::Hygiene::Escape {
+        crate::wire::hygiene::escape_wire(payload)
+    } else {
+        payload
+    };
     let url = match discovered_base {
         // A discovered task's address: built per request (it moves as tasks come and go).
         Some(base) => reqwest::Url::parse(&url_for(ep.kind, base, op))

@@ -895,4 +895,35 @@ mod tests {
         assert!(ev[0].contains("upstream_error"));
         assert!(tr.done);
     }
+
+    proptest::proptest! {
+        #[test]
+        fn ndjson_arbitrary_bytes_never_panic(chunks in proptest::collection::vec(proptest::collection::vec(proptest::num::u8::ANY, 0..64), 0..8)) {
+            let mut p = NdjsonParser::default();
+            for c in &chunks {
+                let _ = p.push(c);
+            }
+            let _ = p.finish();
+        }
+
+        #[test]
+        fn ndjson_arbitrary_splits_give_the_same_objects(cuts in proptest::collection::vec(0usize..300, 0..6)) {
+            let text = "{\"a\":1}\n{\"b\":\"x\\ny\"}\n\n{\"c\":[1,2,{\"d\":null}]}\n{\"e\":\"\u{00e9}\u{1F600}\"}";
+            let bytes = text.as_bytes();
+            let mut whole = NdjsonParser::default();
+            let mut want = whole.push(bytes).unwrap();
+            want.extend(whole.finish().unwrap());
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c % (bytes.len() + 1)).collect();
+            cuts.sort_unstable();
+            let mut p = NdjsonParser::default();
+            let mut got = Vec::new();
+            let mut at = 0;
+            for c in cuts.into_iter().chain([bytes.len()]) {
+                got.extend(p.push(&bytes[at..c]).unwrap());
+                at = c;
+            }
+            got.extend(p.finish().unwrap());
+            proptest::prop_assert_eq!(got, want);
+        }
+    }
 }

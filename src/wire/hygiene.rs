@@ -1,6 +1,10 @@
 //! Payload hygiene: some APIs reject message text with U+2028/U+2029 (JSON-valid, but JavaScript
 //! line terminators that break naive parsers) or raw control characters. Optional per endpoint
-//! (`payload_hygiene: strip | escape`), off by default because it changes what the model sees.
+//! (`payload_hygiene: strip | escape`), off by default.
+//!
+//! `escape` never changes the text the model reads: the offending characters are written as JSON
+//! `\uXXXX` escapes on the wire ([`escape_wire`]), which decode to the identical string. `strip`
+//! removes them (and so does change the text). Tab, LF and CR are ordinary text.
 
 use std::borrow::Cow;
 
@@ -9,27 +13,49 @@ use serde_json::{Map, Value};
 use crate::config::Hygiene;
 
 fn offending(c: char) -> bool {
-    matches!(c, '\u{2028}' | '\u{2029}') || (c.is_control() && c != '\n' && c != '\t')
+    matches!(c, '\u{2028}' | '\u{2029}') || (c.is_control() && !matches!(c, '\n' | '\t' | '\r'))
 }
 
-/// Cleans one string; returns how many characters changed.
+/// Cleans one string; returns how many offending characters it holds. `Strip` removes them;
+/// `Escape` leaves the text as it is (the escaping happens on the wire, see [`escape_wire`]).
 pub fn clean(text: &str, mode: Hygiene) -> (Cow<'_, str>, u64) {
     if mode == Hygiene::Off || !text.chars().any(offending) {
         return (Cow::Borrowed(text), 0);
     }
-    let mut out = String::with_capacity(text.len());
-    let mut n = 0;
+    let n = text.chars().filter(|c| offending(*c)).count() as u64;
+    if mode == Hygiene::Escape {
+        return (Cow::Borrowed(text), n);
+    }
+    (
+        Cow::Owned(text.chars().filter(|c| !offending(*c)).collect()),
+        n,
+    )
+}
+
+/// Characters JSON allows raw in a string that some parsers choke on: written as `\uXXXX`.
+/// (serde_json already escapes U+0000..U+001F.)
+fn wire_offending(c: char) -> bool {
+    matches!(c, '\u{2028}' | '\u{2029}' | '\u{7f}' | '\u{80}'..='\u{9f}')
+}
+
+/// Rewrites a serialized JSON document so U+2028, U+2029, DEL and C1 controls appear as `\uXXXX`
+/// escapes. Outside strings JSON cannot hold them, so the document decodes to the same value.
+pub fn escape_wire(json: Vec<u8>) -> Vec<u8> {
+    let Ok(text) = std::str::from_utf8(&json) else {
+        return json;
+    };
+    if !text.chars().any(wire_offending) {
+        return json;
+    }
+    let mut out = String::with_capacity(text.len() + 16);
     for c in text.chars() {
-        if offending(c) {
-            n += 1;
-            if mode == Hygiene::Escape {
-                out.push_str(&format!("\\u{:04X}", c as u32));
-            }
+        if wire_offending(c) {
+            out.push_str(&format!("\\u{:04x}", c as u32));
         } else {
             out.push(c);
         }
     }
-    (Cow::Owned(out), n)
+    out.into_bytes()
 }
 
 fn clean_value(v: &mut Value, mode: Hygiene) -> u64 {
@@ -95,8 +121,10 @@ mod tests {
         assert_eq!(c, "abc\nd\te");
         assert_eq!(n, 3);
         let (c, n) = clean("a\u{2028}b", Hygiene::Escape);
-        assert_eq!(c, "a\\u2028b");
+        assert_eq!(c, "a\u{2028}b", "escape leaves the text itself alone");
         assert_eq!(n, 1);
+        let (_, n) = clean("tab\tcr\rlf\n", Hygiene::Strip);
+        assert_eq!(n, 0, "tab, CR and LF are not offending");
         let (c, n) = clean("clean text", Hygiene::Strip);
         assert!(matches!(c, Cow::Borrowed(_)));
         assert_eq!(n, 0);
@@ -110,5 +138,29 @@ mod tests {
         assert_eq!(b["messages"][0]["content"], "hi");
         assert_eq!(b["messages"][1]["content"][0]["text"], "xy");
         assert_eq!(b["model"], "m\u{2028}", "only message text is touched");
+    }
+
+    #[test]
+    fn escape_on_the_wire_decodes_to_the_same_text() {
+        let body = json!({"messages": [{"role": "user", "content": "a\u{2028}b\u{2029}c\u{7f}d\u{85}e\u{7}f\tg\r\n"}]});
+        let wire = escape_wire(serde_json::to_vec(&body).unwrap());
+        let text = String::from_utf8(wire.clone()).unwrap();
+        assert!(
+            text.contains("\\u2028") && text.contains("\\u2029") && text.contains("\\u0085"),
+            "{text}"
+        );
+        assert!(!text.contains('\u{2028}') && !text.contains('\u{2029}'));
+        let back: Value = serde_json::from_slice(&wire).unwrap();
+        assert_eq!(back, body, "the decoded document is identical");
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn escape_wire_round_trips(s in "\\PC*|[\u{2028}\u{2029}\u{7f}-\u{9f}a\"\\\\]{0,40}") {
+            let body = json!({"content": s, "k\u{2028}": [1, "x\u{2029}"]});
+            let wire = escape_wire(serde_json::to_vec(&body).unwrap());
+            let back: Value = serde_json::from_slice(&wire).unwrap();
+            proptest::prop_assert_eq!(back, body);
+        }
     }
 }

@@ -154,4 +154,30 @@ mod tests {
             let _ = p.push(&buf);
         }
     }
+
+    proptest::proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(chunks in proptest::collection::vec(proptest::collection::vec(proptest::num::u8::ANY, 0..64), 0..8)) {
+            let mut p = SseParser::new();
+            for c in &chunks {
+                let _ = p.push(c);
+            }
+        }
+
+        #[test]
+        fn arbitrary_splits_give_the_same_events(cuts in proptest::collection::vec(0usize..400, 0..6)) {
+            let whole = all_at_once();
+            let bytes = STREAM.as_bytes();
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c % (bytes.len() + 1)).collect();
+            cuts.sort_unstable();
+            let mut p = SseParser::new();
+            let mut got = Vec::new();
+            let mut at = 0;
+            for c in cuts.into_iter().chain([bytes.len()]) {
+                got.extend(p.push(&bytes[at..c]).unwrap());
+                at = c;
+            }
+            proptest::prop_assert_eq!(got, whole);
+        }
+    }
 }

@@ -1,0 +1,705 @@
+//! "Never the cause of an outage": the real binary against loopback upstreams that misbehave in
+//! the ways real ones do. Each test first shows the thing happened (the upstream was called, the
+//! row was written) before showing what must not happen.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::time::Duration;
+
+use common::*;
+use serde_json::{Value, json};
+
+fn chain_cfg(eps: &[(&str, &MockUp)], extra: &str) -> String {
+    let mut s = String::from("models:\n");
+    for (name, m) in eps {
+        s.push_str(&format!(
+            "  {name}: {{ type: openai, base_url: \"{}\", timeouts: {{ connect: 1s, first_token: 2s, total: 5s }} }}\n",
+            m.base()
+        ));
+    }
+    let names: Vec<&str> = eps.iter().map(|(n, _)| *n).collect();
+    s.push_str(&format!(
+        "routing_policy:\n  fallback_chain: [{}]\n{extra}\nroutes:\n  chat: [{}]\n",
+        names.join(", "),
+        names.join(", ")
+    ));
+    s
+}
+
+fn rows(gw: &Gw, sql: &str) -> Vec<Vec<Value>> {
+    let conn = rusqlite::Connection::open(gw.db()).unwrap();
+    let mut stmt = conn.prepare(sql).unwrap();
+    let n = stmt.column_count();
+    stmt.query_map([], |r| {
+        Ok((0..n)
+            .map(|i| match r.get_ref(i).unwrap() {
+                rusqlite::types::ValueRef::Null => Value::Null,
+                rusqlite::types::ValueRef::Integer(v) => json!(v),
+                rusqlite::types::ValueRef::Real(v) => json!(v),
+                rusqlite::types::ValueRef::Text(t) => json!(String::from_utf8_lossy(t)),
+                rusqlite::types::ValueRef::Blob(_) => Value::Null,
+            })
+            .collect())
+    })
+    .unwrap()
+    .collect::<Result<_, _>>()
+    .unwrap()
+}
+
+fn assert_no_panic(gw: &Gw) {
+    let log = gw.log();
+    assert!(!log.contains("panicked"), "a panic in the log:\n{log}");
+}
+
+#[tokio::test]
+async fn hostile_rate_limit_headers_fail_over_and_are_clamped() {
+    let huge_reset = format!("{}s", "9".repeat(400));
+    let a = MockUp::openai(&format!(
+        r#"rules:
+  - {{ status: 429, times: 1, headers: {{ retry-after: "1e20" }} }}
+  - {{ status: 429, times: 1, headers: {{ retry-after: "31536000" }} }}
+  - {{ status: 429, times: 1, headers: {{ retry-after: "NaN", x-ratelimit-remaining-requests: "0", x-ratelimit-reset-requests: "{huge_reset}" }} }}
+  - {{ status: 429, times: 1, headers: {{ retry-after: "soon" }} }}
+"#
+    ))
+    .await;
+    let b = MockUp::openai("name: b").await;
+    let gw = Gw::start(&chain_cfg(
+        &[("a", &a), ("b", &b)],
+        "  max_cooldown: 3s\n  default_cooldown: 1s",
+    ));
+    // 1e20 seconds: the request fails over (no reset connection) and a's cooldown is clamped.
+    let r = gw.chat("chat", "x").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    assert_eq!(a.requests().await, 1, "a was called and answered 429");
+    let left = gw.status().await["endpoints"]["a"]["cooldown_remaining_ms"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        left > 1_000 && left <= 3_000,
+        "clamped to max_cooldown: {left}"
+    );
+
+    // The other hostile values, one per request once a's cooldown is over.
+    let mut expected_calls = 1;
+    for (what, lo, hi) in [
+        ("a year", 1_000u64, 3_000u64),
+        ("a 400-digit reset", 1_000, 3_000),
+        ("a malformed value falls back to default_cooldown", 0, 1_000),
+    ] {
+        let ok = eventually(Duration::from_secs(5), || async {
+            gw.status().await["endpoints"]["a"]["state"] == "healthy"
+        })
+        .await;
+        assert!(ok, "{what}: a's cooldown ends");
+        let r = gw.chat("chat", "x").await;
+        expected_calls += 1;
+        assert_eq!(r.status(), 200, "{what}");
+        assert_eq!(header(&r, "x-autohedge-endpoint"), "b", "{what}");
+        assert_eq!(a.requests().await, expected_calls, "{what}: a was called");
+        let ea = &gw.status().await["endpoints"]["a"];
+        let left = ea["cooldown_remaining_ms"].as_u64().unwrap();
+        assert!(left > lo && left <= hi, "{what}: {left} {ea}");
+    }
+    let mut gw = gw;
+    gw.stop();
+    let n: i64 = one(
+        &rusqlite::Connection::open(gw.db()).unwrap(),
+        "SELECT COUNT(*) FROM requests WHERE status = 200",
+    );
+    assert_eq!(n, 4, "every request has its row");
+    assert_no_panic(&gw);
+}
+
+#[tokio::test]
+async fn retry_after_http_date_is_honoured_end_to_end() {
+    let when = httpdate::fmt_http_date(std::time::SystemTime::now() + Duration::from_secs(90));
+    let a = MockUp::openai(&format!(
+        "rules: [{{status: 429, times: 1, headers: {{retry-after: \"{when}\"}}}}]"
+    ))
+    .await;
+    let b = MockUp::openai("name: b").await;
+    let gw = Gw::start(&chain_cfg(&[("a", &a), ("b", &b)], ""));
+    let r = gw.chat("chat", "x").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    assert_eq!(a.requests().await, 1);
+    let left = gw.status().await["endpoints"]["a"]["cooldown_remaining_ms"]
+        .as_u64()
+        .unwrap();
+    assert!(left > 80_000 && left <= 90_000, "{left}");
+}
+
+#[tokio::test]
+async fn a_panic_becomes_a_500_with_its_row() {
+    let a = MockUp::openai("name: a").await;
+    let cfg = format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\" }}\nroutes:\n  __autohedge_test_panic__: [a]\n",
+        a.base()
+    );
+    let mut gw = Gw::start(&cfg);
+    let r = reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .header("x-request-id", "will-panic")
+        .json(&json!({"model": "__autohedge_test_panic__", "messages": [{"role": "user", "content": "x"}]}))
+        .send()
+        .await
+        .expect("an answer, not a reset connection");
+    assert_eq!(r.status(), 500);
+    assert_eq!(header(&r, "x-request-id"), "will-panic");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "internal_error");
+    // The gateway keeps serving.
+    assert_eq!(gw.chat("a", "x").await.status(), 200);
+    gw.stop();
+    let got = rows(
+        &gw,
+        "SELECT status, error_class FROM requests WHERE request_id = 'will-panic'",
+    );
+    assert_eq!(got, vec![vec![json!(500), json!("internal_panic")]]);
+}
+
+#[tokio::test]
+async fn healthy_panic_tries_unhealthy_endpoints_instead_of_503() {
+    // Both endpoints fail their probe (GET /models 500) but serve chat.
+    let a = MockUp::openai("name: a\nrules: [{when: {path: /v1/models}, status: 500}]").await;
+    let b = MockUp::openai("name: b\nrules: [{when: {path: /v1/models}, status: 500}]").await;
+    let gw = Gw::start(&chain_cfg(
+        &[("a", &a), ("b", &b)],
+        "health: { probe_interval: 100ms, flip_after: 1 }",
+    ));
+    let ok = eventually(Duration::from_secs(5), || async {
+        let st = gw.status().await;
+        st["endpoints"]["a"]["state"] == "unhealthy" && st["endpoints"]["b"]["state"] == "unhealthy"
+    })
+    .await;
+    assert!(ok, "{}", gw.status().await["endpoints"]);
+    let st = gw.status().await;
+    assert_eq!(st["chains"]["in_panic"], json!(["fallback_chain", "chat"]));
+    let r = gw.chat("chat", "x").await;
+    assert_eq!(
+        r.status(),
+        200,
+        "health alone never turns a request into a 503"
+    );
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "a", "chain order");
+    assert_eq!(a.requests().await, 1);
+
+    // When they really fail, the 503 shows the attempts were made in panic mode.
+    a.set_script("rules: [{when: {path: /v1/models}, status: 500}, {status: 500}]")
+        .await;
+    b.set_script("rules: [{when: {path: /v1/models}, status: 500}, {status: 502}]")
+        .await;
+    let r = gw.chat("chat", "x").await;
+    assert_eq!(r.status(), 503);
+    let v: Value = r.json().await.unwrap();
+    let attempts = v["error"]["attempts"].as_array().unwrap();
+    assert_eq!(attempts.len(), 2, "{attempts:?}");
+    for at in attempts {
+        assert_eq!(at["panic_mode"], true, "{at}");
+        assert_ne!(at["class"], "skipped_unhealthy");
+    }
+    assert_eq!((a.requests().await, b.requests().await), (1, 1));
+    let mut gw = gw;
+    gw.stop();
+    let n: i64 = one(
+        &rusqlite::Connection::open(gw.db()).unwrap(),
+        "SELECT COUNT(*) FROM attempts WHERE panic_mode = 1",
+    );
+    assert_eq!(n, 3, "panic_mode is in the audit trail");
+}
+
+#[tokio::test]
+async fn unhealthy_endpoint_is_the_last_resort_when_healthy_ones_fail() {
+    // a is unhealthy by probe but serves; b and c are healthy by probe but fail chat.
+    let a = MockUp::openai("name: a\nrules: [{when: {path: /v1/models}, status: 500}]").await;
+    let b = MockUp::openai("rules: [{when: {path: /v1/chat/completions}, status: 500}]").await;
+    let c = MockUp::openai("rules: [{when: {path: /v1/chat/completions}, status: 503}]").await;
+    let gw = Gw::start(&chain_cfg(
+        &[("a", &a), ("b", &b), ("c", &c)],
+        "health: { probe_interval: 100ms, flip_after: 1, eject_after: 100 }",
+    ));
+    let ok = eventually(Duration::from_secs(5), || async {
+        gw.status().await["endpoints"]["a"]["state"] == "unhealthy"
+    })
+    .await;
+    assert!(ok);
+    assert_eq!(
+        gw.status().await["chains"]["in_panic"],
+        json!([]),
+        "2 of 3 healthy is no panic"
+    );
+    let r = gw.chat("chat", "x").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "a");
+    assert_eq!(header(&r, "x-autohedge-attempts"), "3");
+    assert_eq!(
+        (a.requests().await, b.requests().await, c.requests().await),
+        (1, 1, 1),
+        "the healthy ones first, then the last resort"
+    );
+}
+
+#[tokio::test]
+async fn probes_use_the_live_key_and_send_the_endpoints_headers() {
+    // Key A is revoked; B works. The mock also demands the endpoint's header on every request.
+    let a = MockUp::openai("name: a\nkeys: [sk-good-BBBB]\nrequire_headers: {x-org: acme}").await;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = format!(
+        r#"models:
+  a:
+    type: openai
+    base_url: "{}"
+    api_keys: [sk-revoked-AAAA, sk-good-BBBB]
+    headers: {{ x-org: acme }}
+health: {{ probe_interval: 100ms, flip_after: 1 }}
+"#,
+        a.base()
+    );
+    let gw = Gw::start_in(dir.path(), &cfg, &[]);
+    // Several probe rounds: the revoked key is rejected once, then probes use B.
+    let ok = eventually(Duration::from_secs(5), || async {
+        a.stats().await["by_path"]["/v1/models"]
+            .as_u64()
+            .unwrap_or(0)
+            >= 4
+    })
+    .await;
+    assert!(ok, "probes ran: {}", a.stats().await);
+    let ea = gw.status().await["endpoints"]["a"].clone();
+    assert_eq!(ea["state"], "healthy", "{ea}");
+    assert_eq!(ea["keys"]["usable"], 1, "the probe rejected key A: {ea}");
+    assert_eq!(ea["probe"]["detail"]["status"], 200, "{ea}");
+    let r = gw.chat("a", "x").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(a.stats().await["key_tails"], json!(["BBBB"]));
+}
+
+#[tokio::test]
+async fn no_models_route_means_no_probe_not_unhealthy() {
+    let a = MockUp::openai(
+        "name: a\nrules: [{when: {path: /v1/models}, status: 404, error: \"Not Found\"}]",
+    )
+    .await;
+    let gw = Gw::start(&format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\" }}\nhealth: {{ probe_interval: 100ms, flip_after: 1 }}\n",
+        a.base()
+    ));
+    let ok = eventually(Duration::from_secs(5), || async {
+        a.stats().await["by_path"]["/v1/models"]
+            .as_u64()
+            .unwrap_or(0)
+            >= 3
+    })
+    .await;
+    assert!(ok, "the probe was tried");
+    let ea = gw.status().await["endpoints"]["a"].clone();
+    assert_eq!(ea["state"], "healthy", "{ea}");
+    assert!(
+        ea["probe"]["detail"]["note"]
+            .as_str()
+            .unwrap()
+            .contains("no probe"),
+        "{ea}"
+    );
+    assert_eq!(gw.chat("a", "x").await.status(), 200);
+}
+
+#[tokio::test]
+async fn replacing_a_rejected_keys_value_clears_it_on_reload() {
+    let a = MockUp::openai("name: a\nkeys: [sk-new-value-NEW1]").await;
+    let dir = tempfile::tempdir().unwrap();
+    let keydir = tempfile::tempdir().unwrap();
+    let keyfile = keydir.path().join("key");
+    std::fs::write(&keyfile, "sk-old-value-OLD1").unwrap();
+    let cfg = format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\", api_key: \"file:{}\" }}\n",
+        a.base(),
+        keyfile.display()
+    );
+    let gw = Gw::start_in(dir.path(), &cfg, &[]);
+    // The probe or the request sends the old key and gets 401: auth_failed.
+    assert_eq!(gw.chat("a", "x").await.status(), 503);
+    let ok = eventually(Duration::from_secs(5), || async {
+        gw.status().await["endpoints"]["a"]["state"] == "auth_failed"
+    })
+    .await;
+    assert!(ok, "{}", gw.status().await["endpoints"]["a"]);
+    let seen = a.stats().await;
+    let calls = seen["by_path"]["/v1/models"].as_u64().unwrap_or(0)
+        + seen["by_path"]["/v1/chat/completions"]
+            .as_u64()
+            .unwrap_or(0);
+    assert!(calls >= 1, "the old key reached the upstream: {seen}");
+    let why = gw.status().await["endpoints"]["a"]["auth_failed"].clone();
+    assert!(
+        why.as_str().unwrap().contains("Incorrect API key"),
+        "the upstream rejected it: {why}"
+    );
+    // The file (outside the watched directory) gets the new value; SIGHUP reloads.
+    std::fs::write(&keyfile, "sk-new-value-NEW1").unwrap();
+    std::process::Command::new("kill")
+        .args(["-HUP", &gw.pid().to_string()])
+        .status()
+        .unwrap();
+    let ok = eventually(Duration::from_secs(5), || async {
+        gw.status().await["endpoints"]["a"]["state"] == "healthy"
+    })
+    .await;
+    assert!(ok, "{}", gw.status().await["endpoints"]["a"]);
+    assert_eq!(gw.chat("a", "x").await.status(), 200);
+    let tails = a.stats().await["key_tails"].clone();
+    assert_eq!(
+        tails.as_array().unwrap().last(),
+        Some(&json!("NEW1")),
+        "{tails}"
+    );
+}
+
+#[tokio::test]
+async fn config_errors_never_carry_a_key() {
+    let secret = "sk-proj-LEAKYLEAKY0123456789";
+    let a = MockUp::openai("name: a").await;
+    let good = format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\" }}\n",
+        a.base()
+    );
+    let bad = format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\", api_keys: {secret} }}\n",
+        a.base()
+    );
+    // check-config on the bad file.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.yaml");
+    std::fs::write(&path, &bad).unwrap();
+    let out = std::process::Command::new(BIN)
+        .arg("check-config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("models.a.api_keys"), "names the path: {text}");
+    assert!(
+        text.contains("expected a sequence"),
+        "names the type: {text}"
+    );
+    assert!(!text.contains("LEAKY"), "{text}");
+
+    // A live reload to the bad file: /status and the log name the problem, never the key.
+    let gw = Gw::start(&good);
+    std::fs::write(&gw.config_path, &bad).unwrap();
+    let ok = eventually(Duration::from_secs(5), || async {
+        !gw.status().await["config"]["last_reload_error"].is_null()
+    })
+    .await;
+    assert!(ok, "{}\n{}", gw.status().await["config"], gw.log());
+    let st = gw.status().await.to_string();
+    assert!(st.contains("models.a.api_keys"), "{st}");
+    assert!(!st.contains("LEAKY"), "{st}");
+    assert!(!gw.log().contains("LEAKY"));
+    assert!(gw.log().contains("models.a.api_keys"));
+}
+
+#[tokio::test]
+async fn client_leaving_before_the_first_byte_is_recorded_as_499() {
+    let a = MockUp::openai("name: a\nrules: [{delay: 1500ms}]").await;
+    let mut gw = Gw::start(&format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\" }}\n",
+        a.base()
+    ));
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let r = client
+        .post(gw.url("/v1/chat/completions"))
+        .header("x-request-id", "leaves-early")
+        .json(&json!({"model": "a", "messages": [{"role": "user", "content": "x"}]}))
+        .send()
+        .await;
+    assert!(r.is_err(), "the client gave up");
+    let ok = eventually(Duration::from_secs(5), || async { a.requests().await == 1 }).await;
+    assert!(ok, "the upstream was called");
+    // The row is written when the gateway notices; give it until it stops.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    gw.stop();
+    let got = rows(
+        &gw,
+        "SELECT status, error_class FROM requests WHERE request_id = 'leaves-early'",
+    );
+    assert_eq!(got, vec![vec![json!(499), json!("client_closed")]]);
+    let att = rows(
+        &gw,
+        "SELECT endpoint, class FROM attempts WHERE request_id = 'leaves-early'",
+    );
+    assert_eq!(att, vec![vec![json!("a"), json!("client_closed")]]);
+}
+
+#[tokio::test]
+async fn done_ends_the_stream_even_when_the_upstream_holds_the_connection() {
+    let a = MockUp::openai("name: a\nrules: [{when: {stream: true}, hold_after_done: true}]").await;
+    let mut gw = Gw::start(&format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\", timeouts: {{ first_token: 3s, total: 20s }} }}\n",
+        a.base()
+    ));
+    let r = reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .header("x-request-id", "held")
+        .json(
+            &json!({"model": "a", "stream": true, "messages": [{"role": "user", "content": "x"}]}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let events = sse_events(r).await;
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    assert!(
+        !events.iter().any(|e| e.contains("stream_stalled")),
+        "{events:?}"
+    );
+    assert_eq!(stream_text(&events), "Hello from a!");
+    gw.stop();
+    let got = rows(
+        &gw,
+        "SELECT status, error_class FROM requests WHERE request_id = 'held'",
+    );
+    assert_eq!(got, vec![vec![json!(200), Value::Null]]);
+}
+
+#[tokio::test]
+async fn request_timeout_bounds_a_chain_of_slow_endpoints() {
+    let slow = || MockUp::openai("rules: [{delay: 3s}]");
+    let (a, b, c) = (slow().await, slow().await, slow().await);
+    let mut gw = Gw::start(&chain_cfg(
+        &[("a", &a), ("b", &b), ("c", &c)],
+        "  request_timeout: 1s",
+    ));
+    let r = reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .header("x-request-id", "too-slow")
+        .json(&json!({"model": "chat", "messages": [{"role": "user", "content": "x"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 504);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "request_timeout");
+    let attempts = v["error"]["attempts"].as_array().unwrap();
+    assert_eq!(attempts[0]["endpoint"], "a", "{attempts:?}");
+    assert_eq!(attempts[0]["class"], "timeout");
+    assert_eq!(a.requests().await, 1, "a was called");
+    assert_eq!(
+        b.requests().await + c.requests().await,
+        0,
+        "the deadline passed during a"
+    );
+    gw.stop();
+    let got = rows(
+        &gw,
+        "SELECT status, error_class FROM requests WHERE request_id = 'too-slow'",
+    );
+    assert_eq!(got, vec![vec![json!(504), json!("request_timeout")]]);
+}
+
+#[tokio::test]
+async fn over_capacity_is_shed_at_once_with_retry_after() {
+    let a = MockUp::openai("rules: [{delay: 1s}]").await;
+    let gw = Gw::start(&format!(
+        "server: {{ max_concurrent_requests: 1 }}\nmodels:\n  a: {{ type: openai, base_url: \"{}\" }}\n",
+        a.base()
+    ));
+    let url = gw.url("/v1/chat/completions");
+    let body = json!({"model": "a", "messages": [{"role": "user", "content": "x"}]});
+    let first = tokio::spawn({
+        let (url, body) = (url.clone(), body.clone());
+        async move {
+            reqwest::Client::new()
+                .post(url)
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    });
+    let ok = eventually(Duration::from_secs(5), || async { a.requests().await == 1 }).await;
+    assert!(ok, "the first request is in flight");
+    let r = reqwest::Client::new()
+        .post(&url)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(header(&r, "retry-after"), "1");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "overloaded");
+    assert_eq!(first.await.unwrap(), 200);
+    assert_eq!(
+        a.requests().await,
+        1,
+        "the shed request never reached the upstream"
+    );
+    assert_eq!(gw.chat("a", "x").await.status(), 200, "capacity is back");
+}
+
+#[tokio::test]
+async fn slow_clients_are_cut_off() {
+    let a = MockUp::openai("name: a").await;
+    let gw = Gw::start(&format!(
+        "server: {{ header_timeout: 300ms, body_timeout: 300ms }}\nmodels:\n  a: {{ type: openai, base_url: \"{}\" }}\n",
+        a.base()
+    ));
+    // Headers complete, body promised but never sent: 408 in OpenAI's shape.
+    let mut s = std::net::TcpStream::connect(gw.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"mo")
+        .unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains("body_timeout") {
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("\"code\":\"body_timeout\""), "{text}");
+
+    // Headers never completed: the connection is closed.
+    let mut s = std::net::TcpStream::connect(gw.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
+        .unwrap();
+    let n = s.read(&mut buf).unwrap_or(0);
+    let head = String::from_utf8_lossy(&buf[..n]);
+    assert!(n == 0 || head.starts_with("HTTP/1.1 408"), "closed: {head}");
+    assert_eq!(a.requests().await, 0);
+    assert_eq!(gw.chat("a", "x").await.status(), 200, "others are served");
+}
+
+#[tokio::test]
+async fn an_unopenable_audit_database_degrades_instead_of_stopping() {
+    let a = MockUp::openai("name: a").await;
+    let dir = tempfile::tempdir().unwrap();
+    // A directory where the database file belongs: SQLite cannot open it.
+    std::fs::create_dir_all(dir.path().join("data").join("autohedge.db")).unwrap();
+    let gw = Gw::start_in(
+        dir.path(),
+        &format!(
+            "models:\n  a: {{ type: openai, base_url: \"{}\" }}\n",
+            a.base()
+        ),
+        &[],
+    );
+    assert_eq!(gw.chat("a", "x").await.status(), 200, "it serves");
+    assert_eq!(a.requests().await, 1);
+    let h = reqwest::get(gw.url("/health")).await.unwrap();
+    assert_eq!(h.status(), 200);
+    let hv: Value = h.json().await.unwrap();
+    assert_eq!(hv["status"], "degraded", "{hv}");
+    let st = gw.status().await;
+    assert!(
+        st["audit"]["state"].as_str().unwrap().starts_with("off:"),
+        "{}",
+        st["audit"]
+    );
+    assert!(
+        st["audit"]["dropped"].as_u64().unwrap() >= 1,
+        "the request's row is counted as dropped: {}",
+        st["audit"]
+    );
+}
+
+#[tokio::test]
+async fn shutdown_cuts_requests_at_the_grace_and_records_them() {
+    let a = MockUp::openai("name: a\nrules: [{when: {stream: false}, delay: 30s}, {when: {stream: true}, stall_after: 1}]").await;
+    let mut gw = Gw::start(&format!(
+        "server: {{ shutdown_grace: 500ms }}\nmodels:\n  a: {{ type: openai, base_url: \"{}\", timeouts: {{ first_token: 60s, total: 60s }} }}\n",
+        a.base()
+    ));
+    let c = reqwest::Client::new();
+    let slow = tokio::spawn({
+        let req = c
+            .post(gw.url("/v1/chat/completions"))
+            .header("x-request-id", "cut-slow")
+            .json(&json!({"model": "a", "messages": [{"role": "user", "content": "x"}]}));
+        async move { req.send().await.map(|r| r.status().as_u16()) }
+    });
+    let stream = c
+        .post(gw.url("/v1/chat/completions"))
+        .header("x-request-id", "cut-stream")
+        .json(
+            &json!({"model": "a", "stream": true, "messages": [{"role": "user", "content": "x"}]}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), 200, "the stream committed");
+    let ok = eventually(Duration::from_secs(5), || async { a.requests().await == 2 }).await;
+    assert!(ok, "both requests reached the upstream");
+    let reader = tokio::spawn(async move { stream.text().await.unwrap_or_default() });
+    gw.stop();
+    assert_eq!(
+        slow.await.unwrap().ok(),
+        Some(503),
+        "the slow request got an answer"
+    );
+    let text = reader.await.unwrap();
+    assert!(text.contains("\"code\":\"shutdown\""), "{text}");
+    let got = rows(
+        &gw,
+        "SELECT request_id, status, error_class FROM requests ORDER BY request_id",
+    );
+    assert_eq!(
+        got,
+        vec![
+            vec![json!("cut-slow"), json!(503), json!("shutdown")],
+            vec![json!("cut-stream"), json!(200), json!("shutdown")],
+        ]
+    );
+}
+
+#[tokio::test]
+async fn escape_hygiene_keeps_the_text_the_model_reads() {
+    let a = MockUp::openai("name: a").await;
+    let gw = Gw::start(&format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\", payload_hygiene: escape }}\n",
+        a.base()
+    ));
+    let text = "line\u{2028}sep\u{2029}para\ttab\r\n";
+    let r = gw.chat("a", text).await;
+    assert_eq!(r.status(), 200);
+    let last = &a.stats().await["last_body"];
+    assert_eq!(
+        last["messages"][0]["content"], text,
+        "the decoded text is identical"
+    );
+}
+
+#[tokio::test]
+async fn mock_upstream_answers_health_in_every_flavor() {
+    for flavor in [
+        autohedge::mock::Flavor::Openai,
+        autohedge::mock::Flavor::Vllm,
+        autohedge::mock::Flavor::Ollama,
+    ] {
+        let m = MockUp::start(flavor, "name: m").await;
+        let r = reqwest::get(format!("http://{}/health", m.addr))
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{flavor:?}");
+    }
+}

@@ -9,12 +9,27 @@
 //! `autohedge.model` labels), appended to the fallback chain and listed in `/status` under
 //! `docker.discovered_endpoints`; it goes when its label does.
 //!
+//! Besides the poll, the watcher follows the engine's event stream (container die, stop, kill,
+//! start, oom, health_status): each such event triggers a scan at once, so a dead task's address
+//! leaves the pool within milliseconds rather than at the next `docker.interval`. A scan only
+//! lists a task whose container (when it runs on this node) is running. When an endpoint's
+//! addresses change, what was learned about the old ones (passive ejection, probe verdicts) is
+//! dropped: a replacement task starts fresh.
+//!
+//! Labels are not trust: with `docker.stack` set only services and containers of that stack
+//! (`com.docker.stack.namespace`) are seen at all, and an unconfigured labelled service becomes
+//! an endpoint only with `docker.adopt_unconfigured: true`.
+//!
 //! When the daemon cannot be reached, `/status` says `docker_daemon_unreachable` (and an
 //! `endpoint_events` row records the transition); HTTP probing and routing carry on with the last
 //! known addresses.
 //!
 //! Remediation is opt-in and allow-listed (services labelled `autohedge.manage=true` or named in
-//! `docker.remediation.manage`): after `unhealthy_after` consecutive unhealthy observations the
+//! `docker.remediation.manage`). It counts only the service's own evidence — its tasks down,
+//! Docker's health check failing, or probes of its current addresses failing — never `warming`,
+//! `half_open` or a passive ejection (restart → warming → restart must not loop). Every engine
+//! call, remediation included, runs under `docker.timeout`. After `unhealthy_after` consecutive
+//! unhealthy observations the
 //! primary is force-updated (restarted) and its standby scaled from 0 to 1; once the primary has
 //! been healthy for `healthy_for`, the standby goes back to 0. At most one action per service per
 //! `min_interval`, so nothing flaps; `dry_run` records what it would do. Every action is an
@@ -43,6 +58,17 @@ pub const LABEL_PORT: &str = "autohedge.port";
 pub const LABEL_TYPE: &str = "autohedge.type";
 pub const LABEL_MODEL: &str = "autohedge.model";
 pub const LABEL_MANAGE: &str = "autohedge.manage";
+/// Set by `docker stack deploy` on a stack's services and their containers.
+pub const LABEL_STACK: &str = "com.docker.stack.namespace";
+
+/// Container events that change where an endpoint runs or whether it is healthy.
+const WAKE_EVENTS: &[&str] = &["die", "stop", "kill", "start", "oom", "health_status"];
+
+/// Events arriving together (a kill is die + stop) trigger one scan.
+const EVENT_COALESCE: Duration = Duration::from_millis(20);
+
+/// How long the event follower waits before reconnecting to the engine's event stream.
+const EVENTS_RECONNECT: Duration = Duration::from_secs(1);
 
 /// Where and how an endpoint runs, as Docker sees it.
 #[derive(Clone, Debug, PartialEq)]
@@ -107,17 +133,28 @@ fn task_path(kind: EndpointKind) -> &'static str {
     }
 }
 
-async fn container_ip_and_health(
-    docker: &Docker,
-    id: &str,
-    network: Option<&str>,
-) -> (Option<String>, Option<String>, u64) {
+/// A container's address, Docker health status, restart count and whether it runs.
+struct ContainerView {
+    ip: Option<String>,
+    health: Option<String>,
+    restarts: u64,
+    /// `None` when the container is not on this node (cannot be inspected).
+    running: Option<bool>,
+}
+
+async fn container_view(docker: &Docker, id: &str, network: Option<&str>) -> ContainerView {
     let Ok(c) = docker
         .inspect_container(id, None::<InspectContainerOptions>)
         .await
     else {
-        return (None, None, 0);
+        return ContainerView {
+            ip: None,
+            health: None,
+            restarts: 0,
+            running: None,
+        };
     };
+    let running = c.state.as_ref().and_then(|s| s.running);
     let health = c
         .state
         .as_ref()
@@ -136,7 +173,20 @@ async fn container_ip_and_health(
             .filter(|(name, _)| name.as_str() != "ingress")
             .find_map(|(_, e)| e.ip_address.clone().filter(|ip| !ip.is_empty())),
     };
-    (ip.filter(|ip| !ip.is_empty()), health, restarts)
+    ContainerView {
+        ip: ip.filter(|ip| !ip.is_empty()),
+        health,
+        restarts,
+        running,
+    }
+}
+
+/// With `docker.stack` set, only that stack's services and containers count.
+fn in_stack(labels: &HashMap<String, String>, cfg: &DockerConfig) -> bool {
+    match &cfg.stack {
+        None => true,
+        Some(stack) => labels.get(LABEL_STACK) == Some(stack),
+    }
 }
 
 /// One scan: Swarm services (when the engine is a manager) and plain containers.
@@ -160,6 +210,9 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
         let Some(endpoint) = labels.get(LABEL_ENDPOINT).cloned() else {
             continue;
         };
+        if !in_stack(&labels, cfg) {
+            continue;
+        }
         let name = spec.name.clone().unwrap_or_default();
         let port = labels
             .get(LABEL_PORT)
@@ -178,7 +231,7 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
             ))
             .await?;
         // Task addresses from the API (what `tasks.<service>` DNS gives), for tasks on any node.
-        let raw_ips = task_addresses(&name, cfg.network.as_deref()).await;
+        let raw_ips = task_addresses(&name, cfg.network.as_deref(), cfg.timeout).await;
         let mut addresses = Vec::new();
         let mut running = 0;
         let mut restarts = 0u64;
@@ -213,15 +266,20 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
                 .and_then(|s| s.container_status.as_ref())
                 .and_then(|c| c.container_id.clone());
             let raw_ip = t.id.as_ref().and_then(|id| raw_ips.get(id).cloned());
-            let (local_ip, health, _) = match &cid {
+            let view = match &cid {
                 // Health and a fallback address come from the container, when it is on this node.
-                Some(cid) => container_ip_and_health(docker, cid, cfg.network.as_deref()).await,
-                None => (None, None, 0),
+                Some(cid) => Some(container_view(docker, cid, cfg.network.as_deref()).await),
+                None => None,
             };
+            if view.as_ref().and_then(|v| v.running) == Some(false) {
+                // The container died; Swarm has not updated the task yet. Its address is gone.
+                continue;
+            }
+            let (local_ip, health) = view.map(|v| (v.ip, v.health)).unwrap_or((None, None));
             let ip = raw_ip.or(local_ip);
             if health.as_deref() == Some("unhealthy") {
                 unhealthy = Some(format!(
-                    "docker reports task {} of {name} unhealthy",
+                    "docker health check failing (task {} of {name})",
                     t.id.clone().unwrap_or_default()
                 ));
                 continue;
@@ -273,6 +331,9 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
         let Some(endpoint) = labels.get(LABEL_ENDPOINT).cloned() else {
             continue;
         };
+        if !in_stack(&labels, cfg) {
+            continue;
+        }
         let name = c
             .names
             .clone()
@@ -288,12 +349,16 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
             .unwrap_or(8000);
         let id = c.id.clone().unwrap_or_default();
         let is_running = c.state.map(|s| s.to_string()) == Some("running".into());
-        let (ip, health, restarts) =
-            container_ip_and_health(docker, &id, cfg.network.as_deref()).await;
+        let ContainerView {
+            ip,
+            health,
+            restarts,
+            ..
+        } = container_view(docker, &id, cfg.network.as_deref()).await;
         let down = if !is_running {
             Some(format!("container {name} is not running"))
         } else if health.as_deref() == Some("unhealthy") {
-            Some(format!("docker reports container {name} unhealthy"))
+            Some(format!("docker health check failing (container {name})"))
         } else {
             None
         };
@@ -335,9 +400,14 @@ fn percent_encode(s: &str) -> String {
 /// Task ID → address on `network` (or the first non-ingress network), read from the raw `/tasks`
 /// JSON: the typed model lacks `NetworksAttachments`. Empty on any error (the caller falls back to
 /// inspecting local containers).
-async fn task_addresses(service: &str, network: Option<&str>) -> HashMap<String, String> {
+async fn task_addresses(
+    service: &str,
+    network: Option<&str>,
+    timeout: Duration,
+) -> HashMap<String, String> {
     let filters = percent_encode(&json!({"service": [service]}).to_string());
-    let Ok(Value::Array(tasks)) = engine("GET", &format!("/tasks?filters={filters}"), None).await
+    let Ok(Value::Array(tasks)) =
+        engine("GET", &format!("/tasks?filters={filters}"), None, timeout).await
     else {
         return HashMap::new();
     };
@@ -398,7 +468,23 @@ fn event(state: &AppState, endpoint: &str, ev: &str, reason: String) {
 /// socket). Service updates go through raw JSON so the read-modify-write of a service spec keeps
 /// every field, including ones a typed model does not know (a typed round trip dropped
 /// `--no-healthcheck`, for one).
-async fn engine(method: &str, path: &str, body: Option<Value>) -> Result<Value, String> {
+async fn engine(
+    method: &str,
+    path: &str,
+    body: Option<Value>,
+    timeout: Duration,
+) -> Result<Value, String> {
+    tokio::time::timeout(timeout, engine_call(method, path, body))
+        .await
+        .map_err(|_| {
+            format!(
+                "docker_daemon_unreachable: no answer within {}ms",
+                timeout.as_millis()
+            )
+        })?
+}
+
+async fn engine_call(method: &str, path: &str, body: Option<Value>) -> Result<Value, String> {
     use http_body_util::{BodyExt, Full};
     use hyper_util::rt::TokioIo;
     let host =
@@ -458,8 +544,12 @@ async fn engine(method: &str, path: &str, body: Option<Value>) -> Result<Value, 
 }
 
 /// Reads a service's spec as raw JSON, lets `change` edit it, and posts it back at that version.
-async fn update_spec(service: &str, change: impl FnOnce(&mut Value)) -> Result<(), String> {
-    let svc = engine("GET", &format!("/services/{service}"), None).await?;
+async fn update_spec(
+    service: &str,
+    timeout: Duration,
+    change: impl FnOnce(&mut Value),
+) -> Result<(), String> {
+    let svc = engine("GET", &format!("/services/{service}"), None, timeout).await?;
     let version = svc
         .pointer("/Version/Index")
         .and_then(Value::as_u64)
@@ -470,13 +560,14 @@ async fn update_spec(service: &str, change: impl FnOnce(&mut Value)) -> Result<(
         "POST",
         &format!("/services/{service}/update?version={version}"),
         Some(spec),
+        timeout,
     )
     .await
     .map(|_| ())
 }
 
-async fn force_update(_docker: &Docker, service: &str) -> Result<(), String> {
-    update_spec(service, |spec| {
+async fn force_update(service: &str, timeout: Duration) -> Result<(), String> {
+    update_spec(service, timeout, |spec| {
         let n = spec
             .pointer("/TaskTemplate/ForceUpdate")
             .and_then(Value::as_u64)
@@ -486,8 +577,8 @@ async fn force_update(_docker: &Docker, service: &str) -> Result<(), String> {
     .await
 }
 
-async fn scale(_docker: &Docker, service: &str, replicas: i64) -> Result<(), String> {
-    update_spec(service, |spec| {
+async fn scale(service: &str, replicas: i64, timeout: Duration) -> Result<(), String> {
+    update_spec(service, timeout, |spec| {
         spec["Mode"]["Replicated"]["Replicas"] = json!(replicas);
     })
     .await
@@ -497,6 +588,14 @@ async fn scale(_docker: &Docker, service: &str, replicas: i64) -> Result<(), Str
 pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: CancellationToken) {
     let mut remedies: BTreeMap<String, Remedy> = BTreeMap::new();
     let mut was_reachable: Option<bool> = None;
+    let wake = Arc::new(tokio::sync::Notify::new());
+    // Owned here and stopped with the watcher (the token is a child of the gateway's).
+    let follower = {
+        let stop = cancel.child_token();
+        let handle = tokio::spawn(follow_events(state.clone(), wake.clone(), stop.clone()));
+        (stop, handle)
+    };
+    let _stop_follower = scopeguard(follower);
     loop {
         let cfg = state.config.load_full();
         let dcfg = cfg.docker.clone();
@@ -554,7 +653,7 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
                 was_reachable = Some(true);
                 // Labelled services the file does not name become endpoints of their own.
                 let mut wanted: Vec<crate::config::DiscoveredEndpoint> = Vec::new();
-                for f in &found {
+                for f in found.iter().filter(|_| dcfg.adopt_unconfigured) {
                     let synthetic = cfg.discovered_extra.contains(&f.endpoint);
                     if (synthetic || !cfg.endpoints.contains_key(&f.endpoint))
                         && !cfg.routes.contains_key(&f.endpoint)
@@ -637,7 +736,20 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
                     };
                     state.registry.observe_docker(name, Some(d));
                 }
-                let actions = remediate(&state, &docker, &cfg, &found, &mut remedies).await;
+                let actions = match tokio::time::timeout(
+                    // Each engine call has its own bound; this bounds the round as a whole.
+                    dcfg.timeout * 4,
+                    remediate(&state, &cfg, &found, &mut remedies),
+                )
+                .await
+                {
+                    Ok(n) => n,
+                    Err(_) => {
+                        tracing::warn!("remediation round timed out (docker_daemon_unreachable?)");
+                        0
+                    }
+                };
+                drop(docker);
                 if let Ok(mut s) = status.lock() {
                     s.enabled = true;
                     s.reachable = Some(true);
@@ -651,6 +763,63 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
         tokio::select! {
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(dcfg.interval) => {}
+            _ = wake.notified() => {
+                // A burst of events (die, stop, kill) makes one scan.
+                tokio::time::sleep(EVENT_COALESCE).await;
+            }
+        }
+    }
+}
+
+/// Stops the event follower when the watcher returns.
+struct FollowerGuard(CancellationToken, tokio::task::JoinHandle<()>);
+
+impl Drop for FollowerGuard {
+    fn drop(&mut self) {
+        self.0.cancel();
+        self.1.abort();
+    }
+}
+
+fn scopeguard(f: (CancellationToken, tokio::task::JoinHandle<()>)) -> FollowerGuard {
+    FollowerGuard(f.0, f.1)
+}
+
+/// Follows the engine's event stream and wakes the watcher on container events that move or
+/// sicken an endpoint. Reconnects after errors; idle while Docker is off in the config.
+async fn follow_events(
+    state: Arc<AppState>,
+    wake: Arc<tokio::sync::Notify>,
+    cancel: CancellationToken,
+) {
+    use bollard::query_parameters::EventsOptionsBuilder;
+    use futures_util::StreamExt;
+    loop {
+        if state.config.load().docker.enabled
+            && let Ok(docker) = Docker::connect_with_defaults()
+        {
+            let mut filters = HashMap::new();
+            filters.insert("type".to_string(), vec!["container".to_string()]);
+            filters.insert(
+                "event".to_string(),
+                WAKE_EVENTS.iter().map(|e| e.to_string()).collect(),
+            );
+            let mut events = docker.events(Some(
+                EventsOptionsBuilder::default().filters(&filters).build(),
+            ));
+            loop {
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    ev = events.next() => match ev {
+                        Some(Ok(_)) => wake.notify_one(),
+                        _ => break,
+                    },
+                }
+            }
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(EVENTS_RECONNECT) => {}
         }
     }
 }
@@ -693,7 +862,6 @@ async fn act(
 /// One remediation round. Returns the number of actions taken (or, in dry-run, proposed).
 async fn remediate(
     state: &AppState,
-    docker: &Docker,
     cfg: &crate::config::Config,
     found: &[Found],
     remedies: &mut BTreeMap<String, Remedy>,
@@ -715,11 +883,11 @@ async fn remediate(
         if !managed || f.service_id.is_none() || r.standby.iter().any(|s| s.service == svc) {
             continue;
         }
-        let unhealthy = f.discovered.down.is_some()
-            || state
-                .registry
-                .with(&ep.name, |rt| rt.avail(now))
-                .is_some_and(|a| matches!(a, crate::registry::Avail::Unhealthy { .. }));
+        // Only the service's own evidence: its tasks down or failing Docker's health check, or
+        // probes of its current addresses failing. Warming, half-open and passive ejection are
+        // not evidence (a restart warms; an old task's connect errors eject).
+        let probe_says = state.registry.probe_unhealthy(&ep.name);
+        let unhealthy = f.discovered.down.is_some() || probe_says.is_some();
         let m = remedies.entry(svc.clone()).or_default();
         if unhealthy {
             m.unhealthy_streak += 1;
@@ -732,11 +900,7 @@ async fn remediate(
         let reason = format!(
             "{} consecutive unhealthy observations ({})",
             m.unhealthy_streak,
-            f.discovered
-                .down
-                .clone()
-                .or_else(|| state.registry.health_reason(&ep.name))
-                .unwrap_or_default()
+            f.discovered.down.clone().or(probe_says).unwrap_or_default()
         );
         if unhealthy && m.unhealthy_streak >= r.unhealthy_after {
             // The standby comes up whenever the primary is down, whatever the cause.
@@ -751,7 +915,7 @@ async fn remediate(
                     "remediation_scale_up",
                     format!("scale standby {} 0 -> 1", sb.service),
                     &reason,
-                    scale(docker, &sb.service, 1),
+                    scale(&sb.service, 1, cfg.docker.timeout),
                 )
                 .await;
             }
@@ -772,7 +936,7 @@ async fn remediate(
                     "remediation_restart",
                     format!("force-update (restart) service {svc}"),
                     &reason,
-                    force_update(docker, &svc),
+                    force_update(&svc, cfg.docker.timeout),
                 )
                 .await;
             }
@@ -789,7 +953,7 @@ async fn remediate(
                 "remediation_scale_down",
                 format!("scale standby {} 1 -> 0", sb.service),
                 &format!("primary healthy for {}s", sb.healthy_for.as_secs()),
-                scale(docker, &sb.service, 0),
+                scale(&sb.service, 0, cfg.docker.timeout),
             )
             .await;
             if down {

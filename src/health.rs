@@ -333,6 +333,31 @@ impl Health {
     pub fn is_ejected(&self) -> bool {
         self.ejected_until.is_some()
     }
+
+    /// Probes (not Docker, not passive ejection, not warming) say the endpoint is unhealthy:
+    /// the evidence remediation may act on.
+    pub fn probe_unhealthy(&self) -> Option<&str> {
+        (self.state == State::Unhealthy).then_some(self.reason.as_str())
+    }
+
+    /// The endpoint now runs at other addresses (a replacement task): what was learned about the
+    /// old ones — passive ejection, probe verdicts — no longer applies. Docker's own view stays.
+    pub fn new_addresses(&mut self, now: Instant) -> Option<Transition> {
+        let from = self.state_name(now);
+        self.state = State::Healthy;
+        self.reason = "new task address; no evidence against it yet".into();
+        self.candidate = None;
+        self.consecutive_failures = 0;
+        self.ejected_until = None;
+        self.ejections = 0;
+        self.warming_until = None;
+        let to = self.state_name(now);
+        (from != to).then(|| Transition {
+            from,
+            to,
+            reason: self.reason.clone(),
+        })
+    }
 }
 
 #[cfg(test)]
@@ -347,6 +372,24 @@ mod tests {
             eject_base: Duration::from_secs(10),
             eject_max: Duration::from_secs(40),
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_replacement_address_starts_fresh() {
+        let mut h = Health::default();
+        let now = Instant::now();
+        for _ in 0..3 {
+            h.observe_traffic(now, false, "connect_error: refused", &t());
+        }
+        assert_eq!(h.state_name(now), "ejected");
+        assert_eq!(h.probe_unhealthy(), None, "ejection is not probe evidence");
+        let tr = h.new_addresses(now).unwrap();
+        assert_eq!((tr.from, tr.to), ("ejected", "healthy"));
+        assert_eq!(h.verdict(now), Verdict::Healthy);
+        // Docker's authoritative view is kept.
+        h.observe_docker(now, Some("no running task".into()));
+        h.new_addresses(now);
+        assert_eq!(h.state_name(now), "unhealthy");
     }
 
     #[tokio::test(start_paused = true)]

@@ -474,13 +474,27 @@ impl Registry {
         let Some(rt) = self.get(endpoint) else {
             return;
         };
-        let tr = {
+        let now = Instant::now();
+        let (fresh, tr) = {
             let mut rt = lock(&rt);
             let down = d.as_ref().and_then(|d| d.down.clone());
+            let addrs = |d: &Option<crate::discovery::Discovered>| {
+                let mut a = d.as_ref().map(|d| d.addresses.clone()).unwrap_or_default();
+                a.sort();
+                a
+            };
+            let (old, new) = (addrs(&rt.discovered), addrs(&d));
+            // Evidence is about addresses: a replacement task must not inherit the dead one's
+            // ejection or probe verdict.
+            let fresh = if !old.is_empty() && !new.is_empty() && old != new {
+                rt.health.new_addresses(now)
+            } else {
+                None
+            };
             rt.discovered = d;
-            rt.health.observe_docker(Instant::now(), down)
+            (fresh, rt.health.observe_docker(now, down))
         };
-        if let Some(tr) = tr {
+        for tr in [fresh, tr].into_iter().flatten() {
             self.transition(endpoint, &tr);
         }
     }
@@ -499,6 +513,14 @@ impl Registry {
 
     pub fn health_reason(&self, endpoint: &str) -> Option<String> {
         self.with(endpoint, |rt| rt.health.reason().to_string())
+    }
+
+    /// What probes of the endpoint's current addresses say against it, if anything.
+    pub fn probe_unhealthy(&self, endpoint: &str) -> Option<String> {
+        self.with(endpoint, |rt| {
+            rt.health.probe_unhealthy().map(str::to_string)
+        })
+        .flatten()
     }
 
     pub fn is_ejected(&self, endpoint: &str) -> bool {

@@ -145,7 +145,7 @@ mod tests {
 
     fn text(model: &str) -> String {
         format!(
-            "docker: {{ enabled: true }}\nmodels:\n  a: {{ type: openai, base_url: \"http://127.0.0.1:9/v1\", model: {model} }}\n"
+            "docker: {{ enabled: true, adopt_unconfigured: true }}\nmodels:\n  a: {{ type: openai, base_url: \"http://127.0.0.1:9/v1\", model: {model} }}\n"
         )
     }
 

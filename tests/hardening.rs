@@ -703,3 +703,98 @@ async fn mock_upstream_answers_health_in_every_flavor() {
         assert_eq!(r.status(), 200, "{flavor:?}");
     }
 }
+
+fn one_endpoint(m: &MockUp, name: &str) -> String {
+    format!(
+        "models:\n  {name}: {{ type: openai, base_url: \"{}\" }}\n",
+        m.base()
+    )
+}
+
+#[tokio::test]
+async fn reload_follows_a_kubernetes_style_data_symlink_swap() {
+    let a = MockUp::openai("name: a").await;
+    let b = MockUp::openai("name: b").await;
+    let dir = tempfile::tempdir().unwrap();
+    let cfgdir = dir.path().join("cfg");
+    // What a ConfigMap volume looks like: config.yaml -> ..data/config.yaml, ..data -> ..v1.
+    std::fs::create_dir_all(cfgdir.join("..v1")).unwrap();
+    std::fs::write(cfgdir.join("..v1/config.yaml"), one_endpoint(&a, "a")).unwrap();
+    std::os::unix::fs::symlink("..v1", cfgdir.join("..data")).unwrap();
+    std::os::unix::fs::symlink("..data/config.yaml", cfgdir.join("config.yaml")).unwrap();
+    let gw = Gw::start_at(dir.path(), &cfgdir.join("config.yaml"), &[]);
+    assert_eq!(
+        header(&gw.chat("a", "x").await, "x-autohedge-endpoint"),
+        "a"
+    );
+    // The update: a new timestamped dir, a temp symlink renamed over ..data.
+    std::fs::create_dir_all(cfgdir.join("..v2")).unwrap();
+    std::fs::write(cfgdir.join("..v2/config.yaml"), one_endpoint(&b, "b")).unwrap();
+    std::os::unix::fs::symlink("..v2", cfgdir.join("..data_tmp")).unwrap();
+    std::fs::rename(cfgdir.join("..data_tmp"), cfgdir.join("..data")).unwrap();
+    std::fs::remove_dir_all(cfgdir.join("..v1")).unwrap();
+    let ok = eventually(Duration::from_secs(5), || async {
+        gw.status().await["endpoints"]["b"].is_object()
+    })
+    .await;
+    assert!(ok, "the swap was reloaded: {}", gw.status().await["config"]);
+    let r = gw.chat("b", "x").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    assert_eq!(b.requests().await, 1);
+}
+
+#[tokio::test]
+async fn reload_follows_a_symlinked_config_edited_in_another_directory() {
+    let a = MockUp::openai("name: a").await;
+    let b = MockUp::openai("name: b").await;
+    let dir = tempfile::tempdir().unwrap();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let real = elsewhere.path().join("real.yaml");
+    std::fs::write(&real, one_endpoint(&a, "a")).unwrap();
+    let link = dir.path().join("config.yaml");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    let gw = Gw::start_at(dir.path(), &link, &[]);
+    assert_eq!(gw.chat("a", "x").await.status(), 200);
+    // Edited in place where it really lives: no event in the link's directory.
+    std::fs::write(&real, one_endpoint(&b, "b")).unwrap();
+    let ok = eventually(Duration::from_secs(5), || async {
+        gw.status().await["endpoints"]["b"].is_object()
+    })
+    .await;
+    assert!(ok, "the edit was reloaded: {}", gw.status().await["config"]);
+    assert_eq!(
+        header(&gw.chat("b", "x").await, "x-autohedge-endpoint"),
+        "b"
+    );
+}
+
+#[tokio::test]
+async fn a_stream_of_writes_does_not_postpone_a_reload_forever() {
+    let a = MockUp::openai("name: a").await;
+    let b = MockUp::openai("name: b").await;
+    let gw = Gw::start(&one_endpoint(&a, "a"));
+    // Rewrite the file every 20 ms (inside the 50 ms debounce) for 3 s, ending on b's table.
+    let path = gw.config_path.clone();
+    let (ca, cb) = (one_endpoint(&a, "a"), one_endpoint(&b, "b"));
+    let writer = std::thread::spawn(move || {
+        let until = std::time::Instant::now() + Duration::from_secs(3);
+        let mut i = 0u64;
+        while std::time::Instant::now() < until {
+            let text = if i.is_multiple_of(2) { &cb } else { &ca };
+            std::fs::write(&path, format!("{text}# write {i}\n")).unwrap();
+            i += 1;
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
+    // Reloads happen while the writes go on (bounded debounce), not only after they stop.
+    let ok = eventually(Duration::from_millis(2500), || async {
+        gw.status().await["config"]["reloads"].as_u64().unwrap_or(0) >= 1
+    })
+    .await;
+    writer.join().unwrap();
+    assert!(
+        ok,
+        "no reload during 2.5 s of writes: {}",
+        gw.status().await["config"]
+    );
+}

@@ -278,6 +278,7 @@ docker:
   enabled: true
   interval: 500ms
   network: {net}
+  adopt_unconfigured: true
   remediation:
     enabled: true
     unhealthy_after: 2

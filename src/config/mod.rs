@@ -48,6 +48,12 @@ pub struct RawDocker {
     pub timeout: Option<Dur>,
     /// The network whose addresses tasks are reached at (default: the first non-ingress one).
     pub network: Option<String>,
+    /// Only services and containers of this stack (`com.docker.stack.namespace`) are
+    /// discovered or managed: labels are not trust.
+    pub stack: Option<String>,
+    /// A labelled service the config does not name becomes an endpoint only when true.
+    #[serde(default)]
+    pub adopt_unconfigured: bool,
     #[serde(default)]
     pub remediation: RawRemediation,
 }
@@ -100,6 +106,8 @@ pub struct DockerConfig {
     pub interval: Duration,
     pub timeout: Duration,
     pub network: Option<String>,
+    pub stack: Option<String>,
+    pub adopt_unconfigured: bool,
     pub remediation: Remediation,
 }
 
@@ -611,7 +619,7 @@ impl Config {
     pub fn load_with(text: &str, discovered: &[DiscoveredEndpoint]) -> Result<Config, ConfigError> {
         let mut raw = parse(text)?;
         let mut extra = Vec::new();
-        if raw.docker.enabled {
+        if raw.docker.enabled && raw.docker.adopt_unconfigured {
             for d in discovered {
                 if raw.models.contains_key(&d.name) || raw.routes.contains_key(&d.name) {
                     continue;
@@ -1104,6 +1112,8 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
             .max(Duration::from_millis(200)),
         timeout: rd.timeout.map(|d| d.0).unwrap_or(Duration::from_secs(5)),
         network: rd.network,
+        stack: rd.stack,
+        adopt_unconfigured: rd.adopt_unconfigured,
         remediation: Remediation {
             enabled: rd.remediation.enabled,
             dry_run: rd.remediation.dry_run,
@@ -1396,7 +1406,7 @@ mod discovered_tests {
 
     #[test]
     fn discovered_endpoints_join_the_table() {
-        let text = "models:\n  a: { type: openai, base_url: \"http://127.0.0.1:9/v1\" }\nrouting_policy: { fallback_chain: [a] }\ndocker: { enabled: true }\n";
+        let text = "models:\n  a: { type: openai, base_url: \"http://127.0.0.1:9/v1\" }\nrouting_policy: { fallback_chain: [a] }\ndocker: { enabled: true, adopt_unconfigured: true }\n";
         let d = vec![DiscoveredEndpoint {
             name: "extra".into(),
             kind: EndpointKind::Vllm,
@@ -1409,6 +1419,10 @@ mod discovered_tests {
         // Without docker enabled, nothing is added.
         let cfg = Config::load_with(&text.replace("enabled: true", "enabled: false"), &d).unwrap();
         assert!(!cfg.endpoints.contains_key("extra"));
+        // Labels are not trust: without adopt_unconfigured (the default), nothing is added.
+        let cfg = Config::load_with(&text.replace(", adopt_unconfigured: true", ""), &d).unwrap();
+        assert!(!cfg.endpoints.contains_key("extra"));
+        assert!(cfg.discovered_extra.is_empty());
     }
 
     #[test]

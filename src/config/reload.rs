@@ -44,41 +44,86 @@ pub fn reload_now(state: &AppState, path: &Path) -> bool {
     }
 }
 
+/// A stream of writes (a log-like tool rewriting the file) must not postpone a reload forever.
+const DEBOUNCE_MAX: Duration = Duration::from_millis(500);
+
+/// The directories to watch for `path`: its own, and — when it is a symlink (a config mounted
+/// from elsewhere, Kubernetes' `..data` indirection) — the directory of what it points to now.
+fn watch_dirs(path: &Path) -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    if let Some(d) = path.parent() {
+        dirs.push(d.to_path_buf());
+    }
+    if let Ok(real) = std::fs::canonicalize(path)
+        && let Some(d) = real.parent()
+        && !dirs.iter().any(|x| x == d)
+    {
+        dirs.push(d.to_path_buf());
+    }
+    if dirs.is_empty() {
+        dirs.push(PathBuf::from("."));
+    }
+    dirs
+}
+
+/// The file names whose events matter: the config's own, and its symlink target's.
+fn watch_names(path: &Path) -> Vec<std::ffi::OsString> {
+    let mut names: Vec<std::ffi::OsString> = path
+        .file_name()
+        .map(|n| n.to_os_string())
+        .into_iter()
+        .collect();
+    if let Ok(real) = std::fs::canonicalize(path)
+        && let Some(n) = real.file_name()
+        && !names.iter().any(|x| x == n)
+    {
+        names.push(n.to_os_string());
+    }
+    names
+}
+
 pub async fn watch(
     state: Arc<AppState>,
     path: PathBuf,
     cancel: CancellationToken,
 ) -> anyhow::Result<()> {
     let path = std::path::absolute(&path)?;
-    let dir = path
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."));
-    let file_name = path.file_name().map(|f| f.to_os_string());
     let (tx, mut rx) = mpsc::channel::<()>(16);
     let tx_watch = tx.clone();
+    // Events that may change what the path reads: the file's own name, its symlink target's
+    // name, and Kubernetes' `..data` / `..2026_…` entries (a ConfigMap update swaps the `..data`
+    // symlink). Whether the config really changed is decided by comparing the content.
+    let names = Arc::new(std::sync::Mutex::new(watch_names(&path)));
+    let names_w = names.clone();
     let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
-        if let Ok(ev) = res {
-            let relevant = ev
-                .paths
-                .iter()
-                .any(|p| p.file_name() == file_name.as_deref());
-            if relevant && !ev.kind.is_access() {
-                let _ = tx_watch.try_send(());
-            }
+        let Ok(ev) = res else { return };
+        if ev.kind.is_access() {
+            return;
+        }
+        let names = names_w.lock().unwrap_or_else(|e| e.into_inner());
+        let relevant = ev.paths.iter().any(|p| {
+            p.file_name().is_some_and(|n| {
+                names.iter().any(|x| x == n) || n.to_string_lossy().starts_with("..")
+            })
+        });
+        if relevant {
+            let _ = tx_watch.try_send(());
         }
     })?;
-    watcher.watch(&dir, RecursiveMode::NonRecursive)?;
+    let mut watched = watch_dirs(&path);
+    for d in &watched {
+        watcher.watch(d, RecursiveMode::NonRecursive)?;
+    }
 
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
     // A change between the initial load and the watch being in place would be missed:
     // compare with what is live now, once the watch exists.
-    let mut last = Some(state.config.load().source.clone().into_bytes());
+    let live = Some(state.config.load().source.clone().into_bytes());
     let now = std::fs::read(&path).ok();
-    if now.is_some() && now != last {
+    if now.is_some() && now != live {
         reload_now(&state, &path);
     }
-    last = now.or(last);
+    let mut last = now.or(live);
     loop {
         tokio::select! {
             _ = cancel.cancelled() => break,
@@ -88,8 +133,12 @@ pub async fn watch(
                 last = std::fs::read(&path).ok();
             }
             Some(()) = rx.recv() => {
-                // Debounce: wait for the burst of events to end.
-                while let Ok(Some(())) = tokio::time::timeout(DEBOUNCE, rx.recv()).await {}
+                // Debounce: wait for the burst of events to end, but never longer than
+                // DEBOUNCE_MAX in all.
+                let until = tokio::time::Instant::now() + DEBOUNCE_MAX;
+                while tokio::time::Instant::now() < until
+                    && let Ok(Some(())) = tokio::time::timeout(DEBOUNCE, rx.recv()).await
+                {}
                 let now = std::fs::read(&path).ok();
                 if now.is_none() {
                     // Mid-rename or deleted: keep the live table; the next event retries.
@@ -99,6 +148,20 @@ pub async fn watch(
                     reload_now(&state, &path);
                     last = now;
                 }
+                // A symlink may point elsewhere now: follow it.
+                let dirs = watch_dirs(&path);
+                if dirs != watched {
+                    for d in watched.iter().filter(|d| !dirs.contains(d)) {
+                        let _ = watcher.unwatch(d);
+                    }
+                    for d in dirs.iter().filter(|d| !watched.contains(d)) {
+                        if let Err(e) = watcher.watch(d, RecursiveMode::NonRecursive) {
+                            tracing::warn!(dir = %d.display(), error = %e, "cannot watch the config's directory");
+                        }
+                    }
+                    watched = dirs;
+                }
+                *names.lock().unwrap_or_else(|e| e.into_inner()) = watch_names(&path);
             }
         }
     }

@@ -109,6 +109,12 @@ impl Gw {
     pub fn start_in(dir: &Path, config: &str, env: &[(&str, &str)]) -> Gw {
         let config_path = dir.join("config.yaml");
         std::fs::write(&config_path, config).unwrap();
+        Gw::start_at(dir, &config_path, env)
+    }
+
+    /// Starts with the config at `config_path` as it is (a symlink, say); data and log in `dir`.
+    pub fn start_at(dir: &Path, config_path: &Path, env: &[(&str, &str)]) -> Gw {
+        let config_path = config_path.to_path_buf();
         let log_path = dir.join("gateway.log");
         let log = std::fs::OpenOptions::new()
             .create(true)

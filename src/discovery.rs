@@ -64,6 +64,12 @@ pub const LABEL_STACK: &str = "com.docker.stack.namespace";
 /// Container events that change where an endpoint runs or whether it is healthy.
 const WAKE_EVENTS: &[&str] = &["die", "stop", "kill", "start", "oom", "health_status"];
 
+/// Events waiting for the watcher; more are coalesced anyway.
+const EVENT_QUEUE: usize = 256;
+
+/// Container events after which its address must not get another request.
+const DEATH_EVENTS: &[&str] = &["die", "stop", "kill", "oom"];
+
 /// Events arriving together (a kill is die + stop) trigger one scan.
 const EVENT_COALESCE: Duration = Duration::from_millis(20);
 
@@ -124,6 +130,8 @@ struct Found {
     replicas: Option<i64>,
     /// Tasks Swarm is bringing up right now (restarting is its job, not ours, meanwhile).
     starting: usize,
+    /// (container id, `http://ip:port`) of each address, so a `die` event can drop it at once.
+    containers: Vec<(String, String)>,
 }
 
 fn task_path(kind: EndpointKind) -> &'static str {
@@ -237,6 +245,7 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
         let mut restarts = 0u64;
         let mut unhealthy = None;
         let mut starting = 0;
+        let mut containers = Vec::new();
         for t in &tasks {
             let state = t.status.as_ref().and_then(|s| s.state);
             if matches!(state, Some(TaskState::FAILED) | Some(TaskState::REJECTED)) {
@@ -289,7 +298,11 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
             }
             running += 1;
             if let Some(ip) = ip {
-                addresses.push(format!("http://{ip}:{port}"));
+                let addr = format!("http://{ip}:{port}");
+                if let Some(cid) = &cid {
+                    containers.push((cid.clone(), addr.clone()));
+                }
+                addresses.push(addr);
             }
         }
         let down = if running == 0 {
@@ -310,6 +323,7 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
             labels,
             replicas,
             starting,
+            containers,
         });
     }
     // Plain containers (not Swarm tasks).
@@ -368,6 +382,7 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
         } else {
             vec![]
         };
+        let containers = addresses.iter().map(|a| (id.clone(), a.clone())).collect();
         out.push(Found {
             endpoint,
             service_id: None,
@@ -381,6 +396,7 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
             labels,
             replicas: None,
             starting: 0,
+            containers,
         });
     }
     Ok(out)
@@ -588,14 +604,16 @@ async fn scale(service: &str, replicas: i64, timeout: Duration) -> Result<(), St
 pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: CancellationToken) {
     let mut remedies: BTreeMap<String, Remedy> = BTreeMap::new();
     let mut was_reachable: Option<bool> = None;
-    let wake = Arc::new(tokio::sync::Notify::new());
+    let (wake_tx, mut wake) = tokio::sync::mpsc::channel::<Option<String>>(EVENT_QUEUE);
     // Owned here and stopped with the watcher (the token is a child of the gateway's).
     let follower = {
         let stop = cancel.child_token();
-        let handle = tokio::spawn(follow_events(state.clone(), wake.clone(), stop.clone()));
+        let handle = tokio::spawn(follow_events(state.clone(), wake_tx, stop.clone()));
         (stop, handle)
     };
     let _stop_follower = scopeguard(follower);
+    // Container id -> (endpoint, address) from the last scan.
+    let mut by_container: HashMap<String, (String, String)> = HashMap::new();
     loop {
         let cfg = state.config.load_full();
         let dcfg = cfg.docker.clone();
@@ -704,11 +722,20 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
                     }
                 }
                 let cfg = state.config.load_full();
+                by_container.clear();
                 for (name, ep) in &cfg.endpoints {
                     if !ep.discover {
                         continue;
                     }
                     let mine: Vec<&Found> = found.iter().filter(|f| &f.endpoint == name).collect();
+                    for f in &mine {
+                        for (cid, addr) in &f.containers {
+                            by_container.insert(
+                                cid.clone(),
+                                (name.clone(), format!("{addr}{}", task_path(ep.kind))),
+                            );
+                        }
+                    }
                     let d = if mine.is_empty() {
                         Discovered {
                             service: String::new(),
@@ -763,9 +790,21 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
         tokio::select! {
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(dcfg.interval) => {}
-            _ = wake.notified() => {
+            Some(ev) = wake.recv() => {
+                // A dead container's address leaves the pool now, before the rescan confirms.
+                let mut dead = ev.into_iter().collect::<Vec<_>>();
                 // A burst of events (die, stop, kill) makes one scan.
-                tokio::time::sleep(EVENT_COALESCE).await;
+                let until = tokio::time::Instant::now() + EVENT_COALESCE;
+                while let Ok(Some(more)) = tokio::time::timeout_at(until, wake.recv()).await {
+                    dead.extend(more);
+                }
+                for cid in dead {
+                    if let Some((endpoint, addr)) = by_container.remove(&cid) {
+                        state.registry.drop_address(&endpoint, &addr, &format!(
+                            "container {} of the task died", cid.chars().take(12).collect::<String>()
+                        ));
+                    }
+                }
             }
         }
     }
@@ -789,7 +828,7 @@ fn scopeguard(f: (CancellationToken, tokio::task::JoinHandle<()>)) -> FollowerGu
 /// sicken an endpoint. Reconnects after errors; idle while Docker is off in the config.
 async fn follow_events(
     state: Arc<AppState>,
-    wake: Arc<tokio::sync::Notify>,
+    wake: tokio::sync::mpsc::Sender<Option<String>>,
     cancel: CancellationToken,
 ) {
     use bollard::query_parameters::EventsOptionsBuilder;
@@ -811,7 +850,15 @@ async fn follow_events(
                 tokio::select! {
                     _ = cancel.cancelled() => return,
                     ev = events.next() => match ev {
-                        Some(Ok(_)) => wake.notify_one(),
+                        Some(Ok(ev)) => {
+                            let dead = ev
+                                .action
+                                .as_deref()
+                                .is_some_and(|a| DEATH_EVENTS.contains(&a));
+                            let id = ev.actor.and_then(|a| a.id);
+                            // A full queue already holds a wake-up; the rescan finds the rest.
+                            let _ = wake.try_send(id.filter(|_| dead));
+                        }
                         _ => break,
                     },
                 }

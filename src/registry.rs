@@ -65,6 +65,8 @@ pub struct EndpointRuntime {
     health: crate::health::Health,
     /// Where Docker discovery says the endpoint runs now (`http://ip:port`), if it does.
     discovered: Option<crate::discovery::Discovered>,
+    /// The last non-empty set of discovered addresses (sorted).
+    last_addresses: Vec<String>,
 }
 
 impl EndpointRuntime {
@@ -91,6 +93,7 @@ impl EndpointRuntime {
             learned_window: None,
             health: crate::health::Health::default(),
             discovered: None,
+            last_addresses: Vec::new(),
         }
     }
 
@@ -483,18 +486,54 @@ impl Registry {
                 a.sort();
                 a
             };
-            let (old, new) = (addrs(&rt.discovered), addrs(&d));
+            let new = addrs(&d);
             // Evidence is about addresses: a replacement task must not inherit the dead one's
-            // ejection or probe verdict.
-            let fresh = if !old.is_empty() && !new.is_empty() && old != new {
-                rt.health.new_addresses(now)
-            } else {
-                None
-            };
+            // ejection or probe verdict (compared with the last non-empty set, so a gap with no
+            // task in between still counts as a replacement).
+            let fresh =
+                if !new.is_empty() && !rt.last_addresses.is_empty() && rt.last_addresses != new {
+                    rt.health.new_addresses(now)
+                } else {
+                    None
+                };
+            if !new.is_empty() {
+                rt.last_addresses = new;
+            }
             rt.discovered = d;
             (fresh, rt.health.observe_docker(now, down))
         };
         for tr in [fresh, tr].into_iter().flatten() {
+            self.transition(endpoint, &tr);
+        }
+    }
+
+    /// A discovered address whose container just died: out of the pool at once. With none left
+    /// the endpoint is down (Docker's view) until a scan finds a running task again.
+    pub fn drop_address(&self, endpoint: &str, address: &str, why: &str) {
+        let Some(rt) = self.get(endpoint) else {
+            return;
+        };
+        let tr = {
+            let mut rt = lock(&rt);
+            let Some(d) = rt.discovered.as_mut() else {
+                return;
+            };
+            let before = d.addresses.len();
+            d.addresses.retain(|a| a != address);
+            if d.addresses.len() == before {
+                return;
+            }
+            d.running = d.running.saturating_sub(1);
+            if d.addresses.is_empty() {
+                d.down = Some(why.to_string());
+                rt.health
+                    .observe_docker(Instant::now(), Some(why.to_string()))
+            } else {
+                None
+            }
+        };
+        tracing::info!(endpoint, address, why, "discovered address dropped");
+        if let Some(tr) = tr {
             self.transition(endpoint, &tr);
         }
     }

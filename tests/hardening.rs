@@ -798,3 +798,279 @@ async fn a_stream_of_writes_does_not_postpone_a_reload_forever() {
         gw.status().await["config"]
     );
 }
+
+/// A private CA and a server certificate for 127.0.0.1 it signed, made with the openssl CLI.
+fn private_ca(
+    dir: &std::path::Path,
+) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .expect("the openssl CLI is installed");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=AutoHedge Test CA",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=127.0.0.1",
+        "-keyout",
+        "srv.key",
+        "-out",
+        "srv.csr",
+    ]);
+    std::fs::write(
+        dir.join("ext.cnf"),
+        "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
+    )
+    .unwrap();
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "srv.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "ext.cnf",
+        "-out",
+        "srv.pem",
+    ]);
+    (dir.join("ca.pem"), dir.join("srv.pem"), dir.join("srv.key"))
+}
+
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn upstreams_behind_a_private_ca() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = private_ca(tmp.path());
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/tls/https_upstream.py");
+    let mut child = std::process::Command::new("python3")
+        .arg(&script)
+        .arg(&cert)
+        .arg(&key)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let _server = Child(child);
+    let port: u16 = line
+        .trim()
+        .strip_prefix("listening ")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let base = format!("https://127.0.0.1:{port}/v1");
+    let cfg =
+        |extra: &str| format!("models:\n  a: {{ type: openai, base_url: \"{base}\"{extra} }}\n");
+
+    // Only the web roots: the private CA is not trusted, the request fails (and says why).
+    let gw = Gw::start(&cfg(""));
+    let r = gw.chat("a", "x").await;
+    assert_eq!(r.status(), 503);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["attempts"][0]["class"], "connect_error", "{v}");
+    drop(gw);
+
+    // The endpoint's ca_file.
+    let gw = Gw::start(&cfg(&format!(", ca_file: \"{}\"", ca.display())));
+    let r = gw.chat("a", "x").await;
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], "Hello over TLS!");
+    drop(gw);
+
+    // The system's CA store (here pointed at by SSL_CERT_FILE, as an operator's would be).
+    let gw = Gw::start_with_env(&cfg(""), &[("SSL_CERT_FILE", ca.to_str().unwrap())]);
+    let r = gw.chat("a", "x").await;
+    assert_eq!(r.status(), 200, "the system store is trusted");
+
+    // A ca_file that is no certificate is a config error naming the path.
+    let bad = tmp.path().join("bad.pem");
+    std::fs::write(&bad, "not a certificate").unwrap();
+    let e = autohedge::config::Config::load(&cfg(&format!(", ca_file: \"{}\"", bad.display())))
+        .unwrap_err();
+    assert!(e.0.contains("models.a.ca_file"), "{}", e.0);
+}
+
+/// A bounded chaos soak (30 s): endpoints that 5xx, 429 with odd `Retry-After`s, reset, stall
+/// and hold connections, with one healthy endpoint last in the chain, while clients stream and
+/// some disconnect early. No panic, one row per request, no client error, flat RSS.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_soak() {
+    let flaky =
+        MockUp::openai("rules: [{status: 500, when: {every: 2}}, {status: 502, when: {every: 3}}]")
+            .await;
+    let limited = MockUp::openai(
+        r#"rules:
+  - { status: 429, when: { every: 5 }, headers: { retry-after: "1e20" } }
+  - { status: 429, when: { every: 4 }, headers: { retry-after: "NaN" } }
+  - { status: 429, when: { every: 3 }, headers: { retry-after: "Fri, 31 Dec 9999 23:59:59 GMT" } }
+  - { status: 429, when: { every: 2 }, headers: { retry-after-ms: "-5" } }
+  - { status: 429, headers: { retry-after: "0.05", x-ratelimit-remaining-requests: "0", x-ratelimit-reset-requests: "99999999999999999999999999999999999999h" } }
+"#,
+    )
+    .await;
+    let resets = MockUp::openai(
+        "rules: [{reset: true, when: {every: 2}}, {when: {stream: true}, reset_after: 0}]",
+    )
+    .await;
+    let stalls =
+        MockUp::openai("rules: [{when: {stream: true}, stall_after: 0}, {delay: 3s}]").await;
+    let holds = MockUp::openai("name: holds\nrules: [{when: {stream: true}, hold_after_done: true}, {status: 503, when: {every: 2}}]").await;
+    let healthy = MockUp::openai("name: healthy").await;
+    let mut cfg = String::from("models:\n");
+    for (n, m) in [
+        ("flaky", &flaky),
+        ("limited", &limited),
+        ("resets", &resets),
+        ("stalls", &stalls),
+        ("holds", &holds),
+        ("healthy", &healthy),
+    ] {
+        cfg.push_str(&format!(
+            "  {n}: {{ type: openai, base_url: \"{}\", timeouts: {{ connect: 500ms, first_token: 300ms, total: 1s }} }}\n",
+            m.base()
+        ));
+    }
+    cfg.push_str("routing_policy:\n  fallback_chain: [flaky, limited, resets, stalls, holds, healthy]\n  max_cooldown: 500ms\n  request_timeout: 20s\nhealth: { probe_interval: 200ms, eject_base: 500ms, eject_max: 1s }\n");
+    let mut gw = Gw::start(&cfg);
+    let pid = gw.pid();
+    let rss = move || -> u64 {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .unwrap_or_default()
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    let url = gw.url("/v1/chat/completions");
+    let soak = Duration::from_secs(30);
+    let start = std::time::Instant::now();
+    let mut workers = Vec::new();
+    for w in 0..4u64 {
+        let url = url.clone();
+        workers.push(tokio::spawn(async move {
+            let patient = reqwest::Client::new();
+            let impatient = reqwest::Client::builder().timeout(Duration::from_millis(40)).build().unwrap();
+            let (mut ids, mut errors) = (Vec::new(), Vec::new());
+            let mut i = 0u64;
+            while start.elapsed() < soak {
+                i += 1;
+                let id = format!("chaos-{w}-{i}");
+                let stream = i % 2 == 0;
+                let leaves = i % 7 == 0;
+                let body = json!({"model": "flaky", "stream": stream, "messages": [{"role": "user", "content": "chaos"}]});
+                let client = if leaves { &impatient } else { &patient };
+                let r = client.post(&url).header("x-request-id", &id).json(&body).send().await;
+                ids.push(id.clone());
+                match r {
+                    Ok(r) if r.status() == 200 => {
+                        let text = r.text().await.unwrap_or_default();
+                        if !leaves && stream && (!text.contains("[DONE]") || text.contains("\"error\"")) {
+                            errors.push(format!("{id}: broken stream {text}"));
+                        }
+                    }
+                    Ok(r) if !leaves => errors.push(format!("{id}: {} {}", r.status(), r.text().await.unwrap_or_default())),
+                    Ok(_) => {}
+                    Err(e) if !leaves => errors.push(format!("{id}: {e}")),
+                    Err(_) => {}
+                }
+            }
+            (ids, errors)
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let rss_warm = rss();
+    let (mut ids, mut errors) = (Vec::new(), Vec::new());
+    for w in workers {
+        let (i, e) = w.await.unwrap();
+        ids.extend(i);
+        errors.extend(e);
+    }
+    let rss_end = rss();
+    assert!(ids.len() > 100, "traffic flowed: {}", ids.len());
+    assert!(
+        errors.is_empty(),
+        "{} client errors while `healthy` served:\n{}",
+        errors.len(),
+        errors.join("\n")
+    );
+    assert!(rss_warm > 0, "could not read the gateway's RSS");
+    assert!(
+        rss_end < rss_warm + 20_000,
+        "RSS grew from {rss_warm} kB to {rss_end} kB"
+    );
+    for m in [&flaky, &limited, &resets, &stalls, &holds] {
+        assert!(
+            m.stats().await["by_path"]["/v1/chat/completions"]
+                .as_u64()
+                .unwrap_or(0)
+                > 0,
+            "every misbehaving endpoint was called"
+        );
+    }
+    gw.stop();
+    assert_no_panic(&gw);
+    let conn = rusqlite::Connection::open(gw.db()).unwrap();
+    let n: i64 = one(
+        &conn,
+        "SELECT COUNT(*) FROM requests WHERE request_id LIKE 'chaos-%'",
+    );
+    let distinct: i64 = one(
+        &conn,
+        "SELECT COUNT(DISTINCT request_id) FROM requests WHERE request_id LIKE 'chaos-%'",
+    );
+    assert_eq!(
+        (n as usize, distinct as usize),
+        (ids.len(), ids.len()),
+        "one row per request"
+    );
+    eprintln!(
+        "chaos soak: {} requests, RSS {rss_warm} kB after warm-up, {rss_end} kB at the end",
+        ids.len()
+    );
+}

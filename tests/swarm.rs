@@ -391,18 +391,22 @@ docker:
         Arc::new(AtomicU64::new(0)),
         Arc::new(AtomicU64::new(0)),
     );
+    // Every request's start, latency and serving endpoint, for the client-visible figures.
+    let log: Arc<std::sync::Mutex<Vec<(Instant, Duration, String)>>> = Default::default();
     let traffic = {
-        let (stop, sent, failed, by_backup) = (
+        let (stop, sent, failed, by_backup, log) = (
             stop.clone(),
             sent.clone(),
             failed.clone(),
             by_backup.clone(),
+            log.clone(),
         );
         let (url, chat, client) = (url.clone(), chat.clone(), client.clone());
         tokio::spawn(async move {
             let deadline = Instant::now() + Duration::from_secs(240);
             while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
                 sent.fetch_add(1, Ordering::Relaxed);
+                let t0 = Instant::now();
                 match client
                     .post(format!("{url}/v1/chat/completions"))
                     .json(&chat)
@@ -411,10 +415,15 @@ docker:
                     .await
                 {
                     Ok(r) if r.status().is_success() => {
-                        if r.headers()["x-autohedge-endpoint"] == "backup" {
+                        let ep = r.headers()["x-autohedge-endpoint"]
+                            .to_str()
+                            .unwrap_or("")
+                            .to_string();
+                        if ep == "backup" {
                             by_backup.fetch_add(1, Ordering::Relaxed);
                         }
                         let _ = r.bytes().await;
+                        log.lock().unwrap().push((t0, t0.elapsed(), ep));
                     }
                     Ok(r) => {
                         failed.fetch_add(1, Ordering::Relaxed);
@@ -429,19 +438,94 @@ docker:
                         eprintln!("failed request: {e}");
                     }
                 }
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                // About 20 requests a second.
+                tokio::time::sleep(Duration::from_millis(50)).await;
             }
         })
     };
 
-    // Stop the primary's task: traffic moves to the backup, no client request fails.
+    // Kill the primary's task under traffic: requests move to the backup at once (the engine's
+    // `die` event takes the dead address out; none waits a connect timeout on it), Swarm's
+    // replacement task gets traffic as soon as it runs (its new address starts fresh, not
+    // ejected), and remediation leaves that healthy replacement alone.
     let before_backup = by_backup.load(Ordering::Relaxed);
+    let fu_before_kill = force_update(&svc("primary"));
     let ctr = running_container(&svc("primary")).expect("primary task running");
+    let killed = Instant::now();
     must(&["kill", &ctr]);
     wait_for("traffic on the backup", Duration::from_secs(30), || {
         by_backup.load(Ordering::Relaxed) > before_backup
     })
     .await;
+    wait_for(
+        "a replacement primary task",
+        Duration::from_secs(60),
+        || running_container(&svc("primary")).is_some_and(|c| c != ctr),
+    )
+    .await;
+    let replaced = Instant::now();
+    wait_for(
+        "traffic back on the primary",
+        Duration::from_secs(60),
+        || {
+            log.lock()
+                .unwrap()
+                .iter()
+                .any(|(t, _, ep)| *t > replaced && ep == "primary")
+        },
+    )
+    .await;
+    let back = log
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|(t, _, ep)| *t > replaced && ep == "primary")
+        .map(|(t, d, _)| *t + *d)
+        .unwrap();
+    // Let remediation see the replacement for a few of its rounds.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let (first_second, delayed, max_ms) = {
+        let log = log.lock().unwrap();
+        let window: Vec<_> = log
+            .iter()
+            .filter(|(t, _, _)| *t >= killed && *t < killed + Duration::from_secs(1))
+            .collect();
+        let delayed = window
+            .iter()
+            .filter(|(_, d, _)| *d >= Duration::from_millis(900))
+            .count();
+        let max_ms = window
+            .iter()
+            .map(|(_, d, _)| d.as_millis())
+            .max()
+            .unwrap_or(0);
+        (window.len(), delayed, max_ms)
+    };
+    eprintln!(
+        "swarm failover figures: {first_second} requests in the first second after the kill, \
+         {delayed} delayed by a connect timeout (slowest {max_ms} ms); replacement task running \
+         {:.1} s after the kill; traffic back on the primary {:.1} s after the replacement ran",
+        replaced.duration_since(killed).as_secs_f64(),
+        back.saturating_duration_since(replaced).as_secs_f64()
+    );
+    assert!(first_second > 0, "traffic flowed through the kill");
+    // At most the one request that may leave in the few milliseconds before the engine reports
+    // the death (nothing can know sooner); before the event stream, every request of the first
+    // second waited.
+    assert!(
+        delayed <= 1,
+        "{delayed} of {first_second} requests after the kill waited a connect timeout"
+    );
+    assert!(
+        back.saturating_duration_since(replaced) < Duration::from_secs(8),
+        "the replacement was held out (ejected) for {:?}",
+        back.saturating_duration_since(replaced)
+    );
+    assert_eq!(
+        force_update(&svc("primary")),
+        fu_before_kill,
+        "remediation restarted the healthy replacement"
+    );
 
     // Make the primary sick: its next task answers 503 on /health. Remediation restarts it
     // (force-update) and scales the standby up.

@@ -1001,8 +1001,8 @@ async fn chaos_soak() {
             while start.elapsed() < soak {
                 i += 1;
                 let id = format!("chaos-{w}-{i}");
-                let stream = i % 2 == 0;
-                let leaves = i % 7 == 0;
+                let stream = i.is_multiple_of(2);
+                let leaves = i.is_multiple_of(7);
                 let body = json!({"model": "flaky", "stream": stream, "messages": [{"role": "user", "content": "chaos"}]});
                 let client = if leaves { &impatient } else { &patient };
                 let r = client.post(&url).header("x-request-id", &id).json(&body).send().await;

@@ -798,6 +798,78 @@ mod tests {
     }
 
     #[test]
+    fn prune_works_in_batches_and_vacuums() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = db_path(dir.path());
+        let mut conn = open_connection(&path).unwrap();
+        let auto_vacuum: i64 = conn
+            .query_row("PRAGMA auto_vacuum", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(auto_vacuum, 2, "new databases use incremental auto-vacuum");
+        let limit: i64 = conn
+            .query_row("PRAGMA journal_size_limit", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(limit, JOURNAL_SIZE_LIMIT);
+        let old = SystemTime::now() - Duration::from_secs(3600);
+        let n = PRUNE_BATCH * 2 + 17;
+        let tx = conn.transaction().unwrap();
+        for i in 0..n {
+            tx.execute(
+                "INSERT INTO endpoint_events (ts_ms, endpoint, event, reason) VALUES (?1, 'a', 'x', ?2)",
+                params![ms(old), "r".repeat(200) + &i.to_string()],
+            )
+            .unwrap();
+        }
+        tx.execute(
+            "INSERT INTO endpoint_events (ts_ms, endpoint, event, reason) VALUES (?1, 'a', 'keep', '')",
+            [ms(SystemTime::now())],
+        )
+        .unwrap();
+        tx.commit().unwrap();
+        let pages =
+            |c: &Connection| -> i64 { c.query_row("PRAGMA page_count", [], |r| r.get(0)).unwrap() };
+        let before = pages(&conn);
+        let deleted = prune(&mut conn, SystemTime::now() - Duration::from_secs(60)).unwrap();
+        assert_eq!(deleted, n, "every old row, over several batches");
+        let left: Vec<String> = conn
+            .prepare("SELECT event FROM endpoint_events")
+            .unwrap()
+            .query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(left, vec!["keep"]);
+        assert!(
+            pages(&conn) < before,
+            "freed pages went back: {} -> {}",
+            before,
+            pages(&conn)
+        );
+    }
+
+    #[test]
+    fn two_processes_opening_one_data_dir_at_once() {
+        for _ in 0..10 {
+            let dir = tempfile::tempdir().unwrap();
+            let path = db_path(dir.path());
+            let barrier = std::sync::Barrier::new(4);
+            std::thread::scope(|s| {
+                for _ in 0..4 {
+                    s.spawn(|| {
+                        barrier.wait();
+                        open_connection(&path).expect("every opener succeeds")
+                    });
+                }
+            });
+            let conn = Connection::open(&path).unwrap();
+            let v: i64 = conn
+                .query_row("PRAGMA user_version", [], |r| r.get(0))
+                .unwrap();
+            assert_eq!(v as usize, MIGRATIONS.len());
+        }
+    }
+
+    #[test]
     fn full_queue_drops_and_counts() {
         let (tx, _rx) = sync_channel(1);
         let h = StoreHandle {

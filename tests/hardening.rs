@@ -1074,3 +1074,92 @@ async fn chaos_soak() {
         ids.len()
     );
 }
+
+#[tokio::test]
+async fn a_hung_docker_daemon_is_unreachable_not_a_frozen_loop() {
+    // A "daemon" that accepts connections and never answers.
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("docker.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let held = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    {
+        let (accepted, held) = (accepted.clone(), held.clone());
+        std::thread::spawn(move || {
+            for c in listener.incoming().flatten() {
+                accepted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                held.lock().unwrap().push(c);
+            }
+        });
+    }
+    let a = MockUp::openai("name: a").await;
+    let host = format!("unix://{}", sock.display());
+    let mut gw = Gw::start_with_env(
+        &format!(
+            "models:\n  a: {{ type: openai, base_url: \"{}\" }}\ndocker:\n  enabled: true\n  interval: 200ms\n  timeout: 500ms\n  remediation: {{ enabled: true }}\n",
+            a.base()
+        ),
+        &[("DOCKER_HOST", host.as_str())],
+    );
+    let ok = eventually(Duration::from_secs(5), || async {
+        gw.status().await["docker"]["status"] == "docker_daemon_unreachable"
+    })
+    .await;
+    assert!(ok, "{}", gw.status().await["docker"]);
+    assert!(
+        accepted.load(std::sync::atomic::Ordering::Relaxed) >= 1,
+        "the gateway did talk to the hung daemon"
+    );
+    assert!(
+        gw.status().await["docker"]["error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("no answer within 500ms"),
+        "{}",
+        gw.status().await["docker"]
+    );
+    // The watcher keeps cycling (scans keep timing out, each a new connection) ...
+    let before = accepted.load(std::sync::atomic::Ordering::Relaxed);
+    let ok = eventually(Duration::from_secs(5), || async {
+        accepted.load(std::sync::atomic::Ordering::Relaxed) > before
+    })
+    .await;
+    assert!(ok, "the watcher loop is not frozen");
+    // ... routing goes on, and shutdown is not blocked by the hung engine.
+    assert_eq!(gw.chat("a", "x").await.status(), 200);
+    let t = std::time::Instant::now();
+    gw.stop();
+    eprintln!(
+        "stopped {:?} after SIGTERM with a hung docker daemon",
+        t.elapsed()
+    );
+}
+
+#[tokio::test]
+async fn upstream_addresses_stay_out_of_client_error_bodies() {
+    let dead = dead_addr();
+    let mut gw = Gw::start(&format!(
+        "models:\n  a: {{ type: openai, base_url: \"http://{dead}/v1\", timeouts: {{ connect: 500ms }} }}\n"
+    ));
+    let r = reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .header("x-request-id", "dead-addr")
+        .json(&json!({"model": "a", "messages": [{"role": "user", "content": "x"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    let body = r.text().await.unwrap();
+    assert!(body.contains("connect_error"), "{body}");
+    assert!(!body.contains(&dead.port().to_string()), "{body}");
+    gw.stop();
+    // The operator's audit row keeps where it failed.
+    let got = rows(
+        &gw,
+        "SELECT error FROM attempts WHERE request_id = 'dead-addr'",
+    );
+    assert!(
+        got[0][0].as_str().unwrap().contains(&dead.to_string()),
+        "{got:?}"
+    );
+}

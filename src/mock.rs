@@ -122,8 +122,10 @@ struct Counters {
     rule_matches: Vec<u64>,
     rule_applied: Vec<u64>,
     last_body: Option<Value>,
-    /// The last four characters of each key seen, in order (never whole keys).
+    /// The last four characters of each key seen on inference calls, in order (never whole keys).
     key_tails: Vec<String>,
+    /// The same for every request (probes included).
+    key_tails_all: Vec<String>,
 }
 
 pub struct Mock {
@@ -341,6 +343,7 @@ impl Mock {
                     "rule_applied": c.rule_applied,
                     "last_body": c.last_body,
                     "key_tails": c.key_tails,
+                    "key_tails_all": c.key_tails_all,
                 });
                 return self.json_response(200, &v, &BTreeMap::new());
             }
@@ -380,7 +383,7 @@ impl Mock {
             if !body.is_null() {
                 c.last_body = Some(body.clone());
             }
-            if let Some(k) = key.as_ref().filter(|_| method == hyper::Method::POST) {
+            if let Some(k) = key.as_ref() {
                 let tail: String = k
                     .chars()
                     .rev()
@@ -389,7 +392,10 @@ impl Mock {
                     .into_iter()
                     .rev()
                     .collect();
-                c.key_tails.push(tail);
+                if method == hyper::Method::POST {
+                    c.key_tails.push(tail.clone());
+                }
+                c.key_tails_all.push(tail);
             }
         }
         let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);

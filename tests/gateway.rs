@@ -229,10 +229,12 @@ async fn max_wait_waits_for_a_cooling_endpoint() {
     };
     let gw = Gw::start(&cfg("0"));
     assert_eq!(gw.chat("a", "x").await.status(), 503);
-    let t = Instant::now();
     let r = gw.chat("a", "x").await;
     assert_eq!(r.status(), 503, "max_wait 0: fail at once");
-    assert!(t.elapsed() < Duration::from_millis(500));
+    assert_eq!(header(&r, "x-autohedge-attempts"), "0", "no call, no wait");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["attempts"][0]["class"], "skipped_cooldown");
+    assert_eq!(a.requests().await, 1, "only the first request's 429");
     drop(gw);
 
     // The wait covers an endpoint that answered 429 earlier in the same request too.
@@ -512,7 +514,6 @@ async fn stream_failures_before_first_chunk_fail_over_invisibly() {
     ] {
         let a = MockUp::openai(script).await;
         let gw = Gw::start(&two(&a, &b, ""));
-        let t = Instant::now();
         let r = gw
             .post(
                 "/v1/chat/completions",
@@ -529,11 +530,6 @@ async fn stream_failures_before_first_chunk_fail_over_invisibly() {
             "nothing from the failed upstream reached the client: {script}"
         );
         assert_eq!(ev.last().unwrap(), "[DONE]");
-        assert!(
-            t.elapsed() < Duration::from_secs(3),
-            "{script}: {:?}",
-            t.elapsed()
-        );
     }
 }
 
@@ -720,6 +716,20 @@ async fn api_keys_never_leak() {
     let r = gw.chat("a", "x").await;
     assert_eq!(r.status(), 503);
     let body = r.text().await.unwrap();
+    // First: both keys were loaded and sent — the file key to a (by the probe or the request,
+    // which a rejected), the env key to b (which answered 500).
+    let ok = eventually(Duration::from_secs(5), || async {
+        a.stats().await["key_tails_all"]
+            .as_array()
+            .is_some_and(|t| t.contains(&json!("3210")))
+    })
+    .await;
+    assert!(ok, "the file: key reached a: {}", a.stats().await);
+    assert_eq!(
+        b.stats().await["key_tails"],
+        json!(["3210"]),
+        "the env: key reached b"
+    );
     let status = gw.status().await.to_string();
     let check = std::process::Command::new(BIN)
         .env("AH_LEAK_KEY", SECRET)
@@ -754,10 +764,15 @@ async fn api_keys_never_leak() {
     assert!(body.contains("auth_failed"), "{body}");
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_request_has_one_audit_row_after_sigterm() {
+    // a fails every third request; b is slow (500 ms before a full answer, 50 ms between stream
+    // chunks), so SIGTERM lands while streams and slow requests are in flight.
     let a = MockUp::openai("rules: [{status: 503, when: {every: 3}}]").await;
-    let b = MockUp::openai("name: b\nchunk_delay: 1ms").await;
+    let b = MockUp::openai(
+        "name: b\nchunk_delay: 50ms\nrules: [{when: {stream: false}, delay: 500ms}]",
+    )
+    .await;
     let mut gw = Gw::start(&two(&a, &b, ""));
     let c = reqwest::Client::new();
     let mut ids = Vec::new();
@@ -770,23 +785,40 @@ async fn every_request_has_one_audit_row_after_sigterm() {
             .header("x-request-id", id)
             .json(&json!({"model": if i % 7 == 0 { "nope" } else { "chat" }, "stream": i % 2 == 0, "messages": [{"role": "user", "content": "x"}]}));
         tasks.push(tokio::spawn(async move {
-            let r = req.send().await.unwrap();
-            let _ = r.bytes().await;
+            let r = req.send().await.expect("answered, not reset");
+            let status = r.status().as_u16();
+            let body = r.text().await.expect("the whole body");
+            (status, body)
         }));
     }
-    for t in tasks {
-        t.await.unwrap();
-    }
+    // Most requests have reached an upstream and are still running.
+    let ok = eventually(Duration::from_secs(10), || async {
+        a.requests().await + b.requests().await >= 30
+    })
+    .await;
+    assert!(ok, "requests in flight");
+    let in_flight = gw.status().await["in_flight"].as_u64().unwrap_or(0);
+    assert!(in_flight > 0, "SIGTERM must land with requests in flight");
     gw.stop();
+    // The drain let every one of them finish.
+    for t in tasks {
+        let (status, body) = t.await.unwrap();
+        assert!(status == 200 || status == 404, "{status} {body}");
+        if body.starts_with("data:") {
+            assert!(body.contains("[DONE]"), "stream finished: {body}");
+        }
+    }
     let conn = rusqlite::Connection::open(gw.db()).unwrap();
-    let n: i64 = one(&conn, "SELECT COUNT(*) FROM requests");
-    assert_eq!(n, 60);
-    let distinct: i64 = conn
-        .query_row("SELECT COUNT(DISTINCT request_id) FROM requests", [], |r| {
-            r.get(0)
-        })
+    let mut got: Vec<String> = conn
+        .prepare("SELECT request_id FROM requests")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
         .unwrap();
-    assert_eq!(distinct, 60);
+    got.sort();
+    ids.sort();
+    assert_eq!(got, ids, "exactly one row per request id");
     let failovers: i64 = one(
         &conn,
         "SELECT COUNT(*) FROM attempts WHERE class = 'server_error'",
@@ -843,7 +875,9 @@ async fn live_reload_swaps_the_order_and_rejects_invalid_files() {
     );
     assert!(gw.log().contains("bogus_key"));
 
-    // SIGHUP reloads too.
+    // A valid file is picked up again by the watcher. (What only SIGHUP reloads — a `file:` key
+    // kept outside the watched directory — is tested in tests/hardening.rs,
+    // `replacing_a_rejected_keys_value_clears_it_on_reload`.)
     std::fs::write(&gw.config_path, &cfg).unwrap();
     let ok = eventually(Duration::from_secs(5), || async {
         header(&gw.chat("chat", "x").await, "x-autohedge-endpoint") == "a"
@@ -1472,7 +1506,8 @@ models:
   c: {{ type: openai, base_url: "{}" }}
 # One of three healthy is not a panic here (1/3 >= 0.3): the ejection is honoured.
 routing_policy: {{ fallback_chain: [a, b, c], panic_threshold: 0.3 }}
-health: {{ probe_interval: 100ms, flip_after: 2, eject_after: 3, eject_base: 500ms, eject_max: 2s }}
+# An ejection window (3 s) far longer than the two requests that must see it, on any machine.
+health: {{ probe_interval: 100ms, flip_after: 2, eject_after: 3, eject_base: 3s, eject_max: 6s }}
 "#,
         a.base(),
         b.base(),
@@ -1518,11 +1553,28 @@ health: {{ probe_interval: 100ms, flip_after: 2, eject_after: 3, eject_base: 500
     assert_eq!(b.requests().await, before, "ejected: skipped");
     // b recovers; after the ejection a half-open probe (not real traffic) restores it.
     b.set_script("name: b").await; // (resets the mock's counters)
-    let ok = eventually(Duration::from_secs(5), || async {
-        gw.status().await["endpoints"]["b"]["state"] == "healthy"
-    })
-    .await;
-    assert!(ok, "{}", gw.status().await["endpoints"]["b"]);
+    // Client traffic for b goes on while it recovers: served by c, never by b.
+    let mut sent_meanwhile = 0;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while gw.status().await["endpoints"]["b"]["state"] != "healthy" {
+        assert!(
+            Instant::now() < deadline,
+            "{}",
+            gw.status().await["endpoints"]["b"]
+        );
+        let r = gw.chat("b", "x").await;
+        assert_eq!(header(&r, "x-autohedge-endpoint"), "c");
+        sent_meanwhile += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        sent_meanwhile > 0,
+        "client requests were sent during the recovery"
+    );
+    let probes = b.stats().await["by_path"]["/v1/models"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(probes >= 1, "a probe (GET /v1/models) reached b");
     assert_eq!(
         b.requests().await,
         0,
@@ -1584,16 +1636,19 @@ async fn unreachable_docker_daemon_is_reported_and_routing_goes_on() {
 
 #[tokio::test]
 async fn custom_health_check_warming_purge_hook_and_semantic_probe() {
+    // Warming until the test has seen it (no transient state to catch in time).
     let a = MockUp::openai(
         r#"rules:
-  - { when: { path: /custom-health }, times: 3, status: 200, body: '{"status":"healthy","uptime_seconds":12}' }
+  - { when: { path: /custom-health }, status: 200, body: '{"status":"healthy","uptime_seconds":12}' }
+"#,
+    )
+    .await;
+    let growing = r#"rules:
   - { when: { path: /custom-health }, times: 1, status: 200, body: '{"status":"healthy","kv_cache_size_mb":100,"uptime_seconds":999}' }
   - { when: { path: /custom-health }, times: 1, status: 200, body: '{"status":"healthy","kv_cache_size_mb":150,"uptime_seconds":999}' }
   - { when: { path: /custom-health }, status: 200, body: '{"status":"healthy","kv_cache_size_mb":200,"uptime_seconds":999}' }
   - { when: { path: /purge }, status: 200, body: '{}' }
-"#,
-    )
-    .await;
+"#;
     let s = MockUp::openai("rules: [{status: 500}]").await;
     let b = MockUp::openai("name: b").await;
     let mut gw = Gw::start(&format!(
@@ -1605,7 +1660,8 @@ models:
     health_check: {{ url: /custom-health, expect: {{ status: healthy }}, kv_growth_probes: 3, purge: {{ url: /purge, method: POST }} }}
   s: {{ type: openai, base_url: "{}", semantic_probe: true }}
   b: {{ type: openai, base_url: "{}" }}
-routing_policy: {{ fallback_chain: [a, s, b] }}
+# 1 of 3 healthy is no panic here (1/3 >= 0.3): warming and unhealthy endpoints are skipped.
+routing_policy: {{ fallback_chain: [a, s, b], panic_threshold: 0.3 }}
 health: {{ probe_interval: 100ms, flip_after: 1, warmup: 300ms }}
 "#,
         a.base(),
@@ -1618,6 +1674,9 @@ health: {{ probe_interval: 100ms, flip_after: 1, warmup: 300ms }}
     })
     .await;
     assert!(ok, "{}", gw.status().await["endpoints"]["a"]);
+    let r = gw.chat("a", "x").await;
+    assert_ne!(header(&r, "x-autohedge-endpoint"), "a", "warming: skipped");
+    a.set_script(growing).await;
     // The semantic probe's completion fails although GET /models works: unhealthy.
     let ok = eventually(Duration::from_secs(5), || async {
         gw.status().await["endpoints"]["s"]["state"] == "unhealthy"
@@ -1630,7 +1689,14 @@ health: {{ probe_interval: 100ms, flip_after: 1, warmup: 300ms }}
     })
     .await;
     assert!(ok, "{}", a.stats().await);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Three more probes that keep seeing it grow.
+    let probes = |v: &Value| v["by_path"]["/custom-health"].as_u64().unwrap_or(0);
+    let seen = probes(&a.stats().await);
+    let ok = eventually(Duration::from_secs(5), || async {
+        probes(&a.stats().await) >= seen + 3
+    })
+    .await;
+    assert!(ok, "{}", a.stats().await);
     assert_eq!(
         a.stats().await["by_path"]["/purge"],
         1,
@@ -1658,10 +1724,9 @@ async fn a_slow_non_stream_answer_times_out_and_fails_over() {
         a.base(),
         b.base()
     ));
-    let t = Instant::now();
     let r = gw.chat("a", "x").await;
     assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
-    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    assert_eq!(a.requests().await, 1, "a was called and timed out");
     let st = gw.status().await;
     assert!(
         st["endpoints"]["a"]["last_error"]["message"]
@@ -1689,12 +1754,8 @@ async fn keeps_serving_past_the_shutdown_grace() {
         200,
         "still serving after shutdown_grace"
     );
-    let t = Instant::now();
+    // (`stop` fails the test if SIGTERM does not end the process.)
     gw.stop();
-    assert!(
-        t.elapsed() < Duration::from_secs(5),
-        "SIGTERM still drains promptly"
-    );
 }
 
 /// A bounded soak: a minute-scale run past every periodic timer of the first minute (the 10 s
@@ -1740,7 +1801,9 @@ async fn soak_forty_seconds_of_steady_traffic() {
         tokio::time::sleep(Duration::from_millis(15)).await;
     }
     let rss_end = rss();
-    assert!(sent > 1000, "{sent}");
+    // The count depends on the machine's speed; what matters is that traffic ran past the
+    // warm-up sample and every request succeeded and was recorded.
+    assert!(sent > 300, "{sent}");
     assert!(rss_after_warmup > 0, "could not read the gateway's RSS");
     assert!(
         rss_end < rss_after_warmup + 20_000,

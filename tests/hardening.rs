@@ -426,8 +426,12 @@ async fn client_leaving_before_the_first_byte_is_recorded_as_499() {
     assert!(r.is_err(), "the client gave up");
     let ok = eventually(Duration::from_secs(5), || async { a.requests().await == 1 }).await;
     assert!(ok, "the upstream was called");
-    // The row is written when the gateway notices; give it until it stops.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The row is written when the gateway notices the client left: nothing is in flight then.
+    let ok = eventually(Duration::from_secs(5), || async {
+        gw.status().await["in_flight"] == 0
+    })
+    .await;
+    assert!(ok, "the gateway noticed the client left");
     gw.stop();
     let got = rows(
         &gw,

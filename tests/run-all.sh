@@ -13,4 +13,5 @@ fi
 
 cargo build --locked --bins
 cargo test --locked
-AUTOHEDGE_BIN="$PWD/target/debug/autohedge" python3 -m pytest -q tests/sdk tests/llamacpp tests/tokens
+# -rs lists every skip with its reason; with CI=true a skip fails the run (tests/conftest.py).
+AUTOHEDGE_BIN="$PWD/target/debug/autohedge" python3 -m pytest -q -rs tests/sdk tests/llamacpp tests/tokens

@@ -95,12 +95,16 @@ impl Drop for Cleanup {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// The host port Docker assigned to a container's published `target` port (we never pick one
+/// ourselves: bind-then-release races with everything else choosing ports).
+fn published_port(container: &str, target: u16) -> Option<u16> {
+    let (ok, out) = docker(&["port", container, &target.to_string()]);
+    if !ok {
+        return None;
+    }
+    out.lines()
+        .filter_map(|l| l.rsplit(':').next())
+        .find_map(|p| p.trim().parse().ok())
 }
 
 fn replicas(service: &str) -> i64 {
@@ -159,14 +163,10 @@ async fn status(url: &str) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn swarm_discovery_failover_remediation_and_recovery() {
-    if std::env::var("AUTOHEDGE_SKIP_DOCKER").is_ok() {
-        eprintln!("AUTOHEDGE_SKIP_DOCKER set: skipping the Docker Engine test");
-        return;
-    }
     let (ok, info) = docker(&["info", "--format", "{{.Swarm.LocalNodeState}}"]);
     assert!(
         ok,
-        "the Docker Engine must be running for this test (or set AUTOHEDGE_SKIP_DOCKER): {info}"
+        "the Docker Engine must be running for this test (where none can run, leave it out with `cargo test -- --skip swarm_`): {info}"
     );
     let id = std::process::id();
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -203,6 +203,8 @@ async fn swarm_discovery_failover_remediation_and_recovery() {
     std::fs::write(dir.join("standby.yaml"), "name: standby\n").unwrap();
     std::fs::create_dir_all(dir.join("data")).unwrap();
     let mount = format!("type=bind,src={},dst=/scripts,readonly", dir.display());
+    // The test's services form one "stack"; the gateway sees only it (`docker.stack`).
+    let stack = format!("ahtest-{id}");
     let upstream = |name: &str, flavor: &str, replicas: &str, manage: bool| {
         let s = svc(name);
         let mut args = vec![
@@ -232,6 +234,8 @@ async fn swarm_discovery_failover_remediation_and_recovery() {
             "autohedge.port=8080".into(),
             "--label".into(),
             format!("autohedge.type={flavor}"),
+            "--label".into(),
+            format!("com.docker.stack.namespace={stack}"),
         ];
         if manage {
             args.push("--label".into());
@@ -260,6 +264,85 @@ async fn swarm_discovery_failover_remediation_and_recovery() {
     cleanup
         .services
         .push(upstream("standby", "openai", "0", false));
+    // Labelled like the backup, but in another stack: labels are not trust, it must never serve.
+    std::fs::write(dir.join("decoy.yaml"), "name: decoy\n").unwrap();
+    let decoy = svc("decoy");
+    must(&[
+        "service",
+        "create",
+        "-q",
+        "--detach",
+        "--name",
+        &decoy,
+        "--network",
+        &net,
+        "--endpoint-mode",
+        "dnsrr",
+        "--mount",
+        &mount,
+        "--no-healthcheck",
+        "--label",
+        "autohedge.endpoint=backup",
+        "--label",
+        "autohedge.port=8080",
+        "--label",
+        "autohedge.type=openai",
+        "--label",
+        "com.docker.stack.namespace=someone-else",
+        &image,
+        "mock-upstream",
+        "--listen",
+        "0.0.0.0:8080",
+        "--flavor",
+        "openai",
+        "--script",
+        "/scripts/decoy.yaml",
+    ]);
+    cleanup.services.push(decoy);
+    // A plain container whose Docker health check fails: reported as such.
+    let sick = svc("sick");
+    must(&[
+        "run",
+        "-d",
+        "--name",
+        &sick,
+        "--network",
+        &net,
+        "--label",
+        "autohedge.endpoint=sick",
+        "--label",
+        "autohedge.port=8080",
+        "--label",
+        &format!("com.docker.stack.namespace={stack}"),
+        "--health-cmd",
+        "/usr/local/bin/autohedge healthcheck --url http://127.0.0.1:9",
+        "--health-interval",
+        "1s",
+        "--health-retries",
+        "1",
+        &image,
+        "mock-upstream",
+        "--listen",
+        "0.0.0.0:8080",
+        "--flavor",
+        "openai",
+    ]);
+    // A mock backend on the image's port passes the image's own HEALTHCHECK (GET /health).
+    let fine = svc("fine");
+    must(&[
+        "run",
+        "-d",
+        "--name",
+        &fine,
+        "--health-interval",
+        "1s",
+        &image,
+        "mock-upstream",
+        "--listen",
+        "0.0.0.0:8000",
+        "--flavor",
+        "vllm",
+    ]);
     // Not in the config: discovery makes it an endpoint of its own.
     std::fs::write(dir.join("extra.yaml"), "name: extra\n").unwrap();
     cleanup
@@ -272,12 +355,14 @@ models:
   primary: {{ type: vllm, discover: docker, timeouts: {{ connect: 1s, first_token: 2s, total: 5s }} }}
   standby: {{ type: openai, discover: docker, timeouts: {{ connect: 1s, first_token: 2s, total: 5s }} }}
   backup: {{ type: openai, discover: docker, timeouts: {{ connect: 1s, first_token: 2s, total: 5s }} }}
+  sick: {{ type: openai, discover: docker }}
 routing_policy: {{ fallback_chain: [primary, standby, backup] }}
 health: {{ probe_interval: 300ms, probe_timeout: 1s, flip_after: 1, warmup: 1s }}
 docker:
   enabled: true
   interval: 500ms
   network: {net}
+  stack: {stack}
   adopt_unconfigured: true
   remediation:
     enabled: true
@@ -289,9 +374,9 @@ docker:
         standby_svc = svc("standby")
     );
     std::fs::write(dir.join("config.yaml"), config).unwrap();
-    let port = free_port();
     let gw = svc("gateway");
-    let publish = format!("mode=host,target=8000,published={port}");
+    // No published port given: Docker picks a free one, read back below.
+    let publish = "mode=host,target=8000".to_string();
     let cfg_mount = format!("type=bind,src={},dst=/cfg,readonly", dir.display());
     let data_mount = format!("type=bind,src={},dst=/data", dir.join("data").display());
     must(&[
@@ -323,7 +408,17 @@ docker:
         "/data",
     ]);
     cleanup.services.push(gw.clone());
-    let url = format!("http://127.0.0.1:{port}");
+    let mut port = None;
+    wait_for(
+        "the gateway's published port",
+        Duration::from_secs(60),
+        || {
+            port = running_container(&gw).and_then(|c| published_port(&c, 8000));
+            port.is_some()
+        },
+    )
+    .await;
+    let url = format!("http://127.0.0.1:{}", port.unwrap());
 
     // Discovery finds the primary and the backup, with task addresses.
     let deadline = Instant::now() + Duration::from_secs(90);
@@ -346,6 +441,54 @@ docker:
         }
         assert!(Instant::now() < deadline, "discovery did not settle: {st}");
         tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    wait_for(
+        "the sick container's health check to fail",
+        Duration::from_secs(30),
+        || docker(&["inspect", "-f", "{{.State.Health.Status}}", &sick]).1 == "unhealthy",
+    )
+    .await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let st = status(&url).await;
+        let e = &st["endpoints"]["sick"];
+        if e["state"] == "unhealthy"
+            && e["health_reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("docker health check failing"))
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "sick not reported: {e}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    wait_for(
+        "the image's HEALTHCHECK to pass on a mock backend",
+        Duration::from_secs(30),
+        || docker(&["inspect", "-f", "{{.State.Health.Status}}", &fine]).1 == "healthy",
+    )
+    .await;
+    let st = status(&url).await;
+    assert_eq!(
+        st["endpoints"]["backup"]["discovered"]["addresses"]
+            .as_array()
+            .map(Vec::len),
+        Some(1),
+        "only the stack's own backup: {}",
+        st["endpoints"]["backup"]
+    );
+    for _ in 0..5 {
+        let r = reqwest::Client::new()
+            .post(format!("{url}/v1/chat/completions"))
+            .json(&json!({"model": "backup", "messages": [{"role": "user", "content": "hi"}]}))
+            .send()
+            .await
+            .unwrap();
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(
+            v["choices"][0]["message"]["content"], "Hello from backup!",
+            "the decoy never serves"
+        );
     }
     let client = reqwest::Client::new();
     let deadline = Instant::now() + Duration::from_secs(30);

@@ -356,8 +356,10 @@ mod tests {
 
     #[test]
     fn cookbook_example_counts() {
-        // OpenAI cookbook "How to count tokens with tiktoken": this conversation is 129 prompt
-        // tokens for gpt-4o / gpt-4o-mini and 129 for gpt-4 as reported by the API.
+        // OpenAI cookbook "How to count tokens with tiktoken": for this conversation the cookbook
+        // prints 124 prompt tokens for gpt-4o / gpt-4o-mini (o200k_base) and 129 for gpt-4 /
+        // gpt-3.5-turbo (cl100k_base), both from `num_tokens_from_messages` and from the API's
+        // `usage.prompt_tokens`.
         let messages = json!([
             {"role": "system", "content": "You are a helpful, pattern-following assistant that translates corporate jargon into plain English."},
             {"role": "system", "name": "example_user", "content": "New synergies will help drive top-line growth."},

@@ -72,10 +72,32 @@ impl Drop for MockUp {
     }
 }
 
-/// A port nothing listens on (bound then released).
-pub fn dead_addr() -> SocketAddr {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap()
+/// A port nothing listens on: bound (so no one else can take it while the test runs) but never
+/// listening, so connecting to it is refused at once. Not bind-then-release, which races with
+/// every other test picking ports.
+pub struct DeadPort {
+    addr: SocketAddr,
+    _sock: tokio::net::TcpSocket,
+}
+
+impl std::ops::Deref for DeadPort {
+    type Target = SocketAddr;
+    fn deref(&self) -> &SocketAddr {
+        &self.addr
+    }
+}
+
+impl std::fmt::Display for DeadPort {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.addr.fmt(f)
+    }
+}
+
+pub fn dead_addr() -> DeadPort {
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = sock.local_addr().unwrap();
+    DeadPort { addr, _sock: sock }
 }
 
 /// The real gateway binary.

@@ -149,11 +149,16 @@ def test_all_failed_is_503(gateway):
 
 
 def test_stream_all_failed_raises(gateway):
-    with pytest.raises(openai.InternalServerError):
+    # Nothing was streamed, so the failure is a plain 503 the SDK raises before the first chunk.
+    with pytest.raises(openai.InternalServerError) as e:
         for _ in gateway.chat.completions.create(
             model="doomed", messages=[{"role": "user", "content": "x"}], stream=True
         ):
             pass
+    assert e.value.status_code == 503
+    assert e.value.body["code"] == "all_upstreams_failed"
+    assert e.value.body["attempts"][0]["endpoint"] == "broken"
+    assert e.value.response.headers["content-type"].startswith("application/json")
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +225,8 @@ def test_ollama_and_openai_streams_have_the_same_shape(twins):
     assert a[1] == b[1] == "Same words from either backend"
     assert a[2] == b[2] == "stop"
     assert a[0][0] == ("role",) and b[0][0] == ("role",)
-    assert set(a[0][1:]) == set(b[0][1:])
+    # The whole chunk sequence, in order and count, not just the set of shapes.
+    assert a[0] == b[0], (a[0], b[0])
 
 
 def test_ollama_and_openai_tool_calls_have_the_same_shape(twins):

@@ -90,24 +90,38 @@ def test_text_counts_equal_tiktoken(tiktoken, config, model, encoding):
 
 
 def reference_chat_count(enc, messages, tools, family):
-    """OpenAI cookbook: num_tokens_from_messages + num_tokens_for_tools."""
+    """The reference the gateway's chat counts are checked against.
+
+    Where each rule comes from:
+    - 3 tokens per message, +1 for a `name`, every string value encoded, +3 to prime the reply:
+      OpenAI cookbook "How to count tokens with tiktoken", `num_tokens_from_messages` (which the
+      cookbook checks against the API's `usage.prompt_tokens` for gpt-4o, gpt-4o-mini, gpt-4 and
+      gpt-3.5-turbo).
+    - The tool definitions (`func_init`, `prop_init`, `prop_key`, `enum_init`, `enum_item`,
+      `func_end` and the `name:description` / `key:type:description` strings): the same
+      cookbook's `num_tokens_for_tools`, with its constants per model family.
+    - OUR OWN CONVENTION, not from the cookbook (whose function skips non-string values): text
+      parts of a list `content` are encoded like a string content, and an assistant message's
+      `tool_calls` count the function name plus the arguments string. These are estimates the
+      gateway documents as such; the test pins them so they cannot drift silently.
+    """
     n = 0
     for m in messages:
-        n += 3
+        n += 3  # cookbook
         for k, v in m.items():
             if isinstance(v, str):
-                n += len(enc.encode_ordinary(v))
+                n += len(enc.encode_ordinary(v))  # cookbook
                 if k == "name":
-                    n += 1
+                    n += 1  # cookbook
             elif k == "content" and isinstance(v, list):
-                for part in v:
+                for part in v:  # our convention
                     if part.get("type") == "text":
                         n += len(enc.encode_ordinary(part["text"]))
             elif k == "tool_calls":
-                for c in v:
+                for c in v:  # our convention
                     n += len(enc.encode_ordinary(c["function"]["name"]))
                     n += len(enc.encode_ordinary(c["function"]["arguments"]))
-    n += 3
+    n += 3  # cookbook: every reply is primed with <|start|>assistant<|message|>
     if tools:
         func_init, prop_init, prop_key, enum_init, enum_item, func_end = (
             (7, 3, 3, -3, 3, 12) if family == "o200k_base" else (10, 3, 3, -3, 3, 12))

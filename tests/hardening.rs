@@ -1167,3 +1167,72 @@ async fn upstream_addresses_stay_out_of_client_error_bodies() {
         "{got:?}"
     );
 }
+
+/// The audit trail's size per request and the gateway's memory under sustained load: the source of
+/// README's figure. Not part of the suite (it writes hundreds of MB); run it with
+/// `AUTOHEDGE_SOAK_REQUESTS=200000 cargo test --release --test hardening audit_trail_size -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a sizing run, not a check: see its doc comment for the command"]
+async fn audit_trail_size_and_memory_under_sustained_load() {
+    let total: u64 = std::env::var("AUTOHEDGE_SOAK_REQUESTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100_000);
+    let a = MockUp::openai("rules: [{status: 503, when: {every: 10}}]").await;
+    let b = MockUp::openai("name: b").await;
+    let mut gw = Gw::start(&chain_cfg(&[("a", &a), ("b", &b)], ""));
+    let pid = gw.pid();
+    let rss = move || -> u64 {
+        std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .unwrap_or_default()
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    let url = gw.url("/v1/chat/completions");
+    let next = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let t0 = std::time::Instant::now();
+    let mut rss_samples = Vec::new();
+    let mut workers = Vec::new();
+    for _ in 0..32 {
+        let (url, next) = (url.clone(), next.clone());
+        workers.push(tokio::spawn(async move {
+            let c = reqwest::Client::new();
+            let body =
+                json!({"model": "chat", "messages": [{"role": "user", "content": "size me"}]});
+            while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < total {
+                let r = c.post(&url).json(&body).send().await.unwrap();
+                assert_eq!(r.status(), 200);
+                let _ = r.bytes().await;
+            }
+        }));
+    }
+    while workers.iter().any(|w| !w.is_finished()) {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        rss_samples.push(rss());
+    }
+    for w in workers {
+        w.await.unwrap();
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    gw.stop();
+    let conn = rusqlite::Connection::open(gw.db()).unwrap();
+    let n: i64 = one(&conn, "SELECT COUNT(*) FROM requests");
+    assert_eq!(n as u64, total, "every request has its row");
+    let bytes: u64 = ["autohedge.db", "autohedge.db-wal"]
+        .iter()
+        .map(|f| {
+            std::fs::metadata(gw.data_dir().join(f))
+                .map(|m| m.len())
+                .unwrap_or(0)
+        })
+        .sum();
+    eprintln!(
+        "audit trail: {total} requests in {secs:.0} s ({:.0} req/s), {:.1} MB on disk = {:.0} bytes a request; gateway RSS every 5 s (kB): {rss_samples:?}",
+        total as f64 / secs,
+        bytes as f64 / 1e6,
+        bytes as f64 / total as f64
+    );
+}

@@ -89,6 +89,8 @@ pub struct Rule {
     pub error_code: Option<String>,
     /// A raw body sent as-is (for malformed responses).
     pub body: Option<String>,
+    /// Response headers. They replace the flavor's standard ones of the same name (OpenAI's
+    /// `x-ratelimit-*`, the `retry-after` added to every 429); an empty value removes the header.
     #[serde(default)]
     pub headers: BTreeMap<String, String>,
     /// Delay before the response headers.
@@ -258,6 +260,9 @@ impl Mock {
             .header("content-type", "application/json");
         b = self.standard_headers(b, status, extra);
         for (k, v) in extra {
+            if v.is_empty() {
+                continue; // an empty value removes the header
+            }
             b = b.header(k.as_str(), v.as_str());
         }
         b.body(full(body.to_string()))
@@ -433,6 +438,9 @@ impl Mock {
             if let Some(raw) = &rule.body {
                 let mut b = Response::builder().status(status);
                 for (k, v) in &headers {
+                    if v.is_empty() {
+                        continue; // an empty value removes the header
+                    }
                     b = b.header(k.as_str(), v.as_str());
                 }
                 return b
@@ -455,6 +463,9 @@ impl Mock {
         if let Some(raw) = &rule.body {
             let mut b = Response::builder().status(rule.status.unwrap_or(200));
             for (k, v) in &rule.headers {
+                if v.is_empty() {
+                    continue; // an empty value removes the header
+                }
                 b = b.header(k.as_str(), v.as_str());
             }
             return b
@@ -753,6 +764,9 @@ impl Mock {
             .header("cache-control", "no-cache");
         b = self.standard_headers(b, 200, &extra_headers);
         for (k, v) in &extra_headers {
+            if v.is_empty() {
+                continue; // an empty value removes the header
+            }
             b = b.header(k.as_str(), v.as_str());
         }
         b.body(BodyExt::boxed(StreamBody::new(stream)))
@@ -842,6 +856,9 @@ impl Mock {
             .status(200)
             .header("content-type", "application/x-ndjson");
         for (k, v) in &extra_headers {
+            if v.is_empty() {
+                continue; // an empty value removes the header
+            }
             b = b.header(k.as_str(), v.as_str());
         }
         b.body(BodyExt::boxed(StreamBody::new(stream)))

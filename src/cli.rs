@@ -84,6 +84,9 @@ pub async fn serve(
         watch: path.is_some(),
     })
     .await?;
+    // Handlers before the line scripts wait for: a SIGTERM sent the moment the gateway says it
+    // listens must drain it, not kill it.
+    cancel_on_signals(gw.cancel_token())?;
     println!("autohedge listening on http://{}", gw.addr);
     println!(
         "config: {}; audit: {}",
@@ -91,7 +94,6 @@ pub async fn serve(
             .unwrap_or_else(|| "embedded default".into()),
         store::db_path(&data_dir).display()
     );
-    cancel_on_signals(gw.cancel_token())?;
     gw.run_until_cancelled().await;
     Ok(ExitCode::SUCCESS)
 }
@@ -113,9 +115,9 @@ pub async fn mock_upstream(
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;
     let addr = listener.local_addr()?;
-    println!("mock-upstream ({flavor:?}) listening on http://{addr}");
     let token = CancellationToken::new();
     cancel_on_signals(token.clone())?;
+    println!("mock-upstream ({flavor:?}) listening on http://{addr}");
     mock::serve(listener, Mock::new(flavor, script), token).await;
     Ok(ExitCode::SUCCESS)
 }

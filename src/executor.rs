@@ -124,6 +124,8 @@ struct Run {
     current: Option<(String, Instant)>,
     /// Endpoints tried although health said to skip them (healthy panic, last resort).
     panic_mode: HashSet<String>,
+    /// Endpoints whose backend `/tokenize` failed in this request (the local count is used).
+    backend_failed: HashSet<String>,
 }
 
 /// Every request that reached the router has exactly one `requests` row. A `Run` dropped before
@@ -186,6 +188,7 @@ pub async fn execute(
         row_written: false,
         current: None,
         panic_mode: HashSet::new(),
+        backend_failed: HashSet::new(),
     };
     run.deadline = run.started + run.cfg.policy.request_timeout;
     let deadline = run.deadline;
@@ -286,12 +289,15 @@ impl Run {
     /// Prompt tokens as `ep` counts them. Large bodies are counted on the blocking pool so the
     /// async workers keep serving.
     async fn prompt_tokens(&mut self, ep: &Endpoint) -> Count {
-        if ep.backend_tokenize.is_some() {
+        if ep.backend_tokenize.is_some() && !self.backend_failed.contains(&ep.name) {
             let key = format!("backend:{}", ep.name);
             if let Some(c) = self.counts.get(&key) {
                 return c.clone();
             }
+            // Asked once per request: a failing backend costs one timeout, not one per check.
+            self.backend_failed.insert(ep.name.clone());
             if let Some(b) = tokens::backend_count(ep, self.req.op, &self.req.body).await {
+                self.backend_failed.remove(&ep.name);
                 if let Some(max) = b.max_model_len {
                     self.app.registry.learn_window(ep, max);
                 }

@@ -75,8 +75,11 @@ impl Gateway {
         {
             let st = state.clone();
             let c = cancel.clone();
+            // Registered now, before the gateway says it listens: the default action of SIGHUP
+            // is to end the process.
+            let hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
             tasks.spawn(async move {
-                if let Err(e) = crate::config::reload::watch(st, path, c).await {
+                if let Err(e) = crate::config::reload::watch(st, path, c, hup).await {
                     tracing::error!(error = %e, "config watcher stopped");
                 }
             });

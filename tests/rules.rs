@@ -617,3 +617,244 @@ async fn retention_prunes_at_start_and_zero_keeps_everything() {
     gw.stop();
     assert_eq!(count(&gw), 0);
 }
+
+fn count_tokens(gw: &Gw, model: &str, body: &Value) -> u64 {
+    use std::io::Write;
+    let mut child = std::process::Command::new(BIN)
+        .args(["count-tokens", "--json", "--model", model, "--config"])
+        .arg(&gw.config_path)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(body.to_string().as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["tokens"].as_u64().unwrap()
+}
+
+/// `context_skip` before any call, `max_completion_tokens` counted like `max_tokens`, and
+/// `context_fill` deciding where the line is.
+#[tokio::test]
+async fn context_skip_honours_max_completion_tokens_and_context_fill() {
+    let small = MockUp::openai("name: small").await;
+    let big = MockUp::openai("name: big").await;
+    let cfg = |fill: &str| {
+        format!(
+            "models:\n  small: {{ type: openai, base_url: \"{}\", model: gpt-4o-mini, context_window: 400 }}\n  big: {{ type: openai, base_url: \"{}\", model: gpt-4o-mini, context_window: 100000 }}\nrouting_policy: {{ fallback_chain: [small, big], context_fill: {fill} }}\n",
+            small.base(),
+            big.base()
+        )
+    };
+    let mut gw = Gw::start(&cfg("0.95"));
+    let messages = json!([{"role": "user", "content": "word ".repeat(200)}]);
+    let prompt = count_tokens(&gw, "small", &json!({ "messages": messages }));
+    assert!(prompt < 380, "{prompt}");
+    // prompt + completion = 390: over 95% of 400 (380), within 100%.
+    let completion = 390 - prompt;
+    for (id, field) in [("mt", "max_tokens"), ("mct", "max_completion_tokens")] {
+        let r = reqwest::Client::new()
+            .post(gw.url("/v1/chat/completions"))
+            .header("x-request-id", id)
+            .json(&json!({"model": "small", "messages": messages, field: completion}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(header(&r, "x-autohedge-endpoint"), "big", "{field}");
+    }
+    assert_eq!(small.requests().await, 0, "skipped before any call");
+    gw.stop();
+    for id in ["mt", "mct"] {
+        let got = db_rows(
+            &gw,
+            &format!(
+                "SELECT endpoint || ':' || class || ':' || COALESCE(error, '') FROM attempts WHERE request_id = '{id}' ORDER BY seq"
+            ),
+        );
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert!(got[0].starts_with("small:context_skip:"), "{got:?}");
+        assert!(
+            got[0].contains(&format!("needs {prompt} prompt + {completion} completion")),
+            "{got:?}"
+        );
+        assert!(got[0].contains("= 380"), "{got:?}");
+        assert_eq!(got[1], "big:ok:");
+    }
+    drop(gw);
+    let gw = Gw::start(&cfg("1.0"));
+    let r = gw
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "small", "messages": messages, "max_tokens": completion}),
+        )
+        .await;
+    assert_eq!(
+        header(&r, "x-autohedge-endpoint"),
+        "small",
+        "390 fits 100% of 400"
+    );
+}
+
+#[tokio::test]
+async fn the_encoding_override_picks_the_tokenizer() {
+    let a = MockUp::openai("name: a").await;
+    let gw = Gw::start(&format!(
+        "models:\n  plain: {{ type: openai, base_url: \"{0}\", model: my-finetune }}\n  tuned: {{ type: openai, base_url: \"{0}\", model: my-finetune, encoding: cl100k_base }}\n",
+        a.base()
+    ));
+    let st = gw.status().await;
+    assert_eq!(
+        st["endpoints"]["tuned"]["tokenizer"],
+        "tiktoken cl100k_base"
+    );
+    assert!(
+        st["endpoints"]["plain"]["tokenizer"]
+            .as_str()
+            .unwrap()
+            .starts_with("estimate"),
+        "an unknown model id is estimated: {}",
+        st["endpoints"]["plain"]
+    );
+    let body =
+        json!({"messages": [{"role": "user", "content": "Tokenizers differ: ünïcödé, 東京, 🇫🇷."}]});
+    assert_ne!(
+        count_tokens(&gw, "plain", &body),
+        count_tokens(&gw, "tuned", &body)
+    );
+}
+
+/// `backend_tokenize: llamacpp`: the backend's count (plus the chat framing llama.cpp's
+/// `/tokenize` does not apply), cached per body, and the local count when the backend fails.
+#[tokio::test]
+async fn backend_tokenize_llamacpp_counts_caches_and_falls_back() {
+    let a = MockUp::openai(
+        "name: a\nrules: [{when: {path: /tokenize}, status: 200, body: '{\"tokens\":[1,2,3,4,5,6,7]}'}]",
+    )
+    .await;
+    let mut gw = Gw::start(&format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\", model: my-llama, context_window: 100000, backend_tokenize: llamacpp }}\n",
+        a.base()
+    ));
+    let send = |id: &'static str, text: &'static str| {
+        let url = gw.url("/v1/chat/completions");
+        async move {
+            reqwest::Client::new()
+                .post(url)
+                .header("x-request-id", id)
+                .json(&json!({"model": "a", "messages": [{"role": "user", "content": text}]}))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+    assert_eq!(send("b1", "count me please").await, 200);
+    assert_eq!(send("b2", "count me please").await, 200);
+    let tokenize_calls = |v: &Value| v["by_path"]["/tokenize"].as_u64().unwrap_or(0);
+    assert_eq!(
+        tokenize_calls(&a.stats().await),
+        1,
+        "the second count came from the cache"
+    );
+    a.set_script("name: a\nrules: [{when: {path: /tokenize}, status: 500}]")
+        .await;
+    assert_eq!(
+        send("b3", "a different body now").await,
+        200,
+        "served with the local count"
+    );
+    assert_eq!(tokenize_calls(&a.stats().await), 1, "the backend was asked");
+    gw.stop();
+    let counted = db_rows(
+        &gw,
+        "SELECT request_id || ':' || prompt_tokens_counted FROM requests ORDER BY request_id",
+    );
+    // 7 tokens of text + 3 per message + 3 to prime the reply.
+    assert_eq!(counted[0], "b1:13");
+    assert_eq!(counted[1], "b2:13");
+    assert!(
+        counted[2].starts_with("b3:") && counted[2] != "b3:13",
+        "{counted:?}"
+    );
+}
+
+/// `on_context_overflow` set on an endpoint, and in `routing_policy`, applies to requests naming
+/// that endpoint (routes have their own, tested in gateway.rs).
+#[tokio::test]
+async fn on_context_overflow_on_an_endpoint_and_in_the_policy() {
+    let a = MockUp::openai("name: a").await;
+    let long: Vec<Value> = (0..30)
+        .flat_map(|i| {
+            [
+                json!({"role": "user", "content": format!("question {i}: {}", "lorem ipsum ".repeat(10))}),
+                json!({"role": "assistant", "content": format!("answer {i}: {}", "dolor sit ".repeat(10))}),
+            ]
+        })
+        .chain([json!({"role": "user", "content": "the last question"})])
+        .collect();
+    let cases = [
+        (
+            "endpoint",
+            "  a: { type: openai, base_url: \"BASE\", model: gpt-4o-mini, context_window: 400, on_context_overflow: truncate }\nrouting_policy: { on_context_overflow: reject }\n",
+            200,
+        ),
+        (
+            "policy",
+            "  a: { type: openai, base_url: \"BASE\", model: gpt-4o-mini, context_window: 400 }\nrouting_policy: { on_context_overflow: truncate }\n",
+            200,
+        ),
+        (
+            "default",
+            "  a: { type: openai, base_url: \"BASE\", model: gpt-4o-mini, context_window: 400 }\n",
+            400,
+        ),
+    ];
+    for (what, models, want) in cases {
+        let gw = Gw::start(&format!("models:\n{}", models.replace("BASE", &a.base())));
+        let r = gw
+            .post(
+                "/v1/chat/completions",
+                json!({"model": "a", "messages": long}),
+            )
+            .await;
+        assert_eq!(r.status().as_u16(), want, "{what}");
+        if want == 200 {
+            assert!(!header(&r, "x-autohedge-truncated").is_empty(), "{what}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_stated_context_limit_is_learned_and_recorded() {
+    let a = MockUp::openai(
+        "rules: [{status: 400, times: 1, error: \"This model's maximum context length is 300 tokens. However, your messages resulted in 900 tokens.\", error_code: context_length_exceeded}]",
+    )
+    .await;
+    let b = MockUp::openai("name: b").await;
+    let mut gw = Gw::start(&format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\" }}\n  b: {{ type: openai, base_url: \"{}\", context_window: 128000 }}\n",
+        a.base(),
+        b.base()
+    ));
+    let r = gw.chat("a", "x").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    assert_eq!(a.requests().await, 1);
+    assert_eq!(
+        gw.status().await["endpoints"]["a"]["learned_context_window"],
+        300
+    );
+    gw.stop();
+    let ev = db_rows(
+        &gw,
+        "SELECT event || ': ' || reason FROM endpoint_events WHERE endpoint = 'a'",
+    );
+    assert_eq!(
+        ev,
+        vec!["context_window_learned: upstream stated a context limit of 300 tokens"]
+    );
+}

@@ -86,6 +86,7 @@ pub async fn watch(
     state: Arc<AppState>,
     path: PathBuf,
     cancel: CancellationToken,
+    mut hup: tokio::signal::unix::Signal,
 ) -> anyhow::Result<()> {
     let path = std::path::absolute(&path)?;
     let (tx, mut rx) = mpsc::channel::<()>(16);
@@ -115,7 +116,6 @@ pub async fn watch(
         watcher.watch(d, RecursiveMode::NonRecursive)?;
     }
 
-    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
     // A change between the initial load and the watch being in place would be missed:
     // compare with what is live now, once the watch exists.
     let live = Some(state.config.load().source.clone().into_bytes());

@@ -367,14 +367,20 @@ impl Registry {
                 false
             }
             Effect::KeyRejected { key, detail } => {
-                if let Some(k) = ep.keys.get(key) {
-                    rt.dead_keys.insert(k.hash.clone());
-                }
+                // A probe and a request can both be turned away with the same key: the
+                // rejection (and its event) is recorded once.
+                let newly = ep
+                    .keys
+                    .get(key)
+                    .is_some_and(|k| rt.dead_keys.insert(k.hash.clone()));
                 rt.last_error = Some((format!("auth: {detail}"), SystemTime::now()));
                 let left = ep
                     .keys
                     .iter()
                     .any(|k| k.value.is_some() && !rt.dead_keys.contains(&k.hash));
+                if !newly {
+                    return left;
+                }
                 if left {
                     drop(rt);
                     self.event(

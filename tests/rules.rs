@@ -77,6 +77,13 @@ async fn rate_limit_cooldown_sources() {
         r > 80_000 && r <= 90_000,
         "the exhausted budget's reset (requests, not tokens): {r}"
     );
+    let mut gw = gw;
+    gw.stop();
+    let ev = db_rows(
+        &gw,
+        "SELECT endpoint || ':' || event FROM endpoint_events ORDER BY endpoint",
+    );
+    assert_eq!(ev, vec!["dflt:cooldown", "own:cooldown", "reset:cooldown"]);
 }
 
 #[tokio::test]

@@ -6,7 +6,6 @@ stopped."""
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,17 +16,13 @@ import urllib.request
 import openai
 import pytest
 
+from portutil import listening_port
+
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 BIN = os.environ.get("AUTOHEDGE_BIN", str(ROOT / "target" / "debug" / "autohedge"))
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python[server] is installed by tests/run-all.sh")
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_http(url, proc, timeout=60):
@@ -57,14 +52,15 @@ def stack():
     log = open(d / "log.txt", "w")
     model = d / "tiny.gguf"
     subprocess.run([sys.executable, str(HERE / "make_tiny_gguf.py"), str(model)], check=True)
-    port = _free_port()
+    # Port 0: the server binds a free port itself; we read it back (no bind-release race).
     llama = subprocess.Popen(
         [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--n_ctx", "256",
-         "--host", "127.0.0.1", "--port", str(port)],
+         "--host", "127.0.0.1", "--port", "0"],
         stdout=log, stderr=log,
     )
     procs = [llama]
     try:
+        port = listening_port(llama, timeout=60)
         _wait_http(f"http://127.0.0.1:{port}/v1/models", llama)
         big_script = d / "big.yaml"
         big_script.write_text('name: big\nreply: "Served by the large-context endpoint"\n')

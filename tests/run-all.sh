@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The whole test suite: unit and integration tests (the real binary against loopback upstreams),
-# the official OpenAI Python SDK end to end, the gateway in front of llama.cpp's server, and our
-# token counts against the tiktoken and tokenizers reference implementations.
-# Installs the Python packages it needs (tests/requirements.txt).
+# The whole test suite: unit and integration tests (the real binary against loopback upstreams and
+# the real Docker Engine), the official OpenAI Python SDK end to end, the gateway in front of
+# llama.cpp's server and of vLLM's OpenAI server (CPU), and our token counts against the tiktoken
+# and tokenizers reference implementations.
+# Installs what it needs: the Python packages in tests/requirements.txt, and vLLM in its own
+# virtualenv (.cache/vllm-venv, reused between runs; tests/vllm/install.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,8 +12,10 @@ if ! python3 -c 'import openai, pytest, gguf, numpy, llama_cpp.server.app, tikto
   echo "installing Python test packages (llama-cpp-python compiles llama.cpp: several minutes)..."
   python3 -m pip install --quiet --disable-pip-version-check -r tests/requirements.txt
 fi
+bash tests/vllm/install.sh "$PWD/.cache/vllm-venv"
 
 cargo build --locked --bins
 cargo test --locked
 # -rs lists every skip with its reason; with CI=true a skip fails the run (tests/conftest.py).
-AUTOHEDGE_BIN="$PWD/target/debug/autohedge" python3 -m pytest -q -rs tests/sdk tests/llamacpp tests/tokens
+AUTOHEDGE_BIN="$PWD/target/debug/autohedge" AUTOHEDGE_VLLM_PYTHON="$PWD/.cache/vllm-venv/bin/python" \
+  python3 -m pytest -q -rs tests/sdk tests/llamacpp tests/tokens tests/vllm

@@ -1,0 +1,250 @@
+"""The gateway in front of vLLM's real OpenAI server on CPU, serving a tiny random-weight Llama made
+by make_tiny_llama.py (installed by tests/vllm/install.sh into its own virtualenv). Plain and
+streamed chat, vLLM's own 400 for a prompt over `max_model_len` and for `max_tokens` over it (both
+going to a larger endpoint), `/tokenize` as the backend counter, `/metrics` turning the endpoint
+`degraded` under a queue, and the server dying mid-run."""
+
+import json
+import os
+import pathlib
+import signal
+import sqlite3
+import subprocess
+import tempfile
+import textwrap
+import threading
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from portutil import listening_port
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+BIN = os.environ.get("AUTOHEDGE_BIN", str(ROOT / "target" / "debug" / "autohedge"))
+VLLM_PYTHON = os.environ.get("AUTOHEDGE_VLLM_PYTHON", str(ROOT / ".cache" / "vllm-venv" / "bin" / "python"))
+MAX_MODEL_LEN = 256
+
+if not os.path.exists(VLLM_PYTHON):
+    pytest.skip(f"vLLM is not installed at {VLLM_PYTHON} (run tests/vllm/install.sh)", allow_module_level=True)
+
+
+def _get(url, timeout=2):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.status, r.read()
+
+
+def _wait_http(url, proc, timeout):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: server exited with {proc.returncode}")
+        try:
+            if _get(url)[0] == 200:
+                return
+        except Exception:
+            time.sleep(0.5)
+    raise RuntimeError(f"{url} did not come up within {timeout}s")
+
+
+def _start(args, log):
+    proc = subprocess.Popen([BIN, *args], stdout=subprocess.PIPE, stderr=log, text=True)
+    line = proc.stdout.readline()
+    assert "listening on http://" in line, line
+    return proc, line.strip().rsplit("http://", 1)[1]
+
+
+@pytest.fixture(scope="module")
+def stack():
+    tmp = tempfile.TemporaryDirectory()
+    d = pathlib.Path(tmp.name)
+    log = open(d / "log.txt", "w")
+    model = d / "tiny-llama"
+    subprocess.run([VLLM_PYTHON, str(HERE / "make_tiny_llama.py"), str(model)], check=True,
+                   stdout=log, stderr=log)
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="INFO",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    # Port 0: vLLM binds a free port itself; we read it back.
+    vllm = subprocess.Popen(
+        [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+         "--served-model-name", "tiny", "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32",
+         "--enforce-eager", "--max-num-seqs", "2", "--host", "127.0.0.1", "--port", "0"],
+        stdout=log, stderr=log, env=env, start_new_session=True,
+    )
+    procs = [vllm]
+    try:
+        port = listening_port(vllm, timeout=300)
+        root = f"http://127.0.0.1:{port}"
+        _wait_http(f"{root}/health", vllm, timeout=300)
+        big_script = d / "big.yaml"
+        big_script.write_text('name: big\nreply: "Served by the large-context endpoint"\n')
+        big, big_addr = _start(["mock-upstream", "--listen", "127.0.0.1:0", "--flavor", "openai",
+                                "--script", str(big_script)], log)
+        procs.append(big)
+        cfg = d / "config.yaml"
+        timeouts = "timeouts: { connect: 1s, first_token: 60s, total: 120s }"
+        cfg.write_text(textwrap.dedent(f"""
+            models:
+              # No context_window: vLLM's own 400 (and its max_model_len) teach it.
+              vllm: {{ type: vllm, base_url: "{root}/v1", model: tiny, {timeouts} }}
+              # The same server, counting prompts with its /tokenize.
+              vllm_tok: {{ type: vllm, base_url: "{root}/v1", model: tiny, backend_tokenize: vllm, tokenize_timeout: 5s, {timeouts} }}
+              big: {{ type: openai, base_url: "http://{big_addr}/v1", context_window: 128000 }}
+            routing_policy: {{ fallback_chain: [vllm, big], panic_threshold: 0 }}
+            routes:
+              chat: [vllm, big]
+              counted: [vllm_tok, big]
+            health: {{ probe_interval: 100ms, probe_timeout: 2s, flip_after: 1, vllm_max_waiting: 0 }}
+        """))
+        gw, addr = _start(["serve", "--config", str(cfg), "--listen", "127.0.0.1:0",
+                           "--data-dir", str(d / "data")], log)
+        procs.append(gw)
+        client = openai.OpenAI(base_url=f"http://{addr}/v1", api_key="unused", max_retries=0, timeout=120)
+        yield {"client": client, "vllm": vllm, "root": root, "addr": addr, "db": d / "data" / "autohedge.db"}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM) if p is vllm else p.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                if p is vllm:
+                    os.killpg(p.pid, signal.SIGKILL)
+                else:
+                    p.kill()
+        log.close()
+        if os.environ.get("AUTOHEDGE_KEEP_VLLM_LOG"):
+            print((d / "log.txt").read_text()[-20000:])
+        tmp.cleanup()
+
+
+def _status(addr):
+    # Generous: vLLM's CPU engine keeps both cores busy while it generates.
+    return json.loads(_get(f"http://{addr}/status", timeout=30)[1])
+
+
+# ignore_eos (a vLLM sampling field the gateway passes through untouched): a random-weight model
+# may emit its end token first; this makes it generate exactly max_tokens.
+GEN = {"ignore_eos": True}
+MSG = [{"role": "user", "content": "hello world"}]
+
+
+def test_plain_chat_with_usage(stack):
+    raw = stack["client"].chat.completions.with_raw_response.create(
+        model="chat", messages=MSG, max_tokens=8, extra_body=GEN)
+    assert raw.headers["x-autohedge-endpoint"] == "vllm"
+    r = raw.parse()
+    assert r.object == "chat.completion"
+    assert r.usage.completion_tokens == 8
+    assert r.usage.prompt_tokens > 0
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_streamed_chat(stack):
+    raw = stack["client"].chat.completions.with_raw_response.create(
+        model="chat", messages=MSG, max_tokens=8, stream=True,
+        stream_options={"include_usage": True}, extra_body=GEN)
+    assert raw.headers["x-autohedge-endpoint"] == "vllm"
+    chunks = list(raw.parse())
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[-1].usage.completion_tokens == 8
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_backend_tokenize_is_the_servers_own_count(stack):
+    body = {"model": "tiny", "messages": MSG, "add_generation_prompt": True}
+    req = urllib.request.Request(f"{stack['root']}/tokenize", data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        server_count = json.loads(r.read())["count"]
+    raw = stack["client"].chat.completions.with_raw_response.create(
+        model="counted", messages=MSG, max_tokens=4, extra_body=GEN)
+    rid = raw.headers["x-request-id"]
+    assert raw.headers["x-autohedge-endpoint"] == "vllm_tok"
+    assert raw.parse().usage.prompt_tokens == server_count
+    deadline = time.time() + 10
+    while True:
+        with sqlite3.connect(stack["db"]) as db:
+            row = db.execute("SELECT prompt_tokens_counted FROM requests WHERE request_id = ?", (rid,)).fetchone()
+        if row or time.time() > deadline:
+            break
+        time.sleep(0.1)
+    assert row == (server_count,), row
+    # vLLM's /tokenize also reported max_model_len: the window is known without an error.
+    assert _status(stack["addr"])["endpoints"]["vllm_tok"]["learned_context_window"] == MAX_MODEL_LEN
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_over_max_model_len_goes_to_a_larger_endpoint(stack, stream):
+    long = [{"role": "user", "content": "the quick brown fox " * 200}]
+    raw = stack["client"].chat.completions.with_raw_response.create(
+        model="chat", messages=long, max_tokens=4, stream=stream)
+    assert raw.headers["x-autohedge-endpoint"] == "big"
+    # vLLM's own 400 wording stated the limit; the gateway learned it.
+    assert _status(stack["addr"])["endpoints"]["vllm"]["learned_context_window"] == MAX_MODEL_LEN
+
+
+def test_max_tokens_over_max_model_len_goes_to_a_larger_endpoint(stack):
+    raw = stack["client"].chat.completions.with_raw_response.create(
+        model="chat", messages=MSG, max_tokens=5000)
+    assert raw.headers["x-autohedge-endpoint"] == "big"
+
+
+def test_a_queue_turns_the_endpoint_degraded(stack):
+    # --max-num-seqs 2: forty long generations at once leave most of them waiting; with
+    # vllm_max_waiting: 0 the probe's /metrics reading makes the endpoint degraded.
+    client, addr = stack["client"], stack["addr"]
+    seen = []
+
+    def generate():
+        client.chat.completions.create(model="vllm", messages=MSG, max_tokens=230, extra_body=GEN)
+
+    threads = [threading.Thread(target=generate) for _ in range(40)]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 60
+    while time.time() < deadline and any(t.is_alive() for t in threads):
+        e = _status(addr)["endpoints"]["vllm"]
+        seen.append(e["state"])
+        if e["state"] == "degraded":
+            assert "waiting" in e["health_reason"], e
+            assert e["probe"]["detail"]["load"]["num_requests_waiting"] > 0, e
+            break
+        time.sleep(0.02)
+    for t in threads:
+        t.join(timeout=120)
+    assert "degraded" in seen, seen
+
+
+def test_the_engine_dying_mid_run_fails_over(stack):
+    # Last in the module: it kills the server.
+    client, addr, vllm = stack["client"], stack["addr"], stack["vllm"]
+    results = []
+
+    def generate():
+        raw = client.chat.completions.with_raw_response.create(
+            model="chat", messages=MSG, max_tokens=200, extra_body=GEN)
+        results.append(raw.headers["x-autohedge-endpoint"])
+
+    t = threading.Thread(target=generate)
+    t.start()
+    time.sleep(0.5)
+    os.killpg(vllm.pid, signal.SIGKILL)
+    vllm.wait(timeout=30)
+    t.join(timeout=120)
+    # The request in flight either finished on vLLM before the kill or failed over to big.
+    assert results and results[0] in ("vllm", "big"), results
+    for stream in (False, True):
+        raw = client.chat.completions.with_raw_response.create(
+            model="chat", messages=MSG, max_tokens=4, stream=stream)
+        assert raw.headers["x-autohedge-endpoint"] == "big"
+    deadline = time.time() + 20
+    while _status(addr)["endpoints"]["vllm"]["state"] not in ("unhealthy", "ejected") and time.time() < deadline:
+        time.sleep(0.2)
+    assert _status(addr)["endpoints"]["vllm"]["state"] in ("unhealthy", "ejected")

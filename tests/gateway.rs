@@ -1767,15 +1767,7 @@ async fn soak_forty_seconds_of_steady_traffic() {
     let b = MockUp::openai("name: b").await;
     let mut gw = Gw::start(&two(&a, &b, ""));
     let pid = gw.pid();
-    let rss = || -> u64 {
-        std::fs::read_to_string(format!("/proc/{pid}/status"))
-            .unwrap_or_default()
-            .lines()
-            .find(|l| l.starts_with("VmRSS:"))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
+    let rss = move || rss_kb(pid);
     let c = reqwest::Client::new();
     let deadline = Instant::now() + Duration::from_secs(40);
     let (mut sent, mut rss_after_warmup) = (0u64, 0u64);

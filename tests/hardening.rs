@@ -28,23 +28,7 @@ fn chain_cfg(eps: &[(&str, &MockUp)], extra: &str) -> String {
 }
 
 fn rows(gw: &Gw, sql: &str) -> Vec<Vec<Value>> {
-    let conn = rusqlite::Connection::open(gw.db()).unwrap();
-    let mut stmt = conn.prepare(sql).unwrap();
-    let n = stmt.column_count();
-    stmt.query_map([], |r| {
-        Ok((0..n)
-            .map(|i| match r.get_ref(i).unwrap() {
-                rusqlite::types::ValueRef::Null => Value::Null,
-                rusqlite::types::ValueRef::Integer(v) => json!(v),
-                rusqlite::types::ValueRef::Real(v) => json!(v),
-                rusqlite::types::ValueRef::Text(t) => json!(String::from_utf8_lossy(t)),
-                rusqlite::types::ValueRef::Blob(_) => Value::Null,
-            })
-            .collect())
-    })
-    .unwrap()
-    .collect::<Result<_, _>>()
-    .unwrap()
+    audit_rows(gw, sql)
 }
 
 fn assert_no_panic(gw: &Gw) {
@@ -507,13 +491,12 @@ async fn request_timeout_bounds_a_chain_of_slow_endpoints() {
         &[("a", &a), ("b", &b), ("c", &c)],
         "  request_timeout: 1s",
     ));
-    let r = reqwest::Client::new()
-        .post(gw.url("/v1/chat/completions"))
-        .header("x-request-id", "too-slow")
-        .json(&json!({"model": "chat", "messages": [{"role": "user", "content": "x"}]}))
-        .send()
-        .await
-        .unwrap();
+    let r = gw
+        .chat_id(
+            "too-slow",
+            json!({"model": "chat", "messages": [{"role": "user", "content": "x"}]}),
+        )
+        .await;
     assert_eq!(r.status(), 504);
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["error"]["code"], "request_timeout");
@@ -1000,15 +983,7 @@ async fn chaos_soak() {
     cfg.push_str("routing_policy:\n  fallback_chain: [flaky, limited, resets, stalls, holds, healthy]\n  max_cooldown: 500ms\n  request_timeout: 20s\nhealth: { probe_interval: 200ms, eject_base: 500ms, eject_max: 1s }\n");
     let mut gw = Gw::start(&cfg);
     let pid = gw.pid();
-    let rss = move || -> u64 {
-        std::fs::read_to_string(format!("/proc/{pid}/status"))
-            .unwrap_or_default()
-            .lines()
-            .find(|l| l.starts_with("VmRSS:"))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
+    let rss = move || rss_kb(pid);
     let url = gw.url("/v1/chat/completions");
     let soak = Duration::from_secs(30);
     let start = std::time::Instant::now();
@@ -1163,13 +1138,12 @@ async fn upstream_addresses_stay_out_of_client_error_bodies() {
     let mut gw = Gw::start(&format!(
         "models:\n  a: {{ type: openai, base_url: \"http://{dead}/v1\", timeouts: {{ connect: 500ms }} }}\n"
     ));
-    let r = reqwest::Client::new()
-        .post(gw.url("/v1/chat/completions"))
-        .header("x-request-id", "dead-addr")
-        .json(&json!({"model": "a", "messages": [{"role": "user", "content": "x"}]}))
-        .send()
-        .await
-        .unwrap();
+    let r = gw
+        .chat_id(
+            "dead-addr",
+            json!({"model": "a", "messages": [{"role": "user", "content": "x"}]}),
+        )
+        .await;
     assert_eq!(r.status(), 503);
     let body = r.text().await.unwrap();
     assert!(body.contains("connect_error"), "{body}");
@@ -1200,15 +1174,7 @@ async fn audit_trail_size_and_memory_under_sustained_load() {
     let b = MockUp::openai("name: b").await;
     let mut gw = Gw::start(&chain_cfg(&[("a", &a), ("b", &b)], ""));
     let pid = gw.pid();
-    let rss = move || -> u64 {
-        std::fs::read_to_string(format!("/proc/{pid}/status"))
-            .unwrap_or_default()
-            .lines()
-            .find(|l| l.starts_with("VmRSS:"))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
+    let rss = move || rss_kb(pid);
     let url = gw.url("/v1/chat/completions");
     let next = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let t0 = std::time::Instant::now();

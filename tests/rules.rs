@@ -155,13 +155,12 @@ async fn a_malformed_2xx_body_fails_over() {
     let a = MockUp::openai("rules: [{status: 200, body: \"<html>gateway says hi</html>\"}]").await;
     let b = MockUp::openai("name: b").await;
     let mut gw = Gw::start(&format!("models:\n{}{}", ep("a", &a, ""), ep("b", &b, "")));
-    let r = reqwest::Client::new()
-        .post(gw.url("/v1/chat/completions"))
-        .header("x-request-id", "malformed")
-        .json(&json!({"model": "a", "messages": [{"role": "user", "content": "x"}]}))
-        .send()
-        .await
-        .unwrap();
+    let r = gw
+        .chat_id(
+            "malformed",
+            json!({"model": "a", "messages": [{"role": "user", "content": "x"}]}),
+        )
+        .await;
     assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
     assert_eq!(a.requests().await, 1);
     gw.stop();
@@ -559,13 +558,12 @@ async fn cost_and_endpoint_state_snapshots_are_recorded() {
             ", cost: { input_per_mtok: 2.5, output_per_mtok: 10 }"
         )
     ));
-    let r = reqwest::Client::new()
-        .post(gw.url("/v1/chat/completions"))
-        .header("x-request-id", "priced")
-        .json(&json!({"model": "a", "messages": [{"role": "user", "content": "x"}]}))
-        .send()
-        .await
-        .unwrap();
+    let r = gw
+        .chat_id(
+            "priced",
+            json!({"model": "a", "messages": [{"role": "user", "content": "x"}]}),
+        )
+        .await;
     let v: Value = r.json().await.unwrap();
     let (pin, pout) = (
         v["usage"]["prompt_tokens"].as_f64().unwrap(),
@@ -665,13 +663,12 @@ async fn context_skip_honours_max_completion_tokens_and_context_fill() {
     // prompt + completion = 390: over 95% of 400 (380), within 100%.
     let completion = 390 - prompt;
     for (id, field) in [("mt", "max_tokens"), ("mct", "max_completion_tokens")] {
-        let r = reqwest::Client::new()
-            .post(gw.url("/v1/chat/completions"))
-            .header("x-request-id", id)
-            .json(&json!({"model": "small", "messages": messages, field: completion}))
-            .send()
-            .await
-            .unwrap();
+        let r = gw
+            .chat_id(
+                id,
+                json!({"model": "small", "messages": messages, field: completion}),
+            )
+            .await;
         assert_eq!(header(&r, "x-autohedge-endpoint"), "big", "{field}");
     }
     assert_eq!(small.requests().await, 0, "skipped before any call");

@@ -212,6 +212,17 @@ impl Gw {
         .await
     }
 
+    /// `POST /v1/chat/completions` with our own `x-request-id`, to find the request's audit row.
+    pub async fn chat_id(&self, id: &str, body: Value) -> reqwest::Response {
+        reqwest::Client::new()
+            .post(self.url("/v1/chat/completions"))
+            .header("x-request-id", id)
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+    }
+
     pub async fn post(&self, path: &str, body: Value) -> reqwest::Response {
         reqwest::Client::new()
             .post(self.url(path))
@@ -315,4 +326,36 @@ pub fn stream_text(events: &[String]) -> String {
 pub fn one<T: rusqlite::types::FromSql>(conn: &rusqlite::Connection, sql: &str) -> T {
     conn.query_row(sql, [], |r| r.get(0))
         .unwrap_or_else(|e| panic!("{sql}: {e}"))
+}
+
+/// A process's resident memory in kB (0 when it cannot be read).
+pub fn rss_kb(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Rows of the gateway's audit database as JSON values.
+pub fn audit_rows(gw: &Gw, sql: &str) -> Vec<Vec<Value>> {
+    let conn = rusqlite::Connection::open(gw.db()).unwrap();
+    let mut stmt = conn.prepare(sql).unwrap();
+    let n = stmt.column_count();
+    stmt.query_map([], |r| {
+        Ok((0..n)
+            .map(|i| match r.get_ref(i).unwrap() {
+                rusqlite::types::ValueRef::Null => Value::Null,
+                rusqlite::types::ValueRef::Integer(v) => json!(v),
+                rusqlite::types::ValueRef::Real(v) => json!(v),
+                rusqlite::types::ValueRef::Text(t) => json!(String::from_utf8_lossy(t)),
+                rusqlite::types::ValueRef::Blob(_) => Value::Null,
+            })
+            .collect())
+    })
+    .unwrap()
+    .collect::<Result<_, _>>()
+    .unwrap()
 }

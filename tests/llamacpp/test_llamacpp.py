@@ -16,33 +16,13 @@ import urllib.request
 import openai
 import pytest
 
-from portutil import listening_port
+from serverutil import listening_port, start_autohedge, wait_http
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 BIN = os.environ.get("AUTOHEDGE_BIN", str(ROOT / "target" / "debug" / "autohedge"))
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python[server] is installed by tests/run-all.sh")
-
-
-def _wait_http(url, proc, timeout=60):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: server exited with {proc.returncode}")
-        try:
-            urllib.request.urlopen(url, timeout=1).read()
-            return
-        except Exception:
-            time.sleep(0.2)
-    raise RuntimeError(f"{url} did not come up")
-
-
-def _start(args, log, env=None):
-    proc = subprocess.Popen([BIN, *args], stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    line = proc.stdout.readline()
-    assert "listening on http://" in line, line
-    return proc, line.strip().rsplit("http://", 1)[1]
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +41,10 @@ def stack():
     procs = [llama]
     try:
         port = listening_port(llama, timeout=60)
-        _wait_http(f"http://127.0.0.1:{port}/v1/models", llama)
+        wait_http(f"http://127.0.0.1:{port}/v1/models", llama)
         big_script = d / "big.yaml"
         big_script.write_text('name: big\nreply: "Served by the large-context endpoint"\n')
-        big, big_addr = _start(["mock-upstream", "--listen", "127.0.0.1:0", "--flavor", "openai", "--script", str(big_script)], log)
+        big, big_addr = start_autohedge(BIN, ["mock-upstream", "--listen", "127.0.0.1:0", "--flavor", "openai", "--script", str(big_script)], log)
         procs.append(big)
         cfg = d / "config.yaml"
         cfg.write_text(textwrap.dedent(f"""
@@ -86,7 +66,7 @@ def stack():
               chat: [llamacpp, big]
               chat_stream: [llamacpp_stream, big]
         """))
-        gw, addr = _start(["serve", "--config", str(cfg), "--listen", "127.0.0.1:0", "--data-dir", str(d / "data")], log)
+        gw, addr = start_autohedge(BIN, ["serve", "--config", str(cfg), "--listen", "127.0.0.1:0", "--data-dir", str(d / "data")], log)
         procs.append(gw)
         client = openai.OpenAI(base_url=f"http://{addr}/v1", api_key="unused", max_retries=0, timeout=60)
         yield client, llama, addr

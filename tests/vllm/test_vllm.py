@@ -19,7 +19,7 @@ import urllib.request
 import openai
 import pytest
 
-from portutil import listening_port
+from serverutil import listening_port, start_autohedge, wait_http
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -34,26 +34,6 @@ if not os.path.exists(VLLM_PYTHON):
 def _get(url, timeout=2):
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.status, r.read()
-
-
-def _wait_http(url, proc, timeout):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: server exited with {proc.returncode}")
-        try:
-            if _get(url)[0] == 200:
-                return
-        except Exception:
-            time.sleep(0.5)
-    raise RuntimeError(f"{url} did not come up within {timeout}s")
-
-
-def _start(args, log):
-    proc = subprocess.Popen([BIN, *args], stdout=subprocess.PIPE, stderr=log, text=True)
-    line = proc.stdout.readline()
-    assert "listening on http://" in line, line
-    return proc, line.strip().rsplit("http://", 1)[1]
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +57,10 @@ def stack():
     try:
         port = listening_port(vllm, timeout=300)
         root = f"http://127.0.0.1:{port}"
-        _wait_http(f"{root}/health", vllm, timeout=300)
+        wait_http(f"{root}/health", vllm, timeout=300)
         big_script = d / "big.yaml"
         big_script.write_text('name: big\nreply: "Served by the large-context endpoint"\n')
-        big, big_addr = _start(["mock-upstream", "--listen", "127.0.0.1:0", "--flavor", "openai",
+        big, big_addr = start_autohedge(BIN, ["mock-upstream", "--listen", "127.0.0.1:0", "--flavor", "openai",
                                 "--script", str(big_script)], log)
         procs.append(big)
         cfg = d / "config.yaml"
@@ -98,7 +78,7 @@ def stack():
               counted: [vllm_tok, big]
             health: {{ probe_interval: 100ms, probe_timeout: 2s, flip_after: 1, vllm_max_waiting: 0 }}
         """))
-        gw, addr = _start(["serve", "--config", str(cfg), "--listen", "127.0.0.1:0",
+        gw, addr = start_autohedge(BIN, ["serve", "--config", str(cfg), "--listen", "127.0.0.1:0",
                            "--data-dir", str(d / "data")], log)
         procs.append(gw)
         client = openai.OpenAI(base_url=f"http://{addr}/v1", api_key="unused", max_retries=0, timeout=120)

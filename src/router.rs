@@ -204,6 +204,63 @@ mod tests {
         assert!(!in_panic(&views, 0.0), "threshold 0 turns panic off");
         assert!(in_panic(&[sick("a")], 1.0));
         assert!(!in_panic(&[], 0.5));
+        // Exactly the threshold is not a panic: "fewer than" the share.
+        let half = vec![sick("a"), view("b", Avail::Ready, None)];
+        assert!(!in_panic(&half, 0.5));
+        assert!(in_panic(&half, 0.51));
+    }
+
+    #[test]
+    fn no_usable_key_is_skipped_in_and_out_of_panic() {
+        let mut nokey = view("k", Avail::Ready, None);
+        nokey.no_usable_key = true;
+        let mut degraded_nokey = view("dk", Avail::Degraded, None);
+        degraded_nokey.no_usable_key = true;
+        let views = vec![nokey, degraded_nokey, view("ok", Avail::Ready, None)];
+        for panic in [false, true] {
+            let p = rank(
+                &chain(&["k", "dk", "ok"]),
+                &views,
+                &BTreeSet::new(),
+                0.85,
+                panic,
+            );
+            assert_eq!(p.order, chain(&["ok"]), "panic={panic}");
+            assert_eq!(
+                p.skipped,
+                vec![
+                    ("k".to_string(), Skip::AuthFailed),
+                    ("dk".to_string(), Skip::AuthFailed)
+                ],
+                "panic={panic}"
+            );
+        }
+    }
+
+    #[test]
+    fn skip_details_say_why() {
+        let cases = [
+            (Skip::Retired, "endpoint is retired (410 Gone)"),
+            (Skip::AuthFailed, "no usable API key"),
+            (
+                Skip::Cooldown(Duration::from_millis(1500)),
+                "cooling down for 1500ms more",
+            ),
+            (
+                Skip::MissingCapability(Capability::Vision),
+                "endpoint lacks the vision capability",
+            ),
+            (
+                Skip::Unhealthy {
+                    state: "ejected",
+                    reason: "5 failures".into(),
+                },
+                "ejected: 5 failures",
+            ),
+        ];
+        for (skip, want) in cases {
+            assert_eq!(skip.detail(), want);
+        }
     }
 
     #[test]
@@ -286,6 +343,17 @@ mod tests {
         );
         assert_eq!(p.order, chain(&["c", "a", "b"]));
         assert_eq!(p.demoted, chain(&["a", "b"]));
+    }
+
+    #[test]
+    fn a_rate_exactly_at_the_threshold_is_not_demoted() {
+        let views = vec![
+            view("a", Avail::Ready, Some(0.85)),
+            view("b", Avail::Ready, Some(0.99)),
+        ];
+        let p = rank(&chain(&["a", "b"]), &views, &BTreeSet::new(), 0.85, false);
+        assert_eq!(p.order, chain(&["a", "b"]));
+        assert!(p.demoted.is_empty());
     }
 
     #[test]

@@ -276,6 +276,61 @@ mod tests {
         }
     }
 
+    /// README's "What each error does" table, as the classifier states it: the audit-trail name,
+    /// whether a same-endpoint retry may help, whether it counts against the endpoint.
+    #[test]
+    fn every_class_row() {
+        use Class::*;
+        let rows = [
+            (Connect, "connect_error", true, true),
+            (Connection, "connection_error", true, true),
+            (Timeout, "timeout", true, true),
+            (FirstTokenTimeout, "first_token_timeout", true, true),
+            (Server, "server_error", true, true),
+            (RateLimited, "rate_limited", false, false),
+            (Gone, "gone", false, true),
+            (Auth, "auth_failed", false, true),
+            (ContextLength, "context_length", false, false),
+            (ModelMissing, "model_missing", false, true),
+            (Client, "client_error", false, false),
+            (InBand, "stream_error_event", true, true),
+            (Malformed, "malformed_response", true, true),
+            (Unsupported, "unsupported_request", false, false),
+        ];
+        for (class, name, retry, counts) in rows {
+            assert_eq!(class.as_str(), name);
+            assert_eq!(class.retryable_same_endpoint(), retry, "{name}");
+            assert_eq!(class.counts_against_endpoint(), counts, "{name}");
+        }
+    }
+
+    #[test]
+    fn missing_model_needs_both_words_and_context_500s() {
+        // A 404 names a missing *model* only when it says so; any other 404 is the client's.
+        assert_eq!(classify_status(404, "Not Found"), Class::Client);
+        assert_eq!(classify_status(404, "{\"error\":\"model\"}"), Class::Client);
+        assert_eq!(
+            classify_status(404, "{\"error\":{\"code\":\"model_not_found\"}}"),
+            Class::ModelMissing
+        );
+        assert_eq!(
+            classify_status(404, "the model does not exist"),
+            Class::ModelMissing
+        );
+        assert!(!looks_like_missing_model("page not found"));
+        assert!(!looks_like_missing_model("bad model name"));
+        // Some servers report context overflow as 500; an out-of-memory 500 is a server error.
+        assert_eq!(
+            classify_status(500, "the request exceeds the available context size"),
+            Class::ContextLength
+        );
+        assert_eq!(
+            classify_status(500, "context length exceeded: CUDA out of memory"),
+            Class::Server
+        );
+        assert_eq!(classify_status(500, "internal error"), Class::Server);
+    }
+
     #[test]
     fn reads_the_limit() {
         assert_eq!(

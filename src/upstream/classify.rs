@@ -329,6 +329,13 @@ mod tests {
             Class::Server
         );
         assert_eq!(classify_status(500, "internal error"), Class::Server);
+        // In-band and Ollama error texts go through the same wording check.
+        assert!(is_context_message(
+            "input length exceeds the context length"
+        ));
+        assert!(is_context_message("prompt is too long"));
+        assert!(!is_context_message("Rate limit reached for requests"));
+        assert!(!is_context_message(""));
     }
 
     #[test]
@@ -365,6 +372,19 @@ mod tests {
         );
         assert_eq!(retry_after(&h), Some(Duration::from_secs(360)));
         assert_eq!(parse_go_duration("20ms"), Some(Duration::from_millis(20)));
+        assert_eq!(
+            parse_go_duration("1h2m3.5s"),
+            Some(Duration::from_millis(3_723_500))
+        );
+        assert_eq!(parse_go_duration("1.5us"), Some(Duration::from_nanos(1500)));
+        assert_eq!(parse_go_duration("250ns"), Some(Duration::from_nanos(250)));
+        let mut z = HeaderMap::new();
+        z.insert("retry-after", HeaderValue::from_static("0"));
+        assert_eq!(
+            retry_after(&z),
+            Some(Duration::ZERO),
+            "zero is a hint, not malformed"
+        );
         assert_eq!(parse_go_duration("x"), None);
         let mut h = HeaderMap::new();
         h.insert(
@@ -466,5 +486,17 @@ mod tests {
         assert!(!out.contains("abc123456"), "{out}");
         let out = redact("token mysecretvalue leaked", &["mysecretvalue"]);
         assert!(!out.contains("mysecretvalue"));
+        // What is not key-like survives whole.
+        assert_eq!(
+            redact("Rate limit reached for requests", &["sk-zzzz"]),
+            "Rate limit reached for requests"
+        );
+        // Bounded: an error page is cut at 500 bytes (on a character boundary); 500 is kept.
+        let exactly = "a".repeat(500);
+        assert_eq!(redact(&exactly, &[]), exactly);
+        // Three-byte characters: byte 500 falls inside one, so the cut steps back to 498.
+        let long = "€".repeat(400);
+        let cut = redact(&long, &[]);
+        assert_eq!(cut, format!("{}…", "€".repeat(166)));
     }
 }

@@ -1220,3 +1220,82 @@ async fn audit_trail_size_and_memory_under_sustained_load() {
         bytes as f64 / total as f64
     );
 }
+
+/// Unmounts a test filesystem when the test ends, whatever happens.
+struct Mounted(std::path::PathBuf);
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// The disk fills up under the audit trail: requests keep being served, the failed writes are
+/// counted as dropped and said in the log. (A 384 KiB tmpfs as the data dir; needs root, as the
+/// suite has here — without it this test fails rather than skips.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_drops_audit_records_and_serving_goes_on() {
+    let a = MockUp::openai("name: a").await;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let out = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=384k", "tmpfs"])
+        .arg(&data)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "mounting a small tmpfs needs root: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let _mounted = Mounted(data.clone());
+    let mut gw = Gw::start_in(
+        dir.path(),
+        &format!(
+            "models:\n  a: {{ type: openai, base_url: \"{}\" }}\n",
+            a.base()
+        ),
+        &[],
+    );
+    let url = gw.url("/v1/chat/completions");
+    let mut tasks = Vec::new();
+    for w in 0..8 {
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            let c = reqwest::Client::new();
+            for i in 0..400 {
+                let r = c
+                    .post(&url)
+                    .header("x-request-id", format!("disk-{w}-{i}-{}", "x".repeat(100)))
+                    .json(&json!({"model": "a", "messages": [{"role": "user", "content": "fill the disk"}]}))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200, "a full disk never fails a request");
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(a.requests().await, 3200);
+    let ok = eventually(Duration::from_secs(10), || async {
+        let au = &gw.status().await["audit"];
+        au["written"].as_u64().unwrap() + au["dropped"].as_u64().unwrap() >= 3200
+    })
+    .await;
+    let au = gw.status().await["audit"].clone();
+    assert!(ok, "{au}");
+    assert!(
+        au["written"].as_u64().unwrap() > 0,
+        "the trail worked until the disk filled: {au}"
+    );
+    assert!(
+        au["dropped"].as_u64().unwrap() > 0,
+        "then writes failed and were counted: {au}"
+    );
+    assert!(gw.log().contains("audit write failed"), "and said so");
+    assert_eq!(gw.chat("a", "x").await.status(), 200);
+    gw.stop();
+}

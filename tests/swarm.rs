@@ -408,6 +408,68 @@ docker:
         "/data",
     ]);
     cleanup.services.push(gw.clone());
+
+    // A second gateway watching the same stack with remediation in dry_run: it proposes, never
+    // acts; `min_interval` bounds its proposals; only allow-listed services are considered. Its
+    // probes of `backup` and `extra` fail (a health_check path the mocks do not serve): `extra`
+    // is allow-listed by name, `backup` is not.
+    let dry_config = format!(
+        r#"
+models:
+  primary: {{ type: vllm, discover: docker }}
+  standby: {{ type: openai, discover: docker }}
+  backup: {{ type: openai, discover: docker, health_check: {{ url: /not-served }} }}
+  extra: {{ type: openai, discover: docker, health_check: {{ url: /not-served }} }}
+routing_policy: {{ fallback_chain: [primary, standby, backup, extra] }}
+health: {{ probe_interval: 300ms, probe_timeout: 1s, flip_after: 1, warmup: 1s }}
+docker:
+  enabled: true
+  interval: 500ms
+  network: {net}
+  stack: {stack}
+  remediation:
+    enabled: true
+    dry_run: true
+    unhealthy_after: 2
+    min_interval: 10m
+    manage: [{extra_svc}]
+    standby:
+      - {{ primary: primary, service: {standby_svc}, healthy_for: 2s }}
+"#,
+        standby_svc = svc("standby"),
+        extra_svc = svc("extra"),
+    );
+    std::fs::write(dir.join("config-dry.yaml"), dry_config).unwrap();
+    std::fs::create_dir_all(dir.join("data-dry")).unwrap();
+    let dry = svc("gateway-dry");
+    let dry_data = format!("type=bind,src={},dst=/data", dir.join("data-dry").display());
+    must(&[
+        "service",
+        "create",
+        "-q",
+        "--detach",
+        "--name",
+        &dry,
+        "--network",
+        &net,
+        "--mount",
+        "type=bind,src=/var/run/docker.sock,dst=/var/run/docker.sock",
+        "--mount",
+        &cfg_mount,
+        "--mount",
+        &dry_data,
+        "--user",
+        "0",
+        &image,
+        "serve",
+        "--config",
+        "/cfg/config-dry.yaml",
+        "--listen",
+        "0.0.0.0:8000",
+        "--data-dir",
+        "/data",
+    ]);
+    cleanup.services.push(dry.clone());
     let mut port = None;
     wait_for(
         "the gateway's published port",
@@ -753,6 +815,55 @@ docker:
     assert!(
         events.iter().all(|(_, r)| r.contains("result: ok")),
         "{events:?}"
+    );
+
+    // The dry-run gateway: proposals only, bounded by min_interval, allow-listed services only.
+    must(&["service", "scale", "-d", &format!("{dry}=0")]);
+    wait_for(
+        "the dry-run gateway to stop",
+        Duration::from_secs(30),
+        || running_container(&dry).is_none(),
+    )
+    .await;
+    let conn = rusqlite::Connection::open(dir.join("data-dry").join("autohedge.db")).unwrap();
+    let dry_events: Vec<(String, String, String)> = conn
+        .prepare("SELECT endpoint, event, reason FROM endpoint_events WHERE event LIKE 'remediation_%' ORDER BY id")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    eprintln!("dry-run remediation events: {dry_events:#?}");
+    assert!(
+        dry_events
+            .iter()
+            .all(|(_, e, _)| e == "remediation_dry_run"),
+        "a dry run never acts: {dry_events:?}"
+    );
+    let proposals = |ep: &str, what: &str| {
+        dry_events
+            .iter()
+            .filter(|(e, _, r)| e == ep && r.contains(what))
+            .count()
+    };
+    assert_eq!(
+        proposals("extra", "would force-update (restart) service"),
+        1,
+        "allow-listed by name, failing probes are evidence, min_interval bounds it: {dry_events:?}"
+    );
+    assert_eq!(
+        proposals("primary", "would force-update (restart) service"),
+        1,
+        "the sick primary, once per min_interval: {dry_events:?}"
+    );
+    assert!(
+        proposals("primary", "would scale standby") >= 1,
+        "{dry_events:?}"
+    );
+    assert_eq!(
+        proposals("backup", ""),
+        0,
+        "not allow-listed: never considered, though its probes fail: {dry_events:?}"
     );
     drop(cleanup);
 }

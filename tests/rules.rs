@@ -862,3 +862,44 @@ async fn a_stated_context_limit_is_learned_and_recorded() {
         vec!["context_window_learned: upstream stated a context limit of 300 tokens"]
     );
 }
+
+#[tokio::test]
+async fn endpoint_clear_through_the_database_when_no_gateway_runs() {
+    let a = MockUp::openai("rules: [{status: 410, times: 1}]").await;
+    let b = MockUp::openai("name: b").await;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = format!("models:\n{}{}", ep("a", &a, ""), ep("b", &b, ""));
+    let mut gw = Gw::start_in(dir.path(), &cfg, &[]);
+    assert_eq!(
+        header(&gw.chat("a", "x").await, "x-autohedge-endpoint"),
+        "b"
+    );
+    assert_eq!(a.requests().await, 1, "a answered 410");
+    assert_eq!(gw.status().await["endpoints"]["a"]["state"], "retired");
+    gw.stop();
+    // No gateway runs (the URL points at a port nothing listens on): the database is changed.
+    let nobody = dead_addr();
+    let out = std::process::Command::new(BIN)
+        .args([
+            "endpoint",
+            "clear",
+            "a",
+            "--url",
+            &format!("http://{nobody}"),
+            "--data-dir",
+        ])
+        .arg(gw.data_dir())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let gw = Gw::start_in(dir.path(), &cfg, &[]);
+    assert_eq!(gw.status().await["endpoints"]["a"]["state"], "healthy");
+    assert_eq!(
+        header(&gw.chat("a", "x").await, "x-autohedge-endpoint"),
+        "a"
+    );
+}

@@ -25,6 +25,13 @@ fn db_rows(gw: &Gw, sql: &str) -> Vec<String> {
         .unwrap()
 }
 
+/// An endpoint's `health_reason` in a `/status` document.
+fn reason<'a>(st: &'a Value, name: &str) -> &'a str {
+    st["endpoints"][name]["health_reason"]
+        .as_str()
+        .unwrap_or("")
+}
+
 fn cooldown_ms(st: &Value, name: &str) -> u64 {
     st["endpoints"][name]["cooldown_remaining_ms"]
         .as_u64()
@@ -386,22 +393,19 @@ async fn openai_probe_403_429_and_an_empty_model_list() {
     let st = gw.status().await;
     assert!(ok, "{}", st["endpoints"]);
     assert!(
-        st["endpoints"]["forbidden"]["health_reason"]
-            .as_str()
-            .unwrap()
-            .contains("403")
+        reason(&st, "forbidden").contains("403"),
+        "{}",
+        st["endpoints"]["forbidden"]
     );
     assert!(
-        st["endpoints"]["limited"]["health_reason"]
-            .as_str()
-            .unwrap()
-            .contains("429")
+        reason(&st, "limited").contains("429"),
+        "{}",
+        st["endpoints"]["limited"]
     );
     assert!(
-        st["endpoints"]["empty"]["health_reason"]
-            .as_str()
-            .unwrap()
-            .contains("no models")
+        reason(&st, "empty").contains("no models"),
+        "{}",
+        st["endpoints"]["empty"]
     );
     for m in [&forbidden, &limited, &empty] {
         assert!(m.stats().await["by_path"]["/v1/models"].as_u64().unwrap() >= 1);
@@ -435,16 +439,14 @@ async fn vllm_queue_and_kv_cache_degrade_the_endpoint() {
     assert!(ok, "{}", st["endpoints"]);
     assert_eq!(st["endpoints"]["calm"]["state"], "healthy");
     assert!(
-        st["endpoints"]["queue"]["health_reason"]
-            .as_str()
-            .unwrap()
-            .contains("20 requests waiting")
+        reason(&st, "queue").contains("20 requests waiting"),
+        "{}",
+        st["endpoints"]["queue"]
     );
     assert!(
-        st["endpoints"]["kv"]["health_reason"]
-            .as_str()
-            .unwrap()
-            .contains("KV cache 97%")
+        reason(&st, "kv").contains("KV cache 97%"),
+        "{}",
+        st["endpoints"]["kv"]
     );
     assert_eq!(
         st["endpoints"]["queue"]["probe"]["detail"]["load"]["num_requests_waiting"],

@@ -442,10 +442,15 @@ impl Run {
                 .cloned()
                 .collect();
             // Healthy panic is judged on the whole chain, not on what is left of it.
-            let panic = router::in_panic(&self.views(chain), policy.panic_threshold);
+            let all = self.views(chain);
+            let panic = router::in_panic(&all, policy.panic_threshold);
+            let left: Vec<View> = all
+                .into_iter()
+                .filter(|v| !tried.contains(&v.name))
+                .collect();
             let mut plan = router::rank(
                 &remaining,
-                &self.views(&remaining),
+                &left,
                 &self.req.needs,
                 policy.success_threshold,
                 panic,
@@ -1364,7 +1369,8 @@ impl Run {
                     idle,
                     deadline,
                     guard,
-                    stop: self.app.hard_stop.clone(),
+                    // One waiter for the stream's life, not one per chunk.
+                    stop: Box::pin(self.app.hard_stop.clone().cancelled_owned()),
                 };
                 let body = Body::from_stream(futures_util::stream::unfold(state, pump));
                 let mut resp = Response::new(body);
@@ -1645,7 +1651,7 @@ struct PassThrough {
     deadline: Instant,
     guard: StreamGuard,
     /// Cancelled when shutdown cuts the requests still running.
-    stop: tokio_util::sync::CancellationToken,
+    stop: Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
 }
 
 impl PassThrough {
@@ -1691,7 +1697,7 @@ async fn pump(mut st: PassThrough) -> Option<(Result<Bytes, std::io::Error>, Pas
     let wait_until = (Instant::now() + st.idle).min(st.deadline);
     let next = tokio::select! {
         r = timeout_at(wait_until, st.rest.next()) => r,
-        _ = st.stop.cancelled() => {
+        _ = &mut st.stop => {
             st.finished = true;
             st.guard.finish(Some(("shutdown", "cut by shutdown after shutdown_grace".into())));
             let ev = stream_error_event("The gateway is shutting down.", "shutdown");

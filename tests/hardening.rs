@@ -44,7 +44,7 @@ async fn hostile_rate_limit_headers_fail_over_and_are_clamped() {
   - {{ status: 429, times: 1, headers: {{ retry-after: "1e20" }} }}
   - {{ status: 429, times: 1, headers: {{ retry-after: "31536000" }} }}
   - {{ status: 429, times: 1, headers: {{ retry-after: "NaN", x-ratelimit-remaining-requests: "0", x-ratelimit-reset-requests: "{huge_reset}" }} }}
-  - {{ status: 429, times: 1, headers: {{ retry-after: "soon" }} }}
+  - {{ status: 429, times: 1, headers: {{ retry-after: "soon", x-ratelimit-reset-requests: "", x-ratelimit-reset-tokens: "" }} }}
 "#
     ))
     .await;
@@ -61,17 +61,14 @@ async fn hostile_rate_limit_headers_fail_over_and_are_clamped() {
     let left = gw.status().await["endpoints"]["a"]["cooldown_remaining_ms"]
         .as_u64()
         .unwrap();
-    assert!(
-        left > 1_000 && left <= 3_000,
-        "clamped to max_cooldown: {left}"
-    );
+    assert!(left > 0 && left <= 3_000, "clamped to max_cooldown: {left}");
 
     // The other hostile values, one per request once a's cooldown is over.
     let mut expected_calls = 1;
-    for (what, lo, hi) in [
-        ("a year", 1_000u64, 3_000u64),
-        ("a 400-digit reset", 1_000, 3_000),
-        ("a malformed value falls back to default_cooldown", 0, 1_000),
+    for (what, hi) in [
+        ("a year", 3_000u64),
+        ("a 400-digit reset", 3_000),
+        ("a malformed value falls back to default_cooldown", 1_000),
     ] {
         let ok = eventually(Duration::from_secs(5), || async {
             gw.status().await["endpoints"]["a"]["state"] == "healthy"
@@ -85,7 +82,9 @@ async fn hostile_rate_limit_headers_fail_over_and_are_clamped() {
         assert_eq!(a.requests().await, expected_calls, "{what}: a was called");
         let ea = &gw.status().await["endpoints"]["a"];
         let left = ea["cooldown_remaining_ms"].as_u64().unwrap();
-        assert!(left > lo && left <= hi, "{what}: {left} {ea}");
+        // Live, only the bound can be checked (the clock runs on); the exact cooldown each 429
+        // set is in its `cooldown` event, checked below.
+        assert!(left <= hi, "{what}: {left} {ea}");
     }
     let mut gw = gw;
     gw.stop();
@@ -94,6 +93,21 @@ async fn hostile_rate_limit_headers_fail_over_and_are_clamped() {
         "SELECT COUNT(*) FROM requests WHERE status = 200",
     );
     assert_eq!(n, 4, "every request has its row");
+    let cooldowns: Vec<String> = rows(
+        &gw,
+        "SELECT reason FROM endpoint_events WHERE endpoint = 'a' AND event = 'cooldown' ORDER BY id",
+    )
+    .into_iter()
+    .map(|r| {
+        let reason = r[0].as_str().unwrap().to_string();
+        reason.rsplit("cooling down for ").next().unwrap().to_string()
+    })
+    .collect();
+    assert_eq!(
+        cooldowns,
+        vec!["3000ms", "3000ms", "3000ms", "1000ms"],
+        "1e20 s, a year and a 400-digit reset clamped to max_cooldown; a malformed value gets default_cooldown"
+    );
     assert_no_panic(&gw);
 }
 

@@ -78,19 +78,27 @@ async fn rate_limit_cooldown_sources() {
         cooldown_ms(&st, "dflt"),
         cooldown_ms(&st, "reset"),
     );
-    assert!(o > 5_000 && o <= 7_000, "endpoint cooldown: {o}");
-    assert!(d > 1_000 && d <= 3_000, "default_cooldown: {d}");
+    // Live, the bounds (the clock runs on); the exact values are in the events below.
+    assert!(o > 0 && o <= 7_000, "endpoint cooldown: {o}");
+    assert!(d > 0 && d <= 3_000, "default_cooldown: {d}");
     assert!(
-        r > 80_000 && r <= 90_000,
+        r > 3_000 && r <= 90_000,
         "the exhausted budget's reset (requests, not tokens): {r}"
     );
     let mut gw = gw;
     gw.stop();
     let ev = db_rows(
         &gw,
-        "SELECT endpoint || ':' || event FROM endpoint_events ORDER BY endpoint",
+        "SELECT endpoint || ':' || event || ':' || substr(reason, instr(reason, 'cooling down for')) FROM endpoint_events ORDER BY endpoint",
     );
-    assert_eq!(ev, vec!["dflt:cooldown", "own:cooldown", "reset:cooldown"]);
+    assert_eq!(
+        ev,
+        vec![
+            "dflt:cooldown:cooling down for 3000ms",
+            "own:cooldown:cooling down for 7000ms",
+            "reset:cooldown:cooling down for 90000ms"
+        ]
+    );
 }
 
 #[tokio::test]

@@ -87,8 +87,8 @@ pub async fn serve(
     // Handlers before the line scripts wait for: a SIGTERM sent the moment the gateway says it
     // listens must drain it, not kill it.
     cancel_on_signals(gw.cancel_token())?;
-    println!("autohedge listening on http://{}", gw.addr);
-    println!(
+    crate::say!("autohedge listening on http://{}", gw.addr);
+    crate::say!(
         "config: {}; audit: {}",
         path.map(|p| p.display().to_string())
             .unwrap_or_else(|| "embedded default".into()),
@@ -117,7 +117,7 @@ pub async fn mock_upstream(
     let addr = listener.local_addr()?;
     let token = CancellationToken::new();
     cancel_on_signals(token.clone())?;
-    println!("mock-upstream ({flavor:?}) listening on http://{addr}");
+    crate::say!("mock-upstream ({flavor:?}) listening on http://{addr}");
     mock::serve(listener, Mock::new(flavor, script), token).await;
     Ok(ExitCode::SUCCESS)
 }
@@ -126,16 +126,19 @@ pub fn check_config(path: Option<PathBuf>) -> anyhow::Result<ExitCode> {
     let (cfg, used) = match load_config(path) {
         Ok(v) => v,
         Err(e) => {
-            println!("INVALID: {e:#}");
+            crate::say!("INVALID: {e:#}");
             return Ok(ExitCode::FAILURE);
         }
     };
-    println!(
+    crate::say!(
         "config: {} — valid",
         used.map(|p| p.display().to_string())
             .unwrap_or_else(|| "embedded default".into())
     );
-    print!("{}", config::describe(&cfg));
+    {
+        use std::io::Write as _;
+        let _ = write!(std::io::stdout(), "{}", config::describe(&cfg));
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -193,12 +196,12 @@ pub fn count_tokens(
         ),
     };
     if json {
-        println!(
+        crate::say!(
             "{}",
             serde_json::json!({"tokens": count.tokens, "exact": count.exact, "method": ep.counter.method(), "endpoint": ep.name, "kind": kind})
         );
     } else {
-        println!(
+        crate::say!(
             "{} tokens ({kind}; {}{}; endpoint {})",
             count.tokens,
             ep.counter.method(),
@@ -240,16 +243,22 @@ pub fn stats(data_dir: &Path, since: &str, json: bool) -> anyhow::Result<ExitCod
                 })
             })
             .collect();
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        crate::say!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(ExitCode::SUCCESS);
     }
-    println!("attempts since {since} ago ({}):", db.display());
-    println!(
+    crate::say!("attempts since {since} ago ({}):", db.display());
+    crate::say!(
         "{:<24} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9}  errors",
-        "endpoint", "requests", "success", "p50 ms", "p95 ms", "fell from", "fell to"
+        "endpoint",
+        "requests",
+        "success",
+        "p50 ms",
+        "p95 ms",
+        "fell from",
+        "fell to"
     );
     if rows.is_empty() {
-        println!("(no requests in this period)");
+        crate::say!("(no requests in this period)");
     }
     let fmt_ms = |v: Option<f64>| v.map(|v| format!("{v:.1}")).unwrap_or_else(|| "-".into());
     for r in rows {
@@ -264,7 +273,7 @@ pub fn stats(data_dir: &Path, since: &str, json: bool) -> anyhow::Result<ExitCod
             .map(|(c, n)| format!("{c}={n}"))
             .collect::<Vec<_>>()
             .join(" ");
-        println!(
+        crate::say!(
             "{:<24} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9}  {}",
             r.endpoint,
             r.requests,
@@ -312,18 +321,18 @@ pub async fn endpoint_clear(
         .await;
     match online {
         Ok(r) if r.status().is_success() => {
-            println!("{name}: retirement lifted; cleared in the running gateway at {url}");
+            crate::say!("{name}: retirement lifted; cleared in the running gateway at {url}");
             return Ok(ExitCode::SUCCESS);
         }
         Ok(r) if r.status() == reqwest::StatusCode::NOT_FOUND => {
-            println!("{name}: the gateway at {url} has no such endpoint");
+            crate::say!("{name}: the gateway at {url} has no such endpoint");
             return Ok(ExitCode::FAILURE);
         }
-        Ok(r) => println!("{name}: the gateway at {url} answered {}", r.status()),
-        Err(_) => println!("{name}: no gateway answering at {url}"),
+        Ok(r) => crate::say!("{name}: the gateway at {url} answered {}", r.status()),
+        Err(_) => crate::say!("{name}: no gateway answering at {url}"),
     }
     if !store::db_path(data_dir).exists() {
-        println!(
+        crate::say!(
             "{name}: no audit database at {}",
             store::db_path(data_dir).display()
         );
@@ -331,7 +340,7 @@ pub async fn endpoint_clear(
     }
     let was_retired =
         store::clear_endpoint(data_dir, name).context("updating the audit database")?;
-    println!(
+    crate::say!(
         "{name}: {} in {}; the next start uses it",
         if was_retired {
             "retirement lifted"

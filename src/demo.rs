@@ -86,10 +86,10 @@ routes:
     })
     .await?;
     let base = format!("http://{}", gw.addr);
-    println!(
+    crate::say!(
         "AutoHedge demo: gateway on {base}, primary mock on {primary}, backup mock on {backup}"
     );
-    println!(
+    crate::say!(
         "chain `chat`: primary -> backup. primary answers 503 twice, 429 once (Retry-After: 1s), and stalls one stream before its first token.\n"
     );
 
@@ -128,9 +128,12 @@ routes:
     let mut stmt = conn.prepare(
         "SELECT a.endpoint, a.class, a.status, a.latency_ms, a.error FROM attempts a JOIN requests r ON a.request_row = r.id WHERE r.request_id = ?1 ORDER BY a.seq",
     )?;
-    println!(
+    crate::say!(
         "{:<9} {:<7} {:>6}  {:<8} why",
-        "request", "kind", "status", "served by"
+        "request",
+        "kind",
+        "status",
+        "served by"
     );
     for (id, stream, code) in &ids {
         let attempts: Vec<AttemptLine> = stmt
@@ -153,7 +156,7 @@ routes:
             })
             .collect::<Vec<_>>()
             .join(" -> ");
-        println!(
+        crate::say!(
             "{:<9} {:<7} {:>6}  {:<8} {}",
             id,
             if *stream { "stream" } else { "json" },
@@ -162,10 +165,10 @@ routes:
             why
         );
     }
-    println!("\nendpoint state at the end (GET /status):");
+    crate::say!("\nendpoint state at the end (GET /status):");
     if let Some(eps) = status.get("endpoints").and_then(|e| e.as_object()) {
         for (name, e) in eps {
-            println!(
+            crate::say!(
                 "  {name:<8} state={:<9} successes={} failures={} last_error={}",
                 e["state"].as_str().unwrap_or("?"),
                 e["totals"]["successes"],
@@ -174,13 +177,13 @@ routes:
             );
         }
     }
-    println!(
+    crate::say!(
         "\nEvery request and attempt is in {}; try: autohedge stats --data-dir {}",
         crate::store::db_path(&data_dir).display(),
         data_dir.display()
     );
     let failed = ids.iter().filter(|(_, _, c)| *c >= 500).count();
-    println!(
+    crate::say!(
         "{} of {} requests answered successfully.",
         ids.len() - failed,
         ids.len()

@@ -1,6 +1,16 @@
 //! AutoHedge: one OpenAI-compatible endpoint over a fleet of LLM backends. See ARCHITECTURE.md
 //! for how a request flows through these modules.
 
+/// `println!` that never panics: a closed stdout (`autohedge check-config | head -1`, a parent
+/// that went away) must not take the command — or a serving gateway — down.
+#[macro_export]
+macro_rules! say {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout(), $($t)*);
+    }};
+}
+
 pub mod cli;
 pub mod config;
 pub mod demo;

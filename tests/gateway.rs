@@ -329,7 +329,12 @@ async fn gone_retires_across_restarts_until_cleared() {
 
 #[tokio::test]
 async fn rejected_key_rotates_then_marks_auth_failed() {
-    let a = MockUp::openai("keys: [sk-good-key-2222]").await;
+    // The revoked key is refused on inference calls only: the rotation under test is the request
+    // path's (a probe's rejection of the same key is tested in hardening.rs).
+    let a = MockUp::openai(
+        "rules: [{when: {key: sk-revoked-1111}, status: 401, error: \"Incorrect API key provided: sk-revo****1111.\", error_code: invalid_api_key}]",
+    )
+    .await;
     let b = MockUp::openai("name: b").await;
     let cfg = format!(
         r#"
@@ -1805,4 +1810,21 @@ async fn soak_forty_seconds_of_steady_traffic() {
     let conn = rusqlite::Connection::open(gw.db()).unwrap();
     let n: i64 = one(&conn, "SELECT COUNT(*) FROM requests");
     assert_eq!(n as u64, sent);
+}
+
+#[tokio::test]
+async fn a_closed_stdout_does_not_panic_the_cli() {
+    // `autohedge check-config | head -1`: the reader goes away after one line.
+    let mut child = std::process::Command::new(BIN)
+        .args(["check-config", "config/example.yaml"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(out.status.success(), "{:?} {err}", out.status);
 }

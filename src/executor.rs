@@ -35,6 +35,11 @@ use crate::wire::{self, ChunkKind, Inbound, Op, Usage};
 /// milliseconds of BPE work that should not hold an async worker).
 const BLOCKING_COUNT_CHARS: usize = 64 * 1024;
 
+/// Test hooks are on only in a debug build whose environment sets `AUTOHEDGE_TEST_HOOKS`.
+#[cfg(debug_assertions)]
+static TEST_HOOKS: std::sync::LazyLock<bool> =
+    std::sync::LazyLock::new(|| std::env::var_os("AUTOHEDGE_TEST_HOOKS").is_some());
+
 /// The shortest wait before an endpoint that answered 429 in this request is tried again, so a
 /// `Retry-After: 0` cannot turn `max_wait` into a tight loop against the upstream.
 const MIN_REWAIT: Duration = Duration::from_millis(100);
@@ -212,10 +217,11 @@ enum EndpointOutcome {
 
 impl Run {
     async fn go(&mut self, chain: Vec<String>) -> Response {
-        // Debug builds only: lets the test suite prove that a panic inside a request becomes a
-        // 500 with its audit row (the release binary has no such hook).
+        // Debug builds started with AUTOHEDGE_TEST_HOOKS only: lets the test suite prove that a
+        // panic inside a request becomes a 500 with its audit row. A client's model name alone
+        // cannot reach it, and the release binary has no such code.
         #[cfg(debug_assertions)]
-        if self.req.model == "__autohedge_test_panic__" {
+        if *TEST_HOOKS && self.req.model == "__autohedge_test_panic__" {
             panic!("test-triggered panic inside the executor");
         }
         let mut truncated_once = false;

@@ -136,7 +136,7 @@ async fn a_panic_becomes_a_500_with_its_row() {
         "models:\n  a: {{ type: openai, base_url: \"{}\" }}\nroutes:\n  __autohedge_test_panic__: [a]\n",
         a.base()
     );
-    let mut gw = Gw::start(&cfg);
+    let mut gw = Gw::start_with_env(&cfg, &[("AUTOHEDGE_TEST_HOOKS", "1")]);
     let r = reqwest::Client::new()
         .post(gw.url("/v1/chat/completions"))
         .header("x-request-id", "will-panic")
@@ -156,6 +156,10 @@ async fn a_panic_becomes_a_500_with_its_row() {
         "SELECT status, error_class FROM requests WHERE request_id = 'will-panic'",
     );
     assert_eq!(got, vec![vec![json!(500), json!("internal_panic")]]);
+    // Without the test-hooks switch the same model name is an ordinary route.
+    let gw = Gw::start(&cfg);
+    let r = gw.chat("__autohedge_test_panic__", "x").await;
+    assert_eq!(r.status(), 200);
 }
 
 #[tokio::test]

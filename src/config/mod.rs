@@ -689,22 +689,49 @@ pub fn parse(text: &str) -> Result<RawConfig, ConfigError> {
 /// that value is often a key written where a list belongs: the error goes to the log, `/status`
 /// and `check-config`, so it must never carry it.
 pub fn scrub_scalars(msg: &str) -> String {
-    use regex::Regex;
-    use std::sync::LazyLock;
-    // serde's `Unexpected` renderings: string "…", integer `…`, floating point `…`, boolean `…`,
-    // character `…`; `unknown variant `…``; and any other quoted text.
-    static TYPED: LazyLock<Regex> = LazyLock::new(|| {
-        Regex::new(r#"(string|integer|floating point|boolean|character|unit variant|newtype variant|tuple variant|struct variant) (?:"(?:[^"\\]|\\.)*"|`[^`]*`)"#)
-            .expect("scrub regex compiles")
-    });
-    static VARIANT: LazyLock<Regex> =
-        LazyLock::new(|| Regex::new(r"unknown variant `[^`]*`").expect("scrub regex compiles"));
-    static QUOTED: LazyLock<Regex> =
-        LazyLock::new(|| Regex::new(r#""(?:[^"\\]|\\.)*""#).expect("scrub regex compiles"));
-    let out = TYPED.replace_all(msg, "a $1");
-    let out = VARIANT.replace_all(&out, "unknown variant");
-    let out = QUOTED.replace_all(&out, "(value hidden)");
-    out.replace("a integer", "an integer")
+    const HIDDEN: &str = "(value hidden)";
+    // serde quotes the file's values — `string "…"`, `integer `…``, `unknown variant `…`` — and
+    // the schema's names: `unknown field `…``, `expected one of `…`, `…``. Keep only the latter.
+    let mut out = String::with_capacity(msg.len());
+    let mut rest = msg;
+    while let Some(i) = rest.find(['"', '`']) {
+        out.push_str(&rest[..i]);
+        let quoted = &rest[i..];
+        let backtick = quoted.starts_with('`');
+        let inner = &quoted[1..];
+        let close = if backtick {
+            inner.find('`')
+        } else {
+            closing_quote(inner)
+        };
+        let Some(close) = close else {
+            out.push_str(HIDDEN);
+            return out;
+        };
+        let schema_name = backtick && (out.ends_with("unknown field ") || out.contains("expected"));
+        if schema_name {
+            out.push_str(&quoted[..close + 2]);
+        } else {
+            out.push_str(HIDDEN);
+        }
+        rest = &inner[close + 1..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// The byte index of the first `"` in `s` not escaped by a backslash.
+fn closing_quote(s: &str) -> Option<usize> {
+    let mut escaped = false;
+    for (i, c) in s.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' => escaped = true,
+            '"' => return Some(i),
+            _ => {}
+        }
+    }
+    None
 }
 
 /// The TLS settings upstream clients share: the bundled web roots plus the system's CA store,
@@ -1471,8 +1498,34 @@ mod discovered_tests {
         );
     }
 
+    #[test]
+    fn scrub_keeps_schema_names_and_hides_values() {
+        assert_eq!(
+            scrub_scalars("invalid type: string \"sk-1\\\"x\", expected a sequence"),
+            "invalid type: string (value hidden), expected a sequence"
+        );
+        assert_eq!(
+            scrub_scalars("unknown variant `sk-live`, expected one of `openai`, `vllm`"),
+            "unknown variant (value hidden), expected one of `openai`, `vllm`"
+        );
+        assert_eq!(
+            scrub_scalars("unknown field `bogus`, expected one of `type`, `model`"),
+            "unknown field `bogus`, expected one of `type`, `model`"
+        );
+        assert_eq!(
+            scrub_scalars("invalid type: integer `42`, expected a string"),
+            "invalid type: integer (value hidden), expected a string"
+        );
+        assert_eq!(scrub_scalars("cut \"sk-unterminated"), "cut (value hidden)");
+    }
+
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
+        #[test]
+        fn scrub_never_panics(msg in "\\PC{0,200}") {
+            let _ = scrub_scalars(&msg);
+        }
+
         #[test]
         fn arbitrary_config_text_never_panics(text in "\\PC{0,300}") {
             let _ = Config::load(&text);

@@ -606,12 +606,11 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
     let mut was_reachable: Option<bool> = None;
     let (wake_tx, mut wake) = tokio::sync::mpsc::channel::<Option<String>>(EVENT_QUEUE);
     // Owned here and stopped with the watcher (the token is a child of the gateway's).
-    let follower = {
-        let stop = cancel.child_token();
-        let handle = tokio::spawn(follow_events(state.clone(), wake_tx, stop.clone()));
-        (stop, handle)
-    };
-    let _stop_follower = scopeguard(follower);
+    let stop = cancel.child_token();
+    let _follower = FollowerGuard(
+        stop.clone(),
+        tokio::spawn(follow_events(state.clone(), wake_tx, stop)),
+    );
     // Container id -> (endpoint, address) from the last scan.
     let mut by_container: HashMap<String, (String, String)> = HashMap::new();
     loop {
@@ -818,10 +817,6 @@ impl Drop for FollowerGuard {
         self.0.cancel();
         self.1.abort();
     }
-}
-
-fn scopeguard(f: (CancellationToken, tokio::task::JoinHandle<()>)) -> FollowerGuard {
-    FollowerGuard(f.0, f.1)
 }
 
 /// Follows the engine's event stream and wakes the watcher on container events that move or

@@ -1510,38 +1510,14 @@ fn send_error(e: &reqwest::Error) -> Failure {
     };
     // reqwest's Display includes the URL: a discovered task's internal address, which belongs in
     // the audit row, not in a client's 503 body.
-    let mut f = Failure::new(class, None, error_chain(&without_url(e)));
-    f.internal = Some(error_chain(e));
+    let full = error_chain(e);
+    let shown = match e.url() {
+        Some(u) => full.replace(&format!(" for url ({u})"), ""),
+        None => full.clone(),
+    };
+    let mut f = Failure::new(class, None, shown);
+    f.internal = Some(full);
     f
-}
-
-fn without_url(e: &reqwest::Error) -> UrlLess<'_> {
-    UrlLess(e)
-}
-
-/// A reqwest error shown without its URL (reqwest's `without_url` needs ownership).
-struct UrlLess<'a>(&'a reqwest::Error);
-
-impl std::fmt::Debug for UrlLess<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        std::fmt::Display::fmt(self, f)
-    }
-}
-
-impl std::fmt::Display for UrlLess<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let text = self.0.to_string();
-        match self.0.url() {
-            Some(u) => f.write_str(&text.replace(&format!(" for url ({u})"), "")),
-            None => f.write_str(&text),
-        }
-    }
-}
-
-impl std::error::Error for UrlLess<'_> {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.0.source()
-    }
 }
 
 /// Owns a committed stream's audit row and reports the outcome exactly once: when the stream

@@ -259,18 +259,12 @@ impl Mock {
             .status(status)
             .header("content-type", "application/json");
         b = self.standard_headers(b, status, extra);
-        for (k, v) in extra {
-            if v.is_empty() {
-                continue; // an empty value removes the header
-            }
-            b = b.header(k.as_str(), v.as_str());
-        }
         b.body(full(body.to_string()))
             .unwrap_or_else(|_| Response::new(full("{}")))
     }
 
-    /// OpenAI's own headers on every response, except those a rule scripts itself (a rule's
-    /// header replaces the standard one rather than being sent beside it).
+    /// OpenAI's own headers on every response, then the rule's: a scripted header replaces the
+    /// standard one of the same name rather than being sent beside it.
     fn standard_headers(
         &self,
         mut b: hyper::http::response::Builder,
@@ -295,7 +289,7 @@ impl Mock {
                 }
             }
         }
-        b
+        scripted_headers(b, scripted)
     }
 
     fn error(
@@ -437,12 +431,7 @@ impl Mock {
             }
             if let Some(raw) = &rule.body {
                 let mut b = Response::builder().status(status);
-                for (k, v) in &headers {
-                    if v.is_empty() {
-                        continue; // an empty value removes the header
-                    }
-                    b = b.header(k.as_str(), v.as_str());
-                }
+                b = scripted_headers(b, &headers);
                 return b
                     .body(full(raw.clone()))
                     .unwrap_or_else(|_| Response::new(full("")));
@@ -462,12 +451,7 @@ impl Mock {
         }
         if let Some(raw) = &rule.body {
             let mut b = Response::builder().status(rule.status.unwrap_or(200));
-            for (k, v) in &rule.headers {
-                if v.is_empty() {
-                    continue; // an empty value removes the header
-                }
-                b = b.header(k.as_str(), v.as_str());
-            }
+            b = scripted_headers(b, &rule.headers);
             return b
                 .body(full(raw.clone()))
                 .unwrap_or_else(|_| Response::new(full("")));
@@ -763,12 +747,6 @@ impl Mock {
             .header("content-type", "text/event-stream; charset=utf-8")
             .header("cache-control", "no-cache");
         b = self.standard_headers(b, 200, &extra_headers);
-        for (k, v) in &extra_headers {
-            if v.is_empty() {
-                continue; // an empty value removes the header
-            }
-            b = b.header(k.as_str(), v.as_str());
-        }
         b.body(BodyExt::boxed(StreamBody::new(stream)))
             .unwrap_or_else(|_| Response::new(full("")))
     }
@@ -855,15 +833,21 @@ impl Mock {
         let mut b = Response::builder()
             .status(200)
             .header("content-type", "application/x-ndjson");
-        for (k, v) in &extra_headers {
-            if v.is_empty() {
-                continue; // an empty value removes the header
-            }
-            b = b.header(k.as_str(), v.as_str());
-        }
+        b = scripted_headers(b, &extra_headers);
         b.body(BodyExt::boxed(StreamBody::new(stream)))
             .unwrap_or_else(|_| Response::new(full("")))
     }
+}
+
+/// A rule's scripted headers; an empty value removes the header (sends nothing).
+fn scripted_headers(
+    mut b: hyper::http::response::Builder,
+    headers: &BTreeMap<String, String>,
+) -> hyper::http::response::Builder {
+    for (k, v) in headers.iter().filter(|(_, v)| !v.is_empty()) {
+        b = b.header(k.as_str(), v.as_str());
+    }
+    b
 }
 
 /// A rule's stream misbehaviour before the chunk after `sent` content chunks. Returns true when

@@ -27,10 +27,6 @@ fn chain_cfg(eps: &[(&str, &MockUp)], extra: &str) -> String {
     s
 }
 
-fn rows(gw: &Gw, sql: &str) -> Vec<Vec<Value>> {
-    audit_rows(gw, sql)
-}
-
 fn assert_no_panic(gw: &Gw) {
     let log = gw.log();
     assert!(!log.contains("panicked"), "a panic in the log:\n{log}");
@@ -93,8 +89,7 @@ async fn hostile_rate_limit_headers_fail_over_and_are_clamped() {
         "SELECT COUNT(*) FROM requests WHERE status = 200",
     );
     assert_eq!(n, 4, "every request has its row");
-    let cooldowns: Vec<String> = rows(
-        &gw,
+    let cooldowns: Vec<String> = audit_rows(&gw,
         "SELECT reason FROM endpoint_events WHERE endpoint = 'a' AND event = 'cooldown' ORDER BY id",
     )
     .into_iter()
@@ -151,7 +146,7 @@ async fn a_panic_becomes_a_500_with_its_row() {
     // The gateway keeps serving.
     assert_eq!(gw.chat("a", "x").await.status(), 200);
     gw.stop();
-    let got = rows(
+    let got = audit_rows(
         &gw,
         "SELECT status, error_class FROM requests WHERE request_id = 'will-panic'",
     );
@@ -360,7 +355,7 @@ async fn replacing_a_rejected_keys_value_clears_it_on_reload() {
     );
     let mut gw = gw;
     gw.stop();
-    let events = rows(
+    let events = audit_rows(
         &gw,
         "SELECT event, reason FROM endpoint_events WHERE endpoint = 'a' ORDER BY id",
     );
@@ -453,12 +448,12 @@ async fn client_leaving_before_the_first_byte_is_recorded_as_499() {
     .await;
     assert!(ok, "the gateway noticed the client left");
     gw.stop();
-    let got = rows(
+    let got = audit_rows(
         &gw,
         "SELECT status, error_class FROM requests WHERE request_id = 'leaves-early'",
     );
     assert_eq!(got, vec![vec![json!(499), json!("client_closed")]]);
-    let att = rows(
+    let att = audit_rows(
         &gw,
         "SELECT endpoint, class FROM attempts WHERE request_id = 'leaves-early'",
     );
@@ -494,7 +489,7 @@ async fn done_ends_the_stream_even_when_the_upstream_holds_the_connection() {
     );
     assert_eq!(stream_text(&events), "Hello from a!");
     gw.stop();
-    let got = rows(
+    let got = audit_rows(
         &gw,
         "SELECT status, error_class FROM requests WHERE request_id = 'held'",
     );
@@ -528,7 +523,7 @@ async fn request_timeout_bounds_a_chain_of_slow_endpoints() {
         "the deadline passed during a"
     );
     gw.stop();
-    let got = rows(
+    let got = audit_rows(
         &gw,
         "SELECT status, error_class FROM requests WHERE request_id = 'too-slow'",
     );
@@ -682,7 +677,7 @@ async fn shutdown_cuts_requests_at_the_grace_and_records_them() {
     );
     let text = reader.await.unwrap();
     assert!(text.contains("\"code\":\"shutdown\""), "{text}");
-    let got = rows(
+    let got = audit_rows(
         &gw,
         "SELECT request_id, status, error_class FROM requests ORDER BY request_id",
     );
@@ -1168,7 +1163,7 @@ async fn upstream_addresses_stay_out_of_client_error_bodies() {
     assert!(!body.contains(&dead.port().to_string()), "{body}");
     gw.stop();
     // The operator's audit row keeps where it failed.
-    let got = rows(
+    let got = audit_rows(
         &gw,
         "SELECT error FROM attempts WHERE request_id = 'dead-addr'",
     );

@@ -16,20 +16,19 @@ fn ep(name: &str, m: &MockUp, extra: &str) -> String {
     )
 }
 
+/// The first column of each row, as text.
 fn db_rows(gw: &Gw, sql: &str) -> Vec<String> {
-    let conn = rusqlite::Connection::open(gw.db()).unwrap();
-    let mut stmt = conn.prepare(sql).unwrap();
-    stmt.query_map([], |r| r.get::<_, String>(0))
-        .unwrap()
-        .collect::<Result<_, _>>()
-        .unwrap()
+    audit_rows(gw, sql)
+        .into_iter()
+        .map(|r| r[0].as_str().unwrap_or_default().to_string())
+        .collect()
 }
 
-/// An endpoint's `health_reason` in a `/status` document.
-fn reason<'a>(st: &'a Value, name: &str) -> &'a str {
-    st["endpoints"][name]["health_reason"]
-        .as_str()
-        .unwrap_or("")
+/// Asserts an endpoint's `health_reason` in a `/status` document says `needle`.
+fn assert_reason(st: &Value, name: &str, needle: &str) {
+    let e = &st["endpoints"][name];
+    let reason = e["health_reason"].as_str().unwrap_or("");
+    assert!(reason.contains(needle), "{name}: {e}");
 }
 
 fn cooldown_ms(st: &Value, name: &str) -> u64 {
@@ -400,21 +399,9 @@ async fn openai_probe_403_429_and_an_empty_model_list() {
     .await;
     let st = gw.status().await;
     assert!(ok, "{}", st["endpoints"]);
-    assert!(
-        reason(&st, "forbidden").contains("403"),
-        "{}",
-        st["endpoints"]["forbidden"]
-    );
-    assert!(
-        reason(&st, "limited").contains("429"),
-        "{}",
-        st["endpoints"]["limited"]
-    );
-    assert!(
-        reason(&st, "empty").contains("no models"),
-        "{}",
-        st["endpoints"]["empty"]
-    );
+    assert_reason(&st, "forbidden", "403");
+    assert_reason(&st, "limited", "429");
+    assert_reason(&st, "empty", "no models");
     for m in [&forbidden, &limited, &empty] {
         assert!(m.stats().await["by_path"]["/v1/models"].as_u64().unwrap() >= 1);
     }
@@ -446,16 +433,8 @@ async fn vllm_queue_and_kv_cache_degrade_the_endpoint() {
     let st = gw.status().await;
     assert!(ok, "{}", st["endpoints"]);
     assert_eq!(st["endpoints"]["calm"]["state"], "healthy");
-    assert!(
-        reason(&st, "queue").contains("20 requests waiting"),
-        "{}",
-        st["endpoints"]["queue"]
-    );
-    assert!(
-        reason(&st, "kv").contains("KV cache 97%"),
-        "{}",
-        st["endpoints"]["kv"]
-    );
+    assert_reason(&st, "queue", "20 requests waiting");
+    assert_reason(&st, "kv", "KV cache 97%");
     assert_eq!(
         st["endpoints"]["queue"]["probe"]["detail"]["load"]["num_requests_waiting"],
         20.0

@@ -161,6 +161,27 @@ async fn status(url: &str) -> Value {
     }
 }
 
+/// Polls the gateway's `/status` until `pred` holds; returns that document.
+async fn status_when(
+    url: &str,
+    what: &str,
+    within: Duration,
+    pred: impl Fn(&Value) -> bool,
+) -> Value {
+    let deadline = Instant::now() + within;
+    loop {
+        let st = status(url).await;
+        if pred(&st) {
+            return st;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}: {st}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn swarm_discovery_failover_remediation_and_recovery() {
     let (ok, info) = docker(&["info", "--format", "{{.Swarm.LocalNodeState}}"]);
@@ -483,47 +504,34 @@ docker:
     let url = format!("http://127.0.0.1:{}", port.unwrap());
 
     // Discovery finds the primary and the backup, with task addresses.
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        let st = status(&url).await;
+    let st = status_when(&url, "discovery to settle", Duration::from_secs(90), |st| {
         let p = &st["endpoints"]["primary"];
-        let b = &st["endpoints"]["backup"];
-        if p["state"] == "healthy"
-            && b["state"] == "healthy"
+        p["state"] == "healthy"
+            && st["endpoints"]["backup"]["state"] == "healthy"
             && p["discovered"]["addresses"]
                 .as_array()
                 .is_some_and(|a| !a.is_empty())
-        {
-            assert_eq!(st["docker"]["status"], "ok");
-            assert_eq!(
-                st["endpoints"]["standby"]["state"], "unhealthy",
-                "standby has no running task"
-            );
-            break;
-        }
-        assert!(Instant::now() < deadline, "discovery did not settle: {st}");
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
+    })
+    .await;
+    assert_eq!(st["docker"]["status"], "ok");
+    assert_eq!(
+        st["endpoints"]["standby"]["state"], "unhealthy",
+        "standby has no running task"
+    );
     wait_for(
         "the sick container's health check to fail",
         Duration::from_secs(30),
         || docker(&["inspect", "-f", "{{.State.Health.Status}}", &sick]).1 == "unhealthy",
     )
     .await;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let st = status(&url).await;
+    status_when(&url, "sick to be reported", Duration::from_secs(30), |st| {
         let e = &st["endpoints"]["sick"];
-        if e["state"] == "unhealthy"
+        e["state"] == "unhealthy"
             && e["health_reason"]
                 .as_str()
                 .is_some_and(|r| r.contains("docker health check failing"))
-        {
-            break;
-        }
-        assert!(Instant::now() < deadline, "sick not reported: {e}");
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
+    })
+    .await;
     wait_for(
         "the image's HEALTHCHECK to pass on a mock backend",
         Duration::from_secs(30),
@@ -553,23 +561,18 @@ docker:
         );
     }
     let client = reqwest::Client::new();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let st = status(&url).await;
-        if st["endpoints"]["extra"]["state"] == "healthy" {
-            assert_eq!(st["docker"]["discovered_endpoints"], json!(["extra"]));
-            assert_eq!(
-                st["chains"]["fallback_chain"],
-                json!(["primary", "standby", "backup", "extra"])
-            );
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the unconfigured service never became an endpoint: {st}"
-        );
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
+    let st = status_when(
+        &url,
+        "the unconfigured service to become an endpoint",
+        Duration::from_secs(30),
+        |st| st["endpoints"]["extra"]["state"] == "healthy",
+    )
+    .await;
+    assert_eq!(st["docker"]["discovered_endpoints"], json!(["extra"]));
+    assert_eq!(
+        st["chains"]["fallback_chain"],
+        json!(["primary", "standby", "backup", "extra"])
+    );
     let extra = json!({"model": "extra", "messages": [{"role": "user", "content": "hi"}]});
     let r = client
         .post(format!("{url}/v1/chat/completions"))
@@ -770,24 +773,18 @@ docker:
     .await;
     // (Failed requests while it was sick may have ejected it: recovery then waits for a half-open
     // probe after the ejection time.)
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let st = status(&url).await;
-        if st["endpoints"]["primary"]["state"] == "healthy" {
-            assert!(
-                st["docker"]["remediation_actions"].as_u64().unwrap_or(0) >= 3,
-                "{}",
-                st["docker"]
-            );
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "primary never recovered: {}",
-            st["endpoints"]["primary"]
-        );
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
+    let st = status_when(
+        &url,
+        "the primary to recover",
+        Duration::from_secs(60),
+        |st| st["endpoints"]["primary"]["state"] == "healthy",
+    )
+    .await;
+    assert!(
+        st["docker"]["remediation_actions"].as_u64().unwrap_or(0) >= 3,
+        "{}",
+        st["docker"]
+    );
     stop.store(true, Ordering::Relaxed);
     traffic.await.unwrap();
     let (sent, failed) = (sent.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));

@@ -779,6 +779,11 @@ fn tls_config(extra_pem: Option<&[u8]>) -> Result<rustls::ClientConfig, String> 
     Ok(cfg)
 }
 
+/// A configured duration, or its default.
+fn or_default(v: Option<Dur>, default: Duration) -> Duration {
+    v.map_or(default, |d| d.0)
+}
+
 /// A short, stable hash of a secret's value: enough to tell values apart, useless to recover one.
 fn value_hash(v: &str) -> String {
     use sha2::Digest;
@@ -997,10 +1002,7 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
                 caps: capabilities.iter().copied().collect(),
                 capabilities,
                 retries: ep.retries.unwrap_or(0),
-                retry_backoff: ep
-                    .retry_backoff
-                    .map(|d| d.0)
-                    .unwrap_or(Duration::from_millis(100)),
+                retry_backoff: or_default(ep.retry_backoff, Duration::from_millis(100)),
                 cooldown: ep.cooldown.map(|d| d.0),
                 cost: ep.cost.unwrap_or_default(),
                 headers,
@@ -1013,9 +1015,7 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
                 backend_tokenize: ep.backend_tokenize.map(|b| {
                     (
                         b,
-                        ep.tokenize_timeout
-                            .map(|d| d.0)
-                            .unwrap_or(Duration::from_millis(300)),
+                        or_default(ep.tokenize_timeout, Duration::from_millis(300)),
                     )
                 }),
                 tokenize_cache: Default::default(),
@@ -1069,14 +1069,11 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
     }
     let policy = Policy {
         success_threshold,
-        cache_ttl: p.cache_ttl.map(|d| d.0).unwrap_or(Duration::from_secs(300)),
-        max_wait: p.max_wait.map(|d| d.0).unwrap_or(Duration::ZERO),
-        window: p.window.map(|d| d.0).unwrap_or(Duration::from_secs(300)),
+        cache_ttl: or_default(p.cache_ttl, Duration::from_secs(300)),
+        max_wait: or_default(p.max_wait, Duration::ZERO),
+        window: or_default(p.window, Duration::from_secs(300)),
         min_samples: p.min_samples.unwrap_or(10),
-        default_cooldown: p
-            .default_cooldown
-            .map(|d| d.0)
-            .unwrap_or(Duration::from_secs(30)),
+        default_cooldown: or_default(p.default_cooldown, Duration::from_secs(30)),
         context_fill: p.context_fill.unwrap_or(0.95),
         on_context_overflow: p.on_context_overflow.unwrap_or(Overflow::Reject),
         truncation: crate::tokens::truncate::Options {
@@ -1085,15 +1082,9 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
         },
         // Filled from `health:` below.
         health: crate::health::Thresholds::default(),
-        max_cooldown: p
-            .max_cooldown
-            .map(|d| d.0)
-            .unwrap_or(Duration::from_secs(600)),
+        max_cooldown: or_default(p.max_cooldown, Duration::from_secs(600)),
         panic_threshold: p.panic_threshold.unwrap_or(0.5),
-        request_timeout: p
-            .request_timeout
-            .map(|d| d.0)
-            .unwrap_or(Duration::from_secs(300)),
+        request_timeout: or_default(p.request_timeout, Duration::from_secs(300)),
     };
     if !(0.0..=1.0).contains(&policy.panic_threshold) {
         return Err(ConfigError(
@@ -1118,26 +1109,16 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
     let rh = &raw.health;
     let thresholds = crate::health::Thresholds {
         flip_after: rh.flip_after.unwrap_or(2).max(1),
-        warmup: rh.warmup.map(|d| d.0).unwrap_or(Duration::from_secs(180)),
+        warmup: or_default(rh.warmup, Duration::from_secs(180)),
         eject_after: rh.eject_after.unwrap_or(5).max(1),
-        eject_base: rh
-            .eject_base
-            .map(|d| d.0)
-            .unwrap_or(Duration::from_secs(10)),
-        eject_max: rh
-            .eject_max
-            .map(|d| d.0)
-            .unwrap_or(Duration::from_secs(300)),
+        eject_base: or_default(rh.eject_base, Duration::from_secs(10)),
+        eject_max: or_default(rh.eject_max, Duration::from_secs(300)),
     };
     let rd = raw.docker;
     let docker = DockerConfig {
         enabled: rd.enabled,
-        interval: rd
-            .interval
-            .map(|d| d.0)
-            .unwrap_or(Duration::from_secs(5))
-            .max(Duration::from_millis(200)),
-        timeout: rd.timeout.map(|d| d.0).unwrap_or(Duration::from_secs(5)),
+        interval: or_default(rd.interval, Duration::from_secs(5)).max(Duration::from_millis(200)),
+        timeout: or_default(rd.timeout, Duration::from_secs(5)),
         network: rd.network,
         stack: rd.stack,
         adopt_unconfigured: rd.adopt_unconfigured,
@@ -1145,11 +1126,7 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
             enabled: rd.remediation.enabled,
             dry_run: rd.remediation.dry_run,
             unhealthy_after: rd.remediation.unhealthy_after.unwrap_or(3).max(1),
-            min_interval: rd
-                .remediation
-                .min_interval
-                .map(|d| d.0)
-                .unwrap_or(Duration::from_secs(60)),
+            min_interval: or_default(rd.remediation.min_interval, Duration::from_secs(60)),
             manage: rd.remediation.manage,
             standby: rd
                 .remediation
@@ -1158,10 +1135,7 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
                 .map(|s| Standby {
                     primary: s.primary,
                     service: s.service,
-                    healthy_for: s
-                        .healthy_for
-                        .map(|d| d.0)
-                        .unwrap_or(Duration::from_secs(60)),
+                    healthy_for: or_default(s.healthy_for, Duration::from_secs(60)),
                 })
                 .collect(),
         },
@@ -1183,17 +1157,9 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
         )));
     }
     let health = HealthPolicy {
-        probe_interval: raw
-            .health
-            .probe_interval
-            .map(|d| d.0)
-            .unwrap_or(Duration::from_secs(15))
+        probe_interval: or_default(raw.health.probe_interval, Duration::from_secs(15))
             .max(Duration::from_millis(100)),
-        probe_timeout: raw
-            .health
-            .probe_timeout
-            .map(|d| d.0)
-            .unwrap_or(Duration::from_secs(2)),
+        probe_timeout: or_default(raw.health.probe_timeout, Duration::from_secs(2)),
         vllm_max_waiting: raw.health.vllm_max_waiting.unwrap_or(16.0),
         vllm_max_kv_cache: raw.health.vllm_max_kv_cache.unwrap_or(0.95),
     };
@@ -1210,21 +1176,9 @@ fn build(raw: RawConfig) -> Result<Config, ConfigError> {
             Some(d) => Some(d.0),
             None => Some(Duration::from_secs(30 * 86_400)),
         },
-        shutdown_grace: raw
-            .server
-            .shutdown_grace
-            .map(|d| d.0)
-            .unwrap_or(Duration::from_secs(30)),
-        header_timeout: raw
-            .server
-            .header_timeout
-            .map(|d| d.0)
-            .unwrap_or(Duration::from_secs(10)),
-        body_timeout: raw
-            .server
-            .body_timeout
-            .map(|d| d.0)
-            .unwrap_or(Duration::from_secs(30)),
+        shutdown_grace: or_default(raw.server.shutdown_grace, Duration::from_secs(30)),
+        header_timeout: or_default(raw.server.header_timeout, Duration::from_secs(10)),
+        body_timeout: or_default(raw.server.body_timeout, Duration::from_secs(30)),
         max_concurrent_requests: raw.server.max_concurrent_requests.unwrap_or(0),
         endpoints,
         fallback_chain,

@@ -179,8 +179,7 @@ def test_max_tokens_over_max_model_len_goes_to_a_larger_endpoint(stack):
 def test_a_queue_turns_the_endpoint_degraded(stack):
     # --max-num-seqs 2: forty long generations at once leave most of them waiting; with
     # vllm_max_waiting: 0 the probe's /metrics reading makes the endpoint degraded.
-    client, addr = stack["client"], stack["addr"]
-    seen = []
+    client = stack["client"]
 
     def generate():
         client.chat.completions.create(model="vllm", messages=MSG, max_tokens=230, extra_body=GEN)
@@ -188,18 +187,21 @@ def test_a_queue_turns_the_endpoint_degraded(stack):
     threads = [threading.Thread(target=generate) for _ in range(40)]
     for t in threads:
         t.start()
-    deadline = time.time() + 60
-    while time.time() < deadline and any(t.is_alive() for t in threads):
-        e = _status(addr)["endpoints"]["vllm"]
-        seen.append(e["state"])
-        if e["state"] == "degraded":
-            assert "waiting" in e["health_reason"], e
-            assert e["probe"]["detail"]["load"]["num_requests_waiting"] > 0, e
-            break
-        time.sleep(0.02)
     for t in threads:
         t.join(timeout=120)
-    assert "degraded" in seen, seen
+    # The prober (every 100 ms, inside the gateway) records each health transition as an
+    # endpoint_events row; /status itself can be slow to answer while vLLM's CPU engine holds
+    # both cores, so the audit trail is the witness.
+    deadline = time.time() + 15
+    rows = []
+    while time.time() < deadline and not rows:
+        with sqlite3.connect(stack["db"]) as db:
+            rows = db.execute(
+                "SELECT reason FROM endpoint_events WHERE endpoint = 'vllm' AND event = 'health:healthy->degraded'"
+            ).fetchall()
+        time.sleep(0.2)
+    assert rows, "the queue never made the endpoint degraded"
+    assert "requests waiting" in rows[0][0], rows
 
 
 def test_the_engine_dying_mid_run_fails_over(stack):

@@ -279,7 +279,28 @@ pub struct Opened {
     pub persisted: Vec<PersistedStats>,
 }
 
+/// How long opening retries while another process holds the database (SQLite does not call the
+/// busy handler for every statement of the setup, e.g. switching the journal mode).
+const OPEN_BUSY_FOR: Duration = Duration::from_secs(10);
+
 pub fn open_connection(path: &Path) -> rusqlite::Result<Connection> {
+    let deadline = std::time::Instant::now() + OPEN_BUSY_FOR;
+    loop {
+        match try_open(path) {
+            Err(rusqlite::Error::SqliteFailure(e, _))
+                if matches!(
+                    e.code,
+                    rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked
+                ) && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(10 + fastrand::u64(..20)));
+            }
+            other => return other,
+        }
+    }
+}
+
+fn try_open(path: &Path) -> rusqlite::Result<Connection> {
     let mut conn = Connection::open(path)?;
     conn.busy_timeout(Duration::from_secs(5))?;
     // Only takes effect on a new, empty database (before its first table): lets pruning hand

@@ -12,8 +12,8 @@ pub struct AttemptReport {
     pub endpoint: String,
     /// Upstream HTTP status, if one was received.
     pub status: Option<u16>,
-    /// Error class (`connect_error`, `timeout`, `server_error`, `rate_limited`, …) or `ok`.
-    pub class: String,
+    /// What happened (serialised as `connect_error`, `timeout`, `skipped_cooldown`, …, or `ok`).
+    pub class: crate::outcome::Outcome,
     pub latency_ms: f64,
     /// Redacted detail; never contains a key or an internal address.
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -20,6 +20,7 @@ pub mod executor;
 pub mod health;
 pub mod http;
 pub mod mock;
+pub mod outcome;
 pub mod probe;
 pub mod registry;
 pub mod router;

@@ -146,7 +146,10 @@ pub enum Effect {
     /// Served: counts as a success.
     Success { latency_ms: f64 },
     /// Counts against the endpoint (connect error, timeout, 5xx, broken stream).
-    Failure { class: &'static str, detail: String },
+    Failure {
+        class: crate::outcome::Outcome,
+        detail: String,
+    },
     /// 429: no health penalty, but no traffic until the cooldown ends.
     Cooldown { for_: Duration, detail: String },
     /// 410: out of rotation until the config changes it or an operator clears it.

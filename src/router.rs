@@ -5,6 +5,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use crate::config::{Capability, Caps};
+use crate::outcome::Outcome;
 use crate::registry::Avail;
 
 /// What the ranking needs to know about one endpoint.
@@ -30,13 +31,13 @@ pub enum Skip {
 
 impl Skip {
     /// The error class recorded for the skip in the attempts list.
-    pub fn class(&self) -> &'static str {
+    pub fn class(&self) -> Outcome {
         match self {
-            Skip::Retired => "skipped_retired",
-            Skip::AuthFailed => "skipped_auth_failed",
-            Skip::Cooldown(_) => "skipped_cooldown",
-            Skip::MissingCapability(_) => "skipped_capability",
-            Skip::Unhealthy { .. } => "skipped_unhealthy",
+            Skip::Retired => Outcome::SkippedRetired,
+            Skip::AuthFailed => Outcome::SkippedAuthFailed,
+            Skip::Cooldown(_) => Outcome::SkippedCooldown,
+            Skip::MissingCapability(_) => Outcome::SkippedCapability,
+            Skip::Unhealthy { .. } => Outcome::SkippedUnhealthy,
         }
     }
     pub fn detail(&self) -> String {
@@ -289,7 +290,7 @@ mod tests {
         let classes: Vec<_> = p
             .skipped
             .iter()
-            .map(|(n, s)| (n.as_str(), s.class()))
+            .map(|(n, s)| (n.as_str(), s.class().as_str()))
             .collect();
         assert_eq!(
             classes,

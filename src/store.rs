@@ -117,7 +117,7 @@ fn ms(t: SystemTime) -> i64 {
 pub struct AttemptRow {
     pub seq: u32,
     pub endpoint: String,
-    pub class: String,
+    pub class: crate::outcome::Outcome,
     pub status: Option<u16>,
     /// Already redacted: never contains a key.
     pub error: Option<String>,
@@ -484,12 +484,7 @@ fn write_batch(
                         row.tokens_out.map(|v| v as i64),
                         row.tokens_estimated,
                         row.cost_usd,
-                        row.attempts
-                            .iter()
-                            .filter(
-                                |a| !a.class.starts_with("skipped_") && a.class != "context_skip"
-                            )
-                            .count() as i64,
+                        row.attempts.iter().filter(|a| !a.class.is_skip()).count() as i64,
                         row.prompt_tokens_counted.map(|v| v as i64),
                         row.truncated_messages as i64,
                         row.truncated_tokens as i64,
@@ -503,7 +498,7 @@ fn write_batch(
                             a.seq,
                             ts,
                             a.endpoint,
-                            a.class,
+                            a.class.as_str(),
                             a.status,
                             a.error,
                             a.latency_ms,
@@ -736,7 +731,7 @@ mod tests {
                     panic_mode: false,
                     seq: 1,
                     endpoint: "a".into(),
-                    class: class.into(),
+                    class: class.parse().expect("a known outcome"),
                     status: Some(503),
                     error: None,
                     latency_ms: 1.0,
@@ -745,7 +740,7 @@ mod tests {
                     panic_mode: false,
                     seq: 2,
                     endpoint: endpoint.into(),
-                    class: "ok".into(),
+                    class: crate::outcome::Outcome::Ok,
                     status: Some(200),
                     error: None,
                     latency_ms: 4.0,

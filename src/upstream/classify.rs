@@ -1,5 +1,5 @@
-//! What an upstream's failure means: the error class decides the executor's action (fail over,
-//! cool down, retire, rotate key, or hand the error back to the client).
+//! Classification only: an upstream's status and body become an [`Outcome`]; what the executor
+//! then does is `outcome::action`'s table, not this module's business.
 
 use std::sync::LazyLock;
 use std::time::Duration;
@@ -7,81 +7,7 @@ use std::time::Duration;
 use regex::Regex;
 use reqwest::header::HeaderMap;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Class {
-    /// TCP connect failed or was refused.
-    Connect,
-    /// The connection broke before a full response (reset, closed early).
-    Connection,
-    /// No complete response within `timeouts.total`.
-    Timeout,
-    /// A stream produced no content within `timeouts.first_token`.
-    FirstTokenTimeout,
-    /// 5xx.
-    Server,
-    /// 429.
-    RateLimited,
-    /// 410.
-    Gone,
-    /// 401/403.
-    Auth,
-    /// 400-class with a context-length message.
-    ContextLength,
-    /// 404 for the *upstream's* model: the endpoint is misconfigured or the model not pulled.
-    ModelMissing,
-    /// Any other 4xx: the client's fault; returned unchanged.
-    Client,
-    /// An error event inside a 200 stream before any content.
-    InBand,
-    /// A 2xx body that is not what the protocol promises.
-    Malformed,
-    /// The request cannot be expressed in this endpoint's protocol (e.g. a remote image URL for
-    /// Ollama): skipped, not the endpoint's fault.
-    Unsupported,
-}
-
-impl Class {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Class::Connect => "connect_error",
-            Class::Connection => "connection_error",
-            Class::Timeout => "timeout",
-            Class::FirstTokenTimeout => "first_token_timeout",
-            Class::Server => "server_error",
-            Class::RateLimited => "rate_limited",
-            Class::Gone => "gone",
-            Class::Auth => "auth_failed",
-            Class::ContextLength => "context_length",
-            Class::ModelMissing => "model_missing",
-            Class::Client => "client_error",
-            Class::InBand => "stream_error_event",
-            Class::Malformed => "malformed_response",
-            Class::Unsupported => "unsupported_request",
-        }
-    }
-
-    /// Whether a bounded retry on the same endpoint may help.
-    pub fn retryable_same_endpoint(self) -> bool {
-        matches!(
-            self,
-            Class::Connect
-                | Class::Connection
-                | Class::Timeout
-                | Class::FirstTokenTimeout
-                | Class::Server
-                | Class::InBand
-                | Class::Malformed
-        )
-    }
-
-    /// Whether the failure counts against the endpoint's success rate.
-    pub fn counts_against_endpoint(self) -> bool {
-        !matches!(
-            self,
-            Class::Client | Class::ContextLength | Class::RateLimited | Class::Unsupported
-        )
-    }
-}
+pub use crate::outcome::Outcome;
 
 /// Context-length wording of OpenAI, vLLM, Ollama, llama.cpp server and a few others.
 static CONTEXT_RE: LazyLock<Regex> = LazyLock::new(|| {
@@ -100,19 +26,19 @@ static LIMIT_RE: LazyLock<Regex> = LazyLock::new(|| {
 });
 
 /// Classifies a non-2xx status and its body.
-pub fn classify_status(status: u16, body: &str) -> Class {
+pub fn classify_status(status: u16, body: &str) -> Outcome {
     match status {
-        429 => Class::RateLimited,
-        410 => Class::Gone,
-        401 | 403 => Class::Auth,
-        404 if looks_like_missing_model(body) => Class::ModelMissing,
-        400..=499 if CONTEXT_RE.is_match(body) => Class::ContextLength,
-        400..=499 => Class::Client,
+        429 => Outcome::RateLimited,
+        410 => Outcome::Gone,
+        401 | 403 => Outcome::Auth,
+        404 if looks_like_missing_model(body) => Outcome::ModelMissing,
+        400..=499 if CONTEXT_RE.is_match(body) => Outcome::ContextLength,
+        400..=499 => Outcome::Client,
         // Some servers (older Ollama, llama.cpp) report context overflow as 500.
         500..=599 if CONTEXT_RE.is_match(body) && !body.contains("out of memory") => {
-            Class::ContextLength
+            Outcome::ContextLength
         }
-        _ => Class::Server,
+        _ => Outcome::Server,
     }
 }
 
@@ -253,17 +179,17 @@ mod tests {
 
     #[test]
     fn classifies_statuses() {
-        assert_eq!(classify_status(429, ""), Class::RateLimited);
-        assert_eq!(classify_status(410, ""), Class::Gone);
-        assert_eq!(classify_status(401, ""), Class::Auth);
-        assert_eq!(classify_status(503, ""), Class::Server);
+        assert_eq!(classify_status(429, ""), Outcome::RateLimited);
+        assert_eq!(classify_status(410, ""), Outcome::Gone);
+        assert_eq!(classify_status(401, ""), Outcome::Auth);
+        assert_eq!(classify_status(503, ""), Outcome::Server);
         assert_eq!(
             classify_status(400, "{\"error\":{\"message\":\"bad temperature\"}}"),
-            Class::Client
+            Outcome::Client
         );
         assert_eq!(
             classify_status(404, "{\"error\":\"model 'qwen' not found\"}"),
-            Class::ModelMissing
+            Outcome::ModelMissing
         );
         for msg in [
             "This model's maximum context length is 8192 tokens. However, your messages resulted in 9000 tokens.",
@@ -272,7 +198,7 @@ mod tests {
             "{\"error\":{\"code\":400,\"message\":\"...\",\"type\":\"exceed_context_size_error\",\"n_prompt_tokens\":900,\"n_ctx\":512}}",
             "input length exceeds the context length",
         ] {
-            assert_eq!(classify_status(400, msg), Class::ContextLength, "{msg}");
+            assert_eq!(classify_status(400, msg), Outcome::ContextLength, "{msg}");
         }
     }
 
@@ -280,7 +206,7 @@ mod tests {
     /// whether a same-endpoint retry may help, whether it counts against the endpoint.
     #[test]
     fn every_class_row() {
-        use Class::*;
+        use Outcome::*;
         let rows = [
             (Connect, "connect_error", true, true),
             (Connection, "connection_error", true, true),
@@ -307,28 +233,31 @@ mod tests {
     #[test]
     fn missing_model_needs_both_words_and_context_500s() {
         // A 404 names a missing *model* only when it says so; any other 404 is the client's.
-        assert_eq!(classify_status(404, "Not Found"), Class::Client);
-        assert_eq!(classify_status(404, "{\"error\":\"model\"}"), Class::Client);
+        assert_eq!(classify_status(404, "Not Found"), Outcome::Client);
+        assert_eq!(
+            classify_status(404, "{\"error\":\"model\"}"),
+            Outcome::Client
+        );
         assert_eq!(
             classify_status(404, "{\"error\":{\"code\":\"model_not_found\"}}"),
-            Class::ModelMissing
+            Outcome::ModelMissing
         );
         assert_eq!(
             classify_status(404, "the model does not exist"),
-            Class::ModelMissing
+            Outcome::ModelMissing
         );
         assert!(!looks_like_missing_model("page not found"));
         assert!(!looks_like_missing_model("bad model name"));
         // Some servers report context overflow as 500; an out-of-memory 500 is a server error.
         assert_eq!(
             classify_status(500, "the request exceeds the available context size"),
-            Class::ContextLength
+            Outcome::ContextLength
         );
         assert_eq!(
             classify_status(500, "context length exceeded: CUDA out of memory"),
-            Class::Server
+            Outcome::Server
         );
-        assert_eq!(classify_status(500, "internal error"), Class::Server);
+        assert_eq!(classify_status(500, "internal error"), Outcome::Server);
         // In-band and Ollama error texts go through the same wording check.
         assert!(is_context_message(
             "input length exceeds the context length"

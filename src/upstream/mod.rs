@@ -7,6 +7,7 @@
 pub mod classify;
 pub mod metrics;
 pub mod ollama;
+pub mod tokenize;
 
 use serde_json::{Map, Value};
 

@@ -1,0 +1,508 @@
+//! One upstream attempt: the request as the endpoint's adapter builds it, its timeouts, and the
+//! classification of whatever comes back — a value with no access to the request's bookkeeping,
+//! so two can run at once (hedging) and dropping one cancels it (reqwest closes its connection,
+//! so a metered API stops generating).
+
+use std::pin::Pin;
+use std::time::Duration;
+
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use bytes::Bytes;
+use futures_util::{Stream, StreamExt};
+use serde_json::Value;
+use tokio::time::{Instant, timeout_at};
+
+use crate::config::{Endpoint, EndpointKind, Secret};
+use crate::outcome::Outcome;
+use crate::upstream::{self, classify};
+use crate::wire::sse::SseParser;
+use crate::wire::{self, ChunkKind, Inbound, Usage};
+
+/// Longest upstream error body we read before classifying it.
+const MAX_ERROR_BODY: usize = 64 * 1024;
+
+pub(super) type ByteStream = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
+
+/// A failed attempt, with what the policy needs to decide on it.
+pub(super) struct Failure {
+    pub class: Outcome,
+    pub status: Option<u16>,
+    pub detail: String,
+    pub retry_after: Option<Duration>,
+    /// The detail with internal addresses, for the audit row only (never a client's body).
+    pub internal: Option<String>,
+    /// For client errors, the upstream's own response, returned unchanged.
+    /// Boxed: it is rare, and keeps `Failure` small on the common paths.
+    pub passthrough: Option<Box<(StatusCode, HeaderMap, Bytes)>>,
+}
+
+impl Failure {
+    pub fn new(class: Outcome, status: Option<u16>, detail: impl Into<String>) -> Self {
+        Failure {
+            class,
+            status,
+            detail: detail.into(),
+            retry_after: None,
+            internal: None,
+            passthrough: None,
+        }
+    }
+}
+
+pub(super) enum Success {
+    Full {
+        status: StatusCode,
+        content_type: Option<HeaderValue>,
+        body: Bytes,
+        usage: Option<Usage>,
+        /// Generated characters, for estimating usage when the upstream reported none.
+        out_chars: usize,
+    },
+    Stream {
+        prelude: Vec<Bytes>,
+        rest: ByteStream,
+        parser: SseParser,
+        done_seen: bool,
+        ttft: Duration,
+        usage: Option<Usage>,
+        out_chars: usize,
+        usage_tap: Option<upstream::ollama::UsageTap>,
+    },
+}
+
+/// Everything one attempt needs, borrowed from the request.
+pub(super) struct Attempt<'a> {
+    pub ep: &'a Endpoint,
+    pub key: Option<&'a Secret>,
+    pub req: &'a Inbound,
+    pub request_id: &'a str,
+    /// The request's own deadline (`routing_policy.request_timeout`): caps every timeout here.
+    pub deadline: Instant,
+    /// `routing_policy.max_cooldown`: the longest stay-away an upstream's hint may ask for.
+    pub max_cooldown: Duration,
+    /// A discovered task's address, for `discover: docker` endpoints.
+    pub base: Option<&'a str>,
+}
+
+impl Attempt<'_> {
+    /// The upstream request (payload hygiene, adapter) and how many characters hygiene changed.
+    /// Synchronous, so the caller counts the call before anything is awaited; `Err` means the
+    /// request cannot be expressed for this endpoint and never left the gateway.
+    pub(super) fn prepare(&self, stream: bool) -> Result<(reqwest::RequestBuilder, u64), Failure> {
+        upstream::request(
+            self.ep,
+            self.req.op,
+            &self.req.body,
+            stream,
+            self.key,
+            self.request_id,
+            self.base,
+        )
+        .map_err(|u| Failure::new(Outcome::Unsupported, None, u.0))
+    }
+
+    /// A non-stream attempt: the whole answer under `timeouts.total`.
+    pub(super) async fn full(&self, rb: reqwest::RequestBuilder) -> Result<Success, Failure> {
+        let ep = self.ep;
+        // Each attempt's timeouts are capped by what is left of the request's own deadline.
+        let deadline = (Instant::now() + ep.timeouts.total).min(self.deadline);
+        let resp = match timeout_at(deadline, rb.send()).await {
+            Err(_) => {
+                return Err(Failure::new(
+                    Outcome::Timeout,
+                    None,
+                    "no response within timeouts.total",
+                ));
+            }
+            Ok(Err(e)) => return Err(send_error(&e)),
+            Ok(Ok(r)) => r,
+        };
+        if !resp.status().is_success() {
+            return Err(read_error(ep, resp, deadline, self.max_cooldown).await);
+        }
+        let status = resp.status();
+        let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
+        let body = match timeout_at(deadline, resp.bytes()).await {
+            Err(_) => {
+                return Err(Failure::new(
+                    Outcome::Timeout,
+                    Some(status.as_u16()),
+                    "body not complete within timeouts.total",
+                ));
+            }
+            Ok(Err(e)) => {
+                return Err(Failure::new(
+                    Outcome::Connection,
+                    Some(status.as_u16()),
+                    format!("reading body: {}", error_chain(&e)),
+                ));
+            }
+            Ok(Ok(b)) => b,
+        };
+        if ep.kind == EndpointKind::Ollama {
+            let parsed: Value = serde_json::from_slice(&body).map_err(|e| {
+                Failure::new(
+                    Outcome::Malformed,
+                    Some(status.as_u16()),
+                    format!("2xx body is not JSON: {e}"),
+                )
+            })?;
+            let translated = upstream::ollama::response_body(
+                self.req.op,
+                &self.req.model,
+                &self.req.body,
+                &parsed,
+            )
+            .map_err(|m| {
+                let class = if classify::is_context_message(&m) {
+                    Outcome::ContextLength
+                } else {
+                    Outcome::InBand
+                };
+                Failure::new(class, Some(status.as_u16()), m)
+            })?;
+            let usage = wire::usage_of(&translated);
+            let out_chars = if usage.is_none() {
+                response_text_chars(&translated)
+            } else {
+                0
+            };
+            return Ok(Success::Full {
+                status,
+                content_type: Some(HeaderValue::from_static("application/json")),
+                body: Bytes::from(translated.to_string()),
+                usage,
+                out_chars,
+            });
+        }
+        let probe: wire::ResponseProbe = serde_json::from_slice(&body).map_err(|e| {
+            Failure::new(
+                Outcome::Malformed,
+                Some(status.as_u16()),
+                format!("2xx body is not JSON: {e}"),
+            )
+        })?;
+        let usage = probe.usage();
+        let mut out_chars = 0;
+        if probe.is_error() || usage.is_none() {
+            // Rare paths (an error inside a 200, or no usage to record): read the whole tree.
+            let parsed: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+            if let ChunkKind::Error(msg) = wire::classify_chunk(&parsed) {
+                return Err(Failure::new(Outcome::InBand, Some(status.as_u16()), msg));
+            }
+            out_chars = response_text_chars(&parsed);
+        }
+        Ok(Success::Full {
+            status,
+            content_type,
+            body,
+            usage,
+            out_chars,
+        })
+    }
+
+    /// A stream attempt, up to its commit: the first content chunk (or `[DONE]`). Nothing of it
+    /// has reached the client when this returns, so any `Err` can fail over invisibly.
+    pub(super) async fn stream(
+        &self,
+        rb: reqwest::RequestBuilder,
+        t0: Instant,
+    ) -> Result<Success, Failure> {
+        let ep = self.ep;
+        let first_deadline = (t0 + ep.timeouts.first_token)
+            .min(t0 + ep.timeouts.total)
+            .min(self.deadline);
+        let resp = match timeout_at(first_deadline, rb.send()).await {
+            Err(_) => {
+                return Err(Failure::new(
+                    Outcome::FirstTokenTimeout,
+                    None,
+                    "no response headers within timeouts.first_token",
+                ));
+            }
+            Ok(Err(e)) => return Err(send_error(&e)),
+            Ok(Ok(r)) => r,
+        };
+        if !resp.status().is_success() {
+            let deadline = (t0 + ep.timeouts.total).min(self.deadline);
+            return Err(read_error(ep, resp, deadline, self.max_cooldown).await);
+        }
+        let status = resp.status().as_u16();
+        let mut usage_tap = None;
+        let mut rest: ByteStream = if ep.kind == EndpointKind::Ollama {
+            let include_usage = self
+                .req
+                .body
+                .get("stream_options")
+                .and_then(|o| o.get("include_usage"))
+                .and_then(Value::as_bool)
+                .unwrap_or(false);
+            let tr = upstream::ollama::StreamTranslator::new(
+                self.req.op,
+                &self.req.model,
+                include_usage,
+            );
+            let (s, tap) = upstream::ollama::SseFromNdjson::new(Box::pin(resp.bytes_stream()), tr);
+            usage_tap = Some(tap);
+            Box::pin(s)
+        } else {
+            let is_sse = resp
+                .headers()
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.starts_with("text/event-stream"));
+            if !is_sse {
+                // A JSON body on a stream request is an error some servers send with 200.
+                let body = timeout_at(first_deadline, resp.bytes()).await;
+                let detail = match body {
+                    Ok(Ok(b)) => match serde_json::from_slice::<Value>(&b) {
+                        Ok(v) => match wire::classify_chunk(&v) {
+                            ChunkKind::Error(m) => {
+                                return Err(Failure::new(Outcome::InBand, Some(status), m));
+                            }
+                            _ => "stream requested but the upstream answered with a non-SSE body"
+                                .to_string(),
+                        },
+                        Err(_) => "stream requested but the upstream answered with a non-SSE body"
+                            .to_string(),
+                    },
+                    _ => {
+                        "stream requested but the upstream answered with a non-SSE body".to_string()
+                    }
+                };
+                return Err(Failure::new(Outcome::Malformed, Some(status), detail));
+            }
+            Box::pin(resp.bytes_stream())
+        };
+        let mut parser = SseParser::new();
+        let mut prelude = Vec::new();
+        let mut usage = None;
+        let mut out_chars = 0usize;
+        loop {
+            let next = match timeout_at(first_deadline, rest.next()).await {
+                Err(_) => {
+                    return Err(Failure::new(
+                        Outcome::FirstTokenTimeout,
+                        Some(status),
+                        format!(
+                            "no content within timeouts.first_token ({}ms)",
+                            ep.timeouts.first_token.as_millis()
+                        ),
+                    ));
+                }
+                Ok(None) => {
+                    return Err(Failure::new(
+                        Outcome::Connection,
+                        Some(status),
+                        "stream ended before any content",
+                    ));
+                }
+                Ok(Some(Err(e))) => {
+                    return Err(Failure::new(
+                        Outcome::Connection,
+                        Some(status),
+                        format!("stream broke before any content: {}", error_chain(&e)),
+                    ));
+                }
+                Ok(Some(Ok(b))) => b,
+            };
+            let events = parser.push(&next).map_err(|e| {
+                Failure::new(
+                    Outcome::Malformed,
+                    Some(status),
+                    format!("invalid SSE: {}", e.0),
+                )
+            })?;
+            prelude.push(next);
+            let mut commit = false;
+            let mut done_seen = false;
+            for ev in events {
+                if ev.data.trim() == "[DONE]" {
+                    done_seen = true;
+                    commit = true;
+                    continue;
+                }
+                let v: Value = match serde_json::from_str(&ev.data) {
+                    Ok(v) => v,
+                    Err(_) if ev.event.as_deref() == Some("error") => {
+                        return Err(Failure::new(Outcome::InBand, Some(status), ev.data));
+                    }
+                    Err(e) => {
+                        return Err(Failure::new(
+                            Outcome::Malformed,
+                            Some(status),
+                            format!("SSE data is not JSON: {e}"),
+                        ));
+                    }
+                };
+                if let Some(u) = wire::usage_of(&v) {
+                    usage = Some(u);
+                }
+                match wire::classify_chunk(&v) {
+                    ChunkKind::Error(m) => {
+                        let class = if classify::is_context_message(&m) {
+                            Outcome::ContextLength
+                        } else {
+                            Outcome::InBand
+                        };
+                        return Err(Failure::new(class, Some(status), m));
+                    }
+                    ChunkKind::Content => {
+                        out_chars += chunk_text_chars(&v);
+                        commit = true;
+                    }
+                    ChunkKind::Preamble => {}
+                }
+            }
+            if commit {
+                return Ok(Success::Stream {
+                    prelude,
+                    rest,
+                    parser,
+                    done_seen,
+                    ttft: t0.elapsed(),
+                    usage,
+                    out_chars,
+                    usage_tap,
+                });
+            }
+        }
+    }
+}
+
+/// A non-2xx answer: its class, the upstream's hint, and for client errors its own response.
+async fn read_error(
+    ep: &Endpoint,
+    resp: reqwest::Response,
+    deadline: Instant,
+    max_cooldown: Duration,
+) -> Failure {
+    let status = resp.status();
+    let headers = resp.headers().clone();
+    let mut body = Vec::new();
+    let mut stream = resp.bytes_stream();
+    while body.len() < MAX_ERROR_BODY {
+        match timeout_at(deadline, stream.next()).await {
+            Ok(Some(Ok(b))) => body.extend_from_slice(&b),
+            _ => break,
+        }
+    }
+    body.truncate(MAX_ERROR_BODY);
+    let text = String::from_utf8_lossy(&body).into_owned();
+    let class = classify::classify_status(status.as_u16(), &text);
+    let mut f = Failure::new(class, Some(status.as_u16()), error_message(&text));
+    if class == Outcome::RateLimited {
+        f.retry_after = classify::retry_after(&headers, max_cooldown);
+    }
+    if matches!(class, Outcome::Client | Outcome::ContextLength) {
+        let mut h = HeaderMap::new();
+        let body = if ep.kind == EndpointKind::Ollama {
+            // Ollama's `{"error": "..."}` becomes OpenAI's error shape for the client.
+            h.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            upstream::ollama::error_body(status.as_u16(), &body)
+        } else {
+            if let Some(ct) = headers.get(header::CONTENT_TYPE) {
+                h.insert(header::CONTENT_TYPE, ct.clone());
+            }
+            Bytes::from(body)
+        };
+        f.passthrough = Some(Box::new((status, h, body)));
+    }
+    f
+}
+
+/// Characters of generated text in a full response, for estimating completion tokens.
+fn response_text_chars(v: &Value) -> usize {
+    let Some(choices) = v.get("choices").and_then(Value::as_array) else {
+        return 0;
+    };
+    choices
+        .iter()
+        .map(|c| {
+            c.pointer("/message/content")
+                .and_then(Value::as_str)
+                .map(str::len)
+                .unwrap_or(0)
+                + c.get("text")
+                    .and_then(Value::as_str)
+                    .map(str::len)
+                    .unwrap_or(0)
+        })
+        .sum()
+}
+
+pub(super) fn chunk_text_chars(v: &Value) -> usize {
+    let Some(choices) = v.get("choices").and_then(Value::as_array) else {
+        return 0;
+    };
+    choices
+        .iter()
+        .map(|c| {
+            c.pointer("/delta/content")
+                .and_then(Value::as_str)
+                .map(str::len)
+                .unwrap_or(0)
+                + c.get("text")
+                    .and_then(Value::as_str)
+                    .map(str::len)
+                    .unwrap_or(0)
+        })
+        .sum()
+}
+
+/// The message inside an upstream error body, whatever its shape (OpenAI's `error.message`,
+/// vLLM's top-level `message`, Ollama's `error` string), else the body itself.
+pub(super) fn error_message(body: &str) -> String {
+    if let Ok(v) = serde_json::from_str::<Value>(body) {
+        if let Some(m) = v.pointer("/error/message").and_then(Value::as_str) {
+            return m.to_string();
+        }
+        if let Some(m) = v.get("error").and_then(Value::as_str) {
+            return m.to_string();
+        }
+        if let Some(m) = v.get("message").and_then(Value::as_str) {
+            return m.to_string();
+        }
+        if let Some(m) = v.get("detail").and_then(Value::as_str) {
+            return m.to_string();
+        }
+    }
+    body.chars().take(300).collect()
+}
+
+pub(super) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        let t = inner.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        src = inner.source();
+    }
+    s
+}
+
+fn send_error(e: &reqwest::Error) -> Failure {
+    let class = if e.is_connect() {
+        Outcome::Connect
+    } else if e.is_timeout() {
+        Outcome::Timeout
+    } else {
+        Outcome::Connection
+    };
+    // reqwest's Display includes the URL: a discovered task's internal address, which belongs in
+    // the audit row, not in a client's 503 body.
+    let full = error_chain(e);
+    let shown = match e.url() {
+        Some(u) => full.replace(&format!(" for url ({u})"), ""),
+        None => full.clone(),
+    };
+    let mut f = Failure::new(class, None, shown);
+    f.internal = Some(full);
+    f
+}

@@ -1,0 +1,621 @@
+//! The failover executor: a plain loop over the ranked candidates, each attempt under its own
+//! timeouts, each outcome mapped to one action (fail over, cool down, retire, rotate key, or give
+//! the client its own error back). Every attempt is recorded.
+//!
+//! Streams are committed only when an upstream has produced its first content chunk: until then
+//! nothing reaches the client, so any failure — connection, status, in-band error event, no first
+//! chunk within `first_token` — fails over invisibly. After the commit, bytes pass straight
+//! through; a failure then ends the stream with an OpenAI-style error event.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
+use bytes::Bytes;
+use tokio::time::{Instant, timeout_at};
+
+use crate::config::{Config, Endpoint, Overflow, Secret};
+use crate::error::AttemptReport;
+use crate::outcome::{self, Action, Hints, Outcome};
+use crate::registry::{Effect, KeyPick};
+use crate::router::{self, View};
+use crate::state::AppState;
+use crate::store::{Record, RequestRow};
+use crate::tokens::Count;
+use crate::upstream::classify;
+use crate::wire::{Inbound, Op};
+
+mod attempt;
+mod context;
+mod respond;
+mod stream;
+
+use attempt::{Attempt, Failure, Success};
+use context::fmt_window;
+
+/// Bodies with more text than this are counted on the blocking pool (≈16k tokens: a few
+/// milliseconds of BPE work that should not hold an async worker).
+const BLOCKING_COUNT_CHARS: usize = 64 * 1024;
+
+/// Test hooks are on only in a debug build whose environment sets `AUTOHEDGE_TEST_HOOKS`.
+#[cfg(debug_assertions)]
+static TEST_HOOKS: std::sync::LazyLock<bool> =
+    std::sync::LazyLock::new(|| std::env::var_os("AUTOHEDGE_TEST_HOOKS").is_some());
+
+/// The shortest wait before an endpoint that answered 429 in this request is tried again, so a
+/// `Retry-After: 0` cannot turn `max_wait` into a tight loop against the upstream.
+const MIN_REWAIT: Duration = Duration::from_millis(100);
+
+/// One request's journey.
+struct Run {
+    app: Arc<AppState>,
+    cfg: Arc<Config>,
+    req: Inbound,
+    request_id: String,
+    started: Instant,
+    started_wall: SystemTime,
+    attempts: Vec<AttemptReport>,
+    /// Upstream calls made (skips excluded): the `x-autohedge-attempts` header.
+    calls: u32,
+    /// Prompt tokens per counting method (endpoints that count alike share one count).
+    counts: HashMap<String, Count>,
+    /// The first count made, for the audit row.
+    counted_prompt: Option<u64>,
+    /// Endpoints skipped because the prompt did not fit, with their windows.
+    context_skipped: Vec<(String, u64)>,
+    /// The response of the latest context-length refusal, returned if nothing larger exists.
+    last_context_error: Option<(StatusCode, HeaderMap, Bytes)>,
+    /// (messages, tokens) dropped by truncation.
+    truncation: Option<(usize, u64)>,
+    /// Characters payload hygiene changed in the body sent upstream.
+    sanitized: u64,
+    /// `routing_policy.request_timeout` from the start: nothing of this request outlives it.
+    deadline: Instant,
+    /// The audit row was written (or handed to a `StreamGuard`): `Drop` writes one otherwise.
+    row_written: bool,
+    /// The upstream call in flight, for the record when the request is cut off mid-attempt.
+    current: Option<(String, Instant)>,
+    /// Endpoints tried although health said to skip them (healthy panic, last resort).
+    panic_mode: HashSet<String>,
+    /// Endpoints whose backend `/tokenize` failed in this request (the local count is used).
+    backend_failed: HashSet<String>,
+}
+
+/// Every request that reached the router has exactly one `requests` row. A `Run` dropped before
+/// it wrote one was cut off: the client left (hyper drops the handler future), shutdown cut it,
+/// or a bug panicked through it.
+impl Drop for Run {
+    fn drop(&mut self) {
+        if self.row_written {
+            return;
+        }
+        let (status, class) = if std::thread::panicking() {
+            (500, Outcome::InternalPanic)
+        } else if self.app.shutting_down() {
+            (503, Outcome::Shutdown)
+        } else {
+            (499, Outcome::ClientClosed)
+        };
+        if let Some((endpoint, t0)) = self.current.take() {
+            self.attempts.push(AttemptReport {
+                endpoint,
+                status: None,
+                class,
+                latency_ms: t0.elapsed().as_secs_f64() * 1000.0,
+                error: Some("the request ended while this attempt was in flight".into()),
+                panic_mode: false,
+                internal: None,
+            });
+        }
+        let row = self.base_row(None, status, Some(class.as_str().into()));
+        self.send_row(row);
+    }
+}
+
+/// Serves one validated request and returns the response. Always writes exactly one audit row.
+pub async fn execute(
+    app: Arc<AppState>,
+    cfg: Arc<Config>,
+    req: Inbound,
+    chain: Vec<String>,
+    request_id: String,
+) -> Response {
+    let mut run = Run {
+        app,
+        cfg,
+        req,
+        request_id,
+        started: Instant::now(),
+        started_wall: SystemTime::now(),
+        attempts: Vec::new(),
+        calls: 0,
+        counts: HashMap::new(),
+        counted_prompt: None,
+        context_skipped: Vec::new(),
+        last_context_error: None,
+        truncation: None,
+        sanitized: 0,
+        deadline: Instant::now(),
+        row_written: false,
+        current: None,
+        panic_mode: HashSet::new(),
+        backend_failed: HashSet::new(),
+    };
+    run.deadline = run.started + run.cfg.policy.request_timeout;
+    let deadline = run.deadline;
+    match timeout_at(deadline, run.go(chain)).await {
+        Ok(resp) => resp,
+        Err(_) => run.request_timed_out(),
+    }
+}
+
+enum EndpointOutcome {
+    Served(Box<Success>),
+    /// The client's own error, to return unchanged.
+    ClientError(StatusCode, HeaderMap, Bytes),
+    /// Failed; go on. `context` is set when the endpoint refused the prompt as too long,
+    /// `rate_limited` when it answered 429.
+    Failed {
+        context: bool,
+        rate_limited: bool,
+    },
+}
+
+impl Run {
+    async fn go(&mut self, chain: Vec<String>) -> Response {
+        // Debug builds started with AUTOHEDGE_TEST_HOOKS only: lets the test suite prove that a
+        // panic inside a request becomes a 500 with its audit row. A client's model name alone
+        // cannot reach it, and the release binary has no such code.
+        #[cfg(debug_assertions)]
+        if *TEST_HOOKS && self.req.model == "__autohedge_test_panic__" {
+            panic!("test-triggered panic inside the executor");
+        }
+        let mut truncated_once = false;
+        loop {
+            if let Some(resp) = self.pass(&chain).await {
+                return resp;
+            }
+            // Nothing served. If the only obstacle was context size, apply the overflow policy.
+            let only_context = !self.context_skipped.is_empty() && self.only_context_refusals();
+            if !only_context {
+                break;
+            }
+            match self.overflow_policy() {
+                Overflow::Truncate if !truncated_once && self.req.op == Op::Chat => {
+                    truncated_once = true;
+                    if let Err(resp) = self.truncate_to_fit().await {
+                        return resp;
+                    }
+                    self.context_skipped.clear();
+                    self.last_context_error = None;
+                }
+                _ => return self.reject_overflow(&chain),
+            }
+        }
+        if let Some((status, headers, body)) = self.last_context_error.take()
+            && self.only_context_refusals()
+        {
+            let ep = self
+                .attempts
+                .iter()
+                .rev()
+                .find(|a| a.class == Outcome::ContextLength)
+                .map(|a| a.endpoint.clone())
+                .unwrap_or_default();
+            return self.respond_passthrough(&ep, status, headers, body);
+        }
+        self.all_failed()
+    }
+
+    /// Every attempt so far was refused or skipped on size (or skipped for another reason):
+    /// no endpoint failed, so the overflow policy — not a 503 — decides.
+    fn only_context_refusals(&self) -> bool {
+        self.attempts
+            .iter()
+            .all(|a| a.class.is_context() || a.class.is_skip())
+    }
+
+    /// One pass over the chain. `Some` is the response; `None` means nothing served.
+    async fn pass(&mut self, chain: &[String]) -> Option<Response> {
+        let policy = self.cfg.policy.clone();
+        let wait_until = self.started + policy.max_wait;
+        let mut tried: HashSet<String> = HashSet::new();
+        let mut reported_skip: HashSet<String> = HashSet::new();
+        // Endpoints that answered 429 in this request: `max_wait` may wait for them too.
+        let mut rate_limited: HashSet<String> = HashSet::new();
+        // After a context-length refusal, only endpoints with a larger window may be tried.
+        let mut context_floor: Option<Option<u64>> = None;
+        loop {
+            let remaining: Vec<String> = chain
+                .iter()
+                .filter(|n| !tried.contains(*n))
+                .cloned()
+                .collect();
+            // Healthy panic is judged on the whole chain, not on what is left of it.
+            let all = self.views(chain);
+            let panic = router::in_panic(&all, policy.panic_threshold);
+            let left: Vec<View> = all
+                .into_iter()
+                .filter(|v| !tried.contains(&v.name))
+                .collect();
+            let mut plan = router::rank(
+                &remaining,
+                &left,
+                &self.req.needs,
+                policy.success_threshold,
+                panic,
+            );
+            if plan.order.is_empty() {
+                // Health can lower a rank; it must never alone turn a servable request into a
+                // 503. With nothing else left, endpoints skipped only for health are the last
+                // resort, tried in chain order.
+                let last_resort: Vec<String> = plan
+                    .skipped
+                    .iter()
+                    .filter(|(_, s)| matches!(s, router::Skip::Unhealthy { .. }))
+                    .map(|(n, _)| n.clone())
+                    .collect();
+                if !last_resort.is_empty() {
+                    plan.skipped
+                        .retain(|(_, s)| !matches!(s, router::Skip::Unhealthy { .. }));
+                    plan.panic_admitted = last_resort.clone();
+                    plan.order = last_resort;
+                }
+            }
+            for (name, skip) in &plan.skipped {
+                if reported_skip.insert(name.clone()) {
+                    self.skipped(name.clone(), skip.class(), skip.detail());
+                }
+            }
+            self.panic_mode.extend(plan.panic_admitted.iter().cloned());
+            if plan.order.is_empty() {
+                // Everything left is cooling down — including endpoints that answered 429
+                // earlier in this request: wait for the first to come back, within
+                // `max_wait`, instead of failing at once.
+                let rate_limited: Vec<String> = rate_limited.drain().collect();
+                let again = self.views(&rate_limited);
+                let soonest = plan
+                    .soonest_cooldown()
+                    .into_iter()
+                    .chain(again.iter().map(|v| match v.avail {
+                        crate::registry::Avail::Cooldown(d) => d,
+                        _ => Duration::ZERO,
+                    }))
+                    .min();
+                if let Some(d) = soonest {
+                    // A floor, so a `Retry-After: 0` loop cannot spin against the upstream.
+                    let d = d.max(MIN_REWAIT);
+                    if Instant::now() + d <= wait_until {
+                        tokio::time::sleep(d).await;
+                        for n in rate_limited {
+                            tried.remove(&n);
+                        }
+                        // The wait is reported again if the endpoint is still unusable.
+                        reported_skip.clear();
+                        continue;
+                    }
+                }
+                return None;
+            }
+            for name in plan.order {
+                if Instant::now() >= self.deadline {
+                    // `request_timeout` passed: no new attempt starts; the caller's deadline
+                    // answers 504 with what was tried.
+                    std::future::pending::<()>().await;
+                }
+                tried.insert(name.clone());
+                let Some(ep) = self.cfg.endpoints.get(&name).cloned() else {
+                    continue;
+                };
+                if ep.backend_tokenize.is_some() && self.req.op != Op::Embeddings {
+                    // The backend's count may also teach its window (vLLM's max_model_len).
+                    self.prompt_tokens(&ep).await;
+                }
+                let window = self.app.registry.effective_window(&ep);
+                if let Some(floor) = context_floor {
+                    // Only a window known to be larger qualifies. When the refusing
+                    // endpoint's window is unknown there is nothing to compare: trying the
+                    // next one is the only way to find out.
+                    let larger = match (window, floor) {
+                        (Some(w), Some(f)) => w > f,
+                        (_, None) => true,
+                        (None, Some(_)) => false,
+                    };
+                    if !larger {
+                        self.skipped(name.clone(), Outcome::ContextSkip, format!(
+                                "context window {} is not larger than the {} that refused the prompt",
+                                fmt_window(window),
+                                fmt_window(floor)
+                            ));
+                        if let Some(w) = window {
+                            self.context_skipped.push((name.clone(), w));
+                        }
+                        continue;
+                    }
+                }
+                if let Some(w) = window
+                    && self.req.op != Op::Embeddings
+                {
+                    let prompt = self.prompt_tokens(&ep).await;
+                    let need = prompt.tokens + self.requested_max_tokens();
+                    let allowed = (w as f64 * policy.context_fill).floor() as u64;
+                    if need > allowed {
+                        self.skipped(name.clone(), Outcome::ContextSkip, format!(
+                                "needs {} prompt + {} completion tokens ({}); window {w}, {:.0}% usable = {allowed}",
+                                prompt.tokens,
+                                self.requested_max_tokens(),
+                                if prompt.exact { ep.counter.method() } else { "estimated".into() },
+                                policy.context_fill * 100.0
+                            ));
+                        self.context_skipped.push((name.clone(), w));
+                        continue;
+                    }
+                }
+                match self.try_endpoint(&ep).await {
+                    EndpointOutcome::Served(s) => return Some(self.respond(ep, *s)),
+                    EndpointOutcome::ClientError(status, headers, body) => {
+                        return Some(self.respond_passthrough(&ep.name, status, headers, body));
+                    }
+                    EndpointOutcome::Failed {
+                        context,
+                        rate_limited: limited,
+                    } => {
+                        if limited && !policy.max_wait.is_zero() {
+                            rate_limited.insert(ep.name.clone());
+                        }
+                        if context {
+                            let w = self.app.registry.effective_window(&ep);
+                            context_floor = Some(w);
+                            if let Some(w) = w {
+                                self.context_skipped.push((ep.name.clone(), w));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Records an endpoint that was not called (skipped, or ruled out by context size).
+    fn skipped(&mut self, endpoint: String, class: Outcome, detail: String) {
+        self.attempts.push(AttemptReport {
+            endpoint,
+            status: None,
+            class,
+            latency_ms: 0.0,
+            error: Some(detail),
+            panic_mode: false,
+            internal: None,
+        });
+    }
+
+    /// Sends the request's one audit row.
+    fn send_row(&mut self, row: RequestRow) {
+        self.row_written = true;
+        self.app.store.send(Record::Request(Box::new(row)));
+    }
+
+    fn views(&self, names: &[String]) -> Vec<View> {
+        self.app.registry.views(&self.cfg, names)
+    }
+
+    /// For a discovered endpoint, a running task's address; `Err` when there is none.
+    fn discovered_base(&self, ep: &Endpoint) -> Result<Option<String>, Failure> {
+        if !ep.discover {
+            return Ok(None);
+        }
+        self.app
+            .registry
+            .discovered_base(&ep.name)
+            .map(Some)
+            .ok_or_else(|| {
+                Failure::new(
+                    Outcome::Connect,
+                    None,
+                    "no running task discovered for this endpoint",
+                )
+            })
+    }
+
+    /// Runs one attempt against `ep` with `key`: builds it, counts the call, sends it.
+    async fn attempt(&mut self, ep: &Endpoint, key: Option<&Secret>) -> Result<Success, Failure> {
+        let t0 = Instant::now();
+        let base = self.discovered_base(ep)?;
+        let attempt = Attempt {
+            ep,
+            key,
+            req: &self.req,
+            request_id: &self.request_id,
+            deadline: self.deadline,
+            max_cooldown: self.cfg.policy.max_cooldown,
+            base: base.as_deref(),
+        };
+        let (rb, sanitized) = attempt.prepare(self.req.stream)?;
+        // Counted here: a request the adapter could not express never left the gateway.
+        self.sanitized = sanitized;
+        self.calls += 1;
+        if self.req.stream {
+            attempt.stream(rb, t0).await
+        } else {
+            attempt.full(rb).await
+        }
+    }
+
+    /// Tries one endpoint (with its `retries` and its other keys) and applies what
+    /// `outcome::action` says about each attempt's outcome.
+    async fn try_endpoint(&mut self, ep: &Arc<Endpoint>) -> EndpointOutcome {
+        let mut retries_left = ep.retries;
+        let mut backoff = ep.retry_backoff;
+        loop {
+            let key_idx = match self.app.registry.pick_key(ep) {
+                KeyPick::NotNeeded => None,
+                KeyPick::Use(i) => Some(i),
+                KeyPick::Exhausted => {
+                    self.skipped(
+                        ep.name.clone(),
+                        Outcome::SkippedAuthFailed,
+                        "no usable API key".into(),
+                    );
+                    return EndpointOutcome::Failed {
+                        context: false,
+                        rate_limited: false,
+                    };
+                }
+            };
+            let key = key_idx.and_then(|i| ep.keys[i].value.as_ref());
+            let t0 = Instant::now();
+            self.current = Some((ep.name.clone(), t0));
+            let result = self.attempt(ep, key).await;
+            self.current = None;
+            let panic_mode = self.panic_mode.contains(&ep.name);
+            let latency_ms = t0.elapsed().as_secs_f64() * 1000.0;
+            let f = match result {
+                Ok(success) => {
+                    let status = match &success {
+                        Success::Full { status, .. } => status.as_u16(),
+                        Success::Stream { .. } => 200,
+                    };
+                    self.attempts.push(AttemptReport {
+                        endpoint: ep.name.clone(),
+                        status: Some(status),
+                        class: Outcome::Ok,
+                        latency_ms,
+                        error: None,
+                        panic_mode,
+                        internal: None,
+                    });
+                    if !self.req.stream {
+                        // Streams report their outcome when they end (see `StreamGuard`).
+                        self.app.registry.apply(
+                            ep,
+                            &self.cfg.policy,
+                            Effect::Success { latency_ms },
+                        );
+                    }
+                    return EndpointOutcome::Served(Box::new(success));
+                }
+                Err(f) => f,
+            };
+            let secrets: Vec<&str> = ep
+                .keys
+                .iter()
+                .filter_map(|k| k.value.as_ref().map(|s| s.expose()))
+                .collect();
+            let detail = classify::redact(&f.detail, &secrets);
+            let internal = f.internal.as_deref().map(|d| classify::redact(d, &secrets));
+            tracing::info!(
+                request_id = %self.request_id,
+                endpoint = %ep.name,
+                class = f.class.as_str(),
+                status = ?f.status,
+                latency_ms,
+                error = %detail,
+                "attempt failed"
+            );
+            self.attempts.push(AttemptReport {
+                endpoint: ep.name.clone(),
+                status: f.status,
+                class: f.class,
+                latency_ms,
+                error: Some(detail.clone()),
+                panic_mode,
+                internal,
+            });
+            let hints = Hints {
+                retry_after: f.retry_after,
+                endpoint_cooldown: ep.cooldown,
+                default_cooldown: self.cfg.policy.default_cooldown,
+                with_key: key_idx.is_some(),
+            };
+            let failed = EndpointOutcome::Failed {
+                context: false,
+                rate_limited: false,
+            };
+            match outcome::action(f.class, hints) {
+                Action::Serve => return unreachable_serve(),
+                Action::ReturnToClient => {
+                    let (s, h, b) = f.passthrough.map(|p| *p).unwrap_or_else(|| {
+                        (StatusCode::BAD_REQUEST, HeaderMap::new(), Bytes::new())
+                    });
+                    return EndpointOutcome::ClientError(s, h, b);
+                }
+                Action::ContextSkip => {
+                    if let Some(limit) = classify::context_limit(&f.detail) {
+                        self.app.registry.learn_window(ep, limit);
+                    }
+                    // If nothing larger exists, the client gets this 400 rather than a 503.
+                    if let Some(p) = f.passthrough {
+                        self.last_context_error = Some(*p);
+                    }
+                    return EndpointOutcome::Failed {
+                        context: true,
+                        rate_limited: false,
+                    };
+                }
+                Action::CoolDown(for_) => {
+                    self.app.registry.apply(
+                        ep,
+                        &self.cfg.policy,
+                        Effect::Cooldown { for_, detail },
+                    );
+                    return EndpointOutcome::Failed {
+                        context: false,
+                        rate_limited: true,
+                    };
+                }
+                Action::FailOver => return failed,
+                Action::Retire => {
+                    self.app
+                        .registry
+                        .apply(ep, &self.cfg.policy, Effect::Retire { detail });
+                    return failed;
+                }
+                Action::RejectKey => {
+                    let key = key_idx.unwrap_or_default();
+                    let more = self.app.registry.apply(
+                        ep,
+                        &self.cfg.policy,
+                        Effect::KeyRejected { key, detail },
+                    );
+                    if more {
+                        continue;
+                    }
+                    return failed;
+                }
+                Action::Fail { retry } => {
+                    self.app.registry.apply(
+                        ep,
+                        &self.cfg.policy,
+                        Effect::Failure {
+                            class: f.class,
+                            detail,
+                        },
+                    );
+                    if retry && retries_left > 0 {
+                        retries_left -= 1;
+                        // Full jitter: a herd of clients retrying in step is what keeps a
+                        // struggling server down.
+                        let sleep = backoff.mul_f64(fastrand::f64());
+                        tokio::time::sleep(sleep).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(5));
+                        continue;
+                    }
+                    return failed;
+                }
+            }
+        }
+    }
+}
+
+/// `action` answers `Serve` only for `Outcome::Ok`, which a `Failure` never carries; should that
+/// ever change, failing over is the safe reading.
+#[cold]
+fn unreachable_serve() -> EndpointOutcome {
+    debug_assert!(false, "a failure classified as served");
+    EndpointOutcome::Failed {
+        context: false,
+        rate_limited: false,
+    }
+}

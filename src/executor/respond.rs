@@ -1,0 +1,292 @@
+//! How a request ends: the response the client gets (served, passed-through client error, 503
+//! with every attempt, 504 at the request deadline), its `x-autohedge-*` headers, and the one audit
+//! row that goes with it.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use tokio::time::Instant;
+
+use super::Run;
+use super::attempt::Success;
+use super::stream::{PassThrough, StreamGuard, pump};
+use crate::config::Endpoint;
+use crate::error::{ApiError, AttemptReport};
+use crate::outcome::Outcome;
+use crate::store::{AttemptRow, RequestRow};
+use crate::upstream::classify;
+use crate::wire::{self, Op, Usage};
+
+impl Run {
+    /// The 504 when `routing_policy.request_timeout` passed before anything was served.
+    pub(super) fn request_timed_out(&mut self) -> Response {
+        if let Some((endpoint, t0)) = self.current.take() {
+            let panic_mode = self.panic_mode.contains(&endpoint);
+            self.attempts.push(AttemptReport {
+                endpoint,
+                status: None,
+                class: Outcome::Timeout,
+                latency_ms: t0.elapsed().as_secs_f64() * 1000.0,
+                error: Some("cut off by routing_policy.request_timeout".into()),
+                panic_mode,
+                internal: None,
+            });
+        }
+        let err = ApiError::RequestTimeout {
+            message: format!(
+                "No upstream served this request for model `{}` within routing_policy.request_timeout ({}ms); see attempts.",
+                self.req.model,
+                self.cfg.policy.request_timeout.as_millis()
+            ),
+            attempts: self.attempts.clone(),
+        };
+        let row = self.base_row(None, 504, Some(err.class().into()));
+        self.send_row(row);
+        tracing::warn!(request_id = %self.request_id, model = %self.req.model, attempts = self.attempts.len(), "request timed out");
+        let mut resp = err.into_response();
+        self.headers(&mut resp, None);
+        resp
+    }
+
+    pub(super) fn base_row(
+        &self,
+        endpoint: Option<&str>,
+        status: u16,
+        error_class: Option<String>,
+    ) -> RequestRow {
+        RequestRow {
+            request_id: self.request_id.clone(),
+            ts: self.started_wall,
+            operation: self.req.op.name(),
+            requested_model: Some(self.req.model.clone()),
+            endpoint: endpoint.map(str::to_string),
+            status,
+            error_class,
+            stream: self.req.stream,
+            latency_ms: self.started.elapsed().as_secs_f64() * 1000.0,
+            ttft_ms: None,
+            tokens_in: None,
+            tokens_out: None,
+            tokens_estimated: false,
+            cost_usd: None,
+            prompt_tokens_counted: self.counted_prompt,
+            truncated_messages: self.truncation.map(|t| t.0 as u64).unwrap_or(0),
+            truncated_tokens: self.truncation.map(|t| t.1).unwrap_or(0),
+            sanitized_chars: self.sanitized,
+            attempts: self
+                .attempts
+                .iter()
+                .enumerate()
+                .map(|(i, a)| AttemptRow {
+                    seq: i as u32 + 1,
+                    endpoint: a.endpoint.clone(),
+                    class: a.class,
+                    status: a.status,
+                    // The audit row keeps the internal detail (a task's address); the client's
+                    // body has the redacted one.
+                    error: a.internal.clone().or_else(|| a.error.clone()),
+                    latency_ms: a.latency_ms,
+                    panic_mode: a.panic_mode,
+                })
+                .collect(),
+        }
+    }
+
+    pub(super) fn headers(&self, resp: &mut Response, endpoint: Option<&str>) {
+        let h = resp.headers_mut();
+        if let Ok(v) = HeaderValue::from_str(&self.request_id) {
+            h.insert("x-request-id", v);
+        }
+        if let Some(ep) = endpoint.and_then(|e| HeaderValue::from_str(e).ok()) {
+            h.insert("x-autohedge-endpoint", ep);
+        }
+        h.insert("x-autohedge-attempts", HeaderValue::from(self.calls));
+        if let Some((m, t)) = self.truncation
+            && let Ok(v) = HeaderValue::from_str(&format!("{m}/{t}"))
+        {
+            h.insert("x-autohedge-truncated", v);
+        }
+    }
+
+    pub(super) fn respond_passthrough(
+        &mut self,
+        endpoint: &str,
+        status: StatusCode,
+        headers: HeaderMap,
+        body: Bytes,
+    ) -> Response {
+        let class = classify::classify_status(status.as_u16(), &String::from_utf8_lossy(&body));
+        let row = self.base_row(Some(endpoint), status.as_u16(), Some(class.as_str().into()));
+        self.send_row(row);
+        let mut resp = (status, body).into_response();
+        for (k, v) in headers.iter() {
+            resp.headers_mut().insert(k.clone(), v.clone());
+        }
+        if !resp.headers().contains_key(header::CONTENT_TYPE) {
+            resp.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+        }
+        self.headers(&mut resp, Some(endpoint));
+        resp
+    }
+
+    pub(super) fn all_failed(&mut self) -> Response {
+        let real: Vec<&AttemptReport> = self
+            .attempts
+            .iter()
+            .filter(|a| !a.class.is_skip())
+            .collect();
+        let message = if real.is_empty() {
+            format!(
+                "No endpoint could take this request for model `{}`: every candidate was skipped (see attempts).",
+                self.req.model
+            )
+        } else {
+            format!(
+                "All {} upstream attempts for model `{}` failed (see attempts).",
+                real.len(),
+                self.req.model
+            )
+        };
+        let err = ApiError::AllFailed {
+            message,
+            attempts: self.attempts.clone(),
+        };
+        let row = self.base_row(None, 503, Some(err.class().into()));
+        self.send_row(row);
+        tracing::warn!(request_id = %self.request_id, model = %self.req.model, attempts = self.attempts.len(), "all upstreams failed");
+        let mut resp = err.into_response();
+        self.headers(&mut resp, None);
+        resp
+    }
+
+    pub(super) fn respond(&mut self, ep: Arc<Endpoint>, success: Success) -> Response {
+        match success {
+            Success::Full {
+                status,
+                content_type,
+                body,
+                usage,
+                out_chars,
+            } => {
+                let mut row = self.base_row(Some(&ep.name), status.as_u16(), None);
+                let prompt_estimate = self
+                    .counted_prompt
+                    .unwrap_or_else(|| wire::estimate_tokens(wire::prompt_chars(&self.req.body)));
+                let out_estimate = wire::estimate_tokens(out_chars);
+                fill_usage(
+                    &mut row,
+                    &ep,
+                    usage,
+                    prompt_estimate,
+                    out_estimate,
+                    self.req.op,
+                );
+                self.app.registry.record_tokens(
+                    &ep.name,
+                    row.tokens_in.unwrap_or(0),
+                    row.tokens_out.unwrap_or(0),
+                    row.tokens_estimated,
+                );
+                self.send_row(row);
+                let mut resp = (status, body).into_response();
+                resp.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    content_type.unwrap_or(HeaderValue::from_static("application/json")),
+                );
+                self.headers(&mut resp, Some(&ep.name));
+                resp
+            }
+            Success::Stream {
+                prelude,
+                rest,
+                parser,
+                done_seen,
+                ttft,
+                usage,
+                out_chars,
+                usage_tap,
+            } => {
+                let mut row = self.base_row(Some(&ep.name), 200, None);
+                row.ttft_ms = Some(self.started.elapsed().as_secs_f64() * 1000.0);
+                let guard = StreamGuard {
+                    app: self.app.clone(),
+                    cfg: self.cfg.clone(),
+                    ep: ep.clone(),
+                    row: Some(row),
+                    started: self.started,
+                    ttft,
+                    usage,
+                    out_chars,
+                    prompt_estimate: self.counted_prompt.unwrap_or_else(|| {
+                        wire::estimate_tokens(wire::prompt_chars(&self.req.body))
+                    }),
+                    usage_tap,
+                    op: self.req.op,
+                };
+                // The StreamGuard owns the row from here on.
+                self.row_written = true;
+                let idle = ep.timeouts.first_token;
+                let deadline =
+                    (Instant::now() + ep.timeouts.total.saturating_sub(ttft)).min(self.deadline);
+                let state = PassThrough {
+                    prelude: prelude.into(),
+                    rest,
+                    parser,
+                    done_seen,
+                    finished: false,
+                    idle,
+                    deadline,
+                    guard,
+                    // One waiter for the stream's life, not one per chunk.
+                    stop: Box::pin(self.app.hard_stop.clone().cancelled_owned()),
+                };
+                let body = Body::from_stream(futures_util::stream::unfold(state, pump));
+                let mut resp = Response::new(body);
+                let h = resp.headers_mut();
+                h.insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("text/event-stream"),
+                );
+                h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+                self.headers(&mut resp, Some(&ep.name));
+                resp
+            }
+        }
+    }
+}
+
+pub(super) fn fill_usage(
+    row: &mut RequestRow,
+    ep: &Endpoint,
+    usage: Option<Usage>,
+    prompt_estimate: u64,
+    out_estimate: u64,
+    op: Op,
+) {
+    let (tin, tout, est) = match usage {
+        Some(u) => (u.prompt, u.completion, false),
+        None => (
+            prompt_estimate,
+            if op == Op::Embeddings {
+                0
+            } else {
+                out_estimate
+            },
+            true,
+        ),
+    };
+    row.tokens_in = Some(tin);
+    row.tokens_out = Some(tout);
+    row.tokens_estimated = est;
+    if ep.cost.input_per_mtok > 0.0 || ep.cost.output_per_mtok > 0.0 {
+        row.cost_usd = Some(
+            (tin as f64 * ep.cost.input_per_mtok + tout as f64 * ep.cost.output_per_mtok) / 1e6,
+        );
+    }
+}

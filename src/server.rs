@@ -79,7 +79,7 @@ impl Gateway {
             // is to end the process.
             let hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
             tasks.spawn(async move {
-                if let Err(e) = crate::config::reload::watch(st, path, c, hup).await {
+                if let Err(e) = crate::reload::watch(st, path, c, hup).await {
                     tracing::error!(error = %e, "config watcher stopped");
                 }
             });

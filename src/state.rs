@@ -183,7 +183,7 @@ mod tests {
             s.spawn(|| {
                 for i in 0..50 {
                     std::fs::write(&path, text(&format!("v{}", i + 2))).unwrap();
-                    assert!(crate::config::reload::reload_now(&state, &path));
+                    assert!(crate::reload::reload_now(&state, &path));
                 }
             });
         });

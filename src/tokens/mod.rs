@@ -13,7 +13,7 @@ use base64::Engine;
 use serde_json::{Map, Value};
 use tiktoken_rs::CoreBPE;
 
-use crate::wire::Op;
+use crate::op::Op;
 
 /// Per-message framing tokens in OpenAI chat models (`<|start|>role ... <|end|>`), from OpenAI's
 /// cookbook "How to count tokens with tiktoken".

@@ -14,18 +14,6 @@ use serde_json::{Map, Value};
 use crate::config::{Endpoint, EndpointKind, Secret};
 use crate::wire::Op;
 
-/// The URL of `op` on an endpoint of `kind` rooted at `base_url` (built once per config load).
-pub fn url_for(kind: EndpointKind, base_url: &str, op: Op) -> String {
-    match kind {
-        EndpointKind::Openai | EndpointKind::Vllm => format!("{base_url}{}", op.openai_path()),
-        EndpointKind::Ollama => {
-            // `host` is the bare server (http://127.0.0.1:11434); tolerate a configured `/v1`.
-            let base = base_url.trim_end_matches("/v1");
-            format!("{base}{}", ollama::path(op))
-        }
-    }
-}
-
 /// The body sent upstream: the client's body with `model` replaced by the endpoint's id and,
 /// when the client asked for more, `max_tokens` capped at the endpoint's configured maximum. Every
 /// other field passes through untouched. Serialised straight from the client's map, without
@@ -96,7 +84,7 @@ pub fn request(
     };
     let url = match discovered_base {
         // A discovered task's address: built per request (it moves as tasks come and go).
-        Some(base) => reqwest::Url::parse(&url_for(ep.kind, base, op))
+        Some(base) => reqwest::Url::parse(&crate::config::url_for(ep.kind, base, op))
             .map_err(|e| ollama::Unsupported(format!("discovered address {base}: {e}")))?,
         // Parsed once per config load; cloning a `Url` skips reqwest's parse (and IDNA) per call.
         None => ep.urls[op as usize].clone(),

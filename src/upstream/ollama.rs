@@ -18,14 +18,6 @@ use crate::wire::{Op, Usage};
 #[derive(Debug, PartialEq, Eq)]
 pub struct Unsupported(pub String);
 
-pub fn path(op: Op) -> &'static str {
-    match op {
-        Op::Chat => "/api/chat",
-        Op::Completions => "/api/generate",
-        Op::Embeddings => "/api/embed",
-    }
-}
-
 /// Sampling options: OpenAI names → Ollama's `options`.
 fn options(ep: &Endpoint, body: &Map<String, Value>) -> Map<String, Value> {
     let mut o = Map::new();

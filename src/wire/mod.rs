@@ -12,41 +12,7 @@ use serde_json::{Map, Value};
 use crate::config::Capability;
 use crate::error::ApiError;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Op {
-    Chat = 0,
-    Completions = 1,
-    Embeddings = 2,
-}
-
-impl Op {
-    pub const ALL: [Op; 3] = [Op::Chat, Op::Completions, Op::Embeddings];
-}
-
-impl Op {
-    pub fn name(self) -> &'static str {
-        match self {
-            Op::Chat => "chat",
-            Op::Completions => "completions",
-            Op::Embeddings => "embeddings",
-        }
-    }
-    /// Path under an OpenAI-compatible API root.
-    pub fn openai_path(self) -> &'static str {
-        match self {
-            Op::Chat => "/chat/completions",
-            Op::Completions => "/completions",
-            Op::Embeddings => "/embeddings",
-        }
-    }
-    pub fn capability(self) -> Capability {
-        match self {
-            Op::Chat => Capability::Chat,
-            Op::Completions => Capability::Completions,
-            Op::Embeddings => Capability::Embeddings,
-        }
-    }
-}
+pub use crate::op::Op;
 
 /// A validated client request.
 #[derive(Debug)]
@@ -91,7 +57,7 @@ pub fn inspect(op: Op, value: Value) -> Result<Inbound, ApiError> {
             });
         }
     };
-    let mut needs = BTreeSet::from([op.capability()]);
+    let mut needs = BTreeSet::from([Capability::of(op)]);
     match op {
         Op::Chat => {
             match body.get("messages") {

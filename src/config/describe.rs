@@ -1,0 +1,62 @@
+//! The human summary `autohedge check-config` prints.
+
+use super::*;
+
+/// A printable summary for `check-config`: chains, endpoints and key *sources*, never values.
+pub fn describe(cfg: &Config) -> String {
+    use std::fmt::Write;
+    let mut out = String::new();
+    let _ = writeln!(out, "listen: {}", cfg.listen);
+    let _ = writeln!(out, "fallback_chain: {}", cfg.fallback_chain.join(" -> "));
+    for (name, chain) in &cfg.routes {
+        let _ = writeln!(out, "route {name}: {}", chain.join(" -> "));
+    }
+    let _ = writeln!(
+        out,
+        "policy: success_threshold={} window={:?} min_samples={} max_wait={:?} cache_ttl={:?} default_cooldown={:?}",
+        cfg.policy.success_threshold,
+        cfg.policy.window,
+        cfg.policy.min_samples,
+        cfg.policy.max_wait,
+        cfg.policy.cache_ttl,
+        cfg.policy.default_cooldown
+    );
+    let _ = writeln!(out, "endpoints:");
+    for ep in cfg.endpoints.values() {
+        let caps: Vec<String> = ep
+            .capabilities
+            .iter()
+            .map(|c| format!("{c:?}").to_lowercase())
+            .collect();
+        let _ = writeln!(
+            out,
+            "  {}: type={} url={} model={} context_window={} timeouts(connect={:?}, first_token={:?}, total={:?}) retries={} capabilities=[{}]",
+            ep.name,
+            ep.kind,
+            ep.base_url,
+            ep.upstream_model,
+            ep.context_window
+                .map(|c| c.to_string())
+                .unwrap_or_else(|| "unknown".into()),
+            ep.timeouts.connect,
+            ep.timeouts.first_token,
+            ep.timeouts.total,
+            ep.retries,
+            caps.join(",")
+        );
+        if ep.keys.is_empty() {
+            let _ = writeln!(out, "    keys: none");
+        }
+        for (i, k) in ep.keys.iter().enumerate() {
+            let state = match &k.problem {
+                None => "ok".to_string(),
+                Some(p) => format!("UNRESOLVED: {p}"),
+            };
+            let _ = writeln!(out, "    key #{}: {} ({state})", i + 1, k.source);
+        }
+    }
+    for w in &cfg.warnings {
+        let _ = writeln!(out, "warning: {w}");
+    }
+    out
+}

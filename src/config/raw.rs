@@ -1,0 +1,330 @@
+//! The YAML contract as written: `Raw*` structs with `deny_unknown_fields`, parsed through
+//! `serde_path_to_error` so every error names its path, and `scrub_scalars`, which hides every
+//! value of the file from an error message (a key written where a list belongs must not reach a
+//! log). Nothing here resolves or validates: that is `resolve`.
+
+use super::*;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    #[serde(default)]
+    pub server: RawServer,
+    pub models: BTreeMap<String, RawEndpoint>,
+    #[serde(default)]
+    pub routing_policy: RawRoutingPolicy,
+    #[serde(default)]
+    pub routes: BTreeMap<String, RawRoute>,
+    #[serde(default)]
+    pub health: RawHealth,
+    #[serde(default)]
+    pub docker: RawDocker,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawDocker {
+    #[serde(default)]
+    pub enabled: bool,
+    pub interval: Option<Dur>,
+    pub timeout: Option<Dur>,
+    /// The network whose addresses tasks are reached at (default: the first non-ingress one).
+    pub network: Option<String>,
+    /// Only services and containers of this stack (`com.docker.stack.namespace`) are
+    /// discovered or managed: labels are not trust.
+    pub stack: Option<String>,
+    /// A labelled service the config does not name becomes an endpoint only when true.
+    #[serde(default)]
+    pub adopt_unconfigured: bool,
+    #[serde(default)]
+    pub remediation: RawRemediation,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRemediation {
+    #[serde(default)]
+    pub enabled: bool,
+    #[serde(default)]
+    pub dry_run: bool,
+    pub unhealthy_after: Option<u32>,
+    pub min_interval: Option<Dur>,
+    #[serde(default)]
+    pub manage: Vec<String>,
+    #[serde(default)]
+    pub standby: Vec<RawStandby>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawStandby {
+    /// The endpoint whose trouble brings the standby up.
+    pub primary: String,
+    /// The Swarm service scaled 0 -> 1 -> 0.
+    pub service: String,
+    pub healthy_for: Option<Dur>,
+}
+
+/// A route: a plain chain (`chat: [a, b]`) or a chain with its own settings.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum RawRoute {
+    Chain(Vec<String>),
+    Full(RawRouteFull),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRouteFull {
+    pub chain: Vec<String>,
+    pub on_context_overflow: Option<Overflow>,
+}
+
+#[derive(Debug, Default, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTruncation {
+    pub keep_turns: Option<usize>,
+    pub omission_note: Option<bool>,
+}
+
+/// Background probing of the backends (read-only: what each server says about itself).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawHealth {
+    /// How often each endpoint is probed (default 15s).
+    pub probe_interval: Option<Dur>,
+    /// Timeout of one probe request (default 2s).
+    pub probe_timeout: Option<Dur>,
+    /// Consecutive agreeing probe results before a state flips (default 2).
+    pub flip_after: Option<u32>,
+    /// How long a just-restarted backend is held out (default 3m).
+    pub warmup: Option<Dur>,
+    /// Consecutive live-traffic failures that eject an endpoint (default 5).
+    pub eject_after: Option<u32>,
+    /// First ejection time, doubled on each failed half-open probe (default 10s, at most eject_max).
+    pub eject_base: Option<Dur>,
+    pub eject_max: Option<Dur>,
+    /// vLLM: more waiting requests than this → degraded (default 16).
+    pub vllm_max_waiting: Option<f64>,
+    /// vLLM: KV-cache usage above this share → degraded (default 0.95).
+    pub vllm_max_kv_cache: Option<f64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawServer {
+    pub listen: Option<String>,
+    pub max_body_bytes: Option<usize>,
+    /// Capacity of the audit queue in records; a full queue drops records (counted), never stalls.
+    pub audit_queue: Option<usize>,
+    /// Audit rows older than this are deleted (hourly). Default 30d; 0 keeps everything.
+    pub audit_retention: Option<Dur>,
+    /// How long SIGTERM waits for in-flight requests before closing.
+    pub shutdown_grace: Option<Dur>,
+    /// A client must send its request headers within this (slowloris guard). Default 10s.
+    pub header_timeout: Option<Dur>,
+    /// A client must send its whole request body within this. Default 30s.
+    pub body_timeout: Option<Dur>,
+    /// Requests served at once; above it new ones get 503 `overloaded` at once. 0: unlimited.
+    pub max_concurrent_requests: Option<usize>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawEndpoint {
+    #[serde(rename = "type")]
+    pub kind: EndpointKind,
+    pub base_url: Option<String>,
+    /// Ollama users write `host`; it means the same as `base_url`.
+    pub host: Option<String>,
+    pub api_key: Option<String>,
+    pub api_keys: Option<Vec<String>>,
+    pub model: Option<String>,
+    pub context_window: Option<u64>,
+    pub max_tokens: Option<u64>,
+    pub timeouts: Option<RawTimeouts>,
+    /// Shorthand for `timeouts.total` (the seed configs' `timeout: 3`).
+    pub timeout: Option<Dur>,
+    pub capabilities: Option<Vec<Capability>>,
+    /// Extra attempts on this same endpoint after a connect error, timeout or 5xx (default 0).
+    pub retries: Option<u32>,
+    pub retry_backoff: Option<Dur>,
+    /// Cooldown after a 429 that carries no `Retry-After`.
+    pub cooldown: Option<Dur>,
+    pub cost: Option<RawCost>,
+    /// A Hugging Face `tokenizer.json` for exact local counts (read from disk, never fetched).
+    pub tokenizer: Option<String>,
+    /// The tiktoken encoding (`o200k_base`, `cl100k_base`), when the model id does not tell.
+    pub encoding: Option<String>,
+    pub on_context_overflow: Option<Overflow>,
+    /// `strip` or `escape` U+2028, U+2029 and control characters (except \n and \t) in message
+    /// text before forwarding. Off by default.
+    pub payload_hygiene: Option<Hygiene>,
+    /// Ask the backend for an exact prompt count (`vllm`: POST /tokenize with the messages;
+    /// `llamacpp`: POST /tokenize with the text), falling back to the local count.
+    pub backend_tokenize: Option<BackendTokenize>,
+    /// Timeout of that call (default 300ms).
+    pub tokenize_timeout: Option<Dur>,
+    /// Extra headers sent upstream (e.g. `OpenAI-Organization`). Values may use `env:`/`file:`.
+    pub headers: Option<BTreeMap<String, String>>,
+    /// A PEM file of extra CA certificates trusted for this endpoint (a private CA); the
+    /// system's store and the bundled web roots are trusted too.
+    pub ca_file: Option<String>,
+    /// A custom health endpoint that replaces the type's default probe.
+    pub health_check: Option<RawHealthCheck>,
+    /// Opt-in: also send a real one-token completion each probe (bills one token per probe).
+    pub semantic_probe: Option<bool>,
+    /// `docker`: the address comes from Swarm services / containers labelled
+    /// `autohedge.endpoint=<this name>` (see `docker:`).
+    pub discover: Option<Discover>,
+}
+
+/// `health_check:` for services that report themselves as JSON, e.g.
+/// `{"status":"healthy","gpu_memory_used_mb":4210,"kv_cache_size_mb":187,"uptime_seconds":3621}`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawHealthCheck {
+    /// Absolute URL, or a path under the endpoint's root (`/health`).
+    pub url: String,
+    #[serde(default = "default_get")]
+    pub method: String,
+    pub timeout: Option<Dur>,
+    /// Fields that must have these values (`status: healthy`).
+    #[serde(default)]
+    pub expect: BTreeMap<String, serde_json::Value>,
+    /// GPU memory above 92% of this → degraded.
+    pub gpu_memory_total_mb: Option<f64>,
+    /// KV cache growing with no fall across this many probes → call `purge` once (default 5).
+    pub kv_growth_probes: Option<usize>,
+    pub purge: Option<RawHook>,
+}
+
+fn default_get() -> String {
+    "GET".into()
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawHook {
+    pub url: String,
+    #[serde(default = "default_post")]
+    pub method: String,
+}
+
+fn default_post() -> String {
+    "POST".into()
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Discover {
+    Docker,
+}
+
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTimeouts {
+    pub connect: Option<Dur>,
+    pub first_token: Option<Dur>,
+    pub total: Option<Dur>,
+}
+
+#[derive(Debug, Default, Clone, Copy, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawCost {
+    /// US dollars per million prompt tokens.
+    #[serde(default)]
+    pub input_per_mtok: f64,
+    /// US dollars per million completion tokens.
+    #[serde(default)]
+    pub output_per_mtok: f64,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRoutingPolicy {
+    #[serde(default)]
+    pub fallback_chain: Vec<String>,
+    pub success_threshold: Option<f64>,
+    pub cache_ttl: Option<Dur>,
+    pub max_wait: Option<Dur>,
+    /// Length of the rolling window the success rate is computed over.
+    pub window: Option<Dur>,
+    /// Outcomes needed in the window before the success rate can demote an endpoint.
+    pub min_samples: Option<u32>,
+    pub default_cooldown: Option<Dur>,
+    /// An endpoint is skipped when prompt + max_tokens exceed this share of its window.
+    pub context_fill: Option<f64>,
+    pub on_context_overflow: Option<Overflow>,
+    pub truncation: Option<RawTruncation>,
+    /// Upstream-supplied cooldowns (`Retry-After`, `x-ratelimit-reset-*`) are clamped to this.
+    pub max_cooldown: Option<Dur>,
+    /// Envoy's healthy-panic threshold: when fewer than this share of a chain's endpoints are
+    /// available by health, health is ignored for the request.
+    pub panic_threshold: Option<f64>,
+    /// One deadline for the whole request: attempts, retries, backoff and `max_wait`.
+    pub request_timeout: Option<Dur>,
+}
+
+pub fn parse(text: &str) -> Result<RawConfig, ConfigError> {
+    let de = serde_yaml_ng::Deserializer::from_str(text);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = scrub_scalars(&e.into_inner().to_string());
+        if path == "." || path.is_empty() {
+            ConfigError(inner)
+        } else {
+            ConfigError(format!("at `{path}`: {inner}"))
+        }
+    })
+}
+
+/// Removes every scalar of the file from a parse error, keeping the path and the expected type.
+/// serde echoes the offending value (`invalid type: string "sk-…", expected a sequence`), and
+/// that value is often a key written where a list belongs: the error goes to the log, `/status`
+/// and `check-config`, so it must never carry it.
+pub fn scrub_scalars(msg: &str) -> String {
+    const HIDDEN: &str = "(value hidden)";
+    // serde quotes the file's values — `string "…"`, `integer `…``, `unknown variant `…`` — and
+    // the schema's names: `unknown field `…``, `expected one of `…`, `…``. Keep only the latter.
+    let mut out = String::with_capacity(msg.len());
+    let mut rest = msg;
+    while let Some(i) = rest.find(['"', '`']) {
+        out.push_str(&rest[..i]);
+        let quoted = &rest[i..];
+        let backtick = quoted.starts_with('`');
+        let inner = &quoted[1..];
+        let close = if backtick {
+            inner.find('`')
+        } else {
+            closing_quote(inner)
+        };
+        let Some(close) = close else {
+            out.push_str(HIDDEN);
+            return out;
+        };
+        let schema_name = backtick && (out.ends_with("unknown field ") || out.contains("expected"));
+        if schema_name {
+            out.push_str(&quoted[..close + 2]);
+        } else {
+            out.push_str(HIDDEN);
+        }
+        rest = &inner[close + 1..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// The byte index of the first `"` in `s` not escaped by a backslash.
+fn closing_quote(s: &str) -> Option<usize> {
+    let mut escaped = false;
+    for (i, c) in s.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' => escaped = true,
+            '"' => return Some(i),
+            _ => {}
+        }
+    }
+    None
+}

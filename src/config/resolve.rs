@@ -1,0 +1,504 @@
+//! Validation and resolution: `Raw*` → runtime types. Keys from `env:`/`file:` become `Secret`s
+//! with a hash of their value; each endpoint gets its HTTP client (one shared rustls config, or
+//! its own with a `ca_file`), its token counter (built here, so no request waits for an
+//! encoder), its upstream URL per operation, and the fingerprint its retirements are stored under.
+
+use super::*;
+use crate::op::Op;
+
+/// The URL of `op` on an endpoint of `kind` rooted at `base_url` (built once per config load;
+/// per request only for a discovered task's address).
+pub fn url_for(kind: EndpointKind, base_url: &str, op: Op) -> String {
+    match kind {
+        EndpointKind::Openai | EndpointKind::Vllm => format!("{base_url}{}", op.openai_path()),
+        EndpointKind::Ollama => {
+            // `host` is the bare server (http://127.0.0.1:11434); tolerate a configured `/v1`.
+            let base = base_url.trim_end_matches("/v1");
+            format!("{base}{}", op.ollama_path())
+        }
+    }
+}
+
+/// The TLS settings upstream clients share: the bundled web roots plus the system's CA store,
+/// built once per process (loading the system store per client would cost every reload tens of
+/// milliseconds per endpoint). `extra_pem` (an endpoint's `ca_file`) gets its own config.
+fn tls_config(extra_pem: Option<&[u8]>) -> Result<rustls::ClientConfig, String> {
+    use std::sync::LazyLock;
+    static ROOTS: LazyLock<Arc<rustls::RootCertStore>> = LazyLock::new(|| {
+        let mut roots = rustls::RootCertStore::empty();
+        roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+        let native = rustls_native_certs::load_native_certs();
+        for e in &native.errors {
+            tracing::debug!(error = %e, "system CA store: entry skipped");
+        }
+        let (added, _) = roots.add_parsable_certificates(native.certs);
+        tracing::debug!(added, "system CA certificates trusted");
+        Arc::new(roots)
+    });
+    let roots = match extra_pem {
+        None => ROOTS.clone(),
+        Some(pem) => {
+            use rustls::pki_types::pem::PemObject;
+            let mut roots = (**ROOTS).clone();
+            let mut n = 0;
+            for cert in rustls::pki_types::CertificateDer::pem_slice_iter(pem) {
+                let cert = cert.map_err(|_| "not a PEM certificate bundle".to_string())?;
+                roots
+                    .add(cert)
+                    .map_err(|e| format!("certificate rejected: {e}"))?;
+                n += 1;
+            }
+            if n == 0 {
+                return Err("holds no PEM certificate".into());
+            }
+            Arc::new(roots)
+        }
+    };
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS setup: {e}"))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(cfg)
+}
+
+/// A configured duration, or its default.
+fn or_default(v: Option<Dur>, default: Duration) -> Duration {
+    v.map_or(default, |d| d.0)
+}
+
+/// A short, stable hash of a secret's value: enough to tell values apart, useless to recover one.
+fn value_hash(v: &str) -> String {
+    use sha2::Digest;
+    let d = sha2::Sha256::digest(v.as_bytes());
+    d.iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
+fn default_timeouts(kind: EndpointKind) -> Timeouts {
+    // Local servers load models lazily: their first token can take far longer than a cloud's.
+    match kind {
+        EndpointKind::Openai => Timeouts {
+            connect: Duration::from_secs(2),
+            first_token: Duration::from_secs(10),
+            total: Duration::from_secs(120),
+        },
+        EndpointKind::Vllm | EndpointKind::Ollama => Timeouts {
+            connect: Duration::from_secs(2),
+            first_token: Duration::from_secs(30),
+            total: Duration::from_secs(300),
+        },
+    }
+}
+
+fn default_capabilities(kind: EndpointKind) -> BTreeSet<Capability> {
+    use Capability::*;
+    match kind {
+        EndpointKind::Openai => [Chat, Completions, Embeddings, Tools, Vision].into(),
+        // Vision depends on the model a local server runs: opt in with `capabilities:`.
+        EndpointKind::Vllm | EndpointKind::Ollama => [Chat, Completions, Embeddings, Tools].into(),
+    }
+}
+
+pub(super) fn build(raw: RawConfig) -> Result<Config, ConfigError> {
+    let mut warnings = Vec::new();
+    if raw.models.is_empty() {
+        return Err(ConfigError(
+            "at `models`: at least one endpoint is required".into(),
+        ));
+    }
+    let mut endpoints = BTreeMap::new();
+    for (name, ep) in raw.models {
+        let at = format!("models.{name}");
+        let base = match (ep.base_url, ep.host) {
+            (Some(_), Some(_)) => {
+                return Err(ConfigError(format!(
+                    "at `{at}`: give either `base_url` or `host` (its alias), not both"
+                )));
+            }
+            (Some(u), None) | (None, Some(u)) => u,
+            (None, None) if ep.discover.is_some() => "http://discovered.invalid".to_string(),
+            (None, None) => match ep.kind {
+                EndpointKind::Ollama => "http://127.0.0.1:11434".to_string(),
+                EndpointKind::Vllm => "http://127.0.0.1:8000/v1".to_string(),
+                EndpointKind::Openai => "https://api.openai.com/v1".to_string(),
+            },
+        };
+        let base_url = base.trim_end_matches('/').to_string();
+        // The URL is not echoed: it may carry credentials (`https://user:pass@host`).
+        let parsed = reqwest::Url::parse(&base_url)
+            .map_err(|e| ConfigError(format!("at `{at}.base_url`: invalid URL: {e}")))?;
+        if !matches!(parsed.scheme(), "http" | "https") {
+            return Err(ConfigError(format!(
+                "at `{at}.base_url`: scheme must be http or https"
+            )));
+        }
+        let specs: Vec<String> = match (ep.api_key, ep.api_keys) {
+            (Some(_), Some(_)) => {
+                return Err(ConfigError(format!(
+                    "at `{at}`: give either `api_key` or `api_keys`, not both"
+                )));
+            }
+            (Some(k), None) => vec![k],
+            (None, Some(ks)) => ks,
+            (None, None) => vec![],
+        };
+        let mut keys = Vec::new();
+        for (i, spec) in specs.iter().enumerate() {
+            let source = KeySource::parse(spec);
+            match source.resolve(spec) {
+                Ok(v) => keys.push(ApiKey {
+                    source,
+                    hash: value_hash(v.expose()),
+                    value: Some(v),
+                    problem: None,
+                }),
+                Err(problem) => {
+                    warnings.push(format!("{at}: api key #{} ({source}): {problem}", i + 1));
+                    keys.push(ApiKey {
+                        source,
+                        hash: String::new(),
+                        value: None,
+                        problem: Some(problem),
+                    });
+                }
+            }
+        }
+        let mut timeouts = default_timeouts(ep.kind);
+        if let Some(t) = ep.timeout {
+            timeouts.total = t.0;
+        }
+        if let Some(t) = ep.timeouts {
+            if let Some(v) = t.connect {
+                timeouts.connect = v.0;
+            }
+            if let Some(v) = t.first_token {
+                timeouts.first_token = v.0;
+            }
+            if let Some(v) = t.total {
+                timeouts.total = v.0;
+            }
+        }
+        for (what, d) in [
+            ("connect", timeouts.connect),
+            ("first_token", timeouts.first_token),
+            ("total", timeouts.total),
+        ] {
+            if d.is_zero() {
+                return Err(ConfigError(format!(
+                    "at `{at}.timeouts.{what}`: must be greater than zero"
+                )));
+            }
+        }
+        if let Some(0) = ep.context_window {
+            return Err(ConfigError(format!(
+                "at `{at}.context_window`: must be greater than zero"
+            )));
+        }
+        let mut headers = Vec::new();
+        for (k, v) in ep.headers.unwrap_or_default() {
+            if reqwest::header::HeaderName::from_bytes(k.as_bytes()).is_err() {
+                return Err(ConfigError(format!(
+                    "at `{at}.headers`: invalid header name {k:?}"
+                )));
+            }
+            let source = KeySource::parse(&v);
+            let value = match source {
+                KeySource::Literal => v.clone(),
+                _ => match source.resolve(&v) {
+                    Ok(s) => s.expose().to_string(),
+                    Err(problem) => {
+                        warnings.push(format!("{at}.headers.{k}: {problem}"));
+                        continue;
+                    }
+                },
+            };
+            headers.push((k, value));
+        }
+        let upstream_model = ep.model.unwrap_or_else(|| name.clone());
+        // What the endpoint *is*: a retirement (410) is about the model at this address, not
+        // about the key, so keys are tracked separately (by value hash, see `ApiKey::hash`).
+        let fingerprint = format!("{}|{}|{}", ep.kind, base_url, upstream_model);
+        let tls = match &ep.ca_file {
+            None => tls_config(None).map_err(|e| ConfigError(format!("at `{at}`: {e}")))?,
+            Some(path) => {
+                let pem = std::fs::read(path).map_err(|e| {
+                    ConfigError(format!("at `{at}.ca_file`: cannot read {path}: {e}"))
+                })?;
+                tls_config(Some(&pem))
+                    .map_err(|e| ConfigError(format!("at `{at}.ca_file`: {path}: {e}")))?
+            }
+        };
+        let client = reqwest::Client::builder().use_preconfigured_tls(tls);
+        let client = client
+            .connect_timeout(timeouts.connect)
+            .pool_idle_timeout(Duration::from_secs(60))
+            .tcp_nodelay(true)
+            .build()
+            .map_err(|e| ConfigError(format!("at `{at}`: cannot build HTTP client: {e}")))?;
+        let counter = match (&ep.tokenizer, &ep.encoding) {
+            (Some(path), _) => {
+                let path = std::path::PathBuf::from(path);
+                let tok = crate::tokens::load_hf(&path)
+                    .map_err(|e| ConfigError(format!("at `{at}.tokenizer`: {e}")))?;
+                crate::tokens::Counter::Hf { path, tok }
+            }
+            (None, Some(enc)) => match enc.as_str() {
+                "o200k_base" => crate::tokens::Counter::Tiktoken(crate::tokens::Family::O200k),
+                "cl100k_base" => crate::tokens::Counter::Tiktoken(crate::tokens::Family::Cl100k),
+                other => {
+                    return Err(ConfigError(format!(
+                        "at `{at}.encoding`: unknown encoding {other:?} (o200k_base or cl100k_base)"
+                    )));
+                }
+            },
+            (None, None) => match crate::tokens::family_for_model(&upstream_model) {
+                Some(f) => crate::tokens::Counter::Tiktoken(f),
+                None => crate::tokens::Counter::Estimate,
+            },
+        };
+        let mut urls = Vec::with_capacity(3);
+        for op in Op::ALL {
+            let u = url_for(ep.kind, &base_url, op);
+            urls.push(
+                reqwest::Url::parse(&u)
+                    .map_err(|e| ConfigError(format!("at `{at}.base_url`: invalid URL: {e}")))?,
+            );
+        }
+        let urls: [reqwest::Url; 3] = urls
+            .try_into()
+            .map_err(|_| ConfigError(format!("at `{at}`: internal URL table error")))?;
+        let capabilities: BTreeSet<Capability> = ep
+            .capabilities
+            .map(|c| c.into_iter().collect())
+            .unwrap_or_else(|| default_capabilities(ep.kind));
+        endpoints.insert(
+            name.clone(),
+            Arc::new(Endpoint {
+                name: name.clone(),
+                kind: ep.kind,
+                base_url,
+                upstream_model,
+                keys,
+                context_window: ep.context_window,
+                max_tokens: ep.max_tokens,
+                timeouts,
+                caps: capabilities.iter().copied().collect(),
+                capabilities,
+                retries: ep.retries.unwrap_or(0),
+                retry_backoff: or_default(ep.retry_backoff, Duration::from_millis(100)),
+                cooldown: ep.cooldown.map(|d| d.0),
+                cost: ep.cost.unwrap_or_default(),
+                headers,
+                fingerprint,
+                client,
+                urls,
+                counter,
+                on_context_overflow: ep.on_context_overflow,
+                payload_hygiene: ep.payload_hygiene.unwrap_or_default(),
+                backend_tokenize: ep.backend_tokenize.map(|b| {
+                    (
+                        b,
+                        or_default(ep.tokenize_timeout, Duration::from_millis(300)),
+                    )
+                }),
+                tokenize_cache: Default::default(),
+                discover: ep.discover.is_some(),
+                health_check: ep.health_check,
+                semantic_probe: ep.semantic_probe.unwrap_or(false),
+            }),
+        );
+    }
+
+    let p = raw.routing_policy;
+    let mut fallback_chain = p.fallback_chain;
+    if fallback_chain.is_empty() {
+        // No chain given: every endpoint, in name order, so the gateway still fails over.
+        fallback_chain = endpoints.keys().cloned().collect();
+    }
+    check_chain("routing_policy.fallback_chain", &fallback_chain, &endpoints)?;
+    let mut routes = BTreeMap::new();
+    let mut route_overflow = BTreeMap::new();
+    for (route, r) in raw.routes {
+        match r {
+            RawRoute::Chain(c) => {
+                routes.insert(route, c);
+            }
+            RawRoute::Full(f) => {
+                if let Some(o) = f.on_context_overflow {
+                    route_overflow.insert(route.clone(), o);
+                }
+                routes.insert(route, f.chain);
+            }
+        }
+    }
+    for (route, chain) in &routes {
+        if endpoints.contains_key(route) {
+            return Err(ConfigError(format!(
+                "at `routes.{route}`: the route name is also an endpoint name; a request for it would be ambiguous"
+            )));
+        }
+        if chain.is_empty() {
+            return Err(ConfigError(format!(
+                "at `routes.{route}`: the chain is empty"
+            )));
+        }
+        check_chain(&format!("routes.{route}"), chain, &endpoints)?;
+    }
+    let success_threshold = p.success_threshold.unwrap_or(0.85);
+    if !(0.0..=1.0).contains(&success_threshold) {
+        return Err(ConfigError(
+            "at `routing_policy.success_threshold`: must be between 0 and 1".into(),
+        ));
+    }
+    let policy = Policy {
+        success_threshold,
+        cache_ttl: or_default(p.cache_ttl, Duration::from_secs(300)),
+        max_wait: or_default(p.max_wait, Duration::ZERO),
+        window: or_default(p.window, Duration::from_secs(300)),
+        min_samples: p.min_samples.unwrap_or(10),
+        default_cooldown: or_default(p.default_cooldown, Duration::from_secs(30)),
+        context_fill: p.context_fill.unwrap_or(0.95),
+        on_context_overflow: p.on_context_overflow.unwrap_or(Overflow::Reject),
+        truncation: crate::tokens::truncate::Options {
+            keep_turns: p.truncation.and_then(|t| t.keep_turns).unwrap_or(2),
+            note: p.truncation.and_then(|t| t.omission_note).unwrap_or(true),
+        },
+        // Filled from `health:` below.
+        health: crate::health::Thresholds::default(),
+        max_cooldown: or_default(p.max_cooldown, Duration::from_secs(600)),
+        panic_threshold: p.panic_threshold.unwrap_or(0.5),
+        request_timeout: or_default(p.request_timeout, Duration::from_secs(300)),
+    };
+    if !(0.0..=1.0).contains(&policy.panic_threshold) {
+        return Err(ConfigError(
+            "at `routing_policy.panic_threshold`: must be between 0 and 1".into(),
+        ));
+    }
+    if policy.request_timeout.is_zero() {
+        return Err(ConfigError(
+            "at `routing_policy.request_timeout`: must be greater than zero".into(),
+        ));
+    }
+    if !(policy.context_fill > 0.0 && policy.context_fill <= 1.0) {
+        return Err(ConfigError(
+            "at `routing_policy.context_fill`: must be in (0, 1]".into(),
+        ));
+    }
+    if policy.window.is_zero() {
+        return Err(ConfigError(
+            "at `routing_policy.window`: must be greater than zero".into(),
+        ));
+    }
+    let rh = &raw.health;
+    let thresholds = crate::health::Thresholds {
+        flip_after: rh.flip_after.unwrap_or(2).max(1),
+        warmup: or_default(rh.warmup, Duration::from_secs(180)),
+        eject_after: rh.eject_after.unwrap_or(5).max(1),
+        eject_base: or_default(rh.eject_base, Duration::from_secs(10)),
+        eject_max: or_default(rh.eject_max, Duration::from_secs(300)),
+    };
+    let rd = raw.docker;
+    let docker = DockerConfig {
+        enabled: rd.enabled,
+        interval: or_default(rd.interval, Duration::from_secs(5)).max(Duration::from_millis(200)),
+        timeout: or_default(rd.timeout, Duration::from_secs(5)),
+        network: rd.network,
+        stack: rd.stack,
+        adopt_unconfigured: rd.adopt_unconfigured,
+        remediation: Remediation {
+            enabled: rd.remediation.enabled,
+            dry_run: rd.remediation.dry_run,
+            unhealthy_after: rd.remediation.unhealthy_after.unwrap_or(3).max(1),
+            min_interval: or_default(rd.remediation.min_interval, Duration::from_secs(60)),
+            manage: rd.remediation.manage,
+            standby: rd
+                .remediation
+                .standby
+                .into_iter()
+                .map(|s| Standby {
+                    primary: s.primary,
+                    service: s.service,
+                    healthy_for: or_default(s.healthy_for, Duration::from_secs(60)),
+                })
+                .collect(),
+        },
+    };
+    for (i, sb) in docker.remediation.standby.iter().enumerate() {
+        if !endpoints.contains_key(&sb.primary) {
+            return Err(ConfigError(format!(
+                "at `docker.remediation.standby[{i}].primary`: unknown endpoint {:?}",
+                sb.primary
+            )));
+        }
+    }
+    if let Some(ep) = endpoints.values().find(|e| e.discover)
+        && !docker.enabled
+    {
+        return Err(ConfigError(format!(
+            "at `models.{}.discover`: discovery needs `docker: {{ enabled: true }}`",
+            ep.name
+        )));
+    }
+    let health = HealthPolicy {
+        probe_interval: or_default(raw.health.probe_interval, Duration::from_secs(15))
+            .max(Duration::from_millis(100)),
+        probe_timeout: or_default(raw.health.probe_timeout, Duration::from_secs(2)),
+        vllm_max_waiting: raw.health.vllm_max_waiting.unwrap_or(16.0),
+        vllm_max_kv_cache: raw.health.vllm_max_kv_cache.unwrap_or(0.95),
+    };
+    let listen = raw
+        .server
+        .listen
+        .unwrap_or_else(|| "127.0.0.1:8000".to_string());
+    Ok(Config {
+        listen,
+        max_body_bytes: raw.server.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY),
+        audit_queue: raw.server.audit_queue.unwrap_or(10_000).max(1),
+        audit_retention: match raw.server.audit_retention {
+            Some(d) if d.0.is_zero() => None,
+            Some(d) => Some(d.0),
+            None => Some(Duration::from_secs(30 * 86_400)),
+        },
+        shutdown_grace: or_default(raw.server.shutdown_grace, Duration::from_secs(30)),
+        header_timeout: or_default(raw.server.header_timeout, Duration::from_secs(10)),
+        body_timeout: or_default(raw.server.body_timeout, Duration::from_secs(30)),
+        max_concurrent_requests: raw.server.max_concurrent_requests.unwrap_or(0),
+        endpoints,
+        fallback_chain,
+        routes,
+        route_overflow,
+        policy: Policy {
+            health: thresholds,
+            ..policy
+        },
+        health,
+        docker,
+        source: String::new(),
+        discovered_extra: Vec::new(),
+        warnings,
+    })
+}
+
+fn check_chain(
+    at: &str,
+    chain: &[String],
+    endpoints: &BTreeMap<String, Arc<Endpoint>>,
+) -> Result<(), ConfigError> {
+    let mut seen = BTreeSet::new();
+    for (i, name) in chain.iter().enumerate() {
+        if !endpoints.contains_key(name) {
+            return Err(ConfigError(format!(
+                "at `{at}[{i}]`: unknown endpoint {name:?} (defined under `models`: {})",
+                endpoints.keys().cloned().collect::<Vec<_>>().join(", ")
+            )));
+        }
+        if !seen.insert(name) {
+            return Err(ConfigError(format!(
+                "at `{at}[{i}]`: {name:?} is listed twice"
+            )));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,323 @@
+//! The runtime routing table that requests read: resolved, validated, immutable once built.
+//! Requests hold an `Arc<Config>` for their whole life.
+
+use super::*;
+use crate::op::Op;
+
+#[derive(Clone, Debug)]
+pub struct Standby {
+    pub primary: String,
+    pub service: String,
+    pub healthy_for: Duration,
+}
+
+#[derive(Clone, Debug)]
+pub struct Remediation {
+    pub enabled: bool,
+    pub dry_run: bool,
+    pub unhealthy_after: u32,
+    pub min_interval: Duration,
+    pub manage: Vec<String>,
+    pub standby: Vec<Standby>,
+}
+
+#[derive(Clone, Debug)]
+pub struct DockerConfig {
+    pub enabled: bool,
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub network: Option<String>,
+    pub stack: Option<String>,
+    pub adopt_unconfigured: bool,
+    pub remediation: Remediation,
+}
+
+/// What to do when no endpoint's context window holds a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Overflow {
+    /// 400 in OpenAI's shape with the counted tokens and the largest window.
+    Reject,
+    /// Trim the conversation (see `tokens::truncate`) to fit the largest window.
+    Truncate,
+}
+
+/// Characters some APIs reject, handled before forwarding.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Hygiene {
+    #[default]
+    Off,
+    Strip,
+    Escape,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendTokenize {
+    Vllm,
+    Llamacpp,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct HealthPolicy {
+    pub probe_interval: Duration,
+    pub probe_timeout: Duration,
+    pub vllm_max_waiting: f64,
+    pub vllm_max_kv_cache: f64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EndpointKind {
+    Openai,
+    Vllm,
+    Ollama,
+}
+
+impl fmt::Display for EndpointKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            EndpointKind::Openai => "openai",
+            EndpointKind::Vllm => "vllm",
+            EndpointKind::Ollama => "ollama",
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Capability {
+    Chat,
+    Completions,
+    Embeddings,
+    Tools,
+    Vision,
+}
+
+impl Capability {
+    /// The capability an operation needs.
+    pub fn of(op: Op) -> Capability {
+        match op {
+            Op::Chat => Capability::Chat,
+            Op::Completions => Capability::Completions,
+            Op::Embeddings => Capability::Embeddings,
+        }
+    }
+
+    fn bit(self) -> u8 {
+        1 << (self as u8)
+    }
+}
+
+/// A set of capabilities as a bitmask: checked on every request, so no allocation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Caps(u8);
+
+impl Caps {
+    pub fn contains(self, c: Capability) -> bool {
+        self.0 & c.bit() != 0
+    }
+    pub fn insert(&mut self, c: Capability) {
+        self.0 |= c.bit();
+    }
+}
+
+impl FromIterator<Capability> for Caps {
+    fn from_iter<I: IntoIterator<Item = Capability>>(it: I) -> Self {
+        let mut caps = Caps::default();
+        for c in it {
+            caps.insert(c);
+        }
+        caps
+    }
+}
+
+/// Where an API key comes from. Only the source is ever printed; the value lives in [`Secret`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KeySource {
+    Env(String),
+    File(String),
+    Literal,
+}
+
+impl KeySource {
+    pub(super) fn parse(spec: &str) -> KeySource {
+        if let Some(name) = spec.strip_prefix("env:") {
+            KeySource::Env(name.trim().to_string())
+        } else if let Some(path) = spec.strip_prefix("file:") {
+            KeySource::File(path.trim().to_string())
+        } else {
+            KeySource::Literal
+        }
+    }
+
+    pub(super) fn resolve(&self, spec: &str) -> Result<Secret, String> {
+        match self {
+            KeySource::Env(name) => match std::env::var(name) {
+                Ok(v) if !v.trim().is_empty() => Ok(Secret(v.trim().to_string())),
+                _ => Err(format!("environment variable {name} is not set")),
+            },
+            KeySource::File(path) => match std::fs::read_to_string(path) {
+                Ok(v) if !v.trim().is_empty() => Ok(Secret(v.trim().to_string())),
+                Ok(_) => Err(format!("key file {path} is empty")),
+                Err(e) => Err(format!("key file {path} cannot be read: {e}")),
+            },
+            KeySource::Literal => Ok(Secret(spec.to_string())),
+        }
+    }
+}
+
+impl fmt::Display for KeySource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeySource::Env(n) => write!(f, "env:{n}"),
+            KeySource::File(p) => write!(f, "file:{p}"),
+            KeySource::Literal => f.write_str("literal (inline in the config)"),
+        }
+    }
+}
+
+/// A secret value. `Debug` and `Display` never show it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: String) -> Self {
+        Secret(value)
+    }
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct ApiKey {
+    pub source: KeySource,
+    /// A hash of the value (never the value): a rejection is remembered against it, so
+    /// replacing the value (file rewritten, env var changed) starts that key afresh.
+    pub hash: String,
+    /// `None` when the source could not be resolved; the reason is in `problem`.
+    pub value: Option<Secret>,
+    pub problem: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Timeouts {
+    pub connect: Duration,
+    pub first_token: Duration,
+    pub total: Duration,
+}
+
+/// One upstream endpoint, resolved.
+#[derive(Debug)]
+pub struct Endpoint {
+    pub name: String,
+    pub kind: EndpointKind,
+    /// Root of the API without a trailing slash: `…/v1` for OpenAI-type servers, the bare host
+    /// for Ollama.
+    pub base_url: String,
+    pub upstream_model: String,
+    pub keys: Vec<ApiKey>,
+    pub context_window: Option<u64>,
+    pub max_tokens: Option<u64>,
+    pub timeouts: Timeouts,
+    pub capabilities: BTreeSet<Capability>,
+    pub caps: Caps,
+    pub retries: u32,
+    pub retry_backoff: Duration,
+    pub cooldown: Option<Duration>,
+    pub cost: RawCost,
+    pub headers: Vec<(String, String)>,
+    pub counter: crate::tokens::Counter,
+    pub on_context_overflow: Option<Overflow>,
+    pub payload_hygiene: Hygiene,
+    pub backend_tokenize: Option<(BackendTokenize, Duration)>,
+    /// Counts the backend gave, by a hash of the body (bounded; cleared when full).
+    pub tokenize_cache: std::sync::Mutex<std::collections::HashMap<u64, u64>>,
+    /// The address is resolved by Docker discovery.
+    pub discover: bool,
+    pub health_check: Option<RawHealthCheck>,
+    pub semantic_probe: bool,
+    /// Changes whenever what this endpoint *is* changes (URL, model, type, keys). A retirement is
+    /// stored with the fingerprint it was made under and lifted when the config changes it.
+    pub fingerprint: String,
+    /// The HTTP client for this endpoint (its own connect timeout).
+    pub client: reqwest::Client,
+    /// Upstream URL per operation (indexed by `Op as usize`), parsed once per load.
+    pub urls: [reqwest::Url; 3],
+}
+
+impl Endpoint {
+    pub fn usable_keys(&self) -> usize {
+        self.keys.iter().filter(|k| k.value.is_some()).count()
+    }
+    pub fn needs_key(&self) -> bool {
+        !self.keys.is_empty()
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Policy {
+    pub success_threshold: f64,
+    pub cache_ttl: Duration,
+    pub max_wait: Duration,
+    pub window: Duration,
+    pub min_samples: u32,
+    pub default_cooldown: Duration,
+    pub context_fill: f64,
+    pub on_context_overflow: Overflow,
+    pub truncation: crate::tokens::truncate::Options,
+    pub health: crate::health::Thresholds,
+    pub max_cooldown: Duration,
+    pub panic_threshold: f64,
+    pub request_timeout: Duration,
+}
+
+/// The runtime routing table. Requests hold an `Arc<Config>` for their whole life.
+#[derive(Debug)]
+pub struct Config {
+    pub listen: String,
+    pub max_body_bytes: usize,
+    pub audit_queue: usize,
+    /// `None`: keep the audit trail forever.
+    pub audit_retention: Option<Duration>,
+    pub shutdown_grace: Duration,
+    pub header_timeout: Duration,
+    pub body_timeout: Duration,
+    /// 0: unlimited.
+    pub max_concurrent_requests: usize,
+    pub endpoints: BTreeMap<String, Arc<Endpoint>>,
+    pub fallback_chain: Vec<String>,
+    pub routes: BTreeMap<String, Vec<String>>,
+    /// Per-route overflow settings (routes written in the long form).
+    pub route_overflow: BTreeMap<String, Overflow>,
+    pub policy: Policy,
+    pub health: HealthPolicy,
+    pub docker: DockerConfig,
+    /// The YAML text this table was built from (to rebuild it when discovery changes).
+    pub source: String,
+    /// Endpoints that exist because Docker discovery found them, not because the file names them.
+    pub discovered_extra: Vec<String>,
+    /// Problems that do not stop the gateway (an unset `env:` key) — reported at start.
+    pub warnings: Vec<String>,
+}
+
+/// A labelled service or container Docker discovery found that the config file does not name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiscoveredEndpoint {
+    pub name: String,
+    pub kind: EndpointKind,
+    pub model: Option<String>,
+}
+
+/// A config error that says where it is.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);

@@ -2,7 +2,7 @@
 //! errors that name their path), `resolve` (validation and resolution into the runtime types:
 //! secrets, HTTP clients, token counters, URLs), `types` (the runtime [`Config`] requests read from
 //! one frozen snapshot) and `describe` (what `check-config` prints). Everything that can fail
-//! happens in [`Config::load`]; swapping the result in (`crate::reload`, `AppState::install`)
+//! happens in [`Config::load`]; swapping the result in (the reload watcher, `AppState::install`)
 //! cannot fail. The module imports nothing of the request path (checked by a test in `lib.rs`).
 
 mod describe;

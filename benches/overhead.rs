@@ -1,10 +1,15 @@
 //! Overhead benchmark, in one run on loopback: the same load against (a) the upstream directly,
 //! (b) a bare hyper pass-through proxy — the floor any Rust proxy pays on this machine — and (c)
-//! the gateway (release binary, audit trail on). Reports added latency at a fixed rate,
-//! throughput at saturation as a ratio to the floor, CPU per request and peak RSS, then the time
-//! from a config write to the first request served in the new order.
+//! the gateway (release binary, audit trail on), interleaved in rounds so that the machine's noise
+//! falls on all three alike. Reports, with the floor's own figure beside every ratio: latency at
+//! 500 and 5,000 requests/s clocked from each request's scheduled send time (pooled: at least
+//! 10,000 samples per p99), throughput and CPU per request at saturation (median over rounds),
+//! peak RSS, the cold first request of a fresh process, the time from a config write to the
+//! first request served in the new order, and an Ollama stream through the translator. Asserts
+//! that both endpoints stayed probed healthy and that the audit trail holds one row per request
+//! served.
 //!
-//! Run: `cargo bench --bench overhead` (about a minute). Every server is its own process
+//! Run: `cargo bench --bench overhead` (about three minutes). Every server is its own process
 //! (this binary re-executed with `--role`), so CPU and memory are measured per process.
 
 use std::convert::Infallible;
@@ -12,6 +17,7 @@ use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -25,16 +31,28 @@ use tokio::net::TcpListener;
 
 const GATEWAY: &str = env!("CARGO_BIN_EXE_autohedge");
 
-/// A fixed rate that the issue sets as the latency target's load.
-const RATE: u64 = 500;
-const RATE_SECS: u64 = 4;
-/// Closed-loop concurrency for the saturation run.
-const CONCURRENCY: usize = 32;
-const SATURATION_SECS: u64 = 3;
+/// Fixed rates the latency targets are set at.
+const RATES: [u64; 2] = [500, 5_000];
+/// Seconds of each fixed-rate segment per round, so that every pooled p99 has at least 10,000
+/// samples: 500/s × 4 s × 5 rounds = 10,000; 5,000/s × 1 s × 5 rounds = 25,000.
+const RATE_SECS: [f64; 2] = [4.0, 1.0];
+/// Rounds: targets are measured in turn within each round (rotating which goes first), so a
+/// noisy moment of the machine hits all of them; figures are pooled or the median over rounds.
+const ROUNDS: usize = 5;
+/// Unmeasured warm-up before each target's segment in every round (pools, caches, CPU clocks).
+const WARMUP: Duration = Duration::from_millis(500);
+/// Closed-loop connections for the saturation run.
+const CONCURRENCY: usize = 16;
+const SATURATION_SECS: f64 = 2.0;
 const RELOAD_ROUNDS: usize = 20;
 
 const REPLY: &str = r#"{"id":"chatcmpl-bench","object":"chat.completion","created":1700000000,"model":"bench","choices":[{"index":0,"message":{"role":"assistant","content":"Hello there, this is a benchmark reply of moderate length.","refusal":null},"logprobs":null,"finish_reason":"stop"}],"usage":{"prompt_tokens":12,"completion_tokens":11,"total_tokens":23},"system_fingerprint":"fp_bench"}"#;
+const MODELS: &str = r#"{"object":"list","data":[{"id":"bench","object":"model","created":1700000000,"owned_by":"bench"}]}"#;
 const REQUEST: &str = r#"{"model":"bench","messages":[{"role":"system","content":"You are terse."},{"role":"user","content":"Say hello in one sentence."}],"temperature":0.2}"#;
+
+/// Successful responses the gateway sent (it alone sets `x-autohedge-endpoint`): the audit trail
+/// must hold exactly this many rows when the gateway has shut down.
+static GATEWAY_SERVED: AtomicU64 = AtomicU64::new(0);
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
@@ -113,12 +131,18 @@ async fn upstream(tag: String) {
             let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
                 let tag = tag.clone();
                 async move {
+                    // A real `/v1/models` list, so the gateway's probe sees a healthy endpoint.
+                    let body = if req.uri().path().ends_with("/models") {
+                        MODELS
+                    } else {
+                        REPLY
+                    };
                     let _ = req.into_body().collect().await;
                     Ok::<_, Infallible>(
                         Response::builder()
                             .header("content-type", "application/json")
                             .header("x-upstream", &*tag)
-                            .body(Full::new(Bytes::from_static(REPLY.as_bytes())))
+                            .body(Full::new(Bytes::from_static(body.as_bytes())))
                             .unwrap(),
                     )
                 }
@@ -181,22 +205,25 @@ fn client() -> HttpClient {
         .build(conn)
 }
 
-async fn one(client: &HttpClient, url: &str) -> (Duration, Option<String>) {
+async fn one(client: &HttpClient, url: &str) -> Option<String> {
     let req = Request::post(url)
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from_static(REQUEST.as_bytes())))
         .unwrap();
-    let t = Instant::now();
     let resp = client.request(req).await.expect("request");
     let served = resp
         .headers()
         .get("x-upstream")
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
+    let via_gateway = resp.headers().contains_key("x-autohedge-endpoint");
     let status = resp.status();
     let _ = resp.into_body().collect().await.expect("body");
     assert!(status.is_success(), "{url}: {status}");
-    (t.elapsed(), served)
+    if via_gateway {
+        GATEWAY_SERVED.fetch_add(1, Ordering::Relaxed);
+    }
+    served
 }
 
 fn pct(sorted: &[f64], p: f64) -> f64 {
@@ -204,36 +231,53 @@ fn pct(sorted: &[f64], p: f64) -> f64 {
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
-/// Open-loop fixed rate: requests start on schedule whatever the previous ones do.
-async fn fixed_rate(url: &str) -> Vec<f64> {
-    let c = client();
-    // Warm the pool.
-    for _ in 0..50 {
-        one(&c, url).await;
-    }
-    let total = RATE * RATE_SECS;
-    let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / RATE));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-    let mut handles = Vec::with_capacity(total as usize);
-    for _ in 0..total {
-        tick.tick().await;
-        let c = c.clone();
-        let url = url.to_string();
-        handles.push(tokio::spawn(async move { one(&c, &url).await.0 }));
-    }
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    pct(&v, 50.0)
+}
+
+/// Open loop at a fixed rate. Each request's latency is clocked from the moment it was
+/// *scheduled* to be sent, not from when its task got to run: a generator (or a target) that
+/// falls behind shows up as latency instead of silently sending fewer requests (coordinated
+/// omission, Gil Tene). The pacing runs on its own OS thread with `thread::sleep` (tens of
+/// microseconds late at worst) rather than tokio's timer, whose 1 ms granularity would itself
+/// add up to a millisecond to every figure.
+async fn fixed_rate(c: &HttpClient, url: &str, rate: u64, secs: f64) -> Vec<f64> {
+    let total = (rate as f64 * secs) as u64;
+    let period = Duration::from_secs_f64(1.0 / rate as f64);
+    let rt = tokio::runtime::Handle::current();
+    let (c, url) = (c.clone(), url.to_string());
+    let pacer = std::thread::spawn(move || {
+        let start = Instant::now() + Duration::from_millis(5);
+        let mut handles = Vec::with_capacity(total as usize);
+        for i in 0..total {
+            let scheduled = start + period * i as u32;
+            let now = Instant::now();
+            if scheduled > now {
+                std::thread::sleep(scheduled - now);
+            }
+            let (c, url) = (c.clone(), url.clone());
+            handles.push(rt.spawn(async move {
+                one(&c, &url).await;
+                scheduled.elapsed().as_secs_f64() * 1000.0
+            }));
+        }
+        handles
+    });
+    let handles = tokio::task::spawn_blocking(move || pacer.join().unwrap())
+        .await
+        .unwrap();
     let mut lat = Vec::with_capacity(handles.len());
     for h in handles {
-        lat.push(h.await.unwrap().as_secs_f64() * 1000.0);
+        lat.push(h.await.unwrap());
     }
-    lat.sort_by(f64::total_cmp);
     lat
 }
 
-/// Closed loop at fixed concurrency: requests per second.
-async fn saturate(url: &str) -> (f64, u64) {
-    let c = client();
-    let deadline = Instant::now() + Duration::from_secs(SATURATION_SECS);
+/// Closed loop at fixed concurrency for `secs`: requests completed.
+async fn saturate(c: &HttpClient, url: &str, secs: f64) -> (u64, f64) {
     let start = Instant::now();
+    let deadline = start + Duration::from_secs_f64(secs);
     let mut handles = Vec::new();
     for _ in 0..CONCURRENCY {
         let c = c.clone();
@@ -251,7 +295,7 @@ async fn saturate(url: &str) -> (f64, u64) {
     for h in handles {
         n += h.await.unwrap();
     }
-    (n as f64 / start.elapsed().as_secs_f64(), n)
+    (n, start.elapsed().as_secs_f64())
 }
 
 fn proc_cpu_secs(pid: u32) -> f64 {
@@ -275,27 +319,54 @@ fn peak_rss_mb(pid: u32) -> f64 {
         .unwrap_or(0.0)
 }
 
-struct Row {
+/// One target of the comparison, with everything measured of it over the rounds.
+struct Target {
     name: &'static str,
-    p50: f64,
-    p99: f64,
-    rps: f64,
-    cpu_us_per_req: f64,
-    rss_mb: f64,
+    url: String,
+    pid: u32,
+    /// Latencies per fixed rate, pooled over rounds.
+    lat: [Vec<f64>; 2],
+    /// Each round's p99 per fixed rate (its median is robust to one bad round).
+    round_p99: [Vec<f64>; 2],
+    /// Requests per second at saturation, one figure per round.
+    rps: Vec<f64>,
+    /// CPU µs per request at saturation, one figure per round.
+    cpu_us: Vec<f64>,
 }
 
-async fn measure(name: &'static str, url: &str, pid: u32) -> Row {
-    let lat = fixed_rate(url).await;
-    let cpu0 = proc_cpu_secs(pid);
-    let (rps, n) = saturate(url).await;
-    let cpu1 = proc_cpu_secs(pid);
-    Row {
-        name,
-        p50: pct(&lat, 50.0),
-        p99: pct(&lat, 99.0),
-        rps,
-        cpu_us_per_req: (cpu1 - cpu0) * 1e6 / n.max(1) as f64,
-        rss_mb: peak_rss_mb(pid),
+impl Target {
+    fn new(name: &'static str, url: String, pid: u32) -> Self {
+        Target {
+            name,
+            url,
+            pid,
+            lat: [Vec::new(), Vec::new()],
+            round_p99: [Vec::new(), Vec::new()],
+            rps: Vec::new(),
+            cpu_us: Vec::new(),
+        }
+    }
+
+    /// One round: warm up, the fixed rates, then saturation with the process's CPU time.
+    async fn round(&mut self, c: &HttpClient) {
+        saturate(c, &self.url, WARMUP.as_secs_f64()).await;
+        for (i, rate) in RATES.into_iter().enumerate() {
+            let mut l = fixed_rate(c, &self.url, rate, RATE_SECS[i]).await;
+            l.sort_by(f64::total_cmp);
+            self.round_p99[i].push(pct(&l, 99.0));
+            self.lat[i].append(&mut l);
+        }
+        let cpu0 = proc_cpu_secs(self.pid);
+        let (n, secs) = saturate(c, &self.url, SATURATION_SECS).await;
+        let cpu1 = proc_cpu_secs(self.pid);
+        self.rps.push(n as f64 / secs);
+        self.cpu_us.push((cpu1 - cpu0) * 1e6 / n.max(1) as f64);
+    }
+
+    fn sorted(&mut self) {
+        for l in &mut self.lat {
+            l.sort_by(f64::total_cmp);
+        }
     }
 }
 
@@ -316,64 +387,224 @@ fn start_gateway(dir: &std::path::Path, config: &str) -> (Child, SocketAddr) {
     (child, addr)
 }
 
+/// Two OpenAI-type endpoints whose model is an OpenAI-family name (so the gateway counts with
+/// tiktoken's o200k encoder, as it would in front of OpenAI).
 fn gateway_config(a: SocketAddr, b: SocketAddr, order: [&str; 2]) -> String {
+    gateway_config_with(a, b, order, "")
+}
+
+/// The same with `extra` fields on both endpoints (`context_window: 128000` makes the gateway
+/// count every prompt with the endpoint's tokenizer, as the embedded default config does).
+fn gateway_config_with(a: SocketAddr, b: SocketAddr, order: [&str; 2], extra: &str) -> String {
     format!(
-        "models:\n  a: {{ type: openai, base_url: \"http://{a}/v1\", model: bench }}\n  b: {{ type: openai, base_url: \"http://{b}/v1\", model: bench }}\nrouting_policy: {{ fallback_chain: [a, b] }}\nroutes:\n  bench: [{}, {}]\n",
+        "models:\n  a: {{ type: openai, base_url: \"http://{a}/v1\", model: gpt-4o-mini{extra} }}\n  b: {{ type: openai, base_url: \"http://{b}/v1\", model: gpt-4o-mini{extra} }}\nrouting_policy: {{ fallback_chain: [a, b] }}\nroutes:\n  bench: [{}, {}]\nhealth: {{ probe_interval: 1s }}\n",
         order[0], order[1]
     )
+}
+
+/// A freshly started target: time from its `listening` line to the first answer, and the p99 of
+/// a 2 s run at 500/s started at once.
+async fn cold(name: &str, start: impl FnOnce() -> (Child, SocketAddr)) -> (f64, f64) {
+    let t = Instant::now();
+    let (mut child, addr) = start();
+    let ready = t.elapsed();
+    let c = client();
+    let url = format!("http://{addr}/v1/chat/completions");
+    let t = Instant::now();
+    one(&c, &url).await;
+    let first = t.elapsed().as_secs_f64() * 1000.0;
+    let mut l = fixed_rate(&c, &url, 500, 2.0).await;
+    l.sort_by(f64::total_cmp);
+    let _ = child.kill();
+    let _ = child.wait();
+    println!(
+        "cold {name}: started in {:.0} ms; first request {first:.2} ms; p99 of the first 2 s at 500/s {:.2} ms",
+        ready.as_secs_f64() * 1000.0,
+        pct(&l, 99.0)
+    );
+    (first, pct(&l, 99.0))
 }
 
 async fn run() {
     let tmp = tempfile::tempdir().unwrap();
     let (mut up_a, a) = spawn_role("upstream", &["--tag=a".into()]);
     let (mut up_b, b) = spawn_role("upstream", &["--tag=b".into()]);
-    let (mut px, p) = spawn_role("proxy", &[format!("--target={a}")]);
-    let (mut gw, g) = start_gateway(tmp.path(), &gateway_config(a, b, ["a", "b"]));
     let path = "/v1/chat/completions";
-
     println!(
-        "overhead benchmark: {RATE} req/s for {RATE_SECS}s, then {CONCURRENCY} concurrent for {SATURATION_SECS}s, each target in turn\n"
+        "overhead benchmark on loopback, every target its own process; {ROUNDS} interleaved rounds of: {}ms warm-up, {} req/s for {}s, {} req/s for {}s (latency from the scheduled send time), {CONCURRENCY} connections unthrottled for {SATURATION_SECS}s",
+        WARMUP.as_millis(),
+        RATES[0],
+        RATE_SECS[0],
+        RATES[1],
+        RATE_SECS[1]
     );
-    let direct = measure("direct", &format!("http://{a}{path}"), up_a.id()).await;
-    let floor = measure("hyper proxy (floor)", &format!("http://{p}{path}"), px.id()).await;
-    let gateway = measure(
-        "autohedge (audit on)",
-        &format!("http://{g}{path}"),
-        gw.id(),
-    )
+
+    // Cold start first, each on a fresh process (the gateway with a fresh data directory).
+    println!();
+    let cold_floor = cold("hyper proxy (floor)", || {
+        spawn_role("proxy", &[format!("--target={a}")])
+    })
+    .await;
+    let cold_dir = tmp.path().join("cold");
+    std::fs::create_dir_all(&cold_dir).unwrap();
+    let cold_gw = cold("autohedge (counting prompts: context_window set)", || {
+        start_gateway(
+            &cold_dir,
+            &gateway_config_with(a, b, ["a", "b"], ", context_window: 128000"),
+        )
+    })
     .await;
 
+    GATEWAY_SERVED.store(0, Ordering::Relaxed);
+    let (mut px, p) = spawn_role("proxy", &[format!("--target={a}")]);
+    let (mut gw, g) = start_gateway(tmp.path(), &gateway_config(a, b, ["a", "b"]));
+    let mut targets = [
+        Target::new("direct", format!("http://{a}{path}"), up_a.id()),
+        Target::new("hyper proxy (floor)", format!("http://{p}{path}"), px.id()),
+        Target::new("autohedge (audit on)", format!("http://{g}{path}"), gw.id()),
+    ];
+    let c = client();
+    for round in 0..ROUNDS {
+        for i in 0..targets.len() {
+            let t = &mut targets[(round + i) % 3];
+            t.round(&c).await;
+        }
+        eprintln!("round {}/{ROUNDS} done", round + 1);
+    }
+    for t in &mut targets {
+        t.sorted();
+    }
+    let [direct, floor, gateway] = &targets;
+
     println!(
-        "| target | p50 ms | p99 ms | added p50 ms | added p99 ms | req/s at saturation | vs floor | CPU µs/req | peak RSS MB |"
+        "\nLatency (ms; pooled over {ROUNDS} rounds; added = minus the direct figure of the same rounds):"
+    );
+    println!(
+        "| rate | target | samples | p50 | p99 | added p50 | added p99 | median of round p99s | added |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
-    for r in [&direct, &floor, &gateway] {
+    for (i, rate) in RATES.into_iter().enumerate() {
+        for t in [direct, floor, gateway] {
+            let rp99 = median(t.round_p99[i].clone());
+            println!(
+                "| {rate}/s | {} | {} | {:.3} | {:.3} | {:.3} | {:.3} | {rp99:.3} | {:.3} |",
+                t.name,
+                t.lat[i].len(),
+                pct(&t.lat[i], 50.0),
+                pct(&t.lat[i], 99.0),
+                pct(&t.lat[i], 50.0) - pct(&direct.lat[i], 50.0),
+                pct(&t.lat[i], 99.0) - pct(&direct.lat[i], 99.0),
+                rp99 - median(direct.round_p99[i].clone()),
+            );
+        }
+    }
+    let floor_rps = median(floor.rps.clone());
+    let floor_cpu = median(floor.cpu_us.clone());
+    println!(
+        "\nSaturation ({CONCURRENCY} connections; median over {ROUNDS} rounds; the floor's own figures beside every ratio):"
+    );
+    println!(
+        "| target | req/s | floor req/s | vs floor | CPU µs/req | floor CPU µs/req | CPU vs floor | peak RSS MB |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for t in [direct, floor, gateway] {
+        let rps = median(t.rps.clone());
+        let cpu = median(t.cpu_us.clone());
         println!(
-            "| {} | {:.3} | {:.3} | {:.3} | {:.3} | {:.0} | {:.0}% | {:.0} | {:.1} |",
-            r.name,
-            r.p50,
-            r.p99,
-            r.p50 - direct.p50,
-            r.p99 - direct.p99,
-            r.rps,
-            100.0 * r.rps / floor.rps,
-            r.cpu_us_per_req,
-            r.rss_mb
+            "| {} | {rps:.0} | {floor_rps:.0} | {:.0}% | {cpu:.1} | {floor_cpu:.1} | {:.2}x | {:.1} |",
+            t.name,
+            100.0 * rps / floor_rps,
+            cpu / floor_cpu,
+            peak_rss_mb(t.pid)
+        );
+    }
+    println!(
+        "\nCold start: first request floor {:.2} ms, gateway {:.2} ms; p99 of the first 2 s at 500/s floor {:.2} ms, gateway {:.2} ms",
+        cold_floor.0, cold_gw.0, cold_floor.1, cold_gw.1
+    );
+    let ratio = median(gateway.rps.clone()) / floor_rps;
+    let cpu_ratio = median(gateway.cpu_us.clone()) / floor_cpu;
+    let added500 = pct(&gateway.lat[0], 99.0) - pct(&direct.lat[0], 99.0);
+    let added5k = pct(&gateway.lat[1], 99.0) - pct(&direct.lat[1], 99.0);
+    println!(
+        "Goals: throughput >= 85% of the floor: {:.0}% {}; CPU/req <= 1.3x the floor's: {cpu_ratio:.2}x {}; p99 added < 0.5 ms at 500/s: {added500:.3} ms {}; < 1 ms at 5000/s: {added5k:.3} ms {}; peak RSS < 50 MiB: {:.1} {}",
+        ratio * 100.0,
+        verdict(ratio >= 0.85),
+        verdict(cpu_ratio <= 1.3),
+        verdict(added500 < 0.5),
+        verdict(added5k < 1.0),
+        peak_rss_mb(gateway.pid),
+        verdict(peak_rss_mb(gateway.pid) < 50.0),
+    );
+
+    // Both endpoints must have been healthy all along (a probe that failed would make this a
+    // benchmark of a degraded gateway).
+    let status = status_json(&c, g).await;
+    for ep in ["a", "b"] {
+        assert_eq!(
+            status["endpoints"][ep]["probe"]["ok"],
+            serde_json::json!(true),
+            "endpoint {ep} is not probed healthy: {}",
+            status["endpoints"][ep]
         );
     }
 
-    // Reload: time from the config write to the first response from the new first endpoint.
-    let c = client();
-    let url = format!("http://{g}{path}");
+    reload_rounds(&c, tmp.path(), g, a, b).await;
+
+    // Every request the gateway served has its audit row: stop it cleanly (SIGTERM drains the
+    // audit queue) and count.
+    let served = GATEWAY_SERVED.load(Ordering::Relaxed);
+    let _ = Command::new("kill")
+        .args(["-TERM", &gw.id().to_string()])
+        .status();
+    let _ = gw.wait();
+    let db = rusqlite::Connection::open(tmp.path().join("data").join("autohedge.db")).unwrap();
+    let rows: i64 = db
+        .query_row("SELECT COUNT(*) FROM requests", [], |r| r.get(0))
+        .unwrap();
+    let rows = rows as u64;
+    println!("\naudit trail: {rows} rows for {served} requests served");
+    assert_eq!(rows, served, "every served request has its audit row");
+
+    ollama_stream(tmp.path()).await;
+
+    for c in [&mut up_a, &mut up_b, &mut px] {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+fn verdict(ok: bool) -> &'static str {
+    if ok { "(met)" } else { "(NOT met)" }
+}
+
+async fn status_json(c: &HttpClient, g: SocketAddr) -> serde_json::Value {
+    let req = Request::get(format!("http://{g}/status"))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let resp = c.request(req).await.unwrap();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    serde_json::from_slice(&body).unwrap()
+}
+
+/// Reload: time from the config write to the first response from the new first endpoint.
+async fn reload_rounds(
+    c: &HttpClient,
+    dir: &std::path::Path,
+    g: SocketAddr,
+    a: SocketAddr,
+    b: SocketAddr,
+) {
+    let url = format!("http://{g}/v1/chat/completions");
     let mut samples = Vec::new();
     let mut order = ["a", "b"];
     for _ in 0..RELOAD_ROUNDS {
         order.swap(0, 1);
         let want = order[0];
-        let tmpf = tmp.path().join("config.yaml.new");
+        let tmpf = dir.join("config.yaml.new");
         std::fs::write(&tmpf, gateway_config(a, b, order)).unwrap();
         let t = Instant::now();
-        std::fs::rename(&tmpf, tmp.path().join("config.yaml")).unwrap();
+        std::fs::rename(&tmpf, dir.join("config.yaml")).unwrap();
         loop {
             let req = Request::post(&url)
                 .header("content-type", "application/json")
@@ -386,6 +617,9 @@ async fn run() {
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_string);
             let _ = resp.into_body().collect().await;
+            if served.is_some() {
+                GATEWAY_SERVED.fetch_add(1, Ordering::Relaxed);
+            }
             if served.as_deref() == Some(want) {
                 break;
             }
@@ -403,13 +637,6 @@ async fn run() {
         pct(&samples, 50.0),
         samples[samples.len() - 1]
     );
-
-    ollama_stream(tmp.path()).await;
-
-    for c in [&mut up_a, &mut up_b, &mut px, &mut gw] {
-        let _ = c.kill();
-        let _ = c.wait();
-    }
 }
 
 /// Words in the benchmark's streamed answer: one NDJSON object (and one SSE chunk) each.

@@ -13,7 +13,6 @@ use axum::routing::{get, post};
 use serde_json::{Value, json};
 
 use futures_util::FutureExt;
-use http_body_util::BodyExt;
 
 use crate::error::ApiError;
 use crate::executor;
@@ -149,11 +148,35 @@ async fn proxy(app: Arc<AppState>, op: Op, headers: HeaderMap, body: Body) -> Re
     };
     // The slot lives as long as the body: a stream counts until it ends.
     let (parts, body) = resp.into_parts();
-    let body = body.map_frame(move |f| {
-        let _held = &slot;
-        f
-    });
-    Response::from_parts(parts, Body::new(body))
+    Response::from_parts(parts, Body::new(WithSlot { body, _slot: slot }))
+}
+
+/// A response body that holds its request's slot until it is dropped. Everything else is the
+/// inner body's: in particular its size, so a full answer keeps its `content-length` instead of
+/// turning into a chunked one.
+struct WithSlot {
+    body: Body,
+    _slot: crate::state::Slot,
+}
+
+impl hyper::body::Body for WithSlot {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, axum::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
 }
 
 fn with_request_id(mut resp: Response, id: &str) -> Response {

@@ -44,6 +44,16 @@ pub fn reload_now(state: &AppState, path: &Path) -> bool {
     }
 }
 
+/// `reload_now` on the blocking pool: loading reads files, builds HTTP clients and TLS roots and
+/// may build a token encoder (hundreds of milliseconds), none of which may hold an async worker
+/// that requests are running on.
+async fn reload_off_path(state: &Arc<AppState>, path: &Path) {
+    let (st, p) = (state.clone(), path.to_path_buf());
+    if let Err(e) = tokio::task::spawn_blocking(move || reload_now(&st, &p)).await {
+        tracing::error!(error = %e, "config reload task failed; the previous routing table stays live");
+    }
+}
+
 /// A stream of writes (a log-like tool rewriting the file) must not postpone a reload forever.
 const DEBOUNCE_MAX: Duration = Duration::from_millis(500);
 
@@ -121,7 +131,7 @@ pub async fn watch(
     let live = Some(state.config.load().source.clone().into_bytes());
     let now = std::fs::read(&path).ok();
     if now.is_some() && now != live {
-        reload_now(&state, &path);
+        reload_off_path(&state, &path).await;
     }
     let mut last = now.or(live);
     loop {
@@ -129,7 +139,7 @@ pub async fn watch(
             _ = cancel.cancelled() => break,
             _ = hup.recv() => {
                 tracing::info!("SIGHUP: reloading config");
-                reload_now(&state, &path);
+                reload_off_path(&state, &path).await;
                 last = std::fs::read(&path).ok();
             }
             Some(()) = rx.recv() => {
@@ -145,7 +155,7 @@ pub async fn watch(
                     continue;
                 }
                 if now != last {
-                    reload_now(&state, &path);
+                    reload_off_path(&state, &path).await;
                     last = now;
                 }
                 // A symlink may point elsewhere now: follow it.

@@ -8,7 +8,7 @@ use serde_json::Value;
 use super::{BLOCKING_COUNT_CHARS, Run};
 use crate::config::{Endpoint, Overflow};
 use crate::error::ApiError;
-use crate::tokens::{self, Count, truncate};
+use crate::tokens::{self, Count, Counter, truncate};
 use crate::upstream;
 use crate::wire;
 
@@ -63,12 +63,19 @@ impl Run {
                 return count;
             }
         }
-        let key = ep.counter.method();
+        // An encoder still being built is never waited for: count with the estimate meanwhile.
+        let counter = if ep.counter.ready() {
+            &ep.counter
+        } else {
+            ep.counter.warm_in_background();
+            &Counter::Estimate
+        };
+        let key = counter.method();
         if let Some(c) = self.counts.get(&key) {
             return c.clone();
         }
         let count = if wire::prompt_chars(&self.req.body) > BLOCKING_COUNT_CHARS {
-            let counter = ep.counter.clone();
+            let counter = counter.clone();
             let body = self.req.body.clone();
             let op = self.req.op;
             tokio::task::spawn_blocking(move || counter.request(op, &body))
@@ -78,7 +85,7 @@ impl Run {
                     exact: false,
                 })
         } else {
-            ep.counter.request(self.req.op, &self.req.body)
+            counter.request(self.req.op, &self.req.body)
         };
         self.counted_prompt.get_or_insert(count.tokens);
         self.counts.insert(key, count.clone());

@@ -175,9 +175,12 @@ impl Run {
                 out_chars,
             } => {
                 let mut row = self.base_row(Some(&ep.name), status.as_u16(), None);
-                let prompt_estimate = self
-                    .counted_prompt
-                    .unwrap_or_else(|| wire::estimate_tokens(wire::prompt_chars(&self.req.body)));
+                // Walking the body for an estimate is only needed when the upstream sent no usage.
+                let prompt_estimate = match (usage, self.counted_prompt) {
+                    (Some(_), _) => 0,
+                    (None, Some(n)) => n,
+                    (None, None) => wire::estimate_tokens(wire::prompt_chars(&self.req.body)),
+                };
                 let out_estimate = wire::estimate_tokens(out_chars);
                 fill_usage(
                     &mut row,

@@ -43,6 +43,51 @@ pub enum Counter {
     Estimate,
 }
 
+impl Counter {
+    /// Builds what this counter needs now (a tiktoken encoder takes 250–350 ms to build and holds
+    /// about 48 MB), so that no request waits for it. Config loading calls it for endpoints that
+    /// count prompts (a `context_window`, or an explicit `encoding:`) — before `listening` is
+    /// printed, and on reload off the request path.
+    pub fn warm(&self) {
+        if let Counter::Tiktoken(f) = self {
+            let _ = bpe(*f);
+        }
+    }
+
+    /// Whether counting now would not stall on building an encoder.
+    pub fn ready(&self) -> bool {
+        match self {
+            Counter::Tiktoken(f) => BUILT[*f as usize].get().is_some(),
+            _ => true,
+        }
+    }
+
+    /// Starts building the encoder on its own thread (once per family) and returns at once: for
+    /// an endpoint that did not count at load but has to now (it taught the registry its window).
+    /// Requests count with the estimate until it is ready.
+    pub fn warm_in_background(&self) {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        static STARTED: [AtomicBool; 2] = [AtomicBool::new(false), AtomicBool::new(false)];
+        if let Counter::Tiktoken(f) = *self
+            && !self.ready()
+            && !STARTED[f as usize].swap(true, Ordering::AcqRel)
+        {
+            let spawned = std::thread::Builder::new()
+                .name("tiktoken-build".into())
+                .spawn(move || {
+                    let _ = bpe(f);
+                });
+            if spawned.is_err() {
+                STARTED[f as usize].store(false, Ordering::Release);
+            }
+        }
+    }
+}
+
+/// Encoders built so far, by family (`Family as usize`).
+static BUILT: [std::sync::OnceLock<&'static CoreBPE>; 2] =
+    [std::sync::OnceLock::new(), std::sync::OnceLock::new()];
+
 impl std::fmt::Debug for Counter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.method())
@@ -88,10 +133,10 @@ pub fn family_for_model(model: &str) -> Option<Family> {
 }
 
 fn bpe(f: Family) -> &'static CoreBPE {
-    match f {
+    BUILT[f as usize].get_or_init(|| match f {
         Family::O200k => tiktoken_rs::o200k_base_singleton(),
         Family::Cl100k => tiktoken_rs::cl100k_base_singleton(),
-    }
+    })
 }
 
 /// Loaded tokenizer files, shared across endpoints and reloads; reloaded when the file changes.

@@ -239,9 +239,10 @@ async fn probe_semantic(
     )
     .map_err(|u| u.0)?;
     let fut = async {
-        let r = rb.send().await.map_err(|e| e.to_string())?;
-        let status = r.status();
-        let v: Value = r.json().await.map_err(|e| e.to_string())?;
+        let r = rb.send().await.map_err(|e| e.shown)?;
+        let status = r.status;
+        let answer = r.bytes().await.map_err(|e| e.to_string())?;
+        let v: Value = serde_json::from_slice(&answer).map_err(|e| e.to_string())?;
         if !status.is_success() {
             return Err(format!("semantic probe: {status}"));
         }

@@ -1312,3 +1312,42 @@ async fn a_full_disk_drops_audit_records_and_serving_goes_on() {
     assert_eq!(gw.chat("a", "x").await.status(), 200);
     gw.stop();
 }
+
+/// An upstream that accepts the TCP connection and then never answers the TLS handshake is a
+/// connect error after `timeouts.connect` (the whole connection, handshake included, is under
+/// it), and the request fails over to the next endpoint at once — not after `first_token`.
+#[tokio::test]
+async fn a_stalled_tls_handshake_is_a_connect_error_within_the_connect_timeout() {
+    let stall = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let stall_addr = stall.local_addr().unwrap();
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = accepted.clone();
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = stall.accept().await {
+            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            held.push(s); // never read, never written: the ClientHello gets no answer
+        }
+    });
+    let good = MockUp::openai("reply: served by good\n").await;
+    let gw = Gw::start(&format!(
+        "models:\n  stalled: {{ type: openai, base_url: \"https://{stall_addr}/v1\", model: m, timeouts: {{ connect: 300ms, first_token: 30s, total: 60s }} }}\n  good: {{ type: openai, base_url: \"{}\", model: m }}\nroutes:\n  chat: [stalled, good]\nhealth: {{ probe_interval: 1h }}\n",
+        good.base()
+    ));
+    let t0 = std::time::Instant::now();
+    let r = gw.chat("chat", "hello").await;
+    let took = t0.elapsed();
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "good");
+    // The stalled server was really connected to (the handshake started) …
+    assert!(accepted.load(std::sync::atomic::Ordering::SeqCst) >= 1);
+    // … and the attempt ended as a connect error, well before first_token (30 s).
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+    let mut gw = gw;
+    gw.stop();
+    let rows = audit_rows(&gw, "SELECT class FROM attempts WHERE endpoint = 'stalled'");
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0][0], serde_json::json!("connect_error"), "{rows:?}");
+    holder.abort();
+    assert_no_panic(&gw);
+}

@@ -22,6 +22,49 @@ pub fn url_for(kind: EndpointKind, base_url: &str, op: Op) -> String {
 /// The TLS settings upstream clients share: the bundled web roots plus the system's CA store,
 /// built once per process (loading the system store per client would cost every reload tens of
 /// milliseconds per endpoint). `extra_pem` (an endpoint's `ca_file`) gets its own config.
+/// The endpoint's direct HTTP client for requests: hyper-util's pooled client over the same TLS
+/// config (HTTP/1.1 and HTTP/2 by ALPN), with the endpoint's connect timeout. reqwest's layers
+/// cost a quarter of the gateway's instructions a request (its redirect policy parses the URL
+/// twice a request even when redirects are off). `None` when a proxy is configured in the
+/// environment: reqwest honours `HTTP(S)_PROXY`/`ALL_PROXY`/`NO_PROXY`, so those requests go
+/// through it as before.
+fn direct_client(tls: &rustls::ClientConfig, connect: Duration) -> Option<DirectClient> {
+    let proxied = [
+        "HTTP_PROXY",
+        "http_proxy",
+        "HTTPS_PROXY",
+        "https_proxy",
+        "ALL_PROXY",
+        "all_proxy",
+    ]
+    .iter()
+    .any(|v| std::env::var_os(v).is_some_and(|x| !x.is_empty()));
+    if proxied {
+        return None;
+    }
+    let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    // The connector sets ALPN itself (h2, http/1.1) and refuses a config that already has it.
+    let mut tls = tls.clone();
+    tls.alpn_protocols.clear();
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .enable_http2()
+        .wrap_connector(http);
+    Some(
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .pool_timer(hyper_util::rt::TokioTimer::new())
+            .build(TimedConnector {
+                inner: https,
+                timeout: connect,
+            }),
+    )
+}
+
 fn tls_config(extra_pem: Option<&[u8]>) -> Result<rustls::ClientConfig, String> {
     use std::sync::LazyLock;
     static ROOTS: LazyLock<Arc<rustls::RootCertStore>> = LazyLock::new(|| {
@@ -230,6 +273,7 @@ pub(super) fn build(raw: RawConfig) -> Result<Config, ConfigError> {
                     .map_err(|e| ConfigError(format!("at `{at}.ca_file`: {path}: {e}")))?
             }
         };
+        let direct = direct_client(&tls, timeouts.connect);
         let client = reqwest::Client::builder().use_preconfigured_tls(tls);
         let client = client
             .connect_timeout(timeouts.connect)
@@ -270,7 +314,15 @@ pub(super) fn build(raw: RawConfig) -> Result<Config, ConfigError> {
                     .map_err(|e| ConfigError(format!("at `{at}.base_url`: invalid URL: {e}")))?,
             );
         }
+        let uris = urls
+            .iter()
+            .map(|u| u.as_str().parse::<http::Uri>())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| ConfigError(format!("at `{at}.base_url`: invalid URL: {e}")))?;
         let urls: [reqwest::Url; 3] = urls
+            .try_into()
+            .map_err(|_| ConfigError(format!("at `{at}`: internal URL table error")))?;
+        let uris: [http::Uri; 3] = uris
             .try_into()
             .map_err(|_| ConfigError(format!("at `{at}`: internal URL table error")))?;
         let capabilities: BTreeSet<Capability> = ep
@@ -297,7 +349,9 @@ pub(super) fn build(raw: RawConfig) -> Result<Config, ConfigError> {
                 headers,
                 fingerprint,
                 client,
+                direct,
                 urls,
+                uris,
                 counter,
                 on_context_overflow: ep.on_context_overflow,
                 payload_hygiene: ep.payload_hygiene.unwrap_or_default(),

@@ -215,6 +215,57 @@ pub struct Timeouts {
     pub total: Duration,
 }
 
+/// hyper-util's pooled client over rustls: what requests to upstreams are sent with.
+pub type DirectClient =
+    hyper_util::client::legacy::Client<TimedConnector, http_body_util::Full<bytes::Bytes>>;
+
+type HttpsConnector =
+    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>;
+
+/// The HTTPS connector under `timeouts.connect` as a whole — TCP connect *and* TLS handshake, as
+/// reqwest's connect timeout was — so a server that accepts and then stalls the handshake is a
+/// connect error after `connect`, not a timeout after `first_token`.
+#[derive(Clone)]
+pub struct TimedConnector {
+    pub(super) inner: HttpsConnector,
+    pub(super) timeout: Duration,
+}
+
+type Connecting = std::pin::Pin<
+    Box<
+        dyn std::future::Future<
+                Output = Result<
+                    hyper_rustls::MaybeHttpsStream<hyper_util::rt::TokioIo<tokio::net::TcpStream>>,
+                    Box<dyn std::error::Error + Send + Sync>,
+                >,
+            > + Send,
+    >,
+>;
+
+impl tower::Service<http::Uri> for TimedConnector {
+    type Response = hyper_rustls::MaybeHttpsStream<hyper_util::rt::TokioIo<tokio::net::TcpStream>>;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+    type Future = Connecting;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let connecting = self.inner.call(uri);
+        let limit = self.timeout;
+        Box::pin(async move {
+            match tokio::time::timeout(limit, connecting).await {
+                Ok(r) => r,
+                Err(_) => Err(format!("connect timed out after {}ms", limit.as_millis()).into()),
+            }
+        })
+    }
+}
+
 /// One upstream endpoint, resolved.
 #[derive(Debug)]
 pub struct Endpoint {
@@ -250,8 +301,12 @@ pub struct Endpoint {
     pub fingerprint: String,
     /// The HTTP client for this endpoint (its own connect timeout).
     pub client: reqwest::Client,
+    /// The direct client requests use (`None`: a proxy is configured, requests use `client`).
+    pub direct: Option<DirectClient>,
     /// Upstream URL per operation (indexed by `Op as usize`), parsed once per load.
     pub urls: [reqwest::Url; 3],
+    /// The same as `http::Uri`s, for the direct client.
+    pub uris: [http::Uri; 3],
 }
 
 impl Endpoint {

@@ -1,27 +1,26 @@
 //! One upstream attempt: the request as the endpoint's adapter builds it, its timeouts, and the
 //! classification of whatever comes back — a value with no access to the request's bookkeeping,
-//! so two can run at once (hedging) and dropping one cancels it (reqwest closes its connection,
+//! so two can run at once (hedging) and dropping one cancels it (its connection is closed,
 //! so a metered API stops generating).
 
-use std::pin::Pin;
 use std::time::Duration;
 
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use bytes::Bytes;
-use futures_util::{Stream, StreamExt};
+use futures_util::StreamExt;
 use serde_json::Value;
 use tokio::time::{Instant, timeout_at};
 
 use crate::config::{Endpoint, EndpointKind, Secret};
 use crate::outcome::Outcome;
-use crate::upstream::{self, classify};
+use crate::upstream::{self, Answer, Prepared, SendError, classify};
 use crate::wire::sse::SseParser;
 use crate::wire::{self, ChunkKind, Inbound, Usage};
 
 /// Longest upstream error body we read before classifying it.
 const MAX_ERROR_BODY: usize = 64 * 1024;
 
-pub(super) type ByteStream = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
+pub(super) use crate::upstream::ByteStream;
 
 /// A failed attempt, with what the policy needs to decide on it.
 pub(super) struct Failure {
@@ -84,11 +83,11 @@ pub(super) struct Attempt<'a> {
     pub base: Option<&'a str>,
 }
 
-impl Attempt<'_> {
+impl<'a> Attempt<'a> {
     /// The upstream request (payload hygiene, adapter) and how many characters hygiene changed.
     /// Synchronous, so the caller counts the call before anything is awaited; `Err` means the
     /// request cannot be expressed for this endpoint and never left the gateway.
-    pub(super) fn prepare(&self, stream: bool) -> Result<(reqwest::RequestBuilder, u64), Failure> {
+    pub(super) fn prepare(&self, stream: bool) -> Result<(Prepared<'a>, u64), Failure> {
         upstream::request(
             self.ep,
             self.req.op,
@@ -102,7 +101,7 @@ impl Attempt<'_> {
     }
 
     /// A non-stream attempt: the whole answer under `timeouts.total`.
-    pub(super) async fn full(&self, rb: reqwest::RequestBuilder) -> Result<Success, Failure> {
+    pub(super) async fn full(&self, rb: Prepared<'_>) -> Result<Success, Failure> {
         let ep = self.ep;
         // Each attempt's timeouts are capped by what is left of the request's own deadline.
         let deadline = (Instant::now() + ep.timeouts.total).min(self.deadline);
@@ -114,14 +113,14 @@ impl Attempt<'_> {
                     "no response within timeouts.total",
                 ));
             }
-            Ok(Err(e)) => return Err(send_error(&e)),
+            Ok(Err(e)) => return Err(send_error(e)),
             Ok(Ok(r)) => r,
         };
-        if !resp.status().is_success() {
+        if !resp.status.is_success() {
             return Err(read_error(ep, resp, deadline, self.max_cooldown).await);
         }
-        let status = resp.status();
-        let content_type = resp.headers().get(header::CONTENT_TYPE).cloned();
+        let status = resp.status;
+        let content_type = resp.headers.get(header::CONTENT_TYPE).cloned();
         let body = match timeout_at(deadline, resp.bytes()).await {
             Err(_) => {
                 return Err(Failure::new(
@@ -134,7 +133,7 @@ impl Attempt<'_> {
                 return Err(Failure::new(
                     Outcome::Connection,
                     Some(status.as_u16()),
-                    format!("reading body: {}", error_chain(&e)),
+                    format!("reading body: {}", error_chain(&*e)),
                 ));
             }
             Ok(Ok(b)) => b,
@@ -203,11 +202,7 @@ impl Attempt<'_> {
 
     /// A stream attempt, up to its commit: the first content chunk (or `[DONE]`). Nothing of it
     /// has reached the client when this returns, so any `Err` can fail over invisibly.
-    pub(super) async fn stream(
-        &self,
-        rb: reqwest::RequestBuilder,
-        t0: Instant,
-    ) -> Result<Success, Failure> {
+    pub(super) async fn stream(&self, rb: Prepared<'_>, t0: Instant) -> Result<Success, Failure> {
         let ep = self.ep;
         let first_deadline = (t0 + ep.timeouts.first_token)
             .min(t0 + ep.timeouts.total)
@@ -220,14 +215,14 @@ impl Attempt<'_> {
                     "no response headers within timeouts.first_token",
                 ));
             }
-            Ok(Err(e)) => return Err(send_error(&e)),
+            Ok(Err(e)) => return Err(send_error(e)),
             Ok(Ok(r)) => r,
         };
-        if !resp.status().is_success() {
+        if !resp.status.is_success() {
             let deadline = (t0 + ep.timeouts.total).min(self.deadline);
             return Err(read_error(ep, resp, deadline, self.max_cooldown).await);
         }
-        let status = resp.status().as_u16();
+        let status = resp.status.as_u16();
         let mut usage_tap = None;
         let mut rest: ByteStream = if ep.kind == EndpointKind::Ollama {
             let include_usage = self
@@ -242,12 +237,12 @@ impl Attempt<'_> {
                 &self.req.model,
                 include_usage,
             );
-            let (s, tap) = upstream::ollama::SseFromNdjson::new(Box::pin(resp.bytes_stream()), tr);
+            let (s, tap) = upstream::ollama::SseFromNdjson::new(resp.body, tr);
             usage_tap = Some(tap);
             Box::pin(s)
         } else {
             let is_sse = resp
-                .headers()
+                .headers
                 .get(header::CONTENT_TYPE)
                 .and_then(|v| v.to_str().ok())
                 .is_some_and(|v| v.starts_with("text/event-stream"));
@@ -272,7 +267,7 @@ impl Attempt<'_> {
                 };
                 return Err(Failure::new(Outcome::Malformed, Some(status), detail));
             }
-            Box::pin(resp.bytes_stream())
+            resp.body
         };
         let mut parser = SseParser::new();
         let mut prelude = Vec::new();
@@ -301,7 +296,7 @@ impl Attempt<'_> {
                     return Err(Failure::new(
                         Outcome::Connection,
                         Some(status),
-                        format!("stream broke before any content: {}", error_chain(&e)),
+                        format!("stream broke before any content: {}", error_chain(&*e)),
                     ));
                 }
                 Ok(Some(Ok(b))) => b,
@@ -373,14 +368,14 @@ impl Attempt<'_> {
 /// A non-2xx answer: its class, the upstream's hint, and for client errors its own response.
 async fn read_error(
     ep: &Endpoint,
-    resp: reqwest::Response,
+    resp: Answer,
     deadline: Instant,
     max_cooldown: Duration,
 ) -> Failure {
-    let status = resp.status();
-    let headers = resp.headers().clone();
+    let status = resp.status;
+    let headers = resp.headers;
     let mut body = Vec::new();
-    let mut stream = resp.bytes_stream();
+    let mut stream = resp.body;
     while body.len() < MAX_ERROR_BODY {
         match timeout_at(deadline, stream.next()).await {
             Ok(Some(Ok(b))) => body.extend_from_slice(&b),
@@ -473,36 +468,15 @@ pub(super) fn error_message(body: &str) -> String {
     body.chars().take(300).collect()
 }
 
-pub(super) fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(inner) = src {
-        let t = inner.to_string();
-        if !s.contains(&t) {
-            s.push_str(": ");
-            s.push_str(&t);
-        }
-        src = inner.source();
-    }
-    s
-}
+pub(super) use crate::upstream::error_chain;
 
-fn send_error(e: &reqwest::Error) -> Failure {
-    let class = if e.is_connect() {
+fn send_error(e: SendError) -> Failure {
+    let class = if e.connect {
         Outcome::Connect
-    } else if e.is_timeout() {
-        Outcome::Timeout
     } else {
         Outcome::Connection
     };
-    // reqwest's Display includes the URL: a discovered task's internal address, which belongs in
-    // the audit row, not in a client's 503 body.
-    let full = error_chain(e);
-    let shown = match e.url() {
-        Some(u) => full.replace(&format!(" for url ({u})"), ""),
-        None => full.clone(),
-    };
-    let mut f = Failure::new(class, None, shown);
-    f.internal = Some(full);
+    let mut f = Failure::new(class, None, e.shown);
+    f.internal = Some(e.internal);
     f
 }

@@ -228,7 +228,7 @@ pub(super) async fn pump(
         }
         Ok(Some(Err(e))) => {
             st.finished = true;
-            let detail = error_chain(&e);
+            let detail = error_chain(&*e);
             st.guard.finish(Some((Outcome::StreamBroken, detail)));
             let ev = stream_error_event(
                 "The upstream connection failed mid-stream.",

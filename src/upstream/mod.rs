@@ -9,9 +9,14 @@ pub mod metrics;
 pub mod ollama;
 pub mod tokenize;
 
+use std::pin::Pin;
+
+use bytes::Bytes;
+use futures_util::{Stream, TryStreamExt};
+use http_body_util::{BodyExt, Full};
 use serde_json::{Map, Value};
 
-use crate::config::{Endpoint, EndpointKind, Secret};
+use crate::config::{DirectClient, Endpoint, EndpointKind, Secret};
 use crate::wire::Op;
 
 /// The body sent upstream: the client's body with `model` replaced by the endpoint's id and,
@@ -60,15 +65,15 @@ impl serde::Serialize for Outgoing<'_> {
 /// Builds the request for one attempt, with the endpoint's payload hygiene applied; returns it
 /// with the number of characters hygiene changed. `Err` when the request cannot be expressed in
 /// the endpoint's protocol (the executor skips the endpoint without holding it against it).
-pub fn request(
-    ep: &Endpoint,
+pub fn request<'a>(
+    ep: &'a Endpoint,
     op: Op,
     client_body: &Map<String, Value>,
     stream: bool,
     key: Option<&Secret>,
     request_id: &str,
     discovered_base: Option<&str>,
-) -> Result<(reqwest::RequestBuilder, u64), ollama::Unsupported> {
+) -> Result<(Prepared<'a>, u64), ollama::Unsupported> {
     let (client_body, sanitized) = crate::wire::hygiene::apply(client_body, ep.payload_hygiene);
     let payload = match ep.kind {
         EndpointKind::Openai | EndpointKind::Vllm => body(ep, op, &client_body),
@@ -84,11 +89,25 @@ pub fn request(
     };
     let url = match discovered_base {
         // A discovered task's address: built per request (it moves as tasks come and go).
-        Some(base) => reqwest::Url::parse(&crate::config::url_for(ep.kind, base, op))
-            .map_err(|e| ollama::Unsupported(format!("discovered address {base}: {e}")))?,
-        // Parsed once per config load; cloning a `Url` skips reqwest's parse (and IDNA) per call.
-        None => ep.urls[op as usize].clone(),
+        Some(base) => Some(
+            reqwest::Url::parse(&crate::config::url_for(ep.kind, base, op))
+                .map_err(|e| ollama::Unsupported(format!("discovered address {base}: {e}")))?,
+        ),
+        None => None,
     };
+    if let Some(direct) = &ep.direct {
+        let uri = match &url {
+            Some(u) => u.as_str().parse::<http::Uri>().ok(),
+            // Parsed once per config load.
+            None => Some(ep.uris[op as usize].clone()),
+        };
+        if let Some(req) = uri.and_then(|uri| direct_request(ep, uri, key, request_id, &payload)) {
+            return Ok((Prepared::Direct(direct, req), sanitized));
+        }
+        // A header the `http` crate refuses: reqwest reports it as it always did.
+    }
+    // Parsed once per config load; cloning a `Url` skips reqwest's parse (and IDNA) per call.
+    let url = url.unwrap_or_else(|| ep.urls[op as usize].clone());
     let mut rb = ep
         .client
         .post(url)
@@ -101,5 +120,150 @@ pub fn request(
     for (k, v) in &ep.headers {
         rb = rb.header(k.as_str(), v.as_str());
     }
-    Ok((rb, sanitized))
+    Ok((Prepared::Reqwest(rb), sanitized))
+}
+
+/// The same request for the direct client, with the headers reqwest sent (`accept: */*`
+/// included); `None` when a header value cannot be expressed.
+fn direct_request(
+    ep: &Endpoint,
+    uri: http::Uri,
+    key: Option<&Secret>,
+    request_id: &str,
+    payload: &[u8],
+) -> Option<http::Request<Full<Bytes>>> {
+    let mut b = http::Request::post(uri)
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .header(http::header::ACCEPT, "*/*")
+        .header("x-request-id", request_id);
+    if let Some(k) = key {
+        let mut v = http::HeaderValue::from_str(&format!("Bearer {}", k.expose())).ok()?;
+        v.set_sensitive(true);
+        b = b.header(http::header::AUTHORIZATION, v);
+    }
+    for (k, v) in &ep.headers {
+        b = b.header(k.as_str(), v.as_str());
+    }
+    b.body(Full::new(Bytes::copy_from_slice(payload))).ok()
+}
+
+/// Errors of an upstream body stream, whichever client read it.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// An upstream body as it arrives.
+pub type ByteStream = Pin<Box<dyn Stream<Item = Result<Bytes, BoxError>> + Send>>;
+
+/// A request ready to go: on the endpoint's direct client, or through reqwest (a proxy is
+/// configured, or a header only reqwest would report).
+pub enum Prepared<'a> {
+    Direct(&'a DirectClient, http::Request<Full<Bytes>>),
+    Reqwest(reqwest::RequestBuilder),
+}
+
+/// An upstream's answer: status and headers, and the body as a stream.
+pub struct Answer {
+    pub status: http::StatusCode,
+    pub headers: http::HeaderMap,
+    pub body: ByteStream,
+}
+
+impl Answer {
+    /// The whole body, however it arrives.
+    pub async fn bytes(mut self) -> Result<Bytes, BoxError> {
+        use futures_util::StreamExt;
+        let Some(first) = self.body.next().await.transpose()? else {
+            return Ok(Bytes::new());
+        };
+        // The common case, one chunk: no copy.
+        let Some(second) = self.body.next().await.transpose()? else {
+            return Ok(first);
+        };
+        let mut all = bytes::BytesMut::with_capacity(first.len() + second.len());
+        all.extend_from_slice(&first);
+        all.extend_from_slice(&second);
+        while let Some(b) = self.body.next().await.transpose()? {
+            all.extend_from_slice(&b);
+        }
+        Ok(all.freeze())
+    }
+}
+
+/// Why a request got no answer.
+pub struct SendError {
+    /// The connection could not be made (refused, unreachable, connect timeout, TLS).
+    pub connect: bool,
+    /// The error chain, without the URL (clients see this).
+    pub shown: String,
+    /// The same with the URL (a discovered task's address): for the audit row only.
+    pub internal: String,
+}
+
+impl Prepared<'_> {
+    pub async fn send(self) -> Result<Answer, SendError> {
+        match self {
+            Prepared::Direct(client, req) => {
+                let url = req.uri().to_string();
+                match client.request(req).await {
+                    Ok(resp) => {
+                        let (parts, body) = resp.into_parts();
+                        let body = body.into_data_stream().map_err(BoxError::from);
+                        Ok(Answer {
+                            status: parts.status,
+                            headers: parts.headers,
+                            body: Box::pin(body),
+                        })
+                    }
+                    Err(e) => {
+                        let shown = format!("error sending request: {}", error_chain(&e));
+                        Err(SendError {
+                            connect: e.is_connect(),
+                            internal: format!("{shown} (url {url})"),
+                            shown,
+                        })
+                    }
+                }
+            }
+            Prepared::Reqwest(rb) => match rb.send().await {
+                Ok(resp) => {
+                    let status = resp.status();
+                    let headers = resp.headers().clone();
+                    let body = resp.bytes_stream().map_err(BoxError::from);
+                    Ok(Answer {
+                        status,
+                        headers,
+                        body: Box::pin(body),
+                    })
+                }
+                Err(e) => {
+                    // reqwest's Display includes the URL: a discovered task's internal address,
+                    // which belongs in the audit row, not in a client's 503 body.
+                    let full = error_chain(&e);
+                    let shown = match e.url() {
+                        Some(u) => full.replace(&format!(" for url ({u})"), ""),
+                        None => full.clone(),
+                    };
+                    Err(SendError {
+                        connect: e.is_connect(),
+                        shown,
+                        internal: full,
+                    })
+                }
+            },
+        }
+    }
+}
+
+/// An error and its sources, each once.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        let t = inner.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        src = inner.source();
+    }
+    s
 }

@@ -611,7 +611,7 @@ impl StreamTranslator {
 /// did not ask for a usage chunk.
 pub type UsageTap = Arc<Mutex<Option<Usage>>>;
 
-type Inner = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
+type Inner = super::ByteStream;
 
 /// NDJSON in, SSE out. A connection that ends without `done: true` simply ends: the executor
 /// sees no `[DONE]` and treats it as the failure it is.
@@ -657,7 +657,7 @@ impl SseFromNdjson {
 }
 
 impl Stream for SseFromNdjson {
-    type Item = reqwest::Result<Bytes>;
+    type Item = Result<Bytes, super::BoxError>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         loop {

@@ -82,11 +82,11 @@ pub fn request<'a>(
                 .unwrap_or_default()
         }
     };
-    let payload = if ep.payload_hygiene == crate::config::Hygiene::Escape {
+    let payload = Bytes::from(if ep.payload_hygiene == crate::config::Hygiene::Escape {
         crate::wire::hygiene::escape_wire(payload)
     } else {
         payload
-    };
+    });
     let url = match discovered_base {
         // A discovered task's address: built per request (it moves as tasks come and go).
         Some(base) => Some(
@@ -101,7 +101,9 @@ pub fn request<'a>(
             // Parsed once per config load.
             None => Some(ep.uris[op as usize].clone()),
         };
-        if let Some(req) = uri.and_then(|uri| direct_request(ep, uri, key, request_id, &payload)) {
+        if let Some(req) =
+            uri.and_then(|uri| direct_request(ep, uri, key, request_id, payload.clone()))
+        {
             return Ok((Prepared::Direct(direct, req), sanitized));
         }
         // A header the `http` crate refuses: reqwest reports it as it always did.
@@ -130,7 +132,7 @@ fn direct_request(
     uri: http::Uri,
     key: Option<&Secret>,
     request_id: &str,
-    payload: &[u8],
+    payload: Bytes,
 ) -> Option<http::Request<Full<Bytes>>> {
     let mut b = http::Request::post(uri)
         .header(http::header::CONTENT_TYPE, "application/json")
@@ -144,7 +146,7 @@ fn direct_request(
     for (k, v) in &ep.headers {
         b = b.header(k.as_str(), v.as_str());
     }
-    b.body(Full::new(Bytes::copy_from_slice(payload))).ok()
+    b.body(Full::new(payload)).ok()
 }
 
 /// Errors of an upstream body stream, whichever client read it.

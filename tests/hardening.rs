@@ -1351,3 +1351,31 @@ async fn a_stalled_tls_handshake_is_a_connect_error_within_the_connect_timeout()
     holder.abort();
     assert_no_panic(&gw);
 }
+
+/// With a proxy in the environment, requests go through it (reqwest honours `HTTP_PROXY`), as
+/// they did before the direct client existed: the upstream itself is never reached directly.
+#[tokio::test]
+async fn a_proxy_in_the_environment_is_honoured() {
+    let upstream = MockUp::openai("reply: from the upstream itself\n").await;
+    // The mock answers absolute-form requests too, so it can stand in for a forward proxy.
+    let proxy = MockUp::openai("reply: through the proxy\n").await;
+    let proxy_url = proxy.base().trim_end_matches("/v1").to_string();
+    let gw = Gw::start_with_env(
+        &format!(
+            "models:\n  a: {{ type: openai, base_url: \"{}\", model: m }}\nroutes:\n  chat: [a]\nhealth: {{ probe_interval: 1h }}\n",
+            upstream.base()
+        ),
+        &[("HTTP_PROXY", proxy_url.as_str())],
+    );
+    let r = gw.chat("chat", "hello").await;
+    assert_eq!(r.status(), 200);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(
+        body["choices"][0]["message"]["content"],
+        json!("through the proxy"),
+        "{body}"
+    );
+    assert_eq!(proxy.requests().await, 1, "the proxy carried the request");
+    assert_eq!(upstream.requests().await, 0, "nothing bypassed the proxy");
+    assert_no_panic(&gw);
+}

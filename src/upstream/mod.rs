@@ -269,3 +269,75 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
     }
     s
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(chunks: Vec<Result<&'static str, &'static str>>) -> Answer {
+        let items: Vec<Result<Bytes, BoxError>> = chunks
+            .into_iter()
+            .map(|c| {
+                c.map(|s| Bytes::from_static(s.as_bytes()))
+                    .map_err(BoxError::from)
+            })
+            .collect();
+        Answer {
+            status: http::StatusCode::OK,
+            headers: http::HeaderMap::new(),
+            body: Box::pin(futures_util::stream::iter(items)),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_body_is_whole_however_it_is_split() {
+        assert_eq!(answer(vec![]).bytes().await.unwrap(), Bytes::new());
+        assert_eq!(answer(vec![Ok("abc")]).bytes().await.unwrap(), "abc");
+        assert_eq!(
+            answer(vec![Ok("a"), Ok(""), Ok("bc"), Ok("d")])
+                .bytes()
+                .await
+                .unwrap(),
+            "abcd"
+        );
+        let err = answer(vec![Ok("a"), Err("connection reset")])
+            .bytes()
+            .await
+            .unwrap_err();
+        assert_eq!(err.to_string(), "connection reset");
+    }
+
+    #[tokio::test]
+    async fn a_refused_connection_is_a_connect_error_without_the_url_for_clients() {
+        let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = dead.local_addr().unwrap();
+        drop(dead);
+        let cfg = crate::config::Config::load(&format!(
+            "models:\n  a: {{ type: openai, base_url: \"http://{addr}/v1\", model: m }}\n"
+        ))
+        .unwrap();
+        let ep = &cfg.endpoints["a"];
+        assert!(
+            ep.direct.is_some(),
+            "no proxy in this environment: the direct client"
+        );
+        let body = serde_json::json!({"model": "a", "messages": []});
+        let (prepared, _) = request(
+            ep,
+            Op::Chat,
+            body.as_object().unwrap(),
+            false,
+            None,
+            "r-1",
+            None,
+        )
+        .unwrap();
+        assert!(matches!(prepared, Prepared::Direct(..)));
+        let Err(e) = prepared.send().await else {
+            panic!("a closed port answered");
+        };
+        assert!(e.connect, "{}", e.shown);
+        assert!(!e.shown.contains(&addr.to_string()), "{}", e.shown);
+        assert!(e.internal.contains(&addr.to_string()), "{}", e.internal);
+    }
+}

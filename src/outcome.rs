@@ -340,6 +340,7 @@ mod tests {
         ];
         for (o, s) in expected {
             assert_eq!(o.as_str(), s);
+            assert_eq!(o.to_string(), s, "Display is the contract string too");
             assert_eq!(serde_json::to_value(o).unwrap(), serde_json::json!(s));
         }
         // Every variant is listed above (a new one must get its string on purpose).
@@ -358,6 +359,17 @@ mod tests {
             assert_eq!(s.parse::<Outcome>(), Ok(o));
         }
         assert!("skipped_".parse::<Outcome>().is_err());
+    }
+
+    #[test]
+    fn only_a_size_refusal_or_skip_is_about_context() {
+        for o in Outcome::ALL {
+            assert_eq!(
+                o.is_context(),
+                matches!(o, Outcome::ContextLength | Outcome::ContextSkip),
+                "{o:?}"
+            );
+        }
     }
 
     #[test]

@@ -264,29 +264,13 @@ pub fn action(outcome: Outcome, hints: Hints) -> Action {
         ),
         Outcome::Gone => Action::Retire,
         Outcome::Auth if hints.with_key => Action::RejectKey,
-        Outcome::Auth | Outcome::ModelMissing => Action::Fail { retry: false },
-        Outcome::Connect
-        | Outcome::Connection
-        | Outcome::Timeout
-        | Outcome::FirstTokenTimeout
-        | Outcome::Server
-        | Outcome::InBand
-        | Outcome::Malformed => Action::Fail { retry: true },
-        // After a commit there is no retry: the client has bytes (recorded as a failure).
-        Outcome::StreamBroken
-        | Outcome::StreamStalled
-        | Outcome::StreamTruncated
-        | Outcome::StreamTimeout => Action::Fail { retry: false },
-        Outcome::Unsupported
-        | Outcome::SkippedRetired
-        | Outcome::SkippedAuthFailed
-        | Outcome::SkippedCooldown
-        | Outcome::SkippedCapability
-        | Outcome::SkippedUnhealthy
-        | Outcome::ContextSkip
-        | Outcome::ClientClosed
-        | Outcome::Shutdown
-        | Outcome::InternalPanic => Action::FailOver,
+        // The rest by the outcome's own properties, so each set is written once: failures that
+        // count are recorded (retried on the same endpoint when that may help; never after a
+        // stream committed, nor a keyless 401 or a missing model); the others just fail over.
+        o if o.counts_against_endpoint() => Action::Fail {
+            retry: o.retryable_same_endpoint(),
+        },
+        _ => Action::FailOver,
     }
 }
 

@@ -411,40 +411,23 @@ async fn read_error(
 
 /// Characters of generated text in a full response, for estimating completion tokens.
 fn response_text_chars(v: &Value) -> usize {
-    let Some(choices) = v.get("choices").and_then(Value::as_array) else {
-        return 0;
-    };
-    choices
-        .iter()
-        .map(|c| {
-            c.pointer("/message/content")
-                .and_then(Value::as_str)
-                .map(str::len)
-                .unwrap_or(0)
-                + c.get("text")
-                    .and_then(Value::as_str)
-                    .map(str::len)
-                    .unwrap_or(0)
-        })
-        .sum()
+    choices_text_chars(v, "/message/content")
 }
 
+/// The same for one stream chunk.
 pub(super) fn chunk_text_chars(v: &Value) -> usize {
+    choices_text_chars(v, "/delta/content")
+}
+
+/// Characters of every choice's `content` (at `content`) and legacy `text`.
+fn choices_text_chars(v: &Value, content: &str) -> usize {
     let Some(choices) = v.get("choices").and_then(Value::as_array) else {
         return 0;
     };
+    let len = |x: Option<&Value>| x.and_then(Value::as_str).map_or(0, str::len);
     choices
         .iter()
-        .map(|c| {
-            c.pointer("/delta/content")
-                .and_then(Value::as_str)
-                .map(str::len)
-                .unwrap_or(0)
-                + c.get("text")
-                    .and_then(Value::as_str)
-                    .map(str::len)
-                    .unwrap_or(0)
-        })
+        .map(|c| len(c.pointer(content)) + len(c.get("text")))
         .sum()
 }
 

@@ -2,7 +2,7 @@
 //! `/tokenize` when configured), the overflow policy (`reject` with a 400 that says what would fit,
 //! or `truncate` to the largest window that refused it).
 
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use serde_json::Value;
 
 use super::{BLOCKING_COUNT_CHARS, Run};
@@ -122,11 +122,7 @@ impl Run {
             param: Some("messages"),
             code: Some("context_length_exceeded"),
         };
-        let row = self.base_row(None, 400, Some("context_length_exceeded".into()));
-        self.send_row(row);
-        let mut resp = err.into_response();
-        self.headers(&mut resp, None);
-        resp
+        self.gateway_error(err, "context_length_exceeded")
     }
 
     /// Trims the conversation to the largest window that refused it; `Err` is the response when

@@ -43,9 +43,16 @@ impl Run {
             ),
             attempts: self.attempts.clone(),
         };
-        let row = self.base_row(None, 504, Some(err.class().into()));
-        self.send_row(row);
         tracing::warn!(request_id = %self.request_id, model = %self.req.model, attempts = self.attempts.len(), "request timed out");
+        let class = err.class();
+        self.gateway_error(err, class)
+    }
+
+    /// The gateway's own error as the response, with the request's audit row (its status and
+    /// `error_class`) and the `x-autohedge-*` headers.
+    pub(super) fn gateway_error(&mut self, err: ApiError, error_class: &str) -> Response {
+        let row = self.base_row(None, err.status().as_u16(), Some(error_class.into()));
+        self.send_row(row);
         let mut resp = err.into_response();
         self.headers(&mut resp, None);
         resp
@@ -157,12 +164,9 @@ impl Run {
             message,
             attempts: self.attempts.clone(),
         };
-        let row = self.base_row(None, 503, Some(err.class().into()));
-        self.send_row(row);
         tracing::warn!(request_id = %self.request_id, model = %self.req.model, attempts = self.attempts.len(), "all upstreams failed");
-        let mut resp = err.into_response();
-        self.headers(&mut resp, None);
-        resp
+        let class = err.class();
+        self.gateway_error(err, class)
     }
 
     pub(super) fn respond(&mut self, ep: Arc<Endpoint>, success: Success) -> Response {

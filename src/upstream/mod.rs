@@ -204,7 +204,8 @@ impl Prepared<'_> {
     pub async fn send(self) -> Result<Answer, SendError> {
         match self {
             Prepared::Direct(client, req) => {
-                let url = req.uri().to_string();
+                // Kept for the error's audit detail; formatted only if the send fails.
+                let uri = req.uri().clone();
                 match client.request(req).await {
                     Ok(resp) => {
                         let (parts, body) = resp.into_parts();
@@ -219,7 +220,7 @@ impl Prepared<'_> {
                         let shown = format!("error sending request: {}", error_chain(&e));
                         Err(SendError {
                             connect: e.is_connect(),
-                            internal: format!("{shown} (url {url})"),
+                            internal: format!("{shown} (url {uri})"),
                             shown,
                         })
                     }

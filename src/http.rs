@@ -112,6 +112,8 @@ async fn proxy(app: Arc<AppState>, op: Op, headers: HeaderMap, body: Body) -> Re
             truncated_messages: 0,
             truncated_tokens: 0,
             sanitized_chars: 0,
+            hedges: 0,
+            hedge_won: false,
         })));
         return with_request_id(err.into_response(), &id);
     };
@@ -269,6 +271,23 @@ async fn status(State(app): State<Arc<AppState>>) -> Response {
         endpoints.insert(name.clone(), app.registry.status_json(ep, &cfg.policy));
     }
     let reload = app.reload.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let hedging: serde_json::Map<String, serde_json::Value> = app
+        .hedges
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .map(|(k, b)| {
+            (
+                k.clone(),
+                json!({
+                    "requests": b.requests,
+                    "sent": b.sent,
+                    "won": b.won,
+                    "budget_left": (b.left() * 100.0).floor() / 100.0,
+                }),
+            )
+        })
+        .collect();
     let ms = |t: Option<std::time::SystemTime>| {
         t.and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
             .map(|d| d.as_millis() as u64)
@@ -284,6 +303,9 @@ async fn status(State(app): State<Arc<AppState>>) -> Response {
             // ignored for their requests.
             "in_panic": app.registry.chains_in_panic(&cfg),
         },
+        // Per hedged route (`route:NAME`) or endpoint (`endpoint:NAME`): requests seen, hedged
+        // copies sent, copies that won, and whole hedges the budget holds now.
+        "hedging": hedging,
         "policy": {
             "success_threshold": cfg.policy.success_threshold,
             "window_seconds": cfg.policy.window.as_secs_f64(),
@@ -292,6 +314,8 @@ async fn status(State(app): State<Arc<AppState>>) -> Response {
             "max_cooldown_ms": cfg.policy.max_cooldown.as_millis() as u64,
             "panic_threshold": cfg.policy.panic_threshold,
             "request_timeout_ms": cfg.policy.request_timeout.as_millis() as u64,
+            "slow_start_ms": cfg.policy.slow_start.as_millis() as u64,
+            "predict_rate_limits": cfg.policy.predict_rate_limits,
         },
         "in_flight": app.inflight(),
         "docker": app.docker.lock().map(|d| d.to_json()).unwrap_or_default(),

@@ -18,11 +18,13 @@ pub mod discovery;
 pub mod error;
 pub mod executor;
 pub mod health;
+pub mod hedge;
 pub mod http;
 pub mod mock;
 pub mod op;
 pub mod outcome;
 pub mod probe;
+pub mod ratelimit;
 pub mod registry;
 pub mod reload;
 pub mod router;
@@ -45,6 +47,8 @@ mod layering {
         ("outcome", &[include_str!("outcome.rs")], &[]),
         ("stats", &[include_str!("stats.rs")], &[]),
         ("health", &[include_str!("health.rs")], &[]),
+        ("hedge", &[include_str!("hedge.rs")], &[]),
+        ("ratelimit", &[include_str!("ratelimit.rs")], &[]),
         (
             "tokens",
             &[
@@ -63,7 +67,7 @@ mod layering {
                 include_str!("config/describe.rs"),
                 include_str!("config/duration.rs"),
             ],
-            &["op", "tokens", "health", "config"],
+            &["op", "tokens", "health", "hedge", "config"],
         ),
     ];
 

@@ -58,6 +58,9 @@ pub enum Outcome {
     SkippedCooldown,
     SkippedCapability,
     SkippedUnhealthy,
+    /// The endpoint's (or every key's) last `x-ratelimit-remaining-*` says this request would
+    /// get a 429: skipped until its budget is predicted to cover it.
+    SkippedRatelimitPredicted,
     /// The prompt does not fit the endpoint's (known) context window.
     ContextSkip,
 
@@ -66,6 +69,10 @@ pub enum Outcome {
     StreamStalled,
     StreamTruncated,
     StreamTimeout,
+
+    // ── Hedging ──
+    /// A hedged race's loser: cancelled (its connection closed) when the other attempt won.
+    HedgeCancelled,
 
     // ── The request itself was cut off ──
     /// The client went away before the response (or the stream) ended.
@@ -78,7 +85,7 @@ pub enum Outcome {
 
 impl Outcome {
     /// Every variant, for tests that walk the whole table.
-    pub const ALL: [Outcome; 28] = [
+    pub const ALL: [Outcome; 30] = [
         Outcome::Ok,
         Outcome::Connect,
         Outcome::Connection,
@@ -99,11 +106,13 @@ impl Outcome {
         Outcome::SkippedCooldown,
         Outcome::SkippedCapability,
         Outcome::SkippedUnhealthy,
+        Outcome::SkippedRatelimitPredicted,
         Outcome::ContextSkip,
         Outcome::StreamBroken,
         Outcome::StreamStalled,
         Outcome::StreamTruncated,
         Outcome::StreamTimeout,
+        Outcome::HedgeCancelled,
         Outcome::ClientClosed,
         Outcome::Shutdown,
         Outcome::InternalPanic,
@@ -132,6 +141,8 @@ impl Outcome {
             Outcome::SkippedCooldown => "skipped_cooldown",
             Outcome::SkippedCapability => "skipped_capability",
             Outcome::SkippedUnhealthy => "skipped_unhealthy",
+            Outcome::SkippedRatelimitPredicted => "skipped_ratelimit_predicted",
+            Outcome::HedgeCancelled => "hedge_cancelled",
             Outcome::ContextSkip => "context_skip",
             Outcome::StreamBroken => "stream_broken",
             Outcome::StreamStalled => "stream_stalled",
@@ -152,6 +163,7 @@ impl Outcome {
                 | Outcome::SkippedCooldown
                 | Outcome::SkippedCapability
                 | Outcome::SkippedUnhealthy
+                | Outcome::SkippedRatelimitPredicted
                 | Outcome::ContextSkip
         )
     }
@@ -170,6 +182,7 @@ impl Outcome {
                 | Outcome::ContextLength
                 | Outcome::RateLimited
                 | Outcome::Unsupported
+                | Outcome::HedgeCancelled
                 | Outcome::ClientClosed
                 | Outcome::Shutdown
                 | Outcome::InternalPanic
@@ -313,11 +326,13 @@ mod tests {
             (Outcome::SkippedCooldown, "skipped_cooldown"),
             (Outcome::SkippedCapability, "skipped_capability"),
             (Outcome::SkippedUnhealthy, "skipped_unhealthy"),
+            (Outcome::SkippedRatelimitPredicted, "skipped_ratelimit_predicted"),
             (Outcome::ContextSkip, "context_skip"),
             (Outcome::StreamBroken, "stream_broken"),
             (Outcome::StreamStalled, "stream_stalled"),
             (Outcome::StreamTruncated, "stream_truncated"),
             (Outcome::StreamTimeout, "stream_timeout"),
+            (Outcome::HedgeCancelled, "hedge_cancelled"),
             (Outcome::ClientClosed, "client_closed"),
             (Outcome::Shutdown, "shutdown"),
             (Outcome::InternalPanic, "internal_panic"),
@@ -466,6 +481,14 @@ mod tests {
     fn an_inexpressible_request_fails_over_uncounted() {
         assert_eq!(action(Outcome::Unsupported, hints()), Action::FailOver);
         assert!(!Outcome::Unsupported.counts_against_endpoint());
+    }
+
+    #[test]
+    fn a_cancelled_hedge_counts_nothing_and_is_no_skip() {
+        // The loser of a race did nothing wrong: it was merely slower than the winner.
+        assert!(!Outcome::HedgeCancelled.counts_against_endpoint());
+        assert!(!Outcome::HedgeCancelled.is_skip());
+        assert_eq!(action(Outcome::HedgeCancelled, hints()), Action::FailOver);
     }
 
     #[test]

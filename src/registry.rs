@@ -67,7 +67,18 @@ pub struct EndpointRuntime {
     discovered: Option<crate::discovery::Discovered>,
     /// The last non-empty set of discovered addresses (sorted).
     last_addresses: Vec<String>,
+    /// Rate-limit budgets the upstream's headers announced, per key (its value's hash; `""` for
+    /// an endpoint without keys).
+    limits: HashMap<String, crate::ratelimit::Limits>,
+    /// When the endpoint last came back from unhealthy, warming or ejection (slow start).
+    recovered_at: Option<Instant>,
+    /// Recent latencies sorted, for hedge delays (re-sorted at most every `SORTED_TTL`).
+    sorted: Option<(Instant, Arc<Vec<f64>>)>,
 }
+
+/// How stale the sorted latencies behind a hedge's percentile delay may be.
+const SORTED_TTL: Duration = Duration::from_millis(250);
+
 
 impl EndpointRuntime {
     fn new(policy: &Policy, fingerprint: &str) -> Self {
@@ -94,7 +105,15 @@ impl EndpointRuntime {
             health: crate::health::Health::default(),
             discovered: None,
             last_addresses: Vec::new(),
+            limits: HashMap::new(),
+            recovered_at: None,
+            sorted: None,
         }
+    }
+
+    /// The share of its traffic the endpoint takes now, when it is in its slow start.
+    pub fn slow_start(&self, now: Instant, window: Duration) -> Option<f64> {
+        crate::router::slow_start_share(self.recovered_at, self.cooldown_until, now, window)
     }
 
     pub fn avail(&self, now: Instant) -> Avail {
@@ -138,6 +157,9 @@ pub enum KeyPick {
     Use(usize),
     /// Keys are configured but none is usable.
     Exhausted,
+    /// Usable keys exist, but every one's rate-limit budget is predicted too small for this
+    /// request for at least this long.
+    Limited(Duration, crate::ratelimit::Short),
 }
 
 /// What one attempt's outcome does to the endpoint's state.
@@ -291,6 +313,113 @@ impl Registry {
             }
         }
         KeyPick::Exhausted
+    }
+
+    /// Like [`Registry::pick_key`], skipping keys whose rate-limit budget is predicted too small
+    /// for a request of `tokens` (prompt + completion, when counted), and debiting the budget of
+    /// the key picked. With every usable key predicted short: `Limited` with the shortest wait.
+    pub fn pick_key_predicted(&self, ep: &Endpoint, tokens: Option<u64>) -> KeyPick {
+        let Some(rt) = self.get(&ep.name) else {
+            return if ep.needs_key() {
+                KeyPick::Exhausted
+            } else {
+                KeyPick::NotNeeded
+            };
+        };
+        let now = Instant::now();
+        let mut rt = lock(&rt);
+        rt.limits.retain(|_, l| !l.expired(now));
+        if !ep.needs_key() {
+            if let Some(l) = rt.limits.get_mut("") {
+                if let Some((d, short)) = l.wait_for(tokens, now) {
+                    return KeyPick::Limited(d, short);
+                }
+                l.debit(tokens);
+            }
+            return KeyPick::NotNeeded;
+        }
+        let n = ep.keys.len();
+        let mut soonest: Option<(Duration, crate::ratelimit::Short)> = None;
+        for step in 0..n {
+            let i = (rt.key_cursor + step) % n;
+            let k = &ep.keys[i];
+            if k.value.is_none() || rt.dead_keys.contains(&k.hash) {
+                continue;
+            }
+            if let Some(w) = rt.limits.get(&k.hash).and_then(|l| l.wait_for(tokens, now)) {
+                soonest = Some(soonest.map_or(w, |s| if w.0 < s.0 { w } else { s }));
+                continue;
+            }
+            rt.key_cursor = (i + 1) % n;
+            if let Some(l) = rt.limits.get_mut(&k.hash) {
+                l.debit(tokens);
+            }
+            return KeyPick::Use(i);
+        }
+        match soonest {
+            Some((d, short)) => KeyPick::Limited(d, short),
+            None => KeyPick::Exhausted,
+        }
+    }
+
+    /// Whether any usable key's token budget may be smaller than `upper_bound` (so the request
+    /// is worth counting before picking a key).
+    pub fn tokens_tight(&self, ep: &Endpoint, upper_bound: u64) -> bool {
+        let now = Instant::now();
+        self.with(&ep.name, |rt| {
+            rt.limits
+                .values()
+                .any(|l| l.tokens_tight(upper_bound, now))
+        })
+        .unwrap_or(false)
+    }
+
+    /// Takes in what a response's `x-ratelimit-*` headers said about key `key` (`None`: no key).
+    pub fn observe_ratelimit(
+        &self,
+        ep: &Endpoint,
+        key: Option<usize>,
+        seen: &crate::ratelimit::Observed,
+    ) {
+        if seen.is_empty() {
+            return;
+        }
+        let hash = match key {
+            Some(i) => match ep.keys.get(i) {
+                Some(k) => k.hash.clone(),
+                None => return,
+            },
+            None => String::new(),
+        };
+        if let Some(rt) = self.get(&ep.name) {
+            lock(&rt)
+                .limits
+                .entry(hash)
+                .or_default()
+                .observe(seen, Instant::now());
+        }
+    }
+
+    /// The endpoint's recent latency at percentile `p` (`None` with too few samples).
+    pub fn latency_percentile(&self, endpoint: &str, p: f64) -> Option<Duration> {
+        let rt = self.get(endpoint)?;
+        let now = Instant::now();
+        let sorted = {
+            let mut rt = lock(&rt);
+            match &rt.sorted {
+                Some((at, v)) if now.saturating_duration_since(*at) < SORTED_TTL => v.clone(),
+                _ => {
+                    let v = Arc::new(rt.samples.sorted());
+                    rt.sorted = Some((now, v.clone()));
+                    v
+                }
+            }
+        };
+        if sorted.len() < crate::hedge::MIN_SAMPLES {
+            return None;
+        }
+        let ms = crate::stats::percentile_sorted(&sorted, p)?;
+        Duration::try_from_secs_f64(ms / 1000.0).ok()
     }
 
     /// The key the next request would use, without advancing the rotation (for probes: a probe
@@ -458,6 +587,13 @@ impl Registry {
     }
 
     fn transition(&self, endpoint: &str, tr: &crate::health::Transition) {
+        let serving = |s: &str| matches!(s, "healthy" | "degraded");
+        if serving(tr.to)
+            && !serving(tr.from)
+            && let Some(rt) = self.get(endpoint)
+        {
+            lock(&rt).recovered_at = Some(Instant::now());
+        }
         self.event(
             endpoint,
             &format!("health:{}->{}", tr.from, tr.to),
@@ -601,12 +737,13 @@ impl Registry {
             .iter()
             .filter_map(|n| {
                 let ep = cfg.endpoints.get(n)?;
-                let (avail, rate, dead) = self.with(n, |rt| {
+                let (avail, rate, dead, slow_start) = self.with(n, |rt| {
                     let usable = ep.keys.is_empty() || ep.keys.iter().any(|k| k.value.is_some());
                     (
                         rt.avail(now),
                         rt.counts(now).rate(cfg.policy.min_samples),
                         !usable,
+                        rt.slow_start(now, cfg.policy.slow_start),
                     )
                 })?;
                 Some(crate::router::View {
@@ -615,6 +752,12 @@ impl Registry {
                     success_rate: rate,
                     capabilities: ep.caps,
                     no_usable_key: dead,
+                    slow_start,
+                    roll: if slow_start.is_some() {
+                        fastrand::f64()
+                    } else {
+                        0.0
+                    },
                 })
             })
             .collect()
@@ -689,6 +832,37 @@ impl Registry {
             Avail::Ready => "healthy",
         };
         let pct = rt.samples.percentiles(&[50.0, 95.0, 99.0]);
+        // Per key (by its place in the list, never its value): what its last `x-ratelimit-*`
+        // headers said and how long the gateway predicts it cannot take a request.
+        let ratelimit: Vec<Value> = ep
+            .keys
+            .iter()
+            .enumerate()
+            .map(|(i, k)| (format!("#{}", i + 1), k.hash.as_str()))
+            .chain(std::iter::once(("no key".to_string(), "")))
+            .filter_map(|(label, hash)| {
+                let l = rt.limits.get(hash)?;
+                if l.expired(now) {
+                    return None;
+                }
+                let budget = |b: &Option<crate::ratelimit::Budget>| {
+                    b.map(|b| {
+                        json!({
+                            "limit": b.limit,
+                            "remaining_observed": b.remaining,
+                            "available_now": b.available(now).min(u64::MAX as f64).floor() as u64,
+                            "reset_in_ms": b.reset_at.saturating_duration_since(now).as_millis() as u64,
+                        })
+                    })
+                };
+                Some(json!({
+                    "key": label,
+                    "requests": budget(&l.requests),
+                    "tokens": budget(&l.tokens),
+                    "blocked_for_ms": l.wait_for(None, now).map(|(d, _)| d.as_millis() as u64).unwrap_or(0),
+                }))
+            })
+            .collect();
         let cooldown_ms = match avail {
             Avail::Cooldown(d) => d.as_millis() as u64,
             _ => 0,
@@ -716,7 +890,8 @@ impl Registry {
             "cooldown_reason": if cooldown_ms > 0 { rt.cooldown_reason.clone() } else { None },
             "retired_reason": rt.retired.as_ref().map(|r| r.reason.clone()),
             "auth_failed": rt.auth_failed.clone(),
-            "keys": { "configured": ep.keys.len(), "usable": usable_keys },
+            "keys": { "configured": ep.keys.len(), "usable": usable_keys, "ratelimit": ratelimit },
+            "slow_start_share": rt.slow_start(now, policy.slow_start),
             "context_window": ep.context_window,
             "learned_context_window": rt.learned_window,
             "tokenizer": ep.counter.method(),

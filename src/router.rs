@@ -4,6 +4,8 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use crate::config::{Capability, Caps};
 use crate::outcome::Outcome;
 use crate::registry::Avail;
@@ -18,6 +20,11 @@ pub struct View {
     pub capabilities: Caps,
     /// Configured keys exist but none is usable (unset env var, all rejected).
     pub no_usable_key: bool,
+    /// In its slow start after a recovery: the share of its traffic it takes now (0.1..1).
+    pub slow_start: Option<f64>,
+    /// A uniform draw in [0, 1) for this request: with `roll >= slow_start` the endpoint lets
+    /// this request go to the next candidates first.
+    pub roll: f64,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -64,6 +71,8 @@ pub struct Plan {
     pub panic: bool,
     /// In panic, the endpoints in `order` that health alone would have skipped.
     pub panic_admitted: Vec<String>,
+    /// Endpoints in their slow start moved behind the healthy ones for this request.
+    pub slowed: Vec<String>,
 }
 
 impl Plan {
@@ -77,6 +86,32 @@ impl Plan {
             })
             .min()
     }
+}
+
+/// The share of its traffic an endpoint takes at the start of its slow start (Envoy's
+/// `min_weight_percent`, 10%).
+pub const SLOW_START_MIN: f64 = 0.1;
+
+/// The share of its traffic an endpoint takes at `now` when it is in its slow start: it came back
+/// from unhealthy, warming or ejection at `recovered_at`, or its cooldown ended at
+/// `cooldown_until`, less than `window` ago. Rises linearly from [`SLOW_START_MIN`] to 1.
+pub fn slow_start_share(
+    recovered_at: Option<Instant>,
+    cooldown_until: Option<Instant>,
+    now: Instant,
+    window: Duration,
+) -> Option<f64> {
+    if window.is_zero() {
+        return None;
+    }
+    let cooled = cooldown_until.filter(|u| *u <= now);
+    let since = match (recovered_at, cooled) {
+        (Some(a), Some(b)) => a.max(b),
+        (a, b) => a.or(b)?,
+    };
+    let elapsed = now.saturating_duration_since(since);
+    (elapsed < window)
+        .then(|| (elapsed.as_secs_f64() / window.as_secs_f64()).clamp(SLOW_START_MIN, 1.0))
 }
 
 /// Envoy's healthy-panic rule: true when fewer than `threshold` of the chain's endpoints are
@@ -99,6 +134,10 @@ pub fn in_panic(views: &[View], threshold: f64) -> bool {
 ///
 /// With `panic` (see [`in_panic`]) health is ignored: every endpoint that is not retired,
 /// `auth_failed`, cooling down or lacking a capability is tried, in chain order.
+///
+/// Slow start (Envoy's `slow_start_window`): an endpoint that recently recovered keeps its place
+/// for only its current share of requests; for the others it goes behind the healthy endpoints
+/// (still ahead of demoted ones). It is never skipped, so slow start cannot cause a 503.
 pub fn rank(
     chain: &[String],
     views: &[View],
@@ -111,6 +150,7 @@ pub fn rank(
         ..Plan::default()
     };
     let mut healthy = Vec::new();
+    let mut slowed = Vec::new();
     let mut demoted = Vec::new();
     for name in chain {
         let Some(v) = views.iter().find(|v| &v.name == name) else {
@@ -149,6 +189,8 @@ pub fn rank(
             Avail::Ready | Avail::Degraded => {
                 if v.avail == Avail::Degraded || v.success_rate.is_some_and(|r| r < threshold) {
                     demoted.push(name.clone());
+                } else if v.slow_start.is_some_and(|share| v.roll >= share) {
+                    slowed.push(name.clone());
                 } else {
                     healthy.push(name.clone());
                 }
@@ -156,8 +198,10 @@ pub fn rank(
         }
     }
     plan.order = healthy;
+    plan.order.extend(slowed.iter().cloned());
     plan.order.extend(demoted.iter().cloned());
     plan.demoted = demoted;
+    plan.slowed = slowed;
     plan
 }
 
@@ -172,6 +216,8 @@ mod tests {
             success_rate: rate,
             capabilities: [Capability::Chat, Capability::Tools].into_iter().collect(),
             no_usable_key: false,
+            slow_start: None,
+            roll: 0.0,
         }
     }
 
@@ -309,6 +355,50 @@ mod tests {
             false,
         );
         assert_eq!(p.order, chain(&["b"]), "outside panic health skips");
+    }
+
+    #[test]
+    fn slow_start_yields_its_place_for_the_share_it_does_not_take_and_is_never_skipped() {
+        let mut a = view("a", Avail::Ready, None);
+        a.slow_start = Some(0.25);
+        let b = view("b", Avail::Ready, None);
+        let d = view("d", Avail::Degraded, None);
+        let order = |a: &View| {
+            rank(
+                &chain(&["a", "b", "d"]),
+                &[a.clone(), b.clone(), d.clone()],
+                &BTreeSet::new(),
+                0.85,
+                false,
+            )
+        };
+        a.roll = 0.2;
+        assert_eq!(order(&a).order, chain(&["a", "b", "d"]), "within its share");
+        a.roll = 0.3;
+        let plan = order(&a);
+        assert_eq!(plan.order, chain(&["b", "a", "d"]), "behind healthy, ahead of demoted");
+        assert_eq!(plan.slowed, chain(&["a"]));
+        assert!(plan.skipped.is_empty());
+        // Alone in its chain it still takes every request: slow start never causes a 503.
+        let alone = rank(&chain(&["a"]), &[a.clone()], &BTreeSet::new(), 0.85, false);
+        assert_eq!(alone.order, chain(&["a"]));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn slow_start_share_rises_linearly_from_ten_percent_after_recovery_or_cooldown() {
+        let w = Duration::from_secs(30);
+        let t0 = Instant::now();
+        assert_eq!(slow_start_share(None, None, t0, w), None, "never down: no slow start");
+        assert_eq!(slow_start_share(Some(t0), None, t0, w), Some(SLOW_START_MIN));
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        assert_eq!(slow_start_share(Some(t0), None, at(15), w), Some(0.5));
+        assert_eq!(slow_start_share(Some(t0), None, at(30), w), None, "window over");
+        // A cooldown still running is not a recovery; one that ended is.
+        assert_eq!(slow_start_share(None, Some(at(10)), at(5), w), None);
+        assert_eq!(slow_start_share(None, Some(at(10)), at(13), w), Some(0.1));
+        // The later of the two counts.
+        assert_eq!(slow_start_share(Some(t0), Some(at(20)), at(26), w), Some(0.2));
+        assert_eq!(slow_start_share(Some(t0), None, at(1), Duration::ZERO), None, "0 turns it off");
     }
 
     #[test]

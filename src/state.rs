@@ -40,6 +40,8 @@ pub struct AppState {
     /// Serializes config installs (file reloads, SIGHUP, discovery): each builds from the
     /// newest inputs under this lock, so none installs a table older than another's.
     pub install_lock: Mutex<()>,
+    /// Hedge budgets by `route:NAME` / `endpoint:NAME` (kept across reloads).
+    pub hedges: Mutex<std::collections::BTreeMap<String, crate::hedge::Budget>>,
 }
 
 /// A request slot: counts the request as in flight until dropped.
@@ -72,6 +74,7 @@ impl AppState {
             hard_stop: CancellationToken::new(),
             inflight: Arc::new(AtomicUsize::new(0)),
             install_lock: Mutex::new(()),
+            hedges: Mutex::new(Default::default()),
         })
     }
 

@@ -149,6 +149,13 @@ impl LatencySample {
         }
         self.samples.push_back(ms);
     }
+    /// The samples in ascending order.
+    pub fn sorted(&self) -> Vec<f64> {
+        let mut sorted: Vec<f64> = self.samples.iter().copied().collect();
+        sorted.sort_by(f64::total_cmp);
+        sorted
+    }
+
     /// Percentiles (0..=100) by nearest rank; `None` with no samples.
     pub fn percentiles(&self, ps: &[f64]) -> Vec<Option<f64>> {
         let mut sorted: Vec<f64> = self.samples.iter().copied().collect();

@@ -83,6 +83,11 @@ const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE attempts ADD COLUMN panic_mode INTEGER NOT NULL DEFAULT 0;
     "#,
+    // 4: hedged requests: copies sent, and whether one of them won.
+    r#"
+    ALTER TABLE requests ADD COLUMN hedges INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE requests ADD COLUMN hedge_won INTEGER NOT NULL DEFAULT 0;
+    "#,
 ];
 
 /// Rows deleted per transaction when pruning past retention: each delete is a few milliseconds,
@@ -148,6 +153,10 @@ pub struct RequestRow {
     pub truncated_messages: u64,
     pub truncated_tokens: u64,
     pub sanitized_chars: u64,
+    /// Hedged copies sent for this request.
+    pub hedges: u32,
+    /// A hedged copy (not the first attempt) served it.
+    pub hedge_won: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -457,8 +466,8 @@ fn write_batch(
     let tx = conn.transaction()?;
     {
         let mut ins_req = tx.prepare_cached(
-            "INSERT INTO requests (request_id, ts_ms, operation, requested_model, endpoint, status, error_class, stream, latency_ms, ttft_ms, tokens_in, tokens_out, tokens_estimated, cost_usd, attempts, prompt_tokens_counted, truncated_messages, truncated_tokens, sanitized_chars)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19)",
+            "INSERT INTO requests (request_id, ts_ms, operation, requested_model, endpoint, status, error_class, stream, latency_ms, ttft_ms, tokens_in, tokens_out, tokens_estimated, cost_usd, attempts, prompt_tokens_counted, truncated_messages, truncated_tokens, sanitized_chars, hedges, hedge_won)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21)",
         )?;
         let mut ins_att = tx.prepare_cached(
             "INSERT INTO attempts (request_row, request_id, seq, ts_ms, endpoint, class, status, error, latency_ms, panic_mode)
@@ -491,6 +500,8 @@ fn write_batch(
                         row.truncated_messages as i64,
                         row.truncated_tokens as i64,
                         row.sanitized_chars as i64,
+                        row.hedges,
+                        row.hedge_won,
                     ])?;
                     let request_row = tx.last_insert_rowid();
                     for a in &row.attempts {
@@ -728,6 +739,8 @@ mod tests {
             truncated_messages: 0,
             truncated_tokens: 0,
             sanitized_chars: 0,
+            hedges: 0,
+            hedge_won: false,
             attempts: vec![
                 AttemptRow {
                     panic_mode: false,

@@ -78,6 +78,29 @@ pub enum RawRoute {
 pub struct RawRouteFull {
     pub chain: Vec<String>,
     pub on_context_overflow: Option<Overflow>,
+    pub hedge: Option<RawHedge>,
+}
+
+/// `hedge:` (a route's, or an endpoint's for requests where it is tried first).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawHedge {
+    /// A duration (`800ms`) or a percentile of the endpoint's recent time to first byte (`p95`).
+    pub after: StrOrNum,
+    /// Hedged copies at most this share of the requests: `5%` or `0.05` (default 5%).
+    pub max_extra: Option<StrOrNum>,
+    /// Never hedge sooner than this (default 50ms).
+    pub min_after: Option<Dur>,
+    /// Hedge requests that carry `tools` too (default false: a tool call may have side effects).
+    pub tools: Option<bool>,
+}
+
+/// A scalar written as text or as a number (`after: 2` is two seconds, `max_extra: 0.05`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum StrOrNum {
+    Num(f64),
+    Str(String),
 }
 
 #[derive(Debug, Default, Clone, Copy, Deserialize)]
@@ -177,6 +200,8 @@ pub struct RawEndpoint {
     /// `docker`: the address comes from Swarm services / containers labelled
     /// `autohedge.endpoint=<this name>` (see `docker:`).
     pub discover: Option<Discover>,
+    /// Hedge requests first tried on this endpoint (a route's own `hedge:` takes precedence).
+    pub hedge: Option<RawHedge>,
 }
 
 /// `health_check:` for services that report themselves as JSON, e.g.
@@ -264,6 +289,12 @@ pub struct RawRoutingPolicy {
     pub panic_threshold: Option<f64>,
     /// One deadline for the whole request: attempts, retries, backoff and `max_wait`.
     pub request_timeout: Option<Dur>,
+    /// An endpoint back from unhealthy, ejection or cooldown takes a rising share of its traffic
+    /// over this long (Envoy's `slow_start_window`; default 30s, 0 turns it off).
+    pub slow_start: Option<Dur>,
+    /// Skip an endpoint (or key) whose last `x-ratelimit-remaining-*` says this request would get
+    /// a 429 (default true).
+    pub predict_rate_limits: Option<bool>,
 }
 
 pub fn parse(text: &str) -> Result<RawConfig, ConfigError> {

@@ -365,6 +365,11 @@ pub(super) fn build(raw: RawConfig) -> Result<Config, ConfigError> {
                 discover: ep.discover.is_some(),
                 health_check: ep.health_check,
                 semantic_probe: ep.semantic_probe.unwrap_or(false),
+                hedge: ep
+                    .hedge
+                    .as_ref()
+                    .map(|h| hedge_spec(&format!("models.{name}.hedge"), h))
+                    .transpose()?,
             }),
         );
     }
@@ -378,6 +383,7 @@ pub(super) fn build(raw: RawConfig) -> Result<Config, ConfigError> {
     check_chain("routing_policy.fallback_chain", &fallback_chain, &endpoints)?;
     let mut routes = BTreeMap::new();
     let mut route_overflow = BTreeMap::new();
+    let mut route_hedge = BTreeMap::new();
     for (route, r) in raw.routes {
         match r {
             RawRoute::Chain(c) => {
@@ -386,6 +392,12 @@ pub(super) fn build(raw: RawConfig) -> Result<Config, ConfigError> {
             RawRoute::Full(f) => {
                 if let Some(o) = f.on_context_overflow {
                     route_overflow.insert(route.clone(), o);
+                }
+                if let Some(h) = &f.hedge {
+                    route_hedge.insert(
+                        route.clone(),
+                        hedge_spec(&format!("routes.{route}.hedge"), h)?,
+                    );
                 }
                 routes.insert(route, f.chain);
             }
@@ -428,6 +440,8 @@ pub(super) fn build(raw: RawConfig) -> Result<Config, ConfigError> {
         max_cooldown: or_default(p.max_cooldown, Duration::from_secs(600)),
         panic_threshold: p.panic_threshold.unwrap_or(0.5),
         request_timeout: or_default(p.request_timeout, Duration::from_secs(300)),
+        slow_start: or_default(p.slow_start, Duration::from_secs(30)),
+        predict_rate_limits: p.predict_rate_limits.unwrap_or(true),
     };
     if !(0.0..=1.0).contains(&policy.panic_threshold) {
         return Err(ConfigError(
@@ -527,6 +541,7 @@ pub(super) fn build(raw: RawConfig) -> Result<Config, ConfigError> {
         fallback_chain,
         routes,
         route_overflow,
+        route_hedge,
         policy: Policy {
             health: thresholds,
             ..policy
@@ -559,4 +574,45 @@ fn check_chain(
         }
     }
     Ok(())
+}
+
+/// `hedge:` as the executor reads it.
+fn hedge_spec(at: &str, h: &RawHedge) -> Result<crate::hedge::Spec, ConfigError> {
+    use crate::hedge::{After, Spec, parse_percentile, parse_share};
+    let after = match &h.after {
+        StrOrNum::Num(n) => After::Fixed(
+            duration::parse_duration(&n.to_string())
+                .map_err(|e| ConfigError(format!("at `{at}.after`: {e}")))?,
+        ),
+        StrOrNum::Str(s) if s.trim_start().starts_with('p') => {
+            After::Percentile(parse_percentile(s).ok_or_else(|| {
+                ConfigError(format!(
+                    "at `{at}.after`: a percentile is written p90, p95 or p99 (between p0 and p100)"
+                ))
+            })?)
+        }
+        StrOrNum::Str(s) => After::Fixed(duration::parse_duration(s).map_err(|e| {
+            ConfigError(format!("at `{at}.after`: {e}; or a percentile such as p95"))
+        })?),
+    };
+    let max_extra = match &h.max_extra {
+        None => 0.05,
+        Some(v) => {
+            let text = match v {
+                StrOrNum::Num(n) => n.to_string(),
+                StrOrNum::Str(s) => s.clone(),
+            };
+            parse_share(&text).ok_or_else(|| {
+                ConfigError(format!(
+                    "at `{at}.max_extra`: a share of the requests between 0% and 100% (5% or 0.05)"
+                ))
+            })?
+        }
+    };
+    Ok(Spec {
+        after,
+        max_extra,
+        min_after: or_default(h.min_after, Duration::from_millis(50)),
+        tools: h.tools.unwrap_or(false),
+    })
 }

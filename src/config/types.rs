@@ -303,6 +303,8 @@ pub struct Endpoint {
     pub client: reqwest::Client,
     /// The direct client requests use (`None`: a proxy is configured, requests use `client`).
     pub direct: Option<DirectClient>,
+    /// `hedge:`: hedging for requests that try this endpoint first (unless their route has one).
+    pub hedge: Option<crate::hedge::Spec>,
     /// Upstream URL per operation (indexed by `Op as usize`), parsed once per load.
     pub urls: [reqwest::Url; 3],
     /// The same as `http::Uri`s, for the direct client.
@@ -333,6 +335,9 @@ pub struct Policy {
     pub max_cooldown: Duration,
     pub panic_threshold: f64,
     pub request_timeout: Duration,
+    /// 0: off.
+    pub slow_start: Duration,
+    pub predict_rate_limits: bool,
 }
 
 /// The runtime routing table. Requests hold an `Arc<Config>` for their whole life.
@@ -353,6 +358,8 @@ pub struct Config {
     pub routes: BTreeMap<String, Vec<String>>,
     /// Per-route overflow settings (routes written in the long form).
     pub route_overflow: BTreeMap<String, Overflow>,
+    /// Per-route hedging (routes written in the long form).
+    pub route_hedge: BTreeMap<String, crate::hedge::Spec>,
     pub policy: Policy,
     pub health: HealthPolicy,
     pub docker: DockerConfig,

@@ -13,6 +13,7 @@ use tokio::time::{Instant, timeout_at};
 
 use crate::config::{Endpoint, EndpointKind, Secret};
 use crate::outcome::Outcome;
+use crate::ratelimit::Observed;
 use crate::upstream::{self, Answer, Prepared, SendError, classify};
 use crate::wire::sse::SseParser;
 use crate::wire::{self, ChunkKind, Inbound, Usage};
@@ -33,6 +34,8 @@ pub(super) struct Failure {
     /// For client errors, the upstream's own response, returned unchanged.
     /// Boxed: it is rare, and keeps `Failure` small on the common paths.
     pub passthrough: Option<Box<(StatusCode, HeaderMap, Bytes)>>,
+    /// What the response's `x-ratelimit-*` headers said, if it said anything (boxed: rare).
+    pub ratelimit: Option<Box<Observed>>,
 }
 
 impl Failure {
@@ -44,6 +47,7 @@ impl Failure {
             retry_after: None,
             internal: None,
             passthrough: None,
+            ratelimit: None,
         }
     }
 }
@@ -56,6 +60,7 @@ pub(super) enum Success {
         usage: Option<Usage>,
         /// Generated characters, for estimating usage when the upstream reported none.
         out_chars: usize,
+        ratelimit: Observed,
     },
     Stream {
         prelude: Vec<Bytes>,
@@ -66,7 +71,17 @@ pub(super) enum Success {
         usage: Option<Usage>,
         out_chars: usize,
         usage_tap: Option<upstream::ollama::UsageTap>,
+        ratelimit: Observed,
     },
+}
+
+impl Success {
+    /// What the response's `x-ratelimit-*` headers said.
+    pub fn ratelimit(&self) -> &Observed {
+        match self {
+            Success::Full { ratelimit, .. } | Success::Stream { ratelimit, .. } => ratelimit,
+        }
+    }
 }
 
 /// Everything one attempt needs, borrowed from the request.
@@ -119,6 +134,7 @@ impl<'a> Attempt<'a> {
         if !resp.status.is_success() {
             return Err(read_error(ep, resp, deadline, self.max_cooldown).await);
         }
+        let ratelimit = classify::ratelimit_headers(&resp.headers, self.max_cooldown);
         let status = resp.status;
         let content_type = resp.headers.get(header::CONTENT_TYPE).cloned();
         let body = match timeout_at(deadline, resp.bytes()).await {
@@ -172,6 +188,7 @@ impl<'a> Attempt<'a> {
                 body: Bytes::from(translated.to_string()),
                 usage,
                 out_chars,
+                ratelimit,
             });
         }
         let probe: wire::ResponseProbe = serde_json::from_slice(&body).map_err(|e| {
@@ -197,6 +214,7 @@ impl<'a> Attempt<'a> {
             body,
             usage,
             out_chars,
+            ratelimit,
         })
     }
 
@@ -222,6 +240,7 @@ impl<'a> Attempt<'a> {
             let deadline = (t0 + ep.timeouts.total).min(self.deadline);
             return Err(read_error(ep, resp, deadline, self.max_cooldown).await);
         }
+        let ratelimit = classify::ratelimit_headers(&resp.headers, self.max_cooldown);
         let status = resp.status.as_u16();
         let mut usage_tap = None;
         let mut rest: ByteStream = if ep.kind == EndpointKind::Ollama {
@@ -359,6 +378,7 @@ impl<'a> Attempt<'a> {
                     usage,
                     out_chars,
                     usage_tap,
+                    ratelimit,
                 });
             }
         }
@@ -386,6 +406,10 @@ async fn read_error(
     let text = String::from_utf8_lossy(&body).into_owned();
     let class = classify::classify_status(status.as_u16(), &text);
     let mut f = Failure::new(class, Some(status.as_u16()), error_message(&text));
+    let seen = classify::ratelimit_headers(&headers, max_cooldown);
+    if !seen.is_empty() {
+        f.ratelimit = Some(Box::new(seen));
+    }
     if class == Outcome::RateLimited {
         f.retry_after = classify::retry_after(&headers, max_cooldown);
     }

@@ -2,6 +2,8 @@
 //! `/tokenize` when configured), the overflow policy (`reject` with a 400 that says what would fit,
 //! or `truncate` to the largest window that refused it).
 
+use std::sync::Arc;
+
 use axum::response::Response;
 use serde_json::Value;
 
@@ -76,9 +78,8 @@ impl Run {
         }
         let count = if wire::prompt_chars(&self.req.body) > BLOCKING_COUNT_CHARS {
             let counter = counter.clone();
-            let body = self.req.body.clone();
-            let op = self.req.op;
-            tokio::task::spawn_blocking(move || counter.request(op, &body))
+            let req = self.req.clone();
+            tokio::task::spawn_blocking(move || counter.request(req.op, &req.body))
                 .await
                 .unwrap_or(Count {
                     tokens: 0,
@@ -167,7 +168,7 @@ impl Run {
             Ok(Ok(t)) => {
                 tracing::info!(request_id = %self.request_id, endpoint = %name, dropped_messages = t.dropped_messages, dropped_tokens = t.dropped_tokens, "conversation truncated to fit");
                 self.truncation = Some((t.dropped_messages, t.dropped_tokens));
-                self.req
+                Arc::make_mut(&mut self.req)
                     .body
                     .insert("messages".into(), Value::Array(t.messages));
                 self.counts.clear();

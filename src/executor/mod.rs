@@ -25,14 +25,16 @@ use crate::state::AppState;
 use crate::store::{Record, RequestRow};
 use crate::tokens::Count;
 use crate::upstream::classify;
-use crate::wire::{Inbound, Op};
+use crate::wire::{self, Inbound, Op};
 
 mod attempt;
 mod context;
+mod race;
 mod respond;
 mod stream;
 
 use attempt::{Attempt, Failure, Success};
+use race::Racing;
 use context::fmt_window;
 
 /// Bodies with more text than this are counted on the blocking pool (≈16k tokens: a few
@@ -52,7 +54,8 @@ const MIN_REWAIT: Duration = Duration::from_millis(100);
 struct Run {
     app: Arc<AppState>,
     cfg: Arc<Config>,
-    req: Inbound,
+    /// Shared so a hedged attempt (a future of its own) can hold it; truncation copies on write.
+    req: Arc<Inbound>,
     request_id: String,
     started: Instant,
     started_wall: SystemTime,
@@ -77,6 +80,17 @@ struct Run {
     row_written: bool,
     /// The upstream call in flight, for the record when the request is cut off mid-attempt.
     current: Option<(String, Instant)>,
+    /// A hedged copy in flight beside `current`.
+    current_hedge: Option<(String, Instant)>,
+    /// This request's hedging (`route:NAME` or `endpoint:NAME` budget, and the spec).
+    hedge: Option<(String, crate::hedge::Spec)>,
+    hedges_sent: u32,
+    /// A hedged copy served the request (`x-autohedge-hedged: true`).
+    hedge_won: bool,
+    /// The current pass over the chain.
+    pass: PassState,
+    /// Endpoints tried although their rate-limit budget was predicted short (the last resort).
+    forced: HashSet<String>,
     /// Endpoints tried although health said to skip them (healthy panic, last resort).
     panic_mode: HashSet<String>,
     /// Endpoints whose backend `/tokenize` failed in this request (the local count is used).
@@ -98,7 +112,10 @@ impl Drop for Run {
         } else {
             (499, Outcome::ClientClosed)
         };
-        if let Some((endpoint, t0)) = self.current.take() {
+        for (endpoint, t0) in [self.current.take(), self.current_hedge.take()]
+            .into_iter()
+            .flatten()
+        {
             self.attempts.push(AttemptReport {
                 endpoint,
                 status: None,
@@ -122,10 +139,11 @@ pub async fn execute(
     chain: Vec<String>,
     request_id: String,
 ) -> Response {
+    let hedge = hedge_for(&app, &cfg, &req, &chain);
     let mut run = Run {
         app,
         cfg,
-        req,
+        req: Arc::new(req),
         request_id,
         started: Instant::now(),
         started_wall: SystemTime::now(),
@@ -140,6 +158,12 @@ pub async fn execute(
         deadline: Instant::now(),
         row_written: false,
         current: None,
+        current_hedge: None,
+        hedge,
+        hedges_sent: 0,
+        hedge_won: false,
+        pass: PassState::default(),
+        forced: HashSet::new(),
         panic_mode: HashSet::new(),
         backend_failed: HashSet::new(),
     };
@@ -149,6 +173,63 @@ pub async fn execute(
         Ok(resp) => resp,
         Err(_) => run.request_timed_out(),
     }
+}
+
+/// This request's hedging: its route's `hedge:`, else that of the endpoint its chain starts
+/// with. The request is counted into the budget (it pays `max_extra` of a hedge). Requests with
+/// `tools` hedge only with `hedge.tools: true`.
+fn hedge_for(
+    app: &AppState,
+    cfg: &Config,
+    req: &Inbound,
+    chain: &[String],
+) -> Option<(String, crate::hedge::Spec)> {
+    let (key, spec) = match cfg.route_hedge.get(&req.model) {
+        Some(s) => (format!("route:{}", req.model), *s),
+        None => {
+            let first = chain.first()?;
+            (format!("endpoint:{first}"), cfg.endpoints.get(first)?.hedge?)
+        }
+    };
+    if req.body.contains_key("tools") && !spec.tools {
+        return None;
+    }
+    app.hedges
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .entry(key.clone())
+        .or_default()
+        .on_request(spec.max_extra);
+    Some((key, spec))
+}
+
+/// What one pass over the chain has learnt so far.
+#[derive(Default)]
+struct PassState {
+    tried: HashSet<String>,
+    reported_skip: HashSet<String>,
+    /// Endpoints that answered 429 in this request: `max_wait` may wait for them too.
+    rate_limited: HashSet<String>,
+    /// After a context-length refusal, only endpoints with a larger window may be tried.
+    context_floor: Option<Option<u64>>,
+    /// Endpoints skipped because their rate-limit budget was predicted short, with the wait.
+    deferred: Vec<(String, Duration)>,
+}
+
+/// One finished attempt, before its outcome is applied.
+struct Finished {
+    key_idx: Option<usize>,
+    t0: Instant,
+    result: Result<Success, Failure>,
+}
+
+/// What applying one attempt's outcome leads to.
+enum Settled {
+    Done(EndpointOutcome),
+    /// The key was rejected and the endpoint has another: try it at once.
+    NextKey,
+    /// A failure that a retry on the same endpoint may cure (if `retries` are left).
+    Retry,
 }
 
 enum EndpointOutcome {
@@ -161,7 +242,14 @@ enum EndpointOutcome {
         context: bool,
         rate_limited: bool,
     },
+    /// Not called: every usable key's rate-limit budget is predicted short for this long.
+    Predicted(Duration),
 }
+
+const FAILED: EndpointOutcome = EndpointOutcome::Failed {
+    context: false,
+    rate_limited: false,
+};
 
 impl Run {
     async fn go(&mut self, chain: Vec<String>) -> Response {
@@ -221,16 +309,11 @@ impl Run {
     async fn pass(&mut self, chain: &[String]) -> Option<Response> {
         let policy = self.cfg.policy.clone();
         let wait_until = self.started + policy.max_wait;
-        let mut tried: HashSet<String> = HashSet::new();
-        let mut reported_skip: HashSet<String> = HashSet::new();
-        // Endpoints that answered 429 in this request: `max_wait` may wait for them too.
-        let mut rate_limited: HashSet<String> = HashSet::new();
-        // After a context-length refusal, only endpoints with a larger window may be tried.
-        let mut context_floor: Option<Option<u64>> = None;
+        self.pass = PassState::default();
         loop {
             let remaining: Vec<String> = chain
                 .iter()
-                .filter(|n| !tried.contains(*n))
+                .filter(|n| !self.pass.tried.contains(*n))
                 .cloned()
                 .collect();
             // Healthy panic is judged on the whole chain, not on what is left of it.
@@ -238,7 +321,7 @@ impl Run {
             let panic = router::in_panic(&all, policy.panic_threshold);
             let left: Vec<View> = all
                 .into_iter()
-                .filter(|v| !tried.contains(&v.name))
+                .filter(|v| !self.pass.tried.contains(&v.name))
                 .collect();
             let mut plan = router::rank(
                 &remaining,
@@ -265,16 +348,34 @@ impl Run {
                 }
             }
             for (name, skip) in &plan.skipped {
-                if reported_skip.insert(name.clone()) {
+                if self.pass.reported_skip.insert(name.clone()) {
                     self.skipped(name.clone(), skip.class(), skip.detail());
                 }
             }
             self.panic_mode.extend(plan.panic_admitted.iter().cloned());
+            if plan.order.is_empty() && !self.pass.deferred.is_empty() {
+                // Only endpoints whose rate-limit budget was predicted short are left. A
+                // prediction must never alone turn a servable request into a 503: wait for the
+                // soonest refill within `max_wait`, else try them anyway (the upstream decides).
+                let deferred = std::mem::take(&mut self.pass.deferred);
+                let soonest = deferred.iter().map(|(_, d)| *d).min().unwrap_or_default();
+                let names: Vec<String> = deferred.into_iter().map(|(n, _)| n).collect();
+                for n in &names {
+                    self.pass.tried.remove(n);
+                    self.pass.reported_skip.remove(n);
+                }
+                if Instant::now() + soonest <= wait_until {
+                    tokio::time::sleep(soonest).await;
+                } else {
+                    self.forced.extend(names);
+                }
+                continue;
+            }
             if plan.order.is_empty() {
                 // Everything left is cooling down — including endpoints that answered 429
                 // earlier in this request: wait for the first to come back, within
                 // `max_wait`, instead of failing at once.
-                let rate_limited: Vec<String> = rate_limited.drain().collect();
+                let rate_limited: Vec<String> = self.pass.rate_limited.drain().collect();
                 let again = self.views(&rate_limited);
                 let soonest = plan
                     .soonest_cooldown()
@@ -290,92 +391,138 @@ impl Run {
                     if Instant::now() + d <= wait_until {
                         tokio::time::sleep(d).await;
                         for n in rate_limited {
-                            tried.remove(&n);
+                            self.pass.tried.remove(&n);
                         }
                         // The wait is reported again if the endpoint is still unusable.
-                        reported_skip.clear();
+                        self.pass.reported_skip.clear();
                         continue;
                     }
                 }
                 return None;
             }
-            for name in plan.order {
+            let order = plan.order;
+            for (i, name) in order.iter().enumerate() {
                 if Instant::now() >= self.deadline {
                     // `request_timeout` passed: no new attempt starts; the caller's deadline
                     // answers 504 with what was tried.
                     std::future::pending::<()>().await;
                 }
-                tried.insert(name.clone());
-                let Some(ep) = self.cfg.endpoints.get(&name).cloned() else {
+                if !self.pass.tried.insert(name.clone()) {
+                    // Already raced as a hedge.
+                    continue;
+                }
+                let Some(ep) = self.admit(name).await else {
                     continue;
                 };
-                if ep.backend_tokenize.is_some() && self.req.op != Op::Embeddings {
-                    // The backend's count may also teach its window (vLLM's max_model_len).
-                    self.prompt_tokens(&ep).await;
-                }
-                let window = self.app.registry.effective_window(&ep);
-                if let Some(floor) = context_floor {
-                    // Only a window known to be larger qualifies. When the refusing
-                    // endpoint's window is unknown there is nothing to compare: trying the
-                    // next one is the only way to find out.
-                    let larger = match (window, floor) {
-                        (Some(w), Some(f)) => w > f,
-                        (_, None) => true,
-                        (None, Some(_)) => false,
-                    };
-                    if !larger {
-                        self.skipped(name.clone(), Outcome::ContextSkip, format!(
-                                "context window {} is not larger than the {} that refused the prompt",
-                                fmt_window(window),
-                                fmt_window(floor)
-                            ));
-                        if let Some(w) = window {
-                            self.context_skipped.push((name.clone(), w));
-                        }
-                        continue;
+                let delay = self.hedge.as_ref().and_then(|(_, spec)| {
+                    spec.delay(|p| self.app.registry.latency_percentile(&ep.name, p))
+                });
+                let (ep, outcome) = match delay {
+                    Some(delay) => self.try_hedged(&ep, delay, &order[i + 1..]).await,
+                    None => {
+                        let outcome = self.try_endpoint(&ep, None).await;
+                        (ep, outcome)
                     }
-                }
-                if let Some(w) = window
-                    && self.req.op != Op::Embeddings
-                {
-                    let prompt = self.prompt_tokens(&ep).await;
-                    let need = prompt.tokens + self.requested_max_tokens();
-                    let allowed = (w as f64 * policy.context_fill).floor() as u64;
-                    if need > allowed {
-                        self.skipped(name.clone(), Outcome::ContextSkip, format!(
-                                "needs {} prompt + {} completion tokens ({}); window {w}, {:.0}% usable = {allowed}",
-                                prompt.tokens,
-                                self.requested_max_tokens(),
-                                if prompt.exact { ep.counter.method() } else { "estimated".into() },
-                                policy.context_fill * 100.0
-                            ));
-                        self.context_skipped.push((name.clone(), w));
-                        continue;
-                    }
-                }
-                match self.try_endpoint(&ep).await {
+                };
+                match outcome {
                     EndpointOutcome::Served(s) => return Some(self.respond(ep, *s)),
                     EndpointOutcome::ClientError(status, headers, body) => {
                         return Some(self.respond_passthrough(&ep.name, status, headers, body));
                     }
-                    EndpointOutcome::Failed {
-                        context,
-                        rate_limited: limited,
-                    } => {
-                        if limited && !policy.max_wait.is_zero() {
-                            rate_limited.insert(ep.name.clone());
-                        }
-                        if context {
-                            let w = self.app.registry.effective_window(&ep);
-                            context_floor = Some(w);
-                            if let Some(w) = w {
-                                self.context_skipped.push((ep.name.clone(), w));
-                            }
-                        }
-                    }
+                    other => self.note(&ep, other),
                 }
             }
         }
+    }
+
+    /// What a failed or deferred endpoint teaches the rest of the pass.
+    fn note(&mut self, ep: &Endpoint, outcome: EndpointOutcome) {
+        match outcome {
+            EndpointOutcome::Failed {
+                context,
+                rate_limited,
+            } => {
+                if rate_limited && !self.cfg.policy.max_wait.is_zero() {
+                    self.pass.rate_limited.insert(ep.name.clone());
+                }
+                if context {
+                    let w = self.app.registry.effective_window(ep);
+                    self.pass.context_floor = Some(w);
+                    if let Some(w) = w {
+                        self.context_skipped.push((ep.name.clone(), w));
+                    }
+                }
+            }
+            EndpointOutcome::Predicted(wait) => {
+                self.pass.deferred.push((ep.name.clone(), wait));
+            }
+            EndpointOutcome::Served(_) | EndpointOutcome::ClientError(..) => {}
+        }
+    }
+
+    /// The context checks before an endpoint is called: `None` (the skip recorded) when the
+    /// prompt cannot fit it, or when a larger window is needed than it has.
+    async fn admit(&mut self, name: &str) -> Option<Arc<Endpoint>> {
+        let ep = self.cfg.endpoints.get(name).cloned()?;
+        if ep.backend_tokenize.is_some() && self.req.op != Op::Embeddings {
+            // The backend's count may also teach its window (vLLM's max_model_len).
+            self.prompt_tokens(&ep).await;
+        }
+        let window = self.app.registry.effective_window(&ep);
+        if let Some(floor) = self.pass.context_floor {
+            // Only a window known to be larger qualifies. When the refusing endpoint's window
+            // is unknown there is nothing to compare: trying the next one is the only way to
+            // find out.
+            let larger = match (window, floor) {
+                (Some(w), Some(f)) => w > f,
+                (_, None) => true,
+                (None, Some(_)) => false,
+            };
+            if !larger {
+                self.skipped(
+                    name.to_string(),
+                    Outcome::ContextSkip,
+                    format!(
+                        "context window {} is not larger than the {} that refused the prompt",
+                        fmt_window(window),
+                        fmt_window(floor)
+                    ),
+                );
+                if let Some(w) = window {
+                    self.context_skipped.push((name.to_string(), w));
+                }
+                return None;
+            }
+        }
+        if let Some(w) = window
+            && self.req.op != Op::Embeddings
+        {
+            let policy = &self.cfg.policy;
+            let context_fill = policy.context_fill;
+            let prompt = self.prompt_tokens(&ep).await;
+            let need = prompt.tokens + self.requested_max_tokens();
+            let allowed = (w as f64 * context_fill).floor() as u64;
+            if need > allowed {
+                self.skipped(
+                    name.to_string(),
+                    Outcome::ContextSkip,
+                    format!(
+                        "needs {} prompt + {} completion tokens ({}); window {w}, {:.0}% usable = {allowed}",
+                        prompt.tokens,
+                        self.requested_max_tokens(),
+                        if prompt.exact {
+                            ep.counter.method()
+                        } else {
+                            "estimated".into()
+                        },
+                        context_fill * 100.0
+                    ),
+                );
+                self.context_skipped.push((name.to_string(), w));
+                return None;
+            }
+        }
+        Some(ep)
     }
 
     /// Records an endpoint that was not called (skipped, or ruled out by context size).
@@ -443,166 +590,285 @@ impl Run {
         }
     }
 
+    /// Starts an attempt as a future of its own (it borrows nothing of the `Run`), so it can be
+    /// raced against a hedge; dropping it closes its upstream connection.
+    fn start(&mut self, ep: &Arc<Endpoint>, key_idx: Option<usize>) -> Result<Racing, Failure> {
+        let t0 = Instant::now();
+        let base = self.discovered_base(ep)?;
+        let key = key_idx.and_then(|i| ep.keys.get(i)).and_then(|k| k.value.as_ref());
+        let attempt = Attempt {
+            ep,
+            key,
+            req: &self.req,
+            request_id: &self.request_id,
+            deadline: self.deadline,
+            max_cooldown: self.cfg.policy.max_cooldown,
+            base: base.as_deref(),
+        };
+        let (rb, sanitized) = attempt.prepare(self.req.stream)?;
+        let rb = rb.into_owned();
+        self.sanitized = sanitized;
+        self.calls += 1;
+        let (ep, req, request_id) = (ep.clone(), self.req.clone(), self.request_id.clone());
+        let (deadline, max_cooldown) = (self.deadline, self.cfg.policy.max_cooldown);
+        let fut = async move {
+            // The key is in the prepared request already.
+            let attempt = Attempt {
+                ep: &ep,
+                key: None,
+                req: &req,
+                request_id: &request_id,
+                deadline,
+                max_cooldown,
+                base: base.as_deref(),
+            };
+            if req.stream {
+                attempt.stream(rb, t0).await
+            } else {
+                attempt.full(rb).await
+            }
+        };
+        Ok(Racing {
+            key_idx,
+            t0,
+            fut: Box::pin(fut),
+        })
+    }
+
+    /// The key for the next call to `ep`. Unless the endpoint is forced (the last resort), keys
+    /// whose rate-limit budget is predicted too small for this request are passed over.
+    async fn pick(&mut self, ep: &Arc<Endpoint>) -> Result<Option<usize>, EndpointOutcome> {
+        let predict = self.cfg.policy.predict_rate_limits && !self.forced.contains(&ep.name);
+        let pick = if predict {
+            let tokens = self.ratelimit_tokens(ep).await;
+            self.app.registry.pick_key_predicted(ep, tokens)
+        } else {
+            self.app.registry.pick_key(ep)
+        };
+        match pick {
+            KeyPick::NotNeeded => Ok(None),
+            KeyPick::Use(i) => Ok(Some(i)),
+            KeyPick::Exhausted => {
+                self.skipped(
+                    ep.name.clone(),
+                    Outcome::SkippedAuthFailed,
+                    "no usable API key".into(),
+                );
+                Err(FAILED)
+            }
+            KeyPick::Limited(wait, short) => {
+                self.skipped(
+                    ep.name.clone(),
+                    Outcome::SkippedRatelimitPredicted,
+                    format!(
+                        "x-ratelimit-remaining-{} too low for this request{}; predicted to refill in {}ms",
+                        short.as_str(),
+                        if ep.keys.len() > 1 { " on every key" } else { "" },
+                        wait.as_millis()
+                    ),
+                );
+                Err(EndpointOutcome::Predicted(wait))
+            }
+        }
+    }
+
+    /// Prompt + completion tokens, counted only when some key's token budget may be too small
+    /// for a generous bound on them (most of the time nothing is counted).
+    async fn ratelimit_tokens(&mut self, ep: &Arc<Endpoint>) -> Option<u64> {
+        let max_tokens = self.requested_max_tokens();
+        // Byte-level BPE spends at most a few tokens a character; messages add a few each.
+        let bound = (wire::prompt_chars(&self.req.body) as u64)
+            .saturating_mul(4)
+            .saturating_add(1024)
+            .saturating_add(max_tokens);
+        if !self.app.registry.tokens_tight(ep, bound) {
+            return None;
+        }
+        let prompt = self.prompt_tokens(ep).await;
+        Some(prompt.tokens.saturating_add(max_tokens))
+    }
+
     /// Tries one endpoint (with its `retries` and its other keys) and applies what
-    /// `outcome::action` says about each attempt's outcome.
-    async fn try_endpoint(&mut self, ep: &Arc<Endpoint>) -> EndpointOutcome {
+    /// `outcome::action` says about each attempt's outcome. `first` is an attempt already made
+    /// (a hedged race's survivor).
+    async fn try_endpoint(
+        &mut self,
+        ep: &Arc<Endpoint>,
+        mut first: Option<Finished>,
+    ) -> EndpointOutcome {
         let mut retries_left = ep.retries;
         let mut backoff = ep.retry_backoff;
         loop {
-            let key_idx = match self.app.registry.pick_key(ep) {
-                KeyPick::NotNeeded => None,
-                KeyPick::Use(i) => Some(i),
-                KeyPick::Exhausted => {
-                    self.skipped(
-                        ep.name.clone(),
-                        Outcome::SkippedAuthFailed,
-                        "no usable API key".into(),
-                    );
-                    return EndpointOutcome::Failed {
-                        context: false,
-                        rate_limited: false,
+            let done = match first.take() {
+                Some(f) => f,
+                None => {
+                    let key_idx = match self.pick(ep).await {
+                        Ok(k) => k,
+                        Err(outcome) => return outcome,
                     };
-                }
-            };
-            let key = key_idx.and_then(|i| ep.keys[i].value.as_ref());
-            let t0 = Instant::now();
-            self.current = Some((ep.name.clone(), t0));
-            let result = self.attempt(ep, key).await;
-            self.current = None;
-            let panic_mode = self.panic_mode.contains(&ep.name);
-            let latency_ms = t0.elapsed().as_secs_f64() * 1000.0;
-            let f = match result {
-                Ok(success) => {
-                    let status = match &success {
-                        Success::Full { status, .. } => status.as_u16(),
-                        Success::Stream { .. } => 200,
-                    };
-                    self.attempts.push(AttemptReport {
-                        endpoint: ep.name.clone(),
-                        status: Some(status),
-                        class: Outcome::Ok,
-                        latency_ms,
-                        error: None,
-                        panic_mode,
-                        internal: None,
-                    });
-                    if !self.req.stream {
-                        // Streams report their outcome when they end (see `StreamGuard`).
-                        self.app.registry.apply(
-                            ep,
-                            &self.cfg.policy,
-                            Effect::Success { latency_ms },
-                        );
+                    let key = key_idx.and_then(|i| ep.keys[i].value.as_ref());
+                    let t0 = Instant::now();
+                    self.current = Some((ep.name.clone(), t0));
+                    let result = self.attempt(ep, key).await;
+                    self.current = None;
+                    Finished {
+                        key_idx,
+                        t0,
+                        result,
                     }
-                    return EndpointOutcome::Served(Box::new(success));
                 }
-                Err(f) => f,
             };
-            let secrets: Vec<&str> = ep
-                .keys
-                .iter()
-                .filter_map(|k| k.value.as_ref().map(|s| s.expose()))
-                .collect();
-            let detail = classify::redact(&f.detail, &secrets);
-            let internal = f.internal.as_deref().map(|d| classify::redact(d, &secrets));
-            tracing::info!(
-                request_id = %self.request_id,
-                endpoint = %ep.name,
-                class = f.class.as_str(),
-                status = ?f.status,
-                latency_ms,
-                error = %detail,
-                "attempt failed"
-            );
-            self.attempts.push(AttemptReport {
-                endpoint: ep.name.clone(),
-                status: f.status,
-                class: f.class,
-                latency_ms,
-                error: Some(detail.clone()),
-                panic_mode,
-                internal,
-            });
-            let hints = Hints {
-                retry_after: f.retry_after,
-                endpoint_cooldown: ep.cooldown,
-                default_cooldown: self.cfg.policy.default_cooldown,
-                with_key: key_idx.is_some(),
-            };
-            let failed = EndpointOutcome::Failed {
-                context: false,
-                rate_limited: false,
-            };
-            match outcome::action(f.class, hints) {
-                Action::Serve => return unreachable_serve(),
-                Action::ReturnToClient => {
-                    let (s, h, b) = f.passthrough.map(|p| *p).unwrap_or_else(|| {
-                        (StatusCode::BAD_REQUEST, HeaderMap::new(), Bytes::new())
-                    });
-                    return EndpointOutcome::ClientError(s, h, b);
+            match self.settle(ep, done) {
+                Settled::Done(outcome) => return outcome,
+                Settled::NextKey => continue,
+                Settled::Retry if retries_left > 0 => {
+                    retries_left -= 1;
+                    // Full jitter: a herd of clients retrying in step is what keeps a
+                    // struggling server down.
+                    let sleep = backoff.mul_f64(fastrand::f64());
+                    tokio::time::sleep(sleep).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
-                Action::ContextSkip => {
-                    if let Some(limit) = classify::context_limit(&f.detail) {
-                        self.app.registry.learn_window(ep, limit);
-                    }
-                    // If nothing larger exists, the client gets this 400 rather than a 503.
-                    if let Some(p) = f.passthrough {
-                        self.last_context_error = Some(*p);
-                    }
-                    return EndpointOutcome::Failed {
-                        context: true,
-                        rate_limited: false,
-                    };
-                }
-                Action::CoolDown(for_) => {
-                    self.app.registry.apply(
-                        ep,
-                        &self.cfg.policy,
-                        Effect::Cooldown { for_, detail },
-                    );
-                    return EndpointOutcome::Failed {
-                        context: false,
-                        rate_limited: true,
-                    };
-                }
-                Action::FailOver => return failed,
-                Action::Retire => {
+                Settled::Retry => return FAILED,
+            }
+        }
+    }
+
+    /// Records one finished attempt and applies what `outcome::action` says about it.
+    fn settle(&mut self, ep: &Arc<Endpoint>, done: Finished) -> Settled {
+        let Finished {
+            key_idx,
+            t0,
+            result,
+        } = done;
+        let panic_mode = self.panic_mode.contains(&ep.name);
+        let latency_ms = t0.elapsed().as_secs_f64() * 1000.0;
+        let f = match result {
+            Ok(success) => {
+                self.app
+                    .registry
+                    .observe_ratelimit(ep, key_idx, success.ratelimit());
+                let status = match &success {
+                    Success::Full { status, .. } => status.as_u16(),
+                    Success::Stream { .. } => 200,
+                };
+                self.attempts.push(AttemptReport {
+                    endpoint: ep.name.clone(),
+                    status: Some(status),
+                    class: Outcome::Ok,
+                    latency_ms,
+                    error: None,
+                    panic_mode,
+                    internal: None,
+                });
+                if !self.req.stream {
+                    // Streams report their outcome when they end (see `StreamGuard`).
                     self.app
                         .registry
-                        .apply(ep, &self.cfg.policy, Effect::Retire { detail });
-                    return failed;
+                        .apply(ep, &self.cfg.policy, Effect::Success { latency_ms });
                 }
-                Action::RejectKey => {
-                    let key = key_idx.unwrap_or_default();
-                    let more = self.app.registry.apply(
-                        ep,
-                        &self.cfg.policy,
-                        Effect::KeyRejected { key, detail },
-                    );
-                    if more {
-                        continue;
-                    }
-                    return failed;
+                return Settled::Done(EndpointOutcome::Served(Box::new(success)));
+            }
+            Err(f) => f,
+        };
+        if let Some(seen) = &f.ratelimit {
+            self.app.registry.observe_ratelimit(ep, key_idx, seen);
+        }
+        let secrets: Vec<&str> = ep
+            .keys
+            .iter()
+            .filter_map(|k| k.value.as_ref().map(|s| s.expose()))
+            .collect();
+        let detail = classify::redact(&f.detail, &secrets);
+        let internal = f.internal.as_deref().map(|d| classify::redact(d, &secrets));
+        tracing::info!(
+            request_id = %self.request_id,
+            endpoint = %ep.name,
+            class = f.class.as_str(),
+            status = ?f.status,
+            latency_ms,
+            error = %detail,
+            "attempt failed"
+        );
+        self.attempts.push(AttemptReport {
+            endpoint: ep.name.clone(),
+            status: f.status,
+            class: f.class,
+            latency_ms,
+            error: Some(detail.clone()),
+            panic_mode,
+            internal,
+        });
+        let hints = Hints {
+            retry_after: f.retry_after,
+            endpoint_cooldown: ep.cooldown,
+            default_cooldown: self.cfg.policy.default_cooldown,
+            with_key: key_idx.is_some(),
+        };
+        match outcome::action(f.class, hints) {
+            Action::Serve => Settled::Done(unreachable_serve()),
+            Action::ReturnToClient => {
+                let (s, h, b) = f
+                    .passthrough
+                    .map(|p| *p)
+                    .unwrap_or_else(|| (StatusCode::BAD_REQUEST, HeaderMap::new(), Bytes::new()));
+                Settled::Done(EndpointOutcome::ClientError(s, h, b))
+            }
+            Action::ContextSkip => {
+                if let Some(limit) = classify::context_limit(&f.detail) {
+                    self.app.registry.learn_window(ep, limit);
                 }
-                Action::Fail { retry } => {
-                    self.app.registry.apply(
-                        ep,
-                        &self.cfg.policy,
-                        Effect::Failure {
-                            class: f.class,
-                            detail,
-                        },
-                    );
-                    if retry && retries_left > 0 {
-                        retries_left -= 1;
-                        // Full jitter: a herd of clients retrying in step is what keeps a
-                        // struggling server down.
-                        let sleep = backoff.mul_f64(fastrand::f64());
-                        tokio::time::sleep(sleep).await;
-                        backoff = (backoff * 2).min(Duration::from_secs(5));
-                        continue;
-                    }
-                    return failed;
+                // If nothing larger exists, the client gets this 400 rather than a 503.
+                if let Some(p) = f.passthrough {
+                    self.last_context_error = Some(*p);
+                }
+                Settled::Done(EndpointOutcome::Failed {
+                    context: true,
+                    rate_limited: false,
+                })
+            }
+            Action::CoolDown(for_) => {
+                self.app
+                    .registry
+                    .apply(ep, &self.cfg.policy, Effect::Cooldown { for_, detail });
+                Settled::Done(EndpointOutcome::Failed {
+                    context: false,
+                    rate_limited: true,
+                })
+            }
+            Action::FailOver => Settled::Done(FAILED),
+            Action::Retire => {
+                self.app
+                    .registry
+                    .apply(ep, &self.cfg.policy, Effect::Retire { detail });
+                Settled::Done(FAILED)
+            }
+            Action::RejectKey => {
+                let key = key_idx.unwrap_or_default();
+                let more = self.app.registry.apply(
+                    ep,
+                    &self.cfg.policy,
+                    Effect::KeyRejected { key, detail },
+                );
+                if more {
+                    Settled::NextKey
+                } else {
+                    Settled::Done(FAILED)
+                }
+            }
+            Action::Fail { retry } => {
+                self.app.registry.apply(
+                    ep,
+                    &self.cfg.policy,
+                    Effect::Failure {
+                        class: f.class,
+                        detail,
+                    },
+                );
+                if retry {
+                    Settled::Retry
+                } else {
+                    Settled::Done(FAILED)
                 }
             }
         }
@@ -614,8 +880,5 @@ impl Run {
 #[cold]
 fn unreachable_serve() -> EndpointOutcome {
     debug_assert!(false, "a failure classified as served");
-    EndpointOutcome::Failed {
-        context: false,
-        rate_limited: false,
-    }
+    FAILED
 }

@@ -23,7 +23,10 @@ use crate::wire::{self, Op, Usage};
 impl Run {
     /// The 504 when `routing_policy.request_timeout` passed before anything was served.
     pub(super) fn request_timed_out(&mut self) -> Response {
-        if let Some((endpoint, t0)) = self.current.take() {
+        for (endpoint, t0) in [self.current.take(), self.current_hedge.take()]
+            .into_iter()
+            .flatten()
+        {
             let panic_mode = self.panic_mode.contains(&endpoint);
             self.attempts.push(AttemptReport {
                 endpoint,
@@ -83,6 +86,8 @@ impl Run {
             truncated_messages: self.truncation.map(|t| t.0 as u64).unwrap_or(0),
             truncated_tokens: self.truncation.map(|t| t.1).unwrap_or(0),
             sanitized_chars: self.sanitized,
+            hedges: self.hedges_sent,
+            hedge_won: self.hedge_won,
             attempts: self
                 .attempts
                 .iter()
@@ -111,6 +116,9 @@ impl Run {
             h.insert("x-autohedge-endpoint", ep);
         }
         h.insert("x-autohedge-attempts", HeaderValue::from(self.calls));
+        if self.hedge_won {
+            h.insert("x-autohedge-hedged", HeaderValue::from_static("true"));
+        }
         if let Some((m, t)) = self.truncation
             && let Ok(v) = HeaderValue::from_str(&format!("{m}/{t}"))
         {
@@ -177,6 +185,7 @@ impl Run {
                 body,
                 usage,
                 out_chars,
+                ..
             } => {
                 let mut row = self.base_row(Some(&ep.name), status.as_u16(), None);
                 // Walking the body for an estimate is only needed when the upstream sent no usage.
@@ -218,6 +227,7 @@ impl Run {
                 usage,
                 out_chars,
                 usage_tap,
+                ..
             } => {
                 let mut row = self.base_row(Some(&ep.name), 200, None);
                 row.ttft_ms = Some(self.started.elapsed().as_secs_f64() * 1000.0);

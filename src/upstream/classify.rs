@@ -103,6 +103,38 @@ pub fn retry_after(headers: &HeaderMap, max: Duration) -> Option<Duration> {
     best.map(|d| d.min(max))
 }
 
+/// What a response's `x-ratelimit-*` headers say (any status, not only 429s). A budget is taken
+/// only with both its `remaining` and its `reset` readable; `limit` is optional. Every value is
+/// hostile: malformed ones are ignored, resets are clamped to `max` (`routing_policy.max_cooldown`).
+pub fn ratelimit_headers(headers: &HeaderMap, max: Duration) -> crate::ratelimit::Observed {
+    // Most upstreams (vLLM, Ollama, llama.cpp) send none: one lookup and out.
+    const NAMES: [[&str; 3]; 2] = [
+        [
+            "x-ratelimit-remaining-requests",
+            "x-ratelimit-reset-requests",
+            "x-ratelimit-limit-requests",
+        ],
+        [
+            "x-ratelimit-remaining-tokens",
+            "x-ratelimit-reset-tokens",
+            "x-ratelimit-limit-tokens",
+        ],
+    ];
+    let get = |n: &str| headers.get(n).and_then(|v| v.to_str().ok()).map(str::trim);
+    let budget = |[remaining, reset, limit]: [&str; 3]| {
+        let remaining = get(remaining)?.parse::<u64>().ok()?;
+        let reset = get(reset)?;
+        let reset = parse_go_duration(reset)
+            .or_else(|| reset.parse::<f64>().ok().and_then(secs_to_duration))?;
+        let limit = get(limit).and_then(|v| v.parse::<u64>().ok());
+        Some((limit, remaining, reset.min(max)))
+    };
+    crate::ratelimit::Observed {
+        requests: budget(NAMES[0]),
+        tokens: budget(NAMES[1]),
+    }
+}
+
 /// Seconds as a `Duration`: `None` for NaN or negative values, `Duration::MAX` for values too
 /// large to represent (the caller clamps). Never panics, unlike `Duration::from_secs_f64`.
 fn secs_to_duration(secs: f64) -> Option<Duration> {

@@ -159,6 +159,8 @@ pub type ByteStream = Pin<Box<dyn Stream<Item = Result<Bytes, BoxError>> + Send>
 /// configured, or a header only reqwest would report).
 pub enum Prepared<'a> {
     Direct(&'a DirectClient, http::Request<Full<Bytes>>),
+    /// The same with its own handle on the client (a hedged attempt outlives the borrow).
+    DirectOwned(Box<DirectClient>, http::Request<Full<Bytes>>),
     Reqwest(reqwest::RequestBuilder),
 }
 
@@ -200,32 +202,47 @@ pub struct SendError {
     pub internal: String,
 }
 
+async fn send_direct(
+    client: &DirectClient,
+    req: http::Request<Full<Bytes>>,
+) -> Result<Answer, SendError> {
+    // Kept for the error's audit detail; formatted only if the send fails.
+    let uri = req.uri().clone();
+    match client.request(req).await {
+        Ok(resp) => {
+            let (parts, body) = resp.into_parts();
+            let body = body.into_data_stream().map_err(BoxError::from);
+            Ok(Answer {
+                status: parts.status,
+                headers: parts.headers,
+                body: Box::pin(body),
+            })
+        }
+        Err(e) => {
+            let shown = format!("error sending request: {}", error_chain(&e));
+            Err(SendError {
+                connect: e.is_connect(),
+                internal: format!("{shown} (url {uri})"),
+                shown,
+            })
+        }
+    }
+}
+
 impl Prepared<'_> {
+    /// The request with no borrow left (the client handle is cloned: a few reference counts).
+    pub fn into_owned(self) -> Prepared<'static> {
+        match self {
+            Prepared::Direct(c, r) => Prepared::DirectOwned(Box::new(c.clone()), r),
+            Prepared::DirectOwned(c, r) => Prepared::DirectOwned(c, r),
+            Prepared::Reqwest(rb) => Prepared::Reqwest(rb),
+        }
+    }
+
     pub async fn send(self) -> Result<Answer, SendError> {
         match self {
-            Prepared::Direct(client, req) => {
-                // Kept for the error's audit detail; formatted only if the send fails.
-                let uri = req.uri().clone();
-                match client.request(req).await {
-                    Ok(resp) => {
-                        let (parts, body) = resp.into_parts();
-                        let body = body.into_data_stream().map_err(BoxError::from);
-                        Ok(Answer {
-                            status: parts.status,
-                            headers: parts.headers,
-                            body: Box::pin(body),
-                        })
-                    }
-                    Err(e) => {
-                        let shown = format!("error sending request: {}", error_chain(&e));
-                        Err(SendError {
-                            connect: e.is_connect(),
-                            internal: format!("{shown} (url {uri})"),
-                            shown,
-                        })
-                    }
-                }
-            }
+            Prepared::Direct(client, req) => send_direct(client, req).await,
+            Prepared::DirectOwned(client, req) => send_direct(&client, req).await,
             Prepared::Reqwest(rb) => match rb.send().await {
                 Ok(resp) => {
                     let status = resp.status();

@@ -15,7 +15,7 @@ use crate::error::ApiError;
 pub use crate::op::Op;
 
 /// A validated client request.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Inbound {
     pub op: Op,
     pub model: String,

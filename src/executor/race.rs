@@ -1,0 +1,229 @@
+//! Hedged requests: when the first attempt has not answered (non-stream: the response; stream:
+//! its first content chunk) within the hedge delay, a copy goes to the next candidate and the two
+//! race. The first success wins; the loser is dropped at once — its upstream connection closed,
+//! so a metered API stops generating — and recorded as `hedge_cancelled`. A failure of either
+//! before the other succeeds goes through the normal rules (`settle`), and the survivor carries
+//! on as an ordinary attempt (with its retries). A stream commits only on success, so a committed
+//! stream is never duplicated.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::attempt::{Failure, Success};
+use super::{EndpointOutcome, FAILED, Finished, Run, Settled};
+use crate::config::Endpoint;
+use crate::error::AttemptReport;
+use crate::outcome::Outcome;
+
+pub(super) type AttemptFuture = Pin<Box<dyn Future<Output = Result<Success, Failure>> + Send>>;
+
+/// An attempt running as a future of its own.
+pub(super) struct Racing {
+    pub key_idx: Option<usize>,
+    pub t0: Instant,
+    pub fut: AttemptFuture,
+}
+
+impl Racing {
+    fn finish(&self, result: Result<Success, Failure>) -> Finished {
+        Finished {
+            key_idx: self.key_idx,
+            t0: self.t0,
+            result,
+        }
+    }
+}
+
+/// Which side of the race.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Side {
+    First,
+    Hedge,
+}
+
+impl Run {
+    /// Tries `a`, hedging to the first admissible endpoint of `rest` after `delay`. Returns the
+    /// endpoint the outcome belongs to (the hedge's, when it won or outlived `a`).
+    pub(super) async fn try_hedged(
+        &mut self,
+        a: &Arc<Endpoint>,
+        delay: Duration,
+        rest: &[String],
+    ) -> (Arc<Endpoint>, EndpointOutcome) {
+        let key_a = match self.pick(a).await {
+            Ok(k) => k,
+            Err(outcome) => return (a.clone(), outcome),
+        };
+        let mut first = match self.start(a, key_a) {
+            Ok(r) => r,
+            Err(f) => {
+                let done = Finished {
+                    key_idx: key_a,
+                    t0: Instant::now(),
+                    result: Err(f),
+                };
+                return (a.clone(), self.try_endpoint(a, Some(done)).await);
+            }
+        };
+        self.current = Some((a.name.clone(), first.t0));
+        tokio::select! {
+            biased;
+            result = &mut first.fut => {
+                self.current = None;
+                let done = first.finish(result);
+                return (a.clone(), self.try_endpoint(a, Some(done)).await);
+            }
+            _ = tokio::time::sleep(delay) => {}
+        }
+        let Some((b, mut hedge)) = self.hedge_candidate(rest).await else {
+            let result = (&mut first.fut).await;
+            self.current = None;
+            let done = first.finish(result);
+            return (a.clone(), self.try_endpoint(a, Some(done)).await);
+        };
+        self.current_hedge = Some((b.name.clone(), hedge.t0));
+        // Both run now. The first to finish decides: a success wins outright; a failure is
+        // settled and the other carries on alone.
+        let (side, result) = tokio::select! {
+            r = &mut first.fut => (Side::First, r),
+            r = &mut hedge.fut => (Side::Hedge, r),
+        };
+        let (done_ep, done, other_ep, other) = match side {
+            Side::First => (a.clone(), first.finish(result), b, hedge),
+            Side::Hedge => (b, hedge.finish(result), a.clone(), first),
+        };
+        self.current = None;
+        self.current_hedge = None;
+        if done.result.is_ok() {
+            drop(other.fut);
+            self.cancelled(&other_ep, other.t0, &done_ep);
+            if side == Side::Hedge {
+                self.hedge_won = true;
+                if let Some((key, _)) = &self.hedge {
+                    self.app
+                        .hedges
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .entry(key.clone())
+                        .or_default()
+                        .won();
+                }
+            }
+            return (done_ep.clone(), self.try_endpoint(&done_ep, Some(done)).await);
+        }
+        match self.settle(&done_ep, done) {
+            Settled::Done(EndpointOutcome::ClientError(s, h, b)) => {
+                // The client's own error: the other copy would get the same answer.
+                drop(other.fut);
+                self.cancelled(&other_ep, other.t0, &done_ep);
+                return (done_ep, EndpointOutcome::ClientError(s, h, b));
+            }
+            Settled::Done(outcome) => self.note(&done_ep, outcome),
+            // No retry while the other copy runs: it is the retry.
+            Settled::NextKey | Settled::Retry => self.note(&done_ep, FAILED),
+        }
+        let mut survivor = other;
+        let slot = if side == Side::First {
+            &mut self.current_hedge
+        } else {
+            &mut self.current
+        };
+        *slot = Some((other_ep.name.clone(), survivor.t0));
+        let result = (&mut survivor.fut).await;
+        self.current = None;
+        self.current_hedge = None;
+        let done = survivor.finish(result);
+        let outcome = self.try_endpoint(&other_ep, Some(done)).await;
+        (other_ep, outcome)
+    }
+
+    /// The hedge: the next endpoint of `rest` that passes the context checks and has a key
+    /// predicted to take the request, started — if the budget has a copy left.
+    async fn hedge_candidate(&mut self, rest: &[String]) -> Option<(Arc<Endpoint>, Racing)> {
+        let key = self.hedge.as_ref()?.0.clone();
+        let budget_left = |app: &crate::state::AppState| {
+            app.hedges
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&key)
+                .is_some_and(|b| b.left() >= 1.0)
+        };
+        if !budget_left(&self.app) {
+            return None;
+        }
+        for name in rest {
+            if !self.pass.tried.insert(name.clone()) {
+                continue;
+            }
+            let Some(ep) = self.admit(name).await else {
+                continue;
+            };
+            let key_idx = match self.pick(&ep).await {
+                Ok(k) => k,
+                Err(outcome) => {
+                    self.note(&ep, outcome);
+                    continue;
+                }
+            };
+            let taken = self
+                .app
+                .hedges
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(key.clone())
+                .or_default()
+                .take();
+            if !taken {
+                // Spent by another request meanwhile: this endpoint stays in the pass.
+                self.pass.tried.remove(name);
+                return None;
+            }
+            match self.start(&ep, key_idx) {
+                Ok(r) => {
+                    self.hedges_sent += 1;
+                    return Some((ep, r));
+                }
+                Err(f) => {
+                    self.app
+                        .hedges
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .entry(key.clone())
+                        .or_default()
+                        .refund();
+                    let done = Finished {
+                        key_idx,
+                        t0: Instant::now(),
+                        result: Err(f),
+                    };
+                    match self.settle(&ep, done) {
+                        Settled::Done(o) => self.note(&ep, o),
+                        Settled::NextKey | Settled::Retry => self.note(&ep, FAILED),
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    /// Records the race's loser.
+    fn cancelled(&mut self, loser: &Endpoint, t0: Instant, winner: &Endpoint) {
+        let panic_mode = self.panic_mode.contains(&loser.name);
+        self.attempts.push(AttemptReport {
+            endpoint: loser.name.clone(),
+            status: None,
+            class: Outcome::HedgeCancelled,
+            latency_ms: t0.elapsed().as_secs_f64() * 1000.0,
+            error: Some(format!(
+                "cancelled: `{}` answered first; the connection was closed",
+                winner.name
+            )),
+            panic_mode,
+            internal: None,
+        });
+    }
+}

@@ -46,14 +46,19 @@ impl Spec {
 /// [`Budget::CAP`], so a quiet hour cannot be saved up for a burst of hedges.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Budget {
-    tokens: f64,
+    /// In millionths of a hedge: integers, so ten requests at 10% make exactly one hedge.
+    micros: u64,
     pub requests: u64,
     pub sent: u64,
     pub won: u64,
 }
 
+const ONE: u64 = 1_000_000;
+
 impl Budget {
+    /// Whole hedges the bucket holds at most.
     pub const CAP: f64 = 10.0;
+    const CAP_MICROS: u64 = 10 * ONE;
 
     /// A request arrived on the hedged route.
     pub fn on_request(&mut self, max_extra: f64) {
@@ -63,13 +68,14 @@ impl Budget {
         } else {
             0.0
         };
-        self.tokens = (self.tokens + share).min(Self::CAP);
+        let add = (share * ONE as f64).round() as u64;
+        self.micros = (self.micros + add).min(Self::CAP_MICROS);
     }
 
     /// Takes one hedge from the budget; false when it is spent.
     pub fn take(&mut self) -> bool {
-        if self.tokens >= 1.0 {
-            self.tokens -= 1.0;
+        if self.micros >= ONE {
+            self.micros -= ONE;
             self.sent += 1;
             true
         } else {
@@ -79,7 +85,7 @@ impl Budget {
 
     /// Gives back a hedge taken but never sent (the copy could not be built).
     pub fn refund(&mut self) {
-        self.tokens = (self.tokens + 1.0).min(Self::CAP);
+        self.micros = (self.micros + ONE).min(Self::CAP_MICROS);
         self.sent = self.sent.saturating_sub(1);
     }
 
@@ -87,9 +93,9 @@ impl Budget {
         self.won += 1;
     }
 
-    /// Whole hedges left.
+    /// Hedges left (fractional).
     pub fn left(&self) -> f64 {
-        self.tokens
+        self.micros as f64 / ONE as f64
     }
 }
 
@@ -146,9 +152,21 @@ mod tests {
             }
         }
         assert_eq!(b.requests, 10_000);
-        assert!(hedges <= 500, "{hedges} hedges for 10,000 requests at 5%");
-        assert!(hedges >= 499, "the budget is usable: {hedges}");
+        assert_eq!(hedges, 500, "exactly 5% of 10,000 requests");
         assert_eq!(b.sent, hedges);
+    }
+
+    #[test]
+    fn ten_requests_at_ten_percent_pay_for_exactly_one_hedge() {
+        let mut b = Budget::default();
+        for _ in 0..9 {
+            b.on_request(0.1);
+            assert!(!b.take());
+        }
+        b.on_request(0.1);
+        assert!(b.take(), "no float drift: 10 x 0.1 is one whole hedge");
+        b.refund();
+        assert_eq!((b.sent, b.left()), (0, 1.0));
     }
 
     #[test]

@@ -59,6 +59,17 @@ pub struct Script {
     /// Rules, first match wins.
     #[serde(default)]
     pub rules: Vec<Rule>,
+    /// A real token bucket on inference calls, as OpenAI's limiter behaves: `requests` per
+    /// `per`, refilling continuously. Every answer carries `x-ratelimit-*-requests` with the
+    /// bucket's real state; an empty bucket answers 429 `rate_limit_exceeded`.
+    pub rate_limit: Option<MockRateLimit>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MockRateLimit {
+    pub requests: u64,
+    pub per: Dur,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -72,6 +83,8 @@ pub struct When {
     pub model: Option<String>,
     /// Matches every Nth request that meets the other conditions (1-based: 3 → 3rd, 6th, …).
     pub every: Option<u64>,
+    /// Matches with this probability (0..1), drawn per request: heavy tails, random faults.
+    pub chance: Option<f64>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -95,6 +108,8 @@ pub struct Rule {
     pub headers: BTreeMap<String, String>,
     /// Delay before the response headers.
     pub delay: Option<Dur>,
+    /// With `delay`: the delay is drawn uniformly from [delay, delay_max].
+    pub delay_max: Option<Dur>,
     /// Close the connection without answering.
     #[serde(default)]
     pub reset: bool,
@@ -134,6 +149,8 @@ pub struct Mock {
     flavor: Flavor,
     script: Mutex<Script>,
     counters: Mutex<Counters>,
+    /// `rate_limit:`'s bucket: units left, and when they were counted.
+    bucket: Mutex<Option<(f64, std::time::Instant)>>,
 }
 
 type RespBody = BoxBody<Bytes, Infallible>;
@@ -159,6 +176,7 @@ impl Mock {
             flavor,
             script: Mutex::new(script),
             counters: Mutex::new(Counters::default()),
+            bucket: Mutex::new(None),
         })
     }
 
@@ -190,6 +208,7 @@ impl Mock {
                 || w.stream.is_some_and(|s| s != stream)
                 || w.key.as_deref().is_some_and(|k| Some(k) != key)
                 || w.model.as_deref().is_some_and(|m| Some(m) != model)
+                || w.chance.is_some_and(|p| fastrand::f64() >= p)
             {
                 continue;
             }
@@ -206,6 +225,44 @@ impl Mock {
             return Some(r.clone());
         }
         None
+    }
+
+    /// Takes one request from the `rate_limit:` bucket: the answer's `x-ratelimit-*-requests`
+    /// headers tell its real state, and an empty bucket turns the answer into OpenAI's 429.
+    fn rate_limit(&self, rl: &MockRateLimit, rule: &mut Rule) {
+        let cap = rl.requests.max(1) as f64;
+        let rate = cap / rl.per.0.as_secs_f64().max(1e-3);
+        let now = std::time::Instant::now();
+        let mut b = self.bucket.lock().unwrap_or_else(|e| e.into_inner());
+        let (tokens, at) = b.unwrap_or((cap, now));
+        let mut tokens = (tokens + now.duration_since(at).as_secs_f64() * rate).min(cap);
+        let ok = tokens >= 1.0;
+        if ok {
+            tokens -= 1.0;
+        }
+        *b = Some((tokens, now));
+        let to_full_ms = ((cap - tokens) / rate * 1000.0).ceil() as u64;
+        let to_one_ms = ((1.0 - tokens).max(0.0) / rate * 1000.0).ceil() as u64;
+        for (k, v) in [
+            ("x-ratelimit-limit-requests", cap.to_string()),
+            (
+                "x-ratelimit-remaining-requests",
+                (tokens.floor() as u64).to_string(),
+            ),
+            ("x-ratelimit-reset-requests", format!("{to_full_ms}ms")),
+        ] {
+            rule.headers.insert(k.into(), v);
+        }
+        if !ok {
+            rule.status = Some(429);
+            rule.error = Some(format!(
+                "Rate limit reached for requests on requests per min (RPM): Limit {cap}, Used {cap}, Requested 1. Please try again in {to_one_ms}ms."
+            ));
+            rule.error_type = Some("requests".into());
+            rule.error_code = Some("rate_limit_exceeded".into());
+            rule.headers
+                .insert("retry-after-ms".into(), to_one_ms.max(1).to_string());
+        }
     }
 
     fn error_body(
@@ -411,8 +468,19 @@ impl Mock {
                 model.as_deref(),
             )
             .unwrap_or_default();
+        let mut rule = rule;
+        if method == hyper::Method::POST
+            && path != "/tokenize"
+            && let Some(rl) = self.script().rate_limit
+        {
+            self.rate_limit(&rl, &mut rule);
+        }
         if let Some(d) = rule.delay {
-            tokio::time::sleep(d.0).await;
+            let d = match rule.delay_max {
+                Some(m) if m.0 > d.0 => d.0 + (m.0 - d.0).mul_f64(fastrand::f64()),
+                _ => d.0,
+            };
+            tokio::time::sleep(d).await;
         }
         if rule.reset {
             kill.notify_one();

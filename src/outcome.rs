@@ -326,7 +326,10 @@ mod tests {
             (Outcome::SkippedCooldown, "skipped_cooldown"),
             (Outcome::SkippedCapability, "skipped_capability"),
             (Outcome::SkippedUnhealthy, "skipped_unhealthy"),
-            (Outcome::SkippedRatelimitPredicted, "skipped_ratelimit_predicted"),
+            (
+                Outcome::SkippedRatelimitPredicted,
+                "skipped_ratelimit_predicted",
+            ),
             (Outcome::ContextSkip, "context_skip"),
             (Outcome::StreamBroken, "stream_broken"),
             (Outcome::StreamStalled, "stream_stalled"),

@@ -155,7 +155,8 @@ impl Limits {
 
     /// Nothing left to predict: every budget is past its reset.
     pub fn expired(&self, now: Instant) -> bool {
-        self.requests.is_none_or(|b| now >= b.reset_at) && self.tokens.is_none_or(|b| now >= b.reset_at)
+        self.requests.is_none_or(|b| now >= b.reset_at)
+            && self.tokens.is_none_or(|b| now >= b.reset_at)
     }
 }
 
@@ -193,7 +194,11 @@ mod tests {
         tokio::time::advance(299 * MS).await;
         assert_eq!(b.wait_for(1, Instant::now()), Some(MS));
         tokio::time::advance(MS).await;
-        assert_eq!(b.wait_for(1, Instant::now()), None, "past the reset nothing is predicted");
+        assert_eq!(
+            b.wait_for(1, Instant::now()),
+            None,
+            "past the reset nothing is predicted"
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -208,7 +213,11 @@ mod tests {
             t0,
         );
         assert_eq!(l.wait_for(Some(900), t0), None);
-        assert_eq!(l.wait_for(None, t0), None, "uncounted: only requests are judged");
+        assert_eq!(
+            l.wait_for(None, t0),
+            None,
+            "uncounted: only requests are judged"
+        );
         // 2,000 needed, 1,000 there, 9,000 refill in 9 s: 1,000 more take 1 s.
         let (d, short) = l.wait_for(Some(2_000), t0).unwrap();
         assert_eq!(short, Short::Tokens);
@@ -238,7 +247,10 @@ mod tests {
         l.debit(None);
         assert!(l.wait_for(None, t0).is_none());
         l.debit(None);
-        assert_eq!(l.wait_for(None, t0), Some((Duration::from_secs(1), Short::Requests)));
+        assert_eq!(
+            l.wait_for(None, t0),
+            Some((Duration::from_secs(1), Short::Requests))
+        );
         l.debit(None);
         assert_eq!(l.requests.unwrap().remaining, 0, "saturates, never wraps");
         assert!(!l.expired(t0));

@@ -45,6 +45,8 @@ pub struct EndpointRuntime {
     latency: Ewma,
     samples: LatencySample,
     cooldown_until: Option<Instant>,
+    /// When the current (or last) cooldown began.
+    cooldown_from: Option<Instant>,
     cooldown_reason: Option<String>,
     retired: Option<Retirement>,
     auth_failed: Option<String>,
@@ -79,7 +81,6 @@ pub struct EndpointRuntime {
 /// How stale the sorted latencies behind a hedge's percentile delay may be.
 const SORTED_TTL: Duration = Duration::from_millis(250);
 
-
 impl EndpointRuntime {
     fn new(policy: &Policy, fingerprint: &str) -> Self {
         EndpointRuntime {
@@ -87,6 +88,7 @@ impl EndpointRuntime {
             latency: Ewma::new(0.2),
             samples: LatencySample::new(LATENCY_SAMPLES),
             cooldown_until: None,
+            cooldown_from: None,
             cooldown_reason: None,
             retired: None,
             auth_failed: None,
@@ -113,7 +115,8 @@ impl EndpointRuntime {
 
     /// The share of its traffic the endpoint takes now, when it is in its slow start.
     pub fn slow_start(&self, now: Instant, window: Duration) -> Option<f64> {
-        crate::router::slow_start_share(self.recovered_at, self.cooldown_until, now, window)
+        let cooldown = self.cooldown_from.zip(self.cooldown_until);
+        crate::router::slow_start_share(self.recovered_at, cooldown, now, window)
     }
 
     pub fn avail(&self, now: Instant) -> Avail {
@@ -367,9 +370,7 @@ impl Registry {
     pub fn tokens_tight(&self, ep: &Endpoint, upper_bound: u64) -> bool {
         let now = Instant::now();
         self.with(&ep.name, |rt| {
-            rt.limits
-                .values()
-                .any(|l| l.tokens_tight(upper_bound, now))
+            rt.limits.values().any(|l| l.tokens_tight(upper_bound, now))
         })
         .unwrap_or(false)
     }
@@ -475,6 +476,9 @@ impl Registry {
             }
             Effect::Cooldown { for_, detail } => {
                 let until = now + for_;
+                if rt.cooldown_until.is_none_or(|u| u <= now) {
+                    rt.cooldown_from = Some(now);
+                }
                 rt.cooldown_until = Some(rt.cooldown_until.map_or(until, |u| u.max(until)));
                 rt.cooldown_reason = Some(detail.clone());
                 rt.last_error = Some((format!("rate_limited: {detail}"), SystemTime::now()));
@@ -846,7 +850,7 @@ impl Registry {
                     return None;
                 }
                 let budget = |b: &Option<crate::ratelimit::Budget>| {
-                    b.map(|b| {
+                    b.filter(|b| b.reset_at > now).map(|b| {
                         json!({
                             "limit": b.limit,
                             "remaining_observed": b.remaining,
@@ -890,7 +894,8 @@ impl Registry {
             "cooldown_reason": if cooldown_ms > 0 { rt.cooldown_reason.clone() } else { None },
             "retired_reason": rt.retired.as_ref().map(|r| r.reason.clone()),
             "auth_failed": rt.auth_failed.clone(),
-            "keys": { "configured": ep.keys.len(), "usable": usable_keys, "ratelimit": ratelimit },
+            "keys": { "configured": ep.keys.len(), "usable": usable_keys },
+            "ratelimit": ratelimit,
             "slow_start_share": rt.slow_start(now, policy.slow_start),
             "context_window": ep.context_window,
             "learned_context_window": rt.learned_window,

@@ -92,19 +92,26 @@ impl Plan {
 /// `min_weight_percent`, 10%).
 pub const SLOW_START_MIN: f64 = 0.1;
 
+/// Cooldowns shorter than this end without a slow start: a few milliseconds away (a token
+/// bucket's refill) do not gather a flood of failed-over traffic to return.
+pub const SLOW_START_AFTER_COOLDOWN: Duration = Duration::from_secs(1);
+
 /// The share of its traffic an endpoint takes at `now` when it is in its slow start: it came back
-/// from unhealthy, warming or ejection at `recovered_at`, or its cooldown ended at
-/// `cooldown_until`, less than `window` ago. Rises linearly from [`SLOW_START_MIN`] to 1.
+/// from unhealthy, warming or ejection at `recovered_at`, or a cooldown of at least
+/// [`SLOW_START_AFTER_COOLDOWN`] (`(from, until)`) ended, less than `window` ago. Rises linearly
+/// from [`SLOW_START_MIN`] to 1.
 pub fn slow_start_share(
     recovered_at: Option<Instant>,
-    cooldown_until: Option<Instant>,
+    cooldown: Option<(Instant, Instant)>,
     now: Instant,
     window: Duration,
 ) -> Option<f64> {
     if window.is_zero() {
         return None;
     }
-    let cooled = cooldown_until.filter(|u| *u <= now);
+    let cooled = cooldown
+        .filter(|(from, until)| *until <= now && *until - *from >= SLOW_START_AFTER_COOLDOWN)
+        .map(|(_, until)| until);
     let since = match (recovered_at, cooled) {
         (Some(a), Some(b)) => a.max(b),
         (a, b) => a.or(b)?,
@@ -376,7 +383,11 @@ mod tests {
         assert_eq!(order(&a).order, chain(&["a", "b", "d"]), "within its share");
         a.roll = 0.3;
         let plan = order(&a);
-        assert_eq!(plan.order, chain(&["b", "a", "d"]), "behind healthy, ahead of demoted");
+        assert_eq!(
+            plan.order,
+            chain(&["b", "a", "d"]),
+            "behind healthy, ahead of demoted"
+        );
         assert_eq!(plan.slowed, chain(&["a"]));
         assert!(plan.skipped.is_empty());
         // Alone in its chain it still takes every request: slow start never causes a 503.
@@ -388,17 +399,41 @@ mod tests {
     async fn slow_start_share_rises_linearly_from_ten_percent_after_recovery_or_cooldown() {
         let w = Duration::from_secs(30);
         let t0 = Instant::now();
-        assert_eq!(slow_start_share(None, None, t0, w), None, "never down: no slow start");
-        assert_eq!(slow_start_share(Some(t0), None, t0, w), Some(SLOW_START_MIN));
+        assert_eq!(
+            slow_start_share(None, None, t0, w),
+            None,
+            "never down: no slow start"
+        );
+        assert_eq!(
+            slow_start_share(Some(t0), None, t0, w),
+            Some(SLOW_START_MIN)
+        );
         let at = |s: u64| t0 + Duration::from_secs(s);
         assert_eq!(slow_start_share(Some(t0), None, at(15), w), Some(0.5));
-        assert_eq!(slow_start_share(Some(t0), None, at(30), w), None, "window over");
+        assert_eq!(
+            slow_start_share(Some(t0), None, at(30), w),
+            None,
+            "window over"
+        );
         // A cooldown still running is not a recovery; one that ended is.
-        assert_eq!(slow_start_share(None, Some(at(10)), at(5), w), None);
-        assert_eq!(slow_start_share(None, Some(at(10)), at(13), w), Some(0.1));
+        assert_eq!(slow_start_share(None, Some((t0, at(10))), at(5), w), None);
+        assert_eq!(
+            slow_start_share(None, Some((t0, at(10))), at(13), w),
+            Some(0.1)
+        );
+        // A cooldown of a few milliseconds is no outage: no slow start after it.
+        let blip = Some((at(10), at(10) + Duration::from_millis(6)));
+        assert_eq!(slow_start_share(None, blip, at(11), w), None);
         // The later of the two counts.
-        assert_eq!(slow_start_share(Some(t0), Some(at(20)), at(26), w), Some(0.2));
-        assert_eq!(slow_start_share(Some(t0), None, at(1), Duration::ZERO), None, "0 turns it off");
+        assert_eq!(
+            slow_start_share(Some(t0), Some((t0, at(20))), at(26), w),
+            Some(0.2)
+        );
+        assert_eq!(
+            slow_start_share(Some(t0), None, at(1), Duration::ZERO),
+            None,
+            "0 turns it off"
+        );
     }
 
     #[test]

@@ -830,7 +830,7 @@ async fn every_request_has_one_audit_row_after_sigterm() {
     );
     assert!(failovers >= 10, "{failovers}");
     let version: i64 = one(&conn, "PRAGMA user_version");
-    assert_eq!(version, 3);
+    assert_eq!(version, 4);
 }
 
 #[tokio::test]
@@ -1510,7 +1510,9 @@ models:
   b: {{ type: openai, base_url: "{}" }}
   c: {{ type: openai, base_url: "{}" }}
 # One of three healthy is not a panic here (1/3 >= 0.3): the ejection is honoured.
-routing_policy: {{ fallback_chain: [a, b, c], panic_threshold: 0.3 }}
+# Slow start off: this test asserts the recovered endpoint takes traffic at once (slow start
+# itself is tested in tail.rs).
+routing_policy: {{ fallback_chain: [a, b, c], panic_threshold: 0.3, slow_start: 0 }}
 # An ejection window (3 s) far longer than the two requests that must see it, on any machine.
 health: {{ probe_interval: 100ms, flip_after: 2, eject_after: 3, eject_base: 3s, eject_max: 6s }}
 "#,
@@ -1673,7 +1675,7 @@ models:
   s: {{ type: openai, base_url: "{}", semantic_probe: true }}
   b: {{ type: openai, base_url: "{}" }}
 # 1 of 3 healthy is no panic here (1/3 >= 0.3): warming and unhealthy endpoints are skipped.
-routing_policy: {{ fallback_chain: [a, s, b], panic_threshold: 0.3 }}
+routing_policy: {{ fallback_chain: [a, s, b], panic_threshold: 0.3, slow_start: 0 }}
 health: {{ probe_interval: 100ms, flip_after: 1, warmup: 300ms }}
 "#,
         a.base(),

@@ -47,7 +47,8 @@ async fn hostile_rate_limit_headers_fail_over_and_are_clamped() {
     let b = MockUp::openai("name: b").await;
     let gw = Gw::start(&chain_cfg(
         &[("a", &a), ("b", &b)],
-        "  max_cooldown: 3s\n  default_cooldown: 1s",
+        // Slow start off: this test asserts `a` is called as soon as each cooldown ends.
+        "  max_cooldown: 3s\n  default_cooldown: 1s\n  slow_start: 0",
     ));
     // 1e20 seconds: the request fails over (no reset connection) and a's cooldown is clamped.
     let r = gw.chat("chat", "x").await;

@@ -229,8 +229,9 @@ async fn a_committed_stream_past_timeouts_total_ends_with_stream_timeout() {
 async fn which_failures_count_against_the_endpoint() {
     let a = MockUp::openai("name: a").await;
     let b = MockUp::openai("name: b").await;
+    // Slow start off: after the 429's cooldown `a` must be called at once again.
     let gw = Gw::start(&format!(
-        "models:\n{}{}",
+        "models:\n{}{}routing_policy: {{ slow_start: 0 }}\n",
         ep("a", &a, ", cooldown: 1ms"),
         ep("b", &b, "")
     ));

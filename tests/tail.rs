@@ -67,7 +67,8 @@ async fn silent_upstream() -> Silent {
                     }
                 }
                 if seen.starts_with(b"GET") {
-                    let body = r#"{"object":"list","data":[{"id":"m","object":"model","owned_by":"x"}]}"#;
+                    let body =
+                        r#"{"object":"list","data":[{"id":"m","object":"model","owned_by":"x"}]}"#;
                     let resp = format!(
                         "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
                         body.len()
@@ -131,7 +132,10 @@ async fn a_hedge_wins_over_a_silent_upstream_whose_connection_is_then_closed() {
         .expect("the slow upstream got the request")
         .unwrap();
     assert!(posted < t0 + Duration::from_millis(140), "sent at once");
-    assert!(served_after >= Duration::from_millis(150), "{served_after:?}");
+    assert!(
+        served_after >= Duration::from_millis(150),
+        "{served_after:?}"
+    );
     assert_eq!(fast.requests().await, 1);
     // The loser's connection is closed, so a metered API would stop generating.
     let closed = tokio::time::timeout(Duration::from_secs(3), slow.closed.recv())
@@ -217,8 +221,13 @@ async fn the_budget_bounds_hedges_and_tools_hedge_only_when_allowed() {
     // Every request was slow enough to hedge: the budget alone decided. It starts empty and
     // each request pays a tenth of a hedge.
     assert_eq!(hedged, vec![10, 20]);
-    assert_eq!(slow.requests().await, 20, "every request tried the slow one first");
-    let tool = json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
+    assert_eq!(
+        slow.requests().await,
+        20,
+        "every request tried the slow one first"
+    );
+    let tool =
+        json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
     for (route, expect) in [("notools", ""), ("tools", "true")] {
         let r = gw
             .post(
@@ -232,7 +241,11 @@ async fn the_budget_bounds_hedges_and_tools_hedge_only_when_allowed() {
     let st = gw.status().await;
     assert_eq!(st["hedging"]["route:tenth"]["requests"], 20);
     assert_eq!(st["hedging"]["route:tenth"]["sent"], 2);
-    assert!(st["hedging"].get("route:notools").is_none(), "{}", st["hedging"]);
+    assert!(
+        st["hedging"].get("route:notools").is_none(),
+        "{}",
+        st["hedging"]
+    );
     gw.stop();
     assert_eq!(
         rows(
@@ -266,10 +279,14 @@ async fn an_exhausted_budget_in_the_headers_routes_away_before_the_429() {
         .await;
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
-    assert_eq!(header(&r, "x-autohedge-attempts"), "1", "no call spent on a 429");
+    assert_eq!(
+        header(&r, "x-autohedge-attempts"),
+        "1",
+        "no call spent on a 429"
+    );
     assert_eq!(a.requests().await, 1, "a was not called");
     let st = gw.status().await;
-    let rl = &st["endpoints"]["a"]["keys"]["ratelimit"][0];
+    let rl = &st["endpoints"]["a"]["ratelimit"][0];
     assert_eq!(rl["key"], "no key", "{rl}");
     assert!(rl["blocked_for_ms"].as_u64().unwrap() > 10_000, "{rl}");
     // A prediction alone never makes a 503: with nothing else left, `a` is tried anyway.
@@ -320,7 +337,7 @@ async fn a_key_with_no_budget_left_is_passed_over_for_the_next() {
         json!(["1111", "2222", "2222", "2222", "2222"])
     );
     let st = gw.status().await;
-    let rl = &st["endpoints"]["a"]["keys"]["ratelimit"];
+    let rl = &st["endpoints"]["a"]["ratelimit"];
     assert!(
         rl.as_array()
             .unwrap()
@@ -328,7 +345,10 @@ async fn a_key_with_no_budget_left_is_passed_over_for_the_next() {
             .any(|k| k["key"] == "#1" && k["blocked_for_ms"].as_u64().unwrap() > 0),
         "{rl}"
     );
-    assert!(!st.to_string().contains("sk-first"), "no key value in /status");
+    assert!(
+        !st.to_string().contains("sk-first"),
+        "no key value in /status"
+    );
     gw.stop();
 }
 
@@ -344,12 +364,17 @@ async fn a_token_budget_too_small_for_max_tokens_skips_only_the_large_request() 
         ep("a", &a, ""),
         ep("b", &b, "")
     ));
-    assert_eq!(header(&gw.chat("chat", "x").await, "x-autohedge-endpoint"), "a");
-    let ask = |max_tokens: u64| {
-        json!({"model": "chat", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hi"}]})
-    };
+    assert_eq!(
+        header(&gw.chat("chat", "x").await, "x-autohedge-endpoint"),
+        "a"
+    );
+    let ask = |max_tokens: u64| json!({"model": "chat", "max_tokens": max_tokens, "messages": [{"role": "user", "content": "hi"}]});
     let r = gw.post("/v1/chat/completions", ask(500)).await;
-    assert_eq!(header(&r, "x-autohedge-endpoint"), "b", "500 > 100 tokens left");
+    assert_eq!(
+        header(&r, "x-autohedge-endpoint"),
+        "b",
+        "500 > 100 tokens left"
+    );
     let r = gw.post("/v1/chat/completions", ask(5)).await;
     assert_eq!(header(&r, "x-autohedge-endpoint"), "a", "a few tokens fit");
     assert_eq!((a.requests().await, b.requests().await), (2, 1));

@@ -34,8 +34,8 @@ mod respond;
 mod stream;
 
 use attempt::{Attempt, Failure, Success};
-use race::Racing;
 use context::fmt_window;
+use race::Racing;
 
 /// Bodies with more text than this are counted on the blocking pool (≈16k tokens: a few
 /// milliseconds of BPE work that should not hold an async worker).
@@ -188,7 +188,10 @@ fn hedge_for(
         Some(s) => (format!("route:{}", req.model), *s),
         None => {
             let first = chain.first()?;
-            (format!("endpoint:{first}"), cfg.endpoints.get(first)?.hedge?)
+            (
+                format!("endpoint:{first}"),
+                cfg.endpoints.get(first)?.hedge?,
+            )
         }
     };
     if req.body.contains_key("tools") && !spec.tools {
@@ -595,7 +598,9 @@ impl Run {
     fn start(&mut self, ep: &Arc<Endpoint>, key_idx: Option<usize>) -> Result<Racing, Failure> {
         let t0 = Instant::now();
         let base = self.discovered_base(ep)?;
-        let key = key_idx.and_then(|i| ep.keys.get(i)).and_then(|k| k.value.as_ref());
+        let key = key_idx
+            .and_then(|i| ep.keys.get(i))
+            .and_then(|k| k.value.as_ref());
         let attempt = Attempt {
             ep,
             key,

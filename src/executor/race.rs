@@ -113,7 +113,10 @@ impl Run {
                         .won();
                 }
             }
-            return (done_ep.clone(), self.try_endpoint(&done_ep, Some(done)).await);
+            return (
+                done_ep.clone(),
+                self.try_endpoint(&done_ep, Some(done)).await,
+            );
         }
         match self.settle(&done_ep, done) {
             Settled::Done(EndpointOutcome::ClientError(s, h, b)) => {

@@ -114,6 +114,7 @@ async fn proxy(app: Arc<AppState>, op: Op, headers: HeaderMap, body: Body) -> Re
             sanitized_chars: 0,
             hedges: 0,
             hedge_won: false,
+            continued_from: None,
         })));
         return with_request_id(err.into_response(), &id);
     };

@@ -597,6 +597,7 @@ impl Mock {
             }
             ("GET", "/api/version", Flavor::Ollama) => self.json_response(200, &json!({"version": "0.5.0"}), &rule.headers),
             ("POST", "/v1/chat/completions", _) => {
+                let reply = continued(self.flavor, &body, &reply);
                 self.chat(&body, &model, &reply, &rule, stream, chunk_delay, kill)
             }
             ("POST", "/v1/completions", _) => {
@@ -948,6 +949,28 @@ async fn misbehave(
         return true;
     }
     false
+}
+
+/// vLLM continues a final assistant message when asked (`continue_final_message: true` with
+/// `add_generation_prompt: false`): the mock's reply then goes on from where that message ends
+/// (the rest of the reply when the message is a prefix of it). OpenAI and Ollama never continue.
+fn continued(flavor: Flavor, body: &Value, reply: &str) -> String {
+    let asked = body.get("continue_final_message").and_then(Value::as_bool) == Some(true)
+        && body.get("add_generation_prompt").and_then(Value::as_bool) == Some(false);
+    if flavor != Flavor::Vllm || !asked {
+        return reply.to_string();
+    }
+    let last = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .and_then(|m| m.last())
+        .filter(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
+        .and_then(|m| m.get("content"))
+        .and_then(Value::as_str);
+    match last {
+        Some(prefix) => reply.strip_prefix(prefix).unwrap_or(reply).to_string(),
+        None => reply.to_string(),
+    }
 }
 
 fn default_message(status: u16) -> &'static str {

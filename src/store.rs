@@ -83,10 +83,12 @@ const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE attempts ADD COLUMN panic_mode INTEGER NOT NULL DEFAULT 0;
     "#,
-    // 4: hedged requests: copies sent, and whether one of them won.
+    // 4: hedged requests (copies sent, whether one won) and continued streams (the endpoint
+    // whose stream broke before another carried it on).
     r#"
     ALTER TABLE requests ADD COLUMN hedges INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE requests ADD COLUMN hedge_won INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE requests ADD COLUMN continued_from TEXT;
     "#,
 ];
 
@@ -157,6 +159,8 @@ pub struct RequestRow {
     pub hedges: u32,
     /// A hedged copy (not the first attempt) served it.
     pub hedge_won: bool,
+    /// The endpoint whose committed stream broke before `endpoint` continued it.
+    pub continued_from: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -466,8 +470,8 @@ fn write_batch(
     let tx = conn.transaction()?;
     {
         let mut ins_req = tx.prepare_cached(
-            "INSERT INTO requests (request_id, ts_ms, operation, requested_model, endpoint, status, error_class, stream, latency_ms, ttft_ms, tokens_in, tokens_out, tokens_estimated, cost_usd, attempts, prompt_tokens_counted, truncated_messages, truncated_tokens, sanitized_chars, hedges, hedge_won)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21)",
+            "INSERT INTO requests (request_id, ts_ms, operation, requested_model, endpoint, status, error_class, stream, latency_ms, ttft_ms, tokens_in, tokens_out, tokens_estimated, cost_usd, attempts, prompt_tokens_counted, truncated_messages, truncated_tokens, sanitized_chars, hedges, hedge_won, continued_from)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22)",
         )?;
         let mut ins_att = tx.prepare_cached(
             "INSERT INTO attempts (request_row, request_id, seq, ts_ms, endpoint, class, status, error, latency_ms, panic_mode)
@@ -502,6 +506,7 @@ fn write_batch(
                         row.sanitized_chars as i64,
                         row.hedges,
                         row.hedge_won,
+                        row.continued_from,
                     ])?;
                     let request_row = tx.last_insert_rowid();
                     for a in &row.attempts {
@@ -741,6 +746,7 @@ mod tests {
             sanitized_chars: 0,
             hedges: 0,
             hedge_won: false,
+            continued_from: None,
             attempts: vec![
                 AttemptRow {
                     panic_mode: false,

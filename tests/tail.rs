@@ -415,3 +415,101 @@ async fn after_a_cooldown_the_endpoint_takes_a_rising_share_not_everything() {
     assert_eq!(to_a, 60, "without slow start a takes everything at once");
     assert!(share.is_null());
 }
+
+#[tokio::test]
+async fn a_broken_stream_is_continued_on_an_endpoint_that_can_and_spliced_into_one() {
+    let reply = "one two three four five six seven";
+    let a = MockUp::openai(&format!(
+        "reply: \"{reply}\"\nrules: [{{when: {{stream: true}}, reset_after: 3}}]"
+    ))
+    .await;
+    // An OpenAI endpoint cannot continue an assistant message: never used for it.
+    let b = MockUp::openai(&format!("reply: \"{reply}\"")).await;
+    let c = MockUp::start(
+        autohedge::mock::Flavor::Vllm,
+        &format!("reply: \"{reply}\""),
+    )
+    .await;
+    let cfg = format!(
+        "models:\n{}{}  c: {{ type: vllm, base_url: \"{}\" }}\nroutes:\n  chat:\n    chain: [a, b, c]\n    continue_streams: true\n  plain: [a, b, c]\n",
+        ep("a", &a, ""),
+        ep("b", &b, ""),
+        c.base()
+    );
+    let mut gw = Gw::start(&cfg);
+    let ask = |model: &str| json!({"model": model, "stream": true, "messages": [{"role": "user", "content": "count"}]});
+    let r = gw.chat_id("continued", ask("chat")).await;
+    assert_eq!(r.status(), 200);
+    let raw = r.text().await.unwrap();
+    let mut p = autohedge::wire::sse::SseParser::new();
+    let events: Vec<String> = p
+        .push(raw.as_bytes())
+        .unwrap()
+        .into_iter()
+        .map(|e| e.data)
+        .collect();
+    // a really broke after three words, and c was asked to continue exactly that text.
+    assert_eq!(a.requests().await, 1);
+    assert_eq!(b.requests().await, 0, "b cannot continue");
+    assert_eq!(c.requests().await, 1);
+    let sent = c.stats().await["last_body"].clone();
+    assert_eq!(sent["continue_final_message"], true, "{sent}");
+    assert_eq!(sent["add_generation_prompt"], false);
+    let last = sent["messages"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(
+        last,
+        json!({"role": "assistant", "content": "one two three "})
+    );
+    // The client saw one stream: the whole text once, one finish_reason, one id, one [DONE].
+    assert_eq!(stream_text(&events), reply, "{raw}");
+    let chunks: Vec<Value> = events
+        .iter()
+        .filter_map(|e| serde_json::from_str(e).ok())
+        .collect();
+    let finishes = chunks
+        .iter()
+        .filter(|v| !v["choices"][0]["finish_reason"].is_null() && v["choices"][0].is_object())
+        .count();
+    assert_eq!(finishes, 1, "{raw}");
+    let ids: std::collections::BTreeSet<String> =
+        chunks.iter().map(|v| v["id"].to_string()).collect();
+    assert_eq!(ids.len(), 1, "one stream identity: {ids:?}");
+    assert_eq!(events.iter().filter(|e| e.trim() == "[DONE]").count(), 1);
+    assert!(!raw.contains("\"error\""), "no error event: {raw}");
+    assert!(
+        raw.contains(": autohedge: continued on c after a broke (stream_broken)"),
+        "{raw}"
+    );
+    // Without continue_streams the same break ends the stream with an error event.
+    let r = gw.post("/v1/chat/completions", ask("plain")).await;
+    let raw = r.text().await.unwrap();
+    assert!(raw.contains("stream_broken"), "{raw}");
+    assert_eq!(c.requests().await, 1, "not continued");
+    // With tools it is not continued either.
+    let mut with_tools = ask("chat");
+    with_tools["tools"] =
+        json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
+    let raw = gw
+        .post("/v1/chat/completions", with_tools)
+        .await
+        .text()
+        .await
+        .unwrap();
+    assert!(raw.contains("stream_broken"), "{raw}");
+    assert_eq!(c.requests().await, 1);
+    gw.stop();
+    assert_eq!(
+        rows(
+            &gw,
+            "SELECT endpoint, continued_from, status FROM requests WHERE request_id = 'continued'"
+        ),
+        vec!["c:a:200"]
+    );
+    assert_eq!(
+        rows(
+            &gw,
+            "SELECT endpoint, class FROM attempts WHERE request_id = 'continued' ORDER BY seq"
+        ),
+        vec!["a:ok", "a:stream_broken", "c:ok"]
+    );
+}

@@ -79,6 +79,9 @@ pub struct RawRouteFull {
     pub chain: Vec<String>,
     pub on_context_overflow: Option<Overflow>,
     pub hedge: Option<RawHedge>,
+    /// Carry a committed stream that breaks on at the next endpoint able to continue an
+    /// assistant message (requests without tools).
+    pub continue_streams: Option<bool>,
 }
 
 /// `hedge:` (a route's, or an endpoint's for requests where it is tried first).

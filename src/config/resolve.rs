@@ -140,7 +140,8 @@ fn default_capabilities(kind: EndpointKind) -> BTreeSet<Capability> {
     match kind {
         EndpointKind::Openai => [Chat, Completions, Embeddings, Tools, Vision].into(),
         // Vision depends on the model a local server runs: opt in with `capabilities:`.
-        EndpointKind::Vllm | EndpointKind::Ollama => [Chat, Completions, Embeddings, Tools].into(),
+        EndpointKind::Vllm => [Chat, Completions, Embeddings, Tools, Continue].into(),
+        EndpointKind::Ollama => [Chat, Completions, Embeddings, Tools].into(),
     }
 }
 
@@ -384,6 +385,7 @@ pub(super) fn build(raw: RawConfig) -> Result<Config, ConfigError> {
     let mut routes = BTreeMap::new();
     let mut route_overflow = BTreeMap::new();
     let mut route_hedge = BTreeMap::new();
+    let mut route_continue = BTreeSet::new();
     for (route, r) in raw.routes {
         match r {
             RawRoute::Chain(c) => {
@@ -392,6 +394,9 @@ pub(super) fn build(raw: RawConfig) -> Result<Config, ConfigError> {
             RawRoute::Full(f) => {
                 if let Some(o) = f.on_context_overflow {
                     route_overflow.insert(route.clone(), o);
+                }
+                if f.continue_streams == Some(true) {
+                    route_continue.insert(route.clone());
                 }
                 if let Some(h) = &f.hedge {
                     route_hedge.insert(
@@ -542,6 +547,7 @@ pub(super) fn build(raw: RawConfig) -> Result<Config, ConfigError> {
         routes,
         route_overflow,
         route_hedge,
+        route_continue,
         policy: Policy {
             health: thresholds,
             ..policy

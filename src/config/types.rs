@@ -93,6 +93,9 @@ pub enum Capability {
     Embeddings,
     Tools,
     Vision,
+    /// Continues a final assistant message (vLLM's `continue_final_message`; llama.cpp's
+    /// server continues one by itself): a broken stream may be carried on here.
+    Continue,
 }
 
 impl Capability {
@@ -360,6 +363,8 @@ pub struct Config {
     pub route_overflow: BTreeMap<String, Overflow>,
     /// Per-route hedging (routes written in the long form).
     pub route_hedge: BTreeMap<String, crate::hedge::Spec>,
+    /// Routes with `continue_streams: true`.
+    pub route_continue: BTreeSet<String>,
     pub policy: Policy,
     pub health: HealthPolicy,
     pub docker: DockerConfig,

@@ -91,6 +91,8 @@ struct Run {
     pass: PassState,
     /// Endpoints tried although their rate-limit budget was predicted short (the last resort).
     forced: HashSet<String>,
+    /// The chain, when the route continues broken streams (`continue_streams: true`).
+    continue_chain: Option<Vec<String>>,
     /// Endpoints tried although health said to skip them (healthy panic, last resort).
     panic_mode: HashSet<String>,
     /// Endpoints whose backend `/tokenize` failed in this request (the local count is used).
@@ -140,6 +142,11 @@ pub async fn execute(
     request_id: String,
 ) -> Response {
     let hedge = hedge_for(&app, &cfg, &req, &chain);
+    let continue_chain = (req.stream
+        && req.op == Op::Chat
+        && cfg.route_continue.contains(&req.model)
+        && !req.body.contains_key("tools"))
+    .then(|| chain.clone());
     let mut run = Run {
         app,
         cfg,
@@ -164,6 +171,7 @@ pub async fn execute(
         hedge_won: false,
         pass: PassState::default(),
         forced: HashSet::new(),
+        continue_chain,
         panic_mode: HashSet::new(),
         backend_failed: HashSet::new(),
     };

@@ -12,7 +12,7 @@ use tokio::time::Instant;
 
 use super::Run;
 use super::attempt::Success;
-use super::stream::{PassThrough, StreamGuard, pump};
+use super::stream::{Continuation, PassThrough, StreamGuard, pump};
 use crate::config::Endpoint;
 use crate::error::{ApiError, AttemptReport};
 use crate::outcome::Outcome;
@@ -88,6 +88,7 @@ impl Run {
             sanitized_chars: self.sanitized,
             hedges: self.hedges_sent,
             hedge_won: self.hedge_won,
+            continued_from: None,
             attempts: self
                 .attempts
                 .iter()
@@ -245,7 +246,9 @@ impl Run {
                     }),
                     usage_tap,
                     op: self.req.op,
+                    break_recorded: false,
                 };
+                let cont = self.continuation(&ep, &prelude);
                 // The StreamGuard owns the row from here on.
                 self.row_written = true;
                 let idle = ep.timeouts.first_token;
@@ -262,6 +265,7 @@ impl Run {
                     guard,
                     // One waiter for the stream's life, not one per chunk.
                     stop: Box::pin(self.app.hard_stop.clone().cancelled_owned()),
+                    cont,
                 };
                 let body = Body::from_stream(futures_util::stream::unfold(state, pump));
                 let mut resp = Response::new(body);
@@ -275,6 +279,43 @@ impl Run {
                 resp
             }
         }
+    }
+}
+
+impl Run {
+    /// For a route with `continue_streams: true` (chat without tools): the endpoints that could
+    /// carry this stream on, and what the committed prelude already streamed.
+    fn continuation(&self, serving: &Endpoint, prelude: &[Bytes]) -> Option<Box<Continuation>> {
+        let chain = self.continue_chain.as_ref()?;
+        let candidates: Vec<Arc<Endpoint>> = chain
+            .iter()
+            .filter(|n| **n != serving.name)
+            .filter_map(|n| self.cfg.endpoints.get(n))
+            .filter(|e| e.caps.contains(crate::config::Capability::Continue))
+            .cloned()
+            .collect();
+        if candidates.is_empty() {
+            return None;
+        }
+        let mut cont = Continuation {
+            req: self.req.clone(),
+            candidates,
+            request_id: self.request_id.clone(),
+            deadline: self.deadline,
+            text: String::new(),
+            identity: None,
+            finished: false,
+            spliced: false,
+        };
+        let mut parser = crate::wire::sse::SseParser::new();
+        for b in prelude {
+            for ev in parser.push(b).unwrap_or_default() {
+                if let Ok(v) = serde_json::from_str::<serde_json::Value>(&ev.data) {
+                    cont.watch(&v);
+                }
+            }
+        }
+        Some(Box::new(cont))
     }
 }
 

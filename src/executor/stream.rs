@@ -15,7 +15,7 @@ use futures_util::StreamExt;
 use serde_json::Value;
 use tokio::time::{Instant, timeout_at};
 
-use super::attempt::{ByteStream, chunk_text_chars, error_chain};
+use super::attempt::{Attempt, ByteStream, Success, chunk_text_chars, error_chain};
 use super::respond::fill_usage;
 use crate::config::{Config, Endpoint};
 use crate::error::stream_error_event;
@@ -25,7 +25,7 @@ use crate::state::AppState;
 use crate::store::{AttemptRow, Record, RequestRow};
 use crate::upstream::{self, classify};
 use crate::wire::sse::SseParser;
-use crate::wire::{self, ChunkKind, Op, Usage};
+use crate::wire::{self, ChunkKind, Inbound, Op, Usage};
 
 /// Owns a committed stream's audit row and reports the outcome exactly once: when the stream
 /// ends, fails, or is dropped because the client went away.
@@ -42,9 +42,34 @@ pub(super) struct StreamGuard {
     /// Exact counts a translating adapter saw (Ollama's final object).
     pub usage_tap: Option<upstream::ollama::UsageTap>,
     pub op: Op,
+    /// The current endpoint's break is already recorded (a continuation was tried).
+    pub break_recorded: bool,
 }
 
 impl StreamGuard {
+    /// Adds an attempt to the row (continuation: the break, and each continuing attempt).
+    fn push_attempt(
+        &mut self,
+        endpoint: &str,
+        class: Outcome,
+        status: Option<u16>,
+        error: Option<String>,
+    ) {
+        let latency_ms = self.started.elapsed().as_secs_f64() * 1000.0;
+        if let Some(row) = self.row.as_mut() {
+            let seq = row.attempts.len() as u32 + 1;
+            row.attempts.push(AttemptRow {
+                seq,
+                endpoint: endpoint.to_string(),
+                class,
+                status,
+                error,
+                latency_ms,
+                panic_mode: false,
+            });
+        }
+    }
+
     pub(super) fn finish(&mut self, failure: Option<(Outcome, String)>) {
         let Some(mut row) = self.row.take() else {
             return;
@@ -95,6 +120,10 @@ impl StreamGuard {
                 // the record says so.
                 row.error_class = Some(class.as_str().into());
             }
+            Some((class, _)) if self.break_recorded => {
+                // Recorded (and counted) when a continuation was tried; none could carry it.
+                row.error_class = Some(class.as_str().into());
+            }
             Some((class, detail)) => {
                 row.error_class = Some(class.as_str().into());
                 let n = row.attempts.len() as u32 + 1;
@@ -141,6 +170,8 @@ pub(super) struct PassThrough {
     pub guard: StreamGuard,
     /// Cancelled when shutdown cuts the requests still running.
     pub stop: Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
+    /// Stream continuation, when the route has it on.
+    pub cont: Option<Box<Continuation>>,
 }
 
 impl PassThrough {
@@ -159,6 +190,9 @@ impl PassThrough {
             if let Ok(v) = serde_json::from_str::<Value>(&ev.data) {
                 if let Some(u) = wire::usage_of(&v) {
                     self.guard.usage = Some(u);
+                }
+                if let Some(c) = self.cont.as_mut() {
+                    c.watch(&v);
                 }
                 match wire::classify_chunk(&v) {
                     ChunkKind::Error(m) => err = Some(m),
@@ -198,6 +232,9 @@ pub(super) async fn pump(
     match next {
         Ok(Some(Ok(b))) => {
             if let Some(err) = st.scan(&b) {
+                if let Some(first) = continued(&mut st, Outcome::InBand, &err).await {
+                    return Some((Ok(first), st));
+                }
                 // The upstream's own error event passes through to the client as sent.
                 st.finished = true;
                 st.guard.finish(Some((Outcome::InBand, err)));
@@ -210,6 +247,16 @@ pub(super) async fn pump(
             Some((Ok(b), st))
         }
         Ok(None) => {
+            if !st.done_seen
+                && let Some(first) = continued(
+                    &mut st,
+                    Outcome::StreamTruncated,
+                    "upstream closed the stream without [DONE]",
+                )
+                .await
+            {
+                return Some((Ok(first), st));
+            }
             st.finished = true;
             if st.done_seen {
                 st.guard.finish(None);
@@ -227,8 +274,11 @@ pub(super) async fn pump(
             }
         }
         Ok(Some(Err(e))) => {
-            st.finished = true;
             let detail = error_chain(&*e);
+            if let Some(first) = continued(&mut st, Outcome::StreamBroken, &detail).await {
+                return Some((Ok(first), st));
+            }
+            st.finished = true;
             st.guard.finish(Some((Outcome::StreamBroken, detail)));
             let ev = stream_error_event(
                 "The upstream connection failed mid-stream.",
@@ -237,8 +287,18 @@ pub(super) async fn pump(
             Some((Ok(Bytes::from(ev)), st))
         }
         Err(_) => {
-            st.finished = true;
             let total = Instant::now() >= st.deadline;
+            if !total
+                && let Some(first) = continued(
+                    &mut st,
+                    Outcome::StreamStalled,
+                    "The upstream stalled mid-stream.",
+                )
+                .await
+            {
+                return Some((Ok(first), st));
+            }
+            st.finished = true;
             let (outcome, msg) = if total {
                 (
                     Outcome::StreamTimeout,
@@ -253,5 +313,291 @@ pub(super) async fn pump(
                 st,
             ))
         }
+    }
+}
+
+/// Carries the stream on after a break, when continuation is on and an endpoint can: the first
+/// bytes of the continuation.
+async fn continued(st: &mut PassThrough, class: Outcome, detail: &str) -> Option<Bytes> {
+    if st.cont.is_none() || !st.continue_stream(class, detail).await {
+        return None;
+    }
+    st.prelude.pop_front()
+}
+
+/// Opt-in stream continuation (`routes.<name>.continue_streams: true`): what is needed to carry a
+/// committed stream that broke on at the next endpoint able to continue an assistant message,
+/// and splice its output onto the client's stream.
+pub(super) struct Continuation {
+    pub req: Arc<Inbound>,
+    /// Endpoints of the chain with the `continue` capability, in chain order, the serving one
+    /// left out.
+    pub candidates: Vec<Arc<Endpoint>>,
+    pub request_id: String,
+    pub deadline: Instant,
+    /// The assistant text streamed to the client so far.
+    pub text: String,
+    /// The stream's identity (`id`, `model`, `created` of its chunks), kept across the splice.
+    pub identity: Option<(Value, Value, Value)>,
+    /// A `finish_reason` went by: the answer is complete, nothing to continue.
+    pub finished: bool,
+    /// Continued once already.
+    pub spliced: bool,
+}
+
+impl Continuation {
+    /// Watches one content chunk of the stream.
+    pub(super) fn watch(&mut self, v: &Value) {
+        if self.identity.is_none()
+            && let Some(id) = v.get("id")
+        {
+            self.identity = Some((
+                id.clone(),
+                v.get("model").cloned().unwrap_or(Value::Null),
+                v.get("created").cloned().unwrap_or(Value::Null),
+            ));
+        }
+        if let Some(choice) = v.pointer("/choices/0") {
+            if let Some(t) = choice.pointer("/delta/content").and_then(Value::as_str) {
+                self.text.push_str(t);
+            }
+            if choice.get("finish_reason").is_some_and(|f| !f.is_null()) {
+                self.finished = true;
+            }
+        }
+    }
+
+    /// The continuation request: the conversation plus the assistant text already streamed.
+    fn request(&self, ep: &Endpoint) -> Inbound {
+        let mut body = self.req.body.clone();
+        if let Some(Value::Array(messages)) = body.get_mut("messages") {
+            messages.push(serde_json::json!({"role": "assistant", "content": self.text}));
+        }
+        if ep.kind == crate::config::EndpointKind::Vllm {
+            body.insert("continue_final_message".into(), Value::Bool(true));
+            body.insert("add_generation_prompt".into(), Value::Bool(false));
+        }
+        Inbound {
+            op: self.req.op,
+            model: self.req.model.clone(),
+            stream: true,
+            body,
+            needs: self.req.needs.clone(),
+        }
+    }
+}
+
+/// Rewrites a continuation's SSE so the client sees one stream: its role-only opening chunk is
+/// dropped, its chunks carry the first stream's `id`, `model` and `created`, and a comment marks
+/// the splice just before `data: [DONE]`.
+struct Splicer {
+    parser: SseParser,
+    identity: Option<(Value, Value, Value)>,
+    note: Option<String>,
+}
+
+impl Splicer {
+    fn push(&mut self, b: &Bytes) -> Result<Bytes, std::io::Error> {
+        let events = self
+            .parser
+            .push(b)
+            .map_err(|e| std::io::Error::other(e.0))?;
+        let mut out = String::new();
+        for ev in events {
+            if ev.data.trim() == "[DONE]" {
+                if let Some(note) = self.note.take() {
+                    out.push_str(&format!(": {note}\n\n"));
+                }
+                out.push_str("data: [DONE]\n\n");
+                continue;
+            }
+            if let Some(name) = &ev.event {
+                out.push_str(&format!("event: {name}\n"));
+            }
+            let data = match serde_json::from_str::<Value>(&ev.data) {
+                Ok(mut v) => {
+                    let choice = v.pointer("/choices/0");
+                    let role_only = choice.is_some_and(|c| {
+                        c.get("finish_reason").is_none_or(Value::is_null)
+                            && c.pointer("/delta/content")
+                                .and_then(Value::as_str)
+                                .is_none_or(str::is_empty)
+                            && c.pointer("/delta/tool_calls").is_none()
+                    });
+                    if role_only && v.get("usage").is_none_or(Value::is_null) {
+                        continue;
+                    }
+                    if let (Some((id, model, created)), Some(o)) =
+                        (&self.identity, v.as_object_mut())
+                    {
+                        o.insert("id".into(), id.clone());
+                        if !model.is_null() {
+                            o.insert("model".into(), model.clone());
+                        }
+                        if !created.is_null() {
+                            o.insert("created".into(), created.clone());
+                        }
+                    }
+                    v.to_string()
+                }
+                Err(_) => ev.data,
+            };
+            for line in data.split('\n') {
+                out.push_str("data: ");
+                out.push_str(line);
+                out.push('\n');
+            }
+            out.push('\n');
+        }
+        Ok(Bytes::from(out))
+    }
+}
+
+impl PassThrough {
+    /// A committed stream broke with `class`: with continuation on, record the break against its
+    /// endpoint and carry the answer on at the next endpoint that can continue it. True when the
+    /// stream now reads from the continuation (its first bytes queued in `prelude`).
+    async fn continue_stream(&mut self, class: Outcome, detail: &str) -> bool {
+        let Some(c) = self.cont.as_mut() else {
+            return false;
+        };
+        if c.spliced || c.finished || c.text.is_empty() || Instant::now() >= c.deadline {
+            return false;
+        }
+        c.spliced = true;
+        let app = self.guard.app.clone();
+        let cfg = self.guard.cfg.clone();
+        let from = self.guard.ep.clone();
+        // The break counts against its endpoint as any failure after the commit does.
+        let secrets: Vec<&str> = from
+            .keys
+            .iter()
+            .filter_map(|k| k.value.as_ref().map(|s| s.expose()))
+            .collect();
+        let detail = classify::redact(detail, &secrets);
+        self.guard
+            .push_attempt(&from.name, class, Some(200), Some(detail.clone()));
+        self.guard.break_recorded = true;
+        app.registry
+            .apply(&from, &cfg.policy, Effect::Failure { class, detail });
+        let views = app.registry.views(
+            &cfg,
+            &c.candidates
+                .iter()
+                .map(|e| e.name.clone())
+                .collect::<Vec<_>>(),
+        );
+        for ep in c.candidates.clone() {
+            let usable = views.iter().any(|v| {
+                v.name == ep.name
+                    && matches!(
+                        v.avail,
+                        crate::registry::Avail::Ready | crate::registry::Avail::Degraded
+                    )
+            });
+            if !usable {
+                continue;
+            }
+            let key_idx = match app.registry.pick_key(&ep) {
+                crate::registry::KeyPick::NotNeeded => None,
+                crate::registry::KeyPick::Use(i) => Some(i),
+                _ => continue,
+            };
+            let base = if ep.discover {
+                match app.registry.discovered_base(&ep.name) {
+                    Some(b) => Some(b),
+                    None => continue,
+                }
+            } else {
+                None
+            };
+            let req = c.request(&ep);
+            let attempt = Attempt {
+                ep: &ep,
+                key: key_idx.and_then(|i| ep.keys[i].value.as_ref()),
+                req: &req,
+                request_id: &c.request_id,
+                deadline: c.deadline,
+                max_cooldown: cfg.policy.max_cooldown,
+                base: base.as_deref(),
+            };
+            let t0 = Instant::now();
+            let Ok((rb, _)) = attempt.prepare(true) else {
+                continue;
+            };
+            match attempt.stream(rb, t0).await {
+                Ok(Success::Stream {
+                    prelude,
+                    rest,
+                    usage_tap,
+                    ..
+                }) => {
+                    let note = format!(
+                        "autohedge: continued on {} after {} broke ({class})",
+                        ep.name, from.name
+                    );
+                    let mut splicer = Splicer {
+                        parser: SseParser::new(),
+                        identity: c.identity.clone(),
+                        note: Some(note),
+                    };
+                    for b in prelude {
+                        if let Ok(out) = splicer.push(&b)
+                            && !out.is_empty()
+                        {
+                            self.prelude.push_back(out);
+                        }
+                    }
+                    self.rest = Box::pin(rest.map(move |r| match r {
+                        Ok(b) => splicer.push(&b).map_err(|e| Box::new(e) as _),
+                        Err(e) => Err(e),
+                    }));
+                    self.parser = SseParser::new();
+                    self.done_seen = false;
+                    self.finished = false;
+                    self.deadline = (Instant::now() + ep.timeouts.total).min(c.deadline);
+                    self.idle = ep.timeouts.first_token;
+                    self.guard
+                        .push_attempt(&ep.name, Outcome::Ok, Some(200), None);
+                    if let Some(row) = self.guard.row.as_mut() {
+                        row.continued_from = Some(from.name.clone());
+                        row.endpoint = Some(ep.name.clone());
+                    }
+                    self.guard.ep = ep.clone();
+                    self.guard.break_recorded = false;
+                    self.guard.usage = None;
+                    self.guard.usage_tap = usage_tap;
+                    tracing::info!(request_id = %c.request_id, from = %from.name, to = %ep.name, "stream continued");
+                    // Rescan what is queued, so usage and [DONE] in it are seen.
+                    let queued: Vec<Bytes> = self.prelude.iter().cloned().collect();
+                    for b in &queued {
+                        let _ = self.scan(b);
+                    }
+                    return !self.prelude.is_empty();
+                }
+                Ok(Success::Full { .. }) => continue,
+                Err(f) => {
+                    let secrets: Vec<&str> = ep
+                        .keys
+                        .iter()
+                        .filter_map(|k| k.value.as_ref().map(|s| s.expose()))
+                        .collect();
+                    let detail = classify::redact(&f.detail, &secrets);
+                    self.guard
+                        .push_attempt(&ep.name, f.class, f.status, Some(detail.clone()));
+                    if f.class.counts_against_endpoint() {
+                        app.registry.apply(
+                            &ep,
+                            &cfg.policy,
+                            Effect::Failure {
+                                class: f.class,
+                                detail,
+                            },
+                        );
+                    }
+                }
+            }
+        }
+        false
     }
 }

@@ -63,6 +63,12 @@ def stack():
         big, big_addr = start_autohedge(BIN, ["mock-upstream", "--listen", "127.0.0.1:0", "--flavor", "openai",
                                 "--script", str(big_script)], log)
         procs.append(big)
+        # A stream that breaks after two words, for continuation onto the real vLLM.
+        breaker_script = d / "breaker.yaml"
+        breaker_script.write_text('reply: "Hello there my old friend"\nrules: [{when: {stream: true}, reset_after: 2}]\n')
+        breaker, breaker_addr = start_autohedge(BIN, ["mock-upstream", "--listen", "127.0.0.1:0", "--flavor", "openai",
+                                "--script", str(breaker_script)], log)
+        procs.append(breaker)
         cfg = d / "config.yaml"
         timeouts = "timeouts: { connect: 1s, first_token: 60s, total: 120s }"
         cfg.write_text(textwrap.dedent(f"""
@@ -72,10 +78,12 @@ def stack():
               # The same server, counting prompts with its /tokenize.
               vllm_tok: {{ type: vllm, base_url: "{root}/v1", model: tiny, backend_tokenize: vllm, tokenize_timeout: 5s, {timeouts} }}
               big: {{ type: openai, base_url: "http://{big_addr}/v1", context_window: 128000 }}
+              breaker: {{ type: openai, base_url: "http://{breaker_addr}/v1" }}
             routing_policy: {{ fallback_chain: [vllm, big], panic_threshold: 0 }}
             routes:
               chat: [vllm, big]
               counted: [vllm_tok, big]
+              cont: {{ chain: [breaker, vllm], continue_streams: true }}
             health: {{ probe_interval: 100ms, probe_timeout: 2s, flip_after: 1, vllm_max_waiting: 0 }}
         """))
         gw, addr = start_autohedge(BIN, ["serve", "--config", str(cfg), "--listen", "127.0.0.1:0",
@@ -217,6 +225,33 @@ def test_a_queue_turns_the_endpoint_degraded(stack):
         seen = db.execute(
             "SELECT event, reason FROM endpoint_events WHERE endpoint = 'vllm'").fetchall()
     assert rows, f"the queue never made the endpoint degraded; events: {seen}"
+
+
+def test_a_broken_stream_is_continued_by_the_real_vllm(stack):
+    # The breaker streams two words and drops the connection; vLLM continues the assistant
+    # message (continue_final_message) and the SDK sees one stream with one finish_reason.
+    raw = stack["client"].chat.completions.with_raw_response.create(
+        model="cont", messages=MSG, max_tokens=6, stream=True, extra_body=GEN,
+        stream_options={"include_usage": True}, extra_headers={"x-request-id": "continued-on-vllm"})
+    chunks = list(raw.parse())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.startswith("Hello there "), text
+    assert chunks[-1].usage.completion_tokens == 6, "vLLM generated the rest"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"], finishes
+    assert len({c.id for c in chunks}) == 1, "one stream identity"
+    deadline = time.time() + 10
+    row = None
+    while time.time() < deadline and row is None:
+        with sqlite3.connect(stack["db"]) as db:
+            row = db.execute("SELECT endpoint, continued_from FROM requests WHERE request_id = ?",
+                             ("continued-on-vllm",)).fetchone()
+        time.sleep(0.1)
+    assert row == ("vllm", "breaker"), row
+    with sqlite3.connect(stack["db"]) as db:
+        attempts = db.execute("SELECT endpoint, class FROM attempts WHERE request_id = ? ORDER BY seq",
+                              ("continued-on-vllm",)).fetchall()
+    assert attempts == [("breaker", "ok"), ("breaker", "stream_broken"), ("vllm", "ok")], attempts
 
 
 def test_the_engine_dying_mid_run_fails_over(stack):

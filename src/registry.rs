@@ -365,14 +365,21 @@ impl Registry {
         }
     }
 
-    /// Whether any usable key's token budget may be smaller than `upper_bound` (so the request
-    /// is worth counting before picking a key).
-    pub fn tokens_tight(&self, ep: &Endpoint, upper_bound: u64) -> bool {
+    /// Whether any key's token budget may be smaller than `upper_bound()` (so the request is
+    /// worth counting before picking a key). The bound is computed only when a budget exists.
+    pub fn tokens_tight(&self, ep: &Endpoint, upper_bound: impl FnOnce() -> u64) -> bool {
         let now = Instant::now();
-        self.with(&ep.name, |rt| {
-            rt.limits.values().any(|l| l.tokens_tight(upper_bound, now))
-        })
-        .unwrap_or(false)
+        let least = self
+            .with(&ep.name, |rt| {
+                rt.limits
+                    .values()
+                    .filter_map(|l| l.tokens)
+                    .filter(|b| b.reset_at > now)
+                    .map(|b| b.available(now))
+                    .reduce(f64::min)
+            })
+            .flatten();
+        least.is_some_and(|least| least < upper_bound() as f64)
     }
 
     /// Takes in what a response's `x-ratelimit-*` headers said about key `key` (`None`: no key).
@@ -387,17 +394,23 @@ impl Registry {
         }
         let hash = match key {
             Some(i) => match ep.keys.get(i) {
-                Some(k) => k.hash.clone(),
+                Some(k) => k.hash.as_str(),
                 None => return,
             },
-            None => String::new(),
+            None => "",
         };
         if let Some(rt) = self.get(&ep.name) {
-            lock(&rt)
-                .limits
-                .entry(hash)
-                .or_default()
-                .observe(seen, Instant::now());
+            let now = Instant::now();
+            let mut rt = lock(&rt);
+            // The common case, a key seen before, allocates nothing.
+            match rt.limits.get_mut(hash) {
+                Some(l) => l.observe(seen, now),
+                None => {
+                    let mut l = crate::ratelimit::Limits::default();
+                    l.observe(seen, now);
+                    rt.limits.insert(hash.to_string(), l);
+                }
+            }
         }
     }
 

@@ -690,10 +690,13 @@ impl Run {
     async fn ratelimit_tokens(&mut self, ep: &Arc<Endpoint>) -> Option<u64> {
         let max_tokens = self.requested_max_tokens();
         // Byte-level BPE spends at most a few tokens a character; messages add a few each.
-        let bound = (wire::prompt_chars(&self.req.body) as u64)
-            .saturating_mul(4)
-            .saturating_add(1024)
-            .saturating_add(max_tokens);
+        let body = &self.req.body;
+        let bound = || {
+            (wire::prompt_chars(body) as u64)
+                .saturating_mul(4)
+                .saturating_add(1024)
+                .saturating_add(max_tokens)
+        };
         if !self.app.registry.tokens_tight(ep, bound) {
             return None;
         }

@@ -430,6 +430,42 @@ mod tests {
         }
 
         #[test]
+        fn hostile_ratelimit_headers_give_a_value_or_nothing(
+            remaining in "\\PC{0,30}|[0-9]{1,25}",
+            reset in "\\PC{0,30}|[0-9.]{0,30}[a-zµ]{0,3}",
+            limit in "\\PC{0,30}|[0-9]{1,25}",
+            tokens_needed in proptest::option::of(0u64..u64::MAX),
+        ) {
+            let mut h = HeaderMap::new();
+            for (n, v) in [
+                ("x-ratelimit-remaining-requests", &remaining),
+                ("x-ratelimit-reset-requests", &reset),
+                ("x-ratelimit-limit-requests", &limit),
+                ("x-ratelimit-remaining-tokens", &remaining),
+                ("x-ratelimit-reset-tokens", &reset),
+                ("x-ratelimit-limit-tokens", &limit),
+            ] {
+                if let Ok(hv) = HeaderValue::from_str(v) {
+                    h.insert(n, hv);
+                }
+            }
+            let seen = ratelimit_headers(&h, MAX);
+            for (_, _, d) in [seen.requests, seen.tokens].into_iter().flatten() {
+                proptest::prop_assert!(d <= MAX);
+            }
+            // And whatever was read, the prediction built on it gives a value, never a panic,
+            // and never asks to wait longer than the clamped reset.
+            let now = tokio::time::Instant::now();
+            let mut l = crate::ratelimit::Limits::default();
+            l.observe(&seen, now);
+            if let Some((d, _)) = l.wait_for(tokens_needed, now) {
+                proptest::prop_assert!(d <= MAX);
+            }
+            l.debit(tokens_needed);
+            let _ = l.tokens_tight(tokens_needed.unwrap_or(0), now);
+        }
+
+        #[test]
         fn classify_and_redact_never_panic(status in 0u16..1000, body in "\\PC{0,300}") {
             let _ = classify_status(status, &body);
             let _ = context_limit(&body);

@@ -247,3 +247,67 @@ def test_ollama_and_openai_tool_calls_have_the_same_shape(twins):
         assert streamed[0]["name"] == "get_weather"
         assert json.loads(streamed[0]["arguments"]) == {"city": "Paris"}
     assert results[0] == results[1] == ("get_weather", {"city": "Paris"})
+
+
+@pytest.fixture(scope="module")
+def hedged():
+    """A route whose first endpoint answers after 3 s and whose second at once, hedged after
+    150 ms with a 100% budget; and a route that continues broken streams on a vLLM mock."""
+    tmp = tempfile.TemporaryDirectory()
+    d = pathlib.Path(tmp.name)
+    log = open(d / "log.txt", "w")
+    procs = []
+    try:
+        slow_script = d / "slow.yaml"
+        slow_script.write_text('name: slow\nreply: "Hello from the slow one"\nrules: [{delay: 3s}]\n')
+        fast_script = d / "fast.yaml"
+        fast_script.write_text('name: fast\nreply: "one two three four five"\n')
+        breaker_script = d / "breaker.yaml"
+        breaker_script.write_text('reply: "one two three four five"\nrules: [{when: {stream: true}, reset_after: 2}]\n')
+        slow, slow_addr = _start(["mock-upstream", "--listen", "127.0.0.1:0", "--flavor", "openai", "--script", str(slow_script)], log)
+        fast, fast_addr = _start(["mock-upstream", "--listen", "127.0.0.1:0", "--flavor", "vllm", "--script", str(fast_script)], log)
+        breaker, breaker_addr = _start(["mock-upstream", "--listen", "127.0.0.1:0", "--flavor", "openai", "--script", str(breaker_script)], log)
+        procs += [slow, fast, breaker]
+        gw, client = _serve(d, f"""
+            models:
+              slow: {{ type: openai, base_url: "http://{slow_addr}/v1" }}
+              fast: {{ type: vllm, base_url: "http://{fast_addr}/v1" }}
+              breaker: {{ type: openai, base_url: "http://{breaker_addr}/v1" }}
+            routes:
+              chat:
+                chain: [slow, fast]
+                hedge: {{ after: 150ms, max_extra: 100% }}
+              cont:
+                chain: [breaker, fast]
+                continue_streams: true
+        """, log)
+        procs.append(gw)
+        yield client
+    finally:
+        _stop(procs, log, tmp)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_hedge_serves_the_sdk_before_the_slow_endpoint_answers(hedged, stream):
+    import time
+    t0 = time.monotonic()
+    raw = hedged.chat.completions.with_raw_response.create(
+        model="chat", messages=[{"role": "user", "content": "hi"}], stream=stream)
+    assert raw.headers["x-autohedge-endpoint"] == "fast"
+    assert raw.headers["x-autohedge-hedged"] == "true"
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+    else:
+        text = raw.parse().choices[0].message.content
+    assert text == "one two three four five"
+    assert time.monotonic() - t0 < 2.5, "not waiting for the 3 s answer"
+
+
+def test_the_sdk_reads_a_continued_stream_as_one(hedged):
+    chunks = list(hedged.chat.completions.create(
+        model="cont", messages=[{"role": "user", "content": "count"}], stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "one two three four five"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["stop"]
+    assert len({c.id for c in chunks}) == 1

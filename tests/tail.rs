@@ -513,3 +513,62 @@ async fn a_broken_stream_is_continued_on_an_endpoint_that_can_and_spliced_into_o
         vec!["a:ok", "a:stream_broken", "c:ok"]
     );
 }
+
+#[tokio::test]
+async fn an_endpoints_own_hedge_applies_to_requests_that_start_there() {
+    let slow = MockUp::openai("name: slow\nrules: [{delay: 2s}]").await;
+    let fast = MockUp::openai("name: fast").await;
+    let cfg = format!(
+        "models:\n{}{}routing_policy: {{ fallback_chain: [slow, fast] }}\n",
+        ep("slow", &slow, ", hedge: { after: 100ms, max_extra: 100% }"),
+        ep("fast", &fast, "")
+    );
+    let mut gw = Gw::start(&cfg);
+    let r = gw.chat("slow", "x").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "fast");
+    assert_eq!(header(&r, "x-autohedge-hedged"), "true");
+    assert_eq!((slow.requests().await, fast.requests().await), (1, 1));
+    // A request that starts at `fast` is not hedged by `slow`'s setting.
+    let r = gw.chat("fast", "x").await;
+    assert_eq!(header(&r, "x-autohedge-hedged"), "");
+    let st = gw.status().await;
+    assert_eq!(st["hedging"]["endpoint:slow"]["won"], 1, "{}", st["hedging"]);
+    gw.stop();
+}
+
+#[tokio::test]
+async fn a_hedge_that_fails_leaves_the_first_attempt_to_finish() {
+    let slow = MockUp::openai("name: slow\nrules: [{delay: 600ms}]").await;
+    let bad = MockUp::openai("rules: [{status: 500}]").await;
+    let cfg = format!(
+        "models:\n{}{}routes:\n  chat:\n    chain: [slow, bad]\n    hedge: {{ after: 100ms, max_extra: 100% }}\n",
+        ep("slow", &slow, ""),
+        ep("bad", &bad, "")
+    );
+    let mut gw = Gw::start(&cfg);
+    let r = gw
+        .chat_id(
+            "hedge-failed",
+            json!({"model": "chat", "messages": [{"role": "user", "content": "x"}]}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "slow");
+    assert_eq!(header(&r, "x-autohedge-hedged"), "", "the hedge did not win");
+    assert_eq!((slow.requests().await, bad.requests().await), (1, 1));
+    gw.stop();
+    assert_eq!(
+        rows(
+            &gw,
+            "SELECT endpoint, class FROM attempts WHERE request_id = 'hedge-failed' ORDER BY seq"
+        ),
+        vec!["bad:server_error", "slow:ok"]
+    );
+    assert_eq!(
+        rows(
+            &gw,
+            "SELECT hedges, hedge_won FROM requests WHERE request_id = 'hedge-failed'"
+        ),
+        vec!["1:0"]
+    );
+}

@@ -66,10 +66,13 @@ struct Proc(Child);
 
 impl Drop for Proc {
     fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .arg("-TERM")
-            .arg(self.0.id().to_string())
-            .status();
+        if let Ok(None) = self.0.try_wait() {
+            let _ = Command::new("kill")
+                .arg("-TERM")
+                .arg(self.0.id().to_string())
+                .stderr(Stdio::null())
+                .status();
+        }
         let _ = self.0.wait();
     }
 }
@@ -332,8 +335,8 @@ async fn predictive(dir: &std::path::Path) {
         "\n== Routing before the 429: a 100 requests/s token bucket first, an unlimited upstream second, {OFFERED} requests/s for {SECS} s =="
     );
     println!(
-        "{:<28} {:>9} {:>14} {:>12} {:>12} {:>9} {:>8}",
-        "gateway", "requests", "429s spent", "share", "by limited", "p99 ms", "errors"
+        "{:<28} {:>9} {:>14} {:>12} {:>16} {:>9} {:>8}",
+        "gateway", "requests", "429s spent", "share", "calls to limited", "p99 ms", "errors"
     );
     let mut shares = Vec::new();
     for predict in [false, true] {
@@ -382,7 +385,7 @@ async fn predictive(dir: &std::path::Path) {
         let share = spent as f64 / out.len() as f64 * 100.0;
         shares.push(share);
         println!(
-            "{:<28} {:>9} {:>14} {:>11.2}% {:>12} {:>9.1} {:>8}",
+            "{:<28} {:>9} {:>14} {:>11.2}% {:>16} {:>9.1} {:>8}",
             if predict {
                 "predict_rate_limits: true"
             } else {

@@ -532,7 +532,11 @@ async fn an_endpoints_own_hedge_applies_to_requests_that_start_there() {
     let r = gw.chat("fast", "x").await;
     assert_eq!(header(&r, "x-autohedge-hedged"), "");
     let st = gw.status().await;
-    assert_eq!(st["hedging"]["endpoint:slow"]["won"], 1, "{}", st["hedging"]);
+    assert_eq!(
+        st["hedging"]["endpoint:slow"]["won"], 1,
+        "{}",
+        st["hedging"]
+    );
     gw.stop();
 }
 
@@ -554,7 +558,11 @@ async fn a_hedge_that_fails_leaves_the_first_attempt_to_finish() {
         .await;
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "x-autohedge-endpoint"), "slow");
-    assert_eq!(header(&r, "x-autohedge-hedged"), "", "the hedge did not win");
+    assert_eq!(
+        header(&r, "x-autohedge-hedged"),
+        "",
+        "the hedge did not win"
+    );
     assert_eq!((slow.requests().await, bad.requests().await), (1, 1));
     gw.stop();
     assert_eq!(

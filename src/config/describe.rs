@@ -9,7 +9,14 @@ pub fn describe(cfg: &Config) -> String {
     let _ = writeln!(out, "listen: {}", cfg.listen);
     let _ = writeln!(out, "fallback_chain: {}", cfg.fallback_chain.join(" -> "));
     for (name, chain) in &cfg.routes {
-        let _ = writeln!(out, "route {name}: {}", chain.join(" -> "));
+        let mut extra = String::new();
+        if let Some(h) = cfg.route_hedge.get(name) {
+            extra.push_str(&format!(" [{}]", hedge_text(h)));
+        }
+        if cfg.route_continue.contains(name) {
+            extra.push_str(" [continue_streams]");
+        }
+        let _ = writeln!(out, "route {name}: {}{extra}", chain.join(" -> "));
     }
     let _ = writeln!(
         out,
@@ -20,6 +27,11 @@ pub fn describe(cfg: &Config) -> String {
         cfg.policy.max_wait,
         cfg.policy.cache_ttl,
         cfg.policy.default_cooldown
+    );
+    let _ = writeln!(
+        out,
+        "tail: slow_start={:?} predict_rate_limits={}",
+        cfg.policy.slow_start, cfg.policy.predict_rate_limits
     );
     let _ = writeln!(out, "endpoints:");
     for ep in cfg.endpoints.values() {
@@ -44,6 +56,9 @@ pub fn describe(cfg: &Config) -> String {
             ep.retries,
             caps.join(",")
         );
+        if let Some(h) = &ep.hedge {
+            let _ = writeln!(out, "    {}", hedge_text(h));
+        }
         if ep.keys.is_empty() {
             let _ = writeln!(out, "    keys: none");
         }
@@ -59,4 +74,17 @@ pub fn describe(cfg: &Config) -> String {
         let _ = writeln!(out, "warning: {w}");
     }
     out
+}
+
+fn hedge_text(h: &crate::hedge::Spec) -> String {
+    let after = match h.after {
+        crate::hedge::After::Fixed(d) => format!("{d:?}"),
+        crate::hedge::After::Percentile(p) => format!("p{p}"),
+    };
+    format!(
+        "hedge after {after} (min {:?}), at most {}% extra{}",
+        h.min_after,
+        h.max_extra * 100.0,
+        if h.tools { ", tools too" } else { "" }
+    )
 }

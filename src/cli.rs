@@ -312,13 +312,20 @@ pub async fn endpoint_clear(
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(3))
         .build()?;
-    let online = client
+    let mut req = client
         .post(format!(
             "{}/admin/endpoints/{name}/clear",
             url.trim_end_matches('/')
         ))
-        .send()
-        .await;
+        .header("content-type", "application/json")
+        .body("{}");
+    // With `auth.admin_key` set the gateway wants it; the CLI reads it from the environment.
+    if let Ok(k) = std::env::var("AUTOHEDGE_ADMIN_KEY")
+        && !k.trim().is_empty()
+    {
+        req = req.bearer_auth(k.trim());
+    }
+    let online = req.send().await;
     match online {
         Ok(r) if r.status().is_success() => {
             crate::say!("{name}: retirement lifted; cleared in the running gateway at {url}");
@@ -326,6 +333,17 @@ pub async fn endpoint_clear(
         }
         Ok(r) if r.status() == reqwest::StatusCode::NOT_FOUND => {
             crate::say!("{name}: the gateway at {url} has no such endpoint");
+            return Ok(ExitCode::FAILURE);
+        }
+        Ok(r)
+            if r.status() == reqwest::StatusCode::UNAUTHORIZED
+                || r.status() == reqwest::StatusCode::FORBIDDEN =>
+        {
+            // A gateway is running: editing its database underneath it would be undone.
+            crate::say!(
+                "{name}: the gateway at {url} refused the admin call ({}); set AUTOHEDGE_ADMIN_KEY to its auth.admin_key",
+                r.status()
+            );
             return Ok(ExitCode::FAILURE);
         }
         Ok(r) => crate::say!("{name}: the gateway at {url} answered {}", r.status()),

@@ -62,8 +62,34 @@ pub enum ApiError {
     Unavailable(String),
     /// 403: an admin call from a non-loopback peer.
     Forbidden(String),
+    /// 401: no client key, or not one of `auth.keys` (or the admin key, for admin paths).
+    Unauthorized(String),
+    /// 403: the client key may not use this model.
+    ModelNotAllowed { model: String, client: String },
+    /// 429: the client key is over its `rpm` or `tpm`.
+    ClientRateLimited(Box<ClientLimit>),
+    /// 429: the client key spent its monthly `budget_usd`.
+    QuotaExceeded { client: String, budget: f64 },
+    /// 400: `x-encrypted-key` is not a ciphertext Vault's transit key decrypts.
+    InvalidEncryptedKey,
+    /// 503: Vault could not be reached to decrypt `x-encrypted-key`.
+    VaultUnavailable,
     /// 500: a bug; the message is safe to show.
     Internal(String),
+}
+
+/// Which limit a client key hit, with OpenAI's own headers for it.
+#[derive(Debug)]
+pub struct ClientLimit {
+    pub client: String,
+    /// `requests` or `tokens`.
+    pub kind: &'static str,
+    pub limit: u64,
+    pub remaining: u64,
+    /// Until the budget is full again (`x-ratelimit-reset-*`).
+    pub reset: std::time::Duration,
+    /// Until the request could be admitted (`retry-after`).
+    pub retry_after: std::time::Duration,
 }
 
 impl ApiError {
@@ -89,6 +115,13 @@ impl ApiError {
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ApiError::ModelNotAllowed { .. } => StatusCode::FORBIDDEN,
+            ApiError::ClientRateLimited(_) | ApiError::QuotaExceeded { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
+            ApiError::InvalidEncryptedKey => StatusCode::BAD_REQUEST,
+            ApiError::VaultUnavailable => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -108,6 +141,12 @@ impl ApiError {
             ApiError::Unavailable(_) => "shutdown",
             ApiError::Forbidden(_) => "forbidden",
             ApiError::Internal(_) => "internal",
+            ApiError::Unauthorized(_) => "invalid_api_key",
+            ApiError::ModelNotAllowed { .. } => "model_not_allowed",
+            ApiError::ClientRateLimited(_) => "rate_limit_exceeded",
+            ApiError::QuotaExceeded { .. } => "insufficient_quota",
+            ApiError::InvalidEncryptedKey => "invalid_encrypted_key",
+            ApiError::VaultUnavailable => "vault_unavailable",
         }
     }
 
@@ -186,6 +225,51 @@ impl ApiError {
             ApiError::Unavailable(m) => (m.clone(), "server_error", None, Some("shutdown")),
             ApiError::Forbidden(m) => (m.clone(), "permission_error", None, Some("forbidden")),
             ApiError::Internal(m) => (m.clone(), "server_error", None, Some("internal_error")),
+            ApiError::Unauthorized(m) => (
+                m.clone(),
+                "invalid_request_error",
+                None,
+                Some("invalid_api_key"),
+            ),
+            ApiError::ModelNotAllowed { model, client } => (
+                format!("The key `{client}` may not use the model `{model}`."),
+                "invalid_request_error",
+                Some("model"),
+                Some("model_not_allowed"),
+            ),
+            ApiError::ClientRateLimited(l) => (
+                format!(
+                    "Rate limit reached for key `{}` on {} per min: Limit {}, Remaining {}. Please try again in {}ms.",
+                    l.client,
+                    l.kind,
+                    l.limit,
+                    l.remaining,
+                    l.retry_after.as_millis()
+                ),
+                l.kind,
+                None,
+                Some("rate_limit_exceeded"),
+            ),
+            ApiError::QuotaExceeded { client, budget } => (
+                format!(
+                    "The key `{client}` has spent its monthly budget of ${budget:.2} (auth.keys[].budget_usd); it renews on the 1st (UTC)."
+                ),
+                "insufficient_quota",
+                None,
+                Some("insufficient_quota"),
+            ),
+            ApiError::InvalidEncryptedKey => (
+                "x-encrypted-key is not a ciphertext this gateway's Vault transit key can decrypt.".into(),
+                "invalid_request_error",
+                None,
+                Some("invalid_encrypted_key"),
+            ),
+            ApiError::VaultUnavailable => (
+                "Vault could not be reached to decrypt x-encrypted-key; retry shortly.".into(),
+                "server_error",
+                None,
+                Some("vault_unavailable"),
+            ),
         };
         let mut err = json!({
             "message": message,
@@ -213,6 +297,28 @@ impl IntoResponse for ApiError {
         if let ApiError::Overloaded(_) = self {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        if let ApiError::ClientRateLimited(l) = &self {
+            let h = resp.headers_mut();
+            let secs = l.retry_after.as_secs() + u64::from(l.retry_after.subsec_nanos() > 0);
+            h.insert(header::RETRY_AFTER, HeaderValue::from(secs.max(1)));
+            h.insert(
+                "retry-after-ms",
+                HeaderValue::from(l.retry_after.as_millis() as u64),
+            );
+            let name = |what: &str| format!("x-ratelimit-{what}-{}", l.kind);
+            for (what, value) in [
+                ("limit", l.limit.to_string()),
+                ("remaining", l.remaining.to_string()),
+                ("reset", format!("{}ms", l.reset.as_millis())),
+            ] {
+                if let (Ok(n), Ok(v)) = (
+                    axum::http::HeaderName::try_from(name(what)),
+                    HeaderValue::try_from(value),
+                ) {
+                    h.insert(n, v);
+                }
+            }
         }
         resp
     }

@@ -14,6 +14,7 @@ use serde_json::{Value, json};
 
 use futures_util::FutureExt;
 
+use crate::clients;
 use crate::error::ApiError;
 use crate::executor;
 use crate::state::AppState;
@@ -68,6 +69,11 @@ fn new_request_id() -> String {
 async fn proxy(app: Arc<AppState>, op: Op, headers: HeaderMap, body: Body) -> Response {
     let id = request_id(&headers);
     let cfg = app.config.load_full();
+    // Who is asking comes first: an unknown caller gets nothing else of the gateway's work.
+    let client = match clients::identify(&cfg.auth, &headers) {
+        Ok(c) => c,
+        Err(e) => return with_request_id(e.into_response(), &id),
+    };
     // Shed, never queue: a gateway that queues past its capacity turns a spike into timeouts
     // for everyone; an immediate 503 with Retry-After lets clients back off or go elsewhere.
     let Some(slot) = app.admit(cfg.max_concurrent_requests) else {
@@ -90,33 +96,59 @@ async fn proxy(app: Arc<AppState>, op: Op, headers: HeaderMap, body: Body) -> Re
         Ok(i) => i,
         Err(e) => return with_request_id(e.into_response(), &id),
     };
+    let client_name = client.map(|c| c.name.clone());
+    if let Some(c) = client
+        && let Some(allowed) = &c.models
+        && !allowed.contains(&inbound.model)
+    {
+        let err = ApiError::ModelNotAllowed {
+            model: inbound.model.clone(),
+            client: c.name.clone(),
+        };
+        return refused(&app, &id, op, &inbound, client_name, err);
+    }
     let Some(chain) = cfg.chain_for(&inbound.model) else {
         let err = ApiError::ModelNotFound(inbound.model.clone());
-        app.store.send(Record::Request(Box::new(RequestRow {
-            request_id: id.clone(),
-            ts: std::time::SystemTime::now(),
-            operation: op.name(),
-            requested_model: Some(inbound.model.clone()),
-            endpoint: None,
-            status: 404,
-            error_class: Some(err.class().into()),
-            stream: inbound.stream,
-            latency_ms: 0.0,
-            ttft_ms: None,
-            tokens_in: None,
-            tokens_out: None,
-            tokens_estimated: false,
-            cost_usd: None,
-            attempts: vec![],
-            prompt_tokens_counted: None,
-            truncated_messages: 0,
-            truncated_tokens: 0,
-            sanitized_chars: 0,
-            hedges: 0,
-            hedge_won: false,
-            continued_from: None,
-        })));
-        return with_request_id(err.into_response(), &id);
+        return refused(&app, &id, op, &inbound, client_name, err);
+    };
+    if let Some(c) = client {
+        // OpenAI's own rule for tokens per minute: the prompt plus `max_tokens` count at once.
+        let tokens = if c.tpm.is_some() {
+            let max_tokens = ["max_completion_tokens", "max_tokens"]
+                .iter()
+                .find_map(|k| inbound.body.get(*k).and_then(Value::as_u64))
+                .unwrap_or(0);
+            wire::estimate_tokens(wire::prompt_chars(&inbound.body)).saturating_add(max_tokens)
+        } else {
+            0
+        };
+        if let Err(err) = app.clients.admit(c, tokens) {
+            return refused(&app, &id, op, &inbound, client_name, err);
+        }
+    }
+    // A per-request upstream key, encrypted with Vault's transit engine.
+    let own_key = match headers.get("x-encrypted-key") {
+        None => None,
+        Some(v) => {
+            let decrypted = match (app.transit(&cfg), v.to_str()) {
+                (Some(t), Ok(text)) => t.decrypt(text).await,
+                _ => Err(crate::vault::DecryptError::Invalid),
+            };
+            match decrypted {
+                Ok(k) => Some(crate::config::Secret::new(k.as_str().to_string())),
+                Err(crate::vault::DecryptError::Invalid) => {
+                    return refused(&app, &id, op, &inbound, client_name, ApiError::InvalidEncryptedKey);
+                }
+                Err(crate::vault::DecryptError::Unavailable(why)) => {
+                    tracing::warn!(request_id = %id, error = %why, "vault unavailable for x-encrypted-key");
+                    return refused(&app, &id, op, &inbound, client_name, ApiError::VaultUnavailable);
+                }
+            }
+        }
+    };
+    let caller = executor::Caller {
+        client: client_name,
+        key: own_key,
     };
     // Belt and braces: a panic anywhere below becomes a 500 in OpenAI's shape (the executor's
     // drop guard writes its audit row), never a reset connection.
@@ -126,6 +158,7 @@ async fn proxy(app: Arc<AppState>, op: Op, headers: HeaderMap, body: Body) -> Re
         inbound,
         chain,
         id.clone(),
+        caller,
     ))
     .catch_unwind();
     let resp = tokio::select! {
@@ -152,6 +185,43 @@ async fn proxy(app: Arc<AppState>, op: Op, headers: HeaderMap, body: Body) -> Re
     // The slot lives as long as the body: a stream counts until it ends.
     let (parts, body) = resp.into_parts();
     Response::from_parts(parts, Body::new(WithSlot { body, _slot: slot }))
+}
+
+/// A request refused at the front door after it was read: its audit row, then the error.
+fn refused(
+    app: &AppState,
+    id: &str,
+    op: Op,
+    inbound: &wire::Inbound,
+    client: Option<String>,
+    err: ApiError,
+) -> Response {
+    app.store.send(Record::Request(Box::new(RequestRow {
+        request_id: id.to_string(),
+        ts: std::time::SystemTime::now(),
+        operation: op.name(),
+        requested_model: Some(inbound.model.clone()),
+        endpoint: None,
+        status: err.status().as_u16(),
+        error_class: Some(err.class().into()),
+        stream: inbound.stream,
+        latency_ms: 0.0,
+        ttft_ms: None,
+        tokens_in: None,
+        tokens_out: None,
+        tokens_estimated: false,
+        cost_usd: None,
+        attempts: vec![],
+        prompt_tokens_counted: None,
+        truncated_messages: 0,
+        truncated_tokens: 0,
+        sanitized_chars: 0,
+        hedges: 0,
+        hedge_won: false,
+        continued_from: None,
+        client_key: client,
+    })));
+    with_request_id(err.into_response(), id)
 }
 
 /// A response body that holds its request's slot until it is dropped. Everything else is the
@@ -265,8 +335,15 @@ async fn health(State(app): State<Arc<AppState>>) -> Response {
     }
 }
 
-async fn status(State(app): State<Arc<AppState>>) -> Response {
+async fn status(
+    State(app): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> Response {
     let cfg = app.config.load();
+    if let Err(e) = clients::admin(&cfg.auth, &headers, peer) {
+        return e.into_response();
+    }
     let mut endpoints = serde_json::Map::new();
     for (name, ep) in &cfg.endpoints {
         endpoints.insert(name.clone(), app.registry.status_json(ep, &cfg.policy));
@@ -339,15 +416,34 @@ async fn status(State(app): State<Arc<AppState>>) -> Response {
     .into_response()
 }
 
-/// Operator call behind `autohedge endpoint clear`; only from loopback, since it changes routing.
+/// Operator call behind `autohedge endpoint clear`: the admin key (or, without one, loopback
+/// only), and a JSON content type — a cross-site form in a browser cannot send one, so a web
+/// page cannot make an operator's browser change routing.
 async fn clear_endpoint(
     State(app): State<Arc<AppState>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
     Path(name): Path<String>,
 ) -> Response {
-    if !peer.ip().is_loopback() {
-        return ApiError::Forbidden("admin calls are accepted from loopback only".into())
-            .into_response();
+    let cfg = app.config.load();
+    if let Err(e) = clients::admin(&cfg.auth, &headers, peer) {
+        return e.into_response();
+    }
+    let json = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("application/json"));
+    if !json {
+        return ApiError::UnsupportedMediaType(
+            headers
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("none")
+                .chars()
+                .take(100)
+                .collect(),
+        )
+        .into_response();
     }
     if app.registry.clear(&name) {
         axum::Json(json!({"cleared": name})).into_response()

@@ -12,6 +12,7 @@ macro_rules! say {
 }
 
 pub mod cli;
+pub mod clients;
 pub mod config;
 pub mod demo;
 pub mod discovery;
@@ -34,6 +35,7 @@ pub mod stats;
 pub mod store;
 pub mod tokens;
 pub mod upstream;
+pub mod vault;
 pub mod wire;
 
 /// The layering ARCHITECTURE.md promises, checked on the source: the policy and vocabulary
@@ -49,6 +51,7 @@ mod layering {
         ("health", &[include_str!("health.rs")], &[]),
         ("hedge", &[include_str!("hedge.rs")], &[]),
         ("ratelimit", &[include_str!("ratelimit.rs")], &[]),
+        ("vault", &[include_str!("vault.rs")], &[]),
         (
             "tokens",
             &[
@@ -67,7 +70,7 @@ mod layering {
                 include_str!("config/describe.rs"),
                 include_str!("config/duration.rs"),
             ],
-            &["op", "tokens", "health", "hedge", "config"],
+            &["op", "tokens", "health", "hedge", "vault", "config"],
         ),
     ];
 

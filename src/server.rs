@@ -65,6 +65,7 @@ impl Gateway {
             opened.store.handle(),
             opts.config_path.clone(),
             &opened.persisted,
+            opened.spend,
         );
         let addr = opts.listener.local_addr()?;
         let cancel = CancellationToken::new();

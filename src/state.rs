@@ -42,6 +42,12 @@ pub struct AppState {
     pub install_lock: Mutex<()>,
     /// Hedge budgets by `route:NAME` / `endpoint:NAME` (kept across reloads).
     pub hedges: Mutex<std::collections::BTreeMap<String, crate::hedge::Budget>>,
+    /// Client keys' limits and spend (kept across reloads, by key name).
+    pub clients: crate::clients::Clients,
+    /// Vault transit for `x-encrypted-key`, for the current `vault:` settings.
+    transit: Mutex<Option<(String, Arc<crate::vault::Transit>)>>,
+    /// The last Vault refresh that failed, for `/status` (the last good values stay in use).
+    pub vault_error: Mutex<Option<String>>,
 }
 
 /// A request slot: counts the request as in flight until dropped.
@@ -59,6 +65,7 @@ impl AppState {
         store: StoreHandle,
         config_path: Option<PathBuf>,
         persisted: &[PersistedStats],
+        spend: Vec<(String, String, f64)>,
     ) -> Arc<AppState> {
         let registry = Registry::new(store.clone());
         registry.sync(&cfg, persisted);
@@ -75,7 +82,31 @@ impl AppState {
             inflight: Arc::new(AtomicUsize::new(0)),
             install_lock: Mutex::new(()),
             hedges: Mutex::new(Default::default()),
+            clients: crate::clients::Clients::new(spend),
+            transit: Mutex::new(None),
+            vault_error: Mutex::new(None),
         })
+    }
+
+    /// The transit decrypter for `cfg`'s `vault:` settings (one per address and key, so its
+    /// login and cache survive requests and reloads that keep them); `None` without a
+    /// `transit_key`.
+    pub fn transit(&self, cfg: &Config) -> Option<Arc<crate::vault::Transit>> {
+        let settings = cfg.vault.as_ref()?;
+        let key = settings.transit_key.as_ref()?;
+        let id = format!(
+            "{}|{}|{}|{:?}",
+            settings.address, settings.transit_mount, key, settings.namespace
+        );
+        let mut slot = self.transit.lock().unwrap_or_else(|e| e.into_inner());
+        match slot.as_ref() {
+            Some((current, t)) if *current == id => Some(t.clone()),
+            _ => {
+                let t = Arc::new(crate::vault::Transit::new(settings.clone()));
+                *slot = Some((id, t.clone()));
+                Some(t)
+            }
+        }
     }
 
     /// Takes a request slot; `None` when `limit` (> 0) requests are already in flight: the
@@ -165,6 +196,7 @@ mod tests {
             StoreHandle::off("test".into()),
             Some(path.clone()),
             &[],
+            vec![],
         );
         let svc = DiscoveredEndpoint {
             name: "svc".into(),

@@ -89,6 +89,14 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE requests ADD COLUMN hedges INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE requests ADD COLUMN hedge_won INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE requests ADD COLUMN continued_from TEXT;
+    ALTER TABLE requests ADD COLUMN client_key TEXT;
+    CREATE TABLE client_spend (
+        client TEXT NOT NULL,
+        month TEXT NOT NULL,
+        usd REAL NOT NULL DEFAULT 0,
+        requests INTEGER NOT NULL DEFAULT 0,
+        PRIMARY KEY (client, month)
+    );
     "#,
 ];
 
@@ -161,6 +169,8 @@ pub struct RequestRow {
     pub hedge_won: bool,
     /// The endpoint whose committed stream broke before `endpoint` continued it.
     pub continued_from: Option<String>,
+    /// The client key's name (`auth.keys[].name`; never the key).
+    pub client_key: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -290,6 +300,8 @@ pub struct Store {
 pub struct Opened {
     pub store: Store,
     pub persisted: Vec<PersistedStats>,
+    /// Client keys' spend: (name, month, US dollars).
+    pub spend: Vec<(String, String, f64)>,
 }
 
 /// How long opening retries while another process holds the database (SQLite does not call the
@@ -357,6 +369,8 @@ impl Store {
             .map_err(|e| anyhow::anyhow!("cannot open {}: {e}", path.display()))?;
         let persisted = read_persisted(&conn)
             .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+        let spend = read_spend(&conn)
+            .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
         let (tx, rx) = sync_channel(capacity);
         let dropped = Arc::new(AtomicU64::new(0));
         let written = Arc::new(AtomicU64::new(0));
@@ -376,6 +390,7 @@ impl Store {
                 thread: Some(thread),
             },
             persisted,
+            spend,
         })
     }
 
@@ -394,6 +409,7 @@ impl Store {
                         thread: None,
                     },
                     persisted: Vec::new(),
+                    spend: Vec::new(),
                 }
             }
         }
@@ -470,8 +486,12 @@ fn write_batch(
     let tx = conn.transaction()?;
     {
         let mut ins_req = tx.prepare_cached(
-            "INSERT INTO requests (request_id, ts_ms, operation, requested_model, endpoint, status, error_class, stream, latency_ms, ttft_ms, tokens_in, tokens_out, tokens_estimated, cost_usd, attempts, prompt_tokens_counted, truncated_messages, truncated_tokens, sanitized_chars, hedges, hedge_won, continued_from)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22)",
+            "INSERT INTO requests (request_id, ts_ms, operation, requested_model, endpoint, status, error_class, stream, latency_ms, ttft_ms, tokens_in, tokens_out, tokens_estimated, cost_usd, attempts, prompt_tokens_counted, truncated_messages, truncated_tokens, sanitized_chars, hedges, hedge_won, continued_from, client_key)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23)",
+        )?;
+        let mut ins_spend = tx.prepare_cached(
+            "INSERT INTO client_spend (client, month, usd, requests) VALUES (?1, ?2, ?3, 1)
+             ON CONFLICT (client, month) DO UPDATE SET usd = usd + excluded.usd, requests = requests + 1",
         )?;
         let mut ins_att = tx.prepare_cached(
             "INSERT INTO attempts (request_row, request_id, seq, ts_ms, endpoint, class, status, error, latency_ms, panic_mode)
@@ -507,7 +527,16 @@ fn write_batch(
                         row.hedges,
                         row.hedge_won,
                         row.continued_from,
+                        row.client_key,
                     ])?;
+                    if let Some(client) = &row.client_key {
+                        let usd = row.cost_usd.filter(|c| c.is_finite() && *c > 0.0).unwrap_or(0.0);
+                        ins_spend.execute(params![
+                            client,
+                            crate::clients::month_of(row.ts),
+                            usd
+                        ])?;
+                    }
                     let request_row = tx.last_insert_rowid();
                     for a in &row.attempts {
                         ins_att.execute(params![
@@ -589,6 +618,12 @@ pub fn prune(conn: &mut Connection, before: SystemTime) -> rusqlite::Result<usiz
         conn.execute_batch(&format!("PRAGMA incremental_vacuum({VACUUM_PAGES})"))?;
     }
     Ok(total)
+}
+
+fn read_spend(conn: &Connection) -> rusqlite::Result<Vec<(String, String, f64)>> {
+    let mut stmt = conn.prepare("SELECT client, month, usd FROM client_spend")?;
+    let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+    rows.collect()
 }
 
 fn read_persisted(conn: &Connection) -> rusqlite::Result<Vec<PersistedStats>> {
@@ -747,6 +782,7 @@ mod tests {
             hedges: 0,
             hedge_won: false,
             continued_from: None,
+            client_key: None,
             attempts: vec![
                 AttemptRow {
                     panic_mode: false,

@@ -14,7 +14,7 @@ mod types;
 pub use describe::describe;
 pub use raw::*;
 use resolve::build;
-pub use resolve::url_for;
+pub use resolve::{key_digest, listen_is_loopback, url_for};
 pub use types::*;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -78,7 +78,23 @@ impl Config {
                 extra.push(d.name.clone());
             }
         }
-        let mut cfg = build(raw)?;
+        // `vault:` secrets are read before anything is built: Vault unreachable at start or on a
+        // reload is an error naming the secret's path (a reload keeps the last good table).
+        let refs = resolve::vault_refs(&raw);
+        let fetched = match (&raw.vault, refs.is_empty()) {
+            (_, true) => Fetched::new(),
+            (None, false) => {
+                return Err(ConfigError(format!(
+                    "{} is used but there is no `vault:` section",
+                    refs[0]
+                )));
+            }
+            (Some(v), false) => {
+                let settings = resolve::vault_settings(v)?;
+                crate::vault::read_blocking(&settings, &refs).map_err(ConfigError)?
+            }
+        };
+        let mut cfg = build(raw, &fetched)?;
         cfg.source = text.to_string();
         cfg.discovered_extra = extra;
         Ok(cfg)

@@ -19,6 +19,67 @@ pub struct RawConfig {
     pub health: RawHealth,
     #[serde(default)]
     pub docker: RawDocker,
+    #[serde(default)]
+    pub auth: RawAuth,
+    pub vault: Option<RawVault>,
+}
+
+/// `auth:`: who may use the gateway.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAuth {
+    /// For `/status` and `/admin/*` (and `/metrics`, `/docs`); `/health` stays open.
+    pub admin_key: Option<String>,
+    /// When present, every `/v1/*` request needs one of these.
+    pub keys: Option<Vec<RawClientKey>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawClientKey {
+    /// Goes into audit rows and stats (never the key).
+    pub name: String,
+    /// `env:`, `file:`, `vault:`, a literal, or `sha256:<hex digest of the key>`.
+    pub key: String,
+    /// Routes or endpoints it may ask for (default: all).
+    pub models: Option<Vec<String>>,
+    /// Requests per minute.
+    pub rpm: Option<u32>,
+    /// Prompt + completion tokens per minute.
+    pub tpm: Option<u64>,
+    /// US dollars per calendar month (UTC), from the endpoints' `cost:` prices.
+    pub budget_usd: Option<f64>,
+}
+
+/// `vault:`: where `vault:MOUNT/PATH#FIELD` secrets and `x-encrypted-key` decryption come from.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawVault {
+    pub address: String,
+    /// `env:`/`file:`/a literal.
+    pub token: Option<String>,
+    pub approle: Option<RawApprole>,
+    pub namespace: Option<String>,
+    /// Re-read `vault:` secrets this often (default 5m; and on every reload).
+    pub refresh: Option<Dur>,
+    /// Enables the `x-encrypted-key` request header.
+    pub transit_key: Option<String>,
+    /// The transit engine's mount (default `transit`).
+    pub transit_mount: Option<String>,
+    /// Decrypted per-request keys are cached this long (default 60s).
+    pub cache_ttl: Option<Dur>,
+    /// One Vault call's timeout (default 5s).
+    pub timeout: Option<Dur>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawApprole {
+    pub role_id: String,
+    /// `env:`/`file:`/a literal.
+    pub secret_id: String,
+    /// The auth mount (default `approle`).
+    pub mount: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

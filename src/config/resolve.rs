@@ -145,8 +145,11 @@ fn default_capabilities(kind: EndpointKind) -> BTreeSet<Capability> {
     }
 }
 
-pub(super) fn build(raw: RawConfig) -> Result<Config, ConfigError> {
+pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigError> {
     let mut warnings = Vec::new();
+    let vault = raw.vault.as_ref().map(vault_settings).transpose()?;
+    let vault_digest = vault.as_ref().map(|_| crate::vault::digest(fetched));
+    let auth = auth(&raw.auth, &raw.models, &raw.routes, fetched, &mut warnings)?;
     if raw.models.is_empty() {
         return Err(ConfigError(
             "at `models`: at least one endpoint is required".into(),
@@ -191,7 +194,7 @@ pub(super) fn build(raw: RawConfig) -> Result<Config, ConfigError> {
         let mut keys = Vec::new();
         for (i, spec) in specs.iter().enumerate() {
             let source = KeySource::parse(spec);
-            match source.resolve(spec) {
+            match source.resolve(spec, fetched) {
                 Ok(v) => keys.push(ApiKey {
                     source,
                     hash: value_hash(v.expose()),
@@ -250,7 +253,7 @@ pub(super) fn build(raw: RawConfig) -> Result<Config, ConfigError> {
             let source = KeySource::parse(&v);
             let value = match source {
                 KeySource::Literal => v.clone(),
-                _ => match source.resolve(&v) {
+                _ => match source.resolve(&v, fetched) {
                     Ok(s) => s.expose().to_string(),
                     Err(problem) => {
                         warnings.push(format!("{at}.headers.{k}: {problem}"));
@@ -529,6 +532,11 @@ pub(super) fn build(raw: RawConfig) -> Result<Config, ConfigError> {
         .server
         .listen
         .unwrap_or_else(|| "127.0.0.1:8000".to_string());
+    if auth.keys.is_none() && !listen_is_loopback(&listen) {
+        warnings.push(format!(
+            "server.listen is {listen}, not loopback, and `auth.keys` is not set: anyone who reaches this address can spend the upstream keys"
+        ));
+    }
     Ok(Config {
         listen,
         max_body_bytes: raw.server.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY),
@@ -548,6 +556,9 @@ pub(super) fn build(raw: RawConfig) -> Result<Config, ConfigError> {
         route_overflow,
         route_hedge,
         route_continue,
+        auth,
+        vault,
+        vault_digest,
         policy: Policy {
             health: thresholds,
             ..policy
@@ -621,4 +632,195 @@ fn hedge_spec(at: &str, h: &RawHedge) -> Result<crate::hedge::Spec, ConfigError>
         min_after: or_default(h.min_after, Duration::from_millis(50)),
         tools: h.tools.unwrap_or(false),
     })
+}
+
+/// True for `127.0.0.1:…`, `[::1]:…` and `localhost:…`.
+pub fn listen_is_loopback(listen: &str) -> bool {
+    let host = listen
+        .rsplit_once(':')
+        .map_or(listen, |(h, _)| h)
+        .trim_matches(|c| c == '[' || c == ']');
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Every `vault:` secret the file names (keys, header values, client keys, the admin key).
+pub(super) fn vault_refs(raw: &RawConfig) -> Vec<crate::vault::Ref> {
+    let mut specs: Vec<&str> = Vec::new();
+    for ep in raw.models.values() {
+        specs.extend(ep.api_key.as_deref());
+        specs.extend(ep.api_keys.iter().flatten().map(String::as_str));
+        specs.extend(ep.headers.iter().flatten().map(|(_, v)| v.as_str()));
+    }
+    specs.extend(raw.auth.admin_key.as_deref());
+    specs.extend(raw.auth.keys.iter().flatten().map(|k| k.key.as_str()));
+    let mut refs: Vec<crate::vault::Ref> = specs
+        .into_iter()
+        .filter_map(|s| s.strip_prefix("vault:"))
+        .filter_map(|r| crate::vault::Ref::parse(r).ok())
+        .collect();
+    refs.sort();
+    refs.dedup();
+    refs
+}
+
+/// A secret spec that must resolve (the admin key, Vault's own credentials): `env:`, `file:` or a
+/// literal. The error names the source, never a value.
+fn required(at: &str, spec: &str, fetched: &Fetched) -> Result<Secret, ConfigError> {
+    let source = KeySource::parse(spec);
+    source
+        .resolve(spec, fetched)
+        .map_err(|p| ConfigError(format!("at `{at}` ({source}): {p}")))
+}
+
+pub(super) fn vault_settings(v: &RawVault) -> Result<crate::vault::Settings, ConfigError> {
+    use crate::vault::{Login, Settings};
+    let none = Fetched::new();
+    reqwest::Url::parse(&v.address)
+        .map_err(|e| ConfigError(format!("at `vault.address`: invalid URL: {e}")))?;
+    let login = match (&v.token, &v.approle) {
+        (Some(_), Some(_)) => {
+            return Err(ConfigError(
+                "at `vault`: give either `token` or `approle`, not both".into(),
+            ));
+        }
+        (Some(t), None) => Login::Token(zeroize::Zeroizing::new(
+            required("vault.token", t, &none)?.expose().to_string(),
+        )),
+        (None, Some(a)) => Login::AppRole {
+            mount: a.mount.clone().unwrap_or_else(|| "approle".into()),
+            role_id: a.role_id.clone(),
+            secret_id: zeroize::Zeroizing::new(
+                required("vault.approle.secret_id", &a.secret_id, &none)?
+                    .expose()
+                    .to_string(),
+            ),
+        },
+        (None, None) => {
+            return Err(ConfigError(
+                "at `vault`: give `token` (env:VAULT_TOKEN) or `approle`".into(),
+            ));
+        }
+    };
+    Ok(Settings {
+        address: v.address.trim_end_matches('/').to_string(),
+        login,
+        namespace: v.namespace.clone().filter(|n| !n.is_empty()),
+        refresh: or_default(v.refresh, Duration::from_secs(300)),
+        transit_key: v.transit_key.clone().filter(|k| !k.is_empty()),
+        transit_mount: v.transit_mount.clone().unwrap_or_else(|| "transit".into()),
+        cache_ttl: or_default(v.cache_ttl, Duration::from_secs(60)),
+        timeout: or_default(v.timeout, Duration::from_secs(5)),
+    })
+}
+
+/// `auth:` as digests: `sha256:<hex>` is taken as the digest itself; any other source is read
+/// and hashed, and only the digest is kept.
+fn auth(
+    raw: &RawAuth,
+    models: &BTreeMap<String, RawEndpoint>,
+    routes: &BTreeMap<String, RawRoute>,
+    fetched: &Fetched,
+    warnings: &mut Vec<String>,
+) -> Result<Auth, ConfigError> {
+    let digest_of = |at: &str, spec: &str| -> Result<[u8; 32], ConfigError> {
+        if let Some(hex) = spec.strip_prefix("sha256:") {
+            return parse_digest(hex.trim()).ok_or_else(|| {
+                ConfigError(format!("at `{at}`: sha256: takes the 64 hex digits of a key's SHA-256"))
+            });
+        }
+        let secret = required(at, spec, fetched)?;
+        Ok(key_digest(secret.expose()))
+    };
+    let admin = raw
+        .admin_key
+        .as_deref()
+        .map(|s| digest_of("auth.admin_key", s))
+        .transpose()?;
+    let keys = match &raw.keys {
+        None => None,
+        Some(list) if list.is_empty() => {
+            return Err(ConfigError(
+                "at `auth.keys`: the list is empty (remove it to turn client keys off)".into(),
+            ));
+        }
+        Some(list) => {
+            let mut out: Vec<ClientKey> = Vec::new();
+            for (i, k) in list.iter().enumerate() {
+                let at = format!("auth.keys[{i}]");
+                if k.name.trim().is_empty() {
+                    return Err(ConfigError(format!("at `{at}.name`: must not be empty")));
+                }
+                if out.iter().any(|o| o.name == k.name) {
+                    return Err(ConfigError(format!(
+                        "at `{at}.name`: {:?} is used twice",
+                        k.name
+                    )));
+                }
+                let digest = match digest_of(&format!("{at}.key"), &k.key) {
+                    Ok(d) => d,
+                    Err(e) if !k.key.starts_with("sha256:") => {
+                        // An unset env var or unreadable file: that client is locked out, the
+                        // others are served.
+                        warnings.push(format!("{} (client `{}` cannot authenticate)", e.0, k.name));
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                };
+                if out.iter().any(|o| o.digest == digest) {
+                    return Err(ConfigError(format!(
+                        "at `{at}.key`: the same key as another client"
+                    )));
+                }
+                if let Some(models_allowed) = &k.models {
+                    for (j, m) in models_allowed.iter().enumerate() {
+                        if !models.contains_key(m) && !routes.contains_key(m) {
+                            return Err(ConfigError(format!(
+                                "at `{at}.models[{j}]`: {m:?} is neither a route nor an endpoint"
+                            )));
+                        }
+                    }
+                }
+                if k.rpm == Some(0) || k.tpm == Some(0) {
+                    return Err(ConfigError(format!(
+                        "at `{at}`: rpm and tpm must be greater than zero (leave them out for no limit)"
+                    )));
+                }
+                if k.budget_usd.is_some_and(|b| !b.is_finite() || b < 0.0) {
+                    return Err(ConfigError(format!(
+                        "at `{at}.budget_usd`: must be a non-negative number"
+                    )));
+                }
+                out.push(ClientKey {
+                    name: k.name.clone(),
+                    digest,
+                    models: k.models.as_ref().map(|m| m.iter().cloned().collect()),
+                    rpm: k.rpm,
+                    tpm: k.tpm,
+                    budget_usd: k.budget_usd,
+                });
+            }
+            Some(out)
+        }
+    };
+    Ok(Auth { admin, keys })
+}
+
+/// The SHA-256 of a client or admin key: the only form the gateway keeps.
+pub fn key_digest(key: &str) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(key.as_bytes()).into()
+}
+
+fn parse_digest(hex: &str) -> Option<[u8; 32]> {
+    if hex.len() != 64 || !hex.is_ascii() {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, b) in out.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
 }

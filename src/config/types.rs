@@ -141,8 +141,13 @@ impl FromIterator<Capability> for Caps {
 pub enum KeySource {
     Env(String),
     File(String),
+    /// `vault:MOUNT/PATH#FIELD`, read when the config is loaded.
+    Vault(crate::vault::Ref),
     Literal,
 }
+
+/// Secrets read from Vault for one config load.
+pub type Fetched = std::collections::HashMap<crate::vault::Ref, zeroize::Zeroizing<String>>;
 
 impl KeySource {
     pub(super) fn parse(spec: &str) -> KeySource {
@@ -150,13 +155,22 @@ impl KeySource {
             KeySource::Env(name.trim().to_string())
         } else if let Some(path) = spec.strip_prefix("file:") {
             KeySource::File(path.trim().to_string())
+        } else if let Some(r) = spec
+            .strip_prefix("vault:")
+            .and_then(|r| crate::vault::Ref::parse(r).ok())
+        {
+            KeySource::Vault(r)
         } else {
             KeySource::Literal
         }
     }
 
-    pub(super) fn resolve(&self, spec: &str) -> Result<Secret, String> {
+    pub(super) fn resolve(&self, spec: &str, fetched: &Fetched) -> Result<Secret, String> {
         match self {
+            KeySource::Vault(r) => fetched
+                .get(r)
+                .map(|v| Secret(v.as_str().to_string()))
+                .ok_or_else(|| format!("{r} was not read (no `vault:` section?)")),
             KeySource::Env(name) => match std::env::var(name) {
                 Ok(v) if !v.trim().is_empty() => Ok(Secret(v.trim().to_string())),
                 _ => Err(format!("environment variable {name} is not set")),
@@ -176,6 +190,7 @@ impl fmt::Display for KeySource {
         match self {
             KeySource::Env(n) => write!(f, "env:{n}"),
             KeySource::File(p) => write!(f, "file:{p}"),
+            KeySource::Vault(r) => write!(f, "{r}"),
             KeySource::Literal => f.write_str("literal (inline in the config)"),
         }
     }
@@ -191,6 +206,13 @@ impl Secret {
     }
     pub fn expose(&self) -> &str {
         &self.0
+    }
+}
+
+/// A key's bytes are wiped when the last copy is dropped (a reload, a request's own key).
+impl Drop for Secret {
+    fn drop(&mut self) {
+        zeroize::Zeroize::zeroize(&mut self.0);
     }
 }
 
@@ -365,6 +387,12 @@ pub struct Config {
     pub route_hedge: BTreeMap<String, crate::hedge::Spec>,
     /// Routes with `continue_streams: true`.
     pub route_continue: BTreeSet<String>,
+    /// `auth:`: client keys and the admin key, as digests only.
+    pub auth: Auth,
+    /// `vault:`, resolved; `None` without one.
+    pub vault: Option<crate::vault::Settings>,
+    /// A digest of the values read from Vault for this table (a refresh compares it).
+    pub vault_digest: Option<String>,
     pub policy: Policy,
     pub health: HealthPolicy,
     pub docker: DockerConfig,
@@ -374,6 +402,25 @@ pub struct Config {
     pub discovered_extra: Vec<String>,
     /// Problems that do not stop the gateway (an unset `env:` key) — reported at start.
     pub warnings: Vec<String>,
+}
+
+/// Who may use the gateway. Keys are held as SHA-256 digests only.
+#[derive(Clone, Debug, Default)]
+pub struct Auth {
+    pub admin: Option<[u8; 32]>,
+    /// `Some`: every `/v1/*` request needs one of these.
+    pub keys: Option<Vec<ClientKey>>,
+}
+
+#[derive(Clone, Debug)]
+pub struct ClientKey {
+    pub name: String,
+    pub digest: [u8; 32],
+    /// Routes or endpoints it may ask for; `None`: all.
+    pub models: Option<BTreeSet<String>>,
+    pub rpm: Option<u32>,
+    pub tpm: Option<u64>,
+    pub budget_usd: Option<f64>,
 }
 
 /// A labelled service or container Docker discovery found that the config file does not name.

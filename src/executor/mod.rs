@@ -50,6 +50,16 @@ static TEST_HOOKS: std::sync::LazyLock<bool> =
 /// `Retry-After: 0` cannot turn `max_wait` into a tight loop against the upstream.
 const MIN_REWAIT: Duration = Duration::from_millis(100);
 
+/// Who is asking, as the front door established it.
+#[derive(Default)]
+pub struct Caller {
+    /// The client key's name (`auth.keys[].name`), for the audit row and the key's spend.
+    pub client: Option<String>,
+    /// The plaintext of a valid `x-encrypted-key`: the upstream key of OpenAI-type endpoints
+    /// for this request only.
+    pub key: Option<Secret>,
+}
+
 /// One request's journey.
 struct Run {
     app: Arc<AppState>,
@@ -93,6 +103,10 @@ struct Run {
     forced: HashSet<String>,
     /// The chain, when the route continues broken streams (`continue_streams: true`).
     continue_chain: Option<Vec<String>>,
+    /// The client key's name, when `auth.keys` is set.
+    client: Option<String>,
+    /// The request's own upstream key (`x-encrypted-key`), for OpenAI-type endpoints.
+    own_key: Option<Secret>,
     /// Endpoints tried although health said to skip them (healthy panic, last resort).
     panic_mode: HashSet<String>,
     /// Endpoints whose backend `/tokenize` failed in this request (the local count is used).
@@ -140,6 +154,7 @@ pub async fn execute(
     req: Inbound,
     chain: Vec<String>,
     request_id: String,
+    caller: Caller,
 ) -> Response {
     let hedge = hedge_for(&app, &cfg, &req, &chain);
     let continue_chain = (req.stream
@@ -172,6 +187,8 @@ pub async fn execute(
         pass: PassState::default(),
         forced: HashSet::new(),
         continue_chain,
+        client: caller.client,
+        own_key: caller.key,
         panic_mode: HashSet::new(),
         backend_failed: HashSet::new(),
     };
@@ -549,9 +566,12 @@ impl Run {
         });
     }
 
-    /// Sends the request's one audit row.
+    /// Sends the request's one audit row (and counts its cost against the client key).
     fn send_row(&mut self, row: RequestRow) {
         self.row_written = true;
+        if let (Some(client), Some(cost)) = (&row.client_key, row.cost_usd) {
+            self.app.clients.spent(client, cost, row.ts);
+        }
         self.app.store.send(Record::Request(Box::new(row)));
     }
 
@@ -648,9 +668,26 @@ impl Run {
         })
     }
 
+    /// Whether this request brings its own key for `ep` (`x-encrypted-key`, OpenAI-type only).
+    fn own_key_for(&self, ep: &Endpoint) -> Option<&Secret> {
+        self.own_key
+            .as_ref()
+            .filter(|_| ep.kind == crate::config::EndpointKind::Openai)
+    }
+
+    /// The key an attempt sends: the request's own for OpenAI-type endpoints, else key `idx`.
+    fn key_for<'k>(&'k self, ep: &'k Endpoint, idx: Option<usize>) -> Option<&'k Secret> {
+        self.own_key_for(ep)
+            .or_else(|| idx.and_then(|i| ep.keys.get(i)).and_then(|k| k.value.as_ref()))
+    }
+
     /// The key for the next call to `ep`. Unless the endpoint is forced (the last resort), keys
     /// whose rate-limit budget is predicted too small for this request are passed over.
     async fn pick(&mut self, ep: &Arc<Endpoint>) -> Result<Option<usize>, EndpointOutcome> {
+        if self.own_key_for(ep).is_some() {
+            // The request's own key: none of the endpoint's keys, nor their budgets, apply.
+            return Ok(None);
+        }
         let predict = self.cfg.policy.predict_rate_limits && !self.forced.contains(&ep.name);
         let pick = if predict {
             let tokens = self.ratelimit_tokens(ep).await;
@@ -722,10 +759,10 @@ impl Run {
                         Ok(k) => k,
                         Err(outcome) => return outcome,
                     };
-                    let key = key_idx.and_then(|i| ep.keys[i].value.as_ref());
+                    let key = self.key_for(ep, key_idx).cloned();
                     let t0 = Instant::now();
                     self.current = Some((ep.name.clone(), t0));
-                    let result = self.attempt(ep, key).await;
+                    let result = self.attempt(ep, key.as_ref()).await;
                     self.current = None;
                     Finished {
                         key_idx,
@@ -759,11 +796,14 @@ impl Run {
         } = done;
         let panic_mode = self.panic_mode.contains(&ep.name);
         let latency_ms = t0.elapsed().as_secs_f64() * 1000.0;
+        let own_key = self.own_key_for(ep).is_some();
         let f = match result {
             Ok(success) => {
-                self.app
-                    .registry
-                    .observe_ratelimit(ep, key_idx, success.ratelimit());
+                if !own_key {
+                    self.app
+                        .registry
+                        .observe_ratelimit(ep, key_idx, success.ratelimit());
+                }
                 let status = match &success {
                     Success::Full { status, .. } => status.as_u16(),
                     Success::Stream { .. } => 200,
@@ -787,7 +827,9 @@ impl Run {
             }
             Err(f) => f,
         };
-        if let Some(seen) = &f.ratelimit {
+        if let Some(seen) = &f.ratelimit
+            && !own_key
+        {
             self.app.registry.observe_ratelimit(ep, key_idx, seen);
         }
         let secrets: Vec<&str> = ep
@@ -821,6 +863,23 @@ impl Run {
             default_cooldown: self.cfg.policy.default_cooldown,
             with_key: key_idx.is_some(),
         };
+        if own_key && f.class == Outcome::Auth {
+            // The client's own key was refused: its problem, not the endpoint's, and the
+            // upstream's message (which may quote part of the key) is not passed on.
+            let err = crate::error::ApiError::Unauthorized(
+                "The upstream rejected the key sent in x-encrypted-key.".into(),
+            );
+            let mut h = HeaderMap::new();
+            h.insert(
+                axum::http::header::CONTENT_TYPE,
+                axum::http::HeaderValue::from_static("application/json"),
+            );
+            return Settled::Done(EndpointOutcome::ClientError(
+                err.status(),
+                h,
+                Bytes::from(err.body().to_string()),
+            ));
+        }
         match outcome::action(f.class, hints) {
             Action::Serve => Settled::Done(unreachable_serve()),
             Action::ReturnToClient => {

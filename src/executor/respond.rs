@@ -89,6 +89,7 @@ impl Run {
             hedges: self.hedges_sent,
             hedge_won: self.hedge_won,
             continued_from: None,
+            client_key: self.client.clone(),
             attempts: self
                 .attempts
                 .iter()

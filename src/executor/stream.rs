@@ -144,6 +144,9 @@ impl StreamGuard {
                 );
             }
         }
+        if let (Some(client), Some(cost)) = (&row.client_key, row.cost_usd) {
+            self.app.clients.spent(client, cost, row.ts);
+        }
         self.app.store.send(Record::Request(Box::new(row)));
     }
 }

@@ -1,0 +1,377 @@
+//! Who may use the gateway: client keys (`auth.keys`), compared as SHA-256 digests in constant
+//! time; what each may ask for; its `rpm`/`tpm` limits (governor's GCRA, a burst of one minute's
+//! worth) and monthly budget; and the admin key for `/status` and `/admin/*`.
+//!
+//! Limits and budgets are enforced per gateway process (the stack runs one replica). They sit
+//! behind [`Clients::admit`] and [`Clients::spent`] only, so a shared store can replace the
+//! in-memory state later without touching the front door. Spend is persisted by the audit writer
+//! (`client_spend`, one row per key and month) and read back at start, so a restart does not
+//! reset a budget.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use axum::http::HeaderMap;
+use governor::clock::{Clock, DefaultClock};
+use governor::middleware::StateInformationMiddleware;
+use governor::state::{InMemoryState, NotKeyed};
+use governor::{Quota, RateLimiter};
+use subtle::ConstantTimeEq;
+
+use crate::config::{Auth, ClientKey, key_digest};
+use crate::error::{ApiError, ClientLimit};
+
+type Limiter = RateLimiter<NotKeyed, InMemoryState, DefaultClock, StateInformationMiddleware>;
+
+/// The key a request presents: `Authorization: Bearer …` (what the OpenAI SDKs send as
+/// `api_key`) or `x-api-key`.
+fn presented(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
+        .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()))
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+}
+
+/// Compares the digest of `key` with every digest in `digests`, in constant time (no early
+/// exit: how long it takes says nothing about which key, or how much of one, matched).
+fn find<'a, T>(key: &str, digests: impl Iterator<Item = (&'a [u8; 32], T)>) -> Option<T> {
+    let d = key_digest(key);
+    let mut found = None;
+    for (candidate, item) in digests {
+        if bool::from(candidate.ct_eq(&d)) && found.is_none() {
+            found = Some(item);
+        }
+    }
+    found
+}
+
+/// The calling client: `Ok(None)` when `auth.keys` is not set (the gateway is open).
+pub fn identify<'a>(auth: &'a Auth, headers: &HeaderMap) -> Result<Option<&'a ClientKey>, ApiError> {
+    let Some(keys) = &auth.keys else {
+        return Ok(None);
+    };
+    let Some(key) = presented(headers) else {
+        return Err(ApiError::Unauthorized(
+            "You didn't provide an API key. Send one of this gateway's client keys as `Authorization: Bearer <key>` (the OpenAI SDK's api_key) or `x-api-key`.".into(),
+        ));
+    };
+    find(key, keys.iter().map(|k| (&k.digest, k)))
+        .map(Some)
+        .ok_or_else(|| {
+            ApiError::Unauthorized(
+                "Incorrect API key provided: it is not one of this gateway's client keys.".into(),
+            )
+        })
+}
+
+/// The admin surface (`/status`, `/admin/*`): with `auth.admin_key` set, `Authorization: Bearer
+/// <admin key>` from anywhere; without one, loopback clients only.
+pub fn admin(auth: &Auth, headers: &HeaderMap, peer: SocketAddr) -> Result<(), ApiError> {
+    match &auth.admin {
+        Some(digest) => match presented(headers) {
+            Some(key) if find(key, std::iter::once((digest, ()))).is_some() => Ok(()),
+            _ => Err(ApiError::Unauthorized(
+                "This path needs the admin key: `Authorization: Bearer <auth.admin_key>`.".into(),
+            )),
+        },
+        None if peer.ip().is_loopback() => Ok(()),
+        None => Err(ApiError::Forbidden(
+            "This path answers loopback clients only unless auth.admin_key is set.".into(),
+        )),
+    }
+}
+
+/// One client's limiters and spend.
+struct State {
+    rpm: Option<(u32, Limiter)>,
+    tpm: Option<(u32, Limiter)>,
+    /// (month `YYYY-MM`, US dollars spent in it).
+    spend: Mutex<(String, f64)>,
+}
+
+fn limiter(per_minute: u32) -> Option<(u32, Limiter)> {
+    let n = NonZeroU32::new(per_minute)?;
+    Some((
+        per_minute,
+        RateLimiter::direct(Quota::per_minute(n)).with_middleware::<StateInformationMiddleware>(),
+    ))
+}
+
+/// Per-key limits and spend, kept across config reloads (by key name).
+pub struct Clients {
+    map: Mutex<HashMap<String, Arc<State>>>,
+    /// Spend read from the audit database at start: (key name, month, dollars).
+    persisted: Mutex<HashMap<(String, String), f64>>,
+    clock: DefaultClock,
+}
+
+impl Clients {
+    pub fn new(persisted: Vec<(String, String, f64)>) -> Clients {
+        Clients {
+            map: Mutex::new(HashMap::new()),
+            persisted: Mutex::new(
+                persisted
+                    .into_iter()
+                    .map(|(name, month, usd)| ((name, month), usd))
+                    .collect(),
+            ),
+            clock: DefaultClock::default(),
+        }
+    }
+
+    fn state(&self, key: &ClientKey) -> Arc<State> {
+        let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        let tpm = key.tpm.map(|t| t.min(u64::from(u32::MAX)) as u32);
+        if let Some(s) = map.get(&key.name)
+            && s.rpm.as_ref().map(|r| r.0) == key.rpm
+            && s.tpm.as_ref().map(|t| t.0) == tpm
+        {
+            return s.clone();
+        }
+        // New, or its limits changed in a reload: fresh limiters, the spend carried over.
+        let month = month_of(SystemTime::now());
+        let spend = map
+            .get(&key.name)
+            .map(|s| s.spend.lock().unwrap_or_else(|e| e.into_inner()).clone())
+            .unwrap_or_else(|| {
+                let usd = self
+                    .persisted
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(&(key.name.clone(), month.clone()))
+                    .copied()
+                    .unwrap_or(0.0);
+                (month, usd)
+            });
+        let s = Arc::new(State {
+            rpm: key.rpm.and_then(limiter),
+            tpm: tpm.and_then(limiter),
+            spend: Mutex::new(spend),
+        });
+        map.insert(key.name.clone(), s.clone());
+        s
+    }
+
+    /// Admits one request of about `tokens` (prompt estimate + `max_tokens`): the budget, then
+    /// `rpm`, then `tpm`.
+    pub fn admit(&self, key: &ClientKey, tokens: u64) -> Result<(), ApiError> {
+        let s = self.state(key);
+        if let Some(budget) = key.budget_usd {
+            let month = month_of(SystemTime::now());
+            let mut spend = s.spend.lock().unwrap_or_else(|e| e.into_inner());
+            if spend.0 != month {
+                *spend = (month, 0.0);
+            }
+            if spend.1 >= budget {
+                return Err(ApiError::QuotaExceeded {
+                    client: key.name.clone(),
+                    budget,
+                });
+            }
+        }
+        if let Some((limit, l)) = &s.rpm {
+            self.take(l, *limit, 1, "requests", &key.name)?;
+        }
+        if let Some((limit, l)) = &s.tpm
+            && tokens > 0
+        {
+            self.take(l, *limit, tokens, "tokens", &key.name)?;
+        }
+        Ok(())
+    }
+
+    fn take(
+        &self,
+        l: &Limiter,
+        limit: u32,
+        n: u64,
+        kind: &'static str,
+        client: &str,
+    ) -> Result<(), ApiError> {
+        let per_unit = Duration::from_secs(60) / limit.max(1);
+        let refused = |remaining: u32, retry_after: Duration| {
+            ApiError::ClientRateLimited(Box::new(ClientLimit {
+                client: client.to_string(),
+                kind,
+                limit: u64::from(limit),
+                remaining: u64::from(remaining),
+                reset: per_unit * (limit - remaining.min(limit)),
+                retry_after,
+            }))
+        };
+        let n32 = NonZeroU32::new(n.min(u64::from(u32::MAX)) as u32).unwrap_or(NonZeroU32::MIN);
+        match l.check_n(n32) {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(not_until)) => Err(refused(0, not_until.wait_time_from(self.clock.now()))),
+            // More than a whole minute's budget in one request: it can never pass.
+            Err(_) => Err(refused(0, Duration::from_secs(60))),
+        }
+    }
+
+    /// A served request of `name` cost `usd` (recorded with its audit row).
+    pub fn spent(&self, name: &str, usd: f64, at: SystemTime) {
+        if !usd.is_finite() || usd <= 0.0 {
+            return;
+        }
+        let month = month_of(at);
+        let map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = map.get(name) {
+            let mut spend = s.spend.lock().unwrap_or_else(|e| e.into_inner());
+            if spend.0 != month {
+                *spend = (month, 0.0);
+            }
+            spend.1 += usd;
+        }
+    }
+
+    /// Spend this month per key name, for `/status`.
+    pub fn spend(&self) -> Vec<(String, f64)> {
+        let month = month_of(SystemTime::now());
+        let map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<(String, f64)> = map
+            .iter()
+            .map(|(n, s)| {
+                let spend = s.spend.lock().unwrap_or_else(|e| e.into_inner());
+                (n.clone(), if spend.0 == month { spend.1 } else { 0.0 })
+            })
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+}
+
+/// `YYYY-MM` (UTC) of a moment: budgets are per calendar month.
+pub fn month_of(t: SystemTime) -> String {
+    let days = t
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs() / 86_400)
+        .unwrap_or(0) as i64;
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(name: &str, rpm: Option<u32>, tpm: Option<u64>, budget: Option<f64>) -> ClientKey {
+        ClientKey {
+            name: name.into(),
+            digest: key_digest(&format!("sk-{name}")),
+            models: None,
+            rpm,
+            tpm,
+            budget_usd: budget,
+        }
+    }
+
+    #[test]
+    fn months_are_utc_calendar_months() {
+        let at = |secs: u64| SystemTime::UNIX_EPOCH + Duration::from_secs(secs);
+        assert_eq!(month_of(at(0)), "1970-01");
+        assert_eq!(month_of(at(951_782_400)), "2000-02", "2000-02-29");
+        assert_eq!(month_of(at(951_868_800)), "2000-03");
+        assert_eq!(month_of(at(1_798_761_599)), "2026-12", "2026-12-31 23:59:59");
+        assert_eq!(month_of(at(1_798_761_600)), "2027-01");
+    }
+
+    #[test]
+    fn keys_are_found_by_digest_from_either_header() {
+        let auth = Auth {
+            admin: None,
+            keys: Some(vec![key("a", None, None, None), key("b", None, None, None)]),
+        };
+        let mut h = HeaderMap::new();
+        assert!(matches!(identify(&auth, &h), Err(ApiError::Unauthorized(_))));
+        h.insert("authorization", "Bearer sk-b".parse().unwrap());
+        assert_eq!(identify(&auth, &h).unwrap().unwrap().name, "b");
+        h.insert("authorization", "Bearer sk-c".parse().unwrap());
+        assert!(identify(&auth, &h).is_err());
+        let mut h = HeaderMap::new();
+        h.insert("x-api-key", "sk-a".parse().unwrap());
+        assert_eq!(identify(&auth, &h).unwrap().unwrap().name, "a");
+        let open = Auth::default();
+        assert!(identify(&open, &HeaderMap::new()).unwrap().is_none());
+    }
+
+    #[test]
+    fn admin_needs_the_key_when_set_else_loopback() {
+        let local: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        let remote: SocketAddr = "10.0.0.9:1".parse().unwrap();
+        let open = Auth::default();
+        assert!(admin(&open, &HeaderMap::new(), local).is_ok());
+        assert!(matches!(
+            admin(&open, &HeaderMap::new(), remote),
+            Err(ApiError::Forbidden(_))
+        ));
+        let locked = Auth {
+            admin: Some(key_digest("admin-secret")),
+            keys: None,
+        };
+        assert!(admin(&locked, &HeaderMap::new(), local).is_err(), "the key, even on loopback");
+        let mut h = HeaderMap::new();
+        h.insert("authorization", "Bearer admin-secret".parse().unwrap());
+        assert!(admin(&locked, &h, remote).is_ok());
+        h.insert("authorization", "Bearer admin-secreT".parse().unwrap());
+        assert!(admin(&locked, &h, remote).is_err());
+    }
+
+    #[test]
+    fn rpm_admits_exactly_the_limit_in_a_burst() {
+        let c = Clients::new(vec![]);
+        let k = key("a", Some(5), None, None);
+        let admitted = (0..20).filter(|_| c.admit(&k, 0).is_ok()).count();
+        assert_eq!(admitted, 5);
+        match c.admit(&k, 0) {
+            Err(ApiError::ClientRateLimited(l)) => {
+                assert_eq!((l.kind, l.limit, l.remaining), ("requests", 5, 0));
+                assert!(l.retry_after > Duration::ZERO && l.retry_after <= Duration::from_secs(12));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn tpm_counts_tokens_and_refuses_a_request_larger_than_a_minute() {
+        let c = Clients::new(vec![]);
+        let k = key("a", None, Some(1000), None);
+        assert!(c.admit(&k, 600).is_ok());
+        assert!(matches!(c.admit(&k, 600), Err(ApiError::ClientRateLimited(l)) if l.kind == "tokens"));
+        assert!(c.admit(&k, 5000).is_err(), "over a whole minute's budget");
+    }
+
+    #[test]
+    fn a_budget_is_spent_persisted_per_month_and_survives_a_restart() {
+        let month = month_of(SystemTime::now());
+        let k = key("a", None, None, Some(1.0));
+        let c = Clients::new(vec![("a".into(), month.clone(), 0.75)]);
+        assert!(c.admit(&k, 0).is_ok(), "0.75 of 1.00 spent before the restart");
+        c.spent("a", 0.30, SystemTime::now());
+        assert!(matches!(c.admit(&k, 0), Err(ApiError::QuotaExceeded { .. })));
+        assert_eq!(c.spend(), vec![("a".to_string(), 1.05)]);
+        // Last month's spend does not count.
+        let c = Clients::new(vec![("a".into(), "1999-12".into(), 50.0)]);
+        assert!(c.admit(&k, 0).is_ok());
+        // Hostile costs are ignored.
+        c.spent("a", f64::NAN, SystemTime::now());
+        c.spent("a", -5.0, SystemTime::now());
+        assert!(c.admit(&k, 0).is_ok());
+    }
+}

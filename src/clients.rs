@@ -55,7 +55,10 @@ fn find<'a, T>(key: &str, digests: impl Iterator<Item = (&'a [u8; 32], T)>) -> O
 }
 
 /// The calling client: `Ok(None)` when `auth.keys` is not set (the gateway is open).
-pub fn identify<'a>(auth: &'a Auth, headers: &HeaderMap) -> Result<Option<&'a ClientKey>, ApiError> {
+pub fn identify<'a>(
+    auth: &'a Auth,
+    headers: &HeaderMap,
+) -> Result<Option<&'a ClientKey>, ApiError> {
     let Some(keys) = &auth.keys else {
         return Ok(None);
     };
@@ -288,7 +291,11 @@ mod tests {
         assert_eq!(month_of(at(0)), "1970-01");
         assert_eq!(month_of(at(951_782_400)), "2000-02", "2000-02-29");
         assert_eq!(month_of(at(951_868_800)), "2000-03");
-        assert_eq!(month_of(at(1_798_761_599)), "2026-12", "2026-12-31 23:59:59");
+        assert_eq!(
+            month_of(at(1_798_761_599)),
+            "2026-12",
+            "2026-12-31 23:59:59"
+        );
         assert_eq!(month_of(at(1_798_761_600)), "2027-01");
     }
 
@@ -299,7 +306,10 @@ mod tests {
             keys: Some(vec![key("a", None, None, None), key("b", None, None, None)]),
         };
         let mut h = HeaderMap::new();
-        assert!(matches!(identify(&auth, &h), Err(ApiError::Unauthorized(_))));
+        assert!(matches!(
+            identify(&auth, &h),
+            Err(ApiError::Unauthorized(_))
+        ));
         h.insert("authorization", "Bearer sk-b".parse().unwrap());
         assert_eq!(identify(&auth, &h).unwrap().unwrap().name, "b");
         h.insert("authorization", "Bearer sk-c".parse().unwrap());
@@ -325,7 +335,10 @@ mod tests {
             admin: Some(key_digest("admin-secret")),
             keys: None,
         };
-        assert!(admin(&locked, &HeaderMap::new(), local).is_err(), "the key, even on loopback");
+        assert!(
+            admin(&locked, &HeaderMap::new(), local).is_err(),
+            "the key, even on loopback"
+        );
         let mut h = HeaderMap::new();
         h.insert("authorization", "Bearer admin-secret".parse().unwrap());
         assert!(admin(&locked, &h, remote).is_ok());
@@ -353,7 +366,9 @@ mod tests {
         let c = Clients::new(vec![]);
         let k = key("a", None, Some(1000), None);
         assert!(c.admit(&k, 600).is_ok());
-        assert!(matches!(c.admit(&k, 600), Err(ApiError::ClientRateLimited(l)) if l.kind == "tokens"));
+        assert!(
+            matches!(c.admit(&k, 600), Err(ApiError::ClientRateLimited(l)) if l.kind == "tokens")
+        );
         assert!(c.admit(&k, 5000).is_err(), "over a whole minute's budget");
     }
 
@@ -362,9 +377,15 @@ mod tests {
         let month = month_of(SystemTime::now());
         let k = key("a", None, None, Some(1.0));
         let c = Clients::new(vec![("a".into(), month.clone(), 0.75)]);
-        assert!(c.admit(&k, 0).is_ok(), "0.75 of 1.00 spent before the restart");
+        assert!(
+            c.admit(&k, 0).is_ok(),
+            "0.75 of 1.00 spent before the restart"
+        );
         c.spent("a", 0.30, SystemTime::now());
-        assert!(matches!(c.admit(&k, 0), Err(ApiError::QuotaExceeded { .. })));
+        assert!(matches!(
+            c.admit(&k, 0),
+            Err(ApiError::QuotaExceeded { .. })
+        ));
         assert_eq!(c.spend(), vec![("a".to_string(), 1.05)]);
         // Last month's spend does not count.
         let c = Clients::new(vec![("a".into(), "1999-12".into(), 50.0)]);

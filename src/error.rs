@@ -259,7 +259,8 @@ impl ApiError {
                 Some("insufficient_quota"),
             ),
             ApiError::InvalidEncryptedKey => (
-                "x-encrypted-key is not a ciphertext this gateway's Vault transit key can decrypt.".into(),
+                "x-encrypted-key is not a ciphertext this gateway's Vault transit key can decrypt."
+                    .into(),
                 "invalid_request_error",
                 None,
                 Some("invalid_encrypted_key"),

@@ -137,11 +137,25 @@ async fn proxy(app: Arc<AppState>, op: Op, headers: HeaderMap, body: Body) -> Re
             match decrypted {
                 Ok(k) => Some(crate::config::Secret::new(k.as_str().to_string())),
                 Err(crate::vault::DecryptError::Invalid) => {
-                    return refused(&app, &id, op, &inbound, client_name, ApiError::InvalidEncryptedKey);
+                    return refused(
+                        &app,
+                        &id,
+                        op,
+                        &inbound,
+                        client_name,
+                        ApiError::InvalidEncryptedKey,
+                    );
                 }
                 Err(crate::vault::DecryptError::Unavailable(why)) => {
                     tracing::warn!(request_id = %id, error = %why, "vault unavailable for x-encrypted-key");
-                    return refused(&app, &id, op, &inbound, client_name, ApiError::VaultUnavailable);
+                    return refused(
+                        &app,
+                        &id,
+                        op,
+                        &inbound,
+                        client_name,
+                        ApiError::VaultUnavailable,
+                    );
                 }
             }
         }
@@ -396,6 +410,18 @@ async fn status(
             "predict_rate_limits": cfg.policy.predict_rate_limits,
         },
         "in_flight": app.inflight(),
+        // Who may use it: counts and names only, never a key or a digest.
+        "auth": {
+            "client_keys": cfg.auth.keys.as_ref().map(|k| k.len()),
+            "admin_key": cfg.auth.admin.is_some(),
+            "spend_this_month_usd": app.clients.spend().into_iter().map(|(n, usd)| (n, json!((usd * 1e6).round() / 1e6))).collect::<serde_json::Map<_, _>>(),
+        },
+        "vault": cfg.vault.as_ref().map(|v| json!({
+            "address": v.address,
+            "transit": v.transit_key.is_some(),
+            "refresh_seconds": v.refresh.as_secs_f64(),
+            "last_error": app.vault_error.lock().map(|e| e.clone()).unwrap_or(None),
+        })),
         "docker": app.docker.lock().map(|d| d.to_json()).unwrap_or_default(),
         "audit": {
             "state": match app.store.off_reason() {

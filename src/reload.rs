@@ -179,3 +179,57 @@ pub async fn watch(
     drop(tx);
     Ok(())
 }
+
+/// Re-reads `vault:` secrets every `vault.refresh` and, when a value changed, rebuilds the table
+/// from the current source and installs it. Vault down: the last good values stay in use and the
+/// error is shown in `/status` (`vault.last_error`).
+pub async fn vault_refresher(state: Arc<AppState>, cancel: CancellationToken) {
+    loop {
+        let every = state
+            .config
+            .load()
+            .vault
+            .as_ref()
+            .map(|v| v.refresh.max(Duration::from_secs(1)))
+            .unwrap_or(Duration::from_secs(60));
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        if state.config.load().vault.is_none() {
+            continue;
+        }
+        let st = state.clone();
+        let _ = tokio::task::spawn_blocking(move || refresh_vault_now(&st)).await;
+    }
+}
+
+/// One Vault refresh: returns whether a new table was installed.
+pub fn refresh_vault_now(state: &AppState) -> bool {
+    let _serial = state.install_lock.lock().unwrap_or_else(|e| e.into_inner());
+    let current = state.config.load_full();
+    if current.vault.is_none() || current.source.is_empty() {
+        return false;
+    }
+    let discovered = state
+        .discovered
+        .lock()
+        .map(|d| d.clone())
+        .unwrap_or_default();
+    match Config::load_with(&current.source, &discovered) {
+        Ok(cfg) => {
+            *state.vault_error.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            if cfg.vault_digest == current.vault_digest {
+                return false;
+            }
+            state.install(cfg);
+            tracing::info!("vault secrets changed; routing table rebuilt");
+            true
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "vault refresh failed; the last good values stay in use");
+            *state.vault_error.lock().unwrap_or_else(|e| e.into_inner()) = Some(e.0);
+            false
+        }
+    }
+}

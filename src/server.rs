@@ -86,6 +86,10 @@ impl Gateway {
             });
         }
         tasks.spawn(crate::probe::run(state.clone(), cancel.clone()));
+        tasks.spawn(crate::reload::vault_refresher(
+            state.clone(),
+            cancel.clone(),
+        ));
         tasks.spawn(crate::discovery::run(
             state.clone(),
             state.docker.clone(),

@@ -530,7 +530,10 @@ fn write_batch(
                         row.client_key,
                     ])?;
                     if let Some(client) = &row.client_key {
-                        let usd = row.cost_usd.filter(|c| c.is_finite() && *c > 0.0).unwrap_or(0.0);
+                        let usd = row
+                            .cost_usd
+                            .filter(|c| c.is_finite() && *c > 0.0)
+                            .unwrap_or(0.0);
                         ins_spend.execute(params![
                             client,
                             crate::clients::month_of(row.ts),

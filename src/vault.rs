@@ -111,9 +111,7 @@ pub async fn connect(s: &Settings) -> Result<VaultClient, String> {
     {
         b.set_namespace(ns.clone());
     }
-    let settings = b
-        .build()
-        .map_err(|e| format!("vault settings: {e}"))?;
+    let settings = b.build().map_err(|e| format!("vault settings: {e}"))?;
     let mut client =
         VaultClient::new(settings).map_err(|e| format!("vault at {}: {e}", s.address))?;
     if let Login::AppRole {
@@ -221,8 +219,11 @@ pub enum DecryptError {
 pub struct Transit {
     settings: Settings,
     client: tokio::sync::Mutex<Option<VaultClient>>,
-    cache: Mutex<HashMap<[u8; 32], (Instant, Zeroizing<String>)>>,
+    cache: Mutex<HashMap<[u8; 32], Cached>>,
 }
+
+/// A decrypted key and when it was decrypted.
+type Cached = (Instant, Zeroizing<String>);
 
 /// Entries kept at most in the decryption cache.
 const CACHE_MAX: usize = 10_000;
@@ -332,8 +333,18 @@ mod tests {
         );
         assert_eq!(r.to_string(), "vault:secret/openai#api_key");
         let deep = Ref::parse("kv/team/a/keys#k").unwrap();
-        assert_eq!((deep.mount.as_str(), deep.path.as_str()), ("kv", "team/a/keys"));
-        for bad in ["secret/openai", "secret#f", "/x#f", "secret/#f", "secret/x#", ""] {
+        assert_eq!(
+            (deep.mount.as_str(), deep.path.as_str()),
+            ("kv", "team/a/keys")
+        );
+        for bad in [
+            "secret/openai",
+            "secret#f",
+            "/x#f",
+            "secret/#f",
+            "secret/x#",
+            "",
+        ] {
             assert!(Ref::parse(bad).is_err(), "{bad}");
         }
     }

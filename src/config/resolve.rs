@@ -728,7 +728,9 @@ fn auth(
     let digest_of = |at: &str, spec: &str| -> Result<[u8; 32], ConfigError> {
         if let Some(hex) = spec.strip_prefix("sha256:") {
             return parse_digest(hex.trim()).ok_or_else(|| {
-                ConfigError(format!("at `{at}`: sha256: takes the 64 hex digits of a key's SHA-256"))
+                ConfigError(format!(
+                    "at `{at}`: sha256: takes the 64 hex digits of a key's SHA-256"
+                ))
             });
         }
         let secret = required(at, spec, fetched)?;

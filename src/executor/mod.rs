@@ -677,8 +677,10 @@ impl Run {
 
     /// The key an attempt sends: the request's own for OpenAI-type endpoints, else key `idx`.
     fn key_for<'k>(&'k self, ep: &'k Endpoint, idx: Option<usize>) -> Option<&'k Secret> {
-        self.own_key_for(ep)
-            .or_else(|| idx.and_then(|i| ep.keys.get(i)).and_then(|k| k.value.as_ref()))
+        self.own_key_for(ep).or_else(|| {
+            idx.and_then(|i| ep.keys.get(i))
+                .and_then(|k| k.value.as_ref())
+        })
     }
 
     /// The key for the next call to `ep`. Unless the endpoint is forced (the last resort), keys

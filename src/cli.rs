@@ -218,7 +218,7 @@ pub fn count_tokens(
     Ok(ExitCode::SUCCESS)
 }
 
-pub fn stats(data_dir: &Path, since: &str, json: bool) -> anyhow::Result<ExitCode> {
+pub fn stats(data_dir: &Path, since: &str, json: bool, by_key: bool) -> anyhow::Result<ExitCode> {
     let window =
         config::duration::parse_duration(since).map_err(|e| anyhow::anyhow!("--since: {e}"))?;
     let db = store::db_path(data_dir);
@@ -232,6 +232,54 @@ pub fn stats(data_dir: &Path, since: &str, json: bool) -> anyhow::Result<ExitCod
     let from = SystemTime::now()
         .checked_sub(window)
         .unwrap_or(SystemTime::UNIX_EPOCH);
+    if by_key {
+        let rows = store::report_by_key(data_dir, from).context("reading the audit trail")?;
+        if json {
+            let v: Vec<serde_json::Value> = rows
+                .iter()
+                .map(|r| {
+                    serde_json::json!({
+                        "key": r.key,
+                        "requests": r.requests,
+                        "served": r.served,
+                        "refused": r.refused,
+                        "tokens_in": r.tokens_in,
+                        "tokens_out": r.tokens_out,
+                        "cost_usd": r.cost_usd,
+                    })
+                })
+                .collect();
+            crate::say!("{}", serde_json::to_string_pretty(&v)?);
+            return Ok(ExitCode::SUCCESS);
+        }
+        crate::say!("requests by client key since {since} ago ({}):", db.display());
+        crate::say!(
+            "{:<24} {:>8} {:>8} {:>8} {:>10} {:>10} {:>10}",
+            "key",
+            "requests",
+            "served",
+            "refused",
+            "tokens in",
+            "tokens out",
+            "cost $"
+        );
+        if rows.is_empty() {
+            crate::say!("(no requests with a client key in this period)");
+        }
+        for r in rows {
+            crate::say!(
+                "{:<24} {:>8} {:>8} {:>8} {:>10} {:>10} {:>10.4}",
+                r.key,
+                r.requests,
+                r.served,
+                r.refused,
+                r.tokens_in,
+                r.tokens_out,
+                r.cost_usd
+            );
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     let rows = store::report(data_dir, from).context("reading the audit trail")?;
     if json {
         let v: Vec<serde_json::Value> = rows

@@ -65,6 +65,9 @@ enum Command {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// Per client key (`auth.keys[].name`): requests, tokens and spend.
+        #[arg(long)]
+        by_key: bool,
     },
     /// Validate a config and print what it resolved (key sources, never key values).
     CheckConfig { path: Option<PathBuf> },
@@ -148,7 +151,8 @@ fn main() -> ExitCode {
                 data_dir,
                 since,
                 json,
-            } => cli::stats(&data_dir, &since, json),
+                by_key,
+            } => cli::stats(&data_dir, &since, json, by_key),
             Command::CheckConfig { path } => cli::check_config(path),
             Command::CountTokens {
                 model,

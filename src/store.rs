@@ -623,6 +623,45 @@ pub fn prune(conn: &mut Connection, before: SystemTime) -> rusqlite::Result<usiz
     Ok(total)
 }
 
+/// One client key's line of `autohedge stats --by-key`.
+#[derive(Debug, Clone)]
+pub struct KeyReport {
+    pub key: String,
+    pub requests: u64,
+    pub served: u64,
+    /// Turned away at the front door or by the upstreams (any non-2xx).
+    pub refused: u64,
+    pub tokens_in: u64,
+    pub tokens_out: u64,
+    pub cost_usd: f64,
+}
+
+/// Requests, tokens and spend per client key name since `from`.
+pub fn report_by_key(data_dir: &Path, from: SystemTime) -> rusqlite::Result<Vec<KeyReport>> {
+    let conn = Connection::open_with_flags(
+        db_path(data_dir),
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )?;
+    let mut stmt = conn.prepare(
+        "SELECT client_key, COUNT(*), SUM(status BETWEEN 200 AND 299), SUM(status NOT BETWEEN 200 AND 299),
+                COALESCE(SUM(tokens_in), 0), COALESCE(SUM(tokens_out), 0), COALESCE(SUM(cost_usd), 0)
+         FROM requests WHERE client_key IS NOT NULL AND ts_ms >= ?1
+         GROUP BY client_key ORDER BY client_key",
+    )?;
+    let rows = stmt.query_map([ms(from)], |r| {
+        Ok(KeyReport {
+            key: r.get(0)?,
+            requests: r.get::<_, i64>(1)?.max(0) as u64,
+            served: r.get::<_, Option<i64>>(2)?.unwrap_or(0).max(0) as u64,
+            refused: r.get::<_, Option<i64>>(3)?.unwrap_or(0).max(0) as u64,
+            tokens_in: r.get::<_, i64>(4)?.max(0) as u64,
+            tokens_out: r.get::<_, i64>(5)?.max(0) as u64,
+            cost_usd: r.get(6)?,
+        })
+    })?;
+    rows.collect()
+}
+
 fn read_spend(conn: &Connection) -> rusqlite::Result<Vec<(String, String, f64)>> {
     let mut stmt = conn.prepare("SELECT client, month, usd FROM client_spend")?;
     let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;

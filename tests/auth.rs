@@ -210,6 +210,29 @@ async fn tpm_and_a_monthly_budget_that_survives_a_restart() {
         "SELECT usd FROM client_spend WHERE client = 'spender'",
     );
     assert!((persisted - spent).abs() < 1e-6, "{persisted} vs {spent}");
+    // `autohedge stats --by-key`: requests, tokens and spend per key name.
+    let out = std::process::Command::new(BIN)
+        .args(["stats", "--by-key", "--json", "--since", "1h", "--data-dir"])
+        .arg(gw.data_dir())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let by_key: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let row = |k: &str| {
+        by_key
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["key"] == k)
+            .cloned()
+            .unwrap_or_else(|| panic!("{k} in {by_key}"))
+    };
+    assert_eq!(row("tokens")["requests"], 2);
+    assert_eq!(row("tokens")["served"], 1);
+    assert_eq!(row("tokens")["refused"], 1);
+    assert_eq!(row("spender")["served"], 1);
+    assert!((row("spender")["cost_usd"].as_f64().unwrap() - spent).abs() < 1e-6);
+    assert!(row("spender")["tokens_in"].as_u64().unwrap() > 0);
     // A restart keeps the spend: still over budget.
     let mut gw = Gw::start_at(
         dir.path(),

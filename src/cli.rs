@@ -252,7 +252,10 @@ pub fn stats(data_dir: &Path, since: &str, json: bool, by_key: bool) -> anyhow::
             crate::say!("{}", serde_json::to_string_pretty(&v)?);
             return Ok(ExitCode::SUCCESS);
         }
-        crate::say!("requests by client key since {since} ago ({}):", db.display());
+        crate::say!(
+            "requests by client key since {since} ago ({}):",
+            db.display()
+        );
         crate::say!(
             "{:<24} {:>8} {:>8} {:>8} {:>10} {:>10} {:>10}",
             "key",

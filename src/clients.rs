@@ -79,6 +79,12 @@ pub fn identify<'a>(
 /// The admin surface (`/status`, `/admin/*`): with `auth.admin_key` set, `Authorization: Bearer
 /// <admin key>` from anywhere; without one, loopback clients only.
 pub fn admin(auth: &Auth, headers: &HeaderMap, peer: SocketAddr) -> Result<(), ApiError> {
+    if auth.admin_locked {
+        return Err(ApiError::Unauthorized(
+            "auth.admin_key is configured but could not be read; the admin surface is closed."
+                .into(),
+        ));
+    }
     match &auth.admin {
         Some(digest) => match presented(headers) {
             Some(key) if find(key, std::iter::once((digest, ()))).is_some() => Ok(()),
@@ -303,6 +309,7 @@ mod tests {
     fn keys_are_found_by_digest_from_either_header() {
         let auth = Auth {
             admin: None,
+            admin_locked: false,
             keys: Some(vec![key("a", None, None, None), key("b", None, None, None)]),
         };
         let mut h = HeaderMap::new();
@@ -333,6 +340,7 @@ mod tests {
         ));
         let locked = Auth {
             admin: Some(key_digest("admin-secret")),
+            admin_locked: false,
             keys: None,
         };
         assert!(
@@ -344,6 +352,13 @@ mod tests {
         assert!(admin(&locked, &h, remote).is_ok());
         h.insert("authorization", "Bearer admin-secreT".parse().unwrap());
         assert!(admin(&locked, &h, remote).is_err());
+        // Configured but unreadable: closed to everyone, loopback included.
+        let unread = Auth {
+            admin: None,
+            admin_locked: true,
+            keys: None,
+        };
+        assert!(admin(&unread, &HeaderMap::new(), local).is_err());
     }
 
     #[test]

@@ -216,7 +216,11 @@ async fn tpm_and_a_monthly_budget_that_survives_a_restart() {
         .arg(gw.data_dir())
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let by_key: Value = serde_json::from_slice(&out.stdout).unwrap();
     let row = |k: &str| {
         by_key
@@ -439,6 +443,28 @@ async fn an_open_gateway_on_a_public_address_is_warned_about() {
         .output()
         .unwrap();
     assert!(!String::from_utf8_lossy(&out.stdout).contains("anyone who reaches"));
+    // An admin key that cannot be read is a warning, and the admin surface stays closed.
+    std::fs::write(
+        &path,
+        "models:\n  a: { type: openai, base_url: \"http://127.0.0.1:9/v1\" }\nauth: { admin_key: env:AUTOHEDGE_SURELY_UNSET_ADMIN }\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["check-config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("auth.admin_key") && text.contains("closed"),
+        "{text}"
+    );
+    let dir2 = tempfile::tempdir().unwrap();
+    let mut gw = Gw::start_at(dir2.path(), &path, &[]);
+    let r = reqwest::get(gw.url("/status")).await.unwrap();
+    assert_eq!(r.status(), 401, "closed even to loopback");
+    gw.stop();
     // Bad auth sections are errors that say where.
     for (bad, needle) in [
         ("auth: { keys: [] }", "auth.keys"),
@@ -451,10 +477,6 @@ async fn an_open_gateway_on_a_public_address_is_warned_about() {
             "auth.keys[0].models[0]",
         ),
         ("auth: { keys: [{ name: x, key: k1, rpm: 0 }] }", "rpm"),
-        (
-            "auth: { admin_key: env:AUTOHEDGE_SURELY_UNSET_ADMIN }",
-            "auth.admin_key",
-        ),
     ] {
         std::fs::write(
             &path,

@@ -736,11 +736,20 @@ fn auth(
         let secret = required(at, spec, fetched)?;
         Ok(key_digest(secret.expose()))
     };
-    let admin = raw
-        .admin_key
-        .as_deref()
-        .map(|s| digest_of("auth.admin_key", s))
-        .transpose()?;
+    let (admin, admin_locked) = match raw.admin_key.as_deref() {
+        None => (None, false),
+        Some(s) if s.starts_with("sha256:") => (Some(digest_of("auth.admin_key", s)?), false),
+        Some(s) => match digest_of("auth.admin_key", s) {
+            Ok(d) => (Some(d), false),
+            Err(e) => {
+                warnings.push(format!(
+                    "{} (the admin surface is closed until it can be read)",
+                    e.0
+                ));
+                (None, true)
+            }
+        },
+    };
     let keys = match &raw.keys {
         None => None,
         Some(list) if list.is_empty() => {
@@ -807,7 +816,11 @@ fn auth(
             Some(out)
         }
     };
-    Ok(Auth { admin, keys })
+    Ok(Auth {
+        admin,
+        admin_locked,
+        keys,
+    })
 }
 
 /// The SHA-256 of a client or admin key: the only form the gateway keeps.

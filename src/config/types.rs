@@ -408,6 +408,9 @@ pub struct Config {
 #[derive(Clone, Debug, Default)]
 pub struct Auth {
     pub admin: Option<[u8; 32]>,
+    /// `admin_key` is configured but could not be read (an unset env var, a missing secret
+    /// file): the admin surface is closed to everyone rather than open to loopback.
+    pub admin_locked: bool,
     /// `Some`: every `/v1/*` request needs one of these.
     pub keys: Option<Vec<ClientKey>>,
 }

@@ -88,6 +88,15 @@ impl AppState {
         })
     }
 
+    /// Runs `f` on the hedge budget named `key` (created empty on first use).
+    pub fn hedge_budget<R>(&self, key: &str, f: impl FnOnce(&mut crate::hedge::Budget) -> R) -> R {
+        let mut budgets = self.hedges.lock().unwrap_or_else(|e| e.into_inner());
+        match budgets.get_mut(key) {
+            Some(b) => f(b),
+            None => f(budgets.entry(key.to_string()).or_default()),
+        }
+    }
+
     /// The transit decrypter for `cfg`'s `vault:` settings (one per address and key, so its
     /// login and cache survive requests and reloads that keep them); `None` without a
     /// `transit_key`.

@@ -154,8 +154,15 @@ async fn wait_for<F: FnMut() -> bool>(what: &str, within: Duration, mut f: F) {
     panic!("timed out waiting for {what}");
 }
 
+/// The gateways' admin key: `/status` is read from the host, which is not the container's
+/// loopback, so it needs one.
+const ADMIN_KEY: &str = "swarm-test-admin-key-5d1c";
+
 async fn status(url: &str) -> Value {
-    match reqwest::get(format!("{url}/status")).await {
+    let req = reqwest::Client::new()
+        .get(format!("{url}/status"))
+        .bearer_auth(ADMIN_KEY);
+    match req.send().await {
         Ok(r) => r.json().await.unwrap_or(Value::Null),
         Err(_) => Value::Null,
     }
@@ -378,6 +385,7 @@ models:
   backup: {{ type: openai, discover: docker, timeouts: {{ connect: 1s, first_token: 2s, total: 5s }} }}
   sick: {{ type: openai, discover: docker }}
 routing_policy: {{ fallback_chain: [primary, standby, backup] }}
+auth: {{ admin_key: {ADMIN_KEY} }}
 health: {{ probe_interval: 300ms, probe_timeout: 1s, flip_after: 1, warmup: 1s }}
 docker:
   enabled: true
@@ -442,6 +450,7 @@ models:
   backup: {{ type: openai, discover: docker, health_check: {{ url: /not-served }} }}
   extra: {{ type: openai, discover: docker, health_check: {{ url: /not-served }} }}
 routing_policy: {{ fallback_chain: [primary, standby, backup, extra] }}
+auth: {{ admin_key: {ADMIN_KEY} }}
 health: {{ probe_interval: 300ms, probe_timeout: 1s, flip_after: 1, warmup: 1s }}
 docker:
   enabled: true

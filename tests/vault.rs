@@ -140,14 +140,18 @@ path "transit/decrypt/autohedge" { capabilities = ["update"] }"#;
     }
 }
 
-fn config(bao: &Bao, a: &MockUp, v: &MockUp, login: &str) -> String {
+fn config(bao: &Bao, a: &MockUp, v: &MockUp, slow: &MockUp, login: &str) -> String {
     format!(
         r#"models:
   a: {{ type: openai, base_url: "{}", api_key: "vault:secret/openai#api_key" }}
   v: {{ type: vllm, base_url: "{}" }}
+  slow: {{ type: openai, base_url: "{}", api_key: "vault:secret/openai#api_key" }}
 routes:
   chat: [a]
   local: [v]
+  hedged:
+    chain: [slow, a]
+    hedge: {{ after: 100ms, max_extra: 100% }}
 vault:
   address: "{}"
   {login}
@@ -156,6 +160,7 @@ vault:
 "#,
         a.base(),
         v.base(),
+        slow.base(),
         bao.addr
     )
 }
@@ -185,8 +190,9 @@ async fn vault_secrets_refresh_transit_keys_and_vault_going_away() {
     bao.put_secret("sk-from-vault-aaaa-1111").await;
     let a = MockUp::openai("name: a").await;
     let v = MockUp::start(autohedge::mock::Flavor::Vllm, "name: v").await;
+    let slow = MockUp::openai("name: slow\nrules: [{delay: 2s}]").await;
     let mut gw = Gw::start_with_env(
-        &config(&bao, &a, &v, "token: env:TEST_VAULT_TOKEN"),
+        &config(&bao, &a, &v, &slow, "token: env:TEST_VAULT_TOKEN"),
         &[("TEST_VAULT_TOKEN", ROOT_TOKEN)],
     );
     // The upstream key came from Vault.
@@ -285,6 +291,7 @@ async fn approle_login_reads_the_secrets() {
         &config(
             &bao,
             &a,
+            &v,
             &v,
             &format!("approle: {{ role_id: \"{role_id}\", secret_id: env:TEST_SECRET_ID }}"),
         ),

@@ -337,6 +337,14 @@ pub struct Endpoint {
 }
 
 impl Endpoint {
+    /// Every resolved key value, for redacting upstream texts before they are stored or shown.
+    pub fn secret_values(&self) -> Vec<&str> {
+        self.keys
+            .iter()
+            .filter_map(|k| k.value.as_ref().map(|s| s.expose()))
+            .collect()
+    }
+
     pub fn usable_keys(&self) -> usize {
         self.keys.iter().filter(|k| k.value.is_some()).count()
     }

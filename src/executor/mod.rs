@@ -222,12 +222,7 @@ fn hedge_for(
     if req.body.contains_key("tools") && !spec.tools {
         return None;
     }
-    app.hedges
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .entry(key.clone())
-        .or_default()
-        .on_request(spec.max_extra);
+    app.hedge_budget(&key, |b| b.on_request(spec.max_extra));
     Some((key, spec))
 }
 
@@ -626,9 +621,9 @@ impl Run {
     fn start(&mut self, ep: &Arc<Endpoint>, key_idx: Option<usize>) -> Result<Racing, Failure> {
         let t0 = Instant::now();
         let base = self.discovered_base(ep)?;
-        let key = key_idx
-            .and_then(|i| ep.keys.get(i))
-            .and_then(|k| k.value.as_ref());
+        // The request's own key (x-encrypted-key) for OpenAI-type endpoints, else key `key_idx`.
+        let key = self.key_for(ep, key_idx).cloned();
+        let key = key.as_ref();
         let attempt = Attempt {
             ep,
             key,
@@ -834,11 +829,7 @@ impl Run {
         {
             self.app.registry.observe_ratelimit(ep, key_idx, seen);
         }
-        let secrets: Vec<&str> = ep
-            .keys
-            .iter()
-            .filter_map(|k| k.value.as_ref().map(|s| s.expose()))
-            .collect();
+        let secrets = ep.secret_values();
         let detail = classify::redact(&f.detail, &secrets);
         let internal = f.internal.as_deref().map(|d| classify::redact(d, &secrets));
         tracing::info!(

@@ -104,13 +104,7 @@ impl Run {
             if side == Side::Hedge {
                 self.hedge_won = true;
                 if let Some((key, _)) = &self.hedge {
-                    self.app
-                        .hedges
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .entry(key.clone())
-                        .or_default()
-                        .won();
+                    self.app.hedge_budget(key, |b| b.won());
                 }
             }
             return (
@@ -148,14 +142,7 @@ impl Run {
     /// predicted to take the request, started — if the budget has a copy left.
     async fn hedge_candidate(&mut self, rest: &[String]) -> Option<(Arc<Endpoint>, Racing)> {
         let key = self.hedge.as_ref()?.0.clone();
-        let budget_left = |app: &crate::state::AppState| {
-            app.hedges
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(&key)
-                .is_some_and(|b| b.left() >= 1.0)
-        };
-        if !budget_left(&self.app) {
+        if !self.app.hedge_budget(&key, |b| b.left() >= 1.0) {
             return None;
         }
         for name in rest {
@@ -172,14 +159,7 @@ impl Run {
                     continue;
                 }
             };
-            let taken = self
-                .app
-                .hedges
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .entry(key.clone())
-                .or_default()
-                .take();
+            let taken = self.app.hedge_budget(&key, |b| b.take());
             if !taken {
                 // Spent by another request meanwhile: this endpoint stays in the pass.
                 self.pass.tried.remove(name);
@@ -191,13 +171,7 @@ impl Run {
                     return Some((ep, r));
                 }
                 Err(f) => {
-                    self.app
-                        .hedges
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .entry(key.clone())
-                        .or_default()
-                        .refund();
+                    self.app.hedge_budget(&key, |b| b.refund());
                     let done = Finished {
                         key_idx,
                         t0: Instant::now(),

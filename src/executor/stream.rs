@@ -76,12 +76,7 @@ impl StreamGuard {
         };
         // In-band error texts are upstream bytes: redacted like every other upstream error.
         let failure = failure.map(|(class, detail)| {
-            let secrets: Vec<&str> = self
-                .ep
-                .keys
-                .iter()
-                .filter_map(|k| k.value.as_ref().map(|s| s.expose()))
-                .collect();
+            let secrets = self.ep.secret_values();
             (class, classify::redact(&detail, &secrets))
         });
         row.latency_ms = self.started.elapsed().as_secs_f64() * 1000.0;
@@ -472,11 +467,7 @@ impl PassThrough {
         let cfg = self.guard.cfg.clone();
         let from = self.guard.ep.clone();
         // The break counts against its endpoint as any failure after the commit does.
-        let secrets: Vec<&str> = from
-            .keys
-            .iter()
-            .filter_map(|k| k.value.as_ref().map(|s| s.expose()))
-            .collect();
+        let secrets = from.secret_values();
         let detail = classify::redact(detail, &secrets);
         self.guard
             .push_attempt(&from.name, class, Some(200), Some(detail.clone()));
@@ -580,11 +571,7 @@ impl PassThrough {
                 }
                 Ok(Success::Full { .. }) => continue,
                 Err(f) => {
-                    let secrets: Vec<&str> = ep
-                        .keys
-                        .iter()
-                        .filter_map(|k| k.value.as_ref().map(|s| s.expose()))
-                        .collect();
+                    let secrets = ep.secret_values();
                     let detail = classify::redact(&f.detail, &secrets);
                     self.guard
                         .push_attempt(&ep.name, f.class, f.status, Some(detail.clone()));

@@ -74,6 +74,10 @@ pub struct EndpointRuntime {
     limits: HashMap<String, crate::ratelimit::Limits>,
     /// When the endpoint last came back from unhealthy, warming or ejection (slow start).
     recovered_at: Option<Instant>,
+    /// It has been available before: only then is becoming available a *recovery*. An endpoint
+    /// discovered for the first time (or a gateway starting) takes its full share at once, as
+    /// Envoy does not slow-start the hosts a cluster starts with.
+    been_serving: bool,
     /// Recent latencies sorted, for hedge delays (re-sorted at most every `SORTED_TTL`).
     sorted: Option<(Instant, Arc<Vec<f64>>)>,
 }
@@ -109,6 +113,7 @@ impl EndpointRuntime {
             last_addresses: Vec::new(),
             limits: HashMap::new(),
             recovered_at: None,
+            been_serving: true,
             sorted: None,
         }
     }
@@ -210,6 +215,7 @@ impl Registry {
                 if ep.discover {
                     rt.health
                         .observe_docker(now, Some("not discovered yet".into()));
+                    rt.been_serving = false;
                 }
                 if let Some(p) = persisted.iter().find(|p| &p.endpoint == name) {
                     rt.latency = Ewma::seeded(0.2, p.ewma_latency_ms);
@@ -609,7 +615,11 @@ impl Registry {
             && !serving(tr.from)
             && let Some(rt) = self.get(endpoint)
         {
-            lock(&rt).recovered_at = Some(Instant::now());
+            let mut rt = lock(&rt);
+            if rt.been_serving {
+                rt.recovered_at = Some(Instant::now());
+            }
+            rt.been_serving = true;
         }
         self.event(
             endpoint,
@@ -945,4 +955,52 @@ impl Registry {
 /// counters, so it is used rather than propagating the panic to every later request.
 pub fn lock(m: &Mutex<EndpointRuntime>) -> std::sync::MutexGuard<'_, EndpointRuntime> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::discovery::Discovered;
+
+    fn found(addr: &str, down: Option<&str>) -> Option<Discovered> {
+        Some(Discovered {
+            service: "svc".into(),
+            addresses: if down.is_some() {
+                vec![]
+            } else {
+                vec![addr.to_string()]
+            },
+            running: usize::from(down.is_none()),
+            restarts: 0,
+            down: down.map(str::to_string),
+        })
+    }
+
+    #[tokio::test]
+    async fn a_first_discovery_is_no_recovery_but_coming_back_is() {
+        let cfg = Config::load(
+            "models:\n  d: { type: vllm, discover: docker }\n  s: { type: openai, base_url: \"http://127.0.0.1:9/v1\" }\nrouting_policy: { slow_start: 30s }\ndocker: { enabled: true }\n",
+        )
+        .unwrap();
+        let reg = Registry::new(StoreHandle::off("test".into()));
+        reg.sync(&cfg, &[]);
+        let share = |name: &str| reg.views(&cfg, &[name.to_string()])[0].slow_start;
+        // Discovered for the first time (the gateway just started): its full share at once.
+        reg.observe_docker("d", found("http://10.0.0.5:8000", None));
+        assert_eq!(reg.views(&cfg, &["d".into()])[0].avail, Avail::Ready);
+        assert_eq!(share("d"), None);
+        assert_eq!(
+            share("s"),
+            None,
+            "an endpoint configured healthy is no recovery either"
+        );
+        // Its task dies and a new one comes up: that is a recovery, slow-started.
+        reg.observe_docker("d", found("", Some("no running task")));
+        assert!(matches!(
+            reg.views(&cfg, &["d".into()])[0].avail,
+            Avail::Unhealthy { .. }
+        ));
+        reg.observe_docker("d", found("http://10.0.0.6:8000", None));
+        assert_eq!(share("d"), Some(crate::router::SLOW_START_MIN));
+    }
 }

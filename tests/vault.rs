@@ -367,3 +367,54 @@ async fn vault_down_at_start_is_a_clear_error_naming_the_path() {
         "{text}"
     );
 }
+
+#[tokio::test]
+async fn a_namespace_reads_its_own_secrets() {
+    use reqwest::Method;
+    let bao = Bao::start().await;
+    bao.put_secret("sk-root-namespace-8888").await;
+    bao.call(Method::POST, "sys/namespaces/team1", json!({}))
+        .await;
+    // The same path inside the namespace holds another value.
+    let in_ns = |method: Method, path: &str, body: Value| {
+        bao.http
+            .request(method, format!("{}/v1/{path}", bao.addr))
+            .header("X-Vault-Token", ROOT_TOKEN)
+            .header("X-Vault-Namespace", "team1")
+            .json(&body)
+            .send()
+    };
+    let r = in_ns(
+        Method::POST,
+        "sys/mounts/secret",
+        json!({"type": "kv", "options": {"version": "2"}}),
+    )
+    .await
+    .unwrap();
+    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+    let r = in_ns(
+        Method::POST,
+        "secret/data/openai",
+        json!({"data": {"api_key": "sk-team1-namespace-7777"}}),
+    )
+    .await
+    .unwrap();
+    assert!(r.status().is_success(), "{}", r.text().await.unwrap());
+    let a = MockUp::openai("name: a").await;
+    let mut gw = Gw::start_with_env(
+        &format!(
+            "models:\n  a: {{ type: openai, base_url: \"{}\", api_key: \"vault:secret/openai#api_key\" }}\nvault: {{ address: \"{}\", token: env:TEST_VAULT_TOKEN, namespace: team1 }}\n",
+            a.base(),
+            bao.addr
+        ),
+        &[("TEST_VAULT_TOKEN", ROOT_TOKEN)],
+    );
+    let r = chat_with(&gw, "a", None).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        last_tail(&a).await,
+        "7777",
+        "the namespace's value, not the root's"
+    );
+    gw.stop();
+}

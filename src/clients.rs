@@ -120,7 +120,6 @@ pub struct Clients {
     map: Mutex<HashMap<String, Arc<State>>>,
     /// Spend read from the audit database at start: (key name, month, dollars).
     persisted: Mutex<HashMap<(String, String), f64>>,
-    clock: DefaultClock,
 }
 
 impl Clients {
@@ -133,7 +132,6 @@ impl Clients {
                     .map(|(name, month, usd)| ((name, month), usd))
                     .collect(),
             ),
-            clock: DefaultClock::default(),
         }
     }
 
@@ -188,18 +186,17 @@ impl Clients {
             }
         }
         if let Some((limit, l)) = &s.rpm {
-            self.take(l, *limit, 1, "requests", &key.name)?;
+            Self::take(l, *limit, 1, "requests", &key.name)?;
         }
         if let Some((limit, l)) = &s.tpm
             && tokens > 0
         {
-            self.take(l, *limit, tokens, "tokens", &key.name)?;
+            Self::take(l, *limit, tokens, "tokens", &key.name)?;
         }
         Ok(())
     }
 
     fn take(
-        &self,
         l: &Limiter,
         limit: u32,
         n: u64,
@@ -220,7 +217,8 @@ impl Clients {
         let n32 = NonZeroU32::new(n.min(u64::from(u32::MAX)) as u32).unwrap_or(NonZeroU32::MIN);
         match l.check_n(n32) {
             Ok(Ok(_)) => Ok(()),
-            Ok(Err(not_until)) => Err(refused(0, not_until.wait_time_from(self.clock.now()))),
+            // The limiter's own clock: no clock is built (and calibrated) until a limit exists.
+            Ok(Err(not_until)) => Err(refused(0, not_until.wait_time_from(l.clock().now()))),
             // More than a whole minute's budget in one request: it can never pass.
             Err(_) => Err(refused(0, Duration::from_secs(60))),
         }

@@ -439,7 +439,8 @@ impl Registry {
             return None;
         }
         let ms = crate::stats::percentile_sorted(&sorted, p)?;
-        Duration::try_from_secs_f64(ms / 1000.0).ok()
+        // Our own measurements, but no float reaches a panicking conversion: `as` saturates.
+        (ms.is_finite() && ms >= 0.0).then(|| Duration::from_micros((ms * 1000.0) as u64))
     }
 
     /// The key the next request would use, without advancing the rotation (for probes: a probe

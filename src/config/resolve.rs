@@ -114,9 +114,11 @@ fn or_default(v: Option<Dur>, default: Duration) -> Duration {
 
 /// A short, stable hash of a secret's value: enough to tell values apart, useless to recover one.
 fn value_hash(v: &str) -> String {
-    use sha2::Digest;
-    let d = sha2::Sha256::digest(v.as_bytes());
-    d.iter().take(8).map(|b| format!("{b:02x}")).collect()
+    key_digest(v)
+        .iter()
+        .take(8)
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 fn default_timeouts(kind: EndpointKind) -> Timeouts {

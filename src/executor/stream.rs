@@ -414,14 +414,9 @@ impl Splicer {
             }
             let data = match serde_json::from_str::<Value>(&ev.data) {
                 Ok(mut v) => {
-                    let choice = v.pointer("/choices/0");
-                    let role_only = choice.is_some_and(|c| {
-                        c.get("finish_reason").is_none_or(Value::is_null)
-                            && c.pointer("/delta/content")
-                                .and_then(Value::as_str)
-                                .is_none_or(str::is_empty)
-                            && c.pointer("/delta/tool_calls").is_none()
-                    });
+                    // The opening chunk: a choice with no content, tool call or finish yet.
+                    let role_only = v.pointer("/choices/0").is_some()
+                        && wire::classify_chunk(&v) == ChunkKind::Preamble;
                     if role_only && v.get("usage").is_none_or(Value::is_null) {
                         continue;
                     }

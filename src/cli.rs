@@ -18,7 +18,7 @@ const DEFAULT_CONFIG: &str = "config/config.yaml";
 
 /// Logs go to stderr (stdout carries the `listening on` line scripts wait for). `RUST_LOG`
 /// overrides the level; `AUTOHEDGE_LOG_FORMAT=json` switches to JSON lines.
-pub fn init_tracing(default_level: &str) {
+pub fn init_tracing(default_level: &str) -> Option<tracing_appender::non_blocking::WorkerGuard> {
     use tracing_subscriber::EnvFilter;
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
@@ -28,16 +28,44 @@ pub fn init_tracing(default_level: &str) {
         .iter()
         .filter_map(|d| d.parse().ok())
         .fold(filter, |f, d| f.add_directive(d));
+    // A bounded queue in front of stderr, written by a thread of its own: a slow or blocked
+    // stderr (a full pipe, `docker service logs` behind) drops lines — counted in
+    // `autohedge_log_dropped_total` — instead of stalling the requests that log.
+    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .buffered_lines_limit(
+            std::env::var("AUTOHEDGE_LOG_BUFFER_LINES")
+                .ok()
+                .and_then(|v| v.trim().parse::<usize>().ok())
+                .filter(|n| *n > 0)
+                .unwrap_or(LOG_QUEUE_LINES),
+        )
+        .lossy(true)
+        .thread_name("autohedge-log")
+        .finish(std::io::stderr());
+    let _ = crate::telemetry::LOG_DROPPED.set(writer.error_counter());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(writer)
         .with_target(false);
-    if std::env::var("AUTOHEDGE_LOG_FORMAT").as_deref() == Ok("json") {
-        let _ = builder.json().try_init();
+    let installed = if std::env::var("AUTOHEDGE_LOG_FORMAT").as_deref() == Ok("json") {
+        // Each line carries the span it was logged in: `request_id` for everything logged
+        // while a request is served.
+        builder
+            .json()
+            // Fields at the top level (`jq .status`), not under `fields`.
+            .flatten_event(true)
+            .with_current_span(true)
+            .with_span_list(false)
+            .try_init()
     } else {
-        let _ = builder.try_init();
-    }
+        builder.try_init()
+    };
+    // The guard flushes what is queued when it is dropped (at exit).
+    installed.is_ok().then_some(guard)
 }
+
+/// Log lines queued for stderr before new ones are dropped (`AUTOHEDGE_LOG_BUFFER_LINES`).
+const LOG_QUEUE_LINES: usize = 16_384;
 
 /// The config to use: the given path, else `config/config.yaml` if present, else the embedded
 /// default (which is not watched: there is no file).

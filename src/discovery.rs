@@ -472,6 +472,7 @@ struct Remedy {
 
 fn event(state: &AppState, endpoint: &str, ev: &str, reason: String) {
     tracing::info!(endpoint, event = ev, %reason, "docker event");
+    state.alerts.endpoint_event(endpoint, ev, &reason);
     state.store.send(Record::Event(EndpointEvent {
         ts: SystemTime::now(),
         endpoint: endpoint.to_string(),
@@ -879,16 +880,25 @@ async fn act(
     action: impl std::future::Future<Output = Result<(), String>>,
 ) -> bool {
     if dry_run {
-        event(
-            state,
-            endpoint,
-            "remediation_dry_run",
-            format!("would {what}: {reason}"),
+        let detail = format!("would {what}: {reason}");
+        state.alerts.raise(
+            crate::config::AlertEvent::Remediation,
+            Some(endpoint),
+            format!("(dry run) {detail}"),
         );
+        event(state, endpoint, "remediation_dry_run", detail);
         return true;
     }
     let res = action.await;
     let ok = res.is_ok();
+    state.alerts.raise(
+        crate::config::AlertEvent::Remediation,
+        Some(endpoint),
+        format!(
+            "{what}: {reason}; result: {}",
+            res.as_ref().err().map(String::as_str).unwrap_or("ok")
+        ),
+    );
     event(
         state,
         endpoint,

@@ -18,7 +18,7 @@ use crate::clients;
 use crate::error::ApiError;
 use crate::executor;
 use crate::state::AppState;
-use crate::store::{Record, RequestRow};
+use crate::store::RequestRow;
 use crate::wire::{self, Op};
 
 pub fn router(app: Arc<AppState>) -> Router {
@@ -29,6 +29,8 @@ pub fn router(app: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/status", get(status))
+        .route("/metrics", get(metrics))
+        .route("/docs", get(docs))
         .route("/admin/endpoints/{name}/clear", post(clear_endpoint))
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(fallback)
@@ -67,7 +69,24 @@ fn new_request_id() -> String {
 }
 
 async fn proxy(app: Arc<AppState>, op: Op, headers: HeaderMap, body: Body) -> Response {
+    use tracing::Instrument;
     let id = request_id(&headers);
+    // Everything logged while this request is served carries its id (the JSON log's `span`).
+    let span = tracing::info_span!("request", request_id = %id);
+    serve(app, op, headers, body, id, span.clone())
+        .instrument(span)
+        .await
+}
+
+async fn serve(
+    app: Arc<AppState>,
+    op: Op,
+    headers: HeaderMap,
+    body: Body,
+    id: String,
+    span: tracing::Span,
+) -> Response {
+    let arrived = tokio::time::Instant::now();
     let cfg = app.config.load_full();
     // Who is asking comes first: an unknown caller gets nothing else of the gateway's work.
     let client = match clients::identify(&cfg.auth, &headers) {
@@ -163,6 +182,7 @@ async fn proxy(app: Arc<AppState>, op: Op, headers: HeaderMap, body: Body) -> Re
     let caller = executor::Caller {
         client: client_name,
         key: own_key,
+        arrived: Some(arrived),
     };
     // Belt and braces: a panic anywhere below becomes a 500 in OpenAI's shape (the executor's
     // drop guard writes its audit row), never a reset connection.
@@ -198,7 +218,14 @@ async fn proxy(app: Arc<AppState>, op: Op, headers: HeaderMap, body: Body) -> Re
     };
     // The slot lives as long as the body: a stream counts until it ends.
     let (parts, body) = resp.into_parts();
-    Response::from_parts(parts, Body::new(WithSlot { body, _slot: slot }))
+    Response::from_parts(
+        parts,
+        Body::new(WithSlot {
+            body,
+            span,
+            _slot: slot,
+        }),
+    )
 }
 
 /// A request refused at the front door after it was read: its audit row, then the error.
@@ -210,7 +237,7 @@ fn refused(
     client: Option<String>,
     err: ApiError,
 ) -> Response {
-    app.store.send(Record::Request(Box::new(RequestRow {
+    app.record_request(RequestRow {
         request_id: id.to_string(),
         ts: std::time::SystemTime::now(),
         operation: op.name(),
@@ -234,16 +261,25 @@ fn refused(
         hedge_won: false,
         continued_from: None,
         client_key: client,
-    })));
+    });
     with_request_id(err.into_response(), id)
 }
 
-/// A response body that holds its request's slot until it is dropped. Everything else is the
-/// inner body's: in particular its size, so a full answer keeps its `content-length` instead of
-/// turning into a chunked one.
+/// A response body that holds its request's slot until it is dropped, and is polled and dropped
+/// inside the request's span (a stream outlives the handler: what it logs, its audit row
+/// included, still carries the request id). Everything else is the inner body's: in particular
+/// its size, so a full answer keeps its `content-length` instead of turning into a chunked one.
 struct WithSlot {
     body: Body,
+    span: tracing::Span,
     _slot: crate::state::Slot,
+}
+
+impl Drop for WithSlot {
+    fn drop(&mut self) {
+        let _in = self.span.enter();
+        drop(std::mem::take(&mut self.body));
+    }
 }
 
 impl hyper::body::Body for WithSlot {
@@ -254,7 +290,9 @@ impl hyper::body::Body for WithSlot {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, axum::Error>>> {
-        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+        let this = &mut *self;
+        let _in = this.span.enter();
+        std::pin::Pin::new(&mut this.body).poll_frame(cx)
     }
 
     fn is_end_stream(&self) -> bool {
@@ -360,7 +398,20 @@ async fn status(
     }
     let mut endpoints = serde_json::Map::new();
     for (name, ep) in &cfg.endpoints {
-        endpoints.insert(name.clone(), app.registry.status_json(ep, &cfg.policy));
+        let mut v = app.registry.status_json(ep, &cfg.policy);
+        // The share of its answers in the last five minutes that were 4xx (429 included).
+        if let Some(o) = v.as_object_mut() {
+            let rate = app.telemetry.client_error_rate(name);
+            o.insert(
+                "client_error_rate".into(),
+                json!(rate.map(|(r, _)| (r * 1e4).round() / 1e4)),
+            );
+            o.insert(
+                "recent_answers".into(),
+                json!(rate.map(|(_, n)| n).unwrap_or(0)),
+            );
+        }
+        endpoints.insert(name.clone(), v);
     }
     let reload = app.reload.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let hedging: serde_json::Map<String, serde_json::Value> = app
@@ -394,7 +445,11 @@ async fn status(
             // Chains where fewer than panic_threshold of the endpoints are healthy: health is
             // ignored for their requests.
             "in_panic": app.registry.chains_in_panic(&cfg),
+            // Each chain in the order the router would try it now.
+            "ranked": app.registry.ranked(&cfg),
         },
+        // The last 50 moves from a failed endpoint to the next (newest first).
+        "failovers": app.telemetry.failovers_json(),
         // Per hedged route (`route:NAME`) or endpoint (`endpoint:NAME`): requests seen, hedged
         // copies sent, copies that won, and whole hedges the budget holds now.
         "hedging": hedging,
@@ -441,6 +496,47 @@ async fn status(
     }))
     .into_response()
 }
+
+/// Prometheus text (`autohedge_*`), behind the same guard as `/status`: the admin key, or
+/// without one, loopback only.
+async fn metrics(
+    State(app): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(e) = clients::admin(&app.config.load().auth, &headers, peer) {
+        return e.into_response();
+    }
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        app.telemetry.render(&app),
+    )
+        .into_response()
+}
+
+/// The live status page. The page itself holds no data (it is the same for everyone); its
+/// script reads `/status` every 2 s, so the data stays behind `/status`'s guard — the page asks
+/// for the admin key when `/status` wants one and keeps it in the tab's session storage only.
+async fn docs() -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CACHE_CONTROL, "no-store"),
+            (
+                header::CONTENT_SECURITY_POLICY,
+                "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+            ),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        ],
+        DOCS_PAGE,
+    )
+        .into_response()
+}
+
+const DOCS_PAGE: &str = include_str!("docs.html");
 
 /// Operator call behind `autohedge endpoint clear`: the admin key (or, without one, loopback
 /// only), and a JSON content type — a cross-site form in a browser cannot send one, so a web

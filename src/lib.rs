@@ -11,6 +11,7 @@ macro_rules! say {
     }};
 }
 
+pub mod alerts;
 pub mod cli;
 pub mod clients;
 pub mod config;
@@ -33,6 +34,7 @@ pub mod server;
 pub mod state;
 pub mod stats;
 pub mod store;
+pub mod telemetry;
 pub mod tokens;
 pub mod upstream;
 pub mod vault;

@@ -117,7 +117,7 @@ enum EndpointAction {
 fn main() -> ExitCode {
     let args = Cli::parse();
     // The demo prints its own report; its logs would only interleave with it.
-    cli::init_tracing(match args.command {
+    let _log_guard = cli::init_tracing(match args.command {
         Command::Demo { .. }
         | Command::Stats { .. }
         | Command::CheckConfig { .. }

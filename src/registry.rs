@@ -154,6 +154,8 @@ impl EndpointRuntime {
 pub struct Registry {
     map: RwLock<HashMap<String, Arc<Mutex<EndpointRuntime>>>>,
     store: StoreHandle,
+    /// Endpoint events an operator must hear about become alerts.
+    alerts: Option<crate::alerts::Alerts>,
 }
 
 /// Which API key an attempt uses.
@@ -193,7 +195,13 @@ impl Registry {
         Registry {
             map: RwLock::new(HashMap::new()),
             store,
+            alerts: None,
         }
+    }
+
+    pub fn with_alerts(mut self, alerts: crate::alerts::Alerts) -> Self {
+        self.alerts = Some(alerts);
+        self
     }
 
     pub fn get(&self, name: &str) -> Option<Arc<Mutex<EndpointRuntime>>> {
@@ -295,6 +303,9 @@ impl Registry {
 
     fn event(&self, endpoint: &str, event: &str, reason: &str) {
         tracing::info!(endpoint, event, reason, "endpoint event");
+        if let Some(a) = &self.alerts {
+            a.endpoint_event(endpoint, event, reason);
+        }
         self.store.send(crate::store::Record::Event(EndpointEvent {
             ts: SystemTime::now(),
             endpoint: endpoint.to_string(),
@@ -806,6 +817,33 @@ impl Registry {
         out
     }
 
+    /// Each chain as the router would try it now (a request with no special needs): the
+    /// order, and what it would skip and why. For `/status` and the live page.
+    pub fn ranked(&self, cfg: &Config) -> Value {
+        let plan = |chain: &[String]| {
+            let views = self.views(cfg, chain);
+            let panic = crate::router::in_panic(&views, cfg.policy.panic_threshold);
+            let p = crate::router::rank(
+                chain,
+                &views,
+                &Default::default(),
+                cfg.policy.success_threshold,
+                panic,
+            );
+            json!({
+                "order": p.order,
+                "skipped": p.skipped.iter().map(|(n, s)| json!({"endpoint": n, "reason": s.class().as_str()})).collect::<Vec<_>>(),
+                "panic": panic,
+            })
+        };
+        let mut out = serde_json::Map::new();
+        out.insert("fallback_chain".into(), plan(&cfg.fallback_chain));
+        for (name, chain) in &cfg.routes {
+            out.insert(name.clone(), plan(chain));
+        }
+        Value::Object(out)
+    }
+
     pub fn with<R>(&self, name: &str, f: impl FnOnce(&EndpointRuntime) -> R) -> Option<R> {
         let rt = self.get(name)?;
         let g = lock(&rt);
@@ -834,6 +872,45 @@ impl Registry {
             .collect()
     }
 
+    /// The endpoint's state as `/status` names it (one of `ENDPOINT_STATES`), and the predicted
+    /// requests and tokens its keys can take now (summed over keys with fresh
+    /// `x-ratelimit-*` headers; `None` when none said). For `/metrics`.
+    pub fn gauges(
+        &self,
+        ep: &Endpoint,
+        policy: &Policy,
+    ) -> (&'static str, Option<u64>, Option<u64>) {
+        let now = Instant::now();
+        let Some(rt) = self.get(&ep.name) else {
+            return ("unknown", None, None);
+        };
+        let rt = lock(&rt);
+        let rate = rt.window.counts(now).rate(policy.min_samples);
+        let usable_keys = ep
+            .keys
+            .iter()
+            .filter(|k| k.value.is_some() && !rt.dead_keys.contains(&k.hash))
+            .count();
+        let state = state_name(
+            &rt.avail(now),
+            ep.needs_key() && usable_keys == 0,
+            rate,
+            policy,
+        );
+        let (mut requests, mut tokens) = (None::<u64>, None::<u64>);
+        for l in rt.limits.values().filter(|l| !l.expired(now)) {
+            let add = |sum: &mut Option<u64>, b: &Option<crate::ratelimit::Budget>| {
+                if let Some(b) = b.filter(|b| b.reset_at > now) {
+                    let n = b.available(now).clamp(0.0, u64::MAX as f64) as u64;
+                    *sum = Some(sum.unwrap_or(0).saturating_add(n));
+                }
+            };
+            add(&mut requests, &l.requests);
+            add(&mut tokens, &l.tokens);
+        }
+        (state, requests, tokens)
+    }
+
     /// The `/status` view of one endpoint.
     pub fn status_json(&self, ep: &Endpoint, policy: &Policy) -> Value {
         let now = Instant::now();
@@ -849,16 +926,7 @@ impl Registry {
             .iter()
             .filter(|k| k.value.is_some() && !rt.dead_keys.contains(&k.hash))
             .count();
-        let state = match &avail {
-            Avail::Retired => "retired",
-            Avail::AuthFailed => "auth_failed",
-            Avail::Cooldown(_) => "cooldown",
-            Avail::Unhealthy { state, .. } => state,
-            Avail::Degraded => "degraded",
-            Avail::Ready if ep.needs_key() && usable_keys == 0 => "auth_failed",
-            Avail::Ready if rate.is_some_and(|r| r < policy.success_threshold) => "degraded",
-            Avail::Ready => "healthy",
-        };
+        let state = state_name(&avail, ep.needs_key() && usable_keys == 0, rate, policy);
         let pct = rt.samples.percentiles(&[50.0, 95.0, 99.0]);
         // Per key (by its place in the list, never its value): what its last `x-ratelimit-*`
         // headers said and how long the gateway predicts it cannot take a request.
@@ -949,6 +1017,38 @@ impl Registry {
                 "tokens_estimated": rt.tokens_estimated,
             },
         })
+    }
+}
+
+/// Every state `/status` and `autohedge_endpoint_state` name.
+pub const ENDPOINT_STATES: [&str; 10] = [
+    "healthy",
+    "degraded",
+    "cooldown",
+    "unhealthy",
+    "warming",
+    "ejected",
+    "half_open",
+    "retired",
+    "auth_failed",
+    "unknown",
+];
+
+fn state_name(
+    avail: &Avail,
+    no_usable_key: bool,
+    rate: Option<f64>,
+    policy: &Policy,
+) -> &'static str {
+    match avail {
+        Avail::Retired => "retired",
+        Avail::AuthFailed => "auth_failed",
+        Avail::Cooldown(_) => "cooldown",
+        Avail::Unhealthy { state, .. } => state,
+        Avail::Degraded => "degraded",
+        Avail::Ready if no_usable_key => "auth_failed",
+        Avail::Ready if rate.is_some_and(|r| r < policy.success_threshold) => "degraded",
+        Avail::Ready => "healthy",
     }
 }
 

@@ -86,6 +86,15 @@ impl Gateway {
             });
         }
         tasks.spawn(crate::probe::run(state.clone(), cancel.clone()));
+        if let Some(rx) = state
+            .alerts_rx
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            tasks.spawn(crate::alerts::run(state.clone(), rx, cancel.clone()));
+        }
+        tasks.spawn(crate::telemetry::upkeep(cancel.clone()));
         tasks.spawn(crate::reload::vault_refresher(
             state.clone(),
             cancel.clone(),

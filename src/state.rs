@@ -48,6 +48,12 @@ pub struct AppState {
     transit: Mutex<Option<(String, Arc<crate::vault::Transit>)>>,
     /// The last Vault refresh that failed, for `/status` (the last good values stay in use).
     pub vault_error: Mutex<Option<String>>,
+    /// Raises webhook alerts (never blocks); the task in `alerts::run` delivers them.
+    pub alerts: crate::alerts::Alerts,
+    /// The alert task's receiver, taken once when the gateway starts its tasks.
+    pub alerts_rx: Mutex<Option<tokio::sync::mpsc::Receiver<crate::alerts::Signal>>>,
+    /// Metrics, recent failovers, per-endpoint 4xx counts: the operator's figures.
+    pub telemetry: crate::telemetry::Telemetry,
 }
 
 /// A request slot: counts the request as in flight until dropped.
@@ -67,7 +73,8 @@ impl AppState {
         persisted: &[PersistedStats],
         spend: Vec<(String, String, f64)>,
     ) -> Arc<AppState> {
-        let registry = Registry::new(store.clone());
+        let (alerts, alerts_rx) = crate::alerts::Alerts::channel();
+        let registry = Registry::new(store.clone()).with_alerts(alerts.clone());
         registry.sync(&cfg, persisted);
         Arc::new(AppState {
             config: ArcSwap::from_pointee(cfg),
@@ -85,6 +92,9 @@ impl AppState {
             clients: crate::clients::Clients::new(spend),
             transit: Mutex::new(None),
             vault_error: Mutex::new(None),
+            alerts,
+            alerts_rx: Mutex::new(Some(alerts_rx)),
+            telemetry: crate::telemetry::Telemetry::new(),
         })
     }
 
@@ -144,6 +154,7 @@ impl AppState {
     pub fn install(&self, cfg: Config) {
         self.registry.sync(&cfg, &[]);
         self.config.store(Arc::new(cfg));
+        crate::telemetry::config_reload(true);
         let mut r = self.reload.lock().unwrap_or_else(|e| e.into_inner());
         r.reloads += 1;
         r.last_ok = Some(SystemTime::now());
@@ -175,7 +186,21 @@ impl AppState {
         Ok(added)
     }
 
+    /// The one place a request's end is recorded: metrics, the access line, alerts, then the
+    /// audit row (queued, never waited for).
+    pub fn record_request(&self, row: crate::store::RequestRow) {
+        self.telemetry.request(&self.config.load(), &row);
+        if row.status == 503 {
+            self.alerts.unavailable();
+        }
+        self.store
+            .send(crate::store::Record::Request(Box::new(row)));
+    }
+
     pub fn reload_failed(&self, error: String) {
+        crate::telemetry::config_reload(false);
+        self.alerts
+            .raise(crate::config::AlertEvent::ConfigReloadFailed, None, &error);
         let mut r = self.reload.lock().unwrap_or_else(|e| e.into_inner());
         r.last_error = Some(error);
     }

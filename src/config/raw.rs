@@ -22,6 +22,38 @@ pub struct RawConfig {
     #[serde(default)]
     pub auth: RawAuth,
     pub vault: Option<RawVault>,
+    pub alerts: Option<RawAlerts>,
+}
+
+/// `alerts:`: webhooks told about what an operator must act on.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAlerts {
+    #[serde(default)]
+    pub webhooks: Vec<RawWebhook>,
+    /// Which events to send (default: all).
+    pub events: Option<Vec<String>>,
+    /// `all_failed` fires when more than `count` requests got a 503 within `window`.
+    pub all_failed: Option<RawAllFailed>,
+    /// At most one alert per event and endpoint this often (default 5m); what was held back is
+    /// counted into the next one.
+    pub repeat: Option<Dur>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawWebhook {
+    /// `env:`/`file:` or a literal URL (a Slack webhook URL is a secret: prefer `env:`).
+    pub url: String,
+    /// `slack` or `json` (default `json`).
+    pub format: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAllFailed {
+    pub count: u64,
+    pub window: Dur,
 }
 
 /// `auth:`: who may use the gateway.

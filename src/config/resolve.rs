@@ -152,6 +152,7 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
     let vault = raw.vault.as_ref().map(vault_settings).transpose()?;
     let vault_digest = vault.as_ref().map(|_| crate::vault::digest(fetched));
     let auth = auth(&raw.auth, &raw.models, &raw.routes, fetched, &mut warnings)?;
+    let alerts = alerts(raw.alerts.as_ref(), fetched, &mut warnings)?;
     if raw.models.is_empty() {
         return Err(ConfigError(
             "at `models`: at least one endpoint is required".into(),
@@ -569,8 +570,98 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
         docker,
         source: String::new(),
         discovered_extra: Vec::new(),
+        alerts,
         warnings,
     })
+}
+
+/// `alerts:` → `Alerts`. A webhook whose `env:`/`file:` cannot be read is left out with a
+/// warning (the gateway serves on); a URL that is not http(s) or an unknown event is an error
+/// that names where, never the URL.
+fn alerts(
+    raw: Option<&RawAlerts>,
+    fetched: &Fetched,
+    warnings: &mut Vec<String>,
+) -> Result<Option<Alerts>, ConfigError> {
+    let Some(raw) = raw else {
+        return Ok(None);
+    };
+    let mut webhooks = Vec::new();
+    for (i, w) in raw.webhooks.iter().enumerate() {
+        let at = format!("alerts.webhooks[{i}]");
+        let format = match w.format.as_deref() {
+            None | Some("json") => WebhookFormat::Json,
+            Some("slack") => WebhookFormat::Slack,
+            Some(other) => {
+                return Err(ConfigError(format!(
+                    "at `{at}.format`: unknown format `{}` (slack | json)",
+                    other.chars().take(40).collect::<String>()
+                )));
+            }
+        };
+        let source = KeySource::parse(&w.url);
+        let url = match source.resolve(&w.url, fetched) {
+            Ok(u) => u,
+            Err(problem) => {
+                warnings.push(format!(
+                    "{at}.url ({source}): {problem}; this webhook is off"
+                ));
+                continue;
+            }
+        };
+        let parsed = reqwest::Url::parse(url.expose().trim())
+            .ok()
+            .filter(|u| matches!(u.scheme(), "http" | "https") && u.host_str().is_some());
+        let Some(parsed) = parsed else {
+            return Err(ConfigError(format!(
+                "at `{at}.url` ({source}): not an http(s) URL"
+            )));
+        };
+        let label = format!(
+            "{}://{}{}",
+            parsed.scheme(),
+            parsed.host_str().unwrap_or_default(),
+            parsed.port().map(|p| format!(":{p}")).unwrap_or_default()
+        );
+        webhooks.push(Webhook {
+            url: Secret::new(parsed.to_string()),
+            format,
+            label,
+        });
+    }
+    let events = match &raw.events {
+        None => AlertEvent::ALL.into_iter().collect(),
+        Some(list) => {
+            let mut set = BTreeSet::new();
+            for (i, name) in list.iter().enumerate() {
+                let Some(e) = AlertEvent::parse(name) else {
+                    return Err(ConfigError(format!(
+                        "at `alerts.events[{i}]`: unknown event `{}` (one of: {})",
+                        name.chars().take(40).collect::<String>(),
+                        AlertEvent::ALL.map(AlertEvent::as_str).join(", ")
+                    )));
+                };
+                set.insert(e);
+            }
+            set
+        }
+    };
+    let (count, window) = match &raw.all_failed {
+        Some(a) if a.window.0.is_zero() => {
+            return Err(ConfigError(
+                "at `alerts.all_failed.window`: must be longer than 0".into(),
+            ));
+        }
+        Some(a) => (a.count, a.window.0),
+        None => (10, Duration::from_secs(60)),
+    };
+    Ok(Some(Alerts {
+        webhooks,
+        events,
+        all_failed_count: count,
+        all_failed_window: window,
+        repeat: raw.repeat.map(|d| d.0).unwrap_or(Duration::from_secs(300)),
+    }))
 }
 
 fn check_chain(

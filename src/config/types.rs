@@ -410,6 +410,76 @@ pub struct Config {
     pub discovered_extra: Vec<String>,
     /// Problems that do not stop the gateway (an unset `env:` key) — reported at start.
     pub warnings: Vec<String>,
+    /// `alerts:`; `None` without one (nothing is sent).
+    pub alerts: Option<Alerts>,
+}
+
+/// What an alert is about. The names are the `alerts.events` contract.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum AlertEvent {
+    EndpointRetired,
+    EndpointAuthFailed,
+    EndpointUnhealthy,
+    AllFailed,
+    AuditDropped,
+    ConfigReloadFailed,
+    DockerUnreachable,
+    Remediation,
+}
+
+impl AlertEvent {
+    pub const ALL: [AlertEvent; 8] = [
+        AlertEvent::EndpointRetired,
+        AlertEvent::EndpointAuthFailed,
+        AlertEvent::EndpointUnhealthy,
+        AlertEvent::AllFailed,
+        AlertEvent::AuditDropped,
+        AlertEvent::ConfigReloadFailed,
+        AlertEvent::DockerUnreachable,
+        AlertEvent::Remediation,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AlertEvent::EndpointRetired => "endpoint_retired",
+            AlertEvent::EndpointAuthFailed => "endpoint_auth_failed",
+            AlertEvent::EndpointUnhealthy => "endpoint_unhealthy",
+            AlertEvent::AllFailed => "all_failed",
+            AlertEvent::AuditDropped => "audit_dropped",
+            AlertEvent::ConfigReloadFailed => "config_reload_failed",
+            AlertEvent::DockerUnreachable => "docker_unreachable",
+            AlertEvent::Remediation => "remediation",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<AlertEvent> {
+        AlertEvent::ALL.into_iter().find(|e| e.as_str() == s)
+    }
+}
+
+/// `alerts:`, resolved.
+#[derive(Clone, Debug)]
+pub struct Alerts {
+    pub webhooks: Vec<Webhook>,
+    pub events: BTreeSet<AlertEvent>,
+    pub all_failed_count: u64,
+    pub all_failed_window: Duration,
+    pub repeat: Duration,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WebhookFormat {
+    Slack,
+    Json,
+}
+
+#[derive(Clone, Debug)]
+pub struct Webhook {
+    /// The whole URL is a secret (Slack's carries its token in the path).
+    pub url: Secret,
+    pub format: WebhookFormat,
+    /// `scheme://host:port` only: what logs and `/status` may show.
+    pub label: String,
 }
 
 /// Who may use the gateway. Keys are held as SHA-256 digests only.

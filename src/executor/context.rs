@@ -49,9 +49,10 @@ impl Run {
             }
             // Asked once per request: a failing backend costs one timeout, not one per check.
             self.backend_failed.insert(ep.name.clone());
-            if let Some(b) =
-                upstream::tokenize::backend_count(ep, self.req.op, &self.req.body).await
-            {
+            let t = tokio::time::Instant::now();
+            let counted = upstream::tokenize::backend_count(ep, self.req.op, &self.req.body).await;
+            self.waited += t.elapsed();
+            if let Some(b) = counted {
                 self.backend_failed.remove(&ep.name);
                 if let Some(max) = b.max_model_len {
                     self.app.registry.learn_window(ep, max);

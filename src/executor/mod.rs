@@ -22,7 +22,7 @@ use crate::outcome::{self, Action, Hints, Outcome};
 use crate::registry::{Effect, KeyPick};
 use crate::router::{self, View};
 use crate::state::AppState;
-use crate::store::{Record, RequestRow};
+use crate::store::RequestRow;
 use crate::tokens::Count;
 use crate::upstream::classify;
 use crate::wire::{self, Inbound, Op};
@@ -58,6 +58,8 @@ pub struct Caller {
     /// The plaintext of a valid `x-encrypted-key`: the upstream key of OpenAI-type endpoints
     /// for this request only.
     pub key: Option<Secret>,
+    /// When the front door began on the request (the gateway's own time is measured from it).
+    pub arrived: Option<Instant>,
 }
 
 /// One request's journey.
@@ -111,6 +113,9 @@ struct Run {
     panic_mode: HashSet<String>,
     /// Endpoints whose backend `/tokenize` failed in this request (the local count is used).
     backend_failed: HashSet<String>,
+    /// Time spent waiting on upstreams (attempts, backend counts) and deliberate waits
+    /// (`max_wait`, retry backoff, the hedge delay): the rest is the gateway's own overhead.
+    waited: Duration,
 }
 
 /// Every request that reached the router has exactly one `requests` row. A `Run` dropped before
@@ -156,6 +161,7 @@ pub async fn execute(
     request_id: String,
     caller: Caller,
 ) -> Response {
+    let arrived = caller.arrived;
     let hedge = hedge_for(&app, &cfg, &req, &chain);
     let continue_chain = (req.stream
         && req.op == Op::Chat
@@ -191,11 +197,17 @@ pub async fn execute(
         own_key: caller.key,
         panic_mode: HashSet::new(),
         backend_failed: HashSet::new(),
+        waited: Duration::ZERO,
     };
+    let arrived = arrived.unwrap_or(run.started);
     run.deadline = run.started + run.cfg.policy.request_timeout;
     let deadline = run.deadline;
     match timeout_at(deadline, run.go(chain)).await {
-        Ok(resp) => resp,
+        Ok(resp) => {
+            // Until the response (a stream: its commit) started, less the waiting.
+            crate::telemetry::overhead(arrived.elapsed().saturating_sub(run.waited));
+            resp
+        }
         Err(_) => run.request_timed_out(),
     }
 }
@@ -388,6 +400,7 @@ impl Run {
                 }
                 if Instant::now() + soonest <= wait_until {
                     tokio::time::sleep(soonest).await;
+                    self.waited += soonest;
                 } else {
                     self.forced.extend(names);
                 }
@@ -412,6 +425,7 @@ impl Run {
                     let d = d.max(MIN_REWAIT);
                     if Instant::now() + d <= wait_until {
                         tokio::time::sleep(d).await;
+                        self.waited += d;
                         for n in rate_limited {
                             self.pass.tried.remove(&n);
                         }
@@ -566,7 +580,7 @@ impl Run {
         if let (Some(client), Some(cost)) = (&row.client_key, row.cost_usd) {
             self.app.clients.spent(client, cost, row.ts);
         }
-        self.app.store.send(Record::Request(Box::new(row)));
+        self.app.record_request(row);
     }
 
     fn views(&self, names: &[String]) -> Vec<View> {
@@ -608,11 +622,14 @@ impl Run {
         // Counted here: a request the adapter could not express never left the gateway.
         self.sanitized = sanitized;
         self.calls += 1;
-        if self.req.stream {
+        let sent = Instant::now();
+        let result = if self.req.stream {
             attempt.stream(rb, t0).await
         } else {
             attempt.full(rb).await
-        }
+        };
+        self.waited += sent.elapsed();
+        result
     }
 
     /// Starts an attempt as a future of its own (it borrows nothing of the `Run`), so it can be
@@ -776,6 +793,7 @@ impl Run {
                     // struggling server down.
                     let sleep = backoff.mul_f64(fastrand::f64());
                     tokio::time::sleep(sleep).await;
+                    self.waited += sleep;
                     backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
                 Settled::Retry => return FAILED,

@@ -70,17 +70,24 @@ impl Run {
             }
         };
         self.current = Some((a.name.clone(), first.t0));
+        // Time in the selects and awaits below is upstream (or the hedge delay): not the
+        // gateway's own.
+        let t = Instant::now();
         tokio::select! {
             biased;
             result = &mut first.fut => {
+                self.waited += t.elapsed();
                 self.current = None;
                 let done = first.finish(result);
                 return (a.clone(), self.try_endpoint(a, Some(done)).await);
             }
             _ = tokio::time::sleep(delay) => {}
         }
+        self.waited += t.elapsed();
         let Some((b, mut hedge)) = self.hedge_candidate(rest).await else {
+            let t = Instant::now();
             let result = (&mut first.fut).await;
+            self.waited += t.elapsed();
             self.current = None;
             let done = first.finish(result);
             return (a.clone(), self.try_endpoint(a, Some(done)).await);
@@ -88,10 +95,12 @@ impl Run {
         self.current_hedge = Some((b.name.clone(), hedge.t0));
         // Both run now. The first to finish decides: a success wins outright; a failure is
         // settled and the other carries on alone.
+        let t = Instant::now();
         let (side, result) = tokio::select! {
             r = &mut first.fut => (Side::First, r),
             r = &mut hedge.fut => (Side::Hedge, r),
         };
+        self.waited += t.elapsed();
         let (done_ep, done, other_ep, other) = match side {
             Side::First => (a.clone(), first.finish(result), b, hedge),
             Side::Hedge => (b, hedge.finish(result), a.clone(), first),
@@ -130,7 +139,9 @@ impl Run {
             &mut self.current
         };
         *slot = Some((other_ep.name.clone(), survivor.t0));
+        let t = Instant::now();
         let result = (&mut survivor.fut).await;
+        self.waited += t.elapsed();
         self.current = None;
         self.current_hedge = None;
         let done = survivor.finish(result);

@@ -22,7 +22,7 @@ use crate::error::stream_error_event;
 use crate::outcome::Outcome;
 use crate::registry::Effect;
 use crate::state::AppState;
-use crate::store::{AttemptRow, Record, RequestRow};
+use crate::store::{AttemptRow, RequestRow};
 use crate::upstream::{self, classify};
 use crate::wire::sse::SseParser;
 use crate::wire::{self, ChunkKind, Inbound, Op, Usage};
@@ -142,7 +142,7 @@ impl StreamGuard {
         if let (Some(client), Some(cost)) = (&row.client_key, row.cost_usd) {
             self.app.clients.spent(client, cost, row.ts);
         }
-        self.app.store.send(Record::Request(Box::new(row)));
+        self.app.record_request(row);
     }
 }
 

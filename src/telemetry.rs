@@ -1,0 +1,530 @@
+//! The operator's figures, from the one place every request ends (`AppState::record_request`):
+//! Prometheus metrics through the `metrics` facade and `metrics-exporter-prometheus` (the
+//! exposition format is the exporter's, never written by hand), the JSON access line, the last
+//! failovers and per-endpoint 4xx rates `/status` and `/docs` show, and the 503s `all_failed`
+//! alerts count.
+//!
+//! Label values are bounded: routes and endpoints are names from the config (a model the
+//! config does not name is `other`), classes come from `Outcome`'s closed set, statuses are
+//! three digits. No client-chosen string becomes a series.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, SystemTime};
+
+use metrics::{counter, gauge, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use serde_json::{Value, json};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+use crate::state::AppState;
+use crate::store::RequestRow;
+
+/// Failovers `/status` keeps (the live page shows them).
+const RECENT_FAILOVERS: usize = 50;
+/// The window of the per-endpoint 4xx rate.
+const RATE_WINDOW: Duration = Duration::from_secs(300);
+/// Attempts kept per endpoint for it (the rate is over the last this many within the window).
+const RATE_SAMPLES: usize = 1000;
+/// Histograms are folded into their buckets this often, scraped or not (memory stays flat).
+const UPKEEP_EVERY: Duration = Duration::from_secs(5);
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+];
+const OVERHEAD_BUCKETS: &[f64] = &[
+    0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1,
+];
+
+static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+
+/// The process's Prometheus recorder, installed on first use. `None` if another recorder was
+/// installed first (an embedding program's): metrics then go there.
+fn handle() -> Option<&'static PrometheusHandle> {
+    HANDLE
+        .get_or_init(|| {
+            let builder = PrometheusBuilder::new()
+                .set_buckets_for_metric(
+                    Matcher::Full("autohedge_request_duration_seconds".into()),
+                    LATENCY_BUCKETS,
+                )
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full("autohedge_ttft_seconds".into()),
+                        LATENCY_BUCKETS,
+                    )
+                })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full("autohedge_overhead_seconds".into()),
+                        OVERHEAD_BUCKETS,
+                    )
+                })
+                .ok()?;
+            let recorder = builder.build_recorder();
+            let handle = recorder.handle();
+            metrics::set_global_recorder(recorder).ok()?;
+            describe();
+            Some(handle)
+        })
+        .as_ref()
+}
+
+fn describe() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(
+        "autohedge_requests_total",
+        "Requests answered, by route, the endpoint that answered (none) and status."
+    );
+    describe_counter!(
+        "autohedge_attempts_total",
+        "Attempts (skips included), by endpoint and outcome class."
+    );
+    describe_counter!(
+        "autohedge_failovers_total",
+        "Moves from an endpoint that failed to the next one tried (to=none: nothing was left)."
+    );
+    describe_gauge!(
+        "autohedge_endpoint_state",
+        "1 for the endpoint's current state, 0 for the others."
+    );
+    describe_histogram!(
+        "autohedge_request_duration_seconds",
+        Unit::Seconds,
+        "Request latency (streams: to the last byte), by route."
+    );
+    describe_histogram!(
+        "autohedge_ttft_seconds",
+        Unit::Seconds,
+        "Time to the first streamed token, by route."
+    );
+    describe_histogram!(
+        "autohedge_overhead_seconds",
+        Unit::Seconds,
+        "Time spent in the gateway itself until the response started, upstream waits excluded."
+    );
+    describe_counter!(
+        "autohedge_tokens_total",
+        "Tokens by endpoint and direction (in = prompt, out = completion)."
+    );
+    describe_counter!(
+        "autohedge_audit_dropped_total",
+        "Audit records dropped (queue full or the database failing)."
+    );
+    describe_counter!(
+        "autohedge_config_reloads_total",
+        "Config reloads by result (ok, error)."
+    );
+    describe_gauge!(
+        "autohedge_docker_up",
+        "1 when the Docker engine answered the last scan."
+    );
+    describe_gauge!(
+        "autohedge_upstream_ratelimit_remaining",
+        "Requests or tokens the endpoint's keys are predicted to take now, from x-ratelimit-* headers."
+    );
+    describe_counter!(
+        "autohedge_log_dropped_total",
+        "Log lines dropped because stderr could not keep up."
+    );
+    describe_counter!(
+        "autohedge_alerts_dropped_total",
+        "Alerts dropped because the alert queue was full."
+    );
+}
+
+/// Folds histograms into buckets every few seconds whether or not anyone scrapes.
+pub async fn upkeep(cancel: CancellationToken) {
+    let Some(h) = handle() else { return };
+    let mut tick = tokio::time::interval(UPKEEP_EVERY);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tick.tick() => h.run_upkeep(),
+        }
+    }
+}
+
+pub fn config_reload(ok: bool) {
+    counter!("autohedge_config_reloads_total", "result" => if ok { "ok" } else { "error" })
+        .increment(1);
+}
+
+/// Time spent in the gateway for one request, upstream waits excluded.
+pub fn overhead(d: Duration) {
+    histogram!("autohedge_overhead_seconds").record(d.as_secs_f64());
+}
+
+/// Log lines the non-blocking writer dropped (set by `cli::init_tracing`).
+pub static LOG_DROPPED: OnceLock<tracing_appender::non_blocking::ErrorCounter> = OnceLock::new();
+
+/// One move from a failed endpoint to the next.
+#[derive(Clone, Debug)]
+struct Failover {
+    at: SystemTime,
+    request_id: String,
+    from: String,
+    to: Option<String>,
+    class: &'static str,
+    status: Option<u16>,
+}
+
+#[derive(Default)]
+pub struct Telemetry {
+    failovers: Mutex<VecDeque<Failover>>,
+    /// Per endpoint: (when, answered 4xx) for called attempts in the last `RATE_WINDOW`.
+    answers: Mutex<HashMap<String, VecDeque<(Instant, bool)>>>,
+}
+
+impl Telemetry {
+    pub fn new() -> Telemetry {
+        handle();
+        Telemetry::default()
+    }
+
+    /// Everything one finished request tells the operator. Called once per request, before
+    /// its audit row is queued.
+    pub fn request(&self, cfg: &Config, row: &RequestRow) {
+        let route = route_label(cfg, row.requested_model.as_deref());
+        let endpoint = row.endpoint.as_deref().unwrap_or("none");
+        counter!("autohedge_requests_total", "route" => route.to_string(), "endpoint" => endpoint.to_string(), "status" => status_label(row.status)).increment(1);
+        histogram!("autohedge_request_duration_seconds", "route" => route.to_string())
+            .record(row.latency_ms / 1000.0);
+        if let Some(t) = row.ttft_ms {
+            histogram!("autohedge_ttft_seconds", "route" => route.to_string()).record(t / 1000.0);
+        }
+        if let Some(ep) = &row.endpoint {
+            if let Some(n) = row.tokens_in {
+                counter!("autohedge_tokens_total", "endpoint" => ep.clone(), "direction" => "in")
+                    .increment(n);
+            }
+            if let Some(n) = row.tokens_out {
+                counter!("autohedge_tokens_total", "endpoint" => ep.clone(), "direction" => "out")
+                    .increment(n);
+            }
+        }
+        let now = Instant::now();
+        let mut answers = Vec::new();
+        for a in &row.attempts {
+            counter!("autohedge_attempts_total", "endpoint" => a.endpoint.clone(), "class" => a.class.as_str())
+                .increment(1);
+            if !a.class.is_skip() && a.status.is_some() {
+                answers.push((
+                    a.endpoint.as_str(),
+                    a.status.is_some_and(|s| (400..500).contains(&s)),
+                ));
+            }
+        }
+        if !answers.is_empty() {
+            let mut map = self.answers.lock().unwrap_or_else(|e| e.into_inner());
+            for (ep, is_4xx) in answers {
+                let q = match map.get_mut(ep) {
+                    Some(q) => q,
+                    None => map.entry(ep.to_string()).or_default(),
+                };
+                q.push_back((now, is_4xx));
+                while q.len() > RATE_SAMPLES {
+                    q.pop_front();
+                }
+            }
+        }
+        let moves = failovers(row);
+        if !moves.is_empty() {
+            let mut recent = self.failovers.lock().unwrap_or_else(|e| e.into_inner());
+            for f in moves {
+                counter!("autohedge_failovers_total", "from" => f.from.clone(), "to" => f.to.clone().unwrap_or_else(|| "none".into()))
+                    .increment(1);
+                recent.push_back(f);
+                while recent.len() > RECENT_FAILOVERS {
+                    recent.pop_front();
+                }
+            }
+        }
+        access_log(row, route);
+    }
+
+    /// The last failovers, newest first, for `/status`.
+    pub fn failovers_json(&self) -> Value {
+        let recent = self.failovers.lock().unwrap_or_else(|e| e.into_inner());
+        Value::Array(
+            recent
+                .iter()
+                .rev()
+                .map(|f| {
+                    json!({
+                        "at_unix_ms": f.at.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
+                        "request_id": f.request_id,
+                        "from": f.from,
+                        "to": f.to,
+                        "reason": f.class,
+                        "status": f.status,
+                    })
+                })
+                .collect(),
+        )
+    }
+
+    /// The share of an endpoint's answers in the last five minutes that were 4xx (429s
+    /// included), and how many answers that is over. `None` before it answered.
+    pub fn client_error_rate(&self, endpoint: &str) -> Option<(f64, usize)> {
+        let now = Instant::now();
+        let mut map = self.answers.lock().unwrap_or_else(|e| e.into_inner());
+        let q = map.get_mut(endpoint)?;
+        while q
+            .front()
+            .is_some_and(|(t, _)| now.saturating_duration_since(*t) > RATE_WINDOW)
+        {
+            q.pop_front();
+        }
+        if q.is_empty() {
+            return None;
+        }
+        let bad = q.iter().filter(|(_, b)| *b).count();
+        Some((bad as f64 / q.len() as f64, q.len()))
+    }
+
+    /// The Prometheus text: gauges read now from the registry and the other tasks, then the
+    /// exporter's rendering.
+    pub fn render(&self, app: &AppState) -> String {
+        let Some(h) = handle() else {
+            return "# metrics are recorded by another recorder in this process\n".into();
+        };
+        let cfg = app.config.load();
+        for (name, ep) in &cfg.endpoints {
+            let (state, requests, tokens) = app.registry.gauges(ep, &cfg.policy);
+            for s in crate::registry::ENDPOINT_STATES {
+                gauge!("autohedge_endpoint_state", "endpoint" => name.clone(), "state" => s)
+                    .set(if s == state { 1.0 } else { 0.0 });
+            }
+            for (kind, v) in [("requests", requests), ("tokens", tokens)] {
+                if let Some(v) = v {
+                    gauge!("autohedge_upstream_ratelimit_remaining", "endpoint" => name.clone(), "kind" => kind)
+                        .set(v as f64);
+                }
+            }
+        }
+        let docker_up = app
+            .docker
+            .lock()
+            .map(|d| d.reachable == Some(true))
+            .unwrap_or(false);
+        gauge!("autohedge_docker_up").set(if docker_up { 1.0 } else { 0.0 });
+        counter!("autohedge_audit_dropped_total").absolute(app.store.dropped());
+        counter!("autohedge_alerts_dropped_total").absolute(app.alerts.dropped());
+        if let Some(c) = LOG_DROPPED.get() {
+            counter!("autohedge_log_dropped_total").absolute(c.dropped_lines() as u64);
+        }
+        h.render()
+    }
+}
+
+/// The route label: the requested model when the config names it (a route or an endpoint),
+/// else `other`.
+fn route_label<'a>(cfg: &'a Config, model: Option<&str>) -> &'a str {
+    match model {
+        Some(m) => cfg
+            .routes
+            .get_key_value(m)
+            .map(|(k, _)| k.as_str())
+            .or_else(|| cfg.endpoints.get_key_value(m).map(|(k, _)| k.as_str()))
+            .unwrap_or("other"),
+        None => "other",
+    }
+}
+
+fn status_label(s: u16) -> &'static str {
+    // Interned: the common statuses cost no allocation.
+    match s {
+        200 => "200",
+        400 => "400",
+        401 => "401",
+        403 => "403",
+        404 => "404",
+        408 => "408",
+        413 => "413",
+        429 => "429",
+        499 => "499",
+        500 => "500",
+        502 => "502",
+        503 => "503",
+        504 => "504",
+        100..=199 => "1xx",
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        _ => "5xx",
+    }
+}
+
+/// The moves a request made: each called attempt that failed, to the next endpoint called
+/// after it (a retry on the same endpoint is no move; skips are not calls). A last failure with
+/// nothing after it moves to `None`.
+fn failovers(row: &RequestRow) -> Vec<Failover> {
+    let called: Vec<_> = row
+        .attempts
+        .iter()
+        .filter(|a| !a.class.is_skip() && a.class != crate::outcome::Outcome::HedgeCancelled)
+        .collect();
+    let mut out = Vec::new();
+    for (i, a) in called.iter().enumerate() {
+        if a.class == crate::outcome::Outcome::Ok {
+            continue;
+        }
+        let next = called[i + 1..].iter().find(|b| b.endpoint != a.endpoint);
+        let retried_here = called.get(i + 1).is_some_and(|b| b.endpoint == a.endpoint);
+        if retried_here {
+            continue;
+        }
+        if next.is_none() && row.status < 500 {
+            // The client's own error or a request that ended here: no move.
+            continue;
+        }
+        out.push(Failover {
+            at: row.ts,
+            request_id: row.request_id.clone(),
+            from: a.endpoint.clone(),
+            to: next.map(|b| b.endpoint.clone()),
+            class: a.class.as_str(),
+            status: a.status,
+        });
+    }
+    out
+}
+
+/// The access line: one per request, at info, with the request's figures. JSON with
+/// `AUTOHEDGE_LOG_FORMAT=json`.
+fn access_log(row: &RequestRow, route: &str) {
+    if !tracing::enabled!(tracing::Level::INFO) {
+        return;
+    }
+    let classes = row
+        .attempts
+        .iter()
+        .map(|a| a.class.as_str())
+        .collect::<Vec<_>>()
+        .join(",");
+    tracing::info!(
+        request_id = %row.request_id,
+        route,
+        endpoint = row.endpoint.as_deref().unwrap_or(""),
+        status = row.status,
+        attempts = row.attempts.iter().filter(|a| !a.class.is_skip()).count(),
+        attempt_classes = %classes,
+        error_class = row.error_class.as_deref(),
+        latency_ms = (row.latency_ms * 10.0).round() / 10.0,
+        ttft_ms = row.ttft_ms.map(|t| (t * 10.0).round() / 10.0),
+        tokens_in = row.tokens_in,
+        tokens_out = row.tokens_out,
+        stream = row.stream,
+        hedged = row.hedges > 0,
+        client_key = row.client_key.as_deref(),
+        "request"
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::outcome::Outcome;
+    use crate::store::AttemptRow;
+
+    fn row(attempts: &[(&str, Outcome)], status: u16) -> RequestRow {
+        RequestRow {
+            request_id: "r".into(),
+            ts: SystemTime::UNIX_EPOCH,
+            operation: "chat",
+            requested_model: Some("m".into()),
+            endpoint: None,
+            status,
+            error_class: None,
+            stream: false,
+            latency_ms: 1.0,
+            ttft_ms: None,
+            tokens_in: None,
+            tokens_out: None,
+            tokens_estimated: false,
+            cost_usd: None,
+            attempts: attempts
+                .iter()
+                .enumerate()
+                .map(|(i, (e, c))| AttemptRow {
+                    seq: i as u32 + 1,
+                    endpoint: e.to_string(),
+                    class: *c,
+                    status: None,
+                    error: None,
+                    latency_ms: 1.0,
+                    panic_mode: false,
+                })
+                .collect(),
+            prompt_tokens_counted: None,
+            truncated_messages: 0,
+            truncated_tokens: 0,
+            sanitized_chars: 0,
+            hedges: 0,
+            hedge_won: false,
+            continued_from: None,
+            client_key: None,
+        }
+    }
+
+    fn moves(r: &RequestRow) -> Vec<(String, Option<String>, &'static str)> {
+        failovers(r)
+            .into_iter()
+            .map(|f| (f.from, f.to, f.class))
+            .collect()
+    }
+
+    #[test]
+    fn failovers_are_moves_between_called_endpoints() {
+        let r = row(
+            &[
+                ("a", Outcome::RateLimited),
+                ("b", Outcome::ContextSkip),
+                ("c", Outcome::Server),
+                ("c", Outcome::Server),
+                ("d", Outcome::Ok),
+            ],
+            200,
+        );
+        assert_eq!(
+            moves(&r),
+            vec![
+                ("a".into(), Some("c".into()), "rate_limited"),
+                ("c".into(), Some("d".into()), "server_error"),
+            ]
+        );
+        // All failed: the last one moves to nothing.
+        let r = row(&[("a", Outcome::Server), ("b", Outcome::Connect)], 503);
+        assert_eq!(
+            moves(&r),
+            vec![
+                ("a".into(), Some("b".into()), "server_error"),
+                ("b".into(), None, "connect_error"),
+            ]
+        );
+        // Served first time, or the client's own error: none.
+        assert!(moves(&row(&[("a", Outcome::Ok)], 200)).is_empty());
+        assert!(moves(&row(&[("a", Outcome::Client)], 400)).is_empty());
+    }
+
+    #[test]
+    fn route_labels_are_names_from_the_config_only() {
+        let cfg = Config::load(
+            "models:\n  a: {type: openai, base_url: 'http://127.0.0.1:1/v1', model: x}\nrouting_policy: {fallback_chain: [a]}\nroutes:\n  r: [a]\n",
+        );
+        let cfg = match cfg {
+            Ok(c) => c,
+            Err(e) => panic!("{e}"),
+        };
+        assert_eq!(route_label(&cfg, Some("r")), "r");
+        assert_eq!(route_label(&cfg, Some("a")), "a");
+        assert_eq!(route_label(&cfg, Some("attacker-chosen\n")), "other");
+        assert_eq!(route_label(&cfg, None), "other");
+        assert_eq!(status_label(418), "4xx");
+        assert_eq!(status_label(599), "5xx");
+        assert_eq!(status_label(503), "503");
+    }
+}

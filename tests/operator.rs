@@ -1,0 +1,503 @@
+//! The operator's view (#13): `/metrics`, the JSON access log and its non-blocking writer,
+//! webhook alerts. The real binary against in-process mock upstreams and a loopback webhook
+//! receiver.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Read};
+use std::net::SocketAddr;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::*;
+use serde_json::{Value, json};
+
+/// `/metrics` parsed: series (name with labels, as printed) → value.
+async fn metrics(gw: &Gw, key: Option<&str>) -> BTreeMap<String, f64> {
+    let mut req = reqwest::Client::new().get(gw.url("/metrics"));
+    if let Some(k) = key {
+        req = req.bearer_auth(k);
+    }
+    let r = req.send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let ct = header(&r, "content-type");
+    assert!(ct.starts_with("text/plain"), "{ct}");
+    let text = r.text().await.unwrap();
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .filter_map(|l| {
+            let (k, v) = l.rsplit_once(' ')?;
+            Some((k.to_string(), v.parse().ok()?))
+        })
+        .collect()
+}
+
+fn get(m: &BTreeMap<String, f64>, series: &str) -> f64 {
+    m.get(series).copied().unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn metrics_count_requests_failovers_states_and_reloads_with_bounded_labels() {
+    let a = MockUp::openai("rules:\n  - when: {every: 2, path: /v1/chat/completions}\n    status: 500\n    error: boom\n").await;
+    let b = MockUp::openai("").await;
+    let dead = dead_addr();
+    let config = |chain: &str| {
+        format!(
+            "models:\n  a: {{type: openai, base_url: '{}', model: m}}\n  b: {{type: openai, base_url: '{}', model: m}}\n  dead: {{type: openai, base_url: 'http://{}/v1', model: m}}\nrouting_policy: {{fallback_chain: [a, b]}}\nroutes:\n  chat: [{chain}]\nhealth: {{probe_interval: 100ms, flip_after: 1}}\n",
+            a.base(),
+            b.base(),
+            dead
+        )
+    };
+    let gw = Gw::start(&config("a, b"));
+    for i in 0..4 {
+        let r = gw.chat("chat", &format!("hi {i}")).await;
+        assert_eq!(r.status(), 200);
+    }
+    let s = reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .json(&json!({"model": "chat", "stream": true, "messages": [{"role": "user", "content": "s"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(s.status(), 200);
+    let _ = sse_events(s).await;
+    // Client-chosen model names must not create series.
+    for i in 0..20 {
+        let r = gw.chat(&format!("attacker-{i}"), "x").await;
+        assert_eq!(r.status(), 404);
+    }
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            get(
+                &metrics(&gw, None).await,
+                "autohedge_endpoint_state{endpoint=\"dead\",state=\"unhealthy\"}",
+            ) == 1.0
+        })
+        .await,
+        "the dead endpoint never showed unhealthy"
+    );
+    let m = metrics(&gw, None).await;
+    // a answered 500 to every second chat call: those requests failed over to b.
+    let a500 = get(
+        &m,
+        "autohedge_attempts_total{endpoint=\"a\",class=\"server_error\"}",
+    );
+    assert!(a500 >= 2.0, "{m:#?}");
+    assert_eq!(
+        get(&m, "autohedge_failovers_total{from=\"a\",to=\"b\"}"),
+        a500
+    );
+    let served: f64 = ["a", "b"]
+        .iter()
+        .map(|e| {
+            get(
+                &m,
+                &format!(
+                    "autohedge_requests_total{{route=\"chat\",endpoint=\"{e}\",status=\"200\"}}"
+                ),
+            )
+        })
+        .sum();
+    assert_eq!(served, 5.0);
+    assert_eq!(
+        get(
+            &m,
+            "autohedge_requests_total{route=\"other\",endpoint=\"none\",status=\"404\"}"
+        ),
+        20.0
+    );
+    assert!(m.keys().all(|k| !k.contains("attacker")), "{m:#?}");
+    assert_eq!(
+        get(
+            &m,
+            "autohedge_request_duration_seconds_count{route=\"chat\"}"
+        ),
+        5.0
+    );
+    assert_eq!(get(&m, "autohedge_ttft_seconds_count{route=\"chat\"}"), 1.0);
+    assert_eq!(get(&m, "autohedge_overhead_seconds_count"), 5.0);
+    assert!(
+        get(
+            &m,
+            "autohedge_tokens_total{endpoint=\"b\",direction=\"out\"}"
+        ) > 0.0
+    );
+    assert_eq!(
+        get(
+            &m,
+            "autohedge_endpoint_state{endpoint=\"b\",state=\"healthy\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        get(
+            &m,
+            "autohedge_endpoint_state{endpoint=\"b\",state=\"unhealthy\"}"
+        ),
+        0.0
+    );
+    assert_eq!(get(&m, "autohedge_audit_dropped_total"), 0.0);
+    assert!(m.contains_key("autohedge_docker_up"));
+    assert!(
+        m.contains_key("autohedge_upstream_ratelimit_remaining{endpoint=\"b\",kind=\"tokens\"}"),
+        "{m:#?}"
+    );
+    // The series count is bounded by the config, not by the traffic.
+    let series = m.len();
+    for i in 0..20 {
+        let _ = gw.chat(&format!("more-{i}"), "x").await;
+    }
+    assert_eq!(metrics(&gw, None).await.len(), series);
+
+    // Reloads: a good file, then a broken one.
+    std::fs::write(&gw.config_path, config("b, a")).unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            get(
+                &metrics(&gw, None).await,
+                "autohedge_config_reloads_total{result=\"ok\"}",
+            ) >= 1.0
+        })
+        .await
+    );
+    std::fs::write(&gw.config_path, "models: [not, a, map]\n").unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            get(
+                &metrics(&gw, None).await,
+                "autohedge_config_reloads_total{result=\"error\"}",
+            ) >= 1.0
+        })
+        .await
+    );
+    drop(dead);
+}
+
+#[tokio::test]
+async fn json_access_log_one_line_per_request_carrying_its_id_and_never_a_key() {
+    const UP_KEY: &str = "sk-upstream-SECRET-4f1c9a";
+    const CLIENT_KEY: &str = "sk-client-SECRET-77ab02";
+    // The upstream accepts only UP_KEY: a 200 shows the key reached it.
+    let a = MockUp::openai(&format!(
+        "keys: ['{UP_KEY}']\nrules:\n  - when: {{model: m, path: /v1/chat/completions}}\n    times: 1\n    status: 503\n    error: warming up\n"
+    ))
+    .await;
+    let config = format!(
+        "models:\n  a: {{type: openai, base_url: '{}', model: m, api_key: env:UP_KEY, retries: 1}}\nrouting_policy: {{fallback_chain: [a]}}\nroutes:\n  chat: [a]\nauth:\n  keys:\n    - {{name: team-a, key: env:CLIENT_KEY}}\n",
+        a.base()
+    );
+    let mut gw = Gw::start_with_env(
+        &config,
+        &[
+            ("AUTOHEDGE_LOG_FORMAT", "json"),
+            ("UP_KEY", UP_KEY),
+            ("CLIENT_KEY", CLIENT_KEY),
+        ],
+    );
+    let c = reqwest::Client::new();
+    let send = |id: &'static str, stream: bool| {
+        c.post(gw.url("/v1/chat/completions"))
+            .bearer_auth(CLIENT_KEY)
+            .header("x-request-id", id)
+            .json(&json!({"model": "chat", "stream": stream, "messages": [{"role": "user", "content": "hello"}]}))
+            .send()
+    };
+    let r = send("req-one", false).await.unwrap();
+    assert_eq!(r.status(), 200, "{}", gw.log());
+    assert_eq!(header(&r, "x-autohedge-attempts"), "2");
+    let r = send("req-two", true).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let events = sse_events(r).await;
+    assert!(events.iter().any(|e| e == "[DONE]"));
+    let r = send("req-three", false).await.unwrap();
+    assert_eq!(r.status(), 200);
+    gw.stop();
+    let log = gw.log();
+    let lines: Vec<Value> = log
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let access: Vec<&Value> = lines.iter().filter(|l| l["message"] == "request").collect();
+    for id in ["req-one", "req-two", "req-three"] {
+        let mine: Vec<&&Value> = access.iter().filter(|l| l["request_id"] == id).collect();
+        assert_eq!(mine.len(), 1, "{id}: {mine:?}");
+        let l = mine[0];
+        assert_eq!(l["level"], "INFO");
+        assert_eq!(l["route"], "chat");
+        assert_eq!(l["endpoint"], "a");
+        assert_eq!(l["status"], 200);
+        assert_eq!(l["client_key"], "team-a");
+        assert!(l["latency_ms"].as_f64().is_some());
+        assert!(
+            l["tokens_in"].as_u64().is_some() && l["tokens_out"].as_u64().is_some(),
+            "{l}"
+        );
+        assert_eq!(l["span"]["request_id"], id);
+    }
+    let one = access
+        .iter()
+        .find(|l| l["request_id"] == "req-one")
+        .unwrap();
+    assert_eq!(one["attempts"], 2);
+    assert_eq!(one["attempt_classes"], "server_error,ok");
+    let two = access
+        .iter()
+        .find(|l| l["request_id"] == "req-two")
+        .unwrap();
+    assert_eq!(two["stream"], true);
+    assert!(two["ttft_ms"].as_f64().is_some(), "{two}");
+    // Lines logged while req-one was served (its failed attempt) carry its id.
+    let during: Vec<&Value> = lines
+        .iter()
+        .filter(|l| l["span"]["request_id"] == "req-one" && l["message"] != "request")
+        .collect();
+    assert!(
+        during.iter().any(|l| l["class"] == "server_error"),
+        "no line of the failed attempt carried the request id: {during:?}"
+    );
+    assert!(!log.contains(UP_KEY) && !log.contains(CLIENT_KEY));
+}
+
+#[tokio::test]
+async fn a_blocked_stderr_drops_log_lines_instead_of_stalling_requests() {
+    let a = MockUp::openai("").await;
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("config.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "models:\n  a: {{type: openai, base_url: '{}', model: m}}\nrouting_policy: {{fallback_chain: [a]}}\n",
+            a.base()
+        ),
+    )
+    .unwrap();
+    // stderr is a pipe nobody reads until the end: it fills after 64 KiB.
+    let mut child = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+        .arg(&cfg)
+        .arg("--data-dir")
+        .arg(tmp.path().join("data"))
+        .env("RUST_LOG", "debug")
+        .env("AUTOHEDGE_LOG_FORMAT", "json")
+        // A small queue in front of the pipe, so it overflows within a bounded test.
+        .env("AUTOHEDGE_LOG_BUFFER_LINES", "256")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+    let addr: SocketAddr = loop {
+        let line = out.next().expect("listening line").unwrap();
+        if let Some(rest) = line.strip_prefix("autohedge listening on http://") {
+            break rest.trim().parse().unwrap();
+        }
+    };
+    std::thread::spawn(move || for _ in out {});
+    let c = reqwest::Client::new();
+    let url = format!("http://{addr}/v1/chat/completions");
+    let body = json!({"model": "a", "messages": [{"role": "user", "content": "x"}]});
+    let served = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let work = async {
+        let mut tasks = tokio::task::JoinSet::new();
+        for w in 0..8 {
+            let (c, url, body, served) = (c.clone(), url.clone(), body.clone(), served.clone());
+            tasks.spawn(async move {
+                for i in 0..250 {
+                    let r = c
+                        .post(&url)
+                        .header("x-request-id", format!("w{w}-{i}-{}", "p".repeat(200)))
+                        .json(&body)
+                        .send()
+                        .await
+                        .unwrap();
+                    assert_eq!(r.status(), 200);
+                    served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            });
+        }
+        while let Some(r) = tasks.join_next().await {
+            r.unwrap();
+        }
+    };
+    // Bounded: a writer that blocked on the full pipe would hang here.
+    let finished = tokio::time::timeout(Duration::from_secs(120), work).await;
+    assert!(
+        finished.is_ok(),
+        "requests stalled behind a full stderr: {} served",
+        served.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    assert_eq!(served.load(std::sync::atomic::Ordering::Relaxed), 2000);
+    let m: String = c
+        .get(format!("http://{addr}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let dropped: f64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("autohedge_log_dropped_total "))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    assert!(
+        dropped > 0.0,
+        "no line was dropped: was stderr ever full?\n{m}"
+    );
+    // Lines were written until the pipe filled: the log is there, just not all of it.
+    let mut err = child.stderr.take().unwrap();
+    let mut first = vec![0u8; 4096];
+    let n = err.read(&mut first).unwrap();
+    assert!(n > 0 && String::from_utf8_lossy(&first[..n]).contains("\"level\""));
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// A loopback webhook receiver: records every POST (path, body); answers 503 to the first
+/// `fail_first` of those under `/json/`.
+struct Receiver {
+    addr: SocketAddr,
+    got: Arc<Mutex<Vec<(String, Value)>>>,
+}
+
+async fn receiver(fail_first: usize) -> Receiver {
+    use axum::extract::State;
+    use axum::http::{StatusCode, Uri};
+    type Shared = (Arc<Mutex<Vec<(String, Value)>>>, Arc<Mutex<usize>>);
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let state: Shared = (got.clone(), Arc::new(Mutex::new(fail_first)));
+    let app = axum::Router::new()
+        .fallback(
+            |State((got, fails)): State<Shared>, uri: Uri, body: axum::body::Bytes| async move {
+                let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                got.lock().unwrap().push((uri.path().to_string(), v));
+                let mut f = fails.lock().unwrap();
+                if *f > 0 && uri.path().starts_with("/json/") {
+                    *f -= 1;
+                    return StatusCode::SERVICE_UNAVAILABLE;
+                }
+                StatusCode::OK
+            },
+        )
+        .with_state(state);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    Receiver { addr, got }
+}
+
+#[tokio::test]
+async fn alerts_reach_webhooks_deduplicated_filtered_and_retried() {
+    // The first POST is refused with 503: delivery retries it.
+    let hook = receiver(1).await;
+    let gone = MockUp::openai("rules:\n  - when: {path: /v1/chat/completions}\n    status: 410\n    error: this model has been deprecated\n").await;
+    let ok = MockUp::openai("").await;
+    let bad = MockUp::openai(
+        "rules:\n  - when: {path: /v1/chat/completions}\n    status: 500\n    error: down\n",
+    )
+    .await;
+    let json_url = format!("http://{}/json/TOKEN-json-9d8e", hook.addr);
+    let slack_url = format!("http://{}/services/T000/B000/SLACKSECRET77", hook.addr);
+    let config = format!(
+        "models:
+  gone: {{type: openai, base_url: '{}', model: m}}
+  ok: {{type: openai, base_url: '{}', model: m}}
+  bad: {{type: openai, base_url: '{}', model: m}}
+routing_policy: {{fallback_chain: [gone, ok]}}
+routes:
+  chat: [gone, ok]
+  broken: [bad]
+auth: {{admin_key: env:ADMIN}}
+alerts:
+  webhooks:
+    - {{ url: env:HOOK_URL, format: json }}
+    - {{ url: env:SLACK_WEBHOOK_URL, format: slack }}
+  events: [endpoint_retired, all_failed]
+  all_failed: {{ count: 2, window: 1m }}
+",
+        gone.base(),
+        ok.base(),
+        bad.base()
+    );
+    let mut gw = Gw::start_with_env(
+        &config,
+        &[
+            ("HOOK_URL", json_url.as_str()),
+            ("SLACK_WEBHOOK_URL", slack_url.as_str()),
+            ("ADMIN", "admin-key-1"),
+        ],
+    );
+    // /metrics sits behind the admin key like /status.
+    let r = reqwest::get(gw.url("/metrics")).await.unwrap();
+    assert_eq!(r.status(), 401);
+    assert!(!metrics(&gw, Some("admin-key-1")).await.is_empty());
+
+    let r = gw.chat("chat", "hi").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "ok");
+    for _ in 0..5 {
+        assert_eq!(gw.chat("broken", "hi").await.status(), 503);
+    }
+    let json_alerts = |event: &str| {
+        hook.got
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(p, v)| p.starts_with("/json/") && v["event"] == event)
+            .count()
+    };
+    assert!(
+        eventually(Duration::from_secs(15), || async {
+            json_alerts("endpoint_retired") >= 2 && json_alerts("all_failed") >= 1
+        })
+        .await,
+        "alerts: {:?}",
+        hook.got.lock().unwrap()
+    );
+    // Settle: nothing more should come.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let got = hook.got.lock().unwrap().clone();
+    // The retirement: refused once (503) and delivered on the retry; all_failed once, although
+    // five requests failed (dedupe); nothing for events not listed.
+    assert_eq!(json_alerts("endpoint_retired"), 2, "{got:?}");
+    assert_eq!(json_alerts("all_failed"), 1, "{got:?}");
+    let retired = got
+        .iter()
+        .find(|(p, v)| p.starts_with("/json/") && v["event"] == "endpoint_retired")
+        .unwrap();
+    assert_eq!(retired.1["endpoint"], "gone");
+    let detail = retired.1["detail"].as_str().unwrap();
+    assert!(
+        detail.contains("410") || detail.contains("deprecated"),
+        "{retired:?}"
+    );
+    assert!(
+        got.iter().all(|(_, v)| v["event"].is_null()
+            || ["endpoint_retired", "all_failed"].contains(&v["event"].as_str().unwrap_or(""))),
+        "{got:?}"
+    );
+    let slack: Vec<&str> = got
+        .iter()
+        .filter(|(p, _)| p.starts_with("/services/"))
+        .filter_map(|(_, v)| v["text"].as_str())
+        .collect();
+    assert!(
+        slack
+            .iter()
+            .any(|t| t.contains("`endpoint_retired` on endpoint `gone`")),
+        "{slack:?}"
+    );
+    assert!(
+        slack.iter().any(|t| t.contains("`all_failed`")),
+        "{slack:?}"
+    );
+    gw.stop();
+    // The webhook URLs are secrets: only scheme and host reach the log.
+    let log = gw.log();
+    assert!(log.contains("alert sent"), "{log}");
+    assert!(!log.contains("SLACKSECRET77") && !log.contains("TOKEN-json-9d8e"));
+}

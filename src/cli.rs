@@ -185,13 +185,39 @@ pub fn count_tokens(
 ) -> anyhow::Result<ExitCode> {
     use std::io::Read;
     let (cfg, _) = load_config(config_path)?;
-    let Some(chain) = cfg.chain_for(model) else {
-        bail!("`{model}` names no route or endpoint of this config");
+    // A model the config does not name is counted the way `tiktoken.encoding_for_model` would
+    // (tiktoken's own model map): `count-tokens --model gpt-4o FILE` works with no config.
+    let (counter, endpoint, counted_for) = match cfg.chain_for(model) {
+        Some(chain) => {
+            let ep = chain
+                .first()
+                .and_then(|n| cfg.endpoints.get(n))
+                .context("empty chain")?;
+            (
+                ep.counter.clone(),
+                Some(ep.name.clone()),
+                format!("endpoint {}", ep.name),
+            )
+        }
+        None => {
+            use tiktoken_rs::tokenizer::Tokenizer as T;
+            let family = match tiktoken_rs::tokenizer::get_tokenizer(model) {
+                Some(T::O200kBase | T::O200kHarmony) => crate::tokens::Family::O200k,
+                Some(T::Cl100kBase) => crate::tokens::Family::Cl100k,
+                Some(other) => bail!(
+                    "`{model}` names no route or endpoint of this config; tiktoken maps it to {other:?}, which the gateway does not count with (o200k_base and cl100k_base only)"
+                ),
+                None => bail!(
+                    "`{model}` names no route or endpoint of this config, and tiktoken knows no encoding for it"
+                ),
+            };
+            (
+                crate::tokens::Counter::Tiktoken(family),
+                None,
+                format!("tiktoken's model map for `{model}`"),
+            )
+        }
     };
-    let ep = chain
-        .first()
-        .and_then(|n| cfg.endpoints.get(n))
-        .context("empty chain")?;
     let mut text = String::new();
     match &file {
         Some(p) => {
@@ -220,30 +246,91 @@ pub fn count_tokens(
             _ => None,
         };
     let (kind, count) = match &parsed {
-        Some((op, body)) => (op.name(), ep.counter.request(*op, body)),
+        Some((op, body)) => (op.name(), counter.request(*op, body)),
         None => (
             "text",
             crate::tokens::Count {
-                tokens: ep.counter.text(&text),
-                exact: ep.counter.is_exact(),
+                tokens: counter.text(&text),
+                exact: counter.is_exact(),
             },
         ),
     };
     if json {
         crate::say!(
             "{}",
-            serde_json::json!({"tokens": count.tokens, "exact": count.exact, "method": ep.counter.method(), "endpoint": ep.name, "kind": kind})
+            serde_json::json!({"tokens": count.tokens, "exact": count.exact, "method": counter.method(), "endpoint": endpoint, "counted_for": counted_for, "kind": kind})
         );
     } else {
         crate::say!(
-            "{} tokens ({kind}; {}{}; endpoint {})",
+            "{} tokens ({kind}; {}{}; {})",
             count.tokens,
-            ep.counter.method(),
+            counter.method(),
             if count.exact { "" } else { ", an estimate" },
-            ep.name
+            counted_for
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `autohedge report`.
+pub fn report(
+    data_dir: &Path,
+    since: &str,
+    format: crate::report::Format,
+    out: Option<&Path>,
+) -> anyhow::Result<ExitCode> {
+    let window =
+        config::duration::parse_duration(since).map_err(|e| anyhow::anyhow!("--since: {e}"))?;
+    let from = SystemTime::now()
+        .checked_sub(window)
+        .unwrap_or(SystemTime::UNIX_EPOCH);
+    let r = crate::report::build(data_dir, from).context("reading the audit trail")?;
+    let text = match format {
+        crate::report::Format::Md => crate::report::markdown(&r),
+        crate::report::Format::Html => crate::report::html(&r),
+    };
+    match out {
+        Some(p) => {
+            std::fs::write(p, text).with_context(|| format!("writing {}", p.display()))?;
+            eprintln!(
+                "report written to {} ({} requests, {} recommendation{})",
+                p.display(),
+                r.requests,
+                r.recommendations.len(),
+                if r.recommendations.len() == 1 {
+                    ""
+                } else {
+                    "s"
+                }
+            );
+        }
+        None => crate::say!("{text}"),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `autohedge stats --watch`: the table redrawn in place every 2 s (cursor home, clear to the
+/// end) until Ctrl-C.
+pub async fn stats_watch(data_dir: &Path, since: &str, by_key: bool) -> anyhow::Result<ExitCode> {
+    use std::io::Write as _;
+    let mut tick = tokio::time::interval(Duration::from_secs(2));
+    loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => return Ok(ExitCode::SUCCESS),
+            _ = tick.tick() => {}
+        }
+        // Clear first, then the table: a failing read shows its error in place too.
+        let mut out = std::io::stdout();
+        let _ = write!(out, "\x1b[H\x1b[2J");
+        let _ = out.flush();
+        if let Err(e) = stats(data_dir, since, false, by_key) {
+            crate::say!("{e:#}");
+        }
+        crate::say!(
+            "\n(refreshed {} — every 2 s; Ctrl-C to stop)",
+            httpdate::fmt_http_date(SystemTime::now())
+        );
+    }
 }
 
 pub fn stats(data_dir: &Path, since: &str, json: bool, by_key: bool) -> anyhow::Result<ExitCode> {

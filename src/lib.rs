@@ -29,6 +29,7 @@ pub mod probe;
 pub mod ratelimit;
 pub mod registry;
 pub mod reload;
+pub mod report;
 pub mod router;
 pub mod server;
 pub mod state;

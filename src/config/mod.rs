@@ -156,6 +156,47 @@ routes:
 "#;
 
     #[test]
+    fn alerts_in_the_issues_shape_resolve_and_never_show_the_url() {
+        let yaml = format!(
+            "{SEED}alerts:\n  webhooks:\n    - {{ url: 'https://hooks.slack.com/services/T0/B0/SECRETPART', format: slack }}\n    - {{ url: env:AUTOHEDGE_TEST_SURELY_UNSET_HOOK, format: json }}\n  events: [endpoint_retired, endpoint_auth_failed, endpoint_unhealthy, all_failed]\n  all_failed: {{ count: 10, window: 1m }}\n"
+        );
+        let cfg = Config::load(&yaml).unwrap();
+        let a = cfg.alerts.as_ref().unwrap();
+        // The unset env: webhook is off with a warning; the other is kept.
+        assert_eq!(a.webhooks.len(), 1);
+        assert_eq!(a.webhooks[0].format, WebhookFormat::Slack);
+        assert_eq!(a.webhooks[0].label, "https://hooks.slack.com");
+        assert!(
+            cfg.warnings
+                .iter()
+                .any(|w| w.contains("alerts.webhooks[1].url"))
+        );
+        assert_eq!(a.events.len(), 4);
+        assert_eq!(
+            (a.all_failed_count, a.all_failed_window),
+            (10, Duration::from_secs(60))
+        );
+        let text = describe(&cfg);
+        assert!(text.contains("https://hooks.slack.com slack"), "{text}");
+        assert!(!text.contains("SECRETPART") && !format!("{a:?}").contains("SECRETPART"));
+        // Errors name the place, never the URL.
+        let bad = format!("{SEED}alerts:\n  webhooks:\n    - {{ url: 'ftp://x/SECRETPART' }}\n");
+        let e = Config::load(&bad).unwrap_err().to_string();
+        assert!(
+            e.contains("alerts.webhooks[0].url") && !e.contains("SECRETPART"),
+            "{e}"
+        );
+        let bad = format!("{SEED}alerts:\n  events: [endpoint_exploded]\n");
+        let e = Config::load(&bad).unwrap_err().to_string();
+        assert!(
+            e.contains("alerts.events[0]") && e.contains("endpoint_retired"),
+            "{e}"
+        );
+        let bad = format!("{SEED}alerts:\n  all_failed: {{ count: 1, window: 0 }}\n");
+        assert!(Config::load(&bad).is_err());
+    }
+
+    #[test]
     fn loads_the_contract_shape() {
         let cfg = Config::load(SEED).unwrap();
         assert_eq!(cfg.fallback_chain, vec!["gpt-4o-mini", "qwen2.5-7b"]);

@@ -378,9 +378,16 @@ fn start_gateway(dir: &std::path::Path, config: &str) -> (Child, SocketAddr) {
         .arg(&cfg)
         .arg("--data-dir")
         .arg(dir.join("data"))
-        .env("RUST_LOG", "warn")
+        // As deployed: the default level (info, one access line a request) in JSON, metrics
+        // recorded, the log written to a file the way a container runtime takes it.
+        .env("RUST_LOG", "info")
+        .env("AUTOHEDGE_LOG_FORMAT", "json")
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(
+            std::fs::File::create(dir.join("gateway.log"))
+                .map(Stdio::from)
+                .unwrap_or_else(|_| Stdio::null()),
+        )
         .spawn()
         .unwrap();
     let addr = listen_line(&mut child, "listening on http://");

@@ -93,12 +93,13 @@ impl Alerts {
         self.dropped.load(Ordering::Relaxed)
     }
 
-    /// The alert an endpoint event (an `endpoint_events` row) implies, if any.
+    /// The alert an endpoint event (an `endpoint_events` row) implies, if any. (The Docker
+    /// engine going away is one alert for the gateway, raised by discovery itself, not one per
+    /// endpoint.)
     pub fn endpoint_event(&self, endpoint: &str, event: &str, reason: &str) {
         let kind = match event {
             "retired" => AlertEvent::EndpointRetired,
             "key_rejected" | "auth_failed" => AlertEvent::EndpointAuthFailed,
-            "docker_daemon_unreachable" => AlertEvent::DockerUnreachable,
             e if e.starts_with("health:") && e.ends_with("->unhealthy") => {
                 AlertEvent::EndpointUnhealthy
             }

@@ -647,6 +647,11 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
                             ),
                         );
                     }
+                    state.alerts.raise(
+                        crate::config::AlertEvent::DockerUnreachable,
+                        None,
+                        format!("docker daemon unreachable: {e}; HTTP probing and routing carry on with the last known addresses"),
+                    );
                     tracing::warn!(error = %e, "docker_daemon_unreachable");
                 }
                 was_reachable = Some(false);

@@ -592,3 +592,138 @@ async fn the_report_reads_the_trail_and_recommends_by_its_rules() {
     assert!(!none.status.success());
     assert!(String::from_utf8_lossy(&none.stderr).contains("no audit database"));
 }
+
+#[tokio::test]
+async fn each_event_the_gateway_raises_here_reaches_the_webhook() {
+    let hook = receiver(0).await;
+    let keyed = MockUp::openai("keys: [k-good]\n").await;
+    let flaky = MockUp::openai("").await;
+    let url = format!("http://{}/json/x", hook.addr);
+    let config = format!(
+        "server: {{ audit_queue: 1 }}
+models:
+  keyed: {{type: openai, base_url: '{}', model: m, api_keys: [env:BAD_KEY, env:GOOD_KEY]}}
+  flaky: {{type: openai, base_url: '{}', model: m}}
+routing_policy: {{fallback_chain: [keyed, flaky]}}
+health: {{probe_interval: 100ms, flip_after: 1}}
+docker: {{enabled: true, interval: 200ms, timeout: 300ms}}
+alerts:
+  webhooks: [{{ url: env:HOOK_URL }}]
+",
+        keyed.base(),
+        flaky.base()
+    );
+    let gw = Gw::start_with_env(
+        &config,
+        &[
+            ("HOOK_URL", url.as_str()),
+            ("BAD_KEY", "k-bad"),
+            ("GOOD_KEY", "k-good"),
+            (
+                "DOCKER_HOST",
+                "unix:///nonexistent/autohedge-test/docker.sock",
+            ),
+        ],
+    );
+    // A rejected key (the probe or the first request uses key #1 and gets 401).
+    assert_eq!(gw.chat("keyed", "hi").await.status(), 200);
+    // A burst past an audit queue of one.
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..16 {
+        let u = gw.url("/v1/chat/completions");
+        tasks.spawn(async move {
+            let c = reqwest::Client::new();
+            for _ in 0..5 {
+                let r = c
+                    .post(&u)
+                    .json(
+                        &json!({"model": "flaky", "messages": [{"role": "user", "content": "x"}]}),
+                    )
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200);
+            }
+        });
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.unwrap();
+    }
+    // The flaky endpoint's probe starts failing.
+    flaky
+        .set_script("rules:\n  - when: {path: /v1/models}\n    status: 503\n    error: down\n")
+        .await;
+    // A config file that does not parse.
+    std::fs::write(&gw.config_path, "models: [broken\n").unwrap();
+    let seen = |event: &str, endpoint: Option<&str>| {
+        hook.got
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(_, v)| v["event"] == event && endpoint.is_none_or(|e| v["endpoint"] == e))
+    };
+    let all = [
+        ("endpoint_auth_failed", Some("keyed")),
+        ("endpoint_unhealthy", Some("flaky")),
+        ("docker_unreachable", None),
+        ("config_reload_failed", None),
+        ("audit_dropped", None),
+    ];
+    let ok = eventually(Duration::from_secs(20), || async {
+        all.iter().all(|(e, ep)| seen(e, *ep))
+    })
+    .await;
+    assert!(
+        ok,
+        "missing: {:?}\nreceived: {:?}",
+        all.iter()
+            .filter(|(e, ep)| !seen(e, *ep))
+            .collect::<Vec<_>>(),
+        hook.got.lock().unwrap()
+    );
+    // The Docker engine going away is one alert, not one per endpoint.
+    let docker = hook
+        .got
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, v)| v["event"] == "docker_unreachable")
+        .count();
+    assert_eq!(docker, 1);
+    let m = metrics(&gw, None).await;
+    assert!(get(&m, "autohedge_audit_dropped_total") > 0.0);
+}
+
+#[tokio::test]
+async fn stats_watch_redraws_in_place_until_interrupted() {
+    let a = MockUp::openai("").await;
+    let mut gw = Gw::start(&format!(
+        "models:\n  a: {{type: openai, base_url: '{}', model: m}}\nrouting_policy: {{fallback_chain: [a]}}\n",
+        a.base()
+    ));
+    assert_eq!(gw.chat("a", "hi").await.status(), 200);
+    gw.stop();
+    let mut child = Command::new(BIN)
+        .args(["stats", "--watch", "--data-dir"])
+        .arg(gw.data_dir())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = child.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        let _ = out.read_to_end(&mut buf);
+        buf
+    });
+    // Two redraws come 2 s apart.
+    tokio::time::sleep(Duration::from_millis(3000)).await;
+    let _ = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status}");
+    let text = String::from_utf8(reader.join().unwrap()).unwrap();
+    assert!(text.matches("\x1b[H\x1b[2J").count() >= 2, "{text:?}");
+    assert!(text.matches("refreshed").count() >= 2, "{text:?}");
+    assert!(text.contains("a "), "{text}");
+}

@@ -41,7 +41,9 @@ pub fn init_tracing(default_level: &str) -> Option<tracing_appender::non_blockin
         )
         .lossy(true)
         .thread_name("autohedge-log")
-        .finish(std::io::stderr());
+        // The writer thread drains every queued line into this buffer and flushes when the
+        // queue is empty: a burst costs one write(2), not one per line.
+        .finish(std::io::BufWriter::with_capacity(64 * 1024, std::io::stderr()));
     let _ = crate::telemetry::LOG_DROPPED.set(writer.error_counter());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

@@ -9,10 +9,10 @@
 //! three digits. No client-chosen string becomes a series.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Mutex, OnceLock, RwLock};
 use std::time::{Duration, SystemTime};
 
-use metrics::{counter, gauge, histogram};
+use metrics::{Counter, Histogram, counter, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use serde_json::{Value, json};
 use tokio::time::Instant;
@@ -154,7 +154,98 @@ pub fn config_reload(ok: bool) {
 
 /// Time spent in the gateway for one request, upstream waits excluded.
 pub fn overhead(d: Duration) {
-    histogram!("autohedge_overhead_seconds").record(d.as_secs_f64());
+    static H: OnceLock<Histogram> = OnceLock::new();
+    H.get_or_init(|| {
+        handle();
+        histogram!("autohedge_overhead_seconds")
+    })
+    .record(d.as_secs_f64());
+}
+
+/// Registered series handles, looked up by borrowed names: a request's metrics cost a few map
+/// lookups under read locks and atomic adds — no label allocation, no hashing of label sets in
+/// the recorder. Bounded like the series themselves (names from the config, closed sets).
+#[derive(Default)]
+struct Handles {
+    routes: RwLock<HashMap<String, RouteHandles>>,
+    endpoints: RwLock<HashMap<String, EndpointHandles>>,
+}
+
+struct RouteHandles {
+    duration: Histogram,
+    ttft: Histogram,
+    /// By the endpoint that answered, then the status label.
+    requests: RwLock<HashMap<String, HashMap<&'static str, Counter>>>,
+}
+
+struct EndpointHandles {
+    tokens_in: Counter,
+    tokens_out: Counter,
+    /// By `Outcome` (its place in `Outcome::ALL`).
+    attempts: Vec<OnceLock<Counter>>,
+}
+
+fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn write<T>(l: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    l.write().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Handles {
+    fn route<R>(&self, route: &str, f: impl FnOnce(&RouteHandles) -> R) -> R {
+        if let Some(h) = read(&self.routes).get(route) {
+            return f(h);
+        }
+        let h = RouteHandles {
+            duration: histogram!("autohedge_request_duration_seconds", "route" => route.to_string()),
+            ttft: histogram!("autohedge_ttft_seconds", "route" => route.to_string()),
+            requests: RwLock::default(),
+        };
+        let mut map = write(&self.routes);
+        f(map.entry(route.to_string()).or_insert(h))
+    }
+
+    fn endpoint<R>(&self, ep: &str, f: impl FnOnce(&EndpointHandles) -> R) -> R {
+        if let Some(h) = read(&self.endpoints).get(ep) {
+            return f(h);
+        }
+        let h = EndpointHandles {
+            tokens_in: counter!("autohedge_tokens_total", "endpoint" => ep.to_string(), "direction" => "in"),
+            tokens_out: counter!("autohedge_tokens_total", "endpoint" => ep.to_string(), "direction" => "out"),
+            attempts: crate::outcome::Outcome::ALL.iter().map(|_| OnceLock::new()).collect(),
+        };
+        let mut map = write(&self.endpoints);
+        f(map.entry(ep.to_string()).or_insert(h))
+    }
+}
+
+impl RouteHandles {
+    fn request(&self, route: &str, endpoint: &str, status: &'static str) {
+        if let Some(c) = read(&self.requests).get(endpoint).and_then(|m| m.get(status)) {
+            c.increment(1);
+            return;
+        }
+        let c = counter!("autohedge_requests_total", "route" => route.to_string(), "endpoint" => endpoint.to_string(), "status" => status);
+        c.increment(1);
+        write(&self.requests)
+            .entry(endpoint.to_string())
+            .or_default()
+            .insert(status, c);
+    }
+}
+
+impl EndpointHandles {
+    fn attempt(&self, ep: &str, class: crate::outcome::Outcome) {
+        let Some(i) = crate::outcome::Outcome::ALL.iter().position(|o| *o == class) else {
+            return;
+        };
+        if let Some(slot) = self.attempts.get(i) {
+            slot.get_or_init(|| counter!("autohedge_attempts_total", "endpoint" => ep.to_string(), "class" => class.as_str()))
+                .increment(1);
+        }
+    }
 }
 
 /// Log lines the non-blocking writer dropped (set by `cli::init_tracing`).
@@ -173,6 +264,7 @@ struct Failover {
 
 #[derive(Default)]
 pub struct Telemetry {
+    handles: Handles,
     failovers: Mutex<VecDeque<Failover>>,
     /// Per endpoint: (when, answered 4xx) for called attempts in the last `RATE_WINDOW`.
     answers: Mutex<HashMap<String, VecDeque<(Instant, bool)>>>,
@@ -189,27 +281,29 @@ impl Telemetry {
     pub fn request(&self, cfg: &Config, row: &RequestRow) {
         let route = route_label(cfg, row.requested_model.as_deref());
         let endpoint = row.endpoint.as_deref().unwrap_or("none");
-        counter!("autohedge_requests_total", "route" => route.to_string(), "endpoint" => endpoint.to_string(), "status" => status_label(row.status)).increment(1);
-        histogram!("autohedge_request_duration_seconds", "route" => route.to_string())
-            .record(row.latency_ms / 1000.0);
-        if let Some(t) = row.ttft_ms {
-            histogram!("autohedge_ttft_seconds", "route" => route.to_string()).record(t / 1000.0);
-        }
+        let status = status_label(row.status);
+        self.handles.route(route, |h| {
+            h.request(route, endpoint, status);
+            h.duration.record(row.latency_ms / 1000.0);
+            if let Some(t) = row.ttft_ms {
+                h.ttft.record(t / 1000.0);
+            }
+        });
         if let Some(ep) = &row.endpoint {
-            if let Some(n) = row.tokens_in {
-                counter!("autohedge_tokens_total", "endpoint" => ep.clone(), "direction" => "in")
-                    .increment(n);
-            }
-            if let Some(n) = row.tokens_out {
-                counter!("autohedge_tokens_total", "endpoint" => ep.clone(), "direction" => "out")
-                    .increment(n);
-            }
+            self.handles.endpoint(ep, |h| {
+                if let Some(n) = row.tokens_in {
+                    h.tokens_in.increment(n);
+                }
+                if let Some(n) = row.tokens_out {
+                    h.tokens_out.increment(n);
+                }
+            });
         }
         let now = Instant::now();
         let mut answers = Vec::new();
         for a in &row.attempts {
-            counter!("autohedge_attempts_total", "endpoint" => a.endpoint.clone(), "class" => a.class.as_str())
-                .increment(1);
+            self.handles
+                .endpoint(&a.endpoint, |h| h.attempt(&a.endpoint, a.class));
             if !a.class.is_skip() && a.status.is_some() {
                 answers.push((
                     a.endpoint.as_str(),

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Instructions a request, counted by valgrind's callgrind (repeatable whatever else the machine
+# is doing, unlike seconds): the release gateway under callgrind in front of the mock upstream,
+# N keep-alive requests from a Python client; startup and shutdown cancel out in the difference
+# between a 300- and a 1,300-request run. Prints the figure and the inclusive cost of the
+# functions named in $FOCUS (a grep pattern) per request.
+#
+#   cargo build --release --bin autohedge && bash benches/instructions.sh
+#
+# Env: LOG_FORMAT (default json), RUST_LOG (default info) — the gateway as deployed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=${BIN:-target/release/autohedge}
+FOCUS=${FOCUS:-'telemetry::|access_log|tracing_subscriber::fmt|metrics_exporter_prometheus|Instrumented|executor::execute'}
+work=$(mktemp -d)
+trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
+
+"$BIN" mock-upstream --listen 127.0.0.1:0 > "$work/mock.out" 2>/dev/null &
+for _ in $(seq 100); do grep -q "listening on" "$work/mock.out" 2>/dev/null && break; sleep 0.1; done
+mock=$(sed -n 's/.*listening on http:\/\///p' "$work/mock.out")
+cat > "$work/config.yaml" <<EOF
+models:
+  a: { type: openai, base_url: "http://$mock/v1", model: gpt-4o-mini }
+routing_policy: { fallback_chain: [a] }
+health: { probe_interval: 1h }
+EOF
+
+run() {
+  local n=$1 out=$2
+  RUST_LOG=${RUST_LOG:-info} AUTOHEDGE_LOG_FORMAT=${LOG_FORMAT:-json} valgrind --tool=callgrind \
+    --callgrind-out-file="$out" "$BIN" serve --listen 127.0.0.1:0 --config "$work/config.yaml" \
+    --data-dir "$work/data-$n" > "$work/gw-$n.out" 2> "$work/gw-$n.err" &
+  local pid=$!
+  for _ in $(seq 600); do grep -q "listening on" "$work/gw-$n.out" 2>/dev/null && break; sleep 0.1; done
+  local addr
+  addr=$(sed -n 's/.*listening on http:\/\///p' "$work/gw-$n.out")
+  python3 - "$addr" "$n" <<'PY'
+import http.client, json, sys
+addr, n = sys.argv[1], int(sys.argv[2])
+host, port = addr.rsplit(":", 1)
+c = http.client.HTTPConnection(host, int(port), timeout=60)
+body = json.dumps({"model": "a", "messages": [{"role": "user", "content": "Hello there"}]})
+for i in range(n):
+    c.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+    r = c.getresponse(); r.read()
+    assert r.status == 200, r.status
+PY
+  kill -TERM "$pid"
+  wait "$pid" || true
+}
+
+mkdir -p target/callgrind
+run 300 target/callgrind/cg.300
+run 1300 target/callgrind/cg.1300
+cp target/callgrind/cg.300 "$work/cg.300"; cp target/callgrind/cg.1300 "$work/cg.1300"
+total() { grep -m1 '^summary:' "$1" | awk '{print $2}'; }
+a=$(total "$work/cg.300"); b=$(total "$work/cg.1300")
+echo "instructions a request: $(( (b - a) / 1000 )) (300 requests: $a, 1300: $b)"
+python3 - "$work/cg.300" "$work/cg.1300" "$FOCUS" <<'PY'
+import re, subprocess, sys
+def costs(path):
+    out = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", path],
+                         capture_output=True, text=True).stdout
+    d = {}
+    for line in out.splitlines():
+        m = re.match(r"\s*([\d,]+) \([^)]*\)\s+(.*?)(?: \[[^\]]*\])?$", line)
+        if m:
+            name = m.group(2).split(":", 1)[-1] if ".rs:" in m.group(2) or ".c:" in m.group(2) else m.group(2)
+            d[name] = max(d.get(name, 0), int(m.group(1).replace(",", "")))
+    return d
+a, b, focus = costs(sys.argv[1]), costs(sys.argv[2]), re.compile(sys.argv[3])
+rows = sorted(((b[k] - a.get(k, 0)) / 1000, k) for k in b if focus.search(k))
+print("inclusive instructions a request, by function matching $FOCUS:")
+for d, k in reversed(rows[-30:]):
+    if d > 50:
+        print(f"{d:9.0f}  {k[:150]}")
+PY

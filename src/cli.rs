@@ -45,11 +45,13 @@ pub fn init_tracing(default_level: &str) -> Option<tracing_appender::non_blockin
         // queue is empty: a burst costs one write(2), not one per line.
         .finish(std::io::BufWriter::with_capacity(64 * 1024, std::io::stderr()));
     let _ = crate::telemetry::LOG_DROPPED.set(writer.error_counter());
+    let json = std::env::var("AUTOHEDGE_LOG_FORMAT").as_deref() == Ok("json");
+    let _ = crate::telemetry::ACCESS_LOG.set((writer.clone(), json));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(writer)
         .with_target(false);
-    let installed = if std::env::var("AUTOHEDGE_LOG_FORMAT").as_deref() == Ok("json") {
+    let installed = if json {
         // Each line carries the span it was logged in: `request_id` for everything logged
         // while a request is served.
         builder

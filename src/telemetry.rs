@@ -492,35 +492,196 @@ fn failovers(row: &RequestRow) -> Vec<Failover> {
     out
 }
 
-/// The access line: one per request, at info, with the request's figures. JSON with
-/// `AUTOHEDGE_LOG_FORMAT=json`.
+/// Where access lines go and in which form, set by `cli::init_tracing`. Without it (the
+/// library embedded, tests in-process) they go through `tracing::info!`.
+pub static ACCESS_LOG: OnceLock<(tracing_appender::non_blocking::NonBlocking, bool)> =
+    OnceLock::new();
+
+/// The access line: one per request, at info (`RUST_LOG` filters it like any line), with the
+/// request's figures and the request span's `request_id`. Written straight to the log writer in
+/// the subscriber's own shapes — the JSON line `tracing-subscriber`'s JSON formatter makes with
+/// `flatten_event` and the current span, or its text line — because the generic formatter
+/// spent more instructions on this one line than the rest of the request's gateway work.
 fn access_log(row: &RequestRow, route: &str) {
     if !tracing::enabled!(tracing::Level::INFO) {
         return;
     }
-    let classes = row
-        .attempts
-        .iter()
-        .map(|a| a.class.as_str())
-        .collect::<Vec<_>>()
-        .join(",");
-    tracing::info!(
-        request_id = %row.request_id,
-        route,
-        endpoint = row.endpoint.as_deref().unwrap_or(""),
-        status = row.status,
-        attempts = row.attempts.iter().filter(|a| !a.class.is_skip()).count(),
-        attempt_classes = %classes,
-        error_class = row.error_class.as_deref(),
-        latency_ms = (row.latency_ms * 10.0).round() / 10.0,
-        ttft_ms = row.ttft_ms.map(|t| (t * 10.0).round() / 10.0),
-        tokens_in = row.tokens_in,
-        tokens_out = row.tokens_out,
-        stream = row.stream,
-        hedged = row.hedges > 0,
-        client_key = row.client_key.as_deref(),
-        "request"
+    let Some((writer, json)) = ACCESS_LOG.get() else {
+        let classes = classes(row);
+        tracing::info!(
+            request_id = %row.request_id,
+            route,
+            endpoint = row.endpoint.as_deref().unwrap_or(""),
+            status = row.status,
+            attempts = calls(row),
+            attempt_classes = %classes,
+            error_class = row.error_class.as_deref(),
+            latency_ms = round1(row.latency_ms),
+            ttft_ms = row.ttft_ms.map(round1),
+            tokens_in = row.tokens_in,
+            tokens_out = row.tokens_out,
+            stream = row.stream,
+            hedged = row.hedges > 0,
+            client_key = row.client_key.as_deref(),
+            "request"
+        );
+        return;
+    };
+    thread_local! {
+        static LINE: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    LINE.with(|line| {
+        let Ok(mut buf) = line.try_borrow_mut() else {
+            return;
+        };
+        buf.clear();
+        if *json {
+            json_line(&mut buf, row, route, SystemTime::now());
+        } else {
+            text_line(&mut buf, row, route, SystemTime::now());
+        }
+        let mut w = writer.clone();
+        let _ = std::io::Write::write_all(&mut w, &buf);
+    });
+}
+
+fn calls(row: &RequestRow) -> usize {
+    row.attempts.iter().filter(|a| !a.class.is_skip()).count()
+}
+
+fn classes(row: &RequestRow) -> String {
+    let mut out = String::new();
+    for (i, a) in row.attempts.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        out.push_str(a.class.as_str());
+    }
+    out
+}
+
+fn round1(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
+}
+
+/// `2026-12-01T05:32:07.501525Z`, as `tracing-subscriber` prints its timestamps.
+fn rfc3339(buf: &mut Vec<u8>, t: SystemTime) {
+    use std::io::Write as _;
+    let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+    let secs = d.as_secs();
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    // Howard Hinnant's civil_from_days.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let _ = write!(
+        buf,
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:06}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        d.subsec_micros()
     );
+}
+
+fn json_str(buf: &mut Vec<u8>, s: &str) {
+    // A `&str` always serialises.
+    let _ = serde_json::to_writer(&mut *buf, s);
+}
+
+fn json_line(buf: &mut Vec<u8>, row: &RequestRow, route: &str, now: SystemTime) {
+    use std::io::Write as _;
+    buf.extend_from_slice(b"{\"timestamp\":\"");
+    rfc3339(buf, now);
+    buf.extend_from_slice(b"\",\"level\":\"INFO\",\"message\":\"request\",\"request_id\":");
+    json_str(buf, &row.request_id);
+    buf.extend_from_slice(b",\"route\":");
+    json_str(buf, route);
+    buf.extend_from_slice(b",\"endpoint\":");
+    json_str(buf, row.endpoint.as_deref().unwrap_or(""));
+    let _ = write!(buf, ",\"status\":{},\"attempts\":{}", row.status, calls(row));
+    buf.extend_from_slice(b",\"attempt_classes\":\"");
+    for (i, a) in row.attempts.iter().enumerate() {
+        if i > 0 {
+            buf.push(b',');
+        }
+        // Class names are plain ASCII identifiers: nothing to escape.
+        buf.extend_from_slice(a.class.as_str().as_bytes());
+    }
+    buf.push(b'"');
+    if let Some(c) = &row.error_class {
+        buf.extend_from_slice(b",\"error_class\":");
+        json_str(buf, c);
+    }
+    let num = |buf: &mut Vec<u8>, name: &str, v: f64| {
+        if v.is_finite() {
+            let _ = write!(buf, ",\"{name}\":{v}");
+        }
+    };
+    num(buf, "latency_ms", round1(row.latency_ms));
+    if let Some(t) = row.ttft_ms {
+        num(buf, "ttft_ms", round1(t));
+    }
+    if let Some(n) = row.tokens_in {
+        let _ = write!(buf, ",\"tokens_in\":{n}");
+    }
+    if let Some(n) = row.tokens_out {
+        let _ = write!(buf, ",\"tokens_out\":{n}");
+    }
+    let _ = write!(
+        buf,
+        ",\"stream\":{},\"hedged\":{}",
+        row.stream,
+        row.hedges > 0
+    );
+    if let Some(k) = &row.client_key {
+        buf.extend_from_slice(b",\"client_key\":");
+        json_str(buf, k);
+    }
+    buf.extend_from_slice(b",\"span\":{\"request_id\":");
+    json_str(buf, &row.request_id);
+    buf.extend_from_slice(b",\"name\":\"request\"}}\n");
+}
+
+fn text_line(buf: &mut Vec<u8>, row: &RequestRow, route: &str, now: SystemTime) {
+    use std::io::Write as _;
+    rfc3339(buf, now);
+    // Request ids are printable ASCII without spaces (the front door sees to it); names come
+    // from the config.
+    let _ = write!(
+        buf,
+        "  INFO request{{request_id={id}}}: request request_id={id} route={route} endpoint={} status={} attempts={} attempt_classes={}",
+        row.endpoint.as_deref().unwrap_or(""),
+        row.status,
+        calls(row),
+        classes(row),
+        id = row.request_id,
+    );
+    if let Some(c) = &row.error_class {
+        let _ = write!(buf, " error_class={c}");
+    }
+    let _ = write!(buf, " latency_ms={}", round1(row.latency_ms));
+    if let Some(t) = row.ttft_ms {
+        let _ = write!(buf, " ttft_ms={}", round1(t));
+    }
+    if let Some(n) = row.tokens_in {
+        let _ = write!(buf, " tokens_in={n}");
+    }
+    if let Some(n) = row.tokens_out {
+        let _ = write!(buf, " tokens_out={n}");
+    }
+    let _ = write!(buf, " stream={} hedged={}", row.stream, row.hedges > 0);
+    if let Some(k) = &row.client_key {
+        let _ = write!(buf, " client_key={k}");
+    }
+    buf.push(b'\n');
 }
 
 #[cfg(test)]
@@ -607,6 +768,40 @@ mod tests {
         // Served first time, or the client's own error: none.
         assert!(moves(&row(&[("a", Outcome::Ok)], 200)).is_empty());
         assert!(moves(&row(&[("a", Outcome::Client)], 400)).is_empty());
+    }
+
+    #[test]
+    fn the_json_access_line_is_valid_json_with_hostile_values() {
+        let mut r = row(&[("a", Outcome::Server), ("b", Outcome::Ok)], 200);
+        r.request_id = "id-\"quoted\"\\".into();
+        r.endpoint = Some("b".into());
+        r.client_key = Some("team \"x\"\n".into());
+        r.ttft_ms = Some(12.345);
+        r.tokens_in = Some(7);
+        let mut buf = Vec::new();
+        let t = SystemTime::UNIX_EPOCH + Duration::from_micros(1_796_103_127_501_525);
+        json_line(&mut buf, &r, "chat", t);
+        assert_eq!(buf.last(), Some(&b'\n'));
+        let v: Value = serde_json::from_slice(&buf).unwrap();
+        assert_eq!(v["timestamp"], "2026-12-01T05:32:07.501525Z");
+        assert_eq!(v["request_id"], "id-\"quoted\"\\");
+        assert_eq!(v["span"]["request_id"], v["request_id"]);
+        assert_eq!(v["client_key"], "team \"x\"\n");
+        assert_eq!(v["attempts"], 2);
+        assert_eq!(v["attempt_classes"], "server_error,ok");
+        assert_eq!(v["ttft_ms"], 12.3);
+        assert_eq!(v["tokens_in"], 7);
+        assert!(v.get("tokens_out").is_none());
+        // Dates across eras and leap days, against chrono-free known values.
+        for (secs, text) in [
+            (0u64, "1970-01-01T00:00:00.000000Z"),
+            (951_782_400, "2000-02-29T00:00:00.000000Z"),
+            (4_107_542_399, "2100-02-28T23:59:59.000000Z"),
+        ] {
+            let mut b = Vec::new();
+            rfc3339(&mut b, SystemTime::UNIX_EPOCH + Duration::from_secs(secs));
+            assert_eq!(String::from_utf8(b).unwrap(), text);
+        }
     }
 
     #[test]

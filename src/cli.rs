@@ -43,7 +43,10 @@ pub fn init_tracing(default_level: &str) -> Option<tracing_appender::non_blockin
         .thread_name("autohedge-log")
         // The writer thread drains every queued line into this buffer and flushes when the
         // queue is empty: a burst costs one write(2), not one per line.
-        .finish(std::io::BufWriter::with_capacity(64 * 1024, std::io::stderr()));
+        .finish(std::io::BufWriter::with_capacity(
+            64 * 1024,
+            std::io::stderr(),
+        ));
     let _ = crate::telemetry::LOG_DROPPED.set(writer.error_counter());
     let json = std::env::var("AUTOHEDGE_LOG_FORMAT").as_deref() == Ok("json");
     let _ = crate::telemetry::ACCESS_LOG.set((writer.clone(), json));

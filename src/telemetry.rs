@@ -214,7 +214,10 @@ impl Handles {
         let h = EndpointHandles {
             tokens_in: counter!("autohedge_tokens_total", "endpoint" => ep.to_string(), "direction" => "in"),
             tokens_out: counter!("autohedge_tokens_total", "endpoint" => ep.to_string(), "direction" => "out"),
-            attempts: crate::outcome::Outcome::ALL.iter().map(|_| OnceLock::new()).collect(),
+            attempts: crate::outcome::Outcome::ALL
+                .iter()
+                .map(|_| OnceLock::new())
+                .collect(),
         };
         let mut map = write(&self.endpoints);
         f(map.entry(ep.to_string()).or_insert(h))
@@ -223,7 +226,10 @@ impl Handles {
 
 impl RouteHandles {
     fn request(&self, route: &str, endpoint: &str, status: &'static str) {
-        if let Some(c) = read(&self.requests).get(endpoint).and_then(|m| m.get(status)) {
+        if let Some(c) = read(&self.requests)
+            .get(endpoint)
+            .and_then(|m| m.get(status))
+        {
             c.increment(1);
             return;
         }
@@ -238,7 +244,10 @@ impl RouteHandles {
 
 impl EndpointHandles {
     fn attempt(&self, ep: &str, class: crate::outcome::Outcome) {
-        let Some(i) = crate::outcome::Outcome::ALL.iter().position(|o| *o == class) else {
+        let Some(i) = crate::outcome::Outcome::ALL
+            .iter()
+            .position(|o| *o == class)
+        else {
             return;
         };
         if let Some(slot) = self.attempts.get(i) {
@@ -566,7 +575,6 @@ fn round1(x: f64) -> f64 {
 
 /// `2026-12-01T05:32:07.501525Z`, as `tracing-subscriber` prints its timestamps.
 fn rfc3339(buf: &mut Vec<u8>, t: SystemTime) {
-    use std::io::Write as _;
     let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
     let secs = d.as_secs();
     let days = (secs / 86_400) as i64;
@@ -581,14 +589,27 @@ fn rfc3339(buf: &mut Vec<u8>, t: SystemTime) {
     let day = doy - (153 * mp + 2) / 5 + 1;
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
-    let _ = write!(
-        buf,
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:06}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
-        d.subsec_micros()
-    );
+    // Digits pushed by hand: `write!` with seven padded fields cost more than the rest of the
+    // line.
+    fn digits(buf: &mut Vec<u8>, n: u64, width: u32) {
+        for i in (0..width).rev() {
+            buf.push(b'0' + (n / 10u64.pow(i) % 10) as u8);
+        }
+    }
+    digits(buf, year.clamp(0, 9999) as u64, 4);
+    buf.push(b'-');
+    digits(buf, month as u64, 2);
+    buf.push(b'-');
+    digits(buf, day as u64, 2);
+    buf.push(b'T');
+    digits(buf, rem / 3600, 2);
+    buf.push(b':');
+    digits(buf, rem % 3600 / 60, 2);
+    buf.push(b':');
+    digits(buf, rem % 60, 2);
+    buf.push(b'.');
+    digits(buf, u64::from(d.subsec_micros()), 6);
+    buf.push(b'Z');
 }
 
 fn json_str(buf: &mut Vec<u8>, s: &str) {
@@ -606,7 +627,12 @@ fn json_line(buf: &mut Vec<u8>, row: &RequestRow, route: &str, now: SystemTime) 
     json_str(buf, route);
     buf.extend_from_slice(b",\"endpoint\":");
     json_str(buf, row.endpoint.as_deref().unwrap_or(""));
-    let _ = write!(buf, ",\"status\":{},\"attempts\":{}", row.status, calls(row));
+    let _ = write!(
+        buf,
+        ",\"status\":{},\"attempts\":{}",
+        row.status,
+        calls(row)
+    );
     buf.extend_from_slice(b",\"attempt_classes\":\"");
     for (i, a) in row.attempts.iter().enumerate() {
         if i > 0 {

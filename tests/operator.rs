@@ -289,7 +289,18 @@ async fn a_blocked_stderr_drops_log_lines_instead_of_stalling_requests() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+    let stdout = child.stdout.take().unwrap();
+    let mut err = child.stderr.take().unwrap();
+    // Killed however the test ends.
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _child = Kill(child);
+    let mut out = BufReader::new(stdout).lines();
     let addr: SocketAddr = loop {
         let line = out.next().expect("listening line").unwrap();
         if let Some(rest) = line.strip_prefix("autohedge listening on http://") {
@@ -349,12 +360,9 @@ async fn a_blocked_stderr_drops_log_lines_instead_of_stalling_requests() {
         "no line was dropped: was stderr ever full?\n{m}"
     );
     // Lines were written until the pipe filled: the log is there, just not all of it.
-    let mut err = child.stderr.take().unwrap();
     let mut first = vec![0u8; 4096];
     let n = err.read(&mut first).unwrap();
     assert!(n > 0 && String::from_utf8_lossy(&first[..n]).contains("\"level\""));
-    let _ = child.kill();
-    let _ = child.wait();
 }
 
 /// A loopback webhook receiver: records every POST (path, body); answers 503 to the first

@@ -44,8 +44,11 @@ def stack():
     model = d / "tiny-llama"
     subprocess.run([VLLM_PYTHON, str(HERE / "make_tiny_llama.py"), str(model)], check=True,
                    stdout=log, stderr=log)
+    # The CPU engine's OpenMP threads on core 0 only: left to take both cores, it starved vLLM's
+    # own API server (and the gateway), which then fed requests to the engine slower than it
+    # finished them — no queue ever formed in about half the runs of the queue test below.
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="INFO",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="0")
     # Port 0: vLLM binds a free port itself; we read it back.
     vllm = subprocess.Popen(
         [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -84,13 +87,17 @@ def stack():
               chat: [vllm, big]
               counted: [vllm_tok, big]
               cont: {{ chain: [breaker, vllm], continue_streams: true }}
-            health: {{ probe_interval: 100ms, probe_timeout: 2s, flip_after: 1, vllm_max_waiting: 0 }}
+            # probe_timeout 10s: while the CPU engine holds both cores vLLM's API server can take
+            # seconds to answer /health; a probe that gave up at 2 s read that as unhealthy and
+            # never got to /metrics, so the queue went unseen in about half the runs.
+            health: {{ probe_interval: 100ms, probe_timeout: 10s, flip_after: 1, vllm_max_waiting: 0 }}
         """))
         gw, addr = start_autohedge(BIN, ["serve", "--config", str(cfg), "--listen", "127.0.0.1:0",
                            "--data-dir", str(d / "data")], log)
         procs.append(gw)
         client = openai.OpenAI(base_url=f"http://{addr}/v1", api_key="unused", max_retries=0, timeout=120)
-        yield {"client": client, "vllm": vllm, "root": root, "addr": addr, "db": d / "data" / "autohedge.db"}
+        yield {"client": client, "vllm": vllm, "root": root, "addr": addr, "db": d / "data" / "autohedge.db",
+               "log": d / "log.txt"}
     finally:
         for p in procs:
             if p.poll() is None:
@@ -189,9 +196,26 @@ def test_a_queue_turns_the_endpoint_degraded(stack):
     # vllm_max_waiting: 0 the probe's /metrics reading makes the endpoint degraded.
     client = stack["client"]
 
-    def generate():
-        client.chat.completions.create(model="vllm", messages=MSG, max_tokens=230, extra_body=GEN)
+    stop = threading.Event()
 
+    def generate():
+        # A closed loop until the queue is seen (or the deadline): whether one burst of 64 leaves
+        # requests waiting in the engine depends on how fast vLLM's API server, sharing two cores
+        # with the engine, feeds them in; sustained load makes a queue certain.
+        while not stop.is_set():
+            try:
+                r = client.chat.completions.with_raw_response.create(
+                    model="vllm", messages=MSG, max_tokens=230, extra_body=GEN)
+                served_by = r.headers.get("x-autohedge-endpoint")
+            except openai.OpenAIError:
+                served_by = None
+            if served_by != "vllm":
+                # Failed over (vLLM refused the connection, or is degraded already): without a
+                # pause, 64 clients served at once by the mock turn into a storm of new
+                # connections to vLLM.
+                time.sleep(0.5)
+
+    started_ms = int(time.time() * 1000)
     threads = [threading.Thread(target=generate) for _ in range(64)]
     for t in threads:
         t.start()
@@ -201,9 +225,17 @@ def test_a_queue_turns_the_endpoint_degraded(stack):
     # may pass through another one first (a /metrics probe that times out while the engine holds
     # both cores reads as unhealthy), so any transition *to* degraded counts, and its reason must
     # be the queue.
-    deadline = time.time() + 150
+    deadline = time.time() + 90
     rows = []
+    waiting_seen = []
     while time.time() < deadline and not rows:
+        try:
+            _, text = _get(f"{stack['root']}/metrics", timeout=5)
+            waiting_seen += [l.split("{")[0].rsplit(":", 1)[-1][13:] + "=" + l.rsplit(" ", 1)[-1]
+                             for l in text.decode().splitlines()
+                             if l.startswith(("vllm:num_requests_waiting", "vllm:num_requests_running"))]
+        except Exception as e:  # noqa: BLE001 - a diagnostic only
+            waiting_seen.append(f"error: {e}")
         with sqlite3.connect(stack["db"]) as db:
             rows = db.execute(
                 "SELECT reason, event FROM endpoint_events WHERE endpoint = 'vllm' "
@@ -219,12 +251,23 @@ def test_a_queue_turns_the_endpoint_degraded(stack):
                 ).fetchall()
             break
         time.sleep(0.2)
+    stop.set()
     for t in threads:
         t.join(timeout=120)
     with sqlite3.connect(stack["db"]) as db:
         seen = db.execute(
             "SELECT event, reason FROM endpoint_events WHERE endpoint = 'vllm'").fetchall()
-    assert rows, f"the queue never made the endpoint degraded; events: {seen}"
+        # Where the generations went, for a failure's message.
+        went = db.execute(
+            "SELECT r.endpoint, r.status, COUNT(DISTINCT r.id), AVG(r.tokens_out), AVG(r.latency_ms), "
+            "MIN(r.ts_ms) - ?, MAX(r.ts_ms) - ?, group_concat(DISTINCT a.endpoint || ':' || a.class), "
+            "MAX(CASE WHEN a.class <> 'ok' THEN a.error END) "
+            "FROM requests r LEFT JOIN attempts a ON a.request_row = r.id WHERE r.ts_ms >= ? "
+            "GROUP BY r.endpoint, r.status", (started_ms, started_ms, started_ms)).fetchall()
+    vllm_said = [l for l in stack["log"].read_text(errors="replace").splitlines()
+                 if any(k in l for k in ("max_num_seqs", "Maximum concurrency", "scheduler", "Running:", "Waiting"))][-12:]
+    assert rows, (f"the queue never made the endpoint degraded; events: {seen}; vLLM's own gauges read "
+                  f"meanwhile: {waiting_seen[-40:]}; requests: {went}; vLLM's log: {vllm_said}")
 
 
 def test_a_broken_stream_is_continued_by_the_real_vllm(stack):

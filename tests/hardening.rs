@@ -1380,3 +1380,102 @@ async fn a_proxy_in_the_environment_is_honoured() {
     assert_eq!(upstream.requests().await, 0, "nothing bypassed the proxy");
     assert_no_panic(&gw);
 }
+
+/// A keep-alive connection the server closes just as the gateway reuses it (uvicorn's
+/// `timeout_keep_alive` racing the pool) is sent again on a fresh connection: the client is
+/// served by that endpoint, not failed over, and nothing counts against it.
+#[tokio::test]
+async fn a_pooled_connection_closed_unanswered_is_sent_again_not_failed_over() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let requests = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let dropped = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    {
+        let (requests, dropped) = (requests.clone(), dropped.clone());
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut sock, _)) = listener.accept().await else { return };
+                let (requests, dropped) = (requests.clone(), dropped.clone());
+                tokio::spawn(async move {
+                    // Each connection answers its first request, then reads the second and
+                    // closes without a word.
+                    for n in 0.. {
+                        let mut buf = Vec::new();
+                        let mut chunk = [0u8; 4096];
+                        // Read one whole request (headers + content-length body).
+                        let complete = loop {
+                            let Ok(k) = sock.read(&mut chunk).await else { return };
+                            if k == 0 {
+                                return;
+                            }
+                            buf.extend_from_slice(&chunk[..k]);
+                            let text = String::from_utf8_lossy(&buf).to_string();
+                            if let Some(end) = text.find("\r\n\r\n") {
+                                let len = text[..end]
+                                    .lines()
+                                    .find_map(|l| {
+                                        let (k, v) = l.split_once(':')?;
+                                        k.eq_ignore_ascii_case("content-length")
+                                            .then(|| v.trim().parse::<usize>().ok())?
+                                    })
+                                    .unwrap_or(0);
+                                if buf.len() >= end + 4 + len {
+                                    break text[..end].to_string();
+                                }
+                            }
+                        };
+                        if !complete.starts_with("POST") {
+                            // Probes: no such route.
+                            let _ = sock
+                                .write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                                .await;
+                            continue;
+                        }
+                        requests.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        if n >= 1 {
+                            dropped.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                            return;
+                        }
+                        let body = json!({"id": "c1", "object": "chat.completion", "created": 1, "model": "m",
+                            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+                            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+                        .to_string();
+                        let head = format!(
+                            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                            body.len()
+                        );
+                        if sock.write_all(head.as_bytes()).await.is_err()
+                            || sock.write_all(body.as_bytes()).await.is_err()
+                        {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+    }
+    let backup = MockUp::openai("name: backup").await;
+    let gw = Gw::start(&format!(
+        "models:\n  a: {{ type: openai, base_url: \"http://{addr}/v1\", model: m }}\n  backup: {{ type: openai, base_url: \"{}\", model: m }}\nrouting_policy: {{ fallback_chain: [a, backup] }}\n",
+        backup.base()
+    ));
+    for i in 0..4 {
+        let r = gw.chat("a", &format!("q{i}")).await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(header(&r, "x-autohedge-endpoint"), "a", "request {i}");
+        assert_eq!(header(&r, "x-autohedge-attempts"), "1");
+        // Let the connection go back to the pool.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The server did close reused connections unanswered, and each was sent again.
+    let closed = dropped.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(closed >= 1, "no pooled connection was reused and closed");
+    assert_eq!(
+        requests.load(std::sync::atomic::Ordering::SeqCst),
+        4 + closed
+    );
+    assert_eq!(backup.requests().await, 0);
+    let st = gw.status().await;
+    assert_eq!(st["endpoints"]["a"]["totals"]["failures"], 0, "{}", st["endpoints"]["a"]);
+}

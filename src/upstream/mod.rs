@@ -206,9 +206,24 @@ async fn send_direct(
     client: &DirectClient,
     req: http::Request<Full<Bytes>>,
 ) -> Result<Answer, SendError> {
-    // Kept for the error's audit detail; formatted only if the send fails.
+    // A copy to send again if the server closes the connection without a word (below): the
+    // body is `Bytes` (a reference count); the head is a few small allocations.
+    let again = replay(&req);
+    // Kept for the error's audit detail (a reference count).
     let uri = req.uri().clone();
-    match client.request(req).await {
+    let first = client.request(req).await;
+    let result = match first {
+        Err(e) if closed_unanswered(&e) => {
+            // A server closing a keep-alive connection just as the pool reuses it (uvicorn's
+            // `timeout_keep_alive`, a proxy's idle timeout) answers nothing: the request is sent
+            // once more on a fresh connection, as Go's net/http and Envoy's `reset` retry do,
+            // instead of failing over from a healthy endpoint (and ejecting it after five).
+            tracing::debug!(error = %error_chain(&e), "upstream closed the connection unanswered; sent again");
+            client.request(again).await
+        }
+        other => other,
+    };
+    match result {
         Ok(resp) => {
             let (parts, body) = resp.into_parts();
             let body = body.into_data_stream().map_err(BoxError::from);
@@ -227,6 +242,28 @@ async fn send_direct(
             })
         }
     }
+}
+
+/// The connection closed before any of the response arrived (hyper's "incomplete message"), or
+/// the pooled connection was found closed as the request was being written ("canceled").
+fn closed_unanswered(e: &hyper_util::client::legacy::Error) -> bool {
+    let mut src: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
+    while let Some(inner) = src {
+        if let Some(h) = inner.downcast_ref::<hyper::Error>() {
+            return h.is_incomplete_message() || h.is_canceled();
+        }
+        src = inner.source();
+    }
+    false
+}
+
+fn replay(req: &http::Request<Full<Bytes>>) -> http::Request<Full<Bytes>> {
+    let mut r = http::Request::new(req.body().clone());
+    *r.method_mut() = req.method().clone();
+    *r.uri_mut() = req.uri().clone();
+    *r.version_mut() = req.version();
+    *r.headers_mut() = req.headers().clone();
+    r
 }
 
 impl Prepared<'_> {

@@ -1395,7 +1395,9 @@ async fn a_pooled_connection_closed_unanswered_is_sent_again_not_failed_over() {
         let (requests, dropped) = (requests.clone(), dropped.clone());
         tokio::spawn(async move {
             loop {
-                let Ok((mut sock, _)) = listener.accept().await else { return };
+                let Ok((mut sock, _)) = listener.accept().await else {
+                    return;
+                };
                 let (requests, dropped) = (requests.clone(), dropped.clone());
                 tokio::spawn(async move {
                     // Each connection answers its first request, then reads the second and
@@ -1405,7 +1407,9 @@ async fn a_pooled_connection_closed_unanswered_is_sent_again_not_failed_over() {
                         let mut chunk = [0u8; 4096];
                         // Read one whole request (headers + content-length body).
                         let complete = loop {
-                            let Ok(k) = sock.read(&mut chunk).await else { return };
+                            let Ok(k) = sock.read(&mut chunk).await else {
+                                return;
+                            };
                             if k == 0 {
                                 return;
                             }
@@ -1477,5 +1481,9 @@ async fn a_pooled_connection_closed_unanswered_is_sent_again_not_failed_over() {
     );
     assert_eq!(backup.requests().await, 0);
     let st = gw.status().await;
-    assert_eq!(st["endpoints"]["a"]["totals"]["failures"], 0, "{}", st["endpoints"]["a"]);
+    assert_eq!(
+        st["endpoints"]["a"]["totals"]["failures"], 0,
+        "{}",
+        st["endpoints"]["a"]
+    );
 }

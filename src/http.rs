@@ -238,29 +238,12 @@ fn refused(
     err: ApiError,
 ) -> Response {
     app.record_request(RequestRow {
-        request_id: id.to_string(),
-        ts: std::time::SystemTime::now(),
-        operation: op.name(),
         requested_model: Some(inbound.model.clone()),
-        endpoint: None,
         status: err.status().as_u16(),
         error_class: Some(err.class().into()),
         stream: inbound.stream,
-        latency_ms: 0.0,
-        ttft_ms: None,
-        tokens_in: None,
-        tokens_out: None,
-        tokens_estimated: false,
-        cost_usd: None,
-        attempts: vec![],
-        prompt_tokens_counted: None,
-        truncated_messages: 0,
-        truncated_tokens: 0,
-        sanitized_chars: 0,
-        hedges: 0,
-        hedge_won: false,
-        continued_from: None,
         client_key: client,
+        ..RequestRow::new(id.to_string(), std::time::SystemTime::now(), op.name())
     });
     with_request_id(err.into_response(), id)
 }

@@ -124,6 +124,14 @@ impl EndpointRuntime {
         crate::router::slow_start_share(self.recovered_at, cooldown, now, window)
     }
 
+    /// Keys of `ep` that resolved and have not been rejected.
+    fn usable_keys(&self, ep: &Endpoint) -> usize {
+        ep.keys
+            .iter()
+            .filter(|k| k.value.is_some() && !self.dead_keys.contains(&k.hash))
+            .count()
+    }
+
     pub fn avail(&self, now: Instant) -> Avail {
         if self.retired.is_some() {
             return Avail::Retired;
@@ -886,11 +894,7 @@ impl Registry {
         };
         let rt = lock(&rt);
         let rate = rt.window.counts(now).rate(policy.min_samples);
-        let usable_keys = ep
-            .keys
-            .iter()
-            .filter(|k| k.value.is_some() && !rt.dead_keys.contains(&k.hash))
-            .count();
+        let usable_keys = rt.usable_keys(ep);
         let state = state_name(
             &rt.avail(now),
             ep.needs_key() && usable_keys == 0,
@@ -921,11 +925,7 @@ impl Registry {
         let counts = rt.window.counts(now);
         let rate = counts.rate(policy.min_samples);
         let avail = rt.avail(now);
-        let usable_keys = ep
-            .keys
-            .iter()
-            .filter(|k| k.value.is_some() && !rt.dead_keys.contains(&k.hash))
-            .count();
+        let usable_keys = rt.usable_keys(ep);
         let state = state_name(&avail, ep.needs_key() && usable_keys == 0, rate, policy);
         let pct = rt.samples.percentiles(&[50.0, 95.0, 99.0]);
         // Per key (by its place in the list, never its value): what its last `x-ratelimit-*`

@@ -514,33 +514,48 @@ pub fn markdown(r: &Report) -> String {
         );
     }
     let _ = writeln!(o, "## Endpoints\n");
-    let _ = writeln!(
-        o,
-        "| endpoint | calls | success | 429 | timeouts | 5xx/connection | served | retirements | key failures | cooldowns | health changes |"
-    );
-    let _ = writeln!(o, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(o, "| endpoint | {} |", ENDPOINT_COLUMNS.join(" | "));
+    let _ = writeln!(o, "|---|{}", "---:|".repeat(ENDPOINT_COLUMNS.len()));
     for (name, e) in &r.endpoints {
-        let _ = writeln!(
-            o,
-            "| `{}` | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
-            md(name),
-            e.calls,
-            if e.calls > 0 {
-                format!("{:.1} %", pct(e.ok, e.calls))
-            } else {
-                "—".into()
-            },
-            e.rate_limited,
-            e.timeouts,
-            e.server_errors,
-            e.served,
-            e.retirements.len(),
-            e.key_failures,
-            e.cooldowns,
-            e.health_changes
-        );
+        let _ = writeln!(o, "| `{}` | {} |", md(name), endpoint_cells(e).join(" | "));
     }
     o
+}
+
+/// The per-endpoint table's columns (after the name), and one endpoint's cells: one model for
+/// the Markdown and the HTML table.
+const ENDPOINT_COLUMNS: [&str; 11] = [
+    "calls",
+    "success",
+    "429",
+    "timeouts",
+    "5xx/connection",
+    "served",
+    "landed after failover",
+    "retirements",
+    "key failures",
+    "cooldowns",
+    "health changes",
+];
+
+fn endpoint_cells(e: &EndpointFigures) -> [String; 11] {
+    [
+        e.calls.to_string(),
+        if e.calls > 0 {
+            format!("{:.1} %", pct(e.ok, e.calls))
+        } else {
+            "—".into()
+        },
+        e.rate_limited.to_string(),
+        e.timeouts.to_string(),
+        e.server_errors.to_string(),
+        e.served.to_string(),
+        e.landed.to_string(),
+        e.retirements.len().to_string(),
+        e.key_failures.to_string(),
+        e.cooldowns.to_string(),
+        e.health_changes.to_string(),
+    ]
 }
 
 fn sorted_causes(r: &Report) -> Vec<(&String, &Cause)> {
@@ -740,28 +755,17 @@ pub fn html(r: &Report) -> String {
         opt_ms(b50),
         opt_ms(b95)
     );
-    o.push_str("<h2>Endpoints</h2><table><tr><th>endpoint</th><th>calls</th><th>success</th><th>429</th><th>timeouts</th><th>5xx/connection</th><th>served</th><th>landed after failover</th><th>retirements</th><th>key failures</th><th>cooldowns</th><th>health changes</th></tr>");
+    o.push_str("<h2>Endpoints</h2><table><tr><th>endpoint</th>");
+    for c in ENDPOINT_COLUMNS {
+        let _ = write!(o, "<th>{}</th>", h(c));
+    }
+    o.push_str("</tr>");
     for (name, e) in &r.endpoints {
-        let _ = write!(
-            o,
-            "<tr><td><code>{}</code></td><td class=n>{}</td><td class=n>{}</td><td class=n>{}</td><td class=n>{}</td><td class=n>{}</td><td class=n>{}</td><td class=n>{}</td><td class=n>{}</td><td class=n>{}</td><td class=n>{}</td><td class=n>{}</td></tr>",
-            h(name),
-            e.calls,
-            if e.calls > 0 {
-                format!("{:.1} %", pct(e.ok, e.calls))
-            } else {
-                "—".into()
-            },
-            e.rate_limited,
-            e.timeouts,
-            e.server_errors,
-            e.served,
-            e.landed,
-            e.retirements.len(),
-            e.key_failures,
-            e.cooldowns,
-            e.health_changes
-        );
+        let _ = write!(o, "<tr><td><code>{}</code></td>", h(name));
+        for cell in endpoint_cells(e) {
+            let _ = write!(o, "<td class=n>{}</td>", h(&cell));
+        }
+        o.push_str("</tr>");
     }
     o.push_str("</table></body></html>\n");
     o

@@ -173,6 +173,38 @@ pub struct RequestRow {
     pub client_key: Option<String>,
 }
 
+impl RequestRow {
+    /// A row with nothing recorded yet but who asked, when and for what; callers fill in the
+    /// rest (`RequestRow { status, ..RequestRow::new(..) }`).
+    pub fn new(request_id: String, ts: SystemTime, operation: &'static str) -> RequestRow {
+        RequestRow {
+            request_id,
+            ts,
+            operation,
+            requested_model: None,
+            endpoint: None,
+            status: 0,
+            error_class: None,
+            stream: false,
+            latency_ms: 0.0,
+            ttft_ms: None,
+            tokens_in: None,
+            tokens_out: None,
+            tokens_estimated: false,
+            cost_usd: None,
+            attempts: Vec::new(),
+            prompt_tokens_counted: None,
+            truncated_messages: 0,
+            truncated_tokens: 0,
+            sanitized_chars: 0,
+            hedges: 0,
+            hedge_won: false,
+            continued_from: None,
+            client_key: None,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct EndpointEvent {
     pub ts: SystemTime,
@@ -803,28 +835,12 @@ mod tests {
 
     fn row(id: &str, endpoint: &str, class: &str) -> RequestRow {
         RequestRow {
-            request_id: id.into(),
-            ts: SystemTime::now(),
-            operation: "chat",
             requested_model: Some("m".into()),
             endpoint: Some(endpoint.into()),
             status: 200,
-            error_class: None,
-            stream: false,
             latency_ms: 5.0,
-            ttft_ms: None,
             tokens_in: Some(3),
             tokens_out: Some(4),
-            tokens_estimated: false,
-            cost_usd: None,
-            prompt_tokens_counted: None,
-            truncated_messages: 0,
-            truncated_tokens: 0,
-            sanitized_chars: 0,
-            hedges: 0,
-            hedge_won: false,
-            continued_from: None,
-            client_key: None,
             attempts: vec![
                 AttemptRow {
                     panic_mode: false,
@@ -845,6 +861,7 @@ mod tests {
                     latency_ms: 4.0,
                 },
             ],
+            ..RequestRow::new(id.into(), SystemTime::now(), "chat")
         }
     }
 

@@ -579,16 +579,7 @@ fn rfc3339(buf: &mut Vec<u8>, t: SystemTime) {
     let secs = d.as_secs();
     let days = (secs / 86_400) as i64;
     let rem = secs % 86_400;
-    // Howard Hinnant's civil_from_days.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (year, month, day) = crate::clients::civil_from_days(days);
     // Digits pushed by hand: `write!` with seven padded fields cost more than the rest of the
     // line.
     fn digits(buf: &mut Vec<u8>, n: u64, width: u32) {
@@ -718,20 +709,9 @@ mod tests {
 
     fn row(attempts: &[(&str, Outcome)], status: u16) -> RequestRow {
         RequestRow {
-            request_id: "r".into(),
-            ts: SystemTime::UNIX_EPOCH,
-            operation: "chat",
             requested_model: Some("m".into()),
-            endpoint: None,
             status,
-            error_class: None,
-            stream: false,
             latency_ms: 1.0,
-            ttft_ms: None,
-            tokens_in: None,
-            tokens_out: None,
-            tokens_estimated: false,
-            cost_usd: None,
             attempts: attempts
                 .iter()
                 .enumerate()
@@ -745,14 +725,7 @@ mod tests {
                     panic_mode: false,
                 })
                 .collect(),
-            prompt_tokens_counted: None,
-            truncated_messages: 0,
-            truncated_tokens: 0,
-            sanitized_chars: 0,
-            hedges: 0,
-            hedge_won: false,
-            continued_from: None,
-            client_key: None,
+            ..RequestRow::new("r".into(), SystemTime::UNIX_EPOCH, "chat")
         }
     }
 

@@ -2,10 +2,12 @@
 # Instructions a request, counted by valgrind's callgrind (repeatable whatever else the machine
 # is doing, unlike seconds): the release gateway under callgrind in front of the mock upstream,
 # N keep-alive requests from a Python client; startup and shutdown cancel out in the difference
-# between a 300- and a 1,300-request run. Prints the figure and the inclusive cost of the
+# between a 1,000- and a 5,000-request run (SMALL and LARGE; startup alone varies by a few
+# million instructions from run to run, so the runs must differ by thousands of requests). Prints the figure and the inclusive cost of the
 # functions named in $FOCUS (a grep pattern) per request.
 #
 #   cargo build --release --bin autohedge && bash benches/instructions.sh
+#   SMALL=300 LARGE=1300 bash benches/instructions.sh   # quicker, noisier
 #
 # Env: LOG_FORMAT (default json), RUST_LOG (default info) — the gateway as deployed.
 set -euo pipefail
@@ -49,14 +51,15 @@ PY
   wait "$pid" || true
 }
 
+SMALL=${SMALL:-1000}
+LARGE=${LARGE:-5000}
 mkdir -p target/callgrind
-run 300 target/callgrind/cg.300
-run 1300 target/callgrind/cg.1300
-cp target/callgrind/cg.300 "$work/cg.300"; cp target/callgrind/cg.1300 "$work/cg.1300"
+run "$SMALL" target/callgrind/cg.small
+run "$LARGE" target/callgrind/cg.large
 total() { grep -m1 '^summary:' "$1" | awk '{print $2}'; }
-a=$(total "$work/cg.300"); b=$(total "$work/cg.1300")
-echo "instructions a request: $(( (b - a) / 1000 )) (300 requests: $a, 1300: $b)"
-python3 - "$work/cg.300" "$work/cg.1300" "$FOCUS" <<'PY'
+a=$(total target/callgrind/cg.small); b=$(total target/callgrind/cg.large)
+echo "instructions a request: $(( (b - a) / (LARGE - SMALL) )) ($SMALL requests: $a, $LARGE: $b)"
+python3 - target/callgrind/cg.small target/callgrind/cg.large "$FOCUS" "$((LARGE - SMALL))" <<'PY'
 import re, subprocess, sys
 def costs(path):
     out = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", path],
@@ -69,7 +72,8 @@ def costs(path):
             d[name] = max(d.get(name, 0), int(m.group(1).replace(",", "")))
     return d
 a, b, focus = costs(sys.argv[1]), costs(sys.argv[2]), re.compile(sys.argv[3])
-rows = sorted(((b[k] - a.get(k, 0)) / 1000, k) for k in b if focus.search(k))
+n = int(sys.argv[4])
+rows = sorted(((b[k] - a.get(k, 0)) / n, k) for k in b if focus.search(k))
 print("inclusive instructions a request, by function matching $FOCUS:")
 for d, k in reversed(rows[-30:]):
     if d > 50:

@@ -373,6 +373,11 @@ impl Target {
 fn start_gateway(dir: &std::path::Path, config: &str) -> (Child, SocketAddr) {
     let cfg = dir.join("config.yaml");
     std::fs::write(&cfg, config).unwrap();
+    // The log goes to a directory of its own: the config watcher follows the config's
+    // directory, and a log file written beside it would wake the watcher on every write (as it
+    // would in a deployment that logged next to its config).
+    let logs = dir.join("logs");
+    std::fs::create_dir_all(&logs).unwrap();
     let mut child = Command::new(GATEWAY)
         .args(["serve", "--listen", "127.0.0.1:0", "--config"])
         .arg(&cfg)
@@ -384,7 +389,7 @@ fn start_gateway(dir: &std::path::Path, config: &str) -> (Child, SocketAddr) {
         .env("AUTOHEDGE_LOG_FORMAT", "json")
         .stdout(Stdio::piped())
         .stderr(
-            std::fs::File::create(dir.join("gateway.log"))
+            std::fs::File::create(logs.join("gateway.log"))
                 .map(Stdio::from)
                 .unwrap_or_else(|_| Stdio::null()),
         )

@@ -18,7 +18,7 @@ const DEFAULT_CONFIG: &str = "config/config.yaml";
 
 /// Logs go to stderr (stdout carries the `listening on` line scripts wait for). `RUST_LOG`
 /// overrides the level; `AUTOHEDGE_LOG_FORMAT=json` switches to JSON lines.
-pub fn init_tracing(default_level: &str) -> Option<tracing_appender::non_blocking::WorkerGuard> {
+pub fn init_tracing(default_level: &str) -> Option<crate::logwriter::Guard> {
     use tracing_subscriber::EnvFilter;
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
@@ -30,24 +30,22 @@ pub fn init_tracing(default_level: &str) -> Option<tracing_appender::non_blockin
         .fold(filter, |f, d| f.add_directive(d));
     // A bounded queue in front of stderr, written by a thread of its own: a slow or blocked
     // stderr (a full pipe, `docker service logs` behind) drops lines — counted in
-    // `autohedge_log_dropped_total` — instead of stalling the requests that log.
-    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
-        .buffered_lines_limit(
-            std::env::var("AUTOHEDGE_LOG_BUFFER_LINES")
-                .ok()
-                .and_then(|v| v.trim().parse::<usize>().ok())
-                .filter(|n| *n > 0)
-                .unwrap_or(LOG_QUEUE_LINES),
-        )
-        .lossy(true)
-        .thread_name("autohedge-log")
-        // The writer thread drains every queued line into this buffer and flushes when the
-        // queue is empty: a burst costs one write(2), not one per line.
-        .finish(std::io::BufWriter::with_capacity(
-            64 * 1024,
-            std::io::stderr(),
-        ));
-    let _ = crate::telemetry::LOG_DROPPED.set(writer.error_counter());
+    // `autohedge_log_dropped_total` — instead of stalling the requests that log. One write(2)
+    // per gather interval, and no wake-up per line (`logwriter`).
+    let limit = std::env::var("AUTOHEDGE_LOG_BUFFER_LINES")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(LOG_QUEUE_LINES);
+    let (writer, guard) =
+        match crate::logwriter::LogWriter::start(std::io::stderr(), limit, "autohedge-log") {
+            Ok(w) => w,
+            Err(e) => {
+                eprintln!("autohedge: cannot start the log writer thread: {e}");
+                return None;
+            }
+        };
+    let _ = crate::telemetry::LOG_DROPPED.set(writer.clone());
     let json = std::env::var("AUTOHEDGE_LOG_FORMAT").as_deref() == Ok("json");
     let _ = crate::telemetry::ACCESS_LOG.set((writer.clone(), json));
     let builder = tracing_subscriber::fmt()

@@ -258,7 +258,7 @@ impl EndpointHandles {
 }
 
 /// Log lines the non-blocking writer dropped (set by `cli::init_tracing`).
-pub static LOG_DROPPED: OnceLock<tracing_appender::non_blocking::ErrorCounter> = OnceLock::new();
+pub static LOG_DROPPED: OnceLock<crate::logwriter::LogWriter> = OnceLock::new();
 
 /// One move from a failed endpoint to the next.
 #[derive(Clone, Debug)]
@@ -503,8 +503,7 @@ fn failovers(row: &RequestRow) -> Vec<Failover> {
 
 /// Where access lines go and in which form, set by `cli::init_tracing`. Without it (the
 /// library embedded, tests in-process) they go through `tracing::info!`.
-pub static ACCESS_LOG: OnceLock<(tracing_appender::non_blocking::NonBlocking, bool)> =
-    OnceLock::new();
+pub static ACCESS_LOG: OnceLock<(crate::logwriter::LogWriter, bool)> = OnceLock::new();
 
 /// The access line: one per request, at info (`RUST_LOG` filters it like any line), with the
 /// request's figures and the request span's `request_id`. Written straight to the log writer in
@@ -549,8 +548,7 @@ fn access_log(row: &RequestRow, route: &str) {
         } else {
             text_line(&mut buf, row, route, SystemTime::now());
         }
-        let mut w = writer.clone();
-        let _ = std::io::Write::write_all(&mut w, &buf);
+        writer.line(&buf);
     });
 }
 

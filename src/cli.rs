@@ -50,20 +50,19 @@ pub fn init_tracing(default_level: &str) -> Option<crate::logwriter::Guard> {
     let _ = crate::telemetry::ACCESS_LOG.set((writer.clone(), json));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(writer)
-        .with_target(false);
+        .with_writer(writer);
+    // Each line logged while a request is served carries it (`span.request_id` in JSON,
+    // `request{request_id=…}:` in text): `logctx`, not a tracing span per request.
     let installed = if json {
-        // Each line carries the span it was logged in: `request_id` for everything logged
-        // while a request is served.
         builder
-            .json()
             // Fields at the top level (`jq .status`), not under `fields`.
-            .flatten_event(true)
-            .with_current_span(true)
-            .with_span_list(false)
+            .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
+            .event_format(crate::logctx::Format::json())
             .try_init()
     } else {
-        builder.try_init()
+        builder
+            .event_format(crate::logctx::Format::text())
+            .try_init()
     };
     // The guard flushes what is queued when it is dropped (at exit).
     installed.is_ok().then_some(guard)

@@ -37,6 +37,34 @@ pub fn router(app: Arc<AppState>) -> Router {
         .with_state(app)
 }
 
+/// The three proxy routes, matched before axum's router: the same handlers with the same
+/// arguments, without the router's per-request layers (route lookup, boxed service, matched
+/// path and URL-parameter extensions) that cost more than the rest of the front door. Any other
+/// method or path — a `GET` on these paths included, for its 405 — goes to [`router`].
+pub async fn dispatch(
+    app: &Arc<AppState>,
+    router: &Router,
+    req: axum::http::Request<hyper::body::Incoming>,
+) -> Response {
+    use tower::ServiceExt;
+    let op = match req.uri().path() {
+        "/v1/chat/completions" => Some(Op::Chat),
+        "/v1/completions" => Some(Op::Completions),
+        "/v1/embeddings" => Some(Op::Embeddings),
+        _ => None,
+    };
+    match op {
+        Some(op) if req.method() == axum::http::Method::POST => {
+            let (parts, body) = req.into_parts();
+            proxy(app.clone(), op, parts.headers, Body::new(body)).await
+        }
+        _ => match router.clone().oneshot(req.map(Body::new)).await {
+            Ok(r) => r,
+            Err(e) => match e {},
+        },
+    }
+}
+
 async fn chat(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     proxy(app, Op::Chat, headers, body).await
 }
@@ -69,13 +97,10 @@ fn new_request_id() -> String {
 }
 
 async fn proxy(app: Arc<AppState>, op: Op, headers: HeaderMap, body: Body) -> Response {
-    use tracing::Instrument;
     let id = request_id(&headers);
-    // Everything logged while this request is served carries its id (the JSON log's `span`).
-    let span = tracing::info_span!("request", request_id = %id);
-    serve(app, op, headers, body, id, span.clone())
-        .instrument(span)
-        .await
+    // Everything logged while this request is served carries its id (`logctx`).
+    let ctx: Arc<str> = Arc::from(id.as_str());
+    crate::logctx::InRequest::new(ctx.clone(), serve(app, op, headers, body, id, ctx)).await
 }
 
 async fn serve(
@@ -84,7 +109,7 @@ async fn serve(
     headers: HeaderMap,
     body: Body,
     id: String,
-    span: tracing::Span,
+    ctx: Arc<str>,
 ) -> Response {
     let arrived = tokio::time::Instant::now();
     let cfg = app.config.load_full();
@@ -222,7 +247,7 @@ async fn serve(
         parts,
         Body::new(WithSlot {
             body,
-            span,
+            ctx,
             _slot: slot,
         }),
     )
@@ -249,18 +274,18 @@ fn refused(
 }
 
 /// A response body that holds its request's slot until it is dropped, and is polled and dropped
-/// inside the request's span (a stream outlives the handler: what it logs, its audit row
+/// as its request (`logctx`: a stream outlives the handler, and what it logs, its audit row
 /// included, still carries the request id). Everything else is the inner body's: in particular
 /// its size, so a full answer keeps its `content-length` instead of turning into a chunked one.
 struct WithSlot {
     body: Body,
-    span: tracing::Span,
+    ctx: Arc<str>,
     _slot: crate::state::Slot,
 }
 
 impl Drop for WithSlot {
     fn drop(&mut self) {
-        let _in = self.span.enter();
+        let _in = crate::logctx::enter(&self.ctx);
         drop(std::mem::take(&mut self.body));
     }
 }
@@ -274,7 +299,7 @@ impl hyper::body::Body for WithSlot {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, axum::Error>>> {
         let this = &mut *self;
-        let _in = this.span.enter();
+        let _in = crate::logctx::enter(&this.ctx);
         std::pin::Pin::new(&mut this.body).poll_frame(cx)
     }
 

@@ -22,6 +22,7 @@ pub mod executor;
 pub mod health;
 pub mod hedge;
 pub mod http;
+pub mod logctx;
 pub mod logwriter;
 pub mod mock;
 pub mod op;

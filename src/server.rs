@@ -13,7 +13,6 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use tower::ServiceExt;
 
 use crate::config::Config;
 use crate::state::AppState;
@@ -215,13 +214,18 @@ async fn serve(
         // Streams are many small writes: without TCP_NODELAY, Nagle's algorithm holds each
         // chunk until the client's delayed ACK (~40 ms) arrives.
         let _ = tcp.set_nodelay(true);
-        let svc =
-            app.clone()
-                .map_request(move |mut req: axum::http::Request<hyper::body::Incoming>| {
-                    req.extensions_mut().insert(ConnectInfo(peer));
-                    req
-                });
-        let svc = hyper_util::service::TowerToHyperService::new(svc);
+        let (router, state_) = (app.clone(), state.clone());
+        let svc = hyper::service::service_fn(
+            move |mut req: axum::http::Request<hyper::body::Incoming>| {
+                req.extensions_mut().insert(ConnectInfo(peer));
+                let (router, state_) = (router.clone(), state_.clone());
+                async move {
+                    Ok::<_, std::convert::Infallible>(
+                        crate::http::dispatch(&state_, &router, req).await,
+                    )
+                }
+            },
+        );
         let conn = builder
             .serve_connection_with_upgrades(TokioIo::new(tcp), svc)
             .into_owned();

@@ -572,7 +572,7 @@ fn round1(x: f64) -> f64 {
 }
 
 /// `2026-12-01T05:32:07.501525Z`, as `tracing-subscriber` prints its timestamps.
-fn rfc3339(buf: &mut Vec<u8>, t: SystemTime) {
+pub(crate) fn rfc3339(buf: &mut Vec<u8>, t: SystemTime) {
     let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
     let secs = d.as_secs();
     let days = (secs / 86_400) as i64;

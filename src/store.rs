@@ -98,6 +98,13 @@ const MIGRATIONS: &[&str] = &[
         PRIMARY KEY (client, month)
     );
     "#,
+    // 5: attempts lose their time index: an attempt's time is its request's, so readers find a
+    // window's attempts from its first request row (`request_row >= …`, the request-row index)
+    // and pruning deletes a request's attempts with it. One B-tree insert fewer per attempt on
+    // the audit thread.
+    r#"
+    DROP INDEX IF EXISTS attempts_ts;
+    "#,
 ];
 
 /// Rows deleted per transaction when pruning past retention: each delete is a few milliseconds,
@@ -635,16 +642,30 @@ fn write_batch(
 pub fn prune(conn: &mut Connection, before: SystemTime) -> rusqlite::Result<usize> {
     let t = ms(before);
     let mut total = 0;
-    for table in ["attempts", "requests", "endpoint_events"] {
-        let sql = format!(
-            "DELETE FROM {table} WHERE id IN (SELECT id FROM {table} WHERE ts_ms < ?1 LIMIT {PRUNE_BATCH})"
-        );
-        loop {
-            let n = conn.execute(&sql, [t])?;
-            total += n;
-            if n < PRUNE_BATCH {
-                break;
-            }
+    // Requests with their attempts, a batch at a time in one transaction each: the same
+    // `LIMIT` over the time index picks the same rows in both statements.
+    let batch = format!("SELECT id FROM requests WHERE ts_ms < ?1 LIMIT {PRUNE_BATCH}");
+    loop {
+        let tx = conn.transaction()?;
+        total += tx.execute(
+            &format!("DELETE FROM attempts WHERE request_row IN ({batch})"),
+            [t],
+        )?;
+        let n = tx.execute(&format!("DELETE FROM requests WHERE id IN ({batch})"), [t])?;
+        tx.commit()?;
+        total += n;
+        if n < PRUNE_BATCH {
+            break;
+        }
+    }
+    let sql = format!(
+        "DELETE FROM endpoint_events WHERE id IN (SELECT id FROM endpoint_events WHERE ts_ms < ?1 LIMIT {PRUNE_BATCH})"
+    );
+    loop {
+        let n = conn.execute(&sql, [t])?;
+        total += n;
+        if n < PRUNE_BATCH {
+            break;
         }
     }
     if total > 0 {
@@ -766,13 +787,22 @@ pub fn report(data_dir: &Path, since: SystemTime) -> rusqlite::Result<Vec<Endpoi
     conn.busy_timeout(Duration::from_secs(5))?;
     let since = ms(since);
     let mut out: std::collections::BTreeMap<String, EndpointReport> = Default::default();
+    // A window's attempts are found from its first request row (attempts carry their
+    // request's time and have no time index of their own).
+    let first_row: i64 = conn
+        .query_row(
+            "SELECT MIN(id) FROM requests WHERE ts_ms >= ?1",
+            [since],
+            |r| r.get::<_, Option<i64>>(0),
+        )?
+        .unwrap_or(i64::MAX);
     // Real attempts (not skips) per endpoint: counts, successes, latencies.
     let mut stmt = conn.prepare(
-        "SELECT endpoint, class, latency_ms FROM attempts WHERE ts_ms >= ?1 AND class NOT LIKE 'skipped_%' AND class <> 'context_skip'",
+        "SELECT endpoint, class, latency_ms FROM attempts WHERE request_row >= ?2 AND ts_ms >= ?1 AND class NOT LIKE 'skipped_%' AND class <> 'context_skip'",
     )?;
     let mut lat: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
     let mut errors: std::collections::BTreeMap<(String, String), u64> = Default::default();
-    let mut rows = stmt.query([since])?;
+    let mut rows = stmt.query(params![since, first_row])?;
     while let Some(r) = rows.next()? {
         let ep: String = r.get(0)?;
         let class: String = r.get(1)?;
@@ -814,11 +844,11 @@ pub fn report(data_dir: &Path, since: SystemTime) -> rusqlite::Result<Vec<Endpoi
     }
     // Failed attempts followed by another attempt of the same request.
     let mut stmt = conn.prepare(
-        "SELECT a.endpoint, COUNT(*) FROM attempts a WHERE a.ts_ms >= ?1 AND a.class <> 'ok' AND a.class NOT LIKE 'skipped_%'
+        "SELECT a.endpoint, COUNT(*) FROM attempts a WHERE a.request_row >= ?2 AND a.ts_ms >= ?1 AND a.class <> 'ok' AND a.class NOT LIKE 'skipped_%'
          AND EXISTS (SELECT 1 FROM attempts b WHERE b.request_row = a.request_row AND b.seq > a.seq AND b.endpoint <> a.endpoint AND b.class NOT LIKE 'skipped_%')
          GROUP BY a.endpoint",
     )?;
-    let mut rows = stmt.query([since])?;
+    let mut rows = stmt.query(params![since, first_row])?;
     while let Some(r) = rows.next()? {
         let ep: String = r.get(0)?;
         let n: i64 = r.get(1)?;

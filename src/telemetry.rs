@@ -602,12 +602,27 @@ pub(crate) fn rfc3339(buf: &mut Vec<u8>, t: SystemTime) {
 }
 
 fn json_str(buf: &mut Vec<u8>, s: &str) {
-    // A `&str` always serialises.
-    let _ = serde_json::to_writer(&mut *buf, s);
+    // Names and request ids rarely hold anything to escape: copy those as they are.
+    if s.bytes()
+        .all(|b| b >= 0x20 && b != b'"' && b != b'\\' && b < 0x7f)
+    {
+        buf.push(b'"');
+        buf.extend_from_slice(s.as_bytes());
+        buf.push(b'"');
+    } else {
+        // A `&str` always serialises.
+        let _ = serde_json::to_writer(&mut *buf, s);
+    }
+}
+
+fn json_uint(buf: &mut Vec<u8>, name: &str, n: u64) {
+    buf.extend_from_slice(b",\"");
+    buf.extend_from_slice(name.as_bytes());
+    buf.extend_from_slice(b"\":");
+    buf.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
 }
 
 fn json_line(buf: &mut Vec<u8>, row: &RequestRow, route: &str, now: SystemTime) {
-    use std::io::Write as _;
     buf.extend_from_slice(b"{\"timestamp\":\"");
     rfc3339(buf, now);
     buf.extend_from_slice(b"\",\"level\":\"INFO\",\"message\":\"request\",\"request_id\":");
@@ -616,12 +631,8 @@ fn json_line(buf: &mut Vec<u8>, row: &RequestRow, route: &str, now: SystemTime) 
     json_str(buf, route);
     buf.extend_from_slice(b",\"endpoint\":");
     json_str(buf, row.endpoint.as_deref().unwrap_or(""));
-    let _ = write!(
-        buf,
-        ",\"status\":{},\"attempts\":{}",
-        row.status,
-        calls(row)
-    );
+    json_uint(buf, "status", u64::from(row.status));
+    json_uint(buf, "attempts", calls(row) as u64);
     buf.extend_from_slice(b",\"attempt_classes\":\"");
     for (i, a) in row.attempts.iter().enumerate() {
         if i > 0 {
@@ -635,9 +646,17 @@ fn json_line(buf: &mut Vec<u8>, row: &RequestRow, route: &str, now: SystemTime) 
         buf.extend_from_slice(b",\"error_class\":");
         json_str(buf, c);
     }
+    // The shape `{}` gives an f64 (`1`, `0.3`), without the formatting machinery.
     let num = |buf: &mut Vec<u8>, name: &str, v: f64| {
         if v.is_finite() {
-            let _ = write!(buf, ",\"{name}\":{v}");
+            buf.extend_from_slice(b",\"");
+            buf.extend_from_slice(name.as_bytes());
+            buf.extend_from_slice(b"\":");
+            if v.fract() == 0.0 && v.abs() < 1e15 {
+                buf.extend_from_slice(itoa::Buffer::new().format(v as i64).as_bytes());
+            } else {
+                buf.extend_from_slice(ryu::Buffer::new().format_finite(v).as_bytes());
+            }
         }
     };
     num(buf, "latency_ms", round1(row.latency_ms));
@@ -645,17 +664,21 @@ fn json_line(buf: &mut Vec<u8>, row: &RequestRow, route: &str, now: SystemTime) 
         num(buf, "ttft_ms", round1(t));
     }
     if let Some(n) = row.tokens_in {
-        let _ = write!(buf, ",\"tokens_in\":{n}");
+        json_uint(buf, "tokens_in", n);
     }
     if let Some(n) = row.tokens_out {
-        let _ = write!(buf, ",\"tokens_out\":{n}");
+        json_uint(buf, "tokens_out", n);
     }
-    let _ = write!(
-        buf,
-        ",\"stream\":{},\"hedged\":{}",
-        row.stream,
-        row.hedges > 0
-    );
+    buf.extend_from_slice(if row.stream {
+        b",\"stream\":true"
+    } else {
+        b",\"stream\":false"
+    });
+    buf.extend_from_slice(if row.hedges > 0 {
+        b",\"hedged\":true"
+    } else {
+        b",\"hedged\":false"
+    });
     if let Some(k) = &row.client_key {
         buf.extend_from_slice(b",\"client_key\":");
         json_str(buf, k);
@@ -789,6 +812,18 @@ mod tests {
         assert_eq!(v["ttft_ms"], 12.3);
         assert_eq!(v["tokens_in"], 7);
         assert!(v.get("tokens_out").is_none());
+        // Numbers in the shape `{}` gives them (what the subscriber's own JSON lines have).
+        for (ms, text) in [(1.0, "1"), (0.25, "0.3"), (1234.56, "1234.6"), (0.0, "0")] {
+            r.latency_ms = ms;
+            let mut b = Vec::new();
+            json_line(&mut b, &r, "chat", t);
+            let line = String::from_utf8(b).unwrap();
+            assert!(
+                line.contains(&format!(",\"latency_ms\":{text},")),
+                "{ms}: {line}"
+            );
+            assert_eq!(text, format!("{}", round1(ms)));
+        }
         // Dates across eras and leap days, against chrono-free known values.
         for (secs, text) in [
             (0u64, "1970-01-01T00:00:00.000000Z"),

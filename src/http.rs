@@ -80,7 +80,7 @@ async fn embeddings(State(app): State<Arc<AppState>>, headers: HeaderMap, body: 
 /// The client's `x-request-id` when it is a sane token, else a fresh UUID.
 fn request_id(headers: &HeaderMap) -> String {
     headers
-        .get("x-request-id")
+        .get(wire::names::X_REQUEST_ID)
         .and_then(|v| v.to_str().ok())
         .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
         .map(str::to_string)
@@ -314,7 +314,7 @@ impl hyper::body::Body for WithSlot {
 
 fn with_request_id(mut resp: Response, id: &str) -> Response {
     if let Ok(v) = HeaderValue::from_str(id) {
-        resp.headers_mut().insert("x-request-id", v);
+        resp.headers_mut().insert(wire::names::X_REQUEST_ID, v);
     }
     resp
 }

@@ -8,7 +8,11 @@
 //! config does not name is `other`), classes come from `Outcome`'s closed set, statuses are
 //! three digits. No client-chosen string becomes a series.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+
+/// Series handles and answer windows looked up by config names on every request (foldhash; no
+/// client-chosen key reaches these maps).
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 use std::sync::{Mutex, OnceLock, RwLock};
 use std::time::{Duration, SystemTime};
 

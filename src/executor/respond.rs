@@ -110,21 +110,22 @@ impl Run {
     }
 
     pub(super) fn headers(&self, resp: &mut Response, endpoint: Option<&str>) {
+        use crate::wire::names;
         let h = resp.headers_mut();
         if let Ok(v) = HeaderValue::from_str(&self.request_id) {
-            h.insert("x-request-id", v);
+            h.insert(names::X_REQUEST_ID, v);
         }
         if let Some(ep) = endpoint.and_then(|e| HeaderValue::from_str(e).ok()) {
-            h.insert("x-autohedge-endpoint", ep);
+            h.insert(names::X_AUTOHEDGE_ENDPOINT, ep);
         }
-        h.insert("x-autohedge-attempts", HeaderValue::from(self.calls));
+        h.insert(names::X_AUTOHEDGE_ATTEMPTS, HeaderValue::from(self.calls));
         if self.hedge_won {
-            h.insert("x-autohedge-hedged", HeaderValue::from_static("true"));
+            h.insert(names::X_AUTOHEDGE_HEDGED, HeaderValue::from_static("true"));
         }
         if let Some((m, t)) = self.truncation
             && let Ok(v) = HeaderValue::from_str(&format!("{m}/{t}"))
         {
-            h.insert("x-autohedge-truncated", v);
+            h.insert(names::X_AUTOHEDGE_TRUNCATED, v);
         }
     }
 

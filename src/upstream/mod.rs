@@ -134,19 +134,31 @@ fn direct_request(
     request_id: &str,
     payload: Bytes,
 ) -> Option<http::Request<Full<Bytes>>> {
-    let mut b = http::Request::post(uri)
-        .header(http::header::CONTENT_TYPE, "application/json")
-        .header(http::header::ACCEPT, "*/*")
-        .header("x-request-id", request_id);
+    use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HeaderValue};
+    // Built in place: the request builder moves its parts through a closure per header.
+    let mut req = http::Request::new(Full::new(payload));
+    *req.method_mut() = http::Method::POST;
+    *req.uri_mut() = uri;
+    let h = req.headers_mut();
+    h.reserve(4 + ep.headers.len());
+    h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    h.insert(ACCEPT, HeaderValue::from_static("*/*"));
+    h.insert(
+        crate::wire::names::X_REQUEST_ID,
+        HeaderValue::from_str(request_id).ok()?,
+    );
     if let Some(k) = key {
-        let mut v = http::HeaderValue::from_str(&format!("Bearer {}", k.expose())).ok()?;
+        let mut v = HeaderValue::from_str(&format!("Bearer {}", k.expose())).ok()?;
         v.set_sensitive(true);
-        b = b.header(http::header::AUTHORIZATION, v);
+        h.insert(AUTHORIZATION, v);
     }
     for (k, v) in &ep.headers {
-        b = b.header(k.as_str(), v.as_str());
+        h.append(
+            http::HeaderName::from_bytes(k.as_bytes()).ok()?,
+            HeaderValue::from_str(v).ok()?,
+        );
     }
-    b.body(Full::new(payload)).ok()
+    Some(req)
 }
 
 /// Errors of an upstream body stream, whichever client read it.

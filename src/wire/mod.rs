@@ -14,6 +14,17 @@ use crate::error::ApiError;
 
 pub use crate::op::Op;
 
+/// Header names the gateway sets on every request and response, parsed at compile time (a
+/// `&str` name is parsed and validated again on every insert).
+pub mod names {
+    use http::HeaderName;
+    pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+    pub const X_AUTOHEDGE_ENDPOINT: HeaderName = HeaderName::from_static("x-autohedge-endpoint");
+    pub const X_AUTOHEDGE_ATTEMPTS: HeaderName = HeaderName::from_static("x-autohedge-attempts");
+    pub const X_AUTOHEDGE_HEDGED: HeaderName = HeaderName::from_static("x-autohedge-hedged");
+    pub const X_AUTOHEDGE_TRUNCATED: HeaderName = HeaderName::from_static("x-autohedge-truncated");
+}
+
 /// A validated client request.
 #[derive(Clone, Debug)]
 pub struct Inbound {

@@ -211,14 +211,16 @@ async fn serve(
     };
     // Belt and braces: a panic anywhere below becomes a 500 in OpenAI's shape (the executor's
     // drop guard writes its audit row), never a reset connection.
-    let run = std::panic::AssertUnwindSafe(executor::execute(
+    // Boxed where it is made: the executor's future is large, and `catch_unwind` and `select!`
+    // would otherwise move it by value.
+    let run = std::panic::AssertUnwindSafe(Box::pin(executor::execute(
         app.clone(),
         cfg,
         inbound,
         chain,
         id.clone(),
         caller,
-    ))
+    )))
     .catch_unwind();
     let resp = tokio::select! {
         r = run => match r {

@@ -421,7 +421,7 @@ impl Telemetry {
         counter!("autohedge_audit_dropped_total").absolute(app.store.dropped());
         counter!("autohedge_alerts_dropped_total").absolute(app.alerts.dropped());
         if let Some(c) = LOG_DROPPED.get() {
-            counter!("autohedge_log_dropped_total").absolute(c.dropped_lines() as u64);
+            counter!("autohedge_log_dropped_total").absolute(c.dropped_lines());
         }
         h.render()
     }

@@ -45,6 +45,7 @@ pub async fn dispatch(
     app: &Arc<AppState>,
     router: &Router,
     req: axum::http::Request<hyper::body::Incoming>,
+    peer: SocketAddr,
 ) -> Response {
     use tower::ServiceExt;
     let op = match req.uri().path() {
@@ -58,10 +59,15 @@ pub async fn dispatch(
             let (parts, body) = req.into_parts();
             proxy(app.clone(), op, parts.headers, Body::new(body)).await
         }
-        _ => match router.clone().oneshot(req.map(Body::new)).await {
-            Ok(r) => r,
-            Err(e) => match e {},
-        },
+        _ => {
+            // The peer address for the handlers that check it (`/status`, `/metrics`, admin).
+            let mut req = req.map(Body::new);
+            req.extensions_mut().insert(ConnectInfo(peer));
+            match router.clone().oneshot(req).await {
+                Ok(r) => r,
+                Err(e) => match e {},
+            }
+        }
     }
 }
 

@@ -5,21 +5,22 @@
 //! worker that wakes (a futex, often a `sched_yield` spin) for each line and writes after each
 //! drain. Under load that was a context switch every second request and a quarter of the
 //! gateway's system time. Here a logging thread takes an uncontended mutex and copies its line;
-//! the writer wakes only when it was idle (the first line after a quiet spell) and otherwise
-//! sleeps its gather interval between writes, so in steady state no log line costs a wake-up.
+//! the writer wakes only when it was idle (the first line after a quiet spell) and then gathers
+//! for [`GATHER`] before it writes, so under load no log line costs a wake-up. A warning or an
+//! error cuts the gather short: what an operator (or a test) waits for goes out at once.
 //!
 //! Bounded and lossy like before: past `limit` lines (`AUTOHEDGE_LOG_BUFFER_LINES`) or
 //! [`MAX_BYTES`] queued, a line is dropped and counted (`autohedge_log_dropped_total`), so a
-//! blocked stderr (a full pipe nobody reads) never stalls a request. Lines reach stderr at most
-//! [`GATHER`] late; [`Guard`] writes what is queued when the process ends.
+//! blocked stderr (a full pipe nobody reads) never stalls a request. Info lines reach stderr at
+//! most [`GATHER`] late; [`Guard`] writes what is queued when the process ends.
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
-/// How long the writer gathers lines after a write before the next one. Lines appear at most
-/// this late; a burst of any size costs one write.
+/// How long the writer gathers lines after it wakes for the first of them: a burst of any size
+/// costs one write, and info lines appear at most this late. Warnings and errors do not wait.
 pub const GATHER: Duration = Duration::from_millis(10);
 
 /// Bytes queued at most, whatever the line count (one line may be long).
@@ -35,6 +36,10 @@ struct Queue {
     lines: usize,
     /// The writer is waiting for a first line: the next line wakes it.
     idle: bool,
+    /// The writer is gathering: a warning or an error wakes it.
+    gathering: bool,
+    /// A warning or an error is queued: write without gathering.
+    urgent: bool,
     closed: bool,
     /// The writer has written everything and stopped.
     done: bool,
@@ -42,9 +47,13 @@ struct Queue {
 
 struct Shared {
     queue: Mutex<Queue>,
+    /// The writer waits on this (idle, or gathering).
     wake: Condvar,
+    /// The guard waits on this for the writer to finish.
+    finished: Condvar,
     dropped: AtomicU64,
     limit: usize,
+    gather: Duration,
 }
 
 impl Shared {
@@ -76,11 +85,23 @@ impl LogWriter {
         limit: usize,
         thread_name: &str,
     ) -> io::Result<(LogWriter, Guard)> {
+        Self::start_gathering(sink, limit, thread_name, GATHER)
+    }
+
+    /// The same with another gather interval.
+    pub fn start_gathering<W: io::Write + Send + 'static>(
+        sink: W,
+        limit: usize,
+        thread_name: &str,
+        gather: Duration,
+    ) -> io::Result<(LogWriter, Guard)> {
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue::default()),
             wake: Condvar::new(),
+            finished: Condvar::new(),
             dropped: AtomicU64::new(0),
             limit: limit.max(1),
+            gather,
         });
         let s = shared.clone();
         let thread = std::thread::Builder::new()
@@ -99,6 +120,11 @@ impl LogWriter {
 
     /// Queues one line, or drops and counts it when the queue is full. Never blocks on the sink.
     pub fn line(&self, line: &[u8]) {
+        self.queue(line, false);
+    }
+
+    /// `urgent`: a warning or an error, written without waiting for the gather.
+    fn queue(&self, line: &[u8], urgent: bool) {
         let mut q = self.shared.lock();
         if q.lines >= self.shared.limit || q.buf.len().saturating_add(line.len()) > MAX_BYTES {
             drop(q);
@@ -107,7 +133,11 @@ impl LogWriter {
         }
         q.buf.extend_from_slice(line);
         q.lines += 1;
-        let wake = std::mem::take(&mut q.idle);
+        let mut wake = std::mem::take(&mut q.idle);
+        if urgent {
+            q.urgent = true;
+            wake |= q.gathering;
+        }
         drop(q);
         if wake {
             self.shared.wake.notify_one();
@@ -131,15 +161,25 @@ fn run<W: io::Write>(shared: &Shared, mut sink: W) {
         if q.buf.is_empty() {
             q.done = true;
             drop(q);
-            shared.wake.notify_all();
+            shared.finished.notify_all();
             return;
         }
-        if !q.closed {
-            // Gather: whatever else is logged meanwhile goes out in the same write.
-            drop(q);
-            std::thread::sleep(GATHER);
-            q = shared.lock();
+        // Gather: whatever else is logged meanwhile goes out in the same write, and while this
+        // thread gathers rather than waits idle, no logging thread has to wake it.
+        let until = std::time::Instant::now() + shared.gather;
+        while !q.urgent && !q.closed {
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            q.gathering = true;
+            q = match shared.wake.wait_timeout(q, left) {
+                Ok((q, _)) => q,
+                Err(e) => e.into_inner().0,
+            };
+            q.gathering = false;
         }
+        q.urgent = false;
         std::mem::swap(&mut q.buf, &mut out);
         q.lines = 0;
         drop(q);
@@ -165,7 +205,7 @@ impl Drop for Guard {
                 // The sink is blocked: leave the thread behind rather than hang the exit.
                 return;
             }
-            q = match self.shared.wake.wait_timeout(q, left) {
+            q = match self.shared.finished.wait_timeout(q, left) {
                 Ok((q, _)) => q,
                 Err(e) => e.into_inner().0,
             };
@@ -188,12 +228,13 @@ impl io::Write for LogWriter {
     }
 }
 
-/// What `tracing-subscriber` asks for each event: a borrowed handle, no clone of the `Arc`.
-pub struct LineRef<'a>(&'a LogWriter);
+/// What `tracing-subscriber` asks for each event: a borrowed handle, no clone of the `Arc`,
+/// and whether the event is a warning or an error.
+pub struct LineRef<'a>(&'a LogWriter, bool);
 
 impl io::Write for LineRef<'_> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.0.line(buf);
+        self.0.queue(buf, self.1);
         Ok(buf.len())
     }
 
@@ -206,7 +247,11 @@ impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogWriter {
     type Writer = LineRef<'a>;
 
     fn make_writer(&'a self) -> Self::Writer {
-        LineRef(self)
+        LineRef(self, false)
+    }
+
+    fn make_writer_for(&'a self, meta: &tracing::Metadata<'_>) -> Self::Writer {
+        LineRef(self, *meta.level() <= tracing::Level::WARN)
     }
 }
 
@@ -261,6 +306,72 @@ mod tests {
         assert!((1..=5).contains(&writes), "{writes} writes for 1000 lines");
         assert_eq!(w.dropped_lines(), 0);
     }
+
+    fn wait_for(sink: &Sink, what: &str) -> bool {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !String::from_utf8_lossy(&sink.got.lock().unwrap()).contains(what) {
+            if std::time::Instant::now() > deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        true
+    }
+
+    #[test]
+    fn a_warning_cuts_the_gather_short() {
+        use std::io::Write as _;
+        use tracing_subscriber::fmt::MakeWriter as _;
+        let sink = Sink::default();
+        // A gather far longer than the test may wait: only the warning can get lines out.
+        let (w, _guard) =
+            LogWriter::start_gathering(sink.clone(), 100, "t-log", Duration::from_secs(3600))
+                .unwrap();
+        let info = tracing::Metadata::new(
+            "i",
+            "t",
+            tracing::Level::INFO,
+            None,
+            None,
+            None,
+            tracing::field::FieldSet::new(&[], tracing::callsite::Identifier(&CALLSITE)),
+            tracing::metadata::Kind::EVENT,
+        );
+        let warn = tracing::Metadata::new(
+            "w",
+            "t",
+            tracing::Level::WARN,
+            None,
+            None,
+            None,
+            tracing::field::FieldSet::new(&[], tracing::callsite::Identifier(&CALLSITE)),
+            tracing::metadata::Kind::EVENT,
+        );
+        w.make_writer_for(&info).write_all(b"info line\n").unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(
+            !String::from_utf8_lossy(&sink.got.lock().unwrap()).contains("info line"),
+            "the info line waits for the gather"
+        );
+        w.make_writer_for(&warn).write_all(b"warn line\n").unwrap();
+        assert!(
+            wait_for(&sink, "warn line"),
+            "the warning was not written at once"
+        );
+        assert!(
+            wait_for(&sink, "info line"),
+            "and took the info line with it"
+        );
+    }
+
+    struct Callsite;
+    impl tracing::callsite::Callsite for Callsite {
+        fn set_interest(&self, _: tracing::subscriber::Interest) {}
+        fn metadata(&self) -> &tracing::Metadata<'_> {
+            unimplemented!()
+        }
+    }
+    static CALLSITE: Callsite = Callsite;
 
     #[test]
     fn a_line_logged_when_idle_reaches_the_sink_without_an_exit() {

@@ -7,7 +7,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::ConnectInfo;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
@@ -215,17 +214,15 @@ async fn serve(
         // chunk until the client's delayed ACK (~40 ms) arrives.
         let _ = tcp.set_nodelay(true);
         let (router, state_) = (app.clone(), state.clone());
-        let svc = hyper::service::service_fn(
-            move |mut req: axum::http::Request<hyper::body::Incoming>| {
-                req.extensions_mut().insert(ConnectInfo(peer));
+        let svc =
+            hyper::service::service_fn(move |req: axum::http::Request<hyper::body::Incoming>| {
                 let (router, state_) = (router.clone(), state_.clone());
                 async move {
                     Ok::<_, std::convert::Infallible>(
-                        crate::http::dispatch(&state_, &router, req).await,
+                        crate::http::dispatch(&state_, &router, req, peer).await,
                     )
                 }
-            },
-        );
+            });
         let conn = builder
             .serve_connection_with_upgrades(TokioIo::new(tcp), svc)
             .into_owned();

@@ -327,26 +327,7 @@ mod tests {
         let (w, _guard) =
             LogWriter::start_gathering(sink.clone(), 100, "t-log", Duration::from_secs(3600))
                 .unwrap();
-        let info = tracing::Metadata::new(
-            "i",
-            "t",
-            tracing::Level::INFO,
-            None,
-            None,
-            None,
-            tracing::field::FieldSet::new(&[], tracing::callsite::Identifier(&CALLSITE)),
-            tracing::metadata::Kind::EVENT,
-        );
-        let warn = tracing::Metadata::new(
-            "w",
-            "t",
-            tracing::Level::WARN,
-            None,
-            None,
-            None,
-            tracing::field::FieldSet::new(&[], tracing::callsite::Identifier(&CALLSITE)),
-            tracing::metadata::Kind::EVENT,
-        );
+        let (info, warn) = (meta(tracing::Level::INFO), meta(tracing::Level::WARN));
         w.make_writer_for(&info).write_all(b"info line\n").unwrap();
         std::thread::sleep(Duration::from_millis(50));
         assert!(
@@ -364,6 +345,19 @@ mod tests {
         );
     }
 
+    fn meta(level: tracing::Level) -> tracing::Metadata<'static> {
+        tracing::Metadata::new(
+            "event",
+            "test",
+            level,
+            None,
+            None,
+            None,
+            tracing::field::FieldSet::new(&[], tracing::callsite::Identifier(&CALLSITE)),
+            tracing::metadata::Kind::EVENT,
+        )
+    }
+
     struct Callsite;
     impl tracing::callsite::Callsite for Callsite {
         fn set_interest(&self, _: tracing::subscriber::Interest) {}
@@ -379,15 +373,10 @@ mod tests {
         let (w, _guard) = LogWriter::start(sink.clone(), 16, "t-log").unwrap();
         for round in 0..3 {
             w.line(format!("r{round}\n").as_bytes());
-            let deadline = std::time::Instant::now() + Duration::from_secs(5);
-            while !String::from_utf8_lossy(&sink.got.lock().unwrap()).contains(&format!("r{round}"))
-            {
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "line {round} never written"
-                );
-                std::thread::sleep(Duration::from_millis(2));
-            }
+            assert!(
+                wait_for(&sink, &format!("r{round}")),
+                "line {round} never written"
+            );
             // Quiet long enough for the writer to go idle again.
             std::thread::sleep(GATHER * 3);
         }

@@ -45,7 +45,6 @@ pub fn init_tracing(default_level: &str) -> Option<crate::logwriter::Guard> {
                 return None;
             }
         };
-    let _ = crate::telemetry::LOG_DROPPED.set(writer.clone());
     let json = std::env::var("AUTOHEDGE_LOG_FORMAT").as_deref() == Ok("json");
     let _ = crate::telemetry::ACCESS_LOG.set((writer.clone(), json));
     let builder = tracing_subscriber::fmt()

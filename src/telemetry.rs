@@ -9,10 +9,6 @@
 //! three digits. No client-chosen string becomes a series.
 
 use std::collections::VecDeque;
-
-/// Series handles and answer windows looked up by config names on every request (foldhash; no
-/// client-chosen key reaches these maps).
-type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 use std::sync::{Mutex, OnceLock, RwLock};
 use std::time::{Duration, SystemTime};
 
@@ -25,6 +21,10 @@ use tokio_util::sync::CancellationToken;
 use crate::config::Config;
 use crate::state::AppState;
 use crate::store::RequestRow;
+
+/// Series handles and answer windows looked up by config names on every request (foldhash; no
+/// client-chosen key reaches these maps).
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 /// Failovers `/status` keeps (the live page shows them).
 const RECENT_FAILOVERS: usize = 50;
@@ -261,9 +261,6 @@ impl EndpointHandles {
     }
 }
 
-/// Log lines the non-blocking writer dropped (set by `cli::init_tracing`).
-pub static LOG_DROPPED: OnceLock<crate::logwriter::LogWriter> = OnceLock::new();
-
 /// One move from a failed endpoint to the next.
 #[derive(Clone, Debug)]
 struct Failover {
@@ -420,8 +417,8 @@ impl Telemetry {
         gauge!("autohedge_docker_up").set(if docker_up { 1.0 } else { 0.0 });
         counter!("autohedge_audit_dropped_total").absolute(app.store.dropped());
         counter!("autohedge_alerts_dropped_total").absolute(app.alerts.dropped());
-        if let Some(c) = LOG_DROPPED.get() {
-            counter!("autohedge_log_dropped_total").absolute(c.dropped_lines());
+        if let Some((w, _)) = ACCESS_LOG.get() {
+            counter!("autohedge_log_dropped_total").absolute(w.dropped_lines());
         }
         h.render()
     }
@@ -505,8 +502,9 @@ fn failovers(row: &RequestRow) -> Vec<Failover> {
     out
 }
 
-/// Where access lines go and in which form, set by `cli::init_tracing`. Without it (the
-/// library embedded, tests in-process) they go through `tracing::info!`.
+/// The log writer and whether lines are JSON, set by `cli::init_tracing`: access lines go
+/// straight to it, and `/metrics` reads its drop counter. Without it (the library embedded,
+/// tests in-process) access lines go through `tracing::info!`.
 pub static ACCESS_LOG: OnceLock<(crate::logwriter::LogWriter, bool)> = OnceLock::new();
 
 /// The access line: one per request, at info (`RUST_LOG` filters it like any line), with the

@@ -8,12 +8,13 @@
 FROM rust:1-bookworm AS build
 WORKDIR /src
 COPY . .
-RUN cargo build --release --locked --bin autohedge \
- && strip target/release/autohedge \
+# `dist`: the release profile with fat LTO (Cargo.toml) — a longer build, a faster gateway.
+RUN cargo build --profile dist --locked --bin autohedge \
+ && strip target/dist/autohedge \
  && mkdir -p /out/data
 
 FROM gcr.io/distroless/cc-debian12:nonroot
-COPY --from=build /src/target/release/autohedge /usr/local/bin/autohedge
+COPY --from=build /src/target/dist/autohedge /usr/local/bin/autohedge
 COPY config/config.yaml /etc/autohedge/config.yaml
 # The audit database lives here; a named volume mounted on it inherits this ownership.
 COPY --from=build --chown=65532:65532 /out/data /home/nonroot/data

@@ -29,7 +29,14 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
 
-const GATEWAY: &str = env!("CARGO_BIN_EXE_autohedge");
+/// The gateway binary under test: this build's (`cargo bench` builds it with the release
+/// profile), or the one `AUTOHEDGE_BENCH_GATEWAY` names — `target/dist/autohedge`, say, the
+/// fat-LTO build the image ships.
+fn gateway_bin() -> std::path::PathBuf {
+    std::env::var_os("AUTOHEDGE_BENCH_GATEWAY")
+        .map(Into::into)
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_autohedge").into())
+}
 
 /// Fixed rates the latency targets are set at.
 const RATES: [u64; 2] = [500, 5_000];
@@ -378,7 +385,7 @@ fn start_gateway(dir: &std::path::Path, config: &str) -> (Child, SocketAddr) {
     // would in a deployment that logged next to its config).
     let logs = dir.join("logs");
     std::fs::create_dir_all(&logs).unwrap();
-    let mut child = Command::new(GATEWAY)
+    let mut child = Command::new(gateway_bin())
         .args(["serve", "--listen", "127.0.0.1:0", "--config"])
         .arg(&cfg)
         .arg("--data-dir")
@@ -450,6 +457,7 @@ async fn run() {
         RATES[1],
         RATE_SECS[1]
     );
+    println!("gateway binary: {}", gateway_bin().display());
 
     // Cold start first, each on a fresh process (the gateway with a fresh data directory).
     println!();
@@ -687,7 +695,7 @@ async fn ollama_stream(dir: &std::path::Path) {
     let words: Vec<String> = (0..STREAM_WORDS).map(|i| format!("w{i}")).collect();
     let script = dir.join("ollama.yaml");
     std::fs::write(&script, format!("reply: \"{}\"\n", words.join(" "))).unwrap();
-    let mut mock = Command::new(GATEWAY)
+    let mut mock = Command::new(gateway_bin())
         .args([
             "mock-upstream",
             "--listen",

@@ -5,6 +5,7 @@
 #
 # Usage: deploy/build-image.sh [BINARY] [TAG]
 #   BINARY defaults to target/release/autohedge (built if missing), TAG to autohedge:local.
+#   For the binary the Dockerfile ships: cargo build --profile dist, then pass target/dist/autohedge.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin="${1:-target/release/autohedge}"

@@ -50,7 +50,12 @@ impl Run {
             // Asked once per request: a failing backend costs one timeout, not one per check.
             self.backend_failed.insert(ep.name.clone());
             let t = tokio::time::Instant::now();
-            let counted = upstream::tokenize::backend_count(ep, self.req.op, &self.req.body).await;
+            let counted = Box::pin(upstream::tokenize::backend_count(
+                ep,
+                self.req.op,
+                &self.req.body,
+            ))
+            .await;
             self.waited += t.elapsed();
             if let Some(b) = counted {
                 self.backend_failed.remove(&ep.name);

@@ -91,9 +91,10 @@ struct Run {
     /// The audit row was written (or handed to a `StreamGuard`): `Drop` writes one otherwise.
     row_written: bool,
     /// The upstream call in flight, for the record when the request is cut off mid-attempt.
-    current: Option<(String, Instant)>,
+    /// (The endpoint's `Arc`, not its name: set on every attempt, it costs a refcount.)
+    current: Option<(Arc<Endpoint>, Instant)>,
     /// A hedged copy in flight beside `current`.
-    current_hedge: Option<(String, Instant)>,
+    current_hedge: Option<(Arc<Endpoint>, Instant)>,
     /// This request's hedging (`route:NAME` or `endpoint:NAME` budget, and the spec).
     hedge: Option<(String, crate::hedge::Spec)>,
     hedges_sent: u32,
@@ -133,12 +134,12 @@ impl Drop for Run {
         } else {
             (499, Outcome::ClientClosed)
         };
-        for (endpoint, t0) in [self.current.take(), self.current_hedge.take()]
+        for (ep, t0) in [self.current.take(), self.current_hedge.take()]
             .into_iter()
             .flatten()
         {
             self.attempts.push(AttemptReport {
-                endpoint,
+                endpoint: ep.name.clone(),
                 status: None,
                 class,
                 latency_ms: t0.elapsed().as_secs_f64() * 1000.0,
@@ -307,7 +308,7 @@ impl Run {
             match self.overflow_policy() {
                 Overflow::Truncate if !truncated_once && self.req.op == Op::Chat => {
                     truncated_once = true;
-                    if let Err(resp) = self.truncate_to_fit().await {
+                    if let Err(resp) = Box::pin(self.truncate_to_fit()).await {
                         return resp;
                     }
                     self.context_skipped.clear();
@@ -454,7 +455,7 @@ impl Run {
                     spec.delay(|p| self.app.registry.latency_percentile(&ep.name, p))
                 });
                 let (ep, outcome) = match delay {
-                    Some(delay) => self.try_hedged(&ep, delay, &order[i + 1..]).await,
+                    Some(delay) => Box::pin(self.try_hedged(&ep, delay, &order[i + 1..])).await,
                     None => {
                         let outcome = self.try_endpoint(&ep, None).await;
                         (ep, outcome)
@@ -774,7 +775,7 @@ impl Run {
                     };
                     let key = self.key_for(ep, key_idx).cloned();
                     let t0 = Instant::now();
-                    self.current = Some((ep.name.clone(), t0));
+                    self.current = Some((ep.clone(), t0));
                     let result = self.attempt(ep, key.as_ref()).await;
                     self.current = None;
                     Finished {

@@ -69,7 +69,7 @@ impl Run {
                 return (a.clone(), self.try_endpoint(a, Some(done)).await);
             }
         };
-        self.current = Some((a.name.clone(), first.t0));
+        self.current = Some((a.clone(), first.t0));
         // Time in the selects and awaits below is upstream (or the hedge delay): not the
         // gateway's own.
         let t = Instant::now();
@@ -92,7 +92,7 @@ impl Run {
             let done = first.finish(result);
             return (a.clone(), self.try_endpoint(a, Some(done)).await);
         };
-        self.current_hedge = Some((b.name.clone(), hedge.t0));
+        self.current_hedge = Some((b.clone(), hedge.t0));
         // Both run now. The first to finish decides: a success wins outright; a failure is
         // settled and the other carries on alone.
         let t = Instant::now();
@@ -138,7 +138,7 @@ impl Run {
         } else {
             &mut self.current
         };
-        *slot = Some((other_ep.name.clone(), survivor.t0));
+        *slot = Some((other_ep.clone(), survivor.t0));
         let t = Instant::now();
         let result = (&mut survivor.fut).await;
         self.waited += t.elapsed();

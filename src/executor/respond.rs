@@ -23,13 +23,13 @@ use crate::wire::{self, Op, Usage};
 impl Run {
     /// The 504 when `routing_policy.request_timeout` passed before anything was served.
     pub(super) fn request_timed_out(&mut self) -> Response {
-        for (endpoint, t0) in [self.current.take(), self.current_hedge.take()]
+        for (ep, t0) in [self.current.take(), self.current_hedge.take()]
             .into_iter()
             .flatten()
         {
-            let panic_mode = self.panic_mode.contains(&endpoint);
+            let panic_mode = self.panic_mode.contains(&ep.name);
             self.attempts.push(AttemptReport {
-                endpoint,
+                endpoint: ep.name.clone(),
                 status: None,
                 class: Outcome::Timeout,
                 latency_ms: t0.elapsed().as_secs_f64() * 1000.0,

@@ -175,11 +175,12 @@ pub struct Usage {
 /// The few fields of a 2xx answer the gateway needs, read without building the whole tree
 /// (serde still checks the whole body is valid JSON while skipping the rest).
 #[derive(Debug, serde::Deserialize)]
-pub struct ResponseProbe {
+pub struct ResponseProbe<'a> {
     #[serde(default)]
     pub error: Option<serde::de::IgnoredAny>,
-    #[serde(default)]
-    pub object: Option<String>,
+    /// Borrowed from the body unless it holds escapes: no allocation for `"chat.completion"`.
+    #[serde(default, borrow)]
+    pub object: Option<std::borrow::Cow<'a, str>>,
     #[serde(default)]
     pub usage: Option<UsageProbe>,
 }
@@ -192,7 +193,7 @@ pub struct UsageProbe {
     pub completion_tokens: Option<u64>,
 }
 
-impl ResponseProbe {
+impl ResponseProbe<'_> {
     pub fn is_error(&self) -> bool {
         self.error.is_some() || self.object.as_deref() == Some("error")
     }
@@ -314,6 +315,25 @@ pub fn prompt_chars(body: &Map<String, Value>) -> usize {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn response_probe_reads_an_escaped_object_and_rejects_a_wrong_type() {
+        let p: ResponseProbe = serde_json::from_slice(
+            br#"{"object":"chat.completion","usage":{"prompt_tokens":3,"completion_tokens":4}}"#,
+        )
+        .unwrap();
+        assert!(matches!(
+            p.object,
+            Some(std::borrow::Cow::Borrowed("chat.completion"))
+        ));
+        assert!(!p.is_error());
+        assert_eq!(p.usage().map(|u| (u.prompt, u.completion)), Some((3, 4)));
+        // An escape cannot be borrowed: the owned string is read the same.
+        let p: ResponseProbe = serde_json::from_slice(br#"{"object":"err\u006fr"}"#).unwrap();
+        assert!(p.is_error());
+        assert!(serde_json::from_slice::<ResponseProbe>(br#"{"object":5}"#).is_err());
+        assert!(serde_json::from_slice::<ResponseProbe>(br#"{"object":"x""#).is_err());
+    }
 
     #[test]
     fn validates_like_openai() {

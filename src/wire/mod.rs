@@ -175,12 +175,11 @@ pub struct Usage {
 /// The few fields of a 2xx answer the gateway needs, read without building the whole tree
 /// (serde still checks the whole body is valid JSON while skipping the rest).
 #[derive(Debug, serde::Deserialize)]
-pub struct ResponseProbe<'a> {
+pub struct ResponseProbe {
     #[serde(default)]
     pub error: Option<serde::de::IgnoredAny>,
-    /// Borrowed from the body unless it holds escapes: no allocation for `"chat.completion"`.
-    #[serde(default, borrow)]
-    pub object: Option<std::borrow::Cow<'a, str>>,
+    #[serde(default)]
+    pub object: Option<String>,
     #[serde(default)]
     pub usage: Option<UsageProbe>,
 }
@@ -193,7 +192,7 @@ pub struct UsageProbe {
     pub completion_tokens: Option<u64>,
 }
 
-impl ResponseProbe<'_> {
+impl ResponseProbe {
     pub fn is_error(&self) -> bool {
         self.error.is_some() || self.object.as_deref() == Some("error")
     }
@@ -322,13 +321,10 @@ mod tests {
             br#"{"object":"chat.completion","usage":{"prompt_tokens":3,"completion_tokens":4}}"#,
         )
         .unwrap();
-        assert!(matches!(
-            p.object,
-            Some(std::borrow::Cow::Borrowed("chat.completion"))
-        ));
+        assert_eq!(p.object.as_deref(), Some("chat.completion"));
         assert!(!p.is_error());
         assert_eq!(p.usage().map(|u| (u.prompt, u.completion)), Some((3, 4)));
-        // An escape cannot be borrowed: the owned string is read the same.
+        // An escaped value is read as the text it stands for.
         let p: ResponseProbe = serde_json::from_slice(br#"{"object":"err\u006fr"}"#).unwrap();
         assert!(p.is_error());
         assert!(serde_json::from_slice::<ResponseProbe>(br#"{"object":5}"#).is_err());

@@ -3,10 +3,12 @@
 # is doing, unlike seconds): the release gateway under callgrind in front of the mock upstream,
 # N keep-alive requests from a Python client; startup and shutdown cancel out in the difference
 # between a 1,000- and a 5,000-request run (SMALL and LARGE; startup alone varies by a few
-# million instructions from run to run, so the runs must differ by thousands of requests). Prints the figure and the inclusive cost of the
-# functions named in $FOCUS (a grep pattern) per request.
+# million instructions from run to run, so the runs must differ by thousands of requests). Prints
+# the figure, split into the request path, the audit writer and the log writer (one callgrind file
+# a thread), and the inclusive cost of the functions named in $FOCUS (a grep pattern) per request.
 #
 #   cargo build --release --bin autohedge && bash benches/instructions.sh
+#   cargo build --profile dist --bin autohedge && BIN=target/dist/autohedge bash benches/instructions.sh
 #   SMALL=300 LARGE=1300 bash benches/instructions.sh   # quicker, noisier
 #
 # Env: LOG_FORMAT (default json), RUST_LOG (default info) — the gateway as deployed.

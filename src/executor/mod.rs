@@ -454,6 +454,9 @@ impl Run {
                 let delay = self.hedge.as_ref().and_then(|(_, spec)| {
                     spec.delay(|p| self.app.registry.latency_percentile(&ep.name, p))
                 });
+                // The rare sub-futures (this race, truncation, a backend count) are boxed where
+                // awaited, so the executor's future — moved into its box on every request — is
+                // not sized by them.
                 let (ep, outcome) = match delay {
                     Some(delay) => Box::pin(self.try_hedged(&ep, delay, &order[i + 1..])).await,
                     None => {

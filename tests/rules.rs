@@ -187,6 +187,53 @@ async fn a_malformed_2xx_body_fails_over() {
     );
 }
 
+/// Answers a strict reader would still serve: they reach the client from the first endpoint,
+/// while a truncated one fails over. Each answer is a raw body the mock sends as-is.
+#[tokio::test]
+async fn odd_but_servable_2xx_bodies_are_served_and_a_truncated_one_fails_over() {
+    let served = [
+        // Some compatible servers put `"error": null` in every success; no usage either, so the
+        // gateway reads the whole answer.
+        r#"{"id":"c1","object":"chat.completion","error":null,"choices":[{"index":0,"message":{"role":"assistant","content":"from a"},"finish_reason":"stop"}]}"#,
+        // A key given twice (the last counts, as in any JSON parser's tree), `usage` of a shape
+        // no count can be read from, `object` not a string.
+        r#"{"object":7,"usage":{"prompt_tokens":-1},"usage":null,"choices":[{"index":0,"message":{"role":"assistant","content":"from a"},"finish_reason":"stop"}]}"#,
+    ];
+    let truncated = r#"{"id":"c1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"from "#;
+    let b = MockUp::openai("name: b").await;
+    for (i, body) in served.iter().chain([&truncated]).enumerate() {
+        let script =
+            serde_json::to_string(&json!({"rules": [{"status": 200, "body": body}]})).unwrap();
+        let a = MockUp::openai(&script).await;
+        let mut gw = Gw::start(&format!("models:\n{}{}", ep("a", &a, ""), ep("b", &b, "")));
+        let id = format!("odd-{i}");
+        let r = gw
+            .chat_id(
+                &id,
+                json!({"model": "a", "messages": [{"role": "user", "content": "x"}]}),
+            )
+            .await;
+        assert_eq!(r.status(), 200, "{body}");
+        assert_eq!(a.requests().await, 1, "{body}");
+        let endpoint = header(&r, "x-autohedge-endpoint");
+        let text = r.text().await.unwrap();
+        gw.stop();
+        let classes = db_rows(
+            &gw,
+            &format!("SELECT class FROM attempts WHERE request_id = '{id}' ORDER BY seq"),
+        );
+        if i < served.len() {
+            assert_eq!(endpoint, "a", "{body}");
+            assert_eq!(text, *body, "served as the upstream sent it");
+            assert_eq!(classes, vec!["ok"], "{body}");
+        } else {
+            assert_eq!(endpoint, "b", "{body}");
+            assert!(text.contains("Hello from b!"), "{text}");
+            assert_eq!(classes, vec!["malformed_response", "ok"], "{body}");
+        }
+    }
+}
+
 #[tokio::test]
 async fn a_committed_stream_past_timeouts_total_ends_with_stream_timeout() {
     let a = MockUp::openai(

@@ -191,16 +191,16 @@ impl<'a> Attempt<'a> {
                 ratelimit,
             });
         }
-        let probe: wire::ResponseProbe = serde_json::from_slice(&body).map_err(|e| {
+        let answer = wire::answer::read(&body).map_err(|e| {
             Failure::new(
                 Outcome::Malformed,
                 Some(status.as_u16()),
                 format!("2xx body is not JSON: {e}"),
             )
         })?;
-        let usage = probe.usage();
+        let usage = answer.usage;
         let mut out_chars = 0;
-        if probe.is_error() || usage.is_none() {
+        if answer.error || usage.is_none() {
             // Rare paths (an error inside a 200, or no usage to record): read the whole tree.
             let parsed: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
             if let ChunkKind::Error(msg) = wire::classify_chunk(&parsed) {

@@ -2,6 +2,7 @@
 //! whether a stream chunk carries content, in-band errors). Bodies stay `serde_json` maps so
 //! unknown fields pass through to OpenAI-type upstreams untouched.
 
+pub mod answer;
 pub mod hygiene;
 pub mod sse;
 
@@ -172,43 +173,10 @@ pub struct Usage {
     pub completion: u64,
 }
 
-/// The few fields of a 2xx answer the gateway needs, read without building the whole tree
-/// (serde still checks the whole body is valid JSON while skipping the rest).
-#[derive(Debug, serde::Deserialize)]
-pub struct ResponseProbe {
-    #[serde(default)]
-    pub error: Option<serde::de::IgnoredAny>,
-    #[serde(default)]
-    pub object: Option<String>,
-    #[serde(default)]
-    pub usage: Option<UsageProbe>,
-}
-
-#[derive(Debug, serde::Deserialize)]
-pub struct UsageProbe {
-    #[serde(default)]
-    pub prompt_tokens: Option<u64>,
-    #[serde(default)]
-    pub completion_tokens: Option<u64>,
-}
-
-impl ResponseProbe {
-    pub fn is_error(&self) -> bool {
-        self.error.is_some() || self.object.as_deref() == Some("error")
-    }
-    pub fn usage(&self) -> Option<Usage> {
-        self.usage.as_ref().map(|u| Usage {
-            prompt: u.prompt_tokens.unwrap_or(0),
-            completion: u.completion_tokens.unwrap_or(0),
-        })
-    }
-}
-
+/// A stream chunk's or a translated answer's `usage`, when it is an object (as
+/// [`answer::read`] reads a full answer's).
 pub fn usage_of(v: &Value) -> Option<Usage> {
-    let u = v.get("usage")?;
-    if u.is_null() {
-        return None;
-    }
+    let u = v.get("usage").filter(|u| u.is_object())?;
     Some(Usage {
         prompt: u.get("prompt_tokens").and_then(Value::as_u64).unwrap_or(0),
         completion: u
@@ -230,7 +198,8 @@ pub enum ChunkKind {
 }
 
 pub fn classify_chunk(v: &Value) -> ChunkKind {
-    if let Some(err) = v.get("error") {
+    // `"error": null` is no error: some compatible servers send it on every success.
+    if let Some(err) = v.get("error").filter(|e| !e.is_null()) {
         let msg = err
             .get("message")
             .and_then(Value::as_str)
@@ -316,22 +285,6 @@ mod tests {
     use serde_json::json;
 
     #[test]
-    fn response_probe_reads_an_escaped_object_and_rejects_a_wrong_type() {
-        let p: ResponseProbe = serde_json::from_slice(
-            br#"{"object":"chat.completion","usage":{"prompt_tokens":3,"completion_tokens":4}}"#,
-        )
-        .unwrap();
-        assert_eq!(p.object.as_deref(), Some("chat.completion"));
-        assert!(!p.is_error());
-        assert_eq!(p.usage().map(|u| (u.prompt, u.completion)), Some((3, 4)));
-        // An escaped value is read as the text it stands for.
-        let p: ResponseProbe = serde_json::from_slice(br#"{"object":"err\u006fr"}"#).unwrap();
-        assert!(p.is_error());
-        assert!(serde_json::from_slice::<ResponseProbe>(br#"{"object":5}"#).is_err());
-        assert!(serde_json::from_slice::<ResponseProbe>(br#"{"object":"x""#).is_err());
-    }
-
-    #[test]
     fn validates_like_openai() {
         assert!(inspect(Op::Chat, json!([])).is_err());
         assert!(
@@ -383,6 +336,28 @@ mod tests {
         assert_eq!(
             classify_chunk(&json!({"object":"error","message":"vllm boom"})),
             ChunkKind::Error("vllm boom".into())
+        );
+        // Some compatible servers send `"error": null` beside a real answer.
+        assert_eq!(
+            classify_chunk(&json!({"error":null,"choices":[{"delta":{"content":"Hi"}}]})),
+            ChunkKind::Content
+        );
+        assert_eq!(
+            classify_chunk(&json!({"error":null,"choices":[]})),
+            ChunkKind::Preamble
+        );
+    }
+
+    #[test]
+    fn usage_is_read_only_from_an_object() {
+        assert_eq!(usage_of(&json!({"usage":null})), None);
+        assert_eq!(usage_of(&json!({"usage":5})), None);
+        assert_eq!(
+            usage_of(&json!({"usage":{"prompt_tokens":2,"completion_tokens":-1}})),
+            Some(Usage {
+                prompt: 2,
+                completion: 0
+            })
         );
     }
 }

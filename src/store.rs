@@ -517,25 +517,173 @@ fn writer(
     }
 }
 
+/// The `requests` columns the writer fills, `id` first: ids are given explicitly so that a
+/// batch's attempts can name their request row without reading it back row by row.
+const REQUEST_COLUMNS: [&str; 24] = [
+    "id",
+    "request_id",
+    "ts_ms",
+    "operation",
+    "requested_model",
+    "endpoint",
+    "status",
+    "error_class",
+    "stream",
+    "latency_ms",
+    "ttft_ms",
+    "tokens_in",
+    "tokens_out",
+    "tokens_estimated",
+    "cost_usd",
+    "attempts",
+    "prompt_tokens_counted",
+    "truncated_messages",
+    "truncated_tokens",
+    "sanitized_chars",
+    "hedges",
+    "hedge_won",
+    "continued_from",
+    "client_key",
+];
+
+const ATTEMPT_COLUMNS: [&str; 10] = [
+    "request_row",
+    "request_id",
+    "seq",
+    "ts_ms",
+    "endpoint",
+    "class",
+    "status",
+    "error",
+    "latency_ms",
+    "panic_mode",
+];
+
+/// Rows one INSERT carries, largest first: a batch of 100 rows is three statements of 32, then
+/// 4 of 1. Each statement executed starts and halts a VDBE program (a fifth of the writer's
+/// instructions a row when every row was its own statement); 32 rows of 24 columns stay far
+/// below SQLite's limit on bound parameters (32,766).
+const ROWS_PER_INSERT: [usize; 3] = [32, 8, 1];
+
+/// `INSERT INTO table (columns) VALUES (?, …), …` for `rows` rows.
+fn insert_sql(table: &str, columns: &[&str], rows: usize) -> String {
+    let one = format!("({})", vec!["?"; columns.len()].join(", "));
+    format!(
+        "INSERT INTO {table} ({}) VALUES {}",
+        columns.join(", "),
+        vec![one; rows].join(", ")
+    )
+}
+
+/// Inserts `rows` with as few statements as [`ROWS_PER_INSERT`] allows; `bind` binds one row's
+/// values from the given parameter offset.
+fn insert_rows<T>(
+    tx: &rusqlite::Transaction<'_>,
+    table: &str,
+    columns: &[&str],
+    mut rows: &[T],
+    mut bind: impl FnMut(&mut rusqlite::Statement<'_>, usize, &T) -> rusqlite::Result<()>,
+) -> rusqlite::Result<()> {
+    for n in ROWS_PER_INSERT {
+        if rows.len() < n {
+            continue;
+        }
+        let mut stmt = tx.prepare_cached(&insert_sql(table, columns, n))?;
+        while rows.len() >= n {
+            for (i, row) in rows[..n].iter().enumerate() {
+                bind(&mut stmt, i * columns.len(), row)?;
+            }
+            stmt.raw_execute()?;
+            rows = &rows[n..];
+        }
+    }
+    Ok(())
+}
+
+/// Binds `values` as parameters `at + 1 ..`.
+fn bind_all(
+    stmt: &mut rusqlite::Statement<'_>,
+    at: usize,
+    values: &[&dyn rusqlite::ToSql],
+) -> rusqlite::Result<()> {
+    for (k, v) in values.iter().enumerate() {
+        stmt.raw_bind_parameter(at + k + 1, v)?;
+    }
+    Ok(())
+}
+
+fn bind_request(
+    stmt: &mut rusqlite::Statement<'_>,
+    at: usize,
+    (id, row): &(i64, Box<RequestRow>),
+) -> rusqlite::Result<()> {
+    let values: [&dyn rusqlite::ToSql; REQUEST_COLUMNS.len()] = [
+        id,
+        &row.request_id,
+        &ms(row.ts),
+        &row.operation,
+        &row.requested_model,
+        &row.endpoint,
+        &row.status,
+        &row.error_class,
+        &row.stream,
+        &row.latency_ms,
+        &row.ttft_ms,
+        &row.tokens_in.map(|v| v as i64),
+        &row.tokens_out.map(|v| v as i64),
+        &row.tokens_estimated,
+        &row.cost_usd,
+        &(row.attempts.iter().filter(|a| !a.class.is_skip()).count() as i64),
+        &row.prompt_tokens_counted.map(|v| v as i64),
+        &(row.truncated_messages as i64),
+        &(row.truncated_tokens as i64),
+        &(row.sanitized_chars as i64),
+        &row.hedges,
+        &row.hedge_won,
+        &row.continued_from,
+        &row.client_key,
+    ];
+    bind_all(stmt, at, &values)
+}
+
+fn bind_attempt(
+    stmt: &mut rusqlite::Statement<'_>,
+    at: usize,
+    (request_row, row, a): &(i64, &RequestRow, &AttemptRow),
+) -> rusqlite::Result<()> {
+    let values: [&dyn rusqlite::ToSql; ATTEMPT_COLUMNS.len()] = [
+        request_row,
+        &row.request_id,
+        &a.seq,
+        &ms(row.ts),
+        &a.endpoint,
+        &a.class.as_str(),
+        &a.status,
+        &a.error,
+        &a.latency_ms,
+        &a.panic_mode,
+    ];
+    bind_all(stmt, at, &values)
+}
+
 fn write_batch(
     conn: &mut Connection,
     batch: &mut Vec<Record>,
     flushes: &mut Vec<std::sync::mpsc::Sender<()>>,
 ) -> rusqlite::Result<()> {
     let mut prunes = Vec::new();
-    let tx = conn.transaction()?;
+    // IMMEDIATE: the write lock from the start, so the ids read here are still free when the
+    // rows go in, even with a second gateway writing to the same data dir.
+    let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
     {
-        let mut ins_req = tx.prepare_cached(
-            "INSERT INTO requests (request_id, ts_ms, operation, requested_model, endpoint, status, error_class, stream, latency_ms, ttft_ms, tokens_in, tokens_out, tokens_estimated, cost_usd, attempts, prompt_tokens_counted, truncated_messages, truncated_tokens, sanitized_chars, hedges, hedge_won, continued_from, client_key)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19, ?20, ?21, ?22, ?23)",
-        )?;
+        let mut next_id: i64 =
+            tx.query_row("SELECT coalesce(max(id), 0) + 1 FROM requests", [], |r| {
+                r.get(0)
+            })?;
+        let mut requests: Vec<(i64, Box<RequestRow>)> = Vec::new();
         let mut ins_spend = tx.prepare_cached(
             "INSERT INTO client_spend (client, month, usd, requests) VALUES (?1, ?2, ?3, 1)
              ON CONFLICT (client, month) DO UPDATE SET usd = usd + excluded.usd, requests = requests + 1",
-        )?;
-        let mut ins_att = tx.prepare_cached(
-            "INSERT INTO attempts (request_row, request_id, seq, ts_ms, endpoint, class, status, error, latency_ms, panic_mode)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)",
         )?;
         let mut ins_ev = tx.prepare_cached(
             "INSERT INTO endpoint_events (ts_ms, endpoint, event, reason) VALUES (?1, ?2, ?3, ?4)",
@@ -543,32 +691,6 @@ fn write_batch(
         for r in batch.drain(..) {
             match r {
                 Record::Request(row) => {
-                    let ts = ms(row.ts);
-                    ins_req.execute(params![
-                        row.request_id,
-                        ts,
-                        row.operation,
-                        row.requested_model,
-                        row.endpoint,
-                        row.status,
-                        row.error_class,
-                        row.stream,
-                        row.latency_ms,
-                        row.ttft_ms,
-                        row.tokens_in.map(|v| v as i64),
-                        row.tokens_out.map(|v| v as i64),
-                        row.tokens_estimated,
-                        row.cost_usd,
-                        row.attempts.iter().filter(|a| !a.class.is_skip()).count() as i64,
-                        row.prompt_tokens_counted.map(|v| v as i64),
-                        row.truncated_messages as i64,
-                        row.truncated_tokens as i64,
-                        row.sanitized_chars as i64,
-                        row.hedges,
-                        row.hedge_won,
-                        row.continued_from,
-                        row.client_key,
-                    ])?;
                     if let Some(client) = &row.client_key {
                         let usd = row
                             .cost_usd
@@ -580,21 +702,8 @@ fn write_batch(
                             usd
                         ])?;
                     }
-                    let request_row = tx.last_insert_rowid();
-                    for a in &row.attempts {
-                        ins_att.execute(params![
-                            request_row,
-                            row.request_id,
-                            a.seq,
-                            ts,
-                            a.endpoint,
-                            a.class.as_str(),
-                            a.status,
-                            a.error,
-                            a.latency_ms,
-                            a.panic_mode
-                        ])?;
-                    }
+                    requests.push((next_id, row));
+                    next_id += 1;
                 }
                 Record::Event(ev) => {
                     ins_ev.execute(params![ms(ev.ts), ev.endpoint, ev.event, ev.reason])?;
@@ -630,6 +739,12 @@ fn write_batch(
                 Record::Flush(f) => flushes.push(f),
             }
         }
+        insert_rows(&tx, "requests", &REQUEST_COLUMNS, &requests, bind_request)?;
+        let attempts: Vec<(i64, &RequestRow, &AttemptRow)> = requests
+            .iter()
+            .flat_map(|(id, row)| row.attempts.iter().map(move |a| (*id, &**row, a)))
+            .collect();
+        insert_rows(&tx, "attempts", &ATTEMPT_COLUMNS, &attempts, bind_attempt)?;
     }
     tx.commit()?;
     for before in prunes {
@@ -1007,6 +1122,172 @@ mod tests {
             "freed pages went back: {} -> {}",
             before,
             pages(&conn)
+        );
+    }
+
+    /// A request row with `n` attempts, its fields derived from `i` so each row is checkable.
+    fn numbered(i: usize, n: usize) -> RequestRow {
+        RequestRow {
+            endpoint: Some(format!("e{}", i % 3)),
+            status: 200 + (i % 7) as u16,
+            latency_ms: i as f64,
+            ttft_ms: i.is_multiple_of(2).then_some(0.5),
+            hedges: (i % 4) as u32,
+            client_key: i.is_multiple_of(5).then(|| "team".to_string()),
+            cost_usd: Some(0.25),
+            attempts: (0..n)
+                .map(|k| AttemptRow {
+                    panic_mode: k % 2 == 1,
+                    seq: k as u32 + 1,
+                    endpoint: format!("e{k}"),
+                    class: crate::outcome::Outcome::Ok,
+                    status: Some(200),
+                    error: (k == 0).then(|| format!("err {i}")),
+                    latency_ms: k as f64,
+                })
+                .collect(),
+            ..RequestRow::new(
+                format!("r{i}"),
+                UNIX_EPOCH + Duration::from_secs(i as u64),
+                "chat",
+            )
+        }
+    }
+
+    /// Every row of batches of every size the multi-row INSERTs split (32 + 8 + 1 rows, and
+    /// the counts between), with 0 to 3 attempts each, lands once with its own values, and each
+    /// attempt points at its own request — also when a second connection writes to the same
+    /// database between two batches.
+    #[test]
+    fn multi_row_inserts_keep_every_row_and_its_attempts() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = db_path(dir.path());
+        let mut conn = open_connection(&path).unwrap();
+        let mut other = open_connection(&path).unwrap();
+        let mut next = 0;
+        let mut expected_attempts = 0;
+        for size in [1, 7, 8, 9, 31, 32, 33, 41, 73, 100] {
+            let mut batch: Vec<Record> = (next..next + size)
+                .map(|i| {
+                    expected_attempts += i % 4;
+                    Record::Request(Box::new(numbered(i, i % 4)))
+                })
+                .collect();
+            next += size;
+            write_batch(&mut conn, &mut batch, &mut Vec::new()).unwrap();
+            // The other writer takes the next ids in between.
+            let mut one = vec![Record::Request(Box::new(numbered(next, 1)))];
+            expected_attempts += 1;
+            next += 1;
+            write_batch(&mut other, &mut one, &mut Vec::new()).unwrap();
+        }
+        let rows: i64 = conn
+            .query_row("SELECT count(*) FROM requests", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(rows as usize, next);
+        type Row = (
+            String,
+            i64,
+            String,
+            i64,
+            f64,
+            Option<f64>,
+            i64,
+            Option<String>,
+        );
+        let mut q = conn
+            .prepare("SELECT request_id, ts_ms, endpoint, status, latency_ms, ttft_ms, hedges, client_key FROM requests ORDER BY id")
+            .unwrap();
+        let got: Vec<Row> = q
+            .query_map([], |r| {
+                Ok((
+                    r.get(0)?,
+                    r.get(1)?,
+                    r.get(2)?,
+                    r.get(3)?,
+                    r.get(4)?,
+                    r.get(5)?,
+                    r.get(6)?,
+                    r.get(7)?,
+                ))
+            })
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(got.len(), next);
+        for (i, got) in got.into_iter().enumerate() {
+            let w = numbered(i, 0);
+            let want: Row = (
+                w.request_id,
+                i as i64 * 1000,
+                w.endpoint.unwrap(),
+                i64::from(w.status),
+                w.latency_ms,
+                w.ttft_ms,
+                i64::from(w.hedges),
+                w.client_key,
+            );
+            assert_eq!(
+                got, want,
+                "row {i}: in order, none lost or doubled, its own values"
+            );
+        }
+        // Each attempt under its own request, in order, with its own values.
+        let bad: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM attempts a JOIN requests r ON r.id = a.request_row
+                 WHERE a.request_id != r.request_id OR a.ts_ms != r.ts_ms",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(bad, 0);
+        let attempts: i64 = conn
+            .query_row("SELECT count(*) FROM attempts", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(attempts as usize, expected_attempts);
+        let mismatched: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM requests r WHERE r.attempts !=
+                 (SELECT count(*) FROM attempts a WHERE a.request_row = r.id)",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(
+            mismatched, 0,
+            "every request's attempt count matches its attempt rows"
+        );
+        let (seq, endpoint, error, panic): (i64, String, Option<String>, bool) = conn
+            .query_row(
+                "SELECT seq, endpoint, error, panic_mode FROM attempts WHERE request_id = 'r42' AND seq = 2",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+            )
+            .unwrap();
+        assert_eq!(
+            (seq, endpoint.as_str(), error, panic),
+            (2, "e1", None, true)
+        );
+        let first_error: Option<String> = conn
+            .query_row(
+                "SELECT error FROM attempts WHERE request_id = 'r42' AND seq = 1",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(first_error.as_deref(), Some("err 42"));
+        // Client spend still counted per request row.
+        let spent: i64 = conn
+            .query_row(
+                "SELECT requests FROM client_spend WHERE client = 'team'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(
+            spent as usize,
+            (0..next).filter(|i| i.is_multiple_of(5)).count()
         );
     }
 

@@ -676,10 +676,9 @@ fn write_batch(
     // rows go in, even with a second gateway writing to the same data dir.
     let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
     {
-        let mut next_id: i64 =
-            tx.query_row("SELECT coalesce(max(id), 0) + 1 FROM requests", [], |r| {
-                r.get(0)
-            })?;
+        let mut next_id: i64 = tx
+            .prepare_cached("SELECT coalesce(max(id), 0) + 1 FROM requests")?
+            .query_row([], |r| r.get(0))?;
         let mut requests: Vec<(i64, Box<RequestRow>)> = Vec::new();
         let mut ins_spend = tx.prepare_cached(
             "INSERT INTO client_spend (client, month, usd, requests) VALUES (?1, ?2, ?3, 1)

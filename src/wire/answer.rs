@@ -1,5 +1,6 @@
-//! The check every full 2xx answer gets before it is served, and the three things the gateway
-//! reads from it, in one pass over the bytes without building anything.
+//! The check every full 2xx answer gets before it is served, and the two things the gateway
+//! reads from it (an in-band error, the usage), in one pass over the bytes without building
+//! anything.
 //!
 //! An answer is servable when it is one JSON object or array, with the grammar serde_json's own
 //! skipping parser accepts (`serde::de::IgnoredAny`: numbers, literals, escapes and no control

@@ -147,9 +147,9 @@ impl<'a> Scanner<'a> {
         }
     }
 
-    /// After whitespace, the byte `c` must come next.
+    /// After whitespace, the byte `c` must come next: consumes it, or says `bad`.
     #[inline(always)]
-    fn expect(&mut self, c: u8, bad: Bad) -> Result<(), Bad> {
+    fn eat(&mut self, c: u8, bad: Bad) -> Result<(), Bad> {
         self.ws();
         if self.peek() == Some(c) {
             self.i += 1;
@@ -177,31 +177,67 @@ impl<'a> Scanner<'a> {
         Ok(answer)
     }
 
-    /// A key (its raw bytes, escapes decoded only if it has any) and its colon.
+    /// A key and its colon: which of the names `which` knows it is.
     #[inline(always)]
     fn name<T>(&mut self, which: fn(&[u8]) -> T, other: T) -> Result<T, Bad> {
-        self.expect(b'"', Bad::Key)?;
+        self.eat(b'"', Bad::Key)?;
+        let t = self.text(which, other)?;
+        self.eat(b':', Bad::Colon)?;
+        self.ws();
+        Ok(t)
+    }
+
+    /// A string whose opening quote was just read, told apart by `which` — on its raw bytes, or,
+    /// when it has escapes, on the text they stand for (`other` when that is no text: a lone
+    /// surrogate).
+    #[inline(always)]
+    fn text<T>(&mut self, which: fn(&[u8]) -> T, other: T) -> Result<T, Bad> {
         let start = self.i;
         let end = self.string()?;
         let raw = &self.b[start..end];
-        let t = if self.escaped {
-            unescape(raw).map_or(other, |k| which(k.as_bytes()))
+        Ok(if self.escaped {
+            unescape(raw).map_or(other, |t| which(t.as_bytes()))
         } else {
             which(raw)
-        };
-        self.expect(b':', Bad::Colon)?;
+        })
+    }
+
+    /// Consumes the opening byte under the cursor; true when the container is empty (its
+    /// `close` consumed too).
+    #[inline(always)]
+    fn open_empty(&mut self, close: u8) -> bool {
+        self.i += 1;
         self.ws();
-        Ok(t)
+        let empty = self.peek() == Some(close);
+        if empty {
+            self.i += 1;
+        }
+        empty
+    }
+
+    /// After an object member: true when another follows (its comma consumed), false at the
+    /// closing brace (consumed).
+    #[inline(always)]
+    fn more_members(&mut self) -> Result<bool, Bad> {
+        self.ws();
+        match self.peek() {
+            Some(b',') => {
+                self.i += 1;
+                Ok(true)
+            }
+            Some(b'}') => {
+                self.i += 1;
+                Ok(false)
+            }
+            _ => Err(Bad::ObjectEnd),
+        }
     }
 
     /// The top-level object, reading the keys [`Answer`] needs and skipping the rest.
     fn top_object(&mut self) -> Result<Answer, Bad> {
         let mut a = Answer::default();
         let (mut error, mut object_error) = (false, false);
-        self.i += 1;
-        self.ws();
-        if self.peek() == Some(b'}') {
-            self.i += 1;
+        if self.open_empty(b'}') {
             return Ok(a);
         }
         loop {
@@ -218,14 +254,7 @@ impl<'a> Scanner<'a> {
                 }
                 (Top::Object, Some(b'"')) => {
                     self.i += 1;
-                    let start = self.i;
-                    let end = self.string()?;
-                    let raw = &self.b[start..end];
-                    object_error = if self.escaped {
-                        unescape(raw).is_some_and(|o| o == "error")
-                    } else {
-                        raw == b"error"
-                    };
+                    object_error = self.text(|o| o == b"error", false)?;
                 }
                 (Top::Object, _) => {
                     self.value()?;
@@ -237,15 +266,9 @@ impl<'a> Scanner<'a> {
                     a.usage = None;
                 }
             }
-            self.ws();
-            match self.peek() {
-                Some(b',') => self.i += 1,
-                Some(b'}') => {
-                    self.i += 1;
-                    a.error = error || object_error;
-                    return Ok(a);
-                }
-                _ => return Err(Bad::ObjectEnd),
+            if !self.more_members()? {
+                a.error = error || object_error;
+                return Ok(a);
             }
         }
     }
@@ -253,10 +276,7 @@ impl<'a> Scanner<'a> {
     /// The `usage` object: its two counts, the rest skipped.
     fn usage(&mut self) -> Result<Usage, Bad> {
         let mut u = Usage::default();
-        self.i += 1;
-        self.ws();
-        if self.peek() == Some(b'}') {
-            self.i += 1;
+        if self.open_empty(b'}') {
             return Ok(u);
         }
         loop {
@@ -269,14 +289,8 @@ impl<'a> Scanner<'a> {
                 Count::Completion => u.completion = n,
                 Count::Other => {}
             }
-            self.ws();
-            match self.peek() {
-                Some(b',') => self.i += 1,
-                Some(b'}') => {
-                    self.i += 1;
-                    return Ok(u);
-                }
-                _ => return Err(Bad::ObjectEnd),
+            if !self.more_members()? {
+                return Ok(u);
             }
         }
     }
@@ -347,22 +361,14 @@ impl<'a> Scanner<'a> {
                     self.string()?;
                 }
                 Some(b'{') => {
-                    self.i += 1;
-                    self.ws();
-                    if self.peek() == Some(b'}') {
-                        self.i += 1;
-                    } else {
+                    if !self.open_empty(b'}') {
                         stack.push(true);
                         self.key()?;
                         continue;
                     }
                 }
                 Some(b'[') => {
-                    self.i += 1;
-                    self.ws();
-                    if self.peek() == Some(b']') {
-                        self.i += 1;
-                    } else {
+                    if !self.open_empty(b']') {
                         stack.push(false);
                         continue;
                     }
@@ -404,9 +410,9 @@ impl<'a> Scanner<'a> {
     /// A key and its colon, inside an object being skipped.
     #[inline(always)]
     fn key(&mut self) -> Result<(), Bad> {
-        self.expect(b'"', Bad::Key)?;
+        self.eat(b'"', Bad::Key)?;
         self.string()?;
-        self.expect(b':', Bad::Colon)
+        self.eat(b':', Bad::Colon)
     }
 
     #[inline(always)]
@@ -482,9 +488,10 @@ impl<'a> Scanner<'a> {
 #[inline(always)]
 fn skip_plain(s: &[u8]) -> usize {
     const ONES: u64 = u64::MAX / 255;
+    let (chunks, _) = s.as_chunks::<8>();
     let mut n = 0;
-    for chunk in s.chunks_exact(8) {
-        let c = u64::from_le_bytes(chunk.try_into().expect("chunks of 8"));
+    for chunk in chunks {
+        let c = u64::from_le_bytes(*chunk);
         let ctrl = c.wrapping_sub(ONES * 0x20) & !c;
         let q = c ^ (ONES * u64::from(b'"'));
         let quote = q.wrapping_sub(ONES) & !q;

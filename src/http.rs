@@ -139,7 +139,7 @@ async fn serve(
     .await
     .unwrap_or(Err(ApiError::BodyTimeout(cfg.body_timeout)));
     let inbound = match read {
-        Ok(v) => wire::inspect(op, v),
+        Ok((v, raw)) => wire::inspect(op, v).map(|i| i.with_raw(raw)),
         Err(e) => Err(e),
     };
     let inbound = match inbound {
@@ -166,9 +166,9 @@ async fn serve(
         let tokens = if c.tpm.is_some() {
             let max_tokens = ["max_completion_tokens", "max_tokens"]
                 .iter()
-                .find_map(|k| inbound.body.get(*k).and_then(Value::as_u64))
+                .find_map(|k| inbound.body().get(*k).and_then(Value::as_u64))
                 .unwrap_or(0);
-            wire::estimate_tokens(wire::prompt_chars(&inbound.body)).saturating_add(max_tokens)
+            wire::estimate_tokens(wire::prompt_chars(inbound.body())).saturating_add(max_tokens)
         } else {
             0
         };
@@ -328,7 +328,12 @@ fn with_request_id(mut resp: Response, id: &str) -> Response {
 }
 
 /// Reads a JSON body within `limit`, mapping every failure to the right status.
-async fn read_json(headers: &HeaderMap, body: Body, limit: usize) -> Result<Value, ApiError> {
+/// Returns the parsed body with the bytes it was parsed from.
+async fn read_json(
+    headers: &HeaderMap,
+    body: Body,
+    limit: usize,
+) -> Result<(Value, Bytes), ApiError> {
     let ct = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -368,13 +373,14 @@ async fn read_json(headers: &HeaderMap, body: Body, limit: usize) -> Result<Valu
         param: None,
         code: Some("invalid_utf8"),
     })?;
-    serde_json::from_str(text).map_err(|e| ApiError::InvalidRequest {
+    let value = serde_json::from_str(text).map_err(|e| ApiError::InvalidRequest {
         message: format!(
             "We could not parse the JSON body of your request: {e}. (The OpenAI API expects a JSON payload.)"
         ),
         param: None,
         code: Some("invalid_json"),
-    })
+    })?;
+    Ok((value, bytes))
 }
 
 async fn models(State(app): State<Arc<AppState>>) -> Response {

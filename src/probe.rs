@@ -231,7 +231,10 @@ async fn probe_semantic(
     let (rb, _) = crate::upstream::request(
         ep,
         crate::wire::Op::Chat,
-        &body,
+        crate::upstream::ClientBody {
+            map: &body,
+            raw: None,
+        },
         false,
         secret.as_ref(),
         "autohedge-semantic-probe",

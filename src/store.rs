@@ -471,11 +471,12 @@ impl Store {
 }
 
 fn writer(
-    mut conn: Connection,
+    conn: Connection,
     rx: Receiver<Record>,
     dropped: Arc<AtomicU64>,
     written: Arc<AtomicU64>,
 ) {
+    let mut statements: Option<Statements<'_>> = None;
     let mut batch = Vec::with_capacity(BATCH);
     while let Ok(first) = rx.recv() {
         batch.push(first);
@@ -501,7 +502,13 @@ fn writer(
             .iter()
             .filter(|r| !matches!(r, Record::Flush(_) | Record::Prune(_)))
             .count() as u64;
-        match write_batch(&mut conn, &mut batch, &mut flushes) {
+        // Prepared on the first batch, and again after a batch that failed to prepare them.
+        let written_now = match &mut statements {
+            Some(s) => s.write_batch(&mut batch, &mut flushes),
+            None => Statements::prepare(&conn)
+                .and_then(|s| statements.insert(s).write_batch(&mut batch, &mut flushes)),
+        };
+        match written_now {
             Ok(()) => {
                 written.fetch_add(n, Ordering::Relaxed);
             }
@@ -575,23 +582,27 @@ fn insert_sql(table: &str, columns: &[&str], rows: usize) -> String {
     )
 }
 
-/// Inserts `rows` with as few statements as [`ROWS_PER_INSERT`] allows; `bind` binds one row's
-/// values from the given parameter offset.
+/// Inserts `rows` with as few statements as [`ROWS_PER_INSERT`] allows (`sql[i]` carries
+/// `ROWS_PER_INSERT[i]` rows); `bind` binds one row's values from the given parameter offset.
+/// The statements come from rusqlite's cache, which hands them back with their bindings (the
+/// rows' text, copied) cleared; held for the writer's whole life instead, the six of them kept
+/// SQLite's per-connection lookaside memory so full that a large batch paid 2.7k instructions
+/// a row more in `malloc` and its mutex.
 fn insert_rows<T>(
-    tx: &rusqlite::Transaction<'_>,
-    table: &str,
-    columns: &[&str],
+    conn: &Connection,
+    sql: &[String; ROWS_PER_INSERT.len()],
+    columns: usize,
     mut rows: &[T],
     mut bind: impl FnMut(&mut rusqlite::Statement<'_>, usize, &T) -> rusqlite::Result<()>,
 ) -> rusqlite::Result<()> {
-    for n in ROWS_PER_INSERT {
+    for (n, sql) in ROWS_PER_INSERT.into_iter().zip(sql) {
         if rows.len() < n {
             continue;
         }
-        let mut stmt = tx.prepare_cached(&insert_sql(table, columns, n))?;
+        let mut stmt = conn.prepare_cached(sql)?;
         while rows.len() >= n {
             for (i, row) in rows[..n].iter().enumerate() {
-                bind(&mut stmt, i * columns.len(), row)?;
+                bind(&mut stmt, i * columns, row)?;
             }
             stmt.raw_execute()?;
             rows = &rows[n..];
@@ -666,27 +677,80 @@ fn bind_attempt(
     bind_all(stmt, at, &values)
 }
 
-fn write_batch(
-    conn: &mut Connection,
-    batch: &mut Vec<Record>,
-    flushes: &mut Vec<std::sync::mpsc::Sender<()>>,
-) -> rusqlite::Result<()> {
-    let mut prunes = Vec::new();
-    // IMMEDIATE: the write lock from the start, so the ids read here are still free when the
-    // rows go in, even with a second gateway writing to the same data dir.
-    let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
-    {
-        let mut next_id: i64 = tx
-            .prepare_cached("SELECT coalesce(max(id), 0) + 1 FROM requests")?
-            .query_row([], |r| r.get(0))?;
+/// The writer's statements: the small ones prepared once for its connection's life, the
+/// multi-row INSERTs' text built once. Preparing `BEGIN` and `COMMIT` (rusqlite prepares them
+/// for every transaction) and building each INSERT's text every transaction cost more than a
+/// small batch's rows (when the gateway is not busy and a transaction holds a row or two).
+struct Statements<'c> {
+    conn: &'c Connection,
+    begin: rusqlite::Statement<'c>,
+    commit: rusqlite::Statement<'c>,
+    next_id: rusqlite::Statement<'c>,
+    spend: rusqlite::Statement<'c>,
+    event: rusqlite::Statement<'c>,
+    /// The multi-row INSERTs' text, built once: `requests[i]` inserts `ROWS_PER_INSERT[i]` rows.
+    requests: [String; ROWS_PER_INSERT.len()],
+    attempts: [String; ROWS_PER_INSERT.len()],
+}
+
+impl<'c> Statements<'c> {
+    fn prepare(conn: &'c Connection) -> rusqlite::Result<Self> {
+        let inserts =
+            |table: &str, columns: &[&str]| ROWS_PER_INSERT.map(|n| insert_sql(table, columns, n));
+        Ok(Statements {
+            conn,
+            // IMMEDIATE: the write lock from the start, so the ids read under it are still free
+            // when the rows go in, even with a second gateway writing to the same data dir.
+            begin: conn.prepare("BEGIN IMMEDIATE")?,
+            commit: conn.prepare("COMMIT")?,
+            next_id: conn.prepare("SELECT coalesce(max(id), 0) + 1 FROM requests")?,
+            spend: conn.prepare(
+                "INSERT INTO client_spend (client, month, usd, requests) VALUES (?1, ?2, ?3, 1)
+                 ON CONFLICT (client, month) DO UPDATE SET usd = usd + excluded.usd, requests = requests + 1",
+            )?,
+            event: conn.prepare(
+                "INSERT INTO endpoint_events (ts_ms, endpoint, event, reason) VALUES (?1, ?2, ?3, ?4)",
+            )?,
+            requests: inserts("requests", &REQUEST_COLUMNS),
+            attempts: inserts("attempts", &ATTEMPT_COLUMNS),
+        })
+    }
+
+    /// Writes `batch` in one transaction (rolled back whole if any of it fails), then runs the
+    /// prunes it asked for. Flush requests are collected into `flushes`, to be answered once
+    /// the transaction is over.
+    fn write_batch(
+        &mut self,
+        batch: &mut Vec<Record>,
+        flushes: &mut Vec<std::sync::mpsc::Sender<()>>,
+    ) -> rusqlite::Result<()> {
+        let mut prunes = Vec::new();
+        self.begin.raw_execute()?;
+        let written = self
+            .write_records(batch, flushes, &mut prunes)
+            .and_then(|()| self.commit.raw_execute());
+        if let Err(e) = written {
+            // A failed COMMIT (SQLITE_BUSY, say) leaves the transaction open.
+            if !self.conn.is_autocommit() {
+                let _ = self.conn.execute_batch("ROLLBACK");
+            }
+            return Err(e);
+        }
+        for before in prunes {
+            prune(self.conn, before)?;
+        }
+        Ok(())
+    }
+
+    fn write_records(
+        &mut self,
+        batch: &mut Vec<Record>,
+        flushes: &mut Vec<std::sync::mpsc::Sender<()>>,
+        prunes: &mut Vec<SystemTime>,
+    ) -> rusqlite::Result<()> {
+        let conn = self.conn;
+        let mut next_id: i64 = self.next_id.query_row([], |r| r.get(0))?;
         let mut requests: Vec<(i64, Box<RequestRow>)> = Vec::new();
-        let mut ins_spend = tx.prepare_cached(
-            "INSERT INTO client_spend (client, month, usd, requests) VALUES (?1, ?2, ?3, 1)
-             ON CONFLICT (client, month) DO UPDATE SET usd = usd + excluded.usd, requests = requests + 1",
-        )?;
-        let mut ins_ev = tx.prepare_cached(
-            "INSERT INTO endpoint_events (ts_ms, endpoint, event, reason) VALUES (?1, ?2, ?3, ?4)",
-        )?;
         for r in batch.drain(..) {
             match r {
                 Record::Request(row) => {
@@ -695,7 +759,7 @@ fn write_batch(
                             .cost_usd
                             .filter(|c| c.is_finite() && *c > 0.0)
                             .unwrap_or(0.0);
-                        ins_spend.execute(params![
+                        self.spend.execute(params![
                             client,
                             crate::clients::month_of(row.ts),
                             usd
@@ -705,14 +769,15 @@ fn write_batch(
                     next_id += 1;
                 }
                 Record::Event(ev) => {
-                    ins_ev.execute(params![ms(ev.ts), ev.endpoint, ev.event, ev.reason])?;
+                    self.event
+                        .execute(params![ms(ev.ts), ev.endpoint, ev.event, ev.reason])?;
                 }
                 Record::Retired {
                     endpoint,
                     reason,
                     fingerprint,
                 } => {
-                    tx.execute(
+                    conn.execute(
                         "INSERT INTO endpoint_state (endpoint, retired_reason, retired_fingerprint, updated_ms) VALUES (?1, ?2, ?3, ?4)
                          ON CONFLICT(endpoint) DO UPDATE SET retired_reason = excluded.retired_reason, retired_fingerprint = excluded.retired_fingerprint, updated_ms = excluded.updated_ms",
                         params![endpoint, reason, fingerprint, ms(SystemTime::now())],
@@ -720,7 +785,7 @@ fn write_batch(
                 }
                 Record::Stats(rows) => {
                     for s in rows {
-                        tx.execute(
+                        conn.execute(
                             "INSERT INTO endpoint_state (endpoint, requests, successes, failures, ewma_latency_ms, updated_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
                              ON CONFLICT(endpoint) DO UPDATE SET requests = excluded.requests, successes = excluded.successes, failures = excluded.failures, ewma_latency_ms = excluded.ewma_latency_ms, updated_ms = excluded.updated_ms",
                             params![s.endpoint, s.requests as i64, s.successes as i64, s.failures as i64, s.ewma_latency_ms, ms(SystemTime::now())],
@@ -728,7 +793,7 @@ fn write_batch(
                     }
                 }
                 Record::LearnedWindow { endpoint, tokens } => {
-                    tx.execute(
+                    conn.execute(
                         "INSERT INTO endpoint_state (endpoint, learned_context_window, updated_ms) VALUES (?1, ?2, ?3)
                          ON CONFLICT(endpoint) DO UPDATE SET learned_context_window = excluded.learned_context_window, updated_ms = excluded.updated_ms",
                         params![endpoint, tokens as i64, ms(SystemTime::now())],
@@ -738,30 +803,37 @@ fn write_batch(
                 Record::Flush(f) => flushes.push(f),
             }
         }
-        insert_rows(&tx, "requests", &REQUEST_COLUMNS, &requests, bind_request)?;
+        insert_rows(
+            conn,
+            &self.requests,
+            REQUEST_COLUMNS.len(),
+            &requests,
+            bind_request,
+        )?;
         let attempts: Vec<(i64, &RequestRow, &AttemptRow)> = requests
             .iter()
             .flat_map(|(id, row)| row.attempts.iter().map(move |a| (*id, &**row, a)))
             .collect();
-        insert_rows(&tx, "attempts", &ATTEMPT_COLUMNS, &attempts, bind_attempt)?;
+        insert_rows(
+            conn,
+            &self.attempts,
+            ATTEMPT_COLUMNS.len(),
+            &attempts,
+            bind_attempt,
+        )
     }
-    tx.commit()?;
-    for before in prunes {
-        prune(conn, before)?;
-    }
-    Ok(())
 }
 
 /// Deletes audit rows older than `before` in short transactions of `PRUNE_BATCH` rows, then
 /// hands freed pages back to the file system. Returns the rows deleted.
-pub fn prune(conn: &mut Connection, before: SystemTime) -> rusqlite::Result<usize> {
+pub fn prune(conn: &Connection, before: SystemTime) -> rusqlite::Result<usize> {
     let t = ms(before);
     let mut total = 0;
     // Requests with their attempts, a batch at a time in one transaction each: the same
     // `LIMIT` over the time index picks the same rows in both statements.
     let batch = format!("SELECT id FROM requests WHERE ts_ms < ?1 LIMIT {PRUNE_BATCH}");
     loop {
-        let tx = conn.transaction()?;
+        let tx = conn.unchecked_transaction()?;
         total += tx.execute(
             &format!("DELETE FROM attempts WHERE request_row IN ({batch})"),
             [t],
@@ -1106,7 +1178,7 @@ mod tests {
         let pages =
             |c: &Connection| -> i64 { c.query_row("PRAGMA page_count", [], |r| r.get(0)).unwrap() };
         let before = pages(&conn);
-        let deleted = prune(&mut conn, SystemTime::now() - Duration::from_secs(60)).unwrap();
+        let deleted = prune(&conn, SystemTime::now() - Duration::from_secs(60)).unwrap();
         assert_eq!(deleted, n, "every old row, over several batches");
         let left: Vec<String> = conn
             .prepare("SELECT event FROM endpoint_events")
@@ -1161,8 +1233,12 @@ mod tests {
     fn multi_row_inserts_keep_every_row_and_its_attempts() {
         let dir = tempfile::tempdir().unwrap();
         let path = db_path(dir.path());
-        let mut conn = open_connection(&path).unwrap();
-        let mut other = open_connection(&path).unwrap();
+        let conn = open_connection(&path).unwrap();
+        let other = open_connection(&path).unwrap();
+        let (mut mine, mut theirs) = (
+            Statements::prepare(&conn).unwrap(),
+            Statements::prepare(&other).unwrap(),
+        );
         let mut next = 0;
         let mut expected_attempts = 0;
         for size in [1, 7, 8, 9, 31, 32, 33, 41, 73, 100] {
@@ -1173,12 +1249,12 @@ mod tests {
                 })
                 .collect();
             next += size;
-            write_batch(&mut conn, &mut batch, &mut Vec::new()).unwrap();
+            mine.write_batch(&mut batch, &mut Vec::new()).unwrap();
             // The other writer takes the next ids in between.
             let mut one = vec![Record::Request(Box::new(numbered(next, 1)))];
             expected_attempts += 1;
             next += 1;
-            write_batch(&mut other, &mut one, &mut Vec::new()).unwrap();
+            theirs.write_batch(&mut one, &mut Vec::new()).unwrap();
         }
         let rows: i64 = conn
             .query_row("SELECT count(*) FROM requests", [], |r| r.get(0))

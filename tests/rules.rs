@@ -943,3 +943,76 @@ async fn endpoint_clear_through_the_database_when_no_gateway_runs() {
         "a"
     );
 }
+
+/// An OpenAI-style upstream on 127.0.0.1 that keeps every request body's bytes as they came.
+async fn recording_upstream() -> (String, std::sync::Arc<std::sync::Mutex<Vec<Vec<u8>>>>) {
+    use axum::routing::post;
+    let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = got.clone();
+    let app = axum::Router::new().route(
+        "/v1/chat/completions",
+        post(move |body: axum::body::Bytes| {
+            let seen = seen.clone();
+            async move {
+                seen.lock().unwrap().push(body.to_vec());
+                axum::Json(json!({
+                    "id": "c1", "object": "chat.completion", "created": 1, "model": "up",
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+                }))
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (format!("http://{addr}/v1"), got)
+}
+
+/// The upstream gets the client's own bytes with only `model` replaced (key order, spacing and
+/// numbers as the client wrote them); a body with a key given twice, or one the endpoint's
+/// `max_tokens` cap changes, is sent as the gateway read it instead, so the upstream cannot read
+/// a different request from the one the gateway checked.
+#[tokio::test]
+async fn the_upstream_gets_the_clients_bytes_unless_they_could_be_read_two_ways() {
+    let (base, got) = recording_upstream().await;
+    let gw = Gw::start(&format!(
+        "models:\n  a: {{ type: openai, base_url: \"{base}\", model: up-model, max_tokens: 100 }}\n"
+    ));
+    let send = |body: &'static str| {
+        let url = gw.url("/v1/chat/completions");
+        async move {
+            reqwest::Client::new()
+                .post(url)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    let plain = r#"{"messages": [{"role": "user", "content": "hi \"there\""}],  "model" : "a", "temperature": 1e-1, "seed": 123456789012345678901234567890}"#;
+    let twice = r#"{"model": "a", "max_tokens": 5, "max_tokens": 7, "messages": [{"role": "user", "content": "x"}]}"#;
+    let capped =
+        r#"{"model": "a", "max_tokens": 5000, "messages": [{"role": "user", "content": "x"}]}"#;
+    for body in [plain, twice, capped] {
+        let r = send(body).await;
+        assert_eq!(r.status(), 200, "{body}");
+    }
+    let got = got.lock().unwrap().clone();
+    assert_eq!(got.len(), 3, "each request reached the upstream");
+    assert_eq!(
+        String::from_utf8(got[0].clone()).unwrap(),
+        plain.replace(r#""model" : "a""#, r#""model" : "up-model""#)
+    );
+    // A key given twice goes once, with the value the gateway read (the last).
+    let sent = String::from_utf8(got[1].clone()).unwrap();
+    assert_eq!(sent.matches("max_tokens").count(), 1, "{sent}");
+    let sent: Value = serde_json::from_str(&sent).unwrap();
+    assert_eq!(sent["max_tokens"], 7);
+    assert_eq!(sent["model"], "up-model");
+    // Over the cap: the cap goes, not the client's bytes.
+    let sent: Value = serde_json::from_slice(&got[2]).unwrap();
+    assert_eq!(sent["max_tokens"], 100);
+    assert_eq!(sent["model"], "up-model");
+}

@@ -106,7 +106,10 @@ impl<'a> Attempt<'a> {
         upstream::request(
             self.ep,
             self.req.op,
-            &self.req.body,
+            upstream::ClientBody {
+                map: self.req.body(),
+                raw: self.req.raw(),
+            },
             stream,
             self.key,
             self.request_id,
@@ -165,7 +168,7 @@ impl<'a> Attempt<'a> {
             let translated = upstream::ollama::response_body(
                 self.req.op,
                 &self.req.model,
-                &self.req.body,
+                self.req.body(),
                 &parsed,
             )
             .map_err(|m| {
@@ -246,7 +249,7 @@ impl<'a> Attempt<'a> {
         let mut rest: ByteStream = if ep.kind == EndpointKind::Ollama {
             let include_usage = self
                 .req
-                .body
+                .body()
                 .get("stream_options")
                 .and_then(|o| o.get("include_usage"))
                 .and_then(Value::as_bool)

@@ -32,9 +32,9 @@ impl Run {
 
     pub(super) fn requested_max_tokens(&self) -> u64 {
         self.req
-            .body
+            .body()
             .get("max_completion_tokens")
-            .or_else(|| self.req.body.get("max_tokens"))
+            .or_else(|| self.req.body().get("max_tokens"))
             .and_then(Value::as_u64)
             .unwrap_or(0)
     }
@@ -53,7 +53,7 @@ impl Run {
             let counted = Box::pin(upstream::tokenize::backend_count(
                 ep,
                 self.req.op,
-                &self.req.body,
+                self.req.body(),
             ))
             .await;
             self.waited += t.elapsed();
@@ -82,17 +82,17 @@ impl Run {
         if let Some(c) = self.counts.get(&key) {
             return c.clone();
         }
-        let count = if wire::prompt_chars(&self.req.body) > BLOCKING_COUNT_CHARS {
+        let count = if wire::prompt_chars(self.req.body()) > BLOCKING_COUNT_CHARS {
             let counter = counter.clone();
             let req = self.req.clone();
-            tokio::task::spawn_blocking(move || counter.request(req.op, &req.body))
+            tokio::task::spawn_blocking(move || counter.request(req.op, req.body()))
                 .await
                 .unwrap_or(Count {
                     tokens: 0,
                     exact: false,
                 })
         } else {
-            counter.request(self.req.op, &self.req.body)
+            counter.request(self.req.op, self.req.body())
         };
         self.counted_prompt.get_or_insert(count.tokens);
         self.counts.insert(key, count.clone());
@@ -146,14 +146,14 @@ impl Run {
             .saturating_sub(self.requested_max_tokens());
         let messages = self
             .req
-            .body
+            .body()
             .get("messages")
             .and_then(Value::as_array)
             .cloned()
             .unwrap_or_default();
         let tools = self
             .req
-            .body
+            .body()
             .get("tools")
             .and_then(Value::as_array)
             .map(|t| ep.counter.tools(t))
@@ -175,7 +175,7 @@ impl Run {
                 tracing::info!(request_id = %self.request_id, endpoint = %name, dropped_messages = t.dropped_messages, dropped_tokens = t.dropped_tokens, "conversation truncated to fit");
                 self.truncation = Some((t.dropped_messages, t.dropped_tokens));
                 Arc::make_mut(&mut self.req)
-                    .body
+                    .body_mut()
                     .insert("messages".into(), Value::Array(t.messages));
                 self.counts.clear();
                 Ok(())

@@ -195,7 +195,7 @@ impl Run {
                 let prompt_estimate = match (usage, self.counted_prompt) {
                     (Some(_), _) => 0,
                     (None, Some(n)) => n,
-                    (None, None) => wire::estimate_tokens(wire::prompt_chars(&self.req.body)),
+                    (None, None) => wire::estimate_tokens(wire::prompt_chars(self.req.body())),
                 };
                 let out_estimate = wire::estimate_tokens(out_chars);
                 fill_usage(
@@ -244,7 +244,7 @@ impl Run {
                     usage,
                     out_chars,
                     prompt_estimate: self.counted_prompt.unwrap_or_else(|| {
-                        wire::estimate_tokens(wire::prompt_chars(&self.req.body))
+                        wire::estimate_tokens(wire::prompt_chars(self.req.body()))
                     }),
                     usage_tap,
                     op: self.req.op,

@@ -367,7 +367,7 @@ impl Continuation {
 
     /// The continuation request: the conversation plus the assistant text already streamed.
     fn request(&self, ep: &Endpoint) -> Inbound {
-        let mut body = self.req.body.clone();
+        let mut body = self.req.body().clone();
         if let Some(Value::Array(messages)) = body.get_mut("messages") {
             messages.push(serde_json::json!({"role": "assistant", "content": self.text}));
         }
@@ -375,13 +375,13 @@ impl Continuation {
             body.insert("continue_final_message".into(), Value::Bool(true));
             body.insert("add_generation_prompt".into(), Value::Bool(false));
         }
-        Inbound {
-            op: self.req.op,
-            model: self.req.model.clone(),
-            stream: true,
+        Inbound::new(
+            self.req.op,
+            self.req.model.clone(),
+            true,
             body,
-            needs: self.req.needs.clone(),
-        }
+            self.req.needs.clone(),
+        )
     }
 }
 

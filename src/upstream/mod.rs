@@ -23,11 +23,27 @@ use crate::wire::Op;
 /// when the client asked for more, `max_tokens` capped at the endpoint's configured maximum. Every
 /// other field passes through untouched. Serialised straight from the client's map, without
 /// copying it.
-pub fn body(ep: &Endpoint, op: Op, client: &Map<String, Value>) -> Vec<u8> {
+/// The body for an OpenAI-type endpoint: `client` with the endpoint's model (and its
+/// `max_tokens` cap). `raw`, the client's bytes while they say exactly what `client` holds, is
+/// patched instead of serialising `client` when no cap applies (see [`crate::wire::patch`]).
+pub fn body(ep: &Endpoint, op: Op, client: &Map<String, Value>, raw: Option<&[u8]>) -> Vec<u8> {
     let cap = match op {
         Op::Chat | Op::Completions => ep.max_tokens,
         Op::Embeddings => None,
     };
+    let capped = cap.is_some_and(|cap| {
+        ["max_tokens", "max_completion_tokens"].iter().any(|k| {
+            client
+                .get(*k)
+                .and_then(Value::as_u64)
+                .is_some_and(|n| n > cap)
+        })
+    });
+    if !capped
+        && let Some(patched) = raw.and_then(|r| crate::wire::patch::model(r, &ep.upstream_model))
+    {
+        return patched;
+    }
     serde_json::to_vec(&Outgoing {
         map: client,
         model: &ep.upstream_model,
@@ -62,21 +78,33 @@ impl serde::Serialize for Outgoing<'_> {
     }
 }
 
+/// The client's body: the parsed map, and its bytes while they say exactly what the map holds.
+#[derive(Clone, Copy)]
+pub struct ClientBody<'b> {
+    pub map: &'b Map<String, Value>,
+    pub raw: Option<&'b [u8]>,
+}
+
 /// Builds the request for one attempt, with the endpoint's payload hygiene applied; returns it
 /// with the number of characters hygiene changed. `Err` when the request cannot be expressed in
 /// the endpoint's protocol (the executor skips the endpoint without holding it against it).
 pub fn request<'a>(
     ep: &'a Endpoint,
     op: Op,
-    client_body: &Map<String, Value>,
+    client: ClientBody<'_>,
     stream: bool,
     key: Option<&Secret>,
     request_id: &str,
     discovered_base: Option<&str>,
 ) -> Result<(Prepared<'a>, u64), ollama::Unsupported> {
-    let (client_body, sanitized) = crate::wire::hygiene::apply(client_body, ep.payload_hygiene);
+    let (client_body, sanitized) = crate::wire::hygiene::apply(client.map, ep.payload_hygiene);
+    // Bytes hygiene changed no longer say what the body holds.
+    let raw = match client_body {
+        std::borrow::Cow::Borrowed(_) => client.raw,
+        std::borrow::Cow::Owned(_) => None,
+    };
     let payload = match ep.kind {
-        EndpointKind::Openai | EndpointKind::Vllm => body(ep, op, &client_body),
+        EndpointKind::Openai | EndpointKind::Vllm => body(ep, op, &client_body, raw),
         EndpointKind::Ollama => {
             serde_json::to_vec(&ollama::request_body(ep, op, &client_body, stream)?)
                 .unwrap_or_default()
@@ -356,6 +384,67 @@ mod tests {
         }
     }
 
+    /// The client's bytes go upstream with only `model` replaced, unless the gateway changes
+    /// the body: a `max_tokens` cap or payload hygiene serialise the parsed map instead.
+    #[test]
+    fn the_clients_bytes_are_patched_unless_the_body_changes() {
+        let cfg = crate::config::Config::load(
+            "models:\n  a: { type: openai, base_url: \"http://127.0.0.1:9/v1\", model: up, max_tokens: 100 }\n  h: { type: openai, base_url: \"http://127.0.0.1:9/v1\", model: up, payload_hygiene: strip }\n",
+        )
+        .unwrap();
+        let (a, h) = (&cfg.endpoints["a"], &cfg.endpoints["h"]);
+        let parse = |raw: &str| match serde_json::from_str(raw).unwrap() {
+            Value::Object(m) => m,
+            _ => unreachable!(),
+        };
+        let raw = r#"{"model": "a", "max_tokens": 50, "messages": [{"role":"user","content":"hi"}], "temperature": 1e-1}"#;
+        let sent = body(a, Op::Chat, &parse(raw), Some(raw.as_bytes()));
+        assert_eq!(
+            String::from_utf8(sent).unwrap(),
+            raw.replace(r#""model": "a""#, r#""model": "up""#)
+        );
+        // Without the client's bytes (a continuation, say), the map is serialised.
+        let sent = body(a, Op::Chat, &parse(raw), None);
+        assert_eq!(
+            serde_json::from_slice::<Value>(&sent).unwrap(),
+            serde_json::json!({"model": "up", "max_tokens": 50, "messages": [{"role":"user","content":"hi"}], "temperature": 0.1})
+        );
+        // Over the endpoint's cap: serialised with the cap, not patched.
+        let over = r#"{"model": "a", "max_tokens": 5000, "messages": []}"#;
+        let sent: Value =
+            serde_json::from_slice(&body(a, Op::Chat, &parse(over), Some(over.as_bytes())))
+                .unwrap();
+        assert_eq!(sent["max_tokens"], 100);
+        assert_eq!(sent["model"], "up");
+        // Hygiene that changed something: the cleaned map goes, not the client's bytes.
+        let dirty =
+            "{\"model\": \"a\", \"messages\": [{\"role\":\"user\",\"content\":\"x\\u0007y\"}]}";
+        let (prepared, changed) = request(
+            h,
+            Op::Chat,
+            ClientBody {
+                map: &parse(dirty),
+                raw: Some(dirty.as_bytes()),
+            },
+            false,
+            None,
+            "r",
+            None,
+        )
+        .unwrap();
+        assert_eq!(changed, 1);
+        let Prepared::Direct(_, req) = prepared else {
+            panic!("the direct client")
+        };
+        let sent = req.body().clone();
+        let sent = futures_util::FutureExt::now_or_never(http_body_util::BodyExt::collect(sent))
+            .unwrap()
+            .unwrap()
+            .to_bytes();
+        let sent: Value = serde_json::from_slice(&sent).unwrap();
+        assert_eq!(sent["messages"][0]["content"], "xy");
+    }
+
     #[tokio::test]
     async fn a_body_is_whole_however_it_is_split() {
         assert_eq!(answer(vec![]).bytes().await.unwrap(), Bytes::new());
@@ -392,7 +481,10 @@ mod tests {
         let (prepared, _) = request(
             ep,
             Op::Chat,
-            body.as_object().unwrap(),
+            ClientBody {
+                map: body.as_object().unwrap(),
+                raw: None,
+            },
             false,
             None,
             "r-1",

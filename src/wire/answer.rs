@@ -56,7 +56,7 @@ pub fn read(body: &[u8]) -> Result<Answer, NotJson> {
 
 /// What is wrong, as a byte: the scanner's results stay in registers on its hot path.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Bad {
+pub(super) enum Bad {
     Empty,
     NotAnObject,
     Trailing,
@@ -127,21 +127,22 @@ fn count_key(name: &[u8]) -> Count {
     }
 }
 
-struct Scanner<'a> {
-    b: &'a [u8],
-    i: usize,
+/// A cursor over JSON bytes; [`super::patch`] walks a request body with it too.
+pub(super) struct Scanner<'a> {
+    pub(super) b: &'a [u8],
+    pub(super) i: usize,
     /// Whether the last string read had an escape in it.
-    escaped: bool,
+    pub(super) escaped: bool,
 }
 
 impl<'a> Scanner<'a> {
     #[inline(always)]
-    fn peek(&self) -> Option<u8> {
+    pub(super) fn peek(&self) -> Option<u8> {
         self.b.get(self.i).copied()
     }
 
     #[inline(always)]
-    fn ws(&mut self) {
+    pub(super) fn ws(&mut self) {
         while let Some(b' ' | b'\n' | b'\t' | b'\r') = self.peek() {
             self.i += 1;
         }
@@ -149,7 +150,7 @@ impl<'a> Scanner<'a> {
 
     /// After whitespace, the byte `c` must come next: consumes it, or says `bad`.
     #[inline(always)]
-    fn eat(&mut self, c: u8, bad: Bad) -> Result<(), Bad> {
+    pub(super) fn eat(&mut self, c: u8, bad: Bad) -> Result<(), Bad> {
         self.ws();
         if self.peek() == Some(c) {
             self.i += 1;
@@ -205,7 +206,7 @@ impl<'a> Scanner<'a> {
     /// Consumes the opening byte under the cursor; true when the container is empty (its
     /// `close` consumed too).
     #[inline(always)]
-    fn open_empty(&mut self, close: u8) -> bool {
+    pub(super) fn open_empty(&mut self, close: u8) -> bool {
         self.i += 1;
         self.ws();
         let empty = self.peek() == Some(close);
@@ -218,7 +219,7 @@ impl<'a> Scanner<'a> {
     /// After an object member: true when another follows (its comma consumed), false at the
     /// closing brace (consumed).
     #[inline(always)]
-    fn more_members(&mut self) -> Result<bool, Bad> {
+    pub(super) fn more_members(&mut self) -> Result<bool, Bad> {
         self.ws();
         match self.peek() {
             Some(b',') => {
@@ -299,7 +300,7 @@ impl<'a> Scanner<'a> {
     /// (escapes not decoded; `escaped` says whether it had any) and leaves the cursor after the
     /// closing quote.
     #[inline(always)]
-    fn string(&mut self) -> Result<usize, Bad> {
+    pub(super) fn string(&mut self) -> Result<usize, Bad> {
         self.escaped = false;
         loop {
             self.i += skip_plain(&self.b[self.i..]);
@@ -349,7 +350,7 @@ impl<'a> Scanner<'a> {
 
     /// Skips one value of any kind. Iterative: nesting costs one bit of `stack` a level, so a
     /// hostile body nested a million deep cannot overflow the thread's stack.
-    fn value(&mut self) -> Result<(), Bad> {
+    pub(super) fn value(&mut self) -> Result<(), Bad> {
         // true: inside an object; false: inside an array.
         let mut stack = Bits::default();
         loop {

@@ -4,10 +4,12 @@
 
 pub mod answer;
 pub mod hygiene;
+pub mod patch;
 pub mod sse;
 
 use std::collections::BTreeSet;
 
+use bytes::Bytes;
 use serde_json::{Map, Value};
 
 use crate::config::Capability;
@@ -32,8 +34,53 @@ pub struct Inbound {
     pub op: Op,
     pub model: String,
     pub stream: bool,
-    pub body: Map<String, Value>,
+    body: Map<String, Value>,
+    /// The client's bytes that `body` was parsed from, while `body` is unchanged: an
+    /// OpenAI-type upstream then gets them with `model` patched ([`patch`]) rather than `body`
+    /// serialised again. Dropped by [`Inbound::body_mut`].
+    raw: Option<Bytes>,
     pub needs: BTreeSet<Capability>,
+}
+
+impl Inbound {
+    /// A request the gateway makes up itself (a stream's continuation): no client bytes.
+    pub fn new(
+        op: Op,
+        model: String,
+        stream: bool,
+        body: Map<String, Value>,
+        needs: BTreeSet<Capability>,
+    ) -> Self {
+        Inbound {
+            op,
+            model,
+            stream,
+            body,
+            raw: None,
+            needs,
+        }
+    }
+
+    /// Keeps `raw`, the bytes the body was parsed from, for [`Inbound::raw`].
+    pub fn with_raw(mut self, raw: Bytes) -> Self {
+        self.raw = Some(raw);
+        self
+    }
+
+    pub fn body(&self) -> &Map<String, Value> {
+        &self.body
+    }
+
+    /// The body to change; the client's bytes no longer say what it holds, so they are let go.
+    pub fn body_mut(&mut self) -> &mut Map<String, Value> {
+        self.raw = None;
+        &mut self.body
+    }
+
+    /// The client's bytes, while they still say exactly what [`Inbound::body`] holds.
+    pub fn raw(&self) -> Option<&[u8]> {
+        self.raw.as_deref()
+    }
 }
 
 /// Validates a parsed body the way OpenAI does, so clients get the same 400s.
@@ -157,13 +204,13 @@ pub fn inspect(op: Op, value: Value) -> Result<Inbound, ApiError> {
             }
         }
     }
-    Ok(Inbound {
+    Ok(Inbound::new(
         op,
         model,
-        stream: stream && op != Op::Embeddings,
+        stream && op != Op::Embeddings,
         body,
         needs,
-    })
+    ))
 }
 
 /// Token usage read from a response or final stream chunk.

@@ -19,6 +19,7 @@ pub mod demo;
 pub mod discovery;
 pub mod error;
 pub mod executor;
+pub mod h1pool;
 pub mod health;
 pub mod hedge;
 pub mod http;
@@ -55,6 +56,7 @@ mod layering {
         ("stats", &[include_str!("stats.rs")], &[]),
         ("health", &[include_str!("health.rs")], &[]),
         ("hedge", &[include_str!("hedge.rs")], &[]),
+        ("h1pool", &[include_str!("h1pool.rs")], &[]),
         ("ratelimit", &[include_str!("ratelimit.rs")], &[]),
         ("vault", &[include_str!("vault.rs")], &[]),
         (
@@ -75,7 +77,9 @@ mod layering {
                 include_str!("config/describe.rs"),
                 include_str!("config/duration.rs"),
             ],
-            &["op", "tokens", "health", "hedge", "vault", "config"],
+            &[
+                "op", "tokens", "health", "hedge", "vault", "h1pool", "config",
+            ],
         ),
     ];
 

@@ -857,10 +857,12 @@ docker:
         1,
         "allow-listed by name, failing probes are evidence, min_interval bounds it: {dry_events:?}"
     );
-    assert_eq!(
-        proposals("primary", "would force-update (restart) service"),
-        1,
-        "the sick primary, once per min_interval: {dry_events:?}"
+    // The acting gateway may restart the sick primary before this one has seen it unhealthy
+    // twice with a task running (its observations lag on a loaded machine): then it proposes the
+    // standby only. What min_interval promises is at most one restart proposal.
+    assert!(
+        proposals("primary", "would force-update (restart) service") <= 1,
+        "the sick primary, at most once per min_interval: {dry_events:?}"
     );
     assert!(
         proposals("primary", "would scale standby") >= 1,

@@ -42,6 +42,22 @@ fn direct_client(tls: &rustls::ClientConfig, connect: Duration) -> Option<Direct
     if proxied {
         return None;
     }
+    Some(
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .pool_idle_timeout(POOL_IDLE)
+            .pool_timer(hyper_util::rt::TokioTimer::new())
+            .build(timed_connector(tls, connect)),
+    )
+}
+
+/// How long a connection to an upstream may sit idle before it is closed.
+const POOL_IDLE: Duration = Duration::from_secs(60);
+
+/// Idle connections kept per plain-`http` endpoint, at most.
+const POOL_MAX_IDLE: usize = 256;
+
+/// TCP (and TLS for `https`) under the endpoint's connect timeout.
+fn timed_connector(tls: &rustls::ClientConfig, connect: Duration) -> TimedConnector {
     let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
     http.enforce_http(false);
     http.set_nodelay(true);
@@ -54,15 +70,41 @@ fn direct_client(tls: &rustls::ClientConfig, connect: Duration) -> Option<Direct
         .enable_http1()
         .enable_http2()
         .wrap_connector(http);
-    Some(
-        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .pool_timer(hyper_util::rt::TokioTimer::new())
-            .build(TimedConnector {
-                inner: https,
-                timeout: connect,
-            }),
-    )
+    TimedConnector {
+        inner: https,
+        timeout: connect,
+    }
+}
+
+/// The plain-`http` endpoint's own connections, when its requests can use them: an `http` URL
+/// without credentials in it, and the direct client in use (no proxy configured).
+fn plain(connector: TimedConnector, direct: bool, uris: &[http::Uri; 3]) -> Option<Plain> {
+    let first = &uris[0];
+    let authority = first.authority()?;
+    if !direct || first.scheme_str() != Some("http") || authority.as_str().contains('@') {
+        return None;
+    }
+    let host = match authority.port() {
+        Some(p) => format!("{}:{}", authority.host(), p.as_str()),
+        None => authority.host().to_string(),
+    };
+    let paths = uris.clone().map(|u| {
+        u.path_and_query()
+            .map(|p| p.as_str().parse::<http::Uri>())
+            .unwrap_or_else(|| "/".parse())
+    });
+    let [a, b, c] = paths;
+    let target = http::Uri::builder()
+        .scheme("http")
+        .authority(authority.clone())
+        .path_and_query("/")
+        .build()
+        .ok()?;
+    Some(Plain {
+        pool: crate::h1pool::H1Pool::new(connector, target, POOL_IDLE, POOL_MAX_IDLE),
+        paths: [a.ok()?, b.ok()?, c.ok()?],
+        host: http::HeaderValue::from_str(&host).ok()?,
+    })
 }
 
 fn tls_config(extra_pem: Option<&[u8]>) -> Result<rustls::ClientConfig, String> {
@@ -281,6 +323,7 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
             }
         };
         let direct = direct_client(&tls, timeouts.connect);
+        let plain_connector = timed_connector(&tls, timeouts.connect);
         let client = reqwest::Client::builder().use_preconfigured_tls(tls);
         let client = client
             .connect_timeout(timeouts.connect)
@@ -356,6 +399,7 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
                 headers,
                 fingerprint,
                 client,
+                plain: plain(plain_connector, direct.is_some(), &uris),
                 direct,
                 urls,
                 uris,

@@ -240,7 +240,19 @@ pub struct Timeouts {
     pub total: Duration,
 }
 
-/// hyper-util's pooled client over rustls: what requests to upstreams are sent with.
+/// A plain-`http` endpoint's own HTTP/1.1 connections ([`crate::h1pool`]): what its requests
+/// go over, with the operations' paths in origin form and the `Host` header they carry (hyper
+/// writes a request as it is given).
+#[derive(Debug)]
+pub struct Plain {
+    pub pool: PlainPool,
+    pub paths: [http::Uri; 3],
+    pub host: http::HeaderValue,
+}
+
+pub type PlainPool = crate::h1pool::H1Pool<TimedConnector>;
+
+/// hyper-util's pooled client over rustls: what requests to `https` upstreams are sent with.
 pub type DirectClient =
     hyper_util::client::legacy::Client<TimedConnector, http_body_util::Full<bytes::Bytes>>;
 
@@ -328,6 +340,9 @@ pub struct Endpoint {
     pub client: reqwest::Client,
     /// The direct client requests use (`None`: a proxy is configured, requests use `client`).
     pub direct: Option<DirectClient>,
+    /// For a plain-`http` base URL (and no proxy configured): the connections requests to the
+    /// configured address go over instead of `direct`.
+    pub plain: Option<Plain>,
     /// `hedge:`: hedging for requests that try this endpoint first (unless their route has one).
     pub hedge: Option<crate::hedge::Spec>,
     /// Upstream URL per operation (indexed by `Op as usize`), parsed once per load.

@@ -16,7 +16,7 @@ use futures_util::{Stream, TryStreamExt};
 use http_body_util::{BodyExt, Full};
 use serde_json::{Map, Value};
 
-use crate::config::{DirectClient, Endpoint, EndpointKind, Secret};
+use crate::config::{DirectClient, Endpoint, EndpointKind, PlainPool, Secret};
 use crate::wire::Op;
 
 /// The body sent upstream: the client's body with `model` replaced by the endpoint's id and,
@@ -123,6 +123,23 @@ pub fn request<'a>(
         ),
         None => None,
     };
+    // The configured address of a plain-`http` endpoint: its own connections.
+    if let (Some(plain), None) = (&ep.plain, &url)
+        && let Some(mut req) = direct_request(
+            ep,
+            plain.paths[op as usize].clone(),
+            key,
+            request_id,
+            payload.clone(),
+        )
+    {
+        // hyper writes the request as it is: the `Host` hyper-util's client would have added
+        // (unless the endpoint's own headers set one).
+        req.headers_mut()
+            .entry(http::header::HOST)
+            .or_insert_with(|| plain.host.clone());
+        return Ok((Prepared::Pooled(plain.pool.clone(), req), sanitized));
+    }
     if let Some(direct) = &ep.direct {
         let uri = match &url {
             Some(u) => u.as_str().parse::<http::Uri>().ok(),
@@ -168,7 +185,7 @@ fn direct_request(
     *req.method_mut() = http::Method::POST;
     *req.uri_mut() = uri;
     let h = req.headers_mut();
-    h.reserve(4 + ep.headers.len());
+    h.reserve(5 + ep.headers.len());
     h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     h.insert(ACCEPT, HeaderValue::from_static("*/*"));
     h.insert(
@@ -201,6 +218,8 @@ pub enum Prepared<'a> {
     Direct(&'a DirectClient, http::Request<Full<Bytes>>),
     /// The same with its own handle on the client (a hedged attempt outlives the borrow).
     DirectOwned(Box<DirectClient>, http::Request<Full<Bytes>>),
+    /// On a plain-`http` endpoint's own connections (the handle is a reference count).
+    Pooled(PlainPool, http::Request<Full<Bytes>>),
     Reqwest(reqwest::RequestBuilder),
 }
 
@@ -284,6 +303,41 @@ async fn send_direct(
     }
 }
 
+/// [`send_direct`] on a plain-`http` endpoint's own connections, with the same one resend when
+/// the upstream closed a reused connection unanswered.
+async fn send_pooled(
+    pool: &PlainPool,
+    req: http::Request<Full<Bytes>>,
+) -> Result<Answer, SendError> {
+    let again = replay(&req);
+    let result = match pool.send(req).await {
+        Err(e) if e.closed_unanswered() => {
+            tracing::debug!(error = %error_chain(&e), "upstream closed the connection unanswered; sent again");
+            pool.send(again).await
+        }
+        other => other,
+    };
+    match result {
+        Ok(resp) => {
+            let (parts, body) = resp.into_parts();
+            let body = body.into_data_stream().map_err(BoxError::from);
+            Ok(Answer {
+                status: parts.status,
+                headers: parts.headers,
+                body: Box::pin(body),
+            })
+        }
+        Err(e) => {
+            let shown = format!("error sending request: {}", error_chain(&e));
+            Err(SendError {
+                connect: e.is_connect(),
+                internal: format!("{shown} (url {})", pool.target()),
+                shown,
+            })
+        }
+    }
+}
+
 /// The connection closed before any of the response arrived (hyper's "incomplete message"), or
 /// the pooled connection was found closed as the request was being written ("canceled").
 fn closed_unanswered(e: &hyper_util::client::legacy::Error) -> bool {
@@ -312,6 +366,7 @@ impl Prepared<'_> {
         match self {
             Prepared::Direct(c, r) => Prepared::DirectOwned(Box::new(c.clone()), r),
             Prepared::DirectOwned(c, r) => Prepared::DirectOwned(c, r),
+            Prepared::Pooled(p, r) => Prepared::Pooled(p, r),
             Prepared::Reqwest(rb) => Prepared::Reqwest(rb),
         }
     }
@@ -320,6 +375,7 @@ impl Prepared<'_> {
         match self {
             Prepared::Direct(client, req) => send_direct(client, req).await,
             Prepared::DirectOwned(client, req) => send_direct(&client, req).await,
+            Prepared::Pooled(pool, req) => send_pooled(&pool, req).await,
             Prepared::Reqwest(rb) => match rb.send().await {
                 Ok(resp) => {
                     let status = resp.status();
@@ -433,8 +489,8 @@ mod tests {
         )
         .unwrap();
         assert_eq!(changed, 1);
-        let Prepared::Direct(_, req) = prepared else {
-            panic!("the direct client")
+        let Prepared::Pooled(_, req) = prepared else {
+            panic!("a plain-http endpoint's own connections")
         };
         let sent = req.body().clone();
         let sent = futures_util::FutureExt::now_or_never(http_body_util::BodyExt::collect(sent))
@@ -491,7 +547,19 @@ mod tests {
             None,
         )
         .unwrap();
-        assert!(matches!(prepared, Prepared::Direct(..)));
+        // A plain-http address goes over the endpoint's own connections, in origin form with
+        // its `Host`; an https one over the direct client.
+        let Prepared::Pooled(_, req) = &prepared else {
+            panic!("a plain-http endpoint's own connections")
+        };
+        assert_eq!(req.uri(), "/v1/chat/completions");
+        assert_eq!(req.headers()["host"], addr.to_string());
+        let tls = crate::config::Config::load(
+            "models:\n  t: { type: openai, base_url: \"https://127.0.0.1:9/v1\", model: m }\n",
+        )
+        .unwrap();
+        assert!(tls.endpoints["t"].plain.is_none());
+        assert!(tls.endpoints["t"].direct.is_some());
         let Err(e) = prepared.send().await else {
             panic!("a closed port answered");
         };

@@ -10,7 +10,8 @@
 //!
 //! A connection goes back on the stack only when its response body has been read to the end; a
 //! body dropped before that takes the connection with it (the rest of the body is still in the
-//! socket). A request hyper hands back unsent — the connection closed as it was taken — is
+//! socket). A request that finds none idle starts a connect on a task of its own and takes a
+//! connection given back meanwhile if that comes first; the new one then joins the stack. A request hyper hands back unsent — the connection closed as it was taken — is
 //! written on the next idle connection or a new one. One the upstream closed after it was
 //! written (a keep-alive timeout racing the request) comes back as an error whose
 //! [`hyper::Error::is_incomplete_message`] is true: the caller decides whether to send it again.
@@ -84,6 +85,8 @@ struct Shared<C> {
     /// Where new connections go (scheme and authority; the path is the request's).
     target: Uri,
     idle: Mutex<Vec<Idle>>,
+    /// Told when a connection goes back on the stack (a request waiting for a connect takes it).
+    returned: tokio::sync::Notify,
     idle_timeout: Duration,
     max_idle: usize,
 }
@@ -143,6 +146,7 @@ impl<C: Connect> H1Pool<C> {
                 connector,
                 target,
                 idle: Mutex::new(Vec::new()),
+                returned: tokio::sync::Notify::new(),
                 idle_timeout,
                 max_idle,
             }),
@@ -165,25 +169,114 @@ impl<C: Connect> H1Pool<C> {
         &self,
         mut req: Request<Full<Bytes>>,
     ) -> Result<Response<PooledBody<C>>, Error> {
-        while let Some(mut tx) = self.take() {
-            // Ready at once unless the connection's task has not yet seen the last response's
-            // end; an error means it closed meanwhile.
-            if tx.ready().await.is_err() {
-                continue;
-            }
-            match tx.try_send_request(req).await {
-                Ok(resp) => return Ok(self.pooled(resp, tx)),
-                Err(mut e) => match e.take_message() {
-                    // Not written: the connection went as it was taken. The next one.
-                    Some(unsent) => req = unsent,
-                    None => return Err(Error::Http(e.into_error())),
-                },
+        while let Some(tx) = self.take() {
+            match self.try_on(tx, req).await {
+                Ok(sent) => return sent,
+                Err(unsent) => req = unsent,
             }
         }
+        // None idle: a new connection — but one given back while it is being made is taken
+        // instead, and the new one joins the pool when it is ready (as hyper-util's client
+        // races them), so a burst does not wait a connect longer than it must.
+        let (give, mut made) = tokio::sync::oneshot::channel();
+        let shared = self.shared.clone();
+        tokio::spawn(async move {
+            let conn = shared.connect().await;
+            if let Err(Ok(tx)) = give.send(conn) {
+                shared.put(tx);
+            }
+        });
+        loop {
+            tokio::select! {
+                biased;
+                conn = &mut made => {
+                    let mut tx = conn.unwrap_or_else(|_| {
+                        Err(Error::Connect("the connecting task ended".into()))
+                    })?;
+                    return match tx.send_request(req).await {
+                        Ok(resp) => Ok(self.pooled(resp, tx)),
+                        Err(e) => Err(Error::Http(e)),
+                    };
+                }
+                () = self.shared.returned.notified() => {
+                    while let Some(tx) = self.take() {
+                        match self.try_on(tx, req).await {
+                            Ok(sent) => return sent,
+                            Err(unsent) => req = unsent,
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// `req` on the idle connection `tx`: the outcome once it was written (or failed as it was
+    /// written), or `req` back when the connection closed before it could take it.
+    async fn try_on(
+        &self,
+        mut tx: Sender,
+        req: Request<Full<Bytes>>,
+    ) -> Result<Result<Response<PooledBody<C>>, Error>, Request<Full<Bytes>>> {
+        // Ready at once unless the connection's task has not yet seen the last response's end;
+        // an error means it closed meanwhile.
+        if tx.ready().await.is_err() {
+            return Err(req);
+        }
+        match tx.try_send_request(req).await {
+            Ok(resp) => Ok(Ok(self.pooled(resp, tx))),
+            Err(mut e) => match e.take_message() {
+                Some(unsent) => Err(unsent),
+                None => Ok(Err(Error::Http(e.into_error()))),
+            },
+        }
+    }
+
+    /// An idle connection still open, after dropping those idle too long or closed.
+    fn take(&self) -> Option<Sender> {
+        let mut idle = self.shared.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        let expired = idle
+            .iter()
+            .take_while(|i| now.saturating_duration_since(i.since) >= self.shared.idle_timeout)
+            .count();
+        idle.drain(..expired);
+        loop {
+            let top = idle.pop()?;
+            if top.tx.is_closed() {
+                continue;
+            }
+            if top.tx.is_ready() {
+                return Some(top.tx);
+            }
+            // Its task has not yet seen the last response end: one further down that can take
+            // a request now, if any; else this one (the caller awaits it rather than connecting).
+            if let Some(at) = idle
+                .iter()
+                .rposition(|i| i.tx.is_ready() && !i.tx.is_closed())
+            {
+                let ready = idle.remove(at);
+                idle.push(top);
+                return Some(ready.tx);
+            }
+            return Some(top.tx);
+        }
+    }
+
+    fn pooled(&self, resp: Response<Incoming>, tx: Sender) -> Response<PooledBody<C>> {
+        let shared = self.shared.clone();
+        resp.map(|body| PooledBody {
+            body,
+            back: Some((tx, shared)),
+        })
+    }
+}
+
+impl<C: Connect> Shared<C> {
+    /// A new connection, ready for a request.
+    async fn connect(&self) -> Result<Sender, Error> {
         let io = self
-            .shared
             .connector
-            .connect(self.shared.target.clone())
+            .connect(self.target.clone())
             .await
             .map_err(Error::Connect)?;
         let (mut tx, conn) = http1::Builder::new()
@@ -195,35 +288,7 @@ impl<C: Connect> H1Pool<C> {
             let _ = conn.await;
         });
         tx.ready().await.map_err(Error::Http)?;
-        match tx.send_request(req).await {
-            Ok(resp) => Ok(self.pooled(resp, tx)),
-            Err(e) => Err(Error::Http(e)),
-        }
-    }
-
-    /// The newest idle connection still open, after dropping those idle too long.
-    fn take(&self) -> Option<Sender> {
-        let mut idle = self.shared.idle.lock().unwrap_or_else(|e| e.into_inner());
-        let now = Instant::now();
-        let expired = idle
-            .iter()
-            .take_while(|i| now.saturating_duration_since(i.since) >= self.shared.idle_timeout)
-            .count();
-        idle.drain(..expired);
-        while let Some(i) = idle.pop() {
-            if !i.tx.is_closed() {
-                return Some(i.tx);
-            }
-        }
-        None
-    }
-
-    fn pooled(&self, resp: Response<Incoming>, tx: Sender) -> Response<PooledBody<C>> {
-        let shared = self.shared.clone();
-        resp.map(|body| PooledBody {
-            body,
-            back: Some((tx, shared)),
-        })
+        Ok(tx)
     }
 }
 
@@ -243,6 +308,8 @@ impl<C> Shared<C> {
         if idle.len() > self.max_idle {
             idle.remove(0);
         }
+        drop(idle);
+        self.returned.notify_one();
     }
 }
 
@@ -453,6 +520,77 @@ mod tests {
         // Sent again, it goes on a new connection.
         assert_eq!(read(pool.send(get(&target)).await.unwrap()).await, "ok");
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    }
+
+    /// TCP whose every connect after the first takes `slow`.
+    #[derive(Clone)]
+    struct SlowAfterFirst {
+        made: Arc<AtomicUsize>,
+        slow: Duration,
+    }
+
+    impl tower::Service<Uri> for SlowAfterFirst {
+        type Response = hyper_util::rt::TokioIo<tokio::net::TcpStream>;
+        type Error = BoxError;
+        type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+            Poll::Ready(Ok(()))
+        }
+        fn call(&mut self, uri: Uri) -> Self::Future {
+            let nth = self.made.fetch_add(1, Ordering::SeqCst);
+            let slow = self.slow;
+            let mut tcp = Tcp;
+            Box::pin(async move {
+                if nth > 0 {
+                    tokio::time::sleep(slow).await;
+                }
+                tcp.call(uri).await
+            })
+        }
+    }
+
+    /// A request that finds no idle connection takes one given back while its own connect is
+    /// still under way, and the connection being made joins the pool afterwards.
+    #[tokio::test]
+    async fn a_connection_given_back_during_a_connect_is_taken_and_the_new_one_pooled() {
+        let (target, accepted) = server(1000, false, "ok").await;
+        let made = Arc::new(AtomicUsize::new(0));
+        let connector = SlowAfterFirst {
+            made: made.clone(),
+            slow: Duration::from_millis(800),
+        };
+        let pool = H1Pool::new(connector, target.clone(), Duration::from_secs(60), 8);
+        // The first connection carries a response whose body is not read yet.
+        let held = pool.send(get(&target)).await.unwrap();
+        let waiting = {
+            let pool = pool.clone();
+            let target = target.clone();
+            tokio::spawn(async move {
+                let t = Instant::now();
+                let resp = pool.send(get(&target)).await.unwrap();
+                let body = resp.into_body().collect().await.unwrap().to_bytes();
+                (t.elapsed(), body)
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            made.load(Ordering::SeqCst),
+            2,
+            "the second request is connecting"
+        );
+        // Reading the first body to its end gives its connection back.
+        let body = held.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(body, "ok");
+        let (took, body) = waiting.await.unwrap();
+        assert_eq!(body, "ok");
+        assert!(
+            took < Duration::from_millis(700),
+            "waited {took:?} for the slow connect"
+        );
+        // The slow connection, once made, is pooled beside the first.
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
+        assert_eq!(pool.idle(), 2);
     }
 
     #[tokio::test]

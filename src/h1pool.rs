@@ -165,16 +165,11 @@ impl<C: Connect> H1Pool<C> {
 
     /// Sends `req` (origin-form URI and `Host` header already set: hyper writes the request as
     /// it is) on an idle connection, or a new one when none is left.
-    pub async fn send(
-        &self,
-        mut req: Request<Full<Bytes>>,
-    ) -> Result<Response<PooledBody<C>>, Error> {
-        while let Some(tx) = self.take() {
-            match self.try_on(tx, req).await {
-                Ok(sent) => return sent,
-                Err(unsent) => req = unsent,
-            }
-        }
+    pub async fn send(&self, req: Request<Full<Bytes>>) -> Result<Response<PooledBody<C>>, Error> {
+        let mut req = match self.on_idle(req).await {
+            Ok(sent) => return sent,
+            Err(unsent) => unsent,
+        };
         // None idle: a new connection — but one given back while it is being made is taken
         // instead, and the new one joins the pool when it is ready (as hyper-util's client
         // races them), so a burst does not wait a connect longer than it must.
@@ -199,47 +194,42 @@ impl<C: Connect> H1Pool<C> {
                     };
                 }
                 () = self.shared.returned.notified() => {
-                    while let Some(tx) = self.take() {
-                        match self.try_on(tx, req).await {
-                            Ok(sent) => return sent,
-                            Err(unsent) => req = unsent,
-                        }
-                    }
+                    req = match self.on_idle(req).await {
+                        Ok(sent) => return sent,
+                        Err(unsent) => unsent,
+                    };
                 }
             }
         }
     }
 
-    /// `req` on the idle connection `tx`: the outcome once it was written (or failed as it was
-    /// written), or `req` back when the connection closed before it could take it.
-    async fn try_on(
+    /// `req` on an idle connection: the outcome once it was written (or failed as it was
+    /// written), or `req` back when no idle connection could take it (each one tried closed).
+    async fn on_idle(
         &self,
-        mut tx: Sender,
-        req: Request<Full<Bytes>>,
+        mut req: Request<Full<Bytes>>,
     ) -> Result<Result<Response<PooledBody<C>>, Error>, Request<Full<Bytes>>> {
-        // Ready at once unless the connection's task has not yet seen the last response's end;
-        // an error means it closed meanwhile.
-        if tx.ready().await.is_err() {
-            return Err(req);
+        while let Some(mut tx) = self.take() {
+            // Ready at once unless the connection's task has not yet seen the last response's
+            // end; an error means it closed meanwhile.
+            if tx.ready().await.is_err() {
+                continue;
+            }
+            match tx.try_send_request(req).await {
+                Ok(resp) => return Ok(Ok(self.pooled(resp, tx))),
+                Err(mut e) => match e.take_message() {
+                    Some(unsent) => req = unsent,
+                    None => return Ok(Err(Error::Http(e.into_error()))),
+                },
+            }
         }
-        match tx.try_send_request(req).await {
-            Ok(resp) => Ok(Ok(self.pooled(resp, tx))),
-            Err(mut e) => match e.take_message() {
-                Some(unsent) => Err(unsent),
-                None => Ok(Err(Error::Http(e.into_error()))),
-            },
-        }
+        Err(req)
     }
 
     /// An idle connection still open, after dropping those idle too long or closed.
     fn take(&self) -> Option<Sender> {
         let mut idle = self.shared.idle.lock().unwrap_or_else(|e| e.into_inner());
-        let now = Instant::now();
-        let expired = idle
-            .iter()
-            .take_while(|i| now.saturating_duration_since(i.since) >= self.shared.idle_timeout)
-            .count();
-        idle.drain(..expired);
+        self.shared.expire(&mut idle, Instant::now());
         loop {
             let top = idle.pop()?;
             if top.tx.is_closed() {
@@ -293,17 +283,22 @@ impl<C: Connect> Shared<C> {
 }
 
 impl<C> Shared<C> {
+    /// Drops the connections idle for `idle_timeout` or longer (the oldest are at the bottom).
+    fn expire(&self, idle: &mut Vec<Idle>, now: Instant) {
+        let expired = idle
+            .iter()
+            .take_while(|i| now.saturating_duration_since(i.since) >= self.idle_timeout)
+            .count();
+        idle.drain(..expired);
+    }
+
     fn put(&self, tx: Sender) {
         if tx.is_closed() || self.max_idle == 0 {
             return;
         }
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
-        let expired = idle
-            .iter()
-            .take_while(|i| now.saturating_duration_since(i.since) >= self.idle_timeout)
-            .count();
-        idle.drain(..expired);
+        self.expire(&mut idle, now);
         idle.push(Idle { tx, since: now });
         if idle.len() > self.max_idle {
             idle.remove(0);
@@ -365,9 +360,13 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    /// Plain TCP to the pool's target, as the gateway's connector is for `http`.
-    #[derive(Clone)]
-    struct Tcp;
+    /// Plain TCP to the pool's target, as the gateway's connector is for `http`; every connect
+    /// after the first waits `slow_after_first` (zero by default).
+    #[derive(Clone, Default)]
+    struct Tcp {
+        made: Arc<AtomicUsize>,
+        slow_after_first: Duration,
+    }
 
     impl tower::Service<Uri> for Tcp {
         type Response = hyper_util::rt::TokioIo<tokio::net::TcpStream>;
@@ -377,7 +376,13 @@ mod tests {
             Poll::Ready(Ok(()))
         }
         fn call(&mut self, uri: Uri) -> Self::Future {
+            let slow = if self.made.fetch_add(1, Ordering::SeqCst) > 0 {
+                self.slow_after_first
+            } else {
+                Duration::ZERO
+            };
             Box::pin(async move {
+                tokio::time::sleep(slow).await;
                 let addr = uri.authority().map(|a| a.to_string()).unwrap_or_default();
                 Ok(hyper_util::rt::TokioIo::new(
                     tokio::net::TcpStream::connect(addr).await?,
@@ -456,7 +461,7 @@ mod tests {
     #[tokio::test]
     async fn a_connection_is_reused_once_its_body_is_read() {
         let (target, accepted) = server(1000, false, "hello").await;
-        let pool = H1Pool::new(Tcp, target.clone(), Duration::from_secs(60), 8);
+        let pool = H1Pool::new(Tcp::default(), target.clone(), Duration::from_secs(60), 8);
         for _ in 0..5 {
             let resp = pool.send(get(&target)).await.unwrap();
             assert_eq!(resp.status(), 200);
@@ -479,7 +484,7 @@ mod tests {
     #[tokio::test]
     async fn requests_in_flight_at_once_each_get_a_connection_and_all_come_back() {
         let (target, accepted) = server(1000, false, "ok").await;
-        let pool = H1Pool::new(Tcp, target.clone(), Duration::from_secs(60), 3);
+        let pool = H1Pool::new(Tcp::default(), target.clone(), Duration::from_secs(60), 3);
         let resps = futures_util::future::join_all((0..6).map(|_| pool.send(get(&target)))).await;
         assert_eq!(accepted.load(Ordering::SeqCst), 6);
         for r in resps {
@@ -493,14 +498,14 @@ mod tests {
     async fn connection_close_and_idle_timeout_are_honoured() {
         // Every connection answers two requests, the second with `connection: close`.
         let (target, accepted) = server(2, false, "ok").await;
-        let pool = H1Pool::new(Tcp, target.clone(), Duration::from_secs(60), 8);
+        let pool = H1Pool::new(Tcp::default(), target.clone(), Duration::from_secs(60), 8);
         for _ in 0..4 {
             assert_eq!(read(pool.send(get(&target)).await.unwrap()).await, "ok");
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
         // Idle past the timeout: a new connection.
         let (target, accepted) = server(1000, false, "ok").await;
-        let pool = H1Pool::new(Tcp, target.clone(), Duration::from_millis(50), 8);
+        let pool = H1Pool::new(Tcp::default(), target.clone(), Duration::from_millis(50), 8);
         assert_eq!(read(pool.send(get(&target)).await.unwrap()).await, "ok");
         tokio::time::sleep(Duration::from_millis(80)).await;
         assert_eq!(read(pool.send(get(&target)).await.unwrap()).await, "ok");
@@ -511,7 +516,7 @@ mod tests {
     async fn a_connection_the_upstream_closed_unanswered_is_reported_as_such() {
         // The server reads the second request on a connection and closes it without a word.
         let (target, accepted) = server(1, true, "ok").await;
-        let pool = H1Pool::new(Tcp, target.clone(), Duration::from_secs(60), 8);
+        let pool = H1Pool::new(Tcp::default(), target.clone(), Duration::from_secs(60), 8);
         assert_eq!(read(pool.send(get(&target)).await.unwrap()).await, "ok");
         assert_eq!(pool.idle(), 1);
         let e = pool.send(get(&target)).await.unwrap_err();
@@ -522,42 +527,15 @@ mod tests {
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
     }
 
-    /// TCP whose every connect after the first takes `slow`.
-    #[derive(Clone)]
-    struct SlowAfterFirst {
-        made: Arc<AtomicUsize>,
-        slow: Duration,
-    }
-
-    impl tower::Service<Uri> for SlowAfterFirst {
-        type Response = hyper_util::rt::TokioIo<tokio::net::TcpStream>;
-        type Error = BoxError;
-        type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
-        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-            Poll::Ready(Ok(()))
-        }
-        fn call(&mut self, uri: Uri) -> Self::Future {
-            let nth = self.made.fetch_add(1, Ordering::SeqCst);
-            let slow = self.slow;
-            let mut tcp = Tcp;
-            Box::pin(async move {
-                if nth > 0 {
-                    tokio::time::sleep(slow).await;
-                }
-                tcp.call(uri).await
-            })
-        }
-    }
-
     /// A request that finds no idle connection takes one given back while its own connect is
     /// still under way, and the connection being made joins the pool afterwards.
     #[tokio::test]
     async fn a_connection_given_back_during_a_connect_is_taken_and_the_new_one_pooled() {
         let (target, accepted) = server(1000, false, "ok").await;
         let made = Arc::new(AtomicUsize::new(0));
-        let connector = SlowAfterFirst {
+        let connector = Tcp {
             made: made.clone(),
-            slow: Duration::from_millis(800),
+            slow_after_first: Duration::from_millis(800),
         };
         let pool = H1Pool::new(connector, target.clone(), Duration::from_secs(60), 8);
         // The first connection carries a response whose body is not read yet.
@@ -600,7 +578,7 @@ mod tests {
             .parse()
             .unwrap();
         drop(dead);
-        let pool = H1Pool::new(Tcp, target.clone(), Duration::from_secs(60), 8);
+        let pool = H1Pool::new(Tcp::default(), target.clone(), Duration::from_secs(60), 8);
         let e = pool.send(get(&target)).await.unwrap_err();
         assert!(e.is_connect(), "{e:?}");
         assert!(!e.closed_unanswered());

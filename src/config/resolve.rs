@@ -84,16 +84,12 @@ fn plain(connector: TimedConnector, direct: bool, uris: &[http::Uri; 3]) -> Opti
     if !direct || first.scheme_str() != Some("http") || authority.as_str().contains('@') {
         return None;
     }
-    let host = match authority.port() {
-        Some(p) => format!("{}:{}", authority.host(), p.as_str()),
-        None => authority.host().to_string(),
-    };
-    let paths = uris.clone().map(|u| {
+    let path = |u: &http::Uri| {
         u.path_and_query()
-            .map(|p| p.as_str().parse::<http::Uri>())
-            .unwrap_or_else(|| "/".parse())
-    });
-    let [a, b, c] = paths;
+            .map_or("/", |p| p.as_str())
+            .parse::<http::Uri>()
+            .ok()
+    };
     let target = http::Uri::builder()
         .scheme("http")
         .authority(authority.clone())
@@ -102,8 +98,9 @@ fn plain(connector: TimedConnector, direct: bool, uris: &[http::Uri; 3]) -> Opti
         .ok()?;
     Some(Plain {
         pool: crate::h1pool::H1Pool::new(connector, target, POOL_IDLE, POOL_MAX_IDLE),
-        paths: [a.ok()?, b.ok()?, c.ok()?],
-        host: http::HeaderValue::from_str(&host).ok()?,
+        paths: [path(&uris[0])?, path(&uris[1])?, path(&uris[2])?],
+        // Without credentials (refused above), the authority is `host[:port]`.
+        host: http::HeaderValue::from_str(authority.as_str()).ok()?,
     })
 }
 

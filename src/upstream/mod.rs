@@ -21,24 +21,20 @@ use crate::wire::Op;
 
 /// The body sent upstream: the client's body with `model` replaced by the endpoint's id and,
 /// when the client asked for more, `max_tokens` capped at the endpoint's configured maximum. Every
-/// other field passes through untouched. Serialised straight from the client's map, without
-/// copying it.
-/// The body for an OpenAI-type endpoint: `client` with the endpoint's model (and its
-/// `max_tokens` cap). `raw`, the client's bytes while they say exactly what `client` holds, is
-/// patched instead of serialising `client` when no cap applies (see [`crate::wire::patch`]).
+/// other field passes through untouched. `raw`, the client's bytes while they say exactly what
+/// `client` holds, is patched when no cap applies ([`crate::wire::patch`]); otherwise the map is
+/// serialised, without copying it.
 pub fn body(ep: &Endpoint, op: Op, client: &Map<String, Value>, raw: Option<&[u8]>) -> Vec<u8> {
     let cap = match op {
         Op::Chat | Op::Completions => ep.max_tokens,
         Op::Embeddings => None,
     };
-    let capped = cap.is_some_and(|cap| {
-        ["max_tokens", "max_completion_tokens"].iter().any(|k| {
+    let capped = cap.is_some()
+        && ["max_tokens", "max_completion_tokens"].iter().any(|k| {
             client
                 .get(*k)
-                .and_then(Value::as_u64)
-                .is_some_and(|n| n > cap)
-        })
-    });
+                .is_some_and(|v| over_cap(k, v, cap).is_some())
+        });
     if !capped
         && let Some(patched) = raw.and_then(|r| crate::wire::patch::model(r, &ep.upstream_model))
     {
@@ -50,6 +46,14 @@ pub fn body(ep: &Endpoint, op: Op, client: &Map<String, Value>, raw: Option<&[u8
         cap,
     })
     .unwrap_or_default()
+}
+
+/// The cap to send instead of `v` when `key` asks for more tokens than the endpoint allows.
+fn over_cap(key: &str, v: &Value, cap: Option<u64>) -> Option<u64> {
+    match (key, cap, v.as_u64()) {
+        ("max_tokens" | "max_completion_tokens", Some(cap), Some(n)) if n > cap => Some(cap),
+        _ => None,
+    }
 }
 
 struct Outgoing<'a> {
@@ -66,12 +70,12 @@ impl serde::Serialize for Outgoing<'_> {
             m.serialize_entry("model", self.model)?;
         }
         for (k, v) in self.map {
-            match (k.as_str(), self.cap, v.as_u64()) {
-                ("model", _, _) => m.serialize_entry(k, self.model)?,
-                ("max_tokens" | "max_completion_tokens", Some(cap), Some(n)) if n > cap => {
-                    m.serialize_entry(k, &cap)?
-                }
-                _ => m.serialize_entry(k, v)?,
+            if k == "model" {
+                m.serialize_entry(k, self.model)?;
+            } else if let Some(cap) = over_cap(k, v, self.cap) {
+                m.serialize_entry(k, &cap)?;
+            } else {
+                m.serialize_entry(k, v)?;
             }
         }
         m.end()
@@ -265,27 +269,67 @@ async fn send_direct(
     client: &DirectClient,
     req: http::Request<Full<Bytes>>,
 ) -> Result<Answer, SendError> {
+    // Kept for the error's audit detail (a reference count).
+    let uri = req.uri().clone();
+    send_resending(
+        req,
+        |r| client.request(r),
+        closed_unanswered,
+        |e| e.is_connect(),
+        &uri,
+    )
+    .await
+}
+
+/// [`send_direct`] on a plain-`http` endpoint's own connections.
+async fn send_pooled(
+    pool: &PlainPool,
+    req: http::Request<Full<Bytes>>,
+) -> Result<Answer, SendError> {
+    send_resending(
+        req,
+        |r| pool.send(r),
+        crate::h1pool::Error::closed_unanswered,
+        crate::h1pool::Error::is_connect,
+        pool.target(),
+    )
+    .await
+}
+
+/// Sends `req` with `send`, once more when the upstream closed the connection unanswered, and
+/// gives the response as an [`Answer`] or the failure as a [`SendError`] (`url` only in its
+/// audit text).
+async fn send_resending<B, E, Fut>(
+    req: http::Request<Full<Bytes>>,
+    send: impl Fn(http::Request<Full<Bytes>>) -> Fut,
+    closed_unanswered: impl Fn(&E) -> bool,
+    is_connect: impl Fn(&E) -> bool,
+    url: &http::Uri,
+) -> Result<Answer, SendError>
+where
+    Fut: Future<Output = Result<http::Response<B>, E>>,
+    E: std::error::Error,
+    B: hyper::body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
     // A copy to send again if the server closes the connection without a word (below): the
     // body is `Bytes` (a reference count); the head is a few small allocations.
     let again = replay(&req);
-    // Kept for the error's audit detail (a reference count).
-    let uri = req.uri().clone();
-    let first = client.request(req).await;
-    let result = match first {
+    let result = match send(req).await {
         Err(e) if closed_unanswered(&e) => {
             // A server closing a keep-alive connection just as the pool reuses it (uvicorn's
             // `timeout_keep_alive`, a proxy's idle timeout) answers nothing: the request is sent
             // once more on a fresh connection, as Go's net/http and Envoy's `reset` retry do,
             // instead of failing over from a healthy endpoint (and ejecting it after five).
             tracing::debug!(error = %error_chain(&e), "upstream closed the connection unanswered; sent again");
-            client.request(again).await
+            send(again).await
         }
         other => other,
     };
     match result {
         Ok(resp) => {
             let (parts, body) = resp.into_parts();
-            let body = body.into_data_stream().map_err(BoxError::from);
+            let body = body.into_data_stream().map_err(Into::into);
             Ok(Answer {
                 status: parts.status,
                 headers: parts.headers,
@@ -295,43 +339,8 @@ async fn send_direct(
         Err(e) => {
             let shown = format!("error sending request: {}", error_chain(&e));
             Err(SendError {
-                connect: e.is_connect(),
-                internal: format!("{shown} (url {uri})"),
-                shown,
-            })
-        }
-    }
-}
-
-/// [`send_direct`] on a plain-`http` endpoint's own connections, with the same one resend when
-/// the upstream closed a reused connection unanswered.
-async fn send_pooled(
-    pool: &PlainPool,
-    req: http::Request<Full<Bytes>>,
-) -> Result<Answer, SendError> {
-    let again = replay(&req);
-    let result = match pool.send(req).await {
-        Err(e) if e.closed_unanswered() => {
-            tracing::debug!(error = %error_chain(&e), "upstream closed the connection unanswered; sent again");
-            pool.send(again).await
-        }
-        other => other,
-    };
-    match result {
-        Ok(resp) => {
-            let (parts, body) = resp.into_parts();
-            let body = body.into_data_stream().map_err(BoxError::from);
-            Ok(Answer {
-                status: parts.status,
-                headers: parts.headers,
-                body: Box::pin(body),
-            })
-        }
-        Err(e) => {
-            let shown = format!("error sending request: {}", error_chain(&e));
-            Err(SendError {
-                connect: e.is_connect(),
-                internal: format!("{shown} (url {})", pool.target()),
+                connect: is_connect(&e),
+                internal: format!("{shown} (url {url})"),
                 shown,
             })
         }

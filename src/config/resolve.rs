@@ -380,6 +380,7 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
             name.clone(),
             Arc::new(Endpoint {
                 name: name.clone(),
+                name_header: http::HeaderValue::from_str(&name).ok(),
                 kind: ep.kind,
                 base_url,
                 upstream_model,

@@ -307,6 +307,9 @@ impl tower::Service<http::Uri> for TimedConnector {
 #[derive(Debug)]
 pub struct Endpoint {
     pub name: String,
+    /// `name` as the `x-autohedge-endpoint` value, built once at load (`None`: not a valid
+    /// header value, and the header is left out).
+    pub name_header: Option<http::HeaderValue>,
     pub kind: EndpointKind,
     /// Root of the API without a trailing slash: `…/v1` for OpenAI-type servers, the bare host
     /// for Ollama.

@@ -123,16 +123,23 @@ impl<'a> Attempt<'a> {
         let ep = self.ep;
         // Each attempt's timeouts are capped by what is left of the request's own deadline.
         let deadline = (Instant::now() + ep.timeouts.total).min(self.deadline);
-        let resp = match timeout_at(deadline, rb.send()).await {
-            Err(_) => {
+        // One timer for the head and the body (a timer registered and removed costs about as
+        // much as reading the answer's headers).
+        let timer = tokio::time::sleep_until(deadline);
+        tokio::pin!(timer);
+        let resp = tokio::select! {
+            biased;
+            r = rb.send() => match r {
+                Err(e) => return Err(send_error(e)),
+                Ok(r) => r,
+            },
+            _ = &mut timer => {
                 return Err(Failure::new(
                     Outcome::Timeout,
                     None,
                     "no response within timeouts.total",
                 ));
             }
-            Ok(Err(e)) => return Err(send_error(e)),
-            Ok(Ok(r)) => r,
         };
         if !resp.status.is_success() {
             return Err(read_error(ep, resp, deadline, self.max_cooldown).await);
@@ -140,22 +147,25 @@ impl<'a> Attempt<'a> {
         let ratelimit = classify::ratelimit_headers(&resp.headers, self.max_cooldown);
         let status = resp.status;
         let content_type = resp.headers.get(header::CONTENT_TYPE).cloned();
-        let body = match timeout_at(deadline, resp.bytes()).await {
-            Err(_) => {
+        let body = tokio::select! {
+            biased;
+            b = resp.bytes() => match b {
+                Err(e) => {
+                    return Err(Failure::new(
+                        Outcome::Connection,
+                        Some(status.as_u16()),
+                        format!("reading body: {}", error_chain(&*e)),
+                    ));
+                }
+                Ok(b) => b,
+            },
+            _ = &mut timer => {
                 return Err(Failure::new(
                     Outcome::Timeout,
                     Some(status.as_u16()),
                     "body not complete within timeouts.total",
                 ));
             }
-            Ok(Err(e)) => {
-                return Err(Failure::new(
-                    Outcome::Connection,
-                    Some(status.as_u16()),
-                    format!("reading body: {}", error_chain(&*e)),
-                ));
-            }
-            Ok(Ok(b)) => b,
         };
         if ep.kind == EndpointKind::Ollama {
             let parsed: Value = serde_json::from_slice(&body).map_err(|e| {

@@ -115,7 +115,12 @@ impl Run {
         if let Ok(v) = HeaderValue::from_str(&self.request_id) {
             h.insert(names::X_REQUEST_ID, v);
         }
-        if let Some(ep) = endpoint.and_then(|e| HeaderValue::from_str(e).ok()) {
+        // The endpoint's name as a header value was built when the config was loaded.
+        let ep = endpoint.and_then(|e| match self.cfg.endpoints.get(e) {
+            Some(ep) => ep.name_header.clone(),
+            None => HeaderValue::from_str(e).ok(),
+        });
+        if let Some(ep) = ep {
             h.insert(names::X_AUTOHEDGE_ENDPOINT, ep);
         }
         h.insert(names::X_AUTOHEDGE_ATTEMPTS, HeaderValue::from(self.calls));

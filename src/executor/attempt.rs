@@ -9,7 +9,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use bytes::Bytes;
 use futures_util::StreamExt;
 use serde_json::Value;
-use tokio::time::{Instant, timeout_at};
+use tokio::time::{Instant, sleep_until, timeout_at};
 
 use crate::config::{Endpoint, EndpointKind, Secret};
 use crate::outcome::Outcome;
@@ -84,6 +84,21 @@ impl Success {
     }
 }
 
+/// `$f`, unless `$timer` (a pinned `Sleep`) fires first (`None`): [`tokio::time::timeout_at`]
+/// with a timer given, so that the waits of one attempt under one deadline share one timer (a
+/// tokio timer registered and removed costs about as much as reading an answer's headers). A
+/// macro, not an `async fn`: a function's future would hold `$f` twice (its argument and the
+/// `select!` inside), and the executor's future, moved into its box on every request, with it.
+macro_rules! within {
+    ($timer:expr, $f:expr) => {
+        tokio::select! {
+            biased;
+            v = $f => Some(v),
+            () = $timer.as_mut() => None,
+        }
+    };
+}
+
 /// Everything one attempt needs, borrowed from the request.
 pub(super) struct Attempt<'a> {
     pub ep: &'a Endpoint,
@@ -123,23 +138,18 @@ impl<'a> Attempt<'a> {
         let ep = self.ep;
         // Each attempt's timeouts are capped by what is left of the request's own deadline.
         let deadline = (Instant::now() + ep.timeouts.total).min(self.deadline);
-        // One timer for the head and the body (a timer registered and removed costs about as
-        // much as reading the answer's headers).
-        let timer = tokio::time::sleep_until(deadline);
+        let timer = sleep_until(deadline);
         tokio::pin!(timer);
-        let resp = tokio::select! {
-            biased;
-            r = rb.send() => match r {
-                Err(e) => return Err(send_error(e)),
-                Ok(r) => r,
-            },
-            _ = &mut timer => {
+        let resp = match within!(timer, rb.send()) {
+            None => {
                 return Err(Failure::new(
                     Outcome::Timeout,
                     None,
                     "no response within timeouts.total",
                 ));
             }
+            Some(Err(e)) => return Err(send_error(e)),
+            Some(Ok(r)) => r,
         };
         if !resp.status.is_success() {
             return Err(read_error(ep, resp, deadline, self.max_cooldown).await);
@@ -147,25 +157,22 @@ impl<'a> Attempt<'a> {
         let ratelimit = classify::ratelimit_headers(&resp.headers, self.max_cooldown);
         let status = resp.status;
         let content_type = resp.headers.get(header::CONTENT_TYPE).cloned();
-        let body = tokio::select! {
-            biased;
-            b = resp.bytes() => match b {
-                Err(e) => {
-                    return Err(Failure::new(
-                        Outcome::Connection,
-                        Some(status.as_u16()),
-                        format!("reading body: {}", error_chain(&*e)),
-                    ));
-                }
-                Ok(b) => b,
-            },
-            _ = &mut timer => {
+        let body = match within!(timer, resp.bytes()) {
+            None => {
                 return Err(Failure::new(
                     Outcome::Timeout,
                     Some(status.as_u16()),
                     "body not complete within timeouts.total",
                 ));
             }
+            Some(Err(e)) => {
+                return Err(Failure::new(
+                    Outcome::Connection,
+                    Some(status.as_u16()),
+                    format!("reading body: {}", error_chain(&*e)),
+                ));
+            }
+            Some(Ok(b)) => b,
         };
         if ep.kind == EndpointKind::Ollama {
             let parsed: Value = serde_json::from_slice(&body).map_err(|e| {
@@ -238,16 +245,19 @@ impl<'a> Attempt<'a> {
         let first_deadline = (t0 + ep.timeouts.first_token)
             .min(t0 + ep.timeouts.total)
             .min(self.deadline);
-        let resp = match timeout_at(first_deadline, rb.send()).await {
-            Err(_) => {
+        // One timer for every wait up to the first content chunk.
+        let timer = sleep_until(first_deadline);
+        tokio::pin!(timer);
+        let resp = match within!(timer, rb.send()) {
+            None => {
                 return Err(Failure::new(
                     Outcome::FirstTokenTimeout,
                     None,
                     "no response headers within timeouts.first_token",
                 ));
             }
-            Ok(Err(e)) => return Err(send_error(e)),
-            Ok(Ok(r)) => r,
+            Some(Err(e)) => return Err(send_error(e)),
+            Some(Ok(r)) => r,
         };
         if !resp.status.is_success() {
             let deadline = (t0 + ep.timeouts.total).min(self.deadline);
@@ -280,9 +290,9 @@ impl<'a> Attempt<'a> {
                 .is_some_and(|v| v.starts_with("text/event-stream"));
             if !is_sse {
                 // A JSON body on a stream request is an error some servers send with 200.
-                let body = timeout_at(first_deadline, resp.bytes()).await;
+                let body = within!(timer, resp.bytes());
                 let detail = match body {
-                    Ok(Ok(b)) => match serde_json::from_slice::<Value>(&b) {
+                    Some(Ok(b)) => match serde_json::from_slice::<Value>(&b) {
                         Ok(v) => match wire::classify_chunk(&v) {
                             ChunkKind::Error(m) => {
                                 return Err(Failure::new(Outcome::InBand, Some(status), m));
@@ -306,8 +316,8 @@ impl<'a> Attempt<'a> {
         let mut usage = None;
         let mut out_chars = 0usize;
         loop {
-            let next = match timeout_at(first_deadline, rest.next()).await {
-                Err(_) => {
+            let next = match within!(timer, rest.next()) {
+                None => {
                     return Err(Failure::new(
                         Outcome::FirstTokenTimeout,
                         Some(status),
@@ -317,21 +327,21 @@ impl<'a> Attempt<'a> {
                         ),
                     ));
                 }
-                Ok(None) => {
+                Some(None) => {
                     return Err(Failure::new(
                         Outcome::Connection,
                         Some(status),
                         "stream ended before any content",
                     ));
                 }
-                Ok(Some(Err(e))) => {
+                Some(Some(Err(e))) => {
                     return Err(Failure::new(
                         Outcome::Connection,
                         Some(status),
                         format!("stream broke before any content: {}", error_chain(&*e)),
                     ));
                 }
-                Ok(Some(Ok(b))) => b,
+                Some(Some(Ok(b))) => b,
             };
             let events = parser.push(&next).map_err(|e| {
                 Failure::new(
@@ -448,23 +458,25 @@ async fn read_error(
 
 /// Characters of generated text in a full response, for estimating completion tokens.
 fn response_text_chars(v: &Value) -> usize {
-    choices_text_chars(v, "/message/content")
+    choices_text_chars(v, "message")
 }
 
 /// The same for one stream chunk.
 pub(super) fn chunk_text_chars(v: &Value) -> usize {
-    choices_text_chars(v, "/delta/content")
+    choices_text_chars(v, "delta")
 }
 
-/// Characters of every choice's `content` (at `content`) and legacy `text`.
-fn choices_text_chars(v: &Value, content: &str) -> usize {
+/// Characters of every choice's `content` (in `message` or `delta`) and legacy `text`. Looked
+/// up key by key: `Value::pointer` allocates two strings a path segment (its `~` unescaping),
+/// which made it the costliest step of a streamed chunk.
+fn choices_text_chars(v: &Value, inner: &str) -> usize {
     let Some(choices) = v.get("choices").and_then(Value::as_array) else {
         return 0;
     };
     let len = |x: Option<&Value>| x.and_then(Value::as_str).map_or(0, str::len);
     choices
         .iter()
-        .map(|c| len(c.pointer(content)) + len(c.get("text")))
+        .map(|c| len(c.get(inner).and_then(|m| m.get("content"))) + len(c.get("text")))
         .sum()
 }
 

@@ -272,9 +272,10 @@ impl Run {
                     guard,
                     // One waiter for the stream's life, not one per chunk.
                     stop: Box::pin(self.app.hard_stop.clone().cancelled_owned()),
+                    timer: Box::pin(tokio::time::sleep_until(deadline)),
                     cont,
                 };
-                let body = Body::from_stream(futures_util::stream::unfold(state, pump));
+                let body = Body::from_stream(futures_util::stream::unfold(Box::new(state), pump));
                 let mut resp = Response::new(body);
                 let h = resp.headers_mut();
                 h.insert(

@@ -13,7 +13,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::StreamExt;
 use serde_json::Value;
-use tokio::time::{Instant, timeout_at};
+use tokio::time::Instant;
 
 use super::attempt::{Attempt, ByteStream, Success, chunk_text_chars, error_chain};
 use super::respond::fill_usage;
@@ -168,6 +168,10 @@ pub(super) struct PassThrough {
     pub guard: StreamGuard,
     /// Cancelled when shutdown cuts the requests still running.
     pub stop: Pin<Box<tokio_util::sync::WaitForCancellationFutureOwned>>,
+    /// The wait for the next chunk (`idle`, within `deadline`): one timer for the stream's
+    /// life, moved on at every chunk — a later deadline costs a store, where a timer made and
+    /// dropped per chunk cost a registration in tokio's timer wheel and its removal.
+    pub timer: Pin<Box<tokio::time::Sleep>>,
     /// Stream continuation, when the route has it on.
     pub cont: Option<Box<Continuation>>,
 }
@@ -183,6 +187,18 @@ impl PassThrough {
         for ev in events {
             if ev.data.trim() == "[DONE]" {
                 self.done_seen = true;
+                continue;
+            }
+            // The plain chunk, read without a `Value` tree (a continuation watches the tree).
+            if self.cont.is_none()
+                && let Some(p) = wire::chunk::read(&ev.data)
+            {
+                if let Some(u) = p.usage {
+                    self.guard.usage = Some(u);
+                }
+                if p.content {
+                    self.guard.out_chars += p.text_bytes;
+                }
                 continue;
             }
             if let Ok(v) = serde_json::from_str::<Value>(&ev.data) {
@@ -203,9 +219,11 @@ impl PassThrough {
     }
 }
 
+/// The next piece of a committed stream. The state is boxed: `unfold` moves it into every
+/// step's future and out again, and a box moves as a pointer where the state is a kilobyte.
 pub(super) async fn pump(
-    mut st: PassThrough,
-) -> Option<(Result<Bytes, std::io::Error>, PassThrough)> {
+    mut st: Box<PassThrough>,
+) -> Option<(Result<Bytes, std::io::Error>, Box<PassThrough>)> {
     if let Some(b) = st.prelude.pop_front() {
         if st.prelude.is_empty() && st.done_seen && !st.finished {
             // `[DONE]` came with the first chunks: the stream is complete for the client.
@@ -218,14 +236,19 @@ pub(super) async fn pump(
         return None;
     }
     let wait_until = (Instant::now() + st.idle).min(st.deadline);
+    st.timer.as_mut().reset(wait_until);
     let next = tokio::select! {
-        r = timeout_at(wait_until, st.rest.next()) => r,
+        // Shutdown's cut first, so a stream that always has a chunk ready is still cut; then
+        // a chunk that is there before its timer.
+        biased;
         _ = &mut st.stop => {
             st.finished = true;
             st.guard.finish(Some((Outcome::Shutdown, "cut by shutdown after shutdown_grace".into())));
             let ev = stream_error_event("The gateway is shutting down.", "shutdown");
             return Some((Ok(Bytes::from(ev)), st));
         }
+        r = st.rest.next() => Ok(r),
+        () = st.timer.as_mut() => Err(()),
     };
     match next {
         Ok(Some(Ok(b))) => {
@@ -355,8 +378,13 @@ impl Continuation {
                 v.get("created").cloned().unwrap_or(Value::Null),
             ));
         }
-        if let Some(choice) = v.pointer("/choices/0") {
-            if let Some(t) = choice.pointer("/delta/content").and_then(Value::as_str) {
+        // Key by key: `Value::pointer` allocates for every path segment.
+        if let Some(choice) = v.get("choices").and_then(|c| c.get(0)) {
+            if let Some(t) = choice
+                .get("delta")
+                .and_then(|d| d.get("content"))
+                .and_then(Value::as_str)
+            {
                 self.text.push_str(t);
             }
             if choice.get("finish_reason").is_some_and(|f| !f.is_null()) {

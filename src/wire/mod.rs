@@ -3,6 +3,7 @@
 //! unknown fields pass through to OpenAI-type upstreams untouched.
 
 pub mod answer;
+pub mod chunk;
 pub mod hygiene;
 pub mod patch;
 pub mod sse;

@@ -1,0 +1,427 @@
+//! What a committed stream reads from each chunk it passes on — whether it carries content,
+//! how many bytes of text, its `usage` — without building a `serde_json::Value` tree: a typed
+//! parse that borrows the strings and skips every field it does not name. A `Value` per chunk
+//! (a map and a string for every key, freed again) was the largest cost of a streamed chunk.
+//!
+//! [`read`] answers only for the plain case; anything else — not an object, a field of another
+//! type than a chunk has, a field given twice, an `error` that is not `null`, an `object` that is
+//! or may be `"error"` — gives `None`, and the caller reads the chunk as a `Value` as before, so
+//! the two always agree (a differential property test below holds them to each other).
+
+use std::borrow::Cow;
+use std::marker::PhantomData;
+
+use serde::Deserialize;
+use serde::de::{IgnoredAny, MapAccess, Visitor};
+
+#[cfg(test)]
+use super::ChunkKind;
+use super::Usage;
+
+/// A plain chunk, read.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Plain {
+    /// It carries content or a finish reason ([`super::ChunkKind::Content`]), else it is a
+    /// preamble.
+    pub content: bool,
+    /// Bytes of its choices' `delta.content` and legacy `text`.
+    pub text_bytes: usize,
+    /// Its `usage`, when it has one (counts that are not non-negative integers read as 0).
+    pub usage: Option<Usage>,
+}
+
+/// `T` read from a JSON object only. A derived struct also reads from an array (its fields in
+/// order), where the `Value` path would find no field at all.
+struct Obj<T>(T);
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Obj<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields<T>(PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> Visitor<'de> for Fields<T> {
+            type Value = T;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+                T::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+            }
+        }
+        d.deserialize_map(Fields(PhantomData)).map(Obj)
+    }
+}
+
+#[derive(Deserialize)]
+struct Chunk<'a> {
+    /// Present and not `null`: an in-band error, for the `Value` path to read.
+    #[serde(default)]
+    error: Option<IgnoredAny>,
+    #[serde(default, borrow)]
+    object: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    choices: Option<Vec<Obj<Choice<'a>>>>,
+    #[serde(default)]
+    usage: Option<Obj<Counts>>,
+}
+
+#[derive(Deserialize)]
+struct Choice<'a> {
+    #[serde(default)]
+    finish_reason: Option<IgnoredAny>,
+    #[serde(default, borrow)]
+    text: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    delta: Option<Obj<Delta<'a>>>,
+}
+
+#[derive(Deserialize)]
+struct Delta<'a> {
+    #[serde(default, borrow)]
+    content: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    refusal: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    reasoning_content: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    reasoning: Option<Cow<'a, str>>,
+    #[serde(default)]
+    tool_calls: Option<Vec<IgnoredAny>>,
+    #[serde(default)]
+    function_call: Option<IgnoredAny>,
+}
+
+#[derive(Deserialize)]
+struct Counts {
+    #[serde(default)]
+    prompt_tokens: Option<serde_json::Number>,
+    #[serde(default)]
+    completion_tokens: Option<serde_json::Number>,
+}
+
+/// The chunk's content, text and usage, or `None` when it is not a plain chunk (see the module).
+pub fn read(data: &str) -> Option<Plain> {
+    let Obj(c): Obj<Chunk<'_>> = serde_json::from_str(data).ok()?;
+    if c.error.is_some() || c.object.as_deref() == Some("error") {
+        return None;
+    }
+    let nonempty = |s: &Option<Cow<'_, str>>| s.as_deref().is_some_and(|t| !t.is_empty());
+    let choices: Vec<Choice<'_>> = c
+        .choices
+        .unwrap_or_default()
+        .into_iter()
+        .map(|c| c.0)
+        .collect();
+    let content = choices.iter().any(|ch| {
+        ch.finish_reason.is_some()
+            || nonempty(&ch.text)
+            || ch.delta.as_ref().map(|d| &d.0).is_some_and(|d| {
+                nonempty(&d.content)
+                    || nonempty(&d.refusal)
+                    || nonempty(&d.reasoning_content)
+                    || nonempty(&d.reasoning)
+                    || d.tool_calls.as_ref().is_some_and(|t| !t.is_empty())
+                    || d.function_call.is_some()
+            })
+    });
+    let len = |s: &Option<Cow<'_, str>>| s.as_deref().map_or(0, str::len);
+    let text_bytes = choices
+        .iter()
+        .map(|ch| len(&ch.text) + ch.delta.as_ref().map_or(0, |d| len(&d.0.content)))
+        .sum();
+    let count = |n: &Option<serde_json::Number>| n.as_ref().and_then(|n| n.as_u64()).unwrap_or(0);
+    Some(Plain {
+        content,
+        text_bytes,
+        usage: c.usage.map(|Obj(u)| Usage {
+            prompt: count(&u.prompt_tokens),
+            completion: count(&u.completion_tokens),
+        }),
+    })
+}
+
+/// What the `Value` path reads from the same chunk (the reference [`read`] is held to).
+#[cfg(test)]
+fn by_value(data: &str) -> Option<(ChunkKind, usize, Option<Usage>)> {
+    let v: serde_json::Value = serde_json::from_str(data).ok()?;
+    let kind = super::classify_chunk(&v);
+    let text = v
+        .get("choices")
+        .and_then(serde_json::Value::as_array)
+        .map_or(0, |cs| {
+            let len = |x: Option<&serde_json::Value>| {
+                x.and_then(serde_json::Value::as_str).map_or(0, str::len)
+            };
+            cs.iter()
+                .map(|c| len(c.get("delta").and_then(|d| d.get("content"))) + len(c.get("text")))
+                .sum()
+        });
+    Some((kind, text, super::usage_of(&v)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Chunks as servers send them take the typed path, and read as the `Value` path reads them.
+    #[test]
+    fn real_chunks_take_the_typed_path() {
+        let chunks = [
+            r#"{"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}"#,
+            r#"{"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"Hello"},"logprobs":null,"finish_reason":null}]}"#,
+            r#"{"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"stop"}]}"#,
+            r#"{"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":12,"completion_tokens":3,"total_tokens":15}}"#,
+            r#"{"id":"c1","object":"text_completion","choices":[{"text":"caf\u00e9","index":0,"finish_reason":null}]}"#,
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{"}}]}}],"error":null}"#,
+        ];
+        let want = [
+            (false, 0, None),
+            (true, 5, None),
+            (true, 0, None),
+            (
+                false,
+                0,
+                Some(Usage {
+                    prompt: 12,
+                    completion: 3,
+                }),
+            ),
+            (true, 5, None),
+            (true, 0, None),
+        ];
+        for (c, (content, text_bytes, usage)) in chunks.iter().zip(want) {
+            let got = read(c).unwrap_or_else(|| panic!("typed path declined {c}"));
+            assert_eq!(
+                got,
+                Plain {
+                    content,
+                    text_bytes,
+                    usage
+                },
+                "{c}"
+            );
+            let (kind, text, u) = by_value(c).unwrap();
+            assert_eq!(kind == ChunkKind::Content, content, "{c}");
+            assert_eq!((text, u), (text_bytes, usage), "{c}");
+        }
+    }
+
+    /// Chunks the typed path must leave to the `Value` path.
+    #[test]
+    fn errors_and_odd_shapes_are_declined() {
+        for c in [
+            r#"{"error":{"message":"overloaded"}}"#,
+            r#"{"error":"overloaded"}"#,
+            r#"{"object":"error","message":"m"}"#,
+            r#"{"object":"\u0065rror","message":"m"}"#,
+            r#"{"choices":[{"delta":{"content":"a"}}],"choices":[]}"#,
+            r#"{"choices":{"0":{}}}"#,
+            r#"{"choices":[{"delta":"text"}]}"#,
+            r#"{"usage":7}"#,
+            r#"[1,2]"#,
+            r#"[null,null,[{"text":"a"}]]"#,
+            r#"{"choices":[[null,"a"]]}"#,
+            r#"{"choices":[{"delta":[null,"a"]}]}"#,
+            r#"{"usage":[5,6]}"#,
+            r#"not json"#,
+        ] {
+            assert_eq!(read(c), None, "{c}");
+        }
+    }
+
+    fn one_of(choices: &'static [&'static str]) -> BoxedStrategy<String> {
+        proptest::sample::select(choices)
+            .prop_map(str::to_string)
+            .boxed()
+    }
+
+    /// `"key":value` zero, one or two times (a key given twice).
+    fn field(k: &'static str, v: BoxedStrategy<String>) -> BoxedStrategy<Vec<String>> {
+        prop_oneof![
+            20 => Just(Vec::new()),
+            60 => v.clone().prop_map(move |v| vec![format!("\"{k}\":{v}")]),
+            1 => (v.clone(), v).prop_map(move |(a, b)| vec![format!("\"{k}\":{a}"), format!("\"{k}\":{b}")]),
+        ]
+        .boxed()
+    }
+
+    /// An object of these fields, or now and then an array or a scalar in its place.
+    fn object(fields: Vec<BoxedStrategy<Vec<String>>>) -> BoxedStrategy<String> {
+        let obj = fields.prop_map(|parts| format!("{{{}}}", parts.concat().join(",")));
+        prop_oneof![
+            60 => obj,
+            1 => one_of(&["null", "\"x\"", "[null,\"a\"]", "[]", "{}", "[null,null,[{\"text\":\"a\"}]]"]),
+        ]
+        .boxed()
+    }
+
+    /// Chunks shaped as servers send them, every field sometimes of another type, missing or
+    /// given twice.
+    fn chunk_shaped() -> BoxedStrategy<String> {
+        let text = || {
+            prop_oneof![
+                40 => one_of(&["\"\"", "\"hi\"", "\"caf\\u00e9\"", "null"]),
+                1 => one_of(&["3", "[]"]),
+            ]
+            .boxed()
+        };
+        let delta = object(vec![
+            field("role", text()),
+            field("content", text()),
+            field("refusal", text()),
+            field("reasoning", text()),
+            field("reasoning_content", text()),
+            field(
+                "tool_calls",
+                one_of(&["[]", "[{}]", "[{},{}]", "null", "null", "{}"]),
+            ),
+            field("function_call", one_of(&["null", "{}", "\"f\"", "0"])),
+        ]);
+        let choice = object(vec![
+            field("index", one_of(&["0", "1"])),
+            field("finish_reason", one_of(&["null", "\"stop\"", "0"])),
+            field("text", text()),
+            field("delta", delta),
+        ]);
+        let choices = prop_oneof![
+            40 => proptest::collection::vec(choice, 0..3).prop_map(|c| format!("[{}]", c.join(","))),
+            1 => one_of(&["null", "{}", "\"x\""]),
+        ]
+        .boxed();
+        let num = || {
+            prop_oneof![
+                40 => one_of(&["0", "12", "-1", "1.5", "1e2", "18446744073709551616", "null"]),
+                1 => one_of(&["\"5\""]),
+            ]
+            .boxed()
+        };
+        let usage = object(vec![
+            field("prompt_tokens", num()),
+            field("completion_tokens", num()),
+            field("total_tokens", num()),
+        ]);
+        object(vec![
+            field("id", one_of(&["\"c1\""])),
+            field(
+                "object",
+                one_of(&[
+                    "\"chat.completion.chunk\"",
+                    "\"chat.completion.chunk\"",
+                    "\"chat.completion.chunk\"",
+                    "\"error\"",
+                    "\"\\u0065rror\"",
+                    "null",
+                ]),
+            ),
+            field("choices", choices),
+            field("usage", usage),
+            field(
+                "error",
+                one_of(&[
+                    "null",
+                    "null",
+                    "null",
+                    "null",
+                    "{\"message\":\"m\"}",
+                    "\"e\"",
+                ]),
+            ),
+        ])
+    }
+
+    /// JSON built from the keys a chunk has, each with a value of any type, nested as chunks
+    /// are, sometimes with a key given twice.
+    fn chunkish() -> impl Strategy<Value = String> {
+        let scalar = prop_oneof![
+            Just("null".to_string()),
+            Just("true".to_string()),
+            Just("0".to_string()),
+            Just("3".to_string()),
+            Just("-2".to_string()),
+            Just("1.5".to_string()),
+            Just("18446744073709551616".to_string()),
+            Just("\"\"".to_string()),
+            Just("\"hi\"".to_string()),
+            Just("\"error\"".to_string()),
+            Just("\"\\u00e9\\n\"".to_string()),
+            Just("[]".to_string()),
+            Just("{}".to_string()),
+        ];
+        let keys = prop_oneof![
+            Just("error"),
+            Just("object"),
+            Just("choices"),
+            Just("usage"),
+            Just("delta"),
+            Just("content"),
+            Just("text"),
+            Just("finish_reason"),
+            Just("tool_calls"),
+            Just("function_call"),
+            Just("refusal"),
+            Just("reasoning"),
+            Just("reasoning_content"),
+            Just("prompt_tokens"),
+            Just("completion_tokens"),
+            Just("id"),
+        ];
+        scalar.prop_recursive(4, 48, 6, move |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4)
+                    .prop_map(|v| format!("[{}]", v.join(","))),
+                proptest::collection::vec((keys.clone(), inner), 0..6).prop_map(|kv| {
+                    let body: Vec<String> = kv
+                        .into_iter()
+                        .map(|(k, v)| format!("\"{k}\":{v}"))
+                        .collect();
+                    format!("{{{}}}", body.join(","))
+                }),
+            ]
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+        /// Whenever the typed path answers, it answers what the `Value` path does.
+        #[test]
+        fn agrees_with_the_value_path(data in prop_oneof![3 => chunk_shaped(), 1 => chunkish().boxed()]) {
+            if let Some(p) = read(&data) {
+                let (kind, text, usage) = by_value(&data).expect("typed accepted invalid JSON");
+                prop_assert!(!matches!(kind, ChunkKind::Error(_)), "{}", data);
+                prop_assert_eq!(kind == ChunkKind::Content, p.content, "{}", data);
+                prop_assert_eq!(text, p.text_bytes, "{}", data);
+                prop_assert_eq!(usage, p.usage, "{}", data);
+            }
+        }
+
+        /// Arbitrary text never panics.
+        #[test]
+        fn arbitrary_text_never_panics(s in ".{0,200}") {
+            let _ = read(&s);
+        }
+    }
+
+    /// The generator reaches the typed path's answers, content and preambles both, so the
+    /// agreement above is tested on them and not only on what the typed path declines.
+    #[test]
+    fn shaped_chunks_are_mostly_read() {
+        use proptest::strategy::ValueTree;
+        let mut runner = proptest::test_runner::TestRunner::deterministic();
+        let (mut read_n, mut content, mut preamble) = (0, 0, 0);
+        for _ in 0..400 {
+            let data = chunk_shaped().new_tree(&mut runner).unwrap().current();
+            if let Some(p) = read(&data) {
+                read_n += 1;
+                if p.content {
+                    content += 1;
+                } else {
+                    preamble += 1;
+                }
+            }
+        }
+        assert!(read_n >= 100, "only {read_n} of 400 read");
+        assert!(
+            content >= 20 && preamble >= 20,
+            "{content} content, {preamble} preambles"
+        );
+    }
+}

@@ -10,16 +10,25 @@
 #   cargo build --release --bin autohedge && bash benches/instructions.sh
 #   cargo build --profile dist --bin autohedge && BIN=target/dist/autohedge bash benches/instructions.sh
 #   SMALL=300 LARGE=1300 bash benches/instructions.sh   # quicker, noisier
+#   STREAM=1 bash benches/instructions.sh   # streamed answers: 32 content chunks 1 ms apart
+#                                           # (defaults SMALL=100 LARGE=400)
 #
 # Env: LOG_FORMAT (default json), RUST_LOG (default info) — the gateway as deployed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release/autohedge}
 FOCUS=${FOCUS:-'telemetry::|access_log|tracing_subscriber::fmt|metrics_exporter_prometheus|Instrumented|executor::execute'}
+STREAM=${STREAM:-}
 work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 
-"$BIN" mock-upstream --listen 127.0.0.1:0 > "$work/mock.out" 2>/dev/null &
+# Streams: a reply of 32 words, one content chunk a word, 1 ms apart (so every chunk is read on
+# its own, as from a generating model).
+words=$(python3 -c 'print(" ".join(f"w{i}" for i in range(32)))')
+printf 'reply: "%s"\nchunk_delay: 1ms\n' "$words" > "$work/script.yaml"
+mock_args=()
+[ -n "$STREAM" ] && mock_args=(--script "$work/script.yaml")
+"$BIN" mock-upstream --listen 127.0.0.1:0 "${mock_args[@]}" > "$work/mock.out" 2>/dev/null &
 for _ in $(seq 100); do grep -q "listening on" "$work/mock.out" 2>/dev/null && break; sleep 0.1; done
 mock=$(sed -n 's/.*listening on http:\/\///p' "$work/mock.out")
 cat > "$work/config.yaml" <<EOF
@@ -38,21 +47,29 @@ run() {
   for _ in $(seq 600); do grep -q "listening on" "$work/gw-$n.out" 2>/dev/null && break; sleep 0.1; done
   local addr
   addr=$(sed -n 's/.*listening on http:\/\///p' "$work/gw-$n.out")
-  python3 - "$addr" "$n" <<'PY'
+  python3 - "$addr" "$n" "$STREAM" <<'PY'
 import http.client, json, sys
-addr, n = sys.argv[1], int(sys.argv[2])
+addr, n, stream = sys.argv[1], int(sys.argv[2]), bool(sys.argv[3])
 host, port = addr.rsplit(":", 1)
 c = http.client.HTTPConnection(host, int(port), timeout=60)
-body = json.dumps({"model": "a", "messages": [{"role": "user", "content": "Hello there"}]})
+req = {"model": "a", "messages": [{"role": "user", "content": "Hello there"}]}
+if stream:
+    req["stream"] = True
+body = json.dumps(req)
 for i in range(n):
     c.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
-    r = c.getresponse(); r.read()
+    r = c.getresponse(); text = r.read()
     assert r.status == 200, r.status
+    assert not stream or text.count(b"data: ") >= 33, text[:200]
 PY
   kill -TERM "$pid"
   wait "$pid" || true
 }
 
+if [ -n "$STREAM" ]; then
+  SMALL=${SMALL:-100}
+  LARGE=${LARGE:-400}
+fi
 SMALL=${SMALL:-1000}
 LARGE=${LARGE:-5000}
 mkdir -p target/callgrind

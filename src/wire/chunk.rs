@@ -331,39 +331,41 @@ mod tests {
     /// JSON built from the keys a chunk has, each with a value of any type, nested as chunks
     /// are, sometimes with a key given twice.
     fn chunkish() -> impl Strategy<Value = String> {
-        let scalar = prop_oneof![
-            Just("null".to_string()),
-            Just("true".to_string()),
-            Just("0".to_string()),
-            Just("3".to_string()),
-            Just("-2".to_string()),
-            Just("1.5".to_string()),
-            Just("18446744073709551616".to_string()),
-            Just("\"\"".to_string()),
-            Just("\"hi\"".to_string()),
-            Just("\"error\"".to_string()),
-            Just("\"\\u00e9\\n\"".to_string()),
-            Just("[]".to_string()),
-            Just("{}".to_string()),
-        ];
-        let keys = prop_oneof![
-            Just("error"),
-            Just("object"),
-            Just("choices"),
-            Just("usage"),
-            Just("delta"),
-            Just("content"),
-            Just("text"),
-            Just("finish_reason"),
-            Just("tool_calls"),
-            Just("function_call"),
-            Just("refusal"),
-            Just("reasoning"),
-            Just("reasoning_content"),
-            Just("prompt_tokens"),
-            Just("completion_tokens"),
-            Just("id"),
-        ];
+        let scalar = one_of(&[
+            "null",
+            "true",
+            "0",
+            "3",
+            "-2",
+            "1.5",
+            "18446744073709551616",
+            "\"\"",
+            "\"hi\"",
+            "\"error\"",
+            "\"\\u00e9\\n\"",
+            "[]",
+            "{}",
+        ]);
+        let keys = proptest::sample::select(
+            &[
+                "error",
+                "object",
+                "choices",
+                "usage",
+                "delta",
+                "content",
+                "text",
+                "finish_reason",
+                "tool_calls",
+                "function_call",
+                "refusal",
+                "reasoning",
+                "reasoning_content",
+                "prompt_tokens",
+                "completion_tokens",
+                "id",
+            ][..],
+        );
         scalar.prop_recursive(4, 48, 6, move |inner| {
             prop_oneof![
                 proptest::collection::vec(inner.clone(), 0..4)

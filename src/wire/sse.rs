@@ -30,6 +30,22 @@ fn too_long() -> SseError {
     SseError("SSE line over 4 MiB".into())
 }
 
+/// A non-empty line's field and value (`None` for a comment), a missing space after the colon
+/// allowed.
+fn field_of(line: &[u8]) -> Result<Option<(&str, &str)>, SseError> {
+    if line[0] == b':' {
+        return Ok(None);
+    }
+    let text = std::str::from_utf8(line).map_err(|_| SseError("SSE line is not UTF-8".into()))?;
+    Ok(Some(match text.find(':') {
+        Some(i) => {
+            let v = &text[i + 1..];
+            (&text[..i], v.strip_prefix(' ').unwrap_or(v))
+        }
+        None => (text, ""),
+    }))
+}
+
 impl SseParser {
     pub fn new() -> Self {
         Self::default()
@@ -94,17 +110,8 @@ impl SseParser {
             }
             return Ok(());
         }
-        if line[0] == b':' {
+        let Some((field, value)) = field_of(line)? else {
             return Ok(());
-        }
-        let text =
-            std::str::from_utf8(line).map_err(|_| SseError("SSE line is not UTF-8".into()))?;
-        let (field, value) = match text.find(':') {
-            Some(i) => {
-                let v = &text[i + 1..];
-                (&text[..i], v.strip_prefix(' ').unwrap_or(v))
-            }
-            None => (text, ""),
         };
         match field {
             "data" => {
@@ -234,17 +241,8 @@ mod tests {
                 }
                 return Ok(());
             }
-            if line[0] == b':' {
+            let Some((field, value)) = field_of(line)? else {
                 return Ok(());
-            }
-            let text =
-                std::str::from_utf8(line).map_err(|_| SseError("SSE line is not UTF-8".into()))?;
-            let (field, value) = match text.find(':') {
-                Some(i) => {
-                    let v = &text[i + 1..];
-                    (&text[..i], v.strip_prefix(' ').unwrap_or(v))
-                }
-                None => (text, ""),
             };
             match field {
                 "data" => {

@@ -10,7 +10,7 @@ use axum::extract::{ConnectInfo, Path, State};
 use axum::http::{HeaderMap, HeaderValue, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use serde_json::{Value, json};
+use serde_json::json;
 
 use futures_util::FutureExt;
 
@@ -138,10 +138,7 @@ async fn serve(
     )
     .await
     .unwrap_or(Err(ApiError::BodyTimeout(cfg.body_timeout)));
-    let inbound = match read {
-        Ok((v, raw)) => wire::inspect(op, v).map(|i| i.with_raw(raw)),
-        Err(e) => Err(e),
-    };
+    let inbound = read.and_then(|raw| wire::read_request(op, raw));
     let inbound = match inbound {
         Ok(i) => i,
         Err(e) => return with_request_id(e.into_response(), &id),
@@ -164,11 +161,14 @@ async fn serve(
     if let Some(c) = client {
         // OpenAI's own rule for tokens per minute: the prompt plus `max_tokens` count at once.
         let tokens = if c.tpm.is_some() {
-            let max_tokens = ["max_completion_tokens", "max_tokens"]
-                .iter()
-                .find_map(|k| inbound.body().get(*k).and_then(Value::as_u64))
-                .unwrap_or(0);
-            wire::estimate_tokens(wire::prompt_chars(inbound.body())).saturating_add(max_tokens)
+            let max_tokens = [
+                wire::TokenField::MaxCompletionTokens,
+                wire::TokenField::MaxTokens,
+            ]
+            .into_iter()
+            .find_map(|f| inbound.token_field(f).flatten())
+            .unwrap_or(0);
+            wire::estimate_tokens(inbound.prompt_chars()).saturating_add(max_tokens)
         } else {
             0
         };
@@ -327,24 +327,18 @@ fn with_request_id(mut resp: Response, id: &str) -> Response {
     resp
 }
 
-/// Reads a JSON body within `limit`, mapping every failure to the right status.
-/// Returns the parsed body with the bytes it was parsed from.
-async fn read_json(
-    headers: &HeaderMap,
-    body: Body,
-    limit: usize,
-) -> Result<(Value, Bytes), ApiError> {
+/// Reads a JSON body within `limit`, mapping every failure to the right status: its bytes
+/// (`wire::read_request` checks they are UTF-8 and parses them).
+async fn read_json(headers: &HeaderMap, body: Body, limit: usize) -> Result<Bytes, ApiError> {
     let ct = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
-    let mime = ct
-        .split(';')
-        .next()
-        .unwrap_or("")
-        .trim()
-        .to_ascii_lowercase();
-    if mime != "application/json" && !mime.ends_with("+json") {
+    // Compared without a lowercased copy: `to_str` let only visible ASCII through.
+    let mime = ct.split(';').next().unwrap_or("").trim().as_bytes();
+    let json = mime.eq_ignore_ascii_case(b"application/json")
+        || (mime.len() >= 5 && mime[mime.len() - 5..].eq_ignore_ascii_case(b"+json"));
+    if !json {
         return Err(ApiError::UnsupportedMediaType(ct.to_string()));
     }
     if let Some(len) = headers
@@ -365,22 +359,7 @@ async fn read_json(
             ApiError::invalid(format!("could not read the request body: {e}"))
         }
     })?;
-    let text = std::str::from_utf8(&bytes).map_err(|e| ApiError::InvalidRequest {
-        message: format!(
-            "The request body is not valid UTF-8 (at byte {}).",
-            e.valid_up_to()
-        ),
-        param: None,
-        code: Some("invalid_utf8"),
-    })?;
-    let value = serde_json::from_str(text).map_err(|e| ApiError::InvalidRequest {
-        message: format!(
-            "We could not parse the JSON body of your request: {e}. (The OpenAI API expects a JSON payload.)"
-        ),
-        param: None,
-        code: Some("invalid_json"),
-    })?;
-    Ok((value, bytes))
+    Ok(bytes)
 }
 
 async fn models(State(app): State<Arc<AppState>>) -> Response {

@@ -228,13 +228,16 @@ async fn probe_semantic(
     );
     body.insert("max_tokens".into(), json!(1));
     let secret = key.map(|k| crate::config::Secret::new(k.to_string()));
+    let req = crate::wire::Inbound::new(
+        crate::wire::Op::Chat,
+        ep.upstream_model.clone(),
+        false,
+        body,
+        Default::default(),
+    );
     let (rb, _) = crate::upstream::request(
         ep,
-        crate::wire::Op::Chat,
-        crate::upstream::ClientBody {
-            map: &body,
-            raw: None,
-        },
+        &req,
         false,
         secret.as_ref(),
         "autohedge-semantic-probe",
@@ -250,7 +253,7 @@ async fn probe_semantic(
             return Err(format!("semantic probe: {status}"));
         }
         let v = if ep.kind == EndpointKind::Ollama {
-            crate::upstream::ollama::response_body(crate::wire::Op::Chat, &ep.name, &body, &v)?
+            crate::upstream::ollama::response_body(crate::wire::Op::Chat, &ep.name, req.body(), &v)?
         } else {
             v
         };

@@ -120,11 +120,7 @@ impl<'a> Attempt<'a> {
     pub(super) fn prepare(&self, stream: bool) -> Result<(Prepared<'a>, u64), Failure> {
         upstream::request(
             self.ep,
-            self.req.op,
-            upstream::ClientBody {
-                map: self.req.body(),
-                raw: self.req.raw(),
-            },
+            self.req,
             stream,
             self.key,
             self.request_id,

@@ -32,10 +32,9 @@ impl Run {
 
     pub(super) fn requested_max_tokens(&self) -> u64 {
         self.req
-            .body()
-            .get("max_completion_tokens")
-            .or_else(|| self.req.body().get("max_tokens"))
-            .and_then(Value::as_u64)
+            .token_field(wire::TokenField::MaxCompletionTokens)
+            .or_else(|| self.req.token_field(wire::TokenField::MaxTokens))
+            .flatten()
             .unwrap_or(0)
     }
 
@@ -82,7 +81,7 @@ impl Run {
         if let Some(c) = self.counts.get(&key) {
             return c.clone();
         }
-        let count = if wire::prompt_chars(self.req.body()) > BLOCKING_COUNT_CHARS {
+        let count = if self.req.prompt_chars() > BLOCKING_COUNT_CHARS {
             let counter = counter.clone();
             let req = self.req.clone();
             tokio::task::spawn_blocking(move || counter.request(req.op, req.body()))

@@ -25,7 +25,7 @@ use crate::state::AppState;
 use crate::store::RequestRow;
 use crate::tokens::Count;
 use crate::upstream::classify;
-use crate::wire::{self, Inbound, Op};
+use crate::wire::{Inbound, Op};
 
 mod attempt;
 mod context;
@@ -167,7 +167,7 @@ pub async fn execute(
     let continue_chain = (req.stream
         && req.op == Op::Chat
         && cfg.route_continue.contains(&req.model)
-        && !req.body().contains_key("tools"))
+        && !req.has_tools_key())
     .then(|| chain.clone());
     let mut run = Run {
         app,
@@ -231,7 +231,7 @@ fn hedge_for(
             (format!("endpoint:{first}"), spec)
         }
     };
-    if req.body().contains_key("tools") && !spec.tools {
+    if req.has_tools_key() && !spec.tools {
         return None;
     }
     app.hedge_budget(&key, |b| b.on_request(spec.max_extra));
@@ -744,9 +744,9 @@ impl Run {
     async fn ratelimit_tokens(&mut self, ep: &Arc<Endpoint>) -> Option<u64> {
         let max_tokens = self.requested_max_tokens();
         // Byte-level BPE spends at most a few tokens a character; messages add a few each.
-        let body = self.req.body();
+        let req = &self.req;
         let bound = || {
-            (wire::prompt_chars(body) as u64)
+            (req.prompt_chars() as u64)
                 .saturating_mul(4)
                 .saturating_add(1024)
                 .saturating_add(max_tokens)

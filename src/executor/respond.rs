@@ -200,7 +200,7 @@ impl Run {
                 let prompt_estimate = match (usage, self.counted_prompt) {
                     (Some(_), _) => 0,
                     (None, Some(n)) => n,
-                    (None, None) => wire::estimate_tokens(wire::prompt_chars(self.req.body())),
+                    (None, None) => wire::estimate_tokens(self.req.prompt_chars()),
                 };
                 let out_estimate = wire::estimate_tokens(out_chars);
                 fill_usage(
@@ -248,9 +248,9 @@ impl Run {
                     ttft,
                     usage,
                     out_chars,
-                    prompt_estimate: self.counted_prompt.unwrap_or_else(|| {
-                        wire::estimate_tokens(wire::prompt_chars(self.req.body()))
-                    }),
+                    prompt_estimate: self
+                        .counted_prompt
+                        .unwrap_or_else(|| wire::estimate_tokens(self.req.prompt_chars())),
                     usage_tap,
                     op: self.req.op,
                     break_recorded: false,

@@ -17,7 +17,7 @@ use http_body_util::{BodyExt, Full};
 use serde_json::{Map, Value};
 
 use crate::config::{DirectClient, Endpoint, EndpointKind, PlainPool, Secret};
-use crate::wire::Op;
+use crate::wire::{Inbound, Op, TokenField};
 
 /// The body sent upstream: the client's body with `model` replaced by the endpoint's id and,
 /// when the client asked for more, `max_tokens` capped at the endpoint's configured maximum. Every
@@ -46,6 +46,25 @@ pub fn body(ep: &Endpoint, op: Op, client: &Map<String, Value>, raw: Option<&[u8
         cap,
     })
     .unwrap_or_default()
+}
+
+/// [`body`] for a request read as plain ([`Inbound::model_span`]), without its map: the
+/// client's bytes with `model` patched at the span the read found, unless a cap applies
+/// (`None`: the caller serialises the map).
+fn plain_body(ep: &Endpoint, req: &Inbound) -> Option<Vec<u8>> {
+    let (raw, span) = (req.raw()?, req.model_span()?);
+    let cap = match req.op {
+        Op::Chat | Op::Completions => ep.max_tokens,
+        Op::Embeddings => None,
+    };
+    if let Some(cap) = cap
+        && TokenField::ALL
+            .into_iter()
+            .any(|f| req.token_field(f).flatten().is_some_and(|n| n > cap))
+    {
+        return None;
+    }
+    crate::wire::patch::at(raw, span, &ep.upstream_model)
 }
 
 /// The cap to send instead of `v` when `key` asks for more tokens than the endpoint allows.
@@ -82,37 +101,39 @@ impl serde::Serialize for Outgoing<'_> {
     }
 }
 
-/// The client's body: the parsed map, and its bytes while they say exactly what the map holds.
-#[derive(Clone, Copy)]
-pub struct ClientBody<'b> {
-    pub map: &'b Map<String, Value>,
-    pub raw: Option<&'b [u8]>,
-}
-
 /// Builds the request for one attempt, with the endpoint's payload hygiene applied; returns it
 /// with the number of characters hygiene changed. `Err` when the request cannot be expressed in
 /// the endpoint's protocol (the executor skips the endpoint without holding it against it).
 pub fn request<'a>(
     ep: &'a Endpoint,
-    op: Op,
-    client: ClientBody<'_>,
+    req: &Inbound,
     stream: bool,
     key: Option<&Secret>,
     request_id: &str,
     discovered_base: Option<&str>,
 ) -> Result<(Prepared<'a>, u64), ollama::Unsupported> {
-    let (client_body, sanitized) = crate::wire::hygiene::apply(client.map, ep.payload_hygiene);
-    // Bytes hygiene changed no longer say what the body holds.
-    let raw = match client_body {
-        std::borrow::Cow::Borrowed(_) => client.raw,
-        std::borrow::Cow::Owned(_) => None,
+    let op = req.op;
+    // Hygiene reads the body only when it is on; what it changed is sent as a map (the
+    // client's bytes no longer say what the body holds).
+    let (cleaned, sanitized) = match ep.payload_hygiene {
+        crate::config::Hygiene::Off => (None, 0),
+        mode => match crate::wire::hygiene::apply(req.body(), mode) {
+            (std::borrow::Cow::Owned(m), n) => (Some(m), n),
+            (std::borrow::Cow::Borrowed(_), n) => (None, n),
+        },
     };
-    let payload = match ep.kind {
-        EndpointKind::Openai | EndpointKind::Vllm => body(ep, op, &client_body, raw),
-        EndpointKind::Ollama => {
-            serde_json::to_vec(&ollama::request_body(ep, op, &client_body, stream)?)
-                .unwrap_or_default()
+    let payload = match (ep.kind, &cleaned) {
+        (EndpointKind::Openai | EndpointKind::Vllm, Some(m)) => body(ep, op, m, None),
+        (EndpointKind::Openai | EndpointKind::Vllm, None) => {
+            plain_body(ep, req).unwrap_or_else(|| body(ep, op, req.body(), req.raw()))
         }
+        (EndpointKind::Ollama, cleaned) => serde_json::to_vec(&ollama::request_body(
+            ep,
+            op,
+            cleaned.as_ref().unwrap_or_else(|| req.body()),
+            stream,
+        )?)
+        .unwrap_or_default(),
     };
     let payload = Bytes::from(if ep.payload_hygiene == crate::config::Hygiene::Escape {
         crate::wire::hygiene::escape_wire(payload)
@@ -484,19 +505,9 @@ mod tests {
         // Hygiene that changed something: the cleaned map goes, not the client's bytes.
         let dirty =
             "{\"model\": \"a\", \"messages\": [{\"role\":\"user\",\"content\":\"x\\u0007y\"}]}";
-        let (prepared, changed) = request(
-            h,
-            Op::Chat,
-            ClientBody {
-                map: &parse(dirty),
-                raw: Some(dirty.as_bytes()),
-            },
-            false,
-            None,
-            "r",
-            None,
-        )
-        .unwrap();
+        let dirty_req = crate::wire::read_request(Op::Chat, Bytes::from(dirty)).unwrap();
+        assert!(dirty_req.model_span().is_some(), "read as plain");
+        let (prepared, changed) = request(h, &dirty_req, false, None, "r", None).unwrap();
         assert_eq!(changed, 1);
         let Prepared::Pooled(_, req) = prepared else {
             panic!("a plain-http endpoint's own connections")
@@ -508,6 +519,33 @@ mod tests {
             .to_bytes();
         let sent: Value = serde_json::from_slice(&sent).unwrap();
         assert_eq!(sent["messages"][0]["content"], "xy");
+        // A request read as plain (no map built): the same bytes as `body` patches, and over
+        // the cap the map with the cap.
+        let sent_by = |raw: &str| {
+            let req = crate::wire::read_request(Op::Chat, Bytes::from(raw.to_string())).unwrap();
+            assert!(req.model_span().is_some(), "read as plain: {raw}");
+            let (prepared, _) = request(a, &req, false, None, "r", None).unwrap();
+            let Prepared::Pooled(_, req) = prepared else {
+                panic!("a plain-http endpoint's own connections")
+            };
+            futures_util::FutureExt::now_or_never(http_body_util::BodyExt::collect(
+                req.body().clone(),
+            ))
+            .unwrap()
+            .unwrap()
+            .to_bytes()
+        };
+        assert_eq!(
+            sent_by(raw),
+            raw.replace(r#""model": "a""#, r#""model": "up""#)
+                .as_bytes()
+        );
+        let over = r#"{"model": "a", "max_tokens": 5000, "messages": [{"role":"user"}]}"#;
+        let sent: Value = serde_json::from_slice(&sent_by(over)).unwrap();
+        assert_eq!(
+            (sent["max_tokens"].as_u64(), sent["model"].as_str()),
+            (Some(100), Some("up"))
+        );
     }
 
     #[tokio::test]
@@ -543,19 +581,14 @@ mod tests {
             "no proxy in this environment: the direct client"
         );
         let body = serde_json::json!({"model": "a", "messages": []});
-        let (prepared, _) = request(
-            ep,
+        let req = Inbound::new(
             Op::Chat,
-            ClientBody {
-                map: body.as_object().unwrap(),
-                raw: None,
-            },
+            "a".into(),
             false,
-            None,
-            "r-1",
-            None,
-        )
-        .unwrap();
+            body.as_object().unwrap().clone(),
+            Default::default(),
+        );
+        let (prepared, _) = request(ep, &req, false, None, "r-1", None).unwrap();
         // A plain-http address goes over the endpoint's own connections, in origin form with
         // its `Host`; an https one over the direct client.
         let Prepared::Pooled(_, req) = &prepared else {

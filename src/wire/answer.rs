@@ -417,7 +417,7 @@ impl<'a> Scanner<'a> {
     }
 
     #[inline(always)]
-    fn literal(&mut self, word: &'static [u8]) -> Result<(), Bad> {
+    pub(super) fn literal(&mut self, word: &'static [u8]) -> Result<(), Bad> {
         match self.b.get(self.i..self.i + word.len()) {
             Some(w) if w == word => {
                 self.i += word.len();
@@ -442,7 +442,7 @@ impl<'a> Scanner<'a> {
     }
 
     /// JSON's number grammar: `-? (0 | [1-9][0-9]*) (. [0-9]+)? ([eE] [+-]? [0-9]+)?`.
-    fn number(&mut self) -> Result<(), Bad> {
+    pub(super) fn number(&mut self) -> Result<(), Bad> {
         if self.peek() == Some(b'-') {
             self.i += 1;
         }

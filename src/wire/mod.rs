@@ -6,9 +6,11 @@ pub mod answer;
 pub mod chunk;
 pub mod hygiene;
 pub mod patch;
+pub mod request;
 pub mod sse;
 
 use std::collections::BTreeSet;
+use std::sync::OnceLock;
 
 use bytes::Bytes;
 use serde_json::{Map, Value};
@@ -35,11 +37,15 @@ pub struct Inbound {
     pub op: Op,
     pub model: String,
     pub stream: bool,
-    body: Map<String, Value>,
+    /// The body as a map: parsed with the request when [`request::read`] declined it, else
+    /// from `raw` on first use (a plain request to an OpenAI-type endpoint never needs it).
+    body: OnceLock<Map<String, Value>>,
     /// The client's bytes that `body` was parsed from, while `body` is unchanged: an
     /// OpenAI-type upstream then gets them with `model` patched ([`patch`]) rather than `body`
     /// serialised again. Dropped by [`Inbound::body_mut`].
     raw: Option<Bytes>,
+    /// What [`request::read`] found in `raw`, while `raw` is kept.
+    plain: Option<request::Plain>,
     pub needs: BTreeSet<Capability>,
 }
 
@@ -56,8 +62,9 @@ impl Inbound {
             op,
             model,
             stream,
-            body,
+            body: OnceLock::from(body),
             raw: None,
+            plain: None,
             needs,
         }
     }
@@ -69,19 +76,118 @@ impl Inbound {
     }
 
     pub fn body(&self) -> &Map<String, Value> {
-        &self.body
+        self.body.get_or_init(|| {
+            // `request::read` answers only for bytes that parse (its differential test): an
+            // empty map here would be a bug, logged, never a panic.
+            match self.raw.as_deref().map(serde_json::from_slice) {
+                Some(Ok(map)) => map,
+                _ => {
+                    tracing::error!("a request read as plain did not parse as a map");
+                    Map::new()
+                }
+            }
+        })
     }
 
     /// The body to change; the client's bytes no longer say what it holds, so they are let go.
     pub fn body_mut(&mut self) -> &mut Map<String, Value> {
+        // Parsed from the bytes first, if it was not yet.
+        self.body();
         self.raw = None;
-        &mut self.body
+        self.plain = None;
+        self.body.get_mut().expect("set by `body()` just before")
     }
 
     /// The client's bytes, while they still say exactly what [`Inbound::body`] holds.
     pub fn raw(&self) -> Option<&[u8]> {
         self.raw.as_deref()
     }
+
+    /// Where the top-level `model` value is in [`Inbound::raw`], when the request was read as
+    /// plain (the bytes then qualify for [`patch::at`]).
+    pub fn model_span(&self) -> Option<std::ops::Range<usize>> {
+        self.plain.as_ref().map(|p| p.model_span.clone())
+    }
+
+    /// The characters of the prompt ([`prompt_chars`] of the body).
+    pub fn prompt_chars(&self) -> usize {
+        match &self.plain {
+            Some(p) => p.prompt_chars,
+            None => prompt_chars(self.body()),
+        }
+    }
+
+    /// Whether the body has a `tools` key.
+    pub fn has_tools_key(&self) -> bool {
+        match &self.plain {
+            Some(p) => p.tools_key,
+            None => self.body().contains_key("tools"),
+        }
+    }
+
+    /// A token limit field (`max_tokens` or `max_completion_tokens`): `None` when absent, else
+    /// its value as `Value::as_u64` reads it.
+    pub fn token_field(&self, field: TokenField) -> Option<Option<u64>> {
+        match (&self.plain, field) {
+            (Some(p), TokenField::MaxTokens) => p.max_tokens,
+            (Some(p), TokenField::MaxCompletionTokens) => p.max_completion_tokens,
+            (None, f) => self.body().get(f.key()).map(Value::as_u64),
+        }
+    }
+}
+
+/// The two fields a request limits its completion with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenField {
+    MaxTokens,
+    MaxCompletionTokens,
+}
+
+impl TokenField {
+    pub const ALL: [TokenField; 2] = [TokenField::MaxTokens, TokenField::MaxCompletionTokens];
+
+    pub fn key(self) -> &'static str {
+        match self {
+            TokenField::MaxTokens => "max_tokens",
+            TokenField::MaxCompletionTokens => "max_completion_tokens",
+        }
+    }
+}
+
+/// Reads and validates a client's JSON body: a plain request in one pass ([`request::read`]),
+/// anything else parsed into a `Value` and [`inspect`]ed, with the same answer either way.
+pub fn read_request(op: Op, raw: Bytes) -> Result<Inbound, ApiError> {
+    let text = std::str::from_utf8(&raw).map_err(|e| ApiError::InvalidRequest {
+        message: format!(
+            "The request body is not valid UTF-8 (at byte {}).",
+            e.valid_up_to()
+        ),
+        param: None,
+        code: Some("invalid_utf8"),
+    })?;
+    if let Some(mut plain) = request::read(op, text) {
+        let mut needs = BTreeSet::from([Capability::of(op)]);
+        if plain.tools {
+            needs.insert(Capability::Tools);
+        }
+        return Ok(Inbound {
+            op,
+            model: std::mem::take(&mut plain.model),
+            stream: plain.stream,
+            body: OnceLock::new(),
+            raw: Some(raw),
+            plain: Some(plain),
+            needs,
+        });
+    }
+    let value = serde_json::from_str(text).map_err(|e| ApiError::InvalidRequest {
+        message: format!(
+            "We could not parse the JSON body of your request: {e}. (The OpenAI API expects a JSON payload.)"
+        ),
+        param: None,
+        code: Some("invalid_json"),
+    })?;
+    inspect(op, value).map(|i| i.with_raw(raw))
 }
 
 /// Validates a parsed body the way OpenAI does, so clients get the same 400s.

@@ -18,7 +18,21 @@ use super::answer::{Bad, Scanner};
 /// `body` with its top-level `model` value replaced by `model` (as a JSON string); `None` when
 /// the bytes do not qualify (see the module's header), and the caller serialises instead.
 pub fn model(body: &[u8], model: &str) -> Option<Vec<u8>> {
-    let span = top_value(body, b"model")?;
+    at(body, model_span(body)?, model)
+}
+
+/// Where the top-level `model` value lies in `body`, when the bytes qualify for the patch
+/// ([`super::request::read`] finds the same span in its one pass over a plain request).
+pub fn model_span(body: &[u8]) -> Option<Range<usize>> {
+    top_value(body, b"model")
+}
+
+/// `body` with the value at `span` — the top-level `model` value, found by [`model_span`] —
+/// replaced by `model`.
+pub fn at(body: &[u8], span: Range<usize>, model: &str) -> Option<Vec<u8>> {
+    if span.start > span.end || span.end > body.len() {
+        return None;
+    }
     let mut out = Vec::with_capacity(body.len() - span.len() + model.len() + 2);
     out.extend_from_slice(&body[..span.start]);
     serde_json::to_writer(&mut out, model).ok()?;
@@ -37,9 +51,9 @@ fn top_value(body: &[u8], key: &[u8]) -> Option<Range<usize>> {
     members(&mut s, key).ok().flatten()
 }
 
-/// Top-level keys compared for repeats; a body with more falls back to serialising (OpenAI's
-/// chat API has about thirty parameters).
-const MAX_KEYS: usize = 48;
+/// Top-level keys compared for repeats (`request::MAX_KEYS`, 48: OpenAI's chat API has about
+/// thirty parameters); a body with more falls back to serialising.
+use super::request::MAX_KEYS;
 
 fn members(s: &mut Scanner<'_>, want: &[u8]) -> Result<Option<Range<usize>>, Bad> {
     let b = s.b;

@@ -566,6 +566,57 @@ const ATTEMPT_COLUMNS: [&str; 10] = [
     "panic_mode",
 ];
 
+/// The `requests` columns of a plain row ([`plain_request`]): the rest hold their defaults
+/// (`NULL` or 0) and are left to them instead of bound — eleven values fewer a request.
+const REQUEST_PLAIN_COLUMNS: [&str; 15] = [
+    "id",
+    "request_id",
+    "ts_ms",
+    "operation",
+    "requested_model",
+    "endpoint",
+    "status",
+    "stream",
+    "latency_ms",
+    "tokens_in",
+    "tokens_out",
+    "tokens_estimated",
+    "cost_usd",
+    "attempts",
+    "client_key",
+];
+
+/// The `attempts` columns of a plain attempt (no error text, not tried in panic).
+const ATTEMPT_PLAIN_COLUMNS: [&str; 8] = [
+    "request_row",
+    "request_id",
+    "seq",
+    "ts_ms",
+    "endpoint",
+    "class",
+    "status",
+    "latency_ms",
+];
+
+/// A request whose columns outside [`REQUEST_PLAIN_COLUMNS`] all hold their defaults: served
+/// (or failed) without an error class, a time to first token, a count, a truncation, hygiene, a
+/// hedge or a continuation — the common row.
+fn plain_request(row: &RequestRow) -> bool {
+    row.error_class.is_none()
+        && row.ttft_ms.is_none()
+        && row.prompt_tokens_counted.is_none()
+        && row.truncated_messages == 0
+        && row.truncated_tokens == 0
+        && row.sanitized_chars == 0
+        && row.hedges == 0
+        && !row.hedge_won
+        && row.continued_from.is_none()
+}
+
+fn plain_attempt(a: &AttemptRow) -> bool {
+    a.error.is_none() && !a.panic_mode
+}
+
 /// Rows one INSERT carries, largest first: a batch of 100 rows is three statements of 32, then
 /// 4 of 1. Each statement executed starts and halts a VDBE program (a fifth of the writer's
 /// instructions a row when every row was its own statement); 32 rows of 24 columns stay far
@@ -623,10 +674,53 @@ fn bind_all(
     Ok(())
 }
 
+fn bind_request_plain(
+    stmt: &mut rusqlite::Statement<'_>,
+    at: usize,
+    (id, row): &(i64, &RequestRow),
+) -> rusqlite::Result<()> {
+    let values: [&dyn rusqlite::ToSql; REQUEST_PLAIN_COLUMNS.len()] = [
+        id,
+        &row.request_id,
+        &ms(row.ts),
+        &row.operation,
+        &row.requested_model,
+        &row.endpoint,
+        &row.status,
+        &row.stream,
+        &row.latency_ms,
+        &row.tokens_in.map(|v| v as i64),
+        &row.tokens_out.map(|v| v as i64),
+        &row.tokens_estimated,
+        &row.cost_usd,
+        &(row.attempts.iter().filter(|a| !a.class.is_skip()).count() as i64),
+        &row.client_key,
+    ];
+    bind_all(stmt, at, &values)
+}
+
+fn bind_attempt_plain(
+    stmt: &mut rusqlite::Statement<'_>,
+    at: usize,
+    (request_row, row, a): &(i64, &RequestRow, &AttemptRow),
+) -> rusqlite::Result<()> {
+    let values: [&dyn rusqlite::ToSql; ATTEMPT_PLAIN_COLUMNS.len()] = [
+        request_row,
+        &row.request_id,
+        &a.seq,
+        &ms(row.ts),
+        &a.endpoint,
+        &a.class.as_str(),
+        &a.status,
+        &a.latency_ms,
+    ];
+    bind_all(stmt, at, &values)
+}
+
 fn bind_request(
     stmt: &mut rusqlite::Statement<'_>,
     at: usize,
-    (id, row): &(i64, Box<RequestRow>),
+    (id, row): &(i64, &RequestRow),
 ) -> rusqlite::Result<()> {
     let values: [&dyn rusqlite::ToSql; REQUEST_COLUMNS.len()] = [
         id,
@@ -691,6 +785,12 @@ struct Statements<'c> {
     /// The multi-row INSERTs' text, built once: `requests[i]` inserts `ROWS_PER_INSERT[i]` rows.
     requests: [String; ROWS_PER_INSERT.len()],
     attempts: [String; ROWS_PER_INSERT.len()],
+    /// The same for plain rows ([`plain_request`], [`plain_attempt`]).
+    requests_plain: [String; ROWS_PER_INSERT.len()],
+    attempts_plain: [String; ROWS_PER_INSERT.len()],
+    /// Plain rows get their shorter INSERTs; false only in the test that holds the two shapes
+    /// to the same rows.
+    plain_shapes: bool,
 }
 
 impl<'c> Statements<'c> {
@@ -713,6 +813,9 @@ impl<'c> Statements<'c> {
             )?,
             requests: inserts("requests", &REQUEST_COLUMNS),
             attempts: inserts("attempts", &ATTEMPT_COLUMNS),
+            requests_plain: inserts("requests", &REQUEST_PLAIN_COLUMNS),
+            attempts_plain: inserts("attempts", &ATTEMPT_PLAIN_COLUMNS),
+            plain_shapes: true,
         })
     }
 
@@ -803,22 +906,44 @@ impl<'c> Statements<'c> {
                 Record::Flush(f) => flushes.push(f),
             }
         }
+        // Plain rows and the rest in statements of their own (ids are explicit, so the order
+        // they go in does not matter).
+        let plain = self.plain_shapes;
+        let (plain_requests, other_requests): (Vec<(i64, &RequestRow)>, Vec<_>) = requests
+            .iter()
+            .map(|(id, row)| (*id, &**row))
+            .partition(|(_, row)| plain && plain_request(row));
+        let (plain_attempts, other_attempts): (Vec<(i64, &RequestRow, &AttemptRow)>, Vec<_>) =
+            requests
+                .iter()
+                .flat_map(|(id, row)| row.attempts.iter().map(move |a| (*id, &**row, a)))
+                .partition(|(_, _, a)| plain && plain_attempt(a));
+        insert_rows(
+            conn,
+            &self.requests_plain,
+            REQUEST_PLAIN_COLUMNS.len(),
+            &plain_requests,
+            bind_request_plain,
+        )?;
         insert_rows(
             conn,
             &self.requests,
             REQUEST_COLUMNS.len(),
-            &requests,
+            &other_requests,
             bind_request,
         )?;
-        let attempts: Vec<(i64, &RequestRow, &AttemptRow)> = requests
-            .iter()
-            .flat_map(|(id, row)| row.attempts.iter().map(move |a| (*id, &**row, a)))
-            .collect();
+        insert_rows(
+            conn,
+            &self.attempts_plain,
+            ATTEMPT_PLAIN_COLUMNS.len(),
+            &plain_attempts,
+            bind_attempt_plain,
+        )?;
         insert_rows(
             conn,
             &self.attempts,
             ATTEMPT_COLUMNS.len(),
-            &attempts,
+            &other_attempts,
             bind_attempt,
         )
     }
@@ -1049,6 +1174,7 @@ pub fn report(data_dir: &Path, since: SystemTime) -> rusqlite::Result<Vec<Endpoi
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::outcome::Outcome;
 
     fn row(id: &str, endpoint: &str, class: &str) -> RequestRow {
         RequestRow {
@@ -1223,6 +1349,103 @@ mod tests {
                 "chat",
             )
         }
+    }
+
+    /// A row of every kind — each default-valued column once set, the rest at their defaults —
+    /// with attempts plain and not.
+    fn varied(i: usize) -> RequestRow {
+        let mut r = RequestRow {
+            requested_model: (!i.is_multiple_of(5)).then(|| "m".to_string()),
+            endpoint: (!i.is_multiple_of(6)).then(|| format!("e{}", i % 3)),
+            status: [200, 429, 503][i % 3],
+            stream: i.is_multiple_of(4),
+            latency_ms: i as f64 / 3.0,
+            tokens_in: i.is_multiple_of(2).then_some(i as u64),
+            tokens_out: i.is_multiple_of(3).then_some(7),
+            tokens_estimated: i.is_multiple_of(7),
+            cost_usd: (!i.is_multiple_of(2)).then_some(0.125),
+            client_key: i.is_multiple_of(3).then(|| "team".to_string()),
+            attempts: (0..i % 4)
+                .map(|k| AttemptRow {
+                    panic_mode: (i + k).is_multiple_of(5),
+                    seq: k as u32 + 1,
+                    endpoint: format!("e{k}"),
+                    class: [Outcome::Ok, Outcome::Timeout, Outcome::SkippedCooldown][k % 3],
+                    status: (k != 1).then_some(200),
+                    error: (i + k).is_multiple_of(3).then(|| format!("err {i}")),
+                    latency_ms: k as f64,
+                })
+                .collect(),
+            ..RequestRow::new(
+                format!("r{i}"),
+                UNIX_EPOCH + Duration::from_secs(i as u64),
+                "chat",
+            )
+        };
+        match i % 12 {
+            1 => r.error_class = Some("all_failed".into()),
+            2 => r.ttft_ms = Some(1.5),
+            3 => r.prompt_tokens_counted = Some(40),
+            4 => r.truncated_messages = 2,
+            5 => r.truncated_tokens = 300,
+            6 => r.sanitized_chars = 4,
+            7 => r.hedges = 1,
+            8 => r.hedge_won = true,
+            9 => r.continued_from = Some("e2".into()),
+            _ => {}
+        }
+        r
+    }
+
+    /// The plain rows' shorter INSERTs (their default-valued columns left out) write exactly
+    /// what the full INSERTs write, column for column, and take the common rows.
+    #[test]
+    fn plain_rows_are_written_as_the_full_insert_writes_them() {
+        let rows = |plain_shapes: bool| {
+            let dir = tempfile::tempdir().unwrap();
+            let conn = open_connection(&db_path(dir.path())).unwrap();
+            let mut st = Statements::prepare(&conn).unwrap();
+            st.plain_shapes = plain_shapes;
+            let mut batch: Vec<Record> = (0..120)
+                .map(|i| Record::Request(Box::new(varied(i))))
+                .collect();
+            st.write_batch(&mut batch, &mut Vec::new()).unwrap();
+            let dump = |sql: &str| -> Vec<String> {
+                let mut q = conn.prepare(sql).unwrap();
+                let n = q.column_count();
+                q.query_map([], |r| {
+                    Ok((0..n)
+                        .map(|k| format!("{:?}", r.get_ref(k).unwrap()))
+                        .collect::<Vec<_>>()
+                        .join("|"))
+                })
+                .unwrap()
+                .map(Result::unwrap)
+                .collect()
+            };
+            drop(st);
+            (
+                dump("SELECT * FROM requests ORDER BY id"),
+                dump(&format!(
+                    "SELECT {} FROM attempts ORDER BY request_row, seq",
+                    ATTEMPT_COLUMNS.join(", ")
+                )),
+            )
+        };
+        let (plain, full) = (rows(true), rows(false));
+        assert_eq!(plain.0.len(), 120);
+        assert!(plain.1.len() > 100, "{} attempts", plain.1.len());
+        assert_eq!(plain.0, full.0, "requests");
+        assert_eq!(plain.1, full.1, "attempts");
+        let (p, a) = (
+            (0..120).filter(|i| plain_request(&varied(*i))).count(),
+            (0..120)
+                .flat_map(|i| varied(i).attempts)
+                .filter(plain_attempt)
+                .count(),
+        );
+        assert!((20..120).contains(&p), "{p} plain requests");
+        assert!(a > 30 && a < plain.1.len(), "{a} plain attempts");
     }
 
     /// Every row of batches of every size the multi-row INSERTs split (32 + 8 + 1 rows, and

@@ -107,29 +107,25 @@ pub fn retry_after(headers: &HeaderMap, max: Duration) -> Option<Duration> {
 /// only with both its `remaining` and its `reset` readable; `limit` is optional. Every value is
 /// hostile: malformed ones are ignored, resets are clamped to `max` (`routing_policy.max_cooldown`).
 pub fn ratelimit_headers(headers: &HeaderMap, max: Duration) -> crate::ratelimit::Observed {
-    // One pass over the headers, comparing names as bytes: six lookups by name would hash each
-    // name, on every response, for what most upstreams (vLLM, Ollama, llama.cpp) never send.
+    // One pass over the headers, each name matched as bytes in one `match`: six lookups by
+    // name would hash each name, on every response, for what most upstreams (vLLM, Ollama,
+    // llama.cpp) never send.
     let mut found: [[Option<&str>; 3]; 2] = [[None; 3]; 2];
     for (name, value) in headers {
-        let Some(rest) = name.as_str().strip_prefix("x-ratelimit-") else {
+        let Some(rest) = name.as_str().as_bytes().strip_prefix(b"x-ratelimit-") else {
             continue;
         };
-        let (field, budget) = match rest.split_once('-') {
-            Some((f, b)) => (f, b),
-            None => continue,
-        };
-        let i = match budget {
-            "requests" => 0,
-            "tokens" => 1,
+        let (i, j) = match rest {
+            b"remaining-requests" => (0, 0),
+            b"reset-requests" => (0, 1),
+            b"limit-requests" => (0, 2),
+            b"remaining-tokens" => (1, 0),
+            b"reset-tokens" => (1, 1),
+            b"limit-tokens" => (1, 2),
             _ => continue,
         };
-        let j = match field {
-            "remaining" => 0,
-            "reset" => 1,
-            "limit" => 2,
-            _ => continue,
-        };
-        found[i][j] = value.to_str().ok().map(str::trim);
+        // `to_str` lets through visible ASCII, spaces and tabs only: `trim_ascii` is `trim`.
+        found[i][j] = value.to_str().ok().map(str::trim_ascii);
     }
     let budget = |[remaining, reset, limit]: [Option<&str>; 3]| {
         let remaining = remaining?.parse::<u64>().ok()?;
@@ -157,6 +153,48 @@ fn secs_to_duration(secs: f64) -> Option<Duration> {
 /// OpenAI's reset headers use Go's duration text: `1s`, `6m0s`, `20ms`, `1h2m3.5s`. A value too
 /// large to represent saturates at `Duration::MAX` (callers clamp it).
 pub fn parse_go_duration(text: &str) -> Option<Duration> {
+    // What OpenAI sends (`6ms`, `1s`, `6m0s`): whole numbers of units, added up exactly in
+    // nanoseconds; a fraction, `µs` or a number too long for that goes the float way.
+    integer_go_duration(text.as_bytes()).or_else(|| float_go_duration(text))
+}
+
+/// [`parse_go_duration`] for ASCII text of whole numbers and units (`1h2m3s`); `None` for
+/// anything else, which [`float_go_duration`] then reads.
+fn integer_go_duration(text: &[u8]) -> Option<Duration> {
+    let mut rest = text.trim_ascii();
+    if rest.is_empty() {
+        return None;
+    }
+    let mut nanos: u64 = 0;
+    while !rest.is_empty() {
+        let digits = rest.iter().take_while(|c| c.is_ascii_digit()).count();
+        // Nine digits at most; a product or sum past 2^64 ns (584 years) goes the float way.
+        if digits == 0 || digits > 9 {
+            return None;
+        }
+        let n = rest[..digits]
+            .iter()
+            .fold(0u64, |n, d| n * 10 + u64::from(d - b'0'));
+        rest = &rest[digits..];
+        let unit = rest.iter().take_while(|c| c.is_ascii_lowercase()).count();
+        let scale: u64 = match &rest[..unit] {
+            b"h" => 3_600_000_000_000,
+            b"m" => 60_000_000_000,
+            b"s" => 1_000_000_000,
+            b"ms" => 1_000_000,
+            b"us" => 1_000,
+            b"ns" => 1,
+            _ => return None,
+        };
+        nanos = nanos.checked_add(n.checked_mul(scale)?)?;
+        rest = &rest[unit..];
+    }
+    Some(Duration::from_nanos(nanos))
+}
+
+/// OpenAI's reset headers use Go's duration text in full: fractions (`3.5s`), `µs`, and
+/// numbers of any length (a value too large saturates at `Duration::MAX`).
+fn float_go_duration(text: &str) -> Option<Duration> {
     let mut total = 0f64;
     let mut rest = text.trim();
     if rest.is_empty() {
@@ -328,6 +366,94 @@ mod tests {
     }
 
     const MAX: Duration = Duration::from_secs(600);
+
+    /// The header scan as it was (split and matched as text), which the one-`match` scan must
+    /// agree with.
+    fn reference_headers(headers: &HeaderMap, max: Duration) -> crate::ratelimit::Observed {
+        let mut found: [[Option<&str>; 3]; 2] = [[None; 3]; 2];
+        for (name, value) in headers {
+            let Some(rest) = name.as_str().strip_prefix("x-ratelimit-") else {
+                continue;
+            };
+            let Some((field, budget)) = rest.split_once('-') else {
+                continue;
+            };
+            let i = match budget {
+                "requests" => 0,
+                "tokens" => 1,
+                _ => continue,
+            };
+            let j = match field {
+                "remaining" => 0,
+                "reset" => 1,
+                "limit" => 2,
+                _ => continue,
+            };
+            found[i][j] = value.to_str().ok().map(str::trim);
+        }
+        let budget = |[remaining, reset, limit]: [Option<&str>; 3]| {
+            let remaining = remaining?.parse::<u64>().ok()?;
+            let reset = reset?;
+            let reset = float_go_duration(reset)
+                .or_else(|| reset.parse::<f64>().ok().and_then(secs_to_duration))?;
+            let limit = limit.and_then(|v| v.parse::<u64>().ok());
+            Some((limit, remaining, reset.min(max)))
+        };
+        crate::ratelimit::Observed {
+            requests: budget(found[0]),
+            tokens: budget(found[1]),
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(3000))]
+
+        /// Any text gives what the float reading gives: `None` alike, and durations the same
+        /// to the nanosecond (to the float's precision, for durations of years).
+        #[test]
+        fn go_durations_read_as_the_float_reading_does(
+            text in "[ \t]{0,2}(([0-9]{1,12}(\\.[0-9]{0,3})?(h|m|s|ms|us|µs|ns|x|)){1,4}|[0-9a-zµ. ]{0,12})[ \t]{0,2}",
+        ) {
+            let (got, want) = (parse_go_duration(&text), float_go_duration(&text));
+            match (got, want) {
+                (Some(g), Some(w)) => {
+                    // The float reading rounds: to the nanosecond, or by its 52-bit mantissa
+                    // for durations of years (the exact reading is the better one there).
+                    let diff = g.as_nanos().abs_diff(w.as_nanos());
+                    let ulps = w.as_nanos() >> 48;
+                    proptest::prop_assert!(diff <= 1 + ulps || w == Duration::MAX, "{text:?}: {g:?} vs {w:?}");
+                }
+                _ => proptest::prop_assert_eq!(got, want, "{:?}", text),
+            }
+        }
+
+        #[test]
+        fn the_header_scan_reads_what_the_text_scan_read(
+            names in proptest::collection::vec(proptest::sample::select(vec![
+                "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests",
+                "x-ratelimit-limit-requests", "x-ratelimit-remaining-tokens",
+                "x-ratelimit-reset-tokens", "x-ratelimit-limit-tokens",
+                "x-ratelimit-reset", "x-ratelimit-remaining-requests-x", "x-ratelimit-",
+                "x-ratelimit-limit-tokens2", "content-type", "x-ratelimit-reset-tokens-",
+            ]), 0..10),
+            values in proptest::collection::vec(
+                "[ \t]?([0-9]{1,6}|[0-9]{1,3}(ms|s|m|h|us)|[0-9]\\.[0-9]s|\\PC{0,8})[ \t]?", 10),
+        ) {
+            let mut h = HeaderMap::new();
+            for (n, v) in names.iter().zip(&values) {
+                if let Ok(hv) = HeaderValue::from_str(v) {
+                    h.append(*n, hv);
+                }
+            }
+            let (got, want) = (ratelimit_headers(&h, MAX), reference_headers(&h, MAX));
+            let close = |a: Option<(Option<u64>, u64, Duration)>, b: Option<(Option<u64>, u64, Duration)>| match (a, b) {
+                (Some((l1, r1, d1)), Some((l2, r2, d2))) => l1 == l2 && r1 == r2 && d1.as_nanos().abs_diff(d2.as_nanos()) <= 1,
+                (a, b) => a.is_none() && b.is_none(),
+            };
+            proptest::prop_assert!(close(got.requests, want.requests), "{h:?}: {:?} vs {:?}", got.requests, want.requests);
+            proptest::prop_assert!(close(got.tokens, want.tokens), "{h:?}: {:?} vs {:?}", got.tokens, want.tokens);
+        }
+    }
 
     #[test]
     fn retry_after_forms() {

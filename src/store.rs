@@ -566,39 +566,27 @@ const ATTEMPT_COLUMNS: [&str; 10] = [
     "panic_mode",
 ];
 
-/// The `requests` columns of a plain row ([`plain_request`]): the rest hold their defaults
-/// (`NULL` or 0) and are left to them instead of bound — eleven values fewer a request.
-const REQUEST_PLAIN_COLUMNS: [&str; 15] = [
-    "id",
-    "request_id",
-    "ts_ms",
-    "operation",
-    "requested_model",
-    "endpoint",
-    "status",
-    "stream",
-    "latency_ms",
-    "tokens_in",
-    "tokens_out",
-    "tokens_estimated",
-    "cost_usd",
-    "attempts",
-    "client_key",
-];
+/// The `requests` columns of a plain row ([`plain_request`]), as indices into
+/// [`REQUEST_COLUMNS`]: the rest hold their defaults (`NULL` or 0) and are left to them instead
+/// of bound — eleven values fewer a request.
+const REQUEST_PLAIN: [usize; 15] = [0, 1, 2, 3, 4, 5, 6, 8, 9, 11, 12, 13, 14, 15, 23];
 
-/// The `attempts` columns of a plain attempt (no error text, not tried in panic).
-const ATTEMPT_PLAIN_COLUMNS: [&str; 8] = [
-    "request_row",
-    "request_id",
-    "seq",
-    "ts_ms",
-    "endpoint",
-    "class",
-    "status",
-    "latency_ms",
-];
+/// The `attempts` columns of a plain attempt (no error text, not tried in panic), as indices
+/// into [`ATTEMPT_COLUMNS`].
+const ATTEMPT_PLAIN: [usize; 8] = [0, 1, 2, 3, 4, 5, 6, 8];
 
-/// A request whose columns outside [`REQUEST_PLAIN_COLUMNS`] all hold their defaults: served
+/// Every column of a table of `N`: the full INSERT's shape.
+const fn every<const N: usize>() -> [usize; N] {
+    let mut all = [0; N];
+    let mut i = 0;
+    while i < N {
+        all[i] = i;
+        i += 1;
+    }
+    all
+}
+
+/// A request whose columns outside [`REQUEST_PLAIN`] all hold their defaults: served
 /// (or failed) without an error class, a time to first token, a count, a truncation, hygiene, a
 /// hedge or a continuation — the common row.
 fn plain_request(row: &RequestRow) -> bool {
@@ -662,65 +650,26 @@ fn insert_rows<T>(
     Ok(())
 }
 
-/// Binds `values` as parameters `at + 1 ..`.
+/// Binds the `values` that `shape` picks (indices, in the INSERT's column order) as parameters
+/// `at + 1 ..`.
 fn bind_all(
     stmt: &mut rusqlite::Statement<'_>,
     at: usize,
     values: &[&dyn rusqlite::ToSql],
+    shape: &[usize],
 ) -> rusqlite::Result<()> {
-    for (k, v) in values.iter().enumerate() {
-        stmt.raw_bind_parameter(at + k + 1, v)?;
+    for (k, &c) in shape.iter().enumerate() {
+        stmt.raw_bind_parameter(at + k + 1, values[c])?;
     }
     Ok(())
 }
 
-fn bind_request_plain(
-    stmt: &mut rusqlite::Statement<'_>,
-    at: usize,
-    (id, row): &(i64, &RequestRow),
-) -> rusqlite::Result<()> {
-    let values: [&dyn rusqlite::ToSql; REQUEST_PLAIN_COLUMNS.len()] = [
-        id,
-        &row.request_id,
-        &ms(row.ts),
-        &row.operation,
-        &row.requested_model,
-        &row.endpoint,
-        &row.status,
-        &row.stream,
-        &row.latency_ms,
-        &row.tokens_in.map(|v| v as i64),
-        &row.tokens_out.map(|v| v as i64),
-        &row.tokens_estimated,
-        &row.cost_usd,
-        &(row.attempts.iter().filter(|a| !a.class.is_skip()).count() as i64),
-        &row.client_key,
-    ];
-    bind_all(stmt, at, &values)
-}
-
-fn bind_attempt_plain(
-    stmt: &mut rusqlite::Statement<'_>,
-    at: usize,
-    (request_row, row, a): &(i64, &RequestRow, &AttemptRow),
-) -> rusqlite::Result<()> {
-    let values: [&dyn rusqlite::ToSql; ATTEMPT_PLAIN_COLUMNS.len()] = [
-        request_row,
-        &row.request_id,
-        &a.seq,
-        &ms(row.ts),
-        &a.endpoint,
-        &a.class.as_str(),
-        &a.status,
-        &a.latency_ms,
-    ];
-    bind_all(stmt, at, &values)
-}
-
+/// A request's values in [`REQUEST_COLUMNS`] order, those of `shape` bound.
 fn bind_request(
     stmt: &mut rusqlite::Statement<'_>,
     at: usize,
     (id, row): &(i64, &RequestRow),
+    shape: &[usize],
 ) -> rusqlite::Result<()> {
     let values: [&dyn rusqlite::ToSql; REQUEST_COLUMNS.len()] = [
         id,
@@ -748,13 +697,15 @@ fn bind_request(
         &row.continued_from,
         &row.client_key,
     ];
-    bind_all(stmt, at, &values)
+    bind_all(stmt, at, &values, shape)
 }
 
+/// An attempt's values in [`ATTEMPT_COLUMNS`] order, those of `shape` bound.
 fn bind_attempt(
     stmt: &mut rusqlite::Statement<'_>,
     at: usize,
     (request_row, row, a): &(i64, &RequestRow, &AttemptRow),
+    shape: &[usize],
 ) -> rusqlite::Result<()> {
     let values: [&dyn rusqlite::ToSql; ATTEMPT_COLUMNS.len()] = [
         request_row,
@@ -768,7 +719,7 @@ fn bind_attempt(
         &a.latency_ms,
         &a.panic_mode,
     ];
-    bind_all(stmt, at, &values)
+    bind_all(stmt, at, &values, shape)
 }
 
 /// The writer's statements: the small ones prepared once for its connection's life, the
@@ -813,8 +764,8 @@ impl<'c> Statements<'c> {
             )?,
             requests: inserts("requests", &REQUEST_COLUMNS),
             attempts: inserts("attempts", &ATTEMPT_COLUMNS),
-            requests_plain: inserts("requests", &REQUEST_PLAIN_COLUMNS),
-            attempts_plain: inserts("attempts", &ATTEMPT_PLAIN_COLUMNS),
+            requests_plain: inserts("requests", &REQUEST_PLAIN.map(|c| REQUEST_COLUMNS[c])),
+            attempts_plain: inserts("attempts", &ATTEMPT_PLAIN.map(|c| ATTEMPT_COLUMNS[c])),
             plain_shapes: true,
         })
     }
@@ -918,34 +869,25 @@ impl<'c> Statements<'c> {
                 .iter()
                 .flat_map(|(id, row)| row.attempts.iter().map(move |a| (*id, &**row, a)))
                 .partition(|(_, _, a)| plain && plain_attempt(a));
-        insert_rows(
-            conn,
-            &self.requests_plain,
-            REQUEST_PLAIN_COLUMNS.len(),
-            &plain_requests,
-            bind_request_plain,
-        )?;
-        insert_rows(
-            conn,
-            &self.requests,
-            REQUEST_COLUMNS.len(),
-            &other_requests,
-            bind_request,
-        )?;
-        insert_rows(
-            conn,
-            &self.attempts_plain,
-            ATTEMPT_PLAIN_COLUMNS.len(),
-            &plain_attempts,
-            bind_attempt_plain,
-        )?;
-        insert_rows(
-            conn,
-            &self.attempts,
-            ATTEMPT_COLUMNS.len(),
-            &other_attempts,
-            bind_attempt,
-        )
+        let all_requests = every::<{ REQUEST_COLUMNS.len() }>();
+        let all_attempts = every::<{ ATTEMPT_COLUMNS.len() }>();
+        for (sql, shape, rows) in [
+            (&self.requests_plain, &REQUEST_PLAIN[..], &plain_requests),
+            (&self.requests, &all_requests[..], &other_requests),
+        ] {
+            insert_rows(conn, sql, shape.len(), rows, |st, at, r| {
+                bind_request(st, at, r, shape)
+            })?;
+        }
+        for (sql, shape, rows) in [
+            (&self.attempts_plain, &ATTEMPT_PLAIN[..], &plain_attempts),
+            (&self.attempts, &all_attempts[..], &other_attempts),
+        ] {
+            insert_rows(conn, sql, shape.len(), rows, |st, at, r| {
+                bind_attempt(st, at, r, shape)
+            })?;
+        }
+        Ok(())
     }
 }
 

@@ -127,11 +127,21 @@ pub fn ratelimit_headers(headers: &HeaderMap, max: Duration) -> crate::ratelimit
         // `to_str` lets through visible ASCII, spaces and tabs only: `trim_ascii` is `trim`.
         found[i][j] = value.to_str().ok().map(str::trim_ascii);
     }
+    observed(found, max, parse_go_duration)
+}
+
+/// The two budgets from their `[remaining, reset, limit]` texts, resets read by `go_duration`
+/// (else as seconds).
+fn observed(
+    found: [[Option<&str>; 3]; 2],
+    max: Duration,
+    go_duration: fn(&str) -> Option<Duration>,
+) -> crate::ratelimit::Observed {
     let budget = |[remaining, reset, limit]: [Option<&str>; 3]| {
         let remaining = remaining?.parse::<u64>().ok()?;
         let reset = reset?;
-        let reset = parse_go_duration(reset)
-            .or_else(|| reset.parse::<f64>().ok().and_then(secs_to_duration))?;
+        let reset =
+            go_duration(reset).or_else(|| reset.parse::<f64>().ok().and_then(secs_to_duration))?;
         let limit = limit.and_then(|v| v.parse::<u64>().ok());
         Some((limit, remaining, reset.min(max)))
     };
@@ -367,8 +377,8 @@ mod tests {
 
     const MAX: Duration = Duration::from_secs(600);
 
-    /// The header scan as it was (split and matched as text), which the one-`match` scan must
-    /// agree with.
+    /// The header scan as it was (split and matched as text, resets read as floats), which the
+    /// one-`match` scan must agree with.
     fn reference_headers(headers: &HeaderMap, max: Duration) -> crate::ratelimit::Observed {
         let mut found: [[Option<&str>; 3]; 2] = [[None; 3]; 2];
         for (name, value) in headers {
@@ -391,18 +401,7 @@ mod tests {
             };
             found[i][j] = value.to_str().ok().map(str::trim);
         }
-        let budget = |[remaining, reset, limit]: [Option<&str>; 3]| {
-            let remaining = remaining?.parse::<u64>().ok()?;
-            let reset = reset?;
-            let reset = float_go_duration(reset)
-                .or_else(|| reset.parse::<f64>().ok().and_then(secs_to_duration))?;
-            let limit = limit.and_then(|v| v.parse::<u64>().ok());
-            Some((limit, remaining, reset.min(max)))
-        };
-        crate::ratelimit::Observed {
-            requests: budget(found[0]),
-            tokens: budget(found[1]),
-        }
+        observed(found, max, float_go_duration)
     }
 
     proptest::proptest! {

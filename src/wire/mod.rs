@@ -37,9 +37,12 @@ pub struct Inbound {
     pub op: Op,
     pub model: String,
     pub stream: bool,
-    /// The body as a map: parsed with the request when [`request::read`] declined it, else
-    /// from `raw` on first use (a plain request to an OpenAI-type endpoint never needs it).
-    body: OnceLock<Map<String, Value>>,
+    /// The body as a map when it was given so or changed: parsed with the request when
+    /// [`request::read`] declined it, made by the gateway, or taken over by `body_mut`.
+    body: Option<Map<String, Value>>,
+    /// Else the map parsed from `raw` on first use (a plain request to an OpenAI-type endpoint
+    /// never needs it).
+    parsed: OnceLock<Map<String, Value>>,
     /// The client's bytes that `body` was parsed from, while `body` is unchanged: an
     /// OpenAI-type upstream then gets them with `model` patched ([`patch`]) rather than `body`
     /// serialised again. Dropped by [`Inbound::body_mut`].
@@ -62,7 +65,8 @@ impl Inbound {
             op,
             model,
             stream,
-            body: OnceLock::from(body),
+            body: Some(body),
+            parsed: OnceLock::new(),
             raw: None,
             plain: None,
             needs,
@@ -76,26 +80,21 @@ impl Inbound {
     }
 
     pub fn body(&self) -> &Map<String, Value> {
-        self.body.get_or_init(|| {
-            // `request::read` answers only for bytes that parse (its differential test): an
-            // empty map here would be a bug, logged, never a panic.
-            match self.raw.as_deref().map(serde_json::from_slice) {
-                Some(Ok(map)) => map,
-                _ => {
-                    tracing::error!("a request read as plain did not parse as a map");
-                    Map::new()
-                }
-            }
-        })
+        match &self.body {
+            Some(map) => map,
+            None => self.parsed.get_or_init(|| parse_raw(self.raw.as_deref())),
+        }
     }
 
     /// The body to change; the client's bytes no longer say what it holds, so they are let go.
     pub fn body_mut(&mut self) -> &mut Map<String, Value> {
-        // Parsed from the bytes first, if it was not yet.
-        self.body();
-        self.raw = None;
+        let (parsed, raw) = (&mut self.parsed, self.raw.take());
         self.plain = None;
-        self.body.get_mut().expect("set by `body()` just before")
+        self.body.get_or_insert_with(|| {
+            std::mem::take(parsed)
+                .into_inner()
+                .unwrap_or_else(|| parse_raw(raw.as_deref()))
+        })
     }
 
     /// The client's bytes, while they still say exactly what [`Inbound::body`] holds.
@@ -132,6 +131,18 @@ impl Inbound {
             (Some(p), TokenField::MaxTokens) => p.max_tokens,
             (Some(p), TokenField::MaxCompletionTokens) => p.max_completion_tokens,
             (None, f) => self.body().get(f.key()).map(Value::as_u64),
+        }
+    }
+}
+
+/// The map of a request read as plain, from its bytes. `request::read` answers only for bytes
+/// that parse (its differential test): an empty map here would be a bug, logged, never a panic.
+fn parse_raw(raw: Option<&[u8]>) -> Map<String, Value> {
+    match raw.map(serde_json::from_slice) {
+        Some(Ok(map)) => map,
+        _ => {
+            tracing::error!("a request read as plain did not parse as a map");
+            Map::new()
         }
     }
 }
@@ -174,7 +185,8 @@ pub fn read_request(op: Op, raw: Bytes) -> Result<Inbound, ApiError> {
             op,
             model: std::mem::take(&mut plain.model),
             stream: plain.stream,
-            body: OnceLock::new(),
+            body: None,
+            parsed: OnceLock::new(),
             raw: Some(raw),
             plain: Some(plain),
             needs,

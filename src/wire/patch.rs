@@ -53,7 +53,7 @@ fn top_value(body: &[u8], key: &[u8]) -> Option<Range<usize>> {
 
 /// Top-level keys compared for repeats (`request::MAX_KEYS`, 48: OpenAI's chat API has about
 /// thirty parameters); a body with more falls back to serialising.
-use super::request::MAX_KEYS;
+use super::request::{Keys, MAX_KEYS};
 
 fn members(s: &mut Scanner<'_>, want: &[u8]) -> Result<Option<Range<usize>>, Bad> {
     let b = s.b;
@@ -61,21 +61,12 @@ fn members(s: &mut Scanner<'_>, want: &[u8]) -> Result<Option<Range<usize>>, Bad
     if s.peek() != Some(b'{') || s.open_empty(b'}') {
         return Ok(None);
     }
-    let mut keys: [&[u8]; MAX_KEYS] = [&[]; MAX_KEYS];
-    let mut n = 0;
+    let mut keys = Keys::<MAX_KEYS>::new();
     let mut found = None;
     loop {
-        s.eat(b'"', Bad::Key)?;
-        let start = s.i;
-        let end = s.string()?;
-        let name = &b[start..end];
-        if s.escaped || n == MAX_KEYS || keys[..n].contains(&name) {
+        let Some(name) = keys.next(s) else {
             return Ok(None);
-        }
-        keys[n] = name;
-        n += 1;
-        s.eat(b':', Bad::Colon)?;
-        s.ws();
+        };
         let at = s.i;
         if s.peek() == Some(b'"') {
             s.i += 1;

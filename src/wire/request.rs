@@ -90,8 +90,7 @@ fn top(s: &mut Scanner<'_>, op: Op) -> Option<Plain> {
     if s.peek() != Some(b'{') || s.open_empty(b'}') {
         return None;
     }
-    let mut keys: [&[u8]; MAX_KEYS] = [&[]; MAX_KEYS];
-    let mut n = 0;
+    let mut keys = Keys::<MAX_KEYS>::new();
     let mut model = None;
     let mut stream = false;
     let mut messages = false;
@@ -103,17 +102,7 @@ fn top(s: &mut Scanner<'_>, op: Op) -> Option<Plain> {
     let mut max_completion_tokens = None;
     let mut chars = 0;
     loop {
-        s.eat(b'"', Bad::Key).ok()?;
-        let start = s.i;
-        let end = s.string().ok()?;
-        let name = &b[start..end];
-        if s.escaped || n == MAX_KEYS || keys[..n].contains(&name) {
-            return None;
-        }
-        keys[n] = name;
-        n += 1;
-        s.eat(b':', Bad::Colon).ok()?;
-        s.ws();
+        let name = keys.next(s)?;
         let at = s.i;
         match key_of(name) {
             Key::Model => {
@@ -189,6 +178,40 @@ fn top(s: &mut Scanner<'_>, op: Op) -> Option<Plain> {
     })
 }
 
+/// The keys of one object so far, for reading its next member's key: `None` (declined) when
+/// the key has an escape, was given before, or is one more than `N`. [`super::patch`] reads the
+/// top level with it too.
+pub(super) struct Keys<'a, const N: usize> {
+    seen: [&'a [u8]; N],
+    n: usize,
+}
+
+impl<'a, const N: usize> Keys<'a, N> {
+    pub(super) fn new() -> Self {
+        Keys {
+            seen: [&[]; N],
+            n: 0,
+        }
+    }
+
+    /// A member's key and its colon (and the whitespace after it), the cursor on its value.
+    pub(super) fn next(&mut self, s: &mut Scanner<'a>) -> Option<&'a [u8]> {
+        let b = s.b;
+        s.eat(b'"', Bad::Key).ok()?;
+        let start = s.i;
+        let end = s.string().ok()?;
+        let name = &b[start..end];
+        if s.escaped || self.n == N || self.seen[..self.n].contains(&name) {
+            return None;
+        }
+        self.seen[self.n] = name;
+        self.n += 1;
+        s.eat(b':', Bad::Colon).ok()?;
+        s.ws();
+        Some(name)
+    }
+}
+
 /// Whether the array under the cursor is empty (`[` then only whitespace before `]`); the
 /// cursor does not move.
 fn is_empty_array(s: &Scanner<'_>) -> bool {
@@ -225,27 +248,14 @@ fn messages_of(s: &mut Scanner<'_>) -> Option<usize> {
 const MAX_MESSAGE_KEYS: usize = 16;
 
 fn message(s: &mut Scanner<'_>) -> Option<usize> {
-    let b = s.b;
     if s.peek() != Some(b'{') || s.open_empty(b'}') {
         return None;
     }
-    let mut keys: [&[u8]; MAX_MESSAGE_KEYS] = [&[]; MAX_MESSAGE_KEYS];
-    let mut n = 0;
+    let mut keys = Keys::<MAX_MESSAGE_KEYS>::new();
     let mut role = false;
     let mut chars = 0;
     loop {
-        s.eat(b'"', Bad::Key).ok()?;
-        let start = s.i;
-        let end = s.string().ok()?;
-        let name = &b[start..end];
-        if s.escaped || n == MAX_MESSAGE_KEYS || keys[..n].contains(&name) {
-            return None;
-        }
-        keys[n] = name;
-        n += 1;
-        s.eat(b':', Bad::Colon).ok()?;
-        s.ws();
-        match name {
+        match keys.next(s)? {
             b"role" => {
                 if s.peek() != Some(b'"') {
                     return None;

@@ -67,8 +67,57 @@ impl Run {
         status: u16,
         error_class: Option<String>,
     ) -> RequestRow {
+        let attempts = self.attempts.iter().enumerate().map(|(i, a)| AttemptRow {
+            seq: i as u32 + 1,
+            endpoint: a.endpoint.clone(),
+            class: a.class,
+            status: a.status,
+            // The audit row keeps the internal detail (a task's address); the client's
+            // body has the redacted one.
+            error: a.internal.clone().or_else(|| a.error.clone()),
+            latency_ms: a.latency_ms,
+            panic_mode: a.panic_mode,
+        });
+        self.row(
+            self.request_id.clone(),
+            endpoint,
+            status,
+            error_class,
+            attempts.collect(),
+        )
+    }
+
+    /// [`Self::base_row`] for the request's last step, when nothing reads the attempts or the
+    /// request id again (a full answer, its headers already set): they move into the row
+    /// instead of being copied.
+    fn take_row(&mut self, endpoint: Option<&str>, status: u16) -> RequestRow {
+        let attempts = std::mem::take(&mut self.attempts)
+            .into_iter()
+            .enumerate()
+            .map(|(i, a)| AttemptRow {
+                seq: i as u32 + 1,
+                endpoint: a.endpoint,
+                class: a.class,
+                status: a.status,
+                error: a.internal.or(a.error),
+                latency_ms: a.latency_ms,
+                panic_mode: a.panic_mode,
+            })
+            .collect();
+        let id = std::mem::take(&mut self.request_id);
+        self.row(id, endpoint, status, None, attempts)
+    }
+
+    fn row(
+        &self,
+        request_id: String,
+        endpoint: Option<&str>,
+        status: u16,
+        error_class: Option<String>,
+        attempts: Vec<AttemptRow>,
+    ) -> RequestRow {
         RequestRow {
-            request_id: self.request_id.clone(),
+            request_id,
             ts: self.started_wall,
             operation: self.req.op.name(),
             requested_model: Some(self.req.model.clone()),
@@ -90,22 +139,7 @@ impl Run {
             hedge_won: self.hedge_won,
             continued_from: None,
             client_key: self.client.clone(),
-            attempts: self
-                .attempts
-                .iter()
-                .enumerate()
-                .map(|(i, a)| AttemptRow {
-                    seq: i as u32 + 1,
-                    endpoint: a.endpoint.clone(),
-                    class: a.class,
-                    status: a.status,
-                    // The audit row keeps the internal detail (a task's address); the client's
-                    // body has the redacted one.
-                    error: a.internal.clone().or_else(|| a.error.clone()),
-                    latency_ms: a.latency_ms,
-                    panic_mode: a.panic_mode,
-                })
-                .collect(),
+            attempts,
         }
     }
 
@@ -195,7 +229,14 @@ impl Run {
                 out_chars,
                 ..
             } => {
-                let mut row = self.base_row(Some(&ep.name), status.as_u16(), None);
+                let mut resp = (status, body).into_response();
+                resp.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    content_type.unwrap_or(HeaderValue::from_static("application/json")),
+                );
+                self.headers(&mut resp, Some(&ep.name));
+                // The last step: the row takes the attempts and the request id.
+                let mut row = self.take_row(Some(&ep.name), status.as_u16());
                 // Walking the body for an estimate is only needed when the upstream sent no usage.
                 let prompt_estimate = match (usage, self.counted_prompt) {
                     (Some(_), _) => 0,
@@ -218,12 +259,6 @@ impl Run {
                     row.tokens_estimated,
                 );
                 self.send_row(row);
-                let mut resp = (status, body).into_response();
-                resp.headers_mut().insert(
-                    header::CONTENT_TYPE,
-                    content_type.unwrap_or(HeaderValue::from_static("application/json")),
-                );
-                self.headers(&mut resp, Some(&ep.name));
                 resp
             }
             Success::Stream {

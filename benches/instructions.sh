@@ -31,7 +31,10 @@ mock_args=()
 "$BIN" mock-upstream --listen 127.0.0.1:0 "${mock_args[@]}" > "$work/mock.out" 2>/dev/null &
 for _ in $(seq 100); do grep -q "listening on" "$work/mock.out" 2>/dev/null && break; sleep 0.1; done
 mock=$(sed -n 's/.*listening on http:\/\///p' "$work/mock.out")
-cat > "$work/config.yaml" <<EOF
+mkdir -p "$work/conf"
+# The config in a directory of its own: the config watcher follows its directory, and the
+# gateway's log written beside it would wake the watcher on every write.
+cat > "$work/conf/config.yaml" <<EOF
 models:
   a: { type: openai, base_url: "http://$mock/v1", model: gpt-4o-mini }
 routing_policy: { fallback_chain: [a] }
@@ -41,7 +44,7 @@ EOF
 run() {
   local n=$1 out=$2
   RUST_LOG=${RUST_LOG:-info} AUTOHEDGE_LOG_FORMAT=${LOG_FORMAT:-json} valgrind --tool=callgrind \
-    --separate-threads=yes --callgrind-out-file="$out" "$BIN" serve --listen 127.0.0.1:0 --config "$work/config.yaml" \
+    --separate-threads=yes --callgrind-out-file="$out" "$BIN" serve --listen 127.0.0.1:0 --config "$work/conf/config.yaml" \
     --data-dir "$work/data-$n" > "$work/gw-$n.out" 2> "$work/gw-$n.err" &
   local pid=$!
   for _ in $(seq 600); do grep -q "listening on" "$work/gw-$n.out" 2>/dev/null && break; sleep 0.1; done

@@ -145,8 +145,8 @@ pub fn in_panic(views: &[View], threshold: f64) -> bool {
 /// Slow start (Envoy's `slow_start_window`): an endpoint that recently recovered keeps its place
 /// for only its current share of requests; for the others it goes behind the healthy endpoints
 /// (still ahead of demoted ones). It is never skipped, so slow start cannot cause a 503.
-pub fn rank(
-    chain: &[String],
+pub fn rank<N: AsRef<str>>(
+    chain: &[N],
     views: &[View],
     needs: &BTreeSet<Capability>,
     threshold: f64,
@@ -160,9 +160,10 @@ pub fn rank(
     let mut slowed = Vec::new();
     let mut demoted = Vec::new();
     for name in chain {
-        let Some(v) = views.iter().find(|v| &v.name == name) else {
+        let Some(v) = views.iter().find(|v| v.name == name.as_ref()) else {
             continue;
         };
+        let name = &v.name;
         if let Some(missing) = needs.iter().find(|c| !v.capabilities.contains(**c)) {
             plan.skipped
                 .push((name.clone(), Skip::MissingCapability(*missing)));

@@ -101,13 +101,17 @@ impl Config {
     }
 
     /// The chain a requested model name resolves to, or `None` (404 `model_not_found`).
-    pub fn chain_for(&self, requested: &str) -> Option<Vec<String>> {
-        if let Some(route) = self.routes.get(requested) {
-            return Some(route.clone());
-        }
-        if self.endpoints.contains_key(requested) {
-            // Start at the named endpoint, then continue along the fallback chain.
-            let mut chain = vec![requested.to_string()];
+    pub fn chain_for(&self, requested: &str) -> Option<Arc<[String]>> {
+        self.chains.get(requested).cloned()
+    }
+
+    /// [`Config::chains`]: every route's chain, and every endpoint's (the endpoint, then the
+    /// fallback chain from the place after it, wrapping around, each name once). Route names
+    /// never clash with endpoint names (loading refuses it).
+    pub(crate) fn resolve_chains(&self) -> BTreeMap<String, Arc<[String]>> {
+        let mut chains = BTreeMap::new();
+        for requested in self.endpoints.keys() {
+            let mut chain = vec![requested.clone()];
             let start = self
                 .fallback_chain
                 .iter()
@@ -122,9 +126,12 @@ impl Config {
                     chain.push(name.clone());
                 }
             }
-            return Some(chain);
+            chains.insert(requested.clone(), Arc::from(chain));
         }
-        None
+        for (name, route) in &self.routes {
+            chains.insert(name.clone(), Arc::from(route.as_slice()));
+        }
+        chains
     }
 }
 #[cfg(test)]
@@ -197,6 +204,27 @@ routes:
     }
 
     #[test]
+    fn chains_start_at_the_endpoint_and_wrap_the_fallback_chain() {
+        let cfg = Config::load(
+            "models:\n  a: {type: openai, base_url: 'http://127.0.0.1:1/v1', model: x}\n  b: {type: openai, base_url: 'http://127.0.0.1:2/v1', model: x}\n  c: {type: openai, base_url: 'http://127.0.0.1:3/v1', model: x}\n  d: {type: openai, base_url: 'http://127.0.0.1:4/v1', model: x}\nrouting_policy: {fallback_chain: [a, b, c]}\nroutes:\n  r: [c, a]\n",
+        )
+        .unwrap();
+        let chain = |n: &str| cfg.chain_for(n).map(|c| c.to_vec());
+        assert_eq!(chain("a").unwrap(), ["a", "b", "c"]);
+        assert_eq!(chain("b").unwrap(), ["b", "c", "a"]);
+        assert_eq!(chain("c").unwrap(), ["c", "a", "b"]);
+        assert_eq!(chain("r").unwrap(), ["c", "a"]);
+        // Not in the fallback chain: the endpoint, then the whole chain.
+        assert_eq!(chain("d").unwrap(), ["d", "a", "b", "c"]);
+        assert_eq!(chain("e"), None);
+        // Every name a request may ask for, and no other.
+        assert_eq!(
+            cfg.chains.keys().map(String::as_str).collect::<Vec<_>>(),
+            ["a", "b", "c", "d", "r"]
+        );
+    }
+
+    #[test]
     fn loads_the_contract_shape() {
         let cfg = Config::load(SEED).unwrap();
         assert_eq!(cfg.fallback_chain, vec!["gpt-4o-mini", "qwen2.5-7b"]);
@@ -205,11 +233,11 @@ routes:
         assert_eq!(q.timeouts.total, Duration::from_secs(3));
         assert_eq!(cfg.policy.cache_ttl, Duration::from_secs(300));
         assert_eq!(
-            cfg.chain_for("chat").unwrap(),
+            cfg.chain_for("chat").unwrap().to_vec(),
             vec!["gpt-4o-mini", "qwen2.5-7b"]
         );
         assert_eq!(
-            cfg.chain_for("qwen2.5-7b").unwrap(),
+            cfg.chain_for("qwen2.5-7b").unwrap().to_vec(),
             vec!["qwen2.5-7b", "gpt-4o-mini"]
         );
         assert!(cfg.chain_for("nope").is_none());

@@ -582,7 +582,7 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
             "server.listen is {listen}, not loopback, and `auth.keys` is not set: anyone who reaches this address can spend the upstream keys"
         ));
     }
-    Ok(Config {
+    let mut cfg = Config {
         listen,
         max_body_bytes: raw.server.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY),
         audit_queue: raw.server.audit_queue.unwrap_or(10_000).max(1),
@@ -598,6 +598,7 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
         endpoints,
         fallback_chain,
         routes,
+        chains: BTreeMap::new(),
         route_overflow,
         route_hedge,
         route_continue,
@@ -614,7 +615,9 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
         discovered_extra: Vec::new(),
         alerts,
         warnings,
-    })
+    };
+    cfg.chains = cfg.resolve_chains();
+    Ok(cfg)
 }
 
 /// `alerts:` → `Alerts`. A webhook whose `env:`/`file:` cannot be read is left out with a

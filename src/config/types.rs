@@ -407,6 +407,10 @@ pub struct Config {
     pub endpoints: BTreeMap<String, Arc<Endpoint>>,
     pub fallback_chain: Vec<String>,
     pub routes: BTreeMap<String, Vec<String>>,
+    /// The chain every name a request may ask for resolves to (a route's own; an endpoint, then
+    /// the fallback chain from it), built when the config is: a request takes a reference
+    /// count, not a copy of the names. [`Config::chain_for`] reads it.
+    pub chains: BTreeMap<String, Arc<[String]>>,
     /// Per-route overflow settings (routes written in the long form).
     pub route_overflow: BTreeMap<String, Overflow>,
     /// Per-route hedging (routes written in the long form).

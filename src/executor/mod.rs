@@ -105,7 +105,7 @@ struct Run {
     /// Endpoints tried although their rate-limit budget was predicted short (the last resort).
     forced: HashSet<String>,
     /// The chain, when the route continues broken streams (`continue_streams: true`).
-    continue_chain: Option<Vec<String>>,
+    continue_chain: Option<Arc<[String]>>,
     /// The client key's name, when `auth.keys` is set.
     client: Option<String>,
     /// The request's own upstream key (`x-encrypted-key`), for OpenAI-type endpoints.
@@ -158,7 +158,7 @@ pub async fn execute(
     app: Arc<AppState>,
     cfg: Arc<Config>,
     req: Inbound,
-    chain: Vec<String>,
+    chain: Arc<[String]>,
     request_id: String,
     caller: Caller,
 ) -> Response {
@@ -287,7 +287,7 @@ const FAILED: EndpointOutcome = EndpointOutcome::Failed {
 };
 
 impl Run {
-    async fn go(&mut self, chain: Vec<String>) -> Response {
+    async fn go(&mut self, chain: Arc<[String]>) -> Response {
         // Debug builds started with AUTOHEDGE_TEST_HOOKS only: lets the test suite prove that a
         // panic inside a request becomes a 500 with its audit row. A client's model name alone
         // cannot reach it, and the release binary has no such code.
@@ -346,10 +346,10 @@ impl Run {
         let wait_until = self.started + policy.max_wait;
         self.pass = PassState::default();
         loop {
-            let remaining: Vec<String> = chain
+            let remaining: Vec<&str> = chain
                 .iter()
                 .filter(|n| !self.pass.tried.contains(*n))
-                .cloned()
+                .map(String::as_str)
                 .collect();
             // Healthy panic is judged on the whole chain, not on what is left of it.
             let all = self.views(chain);

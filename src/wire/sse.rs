@@ -56,8 +56,9 @@ impl SseParser {
     pub fn push(&mut self, bytes: &[u8]) -> Result<Vec<SseEvent>, SseError> {
         let mut out = Vec::new();
         let mut rest = bytes;
-        if self.last_was_cr {
-            // A `\r\n` split between two pushes.
+        // A `\r\n` split between two pushes. An empty push (a zero-length body frame) between
+        // them changes nothing: the `\n` that follows still ends the `\r`'s line, not another.
+        if self.last_was_cr && !rest.is_empty() {
             self.last_was_cr = false;
             if let Some(tail) = rest.strip_prefix(b"\n") {
                 rest = tail;
@@ -174,6 +175,25 @@ mod tests {
             got.extend(p.push(std::slice::from_ref(b)).unwrap());
         }
         assert_eq!(got, whole);
+    }
+
+    #[test]
+    fn an_empty_push_between_a_split_crlf_does_not_end_the_event() {
+        // Found by the differential property test: a zero-length push after a `\r` forgot
+        // the `\r`, so the `\n` that followed read as a blank line and cut the event in two.
+        let mut p = SseParser::new();
+        let mut got = p.push(b"data: a\r").unwrap();
+        assert!(got.is_empty());
+        got.extend(p.push(b"").unwrap());
+        assert!(got.is_empty());
+        got.extend(p.push(b"\ndata: b\n\n").unwrap());
+        assert_eq!(
+            got,
+            [SseEvent {
+                event: None,
+                data: "a\nb".into()
+            }]
+        );
     }
 
     #[test]

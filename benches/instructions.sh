@@ -10,6 +10,7 @@
 #   cargo build --release --bin autohedge && bash benches/instructions.sh
 #   cargo build --profile dist --bin autohedge && BIN=target/dist/autohedge bash benches/instructions.sh
 #   SMALL=300 LARGE=1300 bash benches/instructions.sh   # quicker, noisier
+#   python3 benches/inclusive.py 1000 5000 'wire::' 30   # then: by function, from the same files
 #   STREAM=1 bash benches/instructions.sh   # streamed answers: 32 content chunks 1 ms apart
 #                                           # (defaults SMALL=100 LARGE=400)
 #

@@ -83,9 +83,9 @@ run "$LARGE" target/callgrind/cg.large
 # One file a thread (--separate-threads): the audit writer's cost depends on how many rows each
 # commit gathers, which depends on timing (this serial client under valgrind commits a row or
 # two at a time; a loaded gateway hundreds), so it is reported apart from the request path.
-python3 - target/callgrind "$SMALL" "$LARGE" "$FOCUS" <<'PY'
-import glob, re, subprocess, sys
-root, small, large, focus = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), re.compile(sys.argv[4])
+python3 - target/callgrind "$SMALL" "$LARGE" <<'PY'
+import glob, re, sys
+root, small, large = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 n = large - small
 def files(tag):
     return sorted(f for f in glob.glob(f"{root}/cg.{tag}*") if re.search(r"-\d+$", f))
@@ -111,21 +111,6 @@ whole = (sum(b.values()) - sum(a.values())) // n
 print(f"instructions a request: {whole} ({small} requests: {sum(a.values())}, {large}: {sum(b.values())})")
 for k in ("request path", "audit writer", "log writer"):
     print(f"  {k}: {(b.get(k, 0) - a.get(k, 0)) // n}")
-def costs(tag):
-    d = {}
-    for f in files(tag):
-        out = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", f],
-                             capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            m = re.match(r"\s*([\d,]+) \([^)]*\)\s+(.*?)(?: \[[^\]]*\])?$", line)
-            if m:
-                name = m.group(2).split(":", 1)[-1] if ".rs:" in m.group(2) or ".c:" in m.group(2) else m.group(2)
-                d[name] = d.get(name, 0) + int(m.group(1).replace(",", ""))
-    return d
-ca, cb = costs("small"), costs("large")
-rows = sorted(((cb[k] - ca.get(k, 0)) / n, k) for k in cb if focus.search(k))
-print("inclusive instructions a request, by function matching $FOCUS:")
-for d, k in reversed(rows[-30:]):
-    if d > 50:
-        print(f"{d:9.0f}  {k[:150]}")
 PY
+echo "inclusive instructions a request, by function matching \$FOCUS:"
+python3 benches/inclusive.py "$SMALL" "$LARGE" "$FOCUS" 30

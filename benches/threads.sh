@@ -55,17 +55,19 @@ wrk.body = '{"model":"a","messages":[{"role":"user","content":"Hello there, how 
 wrk.headers["Content-Type"] = "application/json"
 EOF
 
-# name<TAB>ticks for every thread of a process.
+# name<TAB>user ticks<TAB>system ticks for every thread of a process.
 ticks() {
-  for f in /proc/"$1"/task/*/stat; do
-    python3 - "$f" <<'PY'
-import sys
-s = open(sys.argv[1]).read()
-name = s[s.index("(") + 1 : s.rindex(")")]
-rest = s[s.rindex(")") + 2 :].split()
-print(f"{name}\t{rest[11]}\t{rest[12]}")
+  python3 - "$1" <<'PY'
+import glob, sys
+for f in glob.glob(f"/proc/{sys.argv[1]}/task/*/stat"):
+    try:
+        s = open(f).read()
+    except OSError:  # the thread ended meanwhile
+        continue
+    name = s[s.index("(") + 1 : s.rindex(")")]
+    rest = s[s.rindex(")") + 2 :].split()
+    print(f"{name}\t{rest[11]}\t{rest[12]}")
 PY
-  done
 }
 
 hz=$(getconf CLK_TCK)

@@ -941,8 +941,16 @@ async fn misbehave(
         return true;
     }
     if rule.reset_after == Some(sent) {
-        // Let hyper flush the chunks already queued, then drop the connection while the body is
+        // Let hyper take the chunks already queued (however long a loaded machine makes that:
+        // a fixed pause alone once lost them, and the client saw none of the stream before the
+        // break), give it a moment to flush them, then drop the connection while the body is
         // still open so it cannot end cleanly.
+        let drained = async {
+            while tx.capacity() < tx.max_capacity() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(10), drained).await;
         tokio::time::sleep(Duration::from_millis(50)).await;
         kill.notify_one();
         let _ = tokio::time::timeout(Duration::from_secs(10), tx.closed()).await;

@@ -67,23 +67,13 @@ impl Run {
         status: u16,
         error_class: Option<String>,
     ) -> RequestRow {
-        let attempts = self.attempts.iter().enumerate().map(|(i, a)| AttemptRow {
-            seq: i as u32 + 1,
-            endpoint: a.endpoint.clone(),
-            class: a.class,
-            status: a.status,
-            // The audit row keeps the internal detail (a task's address); the client's
-            // body has the redacted one.
-            error: a.internal.clone().or_else(|| a.error.clone()),
-            latency_ms: a.latency_ms,
-            panic_mode: a.panic_mode,
-        });
+        let attempts = attempt_rows(self.attempts.iter().cloned());
         self.row(
             self.request_id.clone(),
             endpoint,
             status,
             error_class,
-            attempts.collect(),
+            attempts,
         )
     }
 
@@ -91,19 +81,7 @@ impl Run {
     /// request id again (a full answer, its headers already set): they move into the row
     /// instead of being copied.
     fn take_row(&mut self, endpoint: Option<&str>, status: u16) -> RequestRow {
-        let attempts = std::mem::take(&mut self.attempts)
-            .into_iter()
-            .enumerate()
-            .map(|(i, a)| AttemptRow {
-                seq: i as u32 + 1,
-                endpoint: a.endpoint,
-                class: a.class,
-                status: a.status,
-                error: a.internal.or(a.error),
-                latency_ms: a.latency_ms,
-                panic_mode: a.panic_mode,
-            })
-            .collect();
+        let attempts = attempt_rows(std::mem::take(&mut self.attempts));
         let id = std::mem::take(&mut self.request_id);
         self.row(id, endpoint, status, None, attempts)
     }
@@ -390,4 +368,23 @@ pub(super) fn fill_usage(
             (tin as f64 * ep.cost.input_per_mtok + tout as f64 * ep.cost.output_per_mtok) / 1e6,
         );
     }
+}
+
+/// The audit rows of a request's attempts, numbered from 1.
+fn attempt_rows(attempts: impl IntoIterator<Item = AttemptReport>) -> Vec<AttemptRow> {
+    attempts
+        .into_iter()
+        .enumerate()
+        .map(|(i, a)| AttemptRow {
+            seq: i as u32 + 1,
+            endpoint: a.endpoint,
+            class: a.class,
+            status: a.status,
+            // The audit row keeps the internal detail (a task's address); the client's body has
+            // the redacted one.
+            error: a.internal.or(a.error),
+            latency_ms: a.latency_ms,
+            panic_mode: a.panic_mode,
+        })
+        .collect()
 }

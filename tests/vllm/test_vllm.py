@@ -281,12 +281,28 @@ def test_a_queue_turns_the_endpoint_degraded(stack):
 def test_a_broken_stream_is_continued_by_the_real_vllm(stack):
     # The breaker streams two words and drops the connection; vLLM continues the assistant
     # message (continue_final_message) and the SDK sees one stream with one finish_reason.
+    # The queue test before this one holds both cores for minutes: a probe of the breaker can time
+    # out meanwhile (flip_after: 1), and an endpoint coming back takes a rising share over the
+    # 30 s slow start, going behind vLLM for the rest. Either sends this request to vLLM first, so
+    # wait (bounded) until the breaker is healthy at its full share before sending it.
+    deadline = time.time() + 90
+    breaker = None
+    while time.time() < deadline:
+        try:
+            breaker = _status(stack["addr"])["endpoints"]["breaker"]
+        except Exception as e:  # noqa: BLE001 - /status slow under load: look again
+            breaker = {"error": str(e)}
+        if breaker.get("state") == "healthy" and breaker.get("slow_start_share") is None:
+            break
+        time.sleep(0.5)
+    assert breaker.get("state") == "healthy" and breaker.get("slow_start_share") is None, breaker
     raw = stack["client"].chat.completions.with_raw_response.create(
         model="cont", messages=MSG, max_tokens=6, stream=True, extra_body=GEN,
         stream_options={"include_usage": True}, extra_headers={"x-request-id": "continued-on-vllm"})
     chunks = list(raw.parse())
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text.startswith("Hello there "), text
+    assert text.startswith("Hello there "), (text, raw.headers.get("x-autohedge-endpoint"),
+                                             _status(stack["addr"])["endpoints"]["breaker"])
     assert chunks[-1].usage.completion_tokens == 6, "vLLM generated the rest"
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == ["length"], finishes

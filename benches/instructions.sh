@@ -83,12 +83,12 @@ run "$LARGE" target/callgrind/cg.large
 # One file a thread (--separate-threads): the audit writer's cost depends on how many rows each
 # commit gathers, which depends on timing (this serial client under valgrind commits a row or
 # two at a time; a loaded gateway hundreds), so it is reported apart from the request path.
-python3 - target/callgrind "$SMALL" "$LARGE" <<'PY'
-import glob, re, sys
-root, small, large = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+python3 - "$SMALL" "$LARGE" <<'PY'
+import sys
+sys.path.insert(0, "benches")
+from inclusive import files  # the thread files of a run, in target/callgrind
+small, large = int(sys.argv[1]), int(sys.argv[2])
 n = large - small
-def files(tag):
-    return sorted(f for f in glob.glob(f"{root}/cg.{tag}*") if re.search(r"-\d+$", f))
 def total(f):
     for line in open(f, errors="replace"):
         if line.startswith("summary:") or line.startswith("totals:"):

@@ -945,11 +945,8 @@ async fn misbehave(
         // a fixed pause alone once lost them, and the client saw none of the stream before the
         // break), give it a moment to flush them, then drop the connection while the body is
         // still open so it cannot end cleanly.
-        let drained = async {
-            while tx.capacity() < tx.max_capacity() {
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        };
+        // Every slot of the channel free again: hyper has taken every queued chunk.
+        let drained = tx.reserve_many(tx.max_capacity());
         let _ = tokio::time::timeout(Duration::from_secs(10), drained).await;
         tokio::time::sleep(Duration::from_millis(50)).await;
         kill.notify_one();

@@ -11,6 +11,24 @@ use autohedge::cli;
 /// lists cut the allocator's share of CPU that glibc malloc showed in profiles.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// Transparent huge pages off for this process, unless the operator set `MIMALLOC_ALLOW_THP`
+/// (mimalloc's own switch) in the environment.
+///
+/// mimalloc asks for huge pages on its arenas (`madvise(MADV_HUGEPAGE)`), so the first touch of
+/// every 2 MiB region makes the kernel find and zero a whole huge page. For a heap of a few tens
+/// of MiB that buys no TLB relief worth having, and it cost two things measured on this machine
+/// (README, Benchmark, session 14): the first request after `serve` started waited 10-32 ms
+/// instead of 2 ms, stalled in the kernel zeroing pages (slowest after the machine had been
+/// idle), and peak RSS under load was 49.6 MB instead of 28.8 MB. `PR_SET_THP_DISABLE` is the
+/// process's own flag: it also covers the arena mimalloc reserved before `main`, and changes
+/// nothing system-wide. Failing (a kernel without the call) leaves things as they were.
+fn huge_pages_off() {
+    #[cfg(target_os = "linux")]
+    if std::env::var_os("MIMALLOC_ALLOW_THP").is_none() {
+        let _ = rustix::thread::disable_transparent_huge_pages(true);
+    }
+}
 use autohedge::mock::Flavor;
 
 #[derive(Parser)]
@@ -133,6 +151,7 @@ enum EndpointAction {
 }
 
 fn main() -> ExitCode {
+    huge_pages_off();
     let args = Cli::parse();
     // The demo prints its own report; its logs would only interleave with it.
     let _log_guard = cli::init_tracing(match args.command {

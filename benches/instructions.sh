@@ -13,6 +13,9 @@
 #   python3 benches/inclusive.py 1000 5000 'wire::' 30   # then: by function, from the same files
 #   STREAM=1 bash benches/instructions.sh   # streamed answers: 32 content chunks 1 ms apart
 #                                           # (defaults SMALL=100 LARGE=400)
+#   FLOOR=0 bash benches/instructions.sh    # without the floor (by default the bare hyper proxy
+#                                           # of benches/overhead.rs is counted the same way, and
+#                                           # benches/versus_floor.py prints the two by component)
 #
 # Env: LOG_FORMAT (default json), RUST_LOG (default info) — the gateway as deployed.
 set -euo pipefail
@@ -20,6 +23,8 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release/autohedge}
 FOCUS=${FOCUS:-'telemetry::|access_log|tracing_subscriber::fmt|metrics_exporter_prometheus|Instrumented|executor::execute'}
 STREAM=${STREAM:-}
+FLOOR=${FLOOR:-1}
+[ -n "$STREAM" ] && FLOOR=0
 work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 
@@ -42,15 +47,16 @@ routing_policy: { fallback_chain: [a] }
 health: { probe_interval: 1h }
 EOF
 
-run() {
+run() { # requests, callgrind file, then the command to count (the gateway unless given)
   local n=$1 out=$2
+  shift 2
+  [ $# -gt 0 ] || set -- "$BIN" serve --listen 127.0.0.1:0 --config "$work/conf/config.yaml" --data-dir "$work/data-$n"
   RUST_LOG=${RUST_LOG:-info} AUTOHEDGE_LOG_FORMAT=${LOG_FORMAT:-json} valgrind --tool=callgrind \
-    --separate-threads=yes --callgrind-out-file="$out" "$BIN" serve --listen 127.0.0.1:0 --config "$work/conf/config.yaml" \
-    --data-dir "$work/data-$n" > "$work/gw-$n.out" 2> "$work/gw-$n.err" &
+    --separate-threads=yes --callgrind-out-file="$out" "$@" > "$work/gw-$n.out" 2> "$work/gw-$n.err" &
   local pid=$!
   for _ in $(seq 600); do grep -q "listening on" "$work/gw-$n.out" 2>/dev/null && break; sleep 0.1; done
   local addr
-  addr=$(sed -n 's/.*listening on http:\/\///p' "$work/gw-$n.out")
+  addr=$(sed -n 's/.*listening on \(http:\/\/\)\{0,1\}//p' "$work/gw-$n.out" | head -1)
   python3 - "$addr" "$n" "$STREAM" <<'PY'
 import http.client, json, sys
 addr, n, stream = sys.argv[1], int(sys.argv[2]), bool(sys.argv[3])
@@ -68,6 +74,7 @@ for i in range(n):
 PY
   kill -TERM "$pid"
   wait "$pid" || true
+  : > "$work/gw-$n.out"
 }
 
 if [ -n "$STREAM" ]; then
@@ -114,3 +121,18 @@ for k in ("request path", "audit writer", "log writer"):
 PY
 echo "inclusive instructions a request, by function matching \$FOCUS:"
 python3 benches/inclusive.py "$SMALL" "$LARGE" "$FOCUS" 30
+if [ "$FLOOR" != 0 ]; then
+  # The floor: the bare hyper pass-through proxy of benches/overhead.rs (its own process), in
+  # front of the same mock upstream, counted the same way.
+  floor_exe=$(cargo bench --bench overhead --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and "overhead" in m["target"]["name"]:
+        print(m["executable"])')
+  mkdir -p target/callgrind/floor
+  rm -f target/callgrind/floor/cg.*
+  run "$SMALL" target/callgrind/floor/cg.small "$floor_exe" --role=proxy --target="$mock"
+  run "$LARGE" target/callgrind/floor/cg.large "$floor_exe" --role=proxy --target="$mock"
+  python3 benches/versus_floor.py "$SMALL" "$LARGE"
+fi

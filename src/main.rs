@@ -12,6 +12,8 @@ use autohedge::cli;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+use autohedge::mock::Flavor;
+
 /// Transparent huge pages off for this process, unless the operator set `MIMALLOC_ALLOW_THP`
 /// (mimalloc's own switch) in the environment.
 ///
@@ -29,7 +31,6 @@ fn huge_pages_off() {
         let _ = rustix::thread::disable_transparent_huge_pages(true);
     }
 }
-use autohedge::mock::Flavor;
 
 #[derive(Parser)]
 #[command(

@@ -124,12 +124,7 @@ python3 benches/inclusive.py "$SMALL" "$LARGE" "$FOCUS" 30
 if [ "$FLOOR" != 0 ]; then
   # The floor: the bare hyper pass-through proxy of benches/overhead.rs (its own process), in
   # front of the same mock upstream, counted the same way.
-  floor_exe=$(cargo bench --bench overhead --no-run --message-format=json 2>/dev/null |
-    python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and "overhead" in m["target"]["name"]:
-        print(m["executable"])')
+  floor_exe=$(bash benches/overhead-exe.sh)
   mkdir -p target/callgrind/floor
   rm -f target/callgrind/floor/cg.*
   run "$SMALL" target/callgrind/floor/cg.small "$floor_exe" --role=proxy --target="$mock"

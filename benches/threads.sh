@@ -18,12 +18,7 @@ ROUNDS=${ROUNDS:-3}
 SECS=${SECS:-5}
 CONN=${CONN:-16}
 command -v wrk >/dev/null || { echo "threads.sh needs wrk (apt-get install -y wrk)" >&2; exit 1; }
-exe=$(cargo bench --bench overhead --no-run --message-format=json 2>/dev/null |
-  python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and "overhead" in m["target"]["name"]:
-        print(m["executable"])')
+exe=$(bash benches/overhead-exe.sh)
 work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 

@@ -538,6 +538,28 @@ async fn run() {
             peak_rss_mb(t.pid)
         );
     }
+    // Each round measured the floor and the gateway minutes apart at most: the ratio within a
+    // round is a paired figure, and its spread over rounds shows how far the machine moved.
+    let paired = |g: &[f64], f: &[f64]| -> (f64, f64, f64) {
+        let r: Vec<f64> = g.iter().zip(f).map(|(g, f)| g / f).collect();
+        let lo = r.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = r.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        (median(r), lo, hi)
+    };
+    let (rm, rlo, rhi) = paired(&gateway.rps, &floor.rps);
+    let (cm, clo, chi) = paired(&gateway.cpu_us, &floor.cpu_us);
+    println!(
+        "Gateway vs floor within each round: throughput median {:.0}% (rounds {:.0}-{:.0}%), CPU a request median {cm:.2}x (rounds {clo:.2}-{chi:.2}x); floor req/s by round: {}",
+        rm * 100.0,
+        rlo * 100.0,
+        rhi * 100.0,
+        floor
+            .rps
+            .iter()
+            .map(|r| format!("{r:.0}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     println!(
         "\nCold start: first request floor {:.2} ms, gateway {:.2} ms; p99 of the first 2 s at 500/s floor {:.2} ms, gateway {:.2} ms",
         cold_floor.0, cold_gw.0, cold_floor.1, cold_gw.1

@@ -110,7 +110,7 @@ pub async fn serve(
 ) -> anyhow::Result<ExitCode> {
     let (cfg, path) = load_config(config_path)?;
     let addr = listen.unwrap_or_else(|| cfg.listen.clone());
-    let listener = TcpListener::bind(&addr)
+    let listener = crate::server::bind(&addr)
         .await
         .with_context(|| format!("cannot listen on {addr}"))?;
     let gw = Gateway::start(GatewayOptions {
@@ -148,7 +148,7 @@ pub async fn mock_upstream(
         }
         None => mock::Script::default(),
     };
-    let listener = TcpListener::bind(&listen)
+    let listener = crate::server::bind(&listen)
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;
     let addr = listener.local_addr()?;

@@ -1487,3 +1487,112 @@ async fn a_pooled_connection_closed_unanswered_is_sent_again_not_failed_over() {
         st["endpoints"]["a"]
     );
 }
+
+/// How many of `n` connections to `addr`, opened at once, the kernel completes within `within`
+/// (a connection completes when it enters the listener's accept queue, accepted or not).
+async fn connects(
+    addr: std::net::SocketAddr,
+    n: usize,
+    within: Duration,
+) -> Vec<tokio::net::TcpStream> {
+    let tries = (0..n).map(|_| tokio::time::timeout(within, tokio::net::TcpStream::connect(addr)));
+    futures_util::future::join_all(tries)
+        .await
+        .into_iter()
+        .filter_map(|r| r.ok().and_then(Result::ok))
+        .collect()
+}
+
+/// Sends SIGCONT when dropped, so a failing assertion never leaves the gateway stopped.
+struct Resume(u32);
+
+impl Drop for Resume {
+    fn drop(&mut self) {
+        signal(self.0, "-CONT");
+    }
+}
+
+fn signal(pid: u32, sig: &str) {
+    let ok = std::process::Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill {sig} {pid}");
+}
+
+/// A burst of new connections while the gateway is not accepting (stopped here, as a host pause,
+/// a CPU-throttled container or a stalled machine would) waits in the kernel's accept queue and
+/// is served when the gateway runs again, instead of having its SYNs dropped past the standard
+/// 128 and each client waiting a second for its SYN to be sent again.
+#[tokio::test]
+async fn a_burst_of_connections_while_the_gateway_is_paused_waits_in_the_accept_queue() {
+    const BURST: usize = 300;
+    let up = MockUp::openai("").await;
+    let gw = Gw::start(&chain_cfg(&[("a", &up)], ""));
+    assert_eq!(gw.chat("chat", "hi").await.status(), 200);
+
+    // The method can see a short queue: a listener with the standard library's backlog that
+    // accepts nothing completes only about 128 of the burst.
+    let short = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let completed = connects(
+        short.local_addr().unwrap(),
+        BURST,
+        Duration::from_millis(500),
+    )
+    .await;
+    assert!(
+        completed.len() < BURST / 2,
+        "a 128-deep queue completed {} of {BURST}",
+        completed.len()
+    );
+    drop(completed);
+
+    signal(gw.pid(), "-STOP");
+    let resume = Resume(gw.pid());
+    // It is really stopped: a request gets no answer.
+    let stopped = reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .json(&json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}))
+        .timeout(Duration::from_millis(300))
+        .send()
+        .await;
+    assert!(stopped.is_err(), "a stopped gateway answered");
+    let mut socks = connects(gw.addr, BURST, Duration::from_millis(500)).await;
+    assert_eq!(
+        socks.len(),
+        BURST,
+        "connections completed while the gateway was stopped"
+    );
+    let body =
+        json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}).to_string();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    for s in &mut socks {
+        tokio::io::AsyncWriteExt::write_all(s, req.as_bytes())
+            .await
+            .unwrap();
+    }
+    drop(resume);
+    // Every one is served once the gateway runs again.
+    let answers = futures_util::future::join_all(socks.into_iter().map(|mut s| async move {
+        let mut out = Vec::new();
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            tokio::io::AsyncReadExt::read_to_end(&mut s, &mut out),
+        )
+        .await
+        .expect("answered within 30 s")
+        .unwrap();
+        String::from_utf8_lossy(&out).into_owned()
+    }))
+    .await;
+    let ok = answers
+        .iter()
+        .filter(|a| a.starts_with("HTTP/1.1 200"))
+        .count();
+    assert_eq!(ok, BURST, "first answer: {:.200}", answers[0]);
+    assert_no_panic(&gw);
+}

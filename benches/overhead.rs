@@ -27,7 +27,6 @@ use hyper::{Request, Response};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::net::TcpListener;
 
 /// The gateway binary under test: this build's (`cargo bench` builds it with the release
 /// profile), or the one `AUTOHEDGE_BENCH_GATEWAY` names — `target/dist/autohedge`, say, the
@@ -127,7 +126,7 @@ fn spawn_role(role: &str, extra: &[String]) -> (Child, SocketAddr) {
 }
 
 async fn upstream(tag: String) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listener = autohedge::server::bind("127.0.0.1:0").await.unwrap();
     println!("listening on {}", listener.local_addr().unwrap());
     let tag: Arc<str> = tag.into();
     loop {
@@ -164,7 +163,7 @@ async fn upstream(tag: String) {
 /// The floor: accept, forward the request to the upstream with a pooled client, stream the
 /// response back. No parsing, no policy.
 async fn proxy(target: String) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listener = autohedge::server::bind("127.0.0.1:0").await.unwrap();
     println!("listening on {}", listener.local_addr().unwrap());
     let mut conn = HttpConnector::new();
     conn.set_nodelay(true);

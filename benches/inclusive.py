@@ -16,8 +16,8 @@ import glob, re, subprocess, sys
 ROOT = "target/callgrind"
 
 
-def files(tag):
-    return sorted(f for f in glob.glob(f"{ROOT}/cg.{tag}*") if re.search(r"-\d+$", f))
+def files(tag, root=ROOT):
+    return sorted(f for f in glob.glob(f"{root}/cg.{tag}*") if re.search(r"-\d+$", f))
 
 
 def name_of(s):
@@ -33,14 +33,16 @@ def annotate(f, *args):
                           capture_output=True, text=True).stdout
 
 
-def costs(tag, mode, pat):
+def costs(tag, mode, pat, root=ROOT, key=name_of):
+    """key: what a line's function (as callgrind_annotate prints it) is counted under, in self
+    mode (benches/versus_floor.py counts by component)."""
     d = {}
-    for f in files(tag):
+    for f in files(tag, root):
         if mode == "self":
             for line in annotate(f).splitlines():
                 m = re.match(r"\s*([\d,]+) \([^)]*\)\s+(.*)$", line)
                 if m and "PROGRAM TOTALS" not in line:
-                    k = name_of(m.group(2))
+                    k = key(m.group(2))
                     d[k] = d.get(k, 0) + int(m.group(1).replace(",", ""))
         elif mode == "incl":
             most = {}

@@ -49,14 +49,16 @@ EOF
 
 run() { # requests, callgrind file, then the command to count (the gateway unless given)
   local n=$1 out=$2
+  local log
+  log="$work/$(basename "$(dirname "$out")")-$(basename "$out")"
   shift 2
   [ $# -gt 0 ] || set -- "$BIN" serve --listen 127.0.0.1:0 --config "$work/conf/config.yaml" --data-dir "$work/data-$n"
   RUST_LOG=${RUST_LOG:-info} AUTOHEDGE_LOG_FORMAT=${LOG_FORMAT:-json} valgrind --tool=callgrind \
-    --separate-threads=yes --callgrind-out-file="$out" "$@" > "$work/gw-$n.out" 2> "$work/gw-$n.err" &
+    --separate-threads=yes --callgrind-out-file="$out" "$@" > "$log.out" 2> "$log.err" &
   local pid=$!
-  for _ in $(seq 600); do grep -q "listening on" "$work/gw-$n.out" 2>/dev/null && break; sleep 0.1; done
+  for _ in $(seq 600); do grep -q "listening on" "$log.out" 2>/dev/null && break; sleep 0.1; done
   local addr
-  addr=$(sed -n 's/.*listening on \(http:\/\/\)\{0,1\}//p' "$work/gw-$n.out" | head -1)
+  addr=$(sed -n 's/.*listening on \(http:\/\/\)\{0,1\}//p' "$log.out" | head -1)
   python3 - "$addr" "$n" "$STREAM" <<'PY'
 import http.client, json, sys
 addr, n, stream = sys.argv[1], int(sys.argv[2]), bool(sys.argv[3])
@@ -74,7 +76,6 @@ for i in range(n):
 PY
   kill -TERM "$pid"
   wait "$pid" || true
-  : > "$work/gw-$n.out"
 }
 
 if [ -n "$STREAM" ]; then

@@ -11,10 +11,10 @@ Components are read from the function's name: the crate its path starts with for
 C functions the library (SQLite and mimalloc are built into the gateway, glibc's malloc serves
 the floor).
 """
-import collections, glob, re, subprocess, sys
+import re, sys
 
 sys.path.insert(0, "benches")
-from inclusive import name_of  # noqa: E402
+from inclusive import costs, name_of  # noqa: E402
 
 GROUPS = [
     ("gateway's own code", ("autohedge",)),
@@ -27,8 +27,10 @@ GROUPS = [
 ]
 
 
-def component(fn, obj):
-    """fn: a function as callgrind_annotate prints it (file:function); obj: its object, if shown."""
+def component(line):
+    """line: a function as callgrind_annotate prints it (file:function [object])."""
+    m = re.match(r"(.*?)(?: \[([^\]]*)\])?$", line.strip())
+    fn, obj = m.group(1), m.group(2) or ""
     name = name_of(fn)
     glibc = fn.startswith("./") or any(x in obj for x in ("libc.so", "libm.so", "ld-linux", "vdso"))
     if re.match(r"_?mi_", name):
@@ -49,22 +51,9 @@ def component(fn, obj):
     return GROUPS[-1][0]
 
 
-def self_costs(root, tag):
-    d = collections.Counter()
-    for f in sorted(glob.glob(f"{root}/cg.{tag}-*")):
-        if not re.search(r"-\d+$", f):
-            continue
-        out = subprocess.run(["callgrind_annotate", "--threshold=100", "--auto=no", f],
-                             capture_output=True, text=True).stdout
-        for line in out.splitlines():
-            m = re.match(r"\s*([\d,]+) \([^)]*\)\s+(.*?)(?: \[([^\]]*)\])?$", line)
-            if m and "PROGRAM TOTALS" not in line:
-                d[component(m.group(2), m.group(3) or "")] += int(m.group(1).replace(",", ""))
-    return d
-
-
 def per_request(root, small, large):
-    a, b = self_costs(root, "small"), self_costs(root, "large")
+    a = costs("small", "self", None, root, component)
+    b = costs("large", "self", None, root, component)
     return {k: (b[k] - a.get(k, 0)) / (large - small) for k in set(a) | set(b)}
 
 

@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use anyhow::{Context, bail};
-use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{self, Config, EMBEDDED_DEFAULT};
@@ -578,7 +577,7 @@ pub async fn spawn_mock(
     script: mock::Script,
     cancel: CancellationToken,
 ) -> anyhow::Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>)> {
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let listener = crate::server::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let m: Arc<Mock> = Mock::new(flavor, script);
     let handle = tokio::spawn(mock::serve(listener, m, cancel));

@@ -7,7 +7,6 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
-use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::spawn_mock;
@@ -81,7 +80,7 @@ routes:
         config: cfg,
         config_path: None,
         data_dir: data_dir.clone(),
-        listener: TcpListener::bind("127.0.0.1:0").await?,
+        listener: crate::server::bind("127.0.0.1:0").await?,
         watch: false,
     })
     .await?;

@@ -6,13 +6,12 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use autohedge::cli;
+use autohedge::mock::Flavor;
 
 /// The request path allocates many small JSON maps and buffers; mimalloc's thread-local free
 /// lists cut the allocator's share of CPU that glibc malloc showed in profiles.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-use autohedge::mock::Flavor;
 
 /// Transparent huge pages off for this process, unless the operator set `MIMALLOC_ALLOW_THP`
 /// (mimalloc's own switch) in the environment.

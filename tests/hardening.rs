@@ -1548,12 +1548,13 @@ async fn a_burst_of_connections_while_the_gateway_is_paused_waits_in_the_accept_
     );
     drop(completed);
 
+    let chat = json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]});
     signal(gw.pid(), "-STOP");
     let resume = Resume(gw.pid());
     // It is really stopped: a request gets no answer.
     let stopped = reqwest::Client::new()
         .post(gw.url("/v1/chat/completions"))
-        .json(&json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}))
+        .json(&chat)
         .timeout(Duration::from_millis(300))
         .send()
         .await;
@@ -1564,8 +1565,7 @@ async fn a_burst_of_connections_while_the_gateway_is_paused_waits_in_the_accept_
         BURST,
         "connections completed while the gateway was stopped"
     );
-    let body =
-        json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}).to_string();
+    let body = chat.to_string();
     let req = format!(
         "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()

@@ -220,6 +220,14 @@ impl Gateway {
 /// without sending a request), TCP_NODELAY, the peer address for `ConnectInfo`, and a graceful
 /// drain on `cancel`. When `grace` is over, `AppState::hard_stop` cuts what is still running;
 /// each cut request records itself (class `shutdown`) before its connection closes.
+///
+/// Each connection's protocol is told from its first bytes, peeked (see [`sniff`]): HTTP/1
+/// goes to hyper's HTTP/1 server directly, the HTTP/2 preface (h2c, prior knowledge) to
+/// hyper-util's auto builder. The auto builder for every connection read the first 24 bytes
+/// itself and handed them back through a `Rewind`, which made hyper grow each connection's read
+/// buffer from 8 to 16 KiB (README, Benchmark, session 15) — and it waited for those bytes
+/// without any deadline, so a client that connected and sent nothing held its connection for
+/// ever. The sniff runs under `header_timeout`.
 async fn serve(
     listener: TcpListener,
     app: axum::Router,
@@ -228,11 +236,15 @@ async fn serve(
     grace: Duration,
     header_timeout: Duration,
 ) {
-    let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
+    let mut http1 = hyper::server::conn::http1::Builder::new();
+    http1
         .timer(TokioTimer::new())
         .header_read_timeout(header_timeout);
+    let mut auto = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+    auto.http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_timeout);
+    let builders = Arc::new((http1, auto));
     let graceful = GracefulShutdown::new();
     loop {
         let (tcp, peer) = tokio::select! {
@@ -259,13 +271,38 @@ async fn serve(
                     )
                 }
             });
-        let conn = builder
-            .serve_connection_with_upgrades(TokioIo::new(tcp), svc)
-            .into_owned();
-        let conn = graceful.watch(conn);
+        // Taken here, before the connection's task runs: a shutdown signalled from now on
+        // reaches this connection too.
+        let watcher = graceful.watcher();
+        let (builders, cancel) = (builders.clone(), cancel.clone());
         tokio::spawn(async move {
+            let proto = tokio::select! {
+                _ = cancel.cancelled() => return,
+                r = tokio::time::timeout(header_timeout, sniff(&tcp)) => match r {
+                    Ok(Ok(Some(proto))) => proto,
+                    // Closed or reset before a byte: nothing to answer.
+                    Ok(Ok(None) | Err(_)) => return,
+                    Err(_) => {
+                        tracing::debug!(%peer, "no request within server.header_timeout; connection closed");
+                        return;
+                    }
+                },
+            };
             // Client resets and header timeouts end up here; they are the client's business.
-            if let Err(e) = conn.await {
+            let ended: Result<(), Box<dyn std::error::Error + Send + Sync>> = match proto {
+                Proto::Http1 => {
+                    let conn = builders.0.serve_connection(TokioIo::new(tcp), svc);
+                    watcher.watch(conn).await.map_err(Into::into)
+                }
+                Proto::Http2 => {
+                    let conn = builders
+                        .1
+                        .serve_connection_with_upgrades(TokioIo::new(tcp), svc)
+                        .into_owned();
+                    watcher.watch(conn).await
+                }
+            };
+            if let Err(e) = ended {
                 tracing::debug!(error = %e, "connection ended with an error");
             }
         });
@@ -281,6 +318,92 @@ async fn serve(
             if tokio::time::timeout(INFLIGHT_DRAIN, &mut drain).await.is_err() {
                 tracing::warn!("connections still open after the cut; closing");
             }
+        }
+    }
+}
+
+/// HTTP/2's connection preface: what a client speaking HTTP/2 over plain TCP (prior knowledge)
+/// sends first, and no HTTP/1 request can begin with.
+const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// How long the sniff waits before looking again while the first bytes are a part of the
+/// preface (an HTTP/2 client sending it in pieces; never an HTTP/1 client, whose first byte
+/// already differs unless its method begins with `P`, and whose second then does).
+const SNIFF_AGAIN: Duration = Duration::from_millis(5);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Proto {
+    Http1,
+    Http2,
+}
+
+/// The protocol the first bytes of a connection say, or `None` while they are a proper prefix of
+/// the HTTP/2 preface (more must be read to tell).
+fn proto_of(first: &[u8]) -> Option<Proto> {
+    let n = first.len().min(H2_PREFACE.len());
+    if first[..n] != H2_PREFACE[..n] {
+        Some(Proto::Http1)
+    } else if n == H2_PREFACE.len() {
+        Some(Proto::Http2)
+    } else {
+        None
+    }
+}
+
+/// Waits for a connection's first bytes and tells its protocol by peeking (`MSG_PEEK`): the
+/// bytes stay in the socket, so hyper's first read takes them with the rest of the request into
+/// its own buffer. `None` when the peer closed before sending a byte. The caller bounds it.
+async fn sniff(tcp: &tokio::net::TcpStream) -> std::io::Result<Option<Proto>> {
+    let mut buf = [0u8; H2_PREFACE.len()];
+    loop {
+        let n = tcp.peek(&mut buf).await?;
+        if n == 0 {
+            return Ok(None);
+        }
+        match proto_of(&buf[..n]) {
+            Some(proto) => return Ok(Some(proto)),
+            // The socket stays readable with these bytes in it: look again after a pause
+            // rather than spin.
+            None => tokio::time::sleep(SNIFF_AGAIN).await,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_bytes_tell_the_protocol() {
+        assert_eq!(
+            proto_of(b"POST /v1/chat/completions HTTP/1.1\r\n"),
+            Some(Proto::Http1)
+        );
+        assert_eq!(proto_of(b"G"), Some(Proto::Http1));
+        // `P` could still be the preface; `PO` cannot.
+        assert_eq!(proto_of(b"P"), None);
+        assert_eq!(proto_of(b"PO"), Some(Proto::Http1));
+        assert_eq!(proto_of(b"PRI * HTTP/2.0\r\n"), None);
+        assert_eq!(proto_of(H2_PREFACE), Some(Proto::Http2));
+        let mut more = H2_PREFACE.to_vec();
+        more.extend_from_slice(b"\0\0\x12\x04");
+        assert_eq!(proto_of(&more), Some(Proto::Http2));
+        // A TLS ClientHello (https to a plain port) is HTTP/1 to hyper, which answers 400.
+        assert_eq!(proto_of(&[0x16, 0x03, 0x01]), Some(Proto::Http1));
+        assert_eq!(proto_of(b""), None);
+    }
+
+    #[test]
+    fn every_prefix_of_the_preface_waits_and_every_other_byte_decides() {
+        for n in 1..H2_PREFACE.len() {
+            assert_eq!(proto_of(&H2_PREFACE[..n]), None, "{n} bytes");
+            let mut wrong = H2_PREFACE[..n].to_vec();
+            wrong[n - 1] ^= 0x20;
+            assert_eq!(
+                proto_of(&wrong),
+                Some(Proto::Http1),
+                "{n} bytes, last differs"
+            );
         }
     }
 }

@@ -609,6 +609,105 @@ async fn slow_clients_are_cut_off() {
     assert_eq!(gw.chat("a", "x").await.status(), 200, "others are served");
 }
 
+/// Waits (at most 10 s) for the gateway to close `s` without answering: when it did, or what
+/// it did instead.
+fn wait_closed(mut s: std::net::TcpStream) -> Result<std::time::Instant, String> {
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let t0 = std::time::Instant::now();
+    let mut buf = [0u8; 256];
+    match s.read(&mut buf) {
+        Ok(0) => Ok(std::time::Instant::now()),
+        Ok(n) => Err(format!(
+            "answered: {:?}",
+            String::from_utf8_lossy(&buf[..n])
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => Ok(std::time::Instant::now()),
+        Err(e) => Err(format!("still open after {:?} ({e})", t0.elapsed())),
+    }
+}
+
+#[tokio::test]
+async fn a_client_that_connects_and_sends_nothing_is_cut_off_at_the_header_timeout() {
+    let a = MockUp::openai("name: a").await;
+    let gw = Gw::start(&format!(
+        "server: {{ header_timeout: 500ms }}\nmodels:\n  a: {{ type: openai, base_url: \"{}\" }}\n",
+        a.base()
+    ));
+    // The gateway serves on a connection of the same kind, opened at the same moment.
+    let mut served = std::net::TcpStream::connect(gw.addr).unwrap();
+    let opened = std::time::Instant::now();
+    let silent = std::net::TcpStream::connect(gw.addr).unwrap();
+    // The first bytes of HTTP/2's preface: the gateway cannot yet tell the protocol.
+    let mut partial = std::net::TcpStream::connect(gw.addr).unwrap();
+    partial.write_all(b"PRI * HTTP/2.0\r\n").unwrap();
+    served
+        .write_all(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        .unwrap();
+    let mut got = String::new();
+    served.read_to_string(&mut got).unwrap();
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    // Held open until the timeout (so it is the timeout that closes them), then closed: a
+    // connection that never sends a request must not hold a socket and a task for ever.
+    for (what, s) in [
+        ("nothing sent", silent),
+        ("part of the h2 preface", partial),
+    ] {
+        let closed = wait_closed(s).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let took = closed - opened;
+        assert!(
+            took >= Duration::from_millis(200),
+            "{what}: closed after {took:?}, before the header timeout"
+        );
+    }
+    assert_eq!(gw.chat("a", "x").await.status(), 200, "others are served");
+    assert_no_panic(&gw);
+}
+
+#[tokio::test]
+async fn a_silent_connection_does_not_hold_up_shutdown() {
+    let a = MockUp::openai("name: a").await;
+    // Both far longer than `Gw::stop` waits (20 s): were the silent connection waited for, the
+    // stop would fail.
+    let mut gw = Gw::start(&format!(
+        "server: {{ header_timeout: 60s, shutdown_grace: 40s }}\nmodels:\n  a: {{ type: openai, base_url: \"{}\" }}\n",
+        a.base()
+    ));
+    let silent = std::net::TcpStream::connect(gw.addr).unwrap();
+    assert_eq!(gw.chat("a", "x").await.status(), 200, "it serves meanwhile");
+    assert_eq!(a.requests().await, 1);
+    gw.stop();
+    wait_closed(silent).expect("the silent connection is closed at shutdown");
+}
+
+#[tokio::test]
+async fn http2_with_prior_knowledge_is_served_beside_http1() {
+    let a = MockUp::openai("name: a").await;
+    let gw = Gw::start(&format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\" }}\n",
+        a.base()
+    ));
+    let h2 = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let body = json!({"model": "a", "messages": [{"role": "user", "content": "x"}]});
+    let r = h2
+        .post(gw.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.version(), reqwest::Version::HTTP_2);
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["object"], "chat.completion", "{v}");
+    assert_eq!(a.requests().await, 1, "it reached the upstream");
+    let r = gw.chat("a", "x").await;
+    assert_eq!(r.version(), reqwest::Version::HTTP_11);
+    assert_eq!(r.status(), 200);
+    assert_eq!(a.requests().await, 2);
+}
+
 #[tokio::test]
 async fn an_unopenable_audit_database_degrades_instead_of_stopping() {
     let a = MockUp::openai("name: a").await;

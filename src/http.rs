@@ -56,8 +56,13 @@ pub async fn dispatch(
     };
     match op {
         Some(op) if req.method() == axum::http::Method::POST => {
-            let (parts, body) = req.into_parts();
-            proxy(app.clone(), op, parts.headers, Body::new(body)).await
+            // Only the headers go on; the URI is dropped here, not held across the request
+            // (see `release_read_buffer`).
+            let (headers, body) = {
+                let (parts, body) = req.into_parts();
+                (parts.headers, body)
+            };
+            proxy(app.clone(), op, headers, Body::new(body)).await
         }
         _ => {
             // The peer address for the handlers that check it (`/status`, `/metrics`, admin).
@@ -215,6 +220,8 @@ async fn serve(
         key: own_key,
         arrived: Some(arrived),
     };
+    // Nothing below reads the client's headers (see `release_read_buffer`).
+    drop(headers);
     // Belt and braces: a panic anywhere below becomes a 500 in OpenAI's shape (the executor's
     // drop guard writes its audit row), never a reset connection.
     // Boxed where it is made: the executor's future is large, and `catch_unwind` and `select!`
@@ -359,7 +366,28 @@ async fn read_json(headers: &HeaderMap, body: Body, limit: usize) -> Result<Byte
             ApiError::invalid(format!("could not read the request body: {e}"))
         }
     })?;
-    Ok(bytes)
+    Ok(release_read_buffer(bytes))
+}
+
+/// A request body below this is copied out of the connection's read buffer.
+const COPY_BODY_BELOW: usize = 8 * 1024;
+
+/// The body in an allocation of its own when it is small. hyper parses a request out of the
+/// connection's read buffer (8 KiB at first) and hands the URI, the header values and a body
+/// that came in the same read out as slices of it: while any of them lives, the buffer stays
+/// allocated, and the next read (hyper watches for the client leaving while the response is
+/// pending) must allocate a new one. A request held while its upstream answers — the whole of a
+/// stall — would pin 8 KiB for a body of a few hundred bytes, and every request would cost a
+/// second buffer. So the URI and the headers are dropped before the upstream is called
+/// (`dispatch`, `serve`) and a small body is copied (typically a few hundred bytes). A larger
+/// one is kept as it came: it spans several reads, which `to_bytes` gathers into a buffer of its
+/// own, or fills a read buffer that grew to its size. Measured in README, Benchmark (session 15).
+fn release_read_buffer(body: Bytes) -> Bytes {
+    if body.len() < COPY_BODY_BELOW {
+        Bytes::copy_from_slice(&body)
+    } else {
+        body
+    }
 }
 
 async fn models(State(app): State<Arc<AppState>>) -> Response {
@@ -581,4 +609,30 @@ async fn method_not_allowed() -> Response {
 
 async fn fallback(uri: Uri) -> Response {
     ApiError::NotFound(uri.path().to_string()).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn within(inner: &Bytes, outer: &Bytes) -> bool {
+        let (o, i) = (outer.as_ptr() as usize, inner.as_ptr() as usize);
+        i >= o && i < o + outer.len()
+    }
+
+    #[test]
+    fn a_small_body_no_longer_pins_the_read_buffer() {
+        // As hyper hands a body out: a slice of the connection's 8 KiB read buffer.
+        let read_buffer = Bytes::from(vec![b'x'; 8192]);
+        let body = read_buffer.slice(300..700);
+        assert!(within(&body, &read_buffer));
+        let own = release_read_buffer(body.clone());
+        assert_eq!(own, body);
+        assert!(!within(&own, &read_buffer), "copied out");
+        // A large one is kept as it came (it pins at most a buffer of about its size).
+        let big = Bytes::from(vec![b'y'; 64 * 1024]);
+        let kept = release_read_buffer(big.slice(10..));
+        assert!(within(&kept, &big));
+        assert_eq!(kept.len(), 64 * 1024 - 10);
+    }
 }

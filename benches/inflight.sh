@@ -21,10 +21,8 @@ work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 [ "$(ulimit -n)" -ge $((N * 2 + 100)) ] || { echo "inflight.sh: ulimit -n below $((N * 2 + 100))" >&2; exit 1; }
 
-wait_addr() { # file, text before the address
-  for _ in $(seq 300); do grep -q "$2" "$1" 2>/dev/null && break; sleep 0.1; done
-  sed -n "s|.*$2||p" "$1" | head -1 | tr -d '[:space:]'
-}
+# shellcheck source=benches/lib.sh
+. benches/lib.sh
 
 printf 'rules:\n  - when: { path: /v1/chat/completions }\n    delay: %s\n' "$HOLD" > "$work/hold.yaml"
 "$BIN" mock-upstream --listen 127.0.0.1:0 --script "$work/hold.yaml" > "$work/up.out" 2>/dev/null &

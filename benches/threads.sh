@@ -22,10 +22,8 @@ exe=$(bash benches/overhead-exe.sh)
 work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 
-wait_addr() { # file prefix
-  for _ in $(seq 300); do grep -q "$2" "$1" 2>/dev/null && break; sleep 0.1; done
-  sed -n "s|.*$2||p" "$1" | head -1 | tr -d '[:space:]'
-}
+# shellcheck source=benches/lib.sh
+. benches/lib.sh
 
 "$exe" --role=upstream --tag=a > "$work/up.out" &
 up=$(wait_addr "$work/up.out" "listening on ")

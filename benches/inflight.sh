@@ -27,20 +27,7 @@ trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 printf 'rules:\n  - when: { path: /v1/chat/completions }\n    delay: %s\n' "$HOLD" > "$work/hold.yaml"
 "$BIN" mock-upstream --listen 127.0.0.1:0 --script "$work/hold.yaml" > "$work/up.out" 2>/dev/null &
 up=$(wait_addr "$work/up.out" "listening on http://")
-"$exe" --role=proxy --target="$up" > "$work/floor.out" &
-floor_pid=$!
-floor=$(wait_addr "$work/floor.out" "listening on ")
-mkdir -p "$work/gw"
-cat > "$work/gw/config.yaml" <<YAML
-models:
-  a: { type: openai, base_url: "http://$up/v1", model: gpt-4o-mini, timeouts: { first_token: 60s, total: 60s } }
-routing_policy: { fallback_chain: [a] }
-health: { probe_interval: 1h }
-YAML
-RUST_LOG=info AUTOHEDGE_LOG_FORMAT=json "$BIN" serve --listen 127.0.0.1:0 --config "$work/gw/config.yaml" \
-  --data-dir "$work/gw/data" > "$work/gw.out" 2> "$work/gw/gateway.log" &
-gw_pid=$!
-gw=$(wait_addr "$work/gw.out" "listening on http://")
+start_targets "$up" ", timeouts: { first_token: 60s, total: 60s }" 1h
 
 round() { # label pid addr
   python3 - "$1" "$2" "$3" "$N" <<'PY'

@@ -27,20 +27,7 @@ trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$work"' EXIT
 
 "$exe" --role=upstream --tag=a > "$work/up.out" &
 up=$(wait_addr "$work/up.out" "listening on ")
-"$exe" --role=proxy --target="$up" > "$work/floor.out" &
-floor_pid=$!
-floor=$(wait_addr "$work/floor.out" "listening on ")
-mkdir -p "$work/gw/logs"
-cat > "$work/gw/config.yaml" <<EOF
-models:
-  a: { type: openai, base_url: "http://$up/v1", model: gpt-4o-mini }
-routing_policy: { fallback_chain: [a] }
-health: { probe_interval: 1s }
-EOF
-RUST_LOG=info AUTOHEDGE_LOG_FORMAT=json "$BIN" serve --listen 127.0.0.1:0 --config "$work/gw/config.yaml" \
-  --data-dir "$work/gw/data" > "$work/gw.out" 2> "$work/gw/logs/gateway.log" &
-gw_pid=$!
-gw=$(wait_addr "$work/gw.out" "listening on http://")
+start_targets "$up" "" 1s
 
 cat > "$work/post.lua" <<'EOF'
 wrk.method = "POST"

@@ -393,6 +393,35 @@ mod tests {
         assert_eq!(proto_of(b""), None);
     }
 
+    proptest::proptest! {
+        /// Any first bytes give an answer without a panic, and more bytes never change a
+        /// decision: what the sniff saw first is what it would see with the rest.
+        #[test]
+        fn any_first_bytes_decide_once(
+            bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..40),
+            preface_first in proptest::bool::ANY,
+        ) {
+            let bytes = if preface_first {
+                let mut b = H2_PREFACE[..bytes.len().min(H2_PREFACE.len())].to_vec();
+                b.extend_from_slice(&bytes[b.len()..]);
+                b
+            } else {
+                bytes
+            };
+            let mut decided = None;
+            for n in 0..=bytes.len() {
+                match (decided, proto_of(&bytes[..n])) {
+                    (None, now) => decided = now,
+                    (Some(before), now) => proptest::prop_assert_eq!(Some(before), now),
+                }
+            }
+            let starts = bytes.len() >= H2_PREFACE.len() && bytes[..H2_PREFACE.len()] == H2_PREFACE[..];
+            if starts {
+                proptest::prop_assert_eq!(decided, Some(Proto::Http2));
+            }
+        }
+    }
+
     #[test]
     fn every_prefix_of_the_preface_waits_and_every_other_byte_decides() {
         for n in 1..H2_PREFACE.len() {

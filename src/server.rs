@@ -327,9 +327,15 @@ async fn serve(
 const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
 /// How long the sniff waits before looking again while the first bytes are a part of the
-/// preface (an HTTP/2 client sending it in pieces; never an HTTP/1 client, whose first byte
-/// already differs unless its method begins with `P`, and whose second then does).
-const SNIFF_AGAIN: Duration = Duration::from_millis(5);
+/// preface — an HTTP/2 client whose preface came in pieces (never an HTTP/1 client: its first
+/// byte already differs unless its method begins with `P`, and then its second does), or a
+/// client holding a connection open with a byte or two. The socket stays readable with those
+/// bytes in it, so readiness cannot say when more came: the sniff looks again after a pause
+/// that doubles from 5 ms up to 200 ms, so thousands of such connections cost a few peeks a
+/// second each, not one every 5 ms.
+fn sniff_pause(looked: u32) -> Duration {
+    Duration::from_millis(5u64.saturating_mul(1 << looked.min(6)).min(200))
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Proto {
@@ -355,6 +361,7 @@ fn proto_of(first: &[u8]) -> Option<Proto> {
 /// its own buffer. `None` when the peer closed before sending a byte. The caller bounds it.
 async fn sniff(tcp: &tokio::net::TcpStream) -> std::io::Result<Option<Proto>> {
     let mut buf = [0u8; H2_PREFACE.len()];
+    let mut looked: u32 = 0;
     loop {
         let n = tcp.peek(&mut buf).await?;
         if n == 0 {
@@ -362,9 +369,10 @@ async fn sniff(tcp: &tokio::net::TcpStream) -> std::io::Result<Option<Proto>> {
         }
         match proto_of(&buf[..n]) {
             Some(proto) => return Ok(Some(proto)),
-            // The socket stays readable with these bytes in it: look again after a pause
-            // rather than spin.
-            None => tokio::time::sleep(SNIFF_AGAIN).await,
+            None => {
+                tokio::time::sleep(sniff_pause(looked)).await;
+                looked = looked.saturating_add(1);
+            }
         }
     }
 }
@@ -420,6 +428,21 @@ mod tests {
                 proptest::prop_assert_eq!(decided, Some(Proto::Http2));
             }
         }
+    }
+
+    #[test]
+    fn a_partial_preface_is_looked_at_again_ever_more_rarely() {
+        let pauses: Vec<u64> = (0..10).map(|i| sniff_pause(i).as_millis() as u64).collect();
+        assert_eq!(pauses, [5, 10, 20, 40, 80, 160, 200, 200, 200, 200]);
+        assert_eq!(sniff_pause(u32::MAX), Duration::from_millis(200));
+        // Within the default header timeout (10 s) a connection holding a part of the preface
+        // is peeked at about 55 times, not 2,000.
+        let (mut t, mut looks) = (Duration::ZERO, 0);
+        while t < Duration::from_secs(10) {
+            t += sniff_pause(looks);
+            looks += 1;
+        }
+        assert!(looks < 60, "{looks}");
     }
 
     #[test]

@@ -222,8 +222,8 @@ impl Gateway {
 /// each cut request records itself (class `shutdown`) before its connection closes.
 ///
 /// Each connection's protocol is told from its first bytes, peeked (see [`sniff`]): HTTP/1
-/// goes to hyper's HTTP/1 server directly, the HTTP/2 preface (h2c, prior knowledge) to
-/// hyper-util's auto builder. The auto builder for every connection read the first 24 bytes
+/// goes to hyper's HTTP/1 server, the HTTP/2 preface (h2c, prior knowledge) to hyper's HTTP/2
+/// server. hyper-util's auto builder, used before, read every connection's first 24 bytes
 /// itself and handed them back through a `Rewind`, which made hyper grow each connection's read
 /// buffer from 8 to 16 KiB (README, Benchmark, session 15) — and it waited for those bytes
 /// without any deadline, so a client that connected and sent nothing held its connection for
@@ -240,11 +240,8 @@ async fn serve(
     http1
         .timer(TokioTimer::new())
         .header_read_timeout(header_timeout);
-    let mut auto = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
-    auto.http1()
-        .timer(TokioTimer::new())
-        .header_read_timeout(header_timeout);
-    let builders = Arc::new((http1, auto));
+    let http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    let builders = Arc::new((http1, http2));
     let graceful = GracefulShutdown::new();
     loop {
         let (tcp, peer) = tokio::select! {
@@ -289,18 +286,10 @@ async fn serve(
                 },
             };
             // Client resets and header timeouts end up here; they are the client's business.
-            let ended: Result<(), Box<dyn std::error::Error + Send + Sync>> = match proto {
-                Proto::Http1 => {
-                    let conn = builders.0.serve_connection(TokioIo::new(tcp), svc);
-                    watcher.watch(conn).await.map_err(Into::into)
-                }
-                Proto::Http2 => {
-                    let conn = builders
-                        .1
-                        .serve_connection_with_upgrades(TokioIo::new(tcp), svc)
-                        .into_owned();
-                    watcher.watch(conn).await
-                }
+            let io = TokioIo::new(tcp);
+            let ended = match proto {
+                Proto::Http1 => watcher.watch(builders.0.serve_connection(io, svc)).await,
+                Proto::Http2 => watcher.watch(builders.1.serve_connection(io, svc)).await,
             };
             if let Err(e) = ended {
                 tracing::debug!(error = %e, "connection ended with an error");

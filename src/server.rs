@@ -240,7 +240,13 @@ async fn serve(
     http1
         .timer(TokioTimer::new())
         .header_read_timeout(header_timeout);
-    let http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    let mut http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    // A peer that stops answering PINGs (its host gone, a middlebox that dropped the flow) is
+    // let go: without this an HTTP/2 connection has no deadline at all once the preface is in.
+    http2
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Some(header_timeout))
+        .keep_alive_timeout(header_timeout);
     let builders = Arc::new((http1, http2));
     let graceful = GracefulShutdown::new();
     loop {
@@ -259,15 +265,6 @@ async fn serve(
         // chunk until the client's delayed ACK (~40 ms) arrives.
         let _ = tcp.set_nodelay(true);
         let (router, state_) = (app.clone(), state.clone());
-        let svc =
-            hyper::service::service_fn(move |req: axum::http::Request<hyper::body::Incoming>| {
-                let (router, state_) = (router.clone(), state_.clone());
-                async move {
-                    Ok::<_, std::convert::Infallible>(
-                        crate::http::dispatch(&state_, &router, req, peer).await,
-                    )
-                }
-            });
         // Taken here, before the connection's task runs: a shutdown signalled from now on
         // reaches this connection too.
         let watcher = graceful.watcher();
@@ -288,8 +285,63 @@ async fn serve(
             // Client resets and header timeouts end up here; they are the client's business.
             let io = TokioIo::new(tcp);
             let ended = match proto {
-                Proto::Http1 => watcher.watch(builders.0.serve_connection(io, svc)).await,
-                Proto::Http2 => watcher.watch(builders.1.serve_connection(io, svc)).await,
+                Proto::Http1 => {
+                    let svc = hyper::service::service_fn(
+                        move |req: axum::http::Request<hyper::body::Incoming>| {
+                            let (router, state_) = (router.clone(), state_.clone());
+                            async move {
+                                Ok::<_, std::convert::Infallible>(
+                                    crate::http::dispatch(&state_, &router, req, peer).await,
+                                )
+                            }
+                        },
+                    );
+                    watcher.watch(builders.0.serve_connection(io, svc)).await
+                }
+                Proto::Http2 => {
+                    let (open, idle) = Streams::new();
+                    let svc = hyper::service::service_fn(
+                        move |req: axum::http::Request<hyper::body::Incoming>| {
+                            let (router, state_) = (router.clone(), state_.clone());
+                            // Counted from the request's arrival until its response's last byte
+                            // is sent (or the stream is reset): the guard rides in the body.
+                            let stream = open.opened();
+                            async move {
+                                let resp = crate::http::dispatch(&state_, &router, req, peer).await;
+                                Ok::<_, std::convert::Infallible>(resp.map(|body| {
+                                    axum::body::Body::new(Tracked {
+                                        body,
+                                        _stream: stream,
+                                    })
+                                }))
+                            }
+                        },
+                    );
+                    // hyper-util's watcher cannot be told of a second reason to close, so the
+                    // shutdown signal is `cancel` here (set just before the graceful drain
+                    // begins), and the watcher is held until the connection ends so the drain
+                    // waits for it all the same.
+                    let _drain_waits = watcher;
+                    let conn = builders.1.serve_connection(io, svc);
+                    tokio::pin!(conn);
+                    let idle = idle.elapsed(header_timeout);
+                    tokio::pin!(idle);
+                    let mut closing = false;
+                    loop {
+                        tokio::select! {
+                            r = conn.as_mut() => break r,
+                            _ = cancel.cancelled(), if !closing => {
+                                conn.as_mut().graceful_shutdown();
+                                closing = true;
+                            }
+                            _ = &mut idle, if !closing => {
+                                tracing::debug!(%peer, "HTTP/2 connection idle for server.header_timeout; closing");
+                                conn.as_mut().graceful_shutdown();
+                                closing = true;
+                            }
+                        }
+                    }
+                }
             };
             if let Err(e) = ended {
                 tracing::debug!(error = %e, "connection ended with an error");
@@ -308,6 +360,79 @@ async fn serve(
                 tracing::warn!("connections still open after the cut; closing");
             }
         }
+    }
+}
+
+/// The streams an HTTP/2 connection has open, for closing it once it has been idle for
+/// `server.header_timeout` — as hyper's HTTP/1 server closes a keep-alive connection that sends
+/// no next request within it. hyper's HTTP/2 server has no idle deadline of its own, so a client
+/// that sent the preface and then nothing (or only answers PINGs) held its socket and task for
+/// ever.
+struct Streams(Arc<tokio::sync::watch::Sender<usize>>);
+
+/// One open stream; dropping it (the response's body sent in full, or the stream reset) closes it.
+struct OpenStream(Arc<tokio::sync::watch::Sender<usize>>);
+
+/// Watches a connection's open streams.
+struct Idle(tokio::sync::watch::Receiver<usize>);
+
+impl Streams {
+    fn new() -> (Streams, Idle) {
+        let (tx, rx) = tokio::sync::watch::channel(0);
+        (Streams(Arc::new(tx)), Idle(rx))
+    }
+
+    fn opened(&self) -> OpenStream {
+        self.0.send_modify(|n| *n += 1);
+        OpenStream(self.0.clone())
+    }
+}
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
+}
+
+impl Idle {
+    /// Completes once no stream has been open for `after` without a break; never while one is.
+    async fn elapsed(mut self, after: Duration) {
+        loop {
+            if self.0.wait_for(|open| *open == 0).await.is_err() {
+                // The connection's service is gone, so is the connection.
+                return std::future::pending().await;
+            }
+            match tokio::time::timeout(after, self.0.changed()).await {
+                Err(_) => return,
+                Ok(_) => continue,
+            }
+        }
+    }
+}
+
+/// A response body that holds its stream open until it is dropped.
+struct Tracked {
+    body: axum::body::Body,
+    _stream: OpenStream,
+}
+
+impl hyper::body::Body for Tracked {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
     }
 }
 
@@ -417,6 +542,35 @@ mod tests {
                 proptest::prop_assert_eq!(decided, Some(Proto::Http2));
             }
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_http2_connection_is_idle_only_while_no_stream_is_open() {
+        let after = Duration::from_secs(10);
+        let t0 = tokio::time::Instant::now();
+        // No stream ever opened: idle from the start.
+        let (_streams, idle) = Streams::new();
+        idle.elapsed(after).await;
+        assert_eq!(t0.elapsed(), after);
+
+        // A stream open for three times the window, then another opened and closed inside
+        // the window that follows: idle only `after` past the last close.
+        let (streams, idle) = Streams::new();
+        let t0 = tokio::time::Instant::now();
+        let first = streams.opened();
+        let watch = tokio::spawn(idle.elapsed(after));
+        tokio::time::sleep(after * 3).await;
+        assert!(!watch.is_finished(), "a stream is open");
+        drop(first);
+        tokio::time::sleep(after / 2).await;
+        let second = streams.opened();
+        let third = streams.opened();
+        drop(second);
+        tokio::time::sleep(after * 2).await;
+        assert!(!watch.is_finished(), "one stream of two is still open");
+        drop(third);
+        watch.await.unwrap();
+        assert_eq!(t0.elapsed(), after * 3 + after / 2 + after * 2 + after);
     }
 
     #[test]

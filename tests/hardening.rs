@@ -708,6 +708,318 @@ async fn http2_with_prior_knowledge_is_served_beside_http1() {
     assert_eq!(a.requests().await, 2);
 }
 
+/// A bare HTTP/2 client on a std socket, its frames written and read by hand, so that a test
+/// decides what the peer does — whether it answers PINGs, say (every client library does).
+struct RawH2 {
+    s: std::net::TcpStream,
+}
+
+/// One frame: type, flags, stream id, payload.
+type Frame = (u8, u8, u32, Vec<u8>);
+
+impl RawH2 {
+    const HEADERS: u8 = 1;
+    const DATA: u8 = 0;
+    const SETTINGS: u8 = 4;
+    const PING: u8 = 6;
+    const GOAWAY: u8 = 7;
+
+    /// Connects and sends the preface with an empty SETTINGS frame.
+    fn connect(addr: std::net::SocketAddr) -> RawH2 {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").unwrap();
+        let mut c = RawH2 { s };
+        c.send(Self::SETTINGS, 0, 0, &[]).unwrap();
+        c
+    }
+
+    fn send(&mut self, ty: u8, flags: u8, stream: u32, payload: &[u8]) -> std::io::Result<()> {
+        let len = payload.len() as u32;
+        let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, ty, flags];
+        f.extend_from_slice(&stream.to_be_bytes());
+        f.extend_from_slice(payload);
+        self.s.write_all(&f)
+    }
+
+    /// The next frame; `None` once the gateway closed the connection; an error when nothing came
+    /// for 10 s.
+    fn next(&mut self) -> Result<Option<Frame>, String> {
+        let mut head = [0u8; 9];
+        let closed = |e: &std::io::Error| {
+            matches!(
+                e.kind(),
+                std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::ConnectionReset
+            )
+        };
+        match self.s.read_exact(&mut head) {
+            Ok(()) => {}
+            Err(e) if closed(&e) => return Ok(None),
+            Err(e) => return Err(format!("nothing for 10 s, still open ({e})")),
+        }
+        let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+        let mut payload = vec![0u8; len];
+        match self.s.read_exact(&mut payload) {
+            Ok(()) => {}
+            Err(e) if closed(&e) => return Ok(None),
+            Err(e) => return Err(format!("a frame cut short ({e})")),
+        }
+        let id = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+        Ok(Some((head[3], head[4], id, payload)))
+    }
+}
+
+/// An HPACK header block: `indexed` static-table entries (`:method GET` is 0x82), then literal
+/// fields without indexing, each named by its static-table index.
+fn hpack(indexed: &[u8], literals: &[(u8, &str)]) -> Vec<u8> {
+    let mut b = indexed.to_vec();
+    for (name, value) in literals {
+        assert!(*name < 15 + 127 && value.len() < 127);
+        // The name's index in a 4-bit prefix (RFC 7541, 5.1): 15 and up continue in a byte.
+        if *name < 15 {
+            b.push(*name);
+        } else {
+            b.extend_from_slice(&[15, name - 15]);
+        }
+        b.push(value.len() as u8);
+        b.extend_from_slice(value.as_bytes());
+    }
+    b
+}
+
+/// `:method GET` (2), `:method POST` (3), `:scheme http` (6) in HPACK's static table; `:status
+/// 200` is entry 8. `:authority` is name 1, `:path` name 4 and `content-type` name 31.
+const GET: u8 = 0x82;
+const POST: u8 = 0x83;
+const HTTP: u8 = 0x86;
+const STATUS_200: u8 = 0x88;
+
+#[tokio::test]
+async fn an_idle_http2_connection_is_closed_at_the_header_timeout() {
+    let a = MockUp::openai("name: a").await;
+    let gw = Gw::start(&format!(
+        "server: {{ header_timeout: 1s }}\nmodels:\n  a: {{ type: openai, base_url: \"{}\" }}\n",
+        a.base()
+    ));
+    let addr = gw.addr;
+    // A live client: it acknowledges SETTINGS and answers every PING, so only idleness can
+    // close its connection.
+    let seen = tokio::task::spawn_blocking(move || -> Result<_, String> {
+        let mut c = RawH2::connect(addr);
+        c.send(
+            RawH2::HEADERS,
+            0x5, // END_HEADERS | END_STREAM
+            1,
+            &hpack(&[GET, HTTP], &[(4, "/health"), (1, "x")]),
+        )
+        .unwrap();
+        let (mut status, mut answered, mut goaway, mut pings) = (None, None, false, 0);
+        while let Some((ty, flags, id, payload)) = c.next()? {
+            match ty {
+                RawH2::HEADERS if id == 1 => status = payload.first().copied(),
+                RawH2::DATA if id == 1 && flags & 1 != 0 => {
+                    answered = Some(std::time::Instant::now())
+                }
+                RawH2::SETTINGS if flags & 1 == 0 => {
+                    let _ = c.send(RawH2::SETTINGS, 1, 0, &[]);
+                }
+                RawH2::PING if flags & 1 == 0 => {
+                    pings += 1;
+                    let _ = c.send(RawH2::PING, 1, 0, &payload);
+                }
+                RawH2::GOAWAY => goaway = true,
+                _ => {}
+            }
+        }
+        Ok((status, answered, goaway, pings, std::time::Instant::now()))
+    })
+    .await
+    .unwrap();
+    let (status, answered, goaway, pings, closed) = seen.expect("the idle connection is closed");
+    assert_eq!(
+        status,
+        Some(STATUS_200),
+        "the request was served over HTTP/2"
+    );
+    let answered = answered.expect("the response's body ended");
+    assert!(goaway, "the close is announced with GOAWAY");
+    let idle = closed - answered;
+    assert!(
+        idle >= Duration::from_millis(700),
+        "closed {idle:?} after the response, before the idle deadline"
+    );
+    println!("closed {idle:?} after the last response; {pings} PING(s) answered");
+    assert_eq!(gw.chat("a", "x").await.status(), 200, "others are served");
+    assert_no_panic(&gw);
+}
+
+#[tokio::test]
+async fn an_http2_peer_that_stops_answering_pings_is_let_go() {
+    // The upstream answers after 30 s: the request's stream stays open, so it is not idleness
+    // that ends the connection.
+    let a = MockUp::openai("name: a\nrules: [{delay: 30s}]").await;
+    let gw = Gw::start(&format!(
+        "server: {{ header_timeout: 1s }}\nmodels:\n  a: {{ type: openai, base_url: \"{}\" }}\n",
+        a.base()
+    ));
+    let addr = gw.addr;
+    let t0 = std::time::Instant::now();
+    let seen = tokio::task::spawn_blocking(move || -> Result<_, String> {
+        let mut c = RawH2::connect(addr);
+        c.send(
+            RawH2::HEADERS,
+            0x4, // END_HEADERS
+            1,
+            &hpack(
+                &[POST, HTTP],
+                &[
+                    (4, "/v1/chat/completions"),
+                    (1, "x"),
+                    (31, "application/json"),
+                ],
+            ),
+        )
+        .unwrap();
+        let body = r#"{"model":"a","messages":[{"role":"user","content":"x"}]}"#;
+        c.send(RawH2::DATA, 0x1, 1, body.as_bytes()).unwrap();
+        let mut pings = 0;
+        while let Some((ty, flags, id, payload)) = c.next()? {
+            match ty {
+                RawH2::SETTINGS if flags & 1 == 0 => {
+                    let _ = c.send(RawH2::SETTINGS, 1, 0, &[]);
+                }
+                // Never answered: the peer has gone silent.
+                RawH2::PING if flags & 1 == 0 => pings += 1,
+                RawH2::HEADERS if id == 1 => {
+                    let mut more = String::new();
+                    while let Ok(Some((RawH2::DATA, _, 1, data))) = c.next() {
+                        more.push_str(&String::from_utf8_lossy(&data));
+                    }
+                    return Err(format!("answered: {payload:02x?} {more}"));
+                }
+                _ => {}
+            }
+        }
+        Ok(pings)
+    })
+    .await
+    .unwrap();
+    let pings = seen.expect("the silent peer's connection is closed");
+    assert_eq!(a.requests().await, 1, "the request reached the upstream");
+    assert!(pings >= 1, "the gateway sent a PING first");
+    let took = t0.elapsed();
+    assert!(
+        took >= Duration::from_millis(1500),
+        "closed after {took:?}: before a PING could go unanswered"
+    );
+    assert_no_panic(&gw);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_shutdown_an_http2_connection_finishes_its_stream_then_is_sent_goaway() {
+    let a = MockUp::openai("name: a\nrules: [{delay: 1s}]").await;
+    // Both far longer than `Gw::stop` waits (20 s): neither may be what closes the connection.
+    let mut gw = Gw::start(&format!(
+        "server: {{ header_timeout: 60s, shutdown_grace: 40s }}\nmodels:\n  a: {{ type: openai, base_url: \"{}\" }}\n",
+        a.base()
+    ));
+    let addr = gw.addr;
+    let client = tokio::task::spawn_blocking(move || -> Result<_, String> {
+        let mut c = RawH2::connect(addr);
+        c.send(
+            RawH2::HEADERS,
+            0x4,
+            1,
+            &hpack(
+                &[POST, HTTP],
+                &[
+                    (4, "/v1/chat/completions"),
+                    (1, "x"),
+                    (31, "application/json"),
+                ],
+            ),
+        )
+        .unwrap();
+        let body = r#"{"model":"a","messages":[{"role":"user","content":"x"}]}"#;
+        c.send(RawH2::DATA, 0x1, 1, body.as_bytes()).unwrap();
+        let (mut status, mut ended, mut goaway) = (None, false, false);
+        while let Some((ty, flags, id, payload)) = c.next()? {
+            match ty {
+                RawH2::HEADERS if id == 1 => status = payload.first().copied(),
+                RawH2::DATA if id == 1 && flags & 1 != 0 => ended = true,
+                RawH2::SETTINGS if flags & 1 == 0 => {
+                    let _ = c.send(RawH2::SETTINGS, 1, 0, &[]);
+                }
+                RawH2::PING if flags & 1 == 0 => {
+                    let _ = c.send(RawH2::PING, 1, 0, &payload);
+                }
+                RawH2::GOAWAY => goaway = true,
+                _ => {}
+            }
+        }
+        Ok((status, ended, goaway))
+    });
+    assert!(
+        eventually(Duration::from_secs(5), || async { a.requests().await == 1 }).await,
+        "the request reached the upstream"
+    );
+    // SIGTERM while the request is in flight.
+    tokio::task::block_in_place(|| gw.stop());
+    let (status, ended, goaway) = client
+        .await
+        .unwrap()
+        .expect("the connection is closed at shutdown");
+    assert_eq!(status, Some(STATUS_200), "the stream in flight was served");
+    assert!(ended, "its body ended");
+    assert!(goaway, "the close is announced with GOAWAY");
+}
+
+#[tokio::test]
+async fn http2_streams_outlive_the_idle_deadline_and_the_client_reconnects_after_it() {
+    let a = MockUp::openai(
+        "name: a\nreply: \"one two three four five six seven eight\"\nchunk_delay: 300ms",
+    )
+    .await;
+    let gw = Gw::start(&format!(
+        "server: {{ header_timeout: 1s }}\nmodels:\n  a: {{ type: openai, base_url: \"{}\" }}\n",
+        a.base()
+    ));
+    let h2 = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let body =
+        json!({"model": "a", "stream": true, "messages": [{"role": "user", "content": "x"}]});
+    let t0 = std::time::Instant::now();
+    let r = h2
+        .post(gw.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.version(), reqwest::Version::HTTP_2);
+    assert_eq!(r.status(), 200);
+    let text = stream_text(&sse_events(r).await);
+    assert_eq!(text, "one two three four five six seven eight");
+    assert!(
+        t0.elapsed() > Duration::from_secs(2),
+        "the stream ran past the 1 s idle deadline ({:?})",
+        t0.elapsed()
+    );
+    // Idle past the deadline: the gateway closes the connection, and the client's next request
+    // goes on a new one, unharmed.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let r = h2
+        .post(gw.url("/v1/chat/completions"))
+        .json(&json!({"model": "a", "messages": [{"role": "user", "content": "x"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(a.requests().await, 2);
+    assert_no_panic(&gw);
+}
+
 #[tokio::test]
 async fn an_unopenable_audit_database_degrades_instead_of_stopping() {
     let a = MockUp::openai("name: a").await;

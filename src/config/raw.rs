@@ -240,7 +240,9 @@ pub struct RawServer {
     pub audit_retention: Option<Dur>,
     /// How long SIGTERM waits for in-flight requests before closing.
     pub shutdown_grace: Option<Dur>,
-    /// A client must send its request headers within this (slowloris guard). Default 10s.
+    /// A client must send its request headers within this (slowloris guard); a keep-alive
+    /// connection (HTTP/1 or HTTP/2) idle this long is closed, and an HTTP/2 peer that leaves a
+    /// PING unanswered this long is dropped. Default 10s.
     pub header_timeout: Option<Dur>,
     /// A client must send its whole request body within this. Default 30s.
     pub body_timeout: Option<Dur>,

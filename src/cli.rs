@@ -108,6 +108,26 @@ pub async fn serve(
     data_dir: PathBuf,
 ) -> anyhow::Result<ExitCode> {
     let (cfg, path) = load_config(config_path)?;
+    let files = crate::server::raise_open_files_limit();
+    match (&files.error, files.now) {
+        (Some(e), _) => tracing::warn!(
+            error = %e,
+            limit = ?files.before,
+            "could not raise the open files limit to its hard limit"
+        ),
+        (None, now) if now != files.before => {
+            tracing::info!(from = ?files.before, to = ?now, "open files limit raised to the hard limit")
+        }
+        _ => {}
+    }
+    if let Some(n) = files.now
+        && n < crate::server::FEW_OPEN_FILES
+    {
+        tracing::warn!(
+            limit = n,
+            "few open files allowed: each request in flight holds two (client and upstream); raise the hard limit (ulimit -Hn, systemd LimitNOFILE=, docker --ulimit nofile=)"
+        );
+    }
     let addr = listen.unwrap_or_else(|| cfg.listen.clone());
     let listener = crate::server::bind(&addr)
         .await

@@ -31,6 +31,71 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 /// How often audit rows past `server.audit_retention` are deleted (also once at start).
 const PRUNE_EVERY: Duration = Duration::from_secs(3600);
 
+/// Below this many open files the gateway warns at start: each request in flight holds two (the
+/// client's connection and the upstream's), besides the pools' idle connections, the database
+/// and the watchers.
+pub const FEW_OPEN_FILES: u64 = 4096;
+
+/// The soft limit on open files to ask for, given the current soft and hard limits (`None`:
+/// unlimited), or `None` to leave it. Linux starts most services at a soft limit of 1,024 with a
+/// hard one far above it (systemd: 524,288); the soft limit exists for programs that pass
+/// descriptors to `select(2)`, which the gateway never does. As Go's runtime and nginx's
+/// `worker_rlimit_nofile` do, the gateway raises it to the hard limit: at 1,024, some 500
+/// requests in flight exhaust it, and an upstream connect then fails with `EMFILE` — the gateway
+/// starved of descriptors, every endpoint looking down.
+pub fn open_files_wanted(current: Option<u64>, maximum: Option<u64>) -> Option<u64> {
+    match (current, maximum) {
+        (Some(cur), Some(max)) if cur < max => Some(max),
+        _ => None,
+    }
+}
+
+/// What [`raise_open_files_limit`] did: the soft limit before and after (`None`: unlimited),
+/// and the error when raising failed.
+#[derive(Debug)]
+pub struct OpenFiles {
+    pub before: Option<u64>,
+    pub now: Option<u64>,
+    pub error: Option<String>,
+}
+
+/// Raises this process's soft limit on open files to its hard limit (see [`open_files_wanted`]).
+pub fn raise_open_files_limit() -> OpenFiles {
+    #[cfg(target_os = "linux")]
+    {
+        use rustix::process::{Resource, getrlimit, setrlimit};
+        let limit = getrlimit(Resource::Nofile);
+        let before = limit.current;
+        let Some(wanted) = open_files_wanted(limit.current, limit.maximum) else {
+            return OpenFiles {
+                before,
+                now: before,
+                error: None,
+            };
+        };
+        let mut raised = limit.clone();
+        raised.current = Some(wanted);
+        match setrlimit(Resource::Nofile, raised) {
+            Ok(()) => OpenFiles {
+                before,
+                now: getrlimit(Resource::Nofile).current,
+                error: None,
+            },
+            Err(e) => OpenFiles {
+                before,
+                now: before,
+                error: Some(e.to_string()),
+            },
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    OpenFiles {
+        before: None,
+        now: None,
+        error: None,
+    }
+}
+
 /// The accept queue asked of the kernel (which caps it at `net.core.somaxconn`, 4096 on current
 /// kernels). `TcpListener::bind` asks for the standard library's 128: a burst of more new
 /// connections than that while the process is not accepting — its host pausing it, a
@@ -494,6 +559,18 @@ async fn sniff(tcp: &tokio::net::TcpStream) -> std::io::Result<Option<Proto>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_soft_open_files_limit_is_raised_to_the_hard_one_never_lowered() {
+        assert_eq!(open_files_wanted(Some(1024), Some(524_288)), Some(524_288));
+        assert_eq!(open_files_wanted(Some(256), Some(20_000)), Some(20_000));
+        // Already at the hard limit, or no hard limit: left alone.
+        assert_eq!(open_files_wanted(Some(20_000), Some(20_000)), None);
+        assert_eq!(open_files_wanted(Some(1024), None), None);
+        assert_eq!(open_files_wanted(None, None), None);
+        // A soft limit above the hard one cannot be, but is never lowered.
+        assert_eq!(open_files_wanted(Some(30_000), Some(20_000)), None);
+    }
 
     #[test]
     fn the_first_bytes_tell_the_protocol() {

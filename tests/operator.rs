@@ -777,3 +777,65 @@ async fn transparent_huge_pages_are_off_in_the_gateway_unless_the_operator_allow
         "the operator's MIMALLOC_ALLOW_THP was overridden"
     );
 }
+
+/// The soft and hard "Max open files" of a process, from `/proc/<pid>/limits`.
+fn open_files(pid: &str) -> (u64, u64) {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap_or_else(|| panic!("no open files line in /proc/{pid}/limits:\n{limits}"));
+    let mut n = line
+        .split_whitespace()
+        .filter_map(|w| w.parse::<u64>().ok());
+    (n.next().unwrap(), n.next().unwrap())
+}
+
+/// Started with a soft limit of 256 open files (as services often are, at 1,024) under a higher
+/// hard limit, the gateway raises the soft one to the hard one: some 100 requests in flight would
+/// otherwise exhaust it, and its upstream connects would fail with `EMFILE`. Under a low hard
+/// limit it says so at start.
+#[tokio::test]
+async fn the_gateway_raises_its_open_files_limit_to_the_hard_one() {
+    // The shell really starts a program with the soft limit lowered (else the check below could
+    // not fail), and the hard limit leaves room above it.
+    let out = Command::new("sh")
+        .args(["-c", "ulimit -Sn 256 && exec cat /proc/self/limits"])
+        .output()
+        .unwrap();
+    let shown = String::from_utf8(out.stdout).unwrap();
+    let line = shown
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap();
+    assert!(line.contains(" 256 "), "{line}");
+    let (_, hard) = open_files("self");
+    assert!(
+        hard > 256,
+        "this machine's hard limit is {hard}: nothing to raise"
+    );
+
+    let up = MockUp::openai("").await;
+    let config = format!(
+        "models:\n  a: {{type: openai, base_url: '{}', model: m}}\nrouting_policy: {{fallback_chain: [a]}}\n",
+        up.base()
+    );
+    let gw = Gw::start_after_shell(&config, "ulimit -Sn 256");
+    assert_eq!(gw.chat("a", "hi").await.status(), 200);
+    assert_eq!(up.requests().await, 1);
+    assert_eq!(
+        open_files(&gw.pid().to_string()),
+        (hard, hard),
+        "the soft limit is the hard one"
+    );
+    let log = gw.log();
+    assert!(log.contains("open files limit raised"), "{log}");
+    assert!(!log.contains("few open files allowed"), "{log}");
+
+    // A hard limit of 512: nothing to raise, and a warning.
+    let low = Gw::start_after_shell(&config, "ulimit -n 512");
+    assert_eq!(low.chat("a", "hi").await.status(), 200);
+    assert_eq!(open_files(&low.pid().to_string()), (512, 512));
+    let log = low.log();
+    assert!(log.contains("few open files allowed"), "{log}");
+}

@@ -127,6 +127,25 @@ impl Gw {
         gw
     }
 
+    /// Starts as `shell` says, a `sh -c` script run before the gateway replaces it (`exec`):
+    /// `ulimit -Sn 256`, say. A temporary directory as [`Gw::start`].
+    pub fn start_after_shell(config: &str, shell: &str) -> Gw {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
+        let config_path = dir.join("config.yaml");
+        std::fs::write(&config_path, config).unwrap();
+        let script = format!("{shell} && exec \"$0\" \"$@\"");
+        let mut gw = Gw::spawn(
+            &dir,
+            &config_path,
+            &[],
+            "127.0.0.1:0",
+            &["sh", "-c", &script],
+        );
+        gw._tmp = Some(tmp);
+        gw
+    }
+
     /// Starts in `dir` (config.yaml, data/, gateway.log there).
     pub fn start_in(dir: &Path, config: &str, env: &[(&str, &str)]) -> Gw {
         let config_path = dir.join("config.yaml");
@@ -146,6 +165,18 @@ impl Gw {
         env: &[(&str, &str)],
         listen: &str,
     ) -> Gw {
+        Gw::spawn(dir, config_path, env, listen, &[])
+    }
+
+    /// The gateway binary run by `prefix` (its first word the program, the binary and its
+    /// arguments after it), or on its own when `prefix` is empty.
+    fn spawn(
+        dir: &Path,
+        config_path: &Path,
+        env: &[(&str, &str)],
+        listen: &str,
+        prefix: &[&str],
+    ) -> Gw {
         let config_path = config_path.to_path_buf();
         let log_path = dir.join("gateway.log");
         let log = std::fs::OpenOptions::new()
@@ -153,7 +184,14 @@ impl Gw {
             .append(true)
             .open(&log_path)
             .unwrap();
-        let mut cmd = Command::new(BIN);
+        let mut cmd = match prefix.split_first() {
+            None => Command::new(BIN),
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(BIN);
+                c
+            }
+        };
         cmd.args(["serve", "--listen", listen, "--config"])
             .arg(&config_path)
             .arg("--data-dir")

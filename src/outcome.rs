@@ -81,11 +81,17 @@ pub enum Outcome {
     Shutdown,
     /// A bug panicked inside the handler.
     InternalPanic,
+
+    // ── The gateway's own trouble ──
+    /// The connection could not be made because this process was out of file descriptors
+    /// (`EMFILE`/`ENFILE`): says nothing of the endpoint, so nothing is counted; fail over (an
+    /// endpoint with an idle pooled connection needs no new descriptor).
+    OutOfFiles,
 }
 
 impl Outcome {
     /// Every variant, for tests that walk the whole table.
-    pub const ALL: [Outcome; 30] = [
+    pub const ALL: [Outcome; 31] = [
         Outcome::Ok,
         Outcome::Connect,
         Outcome::Connection,
@@ -116,6 +122,7 @@ impl Outcome {
         Outcome::ClientClosed,
         Outcome::Shutdown,
         Outcome::InternalPanic,
+        Outcome::OutOfFiles,
     ];
 
     /// The contract string (audit trail `attempts.class`, `/status`, the 503 body).
@@ -151,6 +158,7 @@ impl Outcome {
             Outcome::ClientClosed => "client_closed",
             Outcome::Shutdown => "shutdown",
             Outcome::InternalPanic => "internal_panic",
+            Outcome::OutOfFiles => "gateway_out_of_files",
         }
     }
 
@@ -186,6 +194,7 @@ impl Outcome {
                 | Outcome::ClientClosed
                 | Outcome::Shutdown
                 | Outcome::InternalPanic
+                | Outcome::OutOfFiles
         ) && !self.is_skip()
     }
 
@@ -339,6 +348,7 @@ mod tests {
             (Outcome::ClientClosed, "client_closed"),
             (Outcome::Shutdown, "shutdown"),
             (Outcome::InternalPanic, "internal_panic"),
+            (Outcome::OutOfFiles, "gateway_out_of_files"),
         ];
         for (o, s) in expected {
             assert_eq!(o.as_str(), s);
@@ -492,6 +502,15 @@ mod tests {
         assert!(!Outcome::HedgeCancelled.counts_against_endpoint());
         assert!(!Outcome::HedgeCancelled.is_skip());
         assert_eq!(action(Outcome::HedgeCancelled, hints()), Action::FailOver);
+    }
+
+    #[test]
+    fn the_gateway_out_of_descriptors_fails_over_counting_nothing_against_the_endpoint() {
+        // Its own trouble: an endpoint is not to blame, nor worth a second try on the spot.
+        assert_eq!(action(Outcome::OutOfFiles, hints()), Action::FailOver);
+        assert!(!Outcome::OutOfFiles.counts_against_endpoint());
+        assert!(!Outcome::OutOfFiles.retryable_same_endpoint());
+        assert!(!Outcome::OutOfFiles.is_skip());
     }
 
     #[test]

@@ -69,7 +69,11 @@ async fn get_with(
     timeout: Duration,
 ) -> Result<(u16, reqwest::header::HeaderMap, String), String> {
     let fut = async {
-        let r = rb.send().await.map_err(|e| e.to_string())?;
+        let r = rb.send().await.map_err(|e| {
+            // Counted, so the round's verdicts can be set aside (see `run`).
+            crate::upstream::out_of_files(&e);
+            e.to_string()
+        })?;
         let status = r.status().as_u16();
         let headers = r.headers().clone();
         let text = r.text().await.map_err(|e| e.to_string())?;
@@ -444,6 +448,7 @@ pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
         let hp = cfg.health;
         let thresholds = cfg.policy.health;
         let eps: Vec<Arc<Endpoint>> = cfg.endpoints.values().cloned().collect();
+        let out_of_files_before = crate::upstream::out_of_files_count();
         let st = &state;
         let mem = &memory;
         let results = join_all(eps.iter().map(|ep| async move {
@@ -507,8 +512,20 @@ pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
             (ep.name.clone(), report)
         }))
         .await;
+        // A connection that could not be made for want of file descriptors in this process says
+        // nothing of the endpoint: while that happened, no failed probe is taken as a verdict
+        // (the endpoints keep the state they had), or the gateway's own exhaustion would mark
+        // every endpoint unhealthy and keep them out after the descriptors came back.
+        let starved = crate::upstream::out_of_files_count() != out_of_files_before;
+        if starved {
+            tracing::warn!(
+                "out of file descriptors during this probe round: its failures are set aside"
+            );
+        }
         for (name, report) in results {
-            if let Some(r) = report {
+            if let Some(r) = report
+                && (!starved || r.ok)
+            {
                 if let Some(i) = r.rejected_key
                     && let Some(ep) = cfg.endpoints.get(&name)
                 {

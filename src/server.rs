@@ -73,7 +73,7 @@ pub fn raise_open_files_limit() -> OpenFiles {
                 error: None,
             };
         };
-        let mut raised = limit.clone();
+        let mut raised = limit;
         raised.current = Some(wanted);
         match setrlimit(Resource::Nofile, raised) {
             Ok(()) => OpenFiles {

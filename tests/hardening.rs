@@ -2007,3 +2007,153 @@ async fn a_burst_of_connections_while_the_gateway_is_paused_waits_in_the_accept_
     assert_eq!(ok, BURST, "first answer: {:.200}", answers[0]);
     assert_no_panic(&gw);
 }
+
+/// Open file descriptors of a process.
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count()
+}
+
+/// `POST /v1/chat/completions` for `model` written on `s` (a connection the gateway has already
+/// accepted), and its answer: status and body.
+fn raw_chat(mut s: std::net::TcpStream, model: &str) -> (u16, String) {
+    let body = format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"x"}}]}}"#);
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut got = String::new();
+    s.read_to_string(&mut got).unwrap();
+    let status = got
+        .get(9..12)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP answer: {got:?}"));
+    let body = got
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// A gateway with no descriptor left for an upstream connection (the clients' connections hold
+/// them all) answers 503, but blames no endpoint: its attempts are `gateway_out_of_files`, not
+/// `connect_error`, so nothing is ejected, and a probe failing the same way is set aside. Once
+/// the descriptors are back, the first request is served by the chain's first endpoint. Before,
+/// each such attempt counted as a connect error: two requests ejected both endpoints (for 60 s
+/// here), and a probe round marked them unhealthy.
+#[tokio::test]
+async fn a_gateway_out_of_file_descriptors_blames_no_endpoint() {
+    let a = MockUp::openai("name: a").await;
+    let b = MockUp::openai("name: b").await;
+    const LIMIT: usize = 128;
+    let mut gw = Gw::start_after_shell(
+        &chain_cfg(
+            &[("a", &a), ("b", &b)],
+            "server: { header_timeout: 60s }\nhealth: { probe_interval: 300ms, flip_after: 1, eject_after: 2, eject_base: 60s }",
+        ),
+        &format!("ulimit -n {LIMIT}"),
+    );
+    let pid = gw.pid();
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            let st = gw.status().await;
+            st["endpoints"]["a"]["state"] == "healthy" && st["endpoints"]["b"]["state"] == "healthy"
+        })
+        .await,
+        "{}",
+        gw.status().await["endpoints"]
+    );
+    // Connections the requests will be written on, accepted while descriptors are left.
+    let requests: Vec<_> = (0..4)
+        .map(|_| std::net::TcpStream::connect(gw.addr).unwrap())
+        .collect();
+    // Then idle ones (sending nothing; `header_timeout` is 60 s) past the limit: every
+    // descriptor is taken, and the rest wait in the accept queue, so one that comes free goes
+    // to the next of them at once (the accept loop retries every 50 ms).
+    let held: Vec<_> = (0..LIMIT + 50)
+        .map(|_| std::net::TcpStream::connect(gw.addr).unwrap())
+        .collect();
+    // The status checks' connections close once this runtime gets to run their tasks; the
+    // descriptors they free go to queued connections too.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        eventually(Duration::from_secs(5), || async { open_fds(pid) >= LIMIT }).await,
+        "{} of {LIMIT} open",
+        open_fds(pid)
+    );
+    for (i, s) in requests.into_iter().enumerate() {
+        // The previous request's connection, closed, has gone to a queued one by now.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let (status, body) = tokio::task::spawn_blocking(move || raw_chat(s, "chat"))
+            .await
+            .unwrap();
+        assert_eq!(status, 503, "request {i}: {body}");
+        assert!(
+            body.contains("gateway_out_of_files") && !body.contains("connect_error"),
+            "request {i}: {body}"
+        );
+    }
+    assert_eq!(a.requests().await, 0, "no request reached an upstream");
+    assert_eq!(b.requests().await, 0);
+
+    // The probes' own connections are closed after each answer from now on: the next round
+    // needs new sockets, and finds no descriptor either.
+    let log_before = gw.log().len();
+    let close = "rules: [{when: {path: /v1/models}, headers: {connection: close}}]";
+    a.set_script(&format!("name: a\n{close}")).await;
+    b.set_script(&format!("name: b\n{close}")).await;
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            gw.log()[log_before..].contains("its failures are set aside")
+        })
+        .await,
+        "no probe round ran out of descriptors:\n{}",
+        &gw.log()[log_before..]
+    );
+
+    // The descriptors come back: nothing was ejected, and the first request is served by the
+    // chain's first endpoint.
+    drop(held);
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            open_fds(pid) < LIMIT / 2
+        })
+        .await,
+        "{} of {LIMIT} still open",
+        open_fds(pid)
+    );
+    let st = gw.status().await;
+    for ep in ["a", "b"] {
+        let e = &st["endpoints"][ep];
+        assert_eq!(
+            e["state"], "healthy",
+            "{ep}: {e} (not ejected, not unhealthy)"
+        );
+    }
+    let r = gw.chat("chat", "x").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "a");
+    assert_eq!(a.requests().await, 1);
+    let sql = "SELECT count(*) FROM attempts WHERE class = 'gateway_out_of_files'";
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            audit_rows(&gw, sql)[0][0].as_i64() >= Some(8)
+        })
+        .await,
+        "the audit trail has {:?}",
+        audit_rows(&gw, sql)
+    );
+    // No state change blamed either endpoint meanwhile (a probe verdict that came and went
+    // between two looks at `/status` is still a row here).
+    gw.stop();
+    let blamed = audit_rows(
+        &gw,
+        "SELECT endpoint || ' ' || event FROM endpoint_events WHERE event LIKE 'health:%->unhealthy' OR event LIKE 'health:%->ejected'",
+    );
+    assert!(blamed.is_empty(), "{blamed:?}");
+    assert_no_panic(&gw);
+}

@@ -499,7 +499,9 @@ pub(super) fn error_message(body: &str) -> String {
 pub(super) use crate::upstream::error_chain;
 
 fn send_error(e: SendError) -> Failure {
-    let class = if e.connect {
+    let class = if e.out_of_files {
+        Outcome::OutOfFiles
+    } else if e.connect {
         Outcome::Connect
     } else {
         Outcome::Connection

@@ -276,10 +276,46 @@ impl Answer {
     }
 }
 
+/// Times a connection to an upstream (a request's or a probe's) could not be made because this
+/// process was out of file descriptors: the prober reads it to tell a round whose failures were
+/// the gateway's own (see [`out_of_files`]).
+static OUT_OF_FILES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many times [`out_of_files`] has said yes since the process started.
+pub fn out_of_files_count() -> u64 {
+    OUT_OF_FILES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Whether `e` (or an error it wraps) is this process — or the whole system — out of file
+/// descriptors (`EMFILE`, `ENFILE`): the socket for a connection could not even be made. That
+/// says nothing about the upstream, so it must not count against the endpoint (every endpoint
+/// would be ejected at once, and stay out after the descriptors came back) nor make a probe call
+/// it unhealthy. Counted (see [`out_of_files_count`]) and logged at warn when it says yes.
+pub fn out_of_files(e: &(dyn std::error::Error + 'static)) -> bool {
+    /// Linux's (and the BSDs') numbers; `std::io::ErrorKind` has no kind for either.
+    const ENFILE: i32 = 23;
+    const EMFILE: i32 = 24;
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<std::io::Error>()
+            && matches!(io.raw_os_error(), Some(ENFILE | EMFILE))
+        {
+            OUT_OF_FILES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tracing::warn!(error = %io, "out of file descriptors: a connection to an upstream could not be made (not counted against it)");
+            return true;
+        }
+        cur = err.source();
+    }
+    false
+}
+
 /// Why a request got no answer.
 pub struct SendError {
     /// The connection could not be made (refused, unreachable, connect timeout, TLS).
     pub connect: bool,
+    /// ...because this process was out of file descriptors ([`out_of_files`]): not the
+    /// upstream's doing.
+    pub out_of_files: bool,
     /// The error chain, without the URL (clients see this).
     pub shown: String,
     /// The same with the URL (a discovered task's address): for the audit row only.
@@ -329,7 +365,7 @@ async fn send_resending<B, E, Fut>(
 ) -> Result<Answer, SendError>
 where
     Fut: Future<Output = Result<http::Response<B>, E>>,
-    E: std::error::Error,
+    E: std::error::Error + 'static,
     B: hyper::body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
@@ -361,6 +397,7 @@ where
             let shown = format!("error sending request: {}", error_chain(&e));
             Err(SendError {
                 connect: is_connect(&e),
+                out_of_files: out_of_files(&e),
                 internal: format!("{shown} (url {url})"),
                 shown,
             })
@@ -427,6 +464,7 @@ impl Prepared<'_> {
                     };
                     Err(SendError {
                         connect: e.is_connect(),
+                        out_of_files: out_of_files(&e),
                         shown,
                         internal: full,
                     })
@@ -454,6 +492,38 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An error wrapping another, as connectors wrap the socket's `io::Error`.
+    #[derive(Debug)]
+    struct Wrapped(std::io::Error);
+    impl std::fmt::Display for Wrapped {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("tcp connect error")
+        }
+    }
+    impl std::error::Error for Wrapped {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn out_of_files_is_emfile_or_enfile_anywhere_in_the_chain_and_nothing_else() {
+        let before = out_of_files_count();
+        for errno in [23, 24] {
+            let e = Wrapped(std::io::Error::from_raw_os_error(errno));
+            assert!(out_of_files(&e), "errno {errno}");
+            assert!(out_of_files(&std::io::Error::from_raw_os_error(errno)));
+        }
+        assert!(out_of_files_count() >= before + 4, "each yes is counted");
+        // Refused, unreachable, timed out, no route: the upstream's (or the network's) doing.
+        for errno in [111, 101, 110, 113, 99] {
+            let e = Wrapped(std::io::Error::from_raw_os_error(errno));
+            assert!(!out_of_files(&e), "errno {errno}");
+        }
+        let other = std::io::Error::other("Too many open files");
+        assert!(!out_of_files(&other), "by number, not by message");
+    }
 
     fn answer(chunks: Vec<Result<&'static str, &'static str>>) -> Answer {
         let items: Vec<Result<Bytes, BoxError>> = chunks

@@ -501,6 +501,9 @@ async fn engine(
         })?
 }
 
+/// The most of one Engine API answer read by [`engine_call`].
+const ENGINE_BODY_LIMIT: usize = 16 * 1024 * 1024;
+
 async fn engine_call(method: &str, path: &str, body: Option<Value>) -> Result<Value, String> {
     use http_body_util::{BodyExt, Full};
     use hyper_util::rt::TokioIo;
@@ -525,8 +528,8 @@ async fn engine_call(method: &str, path: &str, body: Option<Value>) -> Result<Va
             let out = match resp {
                 Ok(r) => {
                     let status = r.status();
-                    let bytes = r
-                        .into_body()
+                    // The engine's answer is trusted no more than an upstream's: bounded.
+                    let bytes = http_body_util::Limited::new(r.into_body(), ENGINE_BODY_LIMIT)
                         .collect()
                         .await
                         .map_err(|e| e.to_string())?

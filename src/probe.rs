@@ -76,13 +76,21 @@ async fn get_with(
         })?;
         let status = r.status().as_u16();
         let headers = r.headers().clone();
-        let text = r.text().await.map_err(|e| e.to_string())?;
+        let body = crate::upstream::reqwest_body(r, PROBE_BODY_LIMIT)
+            .await
+            .map_err(|e| e.to_string())?;
+        let text = String::from_utf8_lossy(&body).into_owned();
         Ok::<_, String>((status, headers, text))
     };
     tokio::time::timeout(timeout, fut)
         .await
         .map_err(|_| format!("no answer within {}ms", timeout.as_millis()))?
 }
+
+/// The most of a probe's answer read (`/models`, `/metrics`, `/api/tags`, a custom check, the
+/// semantic probe's reply): a vLLM `/metrics` is tens of KB, a model list a few; an answer that
+/// grows past this is a failed probe, not a growing heap.
+const PROBE_BODY_LIMIT: usize = 8 * 1024 * 1024;
 
 /// GPU memory share above which a backend is degraded: past ~92% an allocator spike (a long
 /// prompt, a new sequence) risks an out-of-memory error mid-request.
@@ -251,7 +259,7 @@ async fn probe_semantic(
     let fut = async {
         let r = rb.send().await.map_err(|e| e.shown)?;
         let status = r.status;
-        let answer = r.bytes().await.map_err(|e| e.to_string())?;
+        let answer = r.bytes(PROBE_BODY_LIMIT).await.map_err(|e| e.to_string())?;
         let v: Value = serde_json::from_slice(&answer).map_err(|e| e.to_string())?;
         if !status.is_success() {
             return Err(format!("semantic probe: {status}"));

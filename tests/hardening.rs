@@ -2157,3 +2157,216 @@ async fn a_gateway_out_of_file_descriptors_blames_no_endpoint() {
     assert!(blamed.is_empty(), "{blamed:?}");
     assert_no_panic(&gw);
 }
+
+/// A loopback upstream whose answers never end: every POST (and, with `endless_get`, every GET)
+/// gets a 200 with a chunked JSON body — or, with `sse`, an event stream of role-only preamble
+/// chunks and never any content — written until `cap` bytes, then the connection is held in
+/// silence. GETs otherwise get a one-model list, so probes pass. `written` is the most any
+/// connection got written before the gateway stopped reading (or `cap`).
+struct Endless {
+    addr: std::net::SocketAddr,
+    written: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Endless {
+    fn start(cap: u64, endless_get: bool, sse: bool) -> Endless {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let written = std::sync::Arc::new(AtomicU64::new(0));
+        let w = written.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut s) = conn else { return };
+                let w = w.clone();
+                std::thread::spawn(move || {
+                    loop {
+                        // One request: its head, then as many body bytes as it declares.
+                        let mut head = Vec::new();
+                        let mut byte = [0u8; 1];
+                        while !head.ends_with(b"\r\n\r\n") {
+                            match s.read(&mut byte) {
+                                Ok(1) => head.push(byte[0]),
+                                _ => return,
+                            }
+                        }
+                        let head = String::from_utf8_lossy(&head).to_lowercase();
+                        let length: usize = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse().ok())
+                            .unwrap_or(0);
+                        let mut body = vec![0u8; length];
+                        if s.read_exact(&mut body).is_err() {
+                            return;
+                        }
+                        if head.starts_with("get") && !endless_get {
+                            let list = r#"{"object":"list","data":[{"id":"m","object":"model"}]}"#;
+                            let _ = write!(
+                                s,
+                                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{list}",
+                                list.len()
+                            );
+                            continue;
+                        }
+                        let (content_type, first, piece) = if sse {
+                            let role = "data: {\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\"}}]}\n\n";
+                            (
+                                "text/event-stream",
+                                String::new(),
+                                role.repeat(0x10000 / role.len()),
+                            )
+                        } else {
+                            (
+                                "application/json",
+                                "6\r\n{\"a\":\"\r\n".to_string(),
+                                "x".repeat(0x10000),
+                            )
+                        };
+                        let _ = write!(
+                            s,
+                            "HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\ntransfer-encoding: chunked\r\n\r\n{first}"
+                        );
+                        let chunk = format!("{:x}\r\n{piece}\r\n", piece.len());
+                        let mut sent = 0u64;
+                        while sent < cap && s.write_all(chunk.as_bytes()).is_ok() {
+                            sent += piece.len() as u64;
+                            w.fetch_max(sent, Ordering::Relaxed);
+                        }
+                        // Silence, the connection held until the gateway lets go of it.
+                        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+                        let _ = s.read(&mut byte);
+                        return;
+                    }
+                });
+            }
+        });
+        Endless { addr, written }
+    }
+
+    fn written(&self) -> u64 {
+        self.written.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// An upstream whose 200 answer never ends is read no further than `server.max_response_bytes`:
+/// the attempt is `malformed_response`, the connection dropped, and the request fails over.
+/// Before, the gateway held every byte it was sent until `timeouts.total` (here 256 MiB, then a
+/// timeout): one such upstream could exhaust its memory.
+#[tokio::test]
+async fn an_answer_that_never_ends_is_cut_at_max_response_bytes_and_fails_over() {
+    const CAP: u64 = 256 << 20;
+    let a = Endless::start(CAP, false, false);
+    let b = MockUp::openai("name: b").await;
+    let gw = Gw::start(&format!(
+        "server: {{ max_response_bytes: 1048576 }}\nmodels:\n  a: {{ type: openai, base_url: \"http://{}/v1\", timeouts: {{ total: 20s }} }}\n  b: {{ type: openai, base_url: \"{}\" }}\nrouting_policy:\n  fallback_chain: [a, b]\n",
+        a.addr,
+        b.base()
+    ));
+    let r = gw.chat("a", "x").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b", "failed over");
+    assert!(a.written() > 0, "the endless answer was sent");
+    // Past the limit (1 MiB), only what the sockets' buffers took: far from the 256 MiB the
+    // upstream would have gone on to send.
+    assert!(
+        a.written() < 64 << 20,
+        "{} bytes were read of the endless answer",
+        a.written()
+    );
+    let sql = "SELECT class || ' ' || error FROM attempts WHERE endpoint = 'a'";
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            !audit_rows(&gw, sql).is_empty()
+        })
+        .await
+    );
+    let rows = audit_rows(&gw, sql);
+    let row = rows[0][0].as_str().unwrap();
+    assert!(
+        row.starts_with("malformed_response ") && row.contains("larger than 1048576 bytes"),
+        "{row}"
+    );
+    assert_no_panic(&gw);
+}
+
+/// A probe answer that never ends is read no further than 8 MiB: the probe fails (the endpoint
+/// is unhealthy, and says why) instead of holding what arrives for the whole probe timeout.
+#[tokio::test]
+async fn a_probe_answer_that_never_ends_fails_the_probe_at_8_mib() {
+    const CAP: u64 = 256 << 20;
+    let p = Endless::start(CAP, true, false);
+    let gw = Gw::start(&format!(
+        "models:\n  p: {{ type: openai, base_url: \"http://{}/v1\" }}\nhealth: {{ probe_interval: 60s, probe_timeout: 10s, flip_after: 1 }}\n",
+        p.addr
+    ));
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            gw.status().await["endpoints"]["p"]["state"] == "unhealthy"
+        })
+        .await,
+        "{}",
+        gw.status().await["endpoints"]["p"]
+    );
+    let st = gw.status().await;
+    let reason = st["endpoints"]["p"]["health_reason"].as_str().unwrap_or("");
+    assert!(reason.contains("larger than 8388608 bytes"), "{reason}");
+    assert!(
+        p.written() > 8 << 20,
+        "the endless answer was sent past the limit"
+    );
+    assert!(
+        p.written() < 64 << 20,
+        "{} bytes were read of the endless probe answer",
+        p.written()
+    );
+    assert_no_panic(&gw);
+}
+
+/// A stream that sends preamble (role-only chunks) without end and never any content is held
+/// no further than `server.max_response_bytes` before the first content chunk: the attempt is
+/// `malformed_response` and the stream fails over before anything reached the client.
+#[tokio::test]
+async fn a_stream_of_endless_preamble_is_cut_at_max_response_bytes_and_fails_over() {
+    const CAP: u64 = 256 << 20;
+    let a = Endless::start(CAP, false, true);
+    let b = MockUp::openai("name: b\nreply: \"from b\"").await;
+    let gw = Gw::start(&format!(
+        "server: {{ max_response_bytes: 1048576 }}\nmodels:\n  a: {{ type: openai, base_url: \"http://{}/v1\", timeouts: {{ first_token: 20s, total: 30s }} }}\n  b: {{ type: openai, base_url: \"{}\" }}\nrouting_policy:\n  fallback_chain: [a, b]\n",
+        a.addr,
+        b.base()
+    ));
+    let r = gw
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "a", "stream": true, "messages": [{"role": "user", "content": "x"}]}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b", "failed over");
+    assert_eq!(stream_text(&sse_events(r).await), "from b");
+    assert!(
+        a.written() > 1 << 20,
+        "the preamble was sent past the limit"
+    );
+    assert!(
+        a.written() < 64 << 20,
+        "{} bytes of preamble were held",
+        a.written()
+    );
+    let sql = "SELECT class || ' ' || error FROM attempts WHERE endpoint = 'a'";
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            !audit_rows(&gw, sql).is_empty()
+        })
+        .await
+    );
+    let rows = audit_rows(&gw, sql);
+    let row = rows[0][0].as_str().unwrap();
+    assert!(
+        row.starts_with("malformed_response ")
+            && row.contains("preamble larger than 1048576 bytes"),
+        "{row}"
+    );
+    assert_no_panic(&gw);
+}

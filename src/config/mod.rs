@@ -34,6 +34,11 @@ pub const EMBEDDED_DEFAULT: &str = include_str!("../../config/config.yaml");
 /// otherwise: 8 MiB holds a long conversation with a few base64 images.
 const DEFAULT_MAX_BODY: usize = 8 * 1024 * 1024;
 
+/// An upstream answer read whole (a non-stream 2xx body) larger than this is refused unless
+/// `server.max_response_bytes` says otherwise. The largest real answers are embeddings: 2,048
+/// inputs of 3,072 floats as JSON text are about 90 MB.
+const DEFAULT_MAX_RESPONSE: usize = 128 * 1024 * 1024;
+
 impl Config {
     /// Reads and loads a config file.
     pub fn load_file(path: &Path) -> Result<Config, ConfigError> {

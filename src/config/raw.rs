@@ -234,6 +234,10 @@ pub struct RawHealth {
 pub struct RawServer {
     pub listen: Option<String>,
     pub max_body_bytes: Option<usize>,
+    /// An upstream's whole answer (a non-stream 2xx body) larger than this is refused as
+    /// `malformed_response` and the request fails over, instead of being held in memory however
+    /// large it grows. Default 128 MiB.
+    pub max_response_bytes: Option<usize>,
     /// Capacity of the audit queue in records; a full queue drops records (counted), never stalls.
     pub audit_queue: Option<usize>,
     /// Audit rows older than this are deleted (hourly). Default 30d; 0 keeps everything.

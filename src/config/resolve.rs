@@ -585,6 +585,11 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
     let mut cfg = Config {
         listen,
         max_body_bytes: raw.server.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY),
+        max_response_bytes: raw
+            .server
+            .max_response_bytes
+            .unwrap_or(DEFAULT_MAX_RESPONSE)
+            .max(1),
         audit_queue: raw.server.audit_queue.unwrap_or(10_000).max(1),
         audit_retention: match raw.server.audit_retention {
             Some(d) if d.0.is_zero() => None,

@@ -396,6 +396,8 @@ pub struct Policy {
 pub struct Config {
     pub listen: String,
     pub max_body_bytes: usize,
+    /// `server.max_response_bytes`: the most of an upstream's answer read whole.
+    pub max_response_bytes: usize,
     pub audit_queue: usize,
     /// `None`: keep the audit trail forever.
     pub audit_retention: Option<Duration>,

@@ -109,6 +109,8 @@ pub(super) struct Attempt<'a> {
     pub deadline: Instant,
     /// `routing_policy.max_cooldown`: the longest stay-away an upstream's hint may ask for.
     pub max_cooldown: Duration,
+    /// `server.max_response_bytes`: the most of an answer read whole.
+    pub max_answer: usize,
     /// A discovered task's address, for `discover: docker` endpoints.
     pub base: Option<&'a str>,
 }
@@ -153,7 +155,7 @@ impl<'a> Attempt<'a> {
         let ratelimit = classify::ratelimit_headers(&resp.headers, self.max_cooldown);
         let status = resp.status;
         let content_type = resp.headers.get(header::CONTENT_TYPE).cloned();
-        let body = match within!(timer, resp.bytes()) {
+        let body = match within!(timer, resp.bytes(self.max_answer)) {
             None => {
                 return Err(Failure::new(
                     Outcome::Timeout,
@@ -161,11 +163,19 @@ impl<'a> Attempt<'a> {
                     "body not complete within timeouts.total",
                 ));
             }
+            Some(Err(e @ upstream::BodyError::TooLarge(_))) => {
+                // The upstream's doing; the rest is never read (the connection is dropped).
+                return Err(Failure::new(
+                    Outcome::Malformed,
+                    Some(status.as_u16()),
+                    format!("2xx {e} (server.max_response_bytes)"),
+                ));
+            }
             Some(Err(e)) => {
                 return Err(Failure::new(
                     Outcome::Connection,
                     Some(status.as_u16()),
-                    format!("reading body: {}", error_chain(&*e)),
+                    format!("reading body: {e}"),
                 ));
             }
             Some(Ok(b)) => b,
@@ -286,7 +296,8 @@ impl<'a> Attempt<'a> {
                 .is_some_and(|v| v.starts_with("text/event-stream"));
             if !is_sse {
                 // A JSON body on a stream request is an error some servers send with 200.
-                let body = within!(timer, resp.bytes());
+                // Only an error's message is wanted from it: read no more than an error body.
+                let body = within!(timer, resp.bytes(MAX_ERROR_BODY));
                 let detail = match body {
                     Some(Ok(b)) => match serde_json::from_slice::<Value>(&b) {
                         Ok(v) => match wire::classify_chunk(&v) {
@@ -309,6 +320,7 @@ impl<'a> Attempt<'a> {
         };
         let mut parser = SseParser::new();
         let mut prelude = Vec::new();
+        let mut held = 0usize;
         let mut usage = None;
         let mut out_chars = 0usize;
         loop {
@@ -346,6 +358,20 @@ impl<'a> Attempt<'a> {
                     format!("invalid SSE: {}", e.0),
                 )
             })?;
+            // Held until the first content chunk: bounded like a whole answer, so an upstream
+            // sending preamble (role chunks, comments) without end cannot grow it for the whole
+            // of `timeouts.first_token`.
+            held += next.len();
+            if held > self.max_answer {
+                return Err(Failure::new(
+                    Outcome::Malformed,
+                    Some(status),
+                    format!(
+                        "stream preamble larger than {} bytes before any content (server.max_response_bytes)",
+                        self.max_answer
+                    ),
+                ));
+            }
             prelude.push(next);
             let mut commit = false;
             let mut done_seen = false;

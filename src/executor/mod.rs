@@ -620,6 +620,7 @@ impl Run {
             request_id: &self.request_id,
             deadline: self.deadline,
             max_cooldown: self.cfg.policy.max_cooldown,
+            max_answer: self.cfg.max_response_bytes,
             base: base.as_deref(),
         };
         let (rb, sanitized) = attempt.prepare(self.req.stream)?;
@@ -651,6 +652,7 @@ impl Run {
             request_id: &self.request_id,
             deadline: self.deadline,
             max_cooldown: self.cfg.policy.max_cooldown,
+            max_answer: self.cfg.max_response_bytes,
             base: base.as_deref(),
         };
         let (rb, sanitized) = attempt.prepare(self.req.stream)?;
@@ -658,7 +660,11 @@ impl Run {
         self.sanitized = sanitized;
         self.calls += 1;
         let (ep, req, request_id) = (ep.clone(), self.req.clone(), self.request_id.clone());
-        let (deadline, max_cooldown) = (self.deadline, self.cfg.policy.max_cooldown);
+        let (deadline, max_cooldown, max_answer) = (
+            self.deadline,
+            self.cfg.policy.max_cooldown,
+            self.cfg.max_response_bytes,
+        );
         let fut = async move {
             // The key is in the prepared request already.
             let attempt = Attempt {
@@ -668,6 +674,7 @@ impl Run {
                 request_id: &request_id,
                 deadline,
                 max_cooldown,
+                max_answer,
                 base: base.as_deref(),
             };
             if req.stream {

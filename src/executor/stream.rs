@@ -535,6 +535,7 @@ impl PassThrough {
                 request_id: &c.request_id,
                 deadline: c.deadline,
                 max_cooldown: cfg.policy.max_cooldown,
+                max_answer: cfg.max_response_bytes,
                 base: base.as_deref(),
             };
             let t0 = Instant::now();

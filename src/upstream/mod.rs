@@ -9,6 +9,7 @@ pub mod metrics;
 pub mod ollama;
 pub mod tokenize;
 
+use std::fmt;
 use std::pin::Pin;
 
 use bytes::Bytes;
@@ -255,25 +256,65 @@ pub struct Answer {
     pub body: ByteStream,
 }
 
+/// Why an answer could not be read whole.
+#[derive(Debug)]
+pub enum BodyError {
+    /// It grew past the limit given (the upstream's fault: refused, and the rest never read).
+    TooLarge(usize),
+    /// The connection failed while it was read.
+    Read(BoxError),
+}
+
+impl fmt::Display for BodyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BodyError::TooLarge(limit) => write!(f, "answer larger than {limit} bytes"),
+            BodyError::Read(e) => f.write_str(&error_chain(&**e)),
+        }
+    }
+}
+
 impl Answer {
-    /// The whole body, however it arrives.
-    pub async fn bytes(mut self) -> Result<Bytes, BoxError> {
+    /// The whole body, however it arrives, up to `limit` bytes: an upstream that sends more
+    /// (a bug, or a body that never ends) must not grow this process's memory without bound.
+    pub async fn bytes(mut self, limit: usize) -> Result<Bytes, BodyError> {
         use futures_util::StreamExt;
-        let Some(first) = self.body.next().await.transpose()? else {
+        let mut next = async || self.body.next().await.transpose().map_err(BodyError::Read);
+        let Some(first) = next().await? else {
             return Ok(Bytes::new());
         };
+        if first.len() > limit {
+            return Err(BodyError::TooLarge(limit));
+        }
         // The common case, one chunk: no copy.
-        let Some(second) = self.body.next().await.transpose()? else {
+        let Some(second) = next().await? else {
             return Ok(first);
         };
         let mut all = bytes::BytesMut::with_capacity(first.len() + second.len());
         all.extend_from_slice(&first);
-        all.extend_from_slice(&second);
-        while let Some(b) = self.body.next().await.transpose()? {
+        let mut more = Some(second);
+        while let Some(b) = more {
+            if all.len() + b.len() > limit {
+                return Err(BodyError::TooLarge(limit));
+            }
             all.extend_from_slice(&b);
+            more = next().await?;
         }
         Ok(all.freeze())
     }
+}
+
+/// A reqwest response's body, up to `limit` bytes (probes, `/tokenize`): what [`Answer::bytes`]
+/// is for the request path.
+pub async fn reqwest_body(mut r: reqwest::Response, limit: usize) -> Result<Bytes, BodyError> {
+    let mut all = bytes::BytesMut::new();
+    while let Some(b) = r.chunk().await.map_err(|e| BodyError::Read(e.into()))? {
+        if all.len() + b.len() > limit {
+            return Err(BodyError::TooLarge(limit));
+        }
+        all.extend_from_slice(&b);
+    }
+    Ok(all.freeze())
 }
 
 /// Times a connection to an upstream (a request's or a probe's) could not be made because this
@@ -620,20 +661,41 @@ mod tests {
 
     #[tokio::test]
     async fn a_body_is_whole_however_it_is_split() {
-        assert_eq!(answer(vec![]).bytes().await.unwrap(), Bytes::new());
-        assert_eq!(answer(vec![Ok("abc")]).bytes().await.unwrap(), "abc");
+        assert_eq!(answer(vec![]).bytes(10).await.unwrap(), Bytes::new());
+        assert_eq!(answer(vec![Ok("abc")]).bytes(10).await.unwrap(), "abc");
         assert_eq!(
             answer(vec![Ok("a"), Ok(""), Ok("bc"), Ok("d")])
-                .bytes()
+                .bytes(4)
                 .await
                 .unwrap(),
             "abcd"
         );
         let err = answer(vec![Ok("a"), Err("connection reset")])
-            .bytes()
+            .bytes(10)
             .await
             .unwrap_err();
         assert_eq!(err.to_string(), "connection reset");
+        assert!(matches!(err, BodyError::Read(_)));
+    }
+
+    #[tokio::test]
+    async fn a_body_past_the_limit_is_refused_whether_in_one_chunk_or_many() {
+        for chunks in [
+            vec![Ok("abcde")],
+            vec![Ok("ab"), Ok("cde")],
+            vec![Ok("a"), Ok("b"), Ok("c"), Ok("d"), Ok("e")],
+            // Refused at the limit, before a later chunk (or error) is read.
+            vec![Ok("abc"), Ok("de"), Err("never read")],
+        ] {
+            let err = answer(chunks.clone()).bytes(4).await.unwrap_err();
+            assert!(matches!(err, BodyError::TooLarge(4)), "{chunks:?}: {err}");
+            assert_eq!(err.to_string(), "answer larger than 4 bytes");
+        }
+        // Exactly the limit is whole.
+        assert_eq!(
+            answer(vec![Ok("ab"), Ok("cd")]).bytes(4).await.unwrap(),
+            "abcd"
+        );
     }
 
     #[tokio::test]

@@ -93,7 +93,9 @@ pub async fn backend_count(
         if !r.status().is_success() {
             return None;
         }
-        r.json::<Value>().await.ok()
+        // A token list is a few bytes a token: 64 MiB is millions of tokens.
+        let body = super::reqwest_body(r, 64 * 1024 * 1024).await.ok()?;
+        serde_json::from_slice::<Value>(&body).ok()
     };
     let v = tokio::time::timeout(timeout, call).await.ok()??;
     let mut tokens = v.get("count").and_then(Value::as_u64).or_else(|| {

@@ -137,6 +137,10 @@ fn describe() {
         "autohedge_alerts_dropped_total",
         "Alerts dropped because the alert queue was full."
     );
+    describe_counter!(
+        "autohedge_out_of_files_total",
+        "Upstream connections (requests' and probes') not made because the process was out of file descriptors."
+    );
 }
 
 /// Folds histograms into buckets every few seconds whether or not anyone scrapes.
@@ -417,6 +421,7 @@ impl Telemetry {
         gauge!("autohedge_docker_up").set(if docker_up { 1.0 } else { 0.0 });
         counter!("autohedge_audit_dropped_total").absolute(app.store.dropped());
         counter!("autohedge_alerts_dropped_total").absolute(app.alerts.dropped());
+        counter!("autohedge_out_of_files_total").absolute(crate::upstream::out_of_files_count());
         if let Some((w, _)) = ACCESS_LOG.get() {
             counter!("autohedge_log_dropped_total").absolute(w.dropped_lines());
         }

@@ -2138,6 +2138,20 @@ async fn a_gateway_out_of_file_descriptors_blames_no_endpoint() {
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "x-autohedge-endpoint"), "a");
     assert_eq!(a.requests().await, 1);
+    // Counted for an operator's alert: the requests' eight attempts and the probes'.
+    let metrics = reqwest::get(gw.url("/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let n: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("autohedge_out_of_files_total "))
+        .unwrap_or_else(|| panic!("no autohedge_out_of_files_total in:\n{metrics}"))
+        .parse()
+        .unwrap();
+    assert!(n >= 9.0, "{n}");
     let sql = "SELECT count(*) FROM attempts WHERE class = 'gateway_out_of_files'";
     assert!(
         eventually(Duration::from_secs(5), || async {

@@ -742,6 +742,41 @@ impl RawH2 {
         self.s.write_all(&f)
     }
 
+    /// `POST /v1/chat/completions` for `model` on stream 1: its HEADERS, then the body in one
+    /// DATA frame that ends the stream.
+    fn chat(&mut self, model: &str) {
+        let head = hpack(
+            &[POST, HTTP],
+            &[
+                (4, "/v1/chat/completions"),
+                (1, "x"),
+                (31, "application/json"),
+            ],
+        );
+        self.send(Self::HEADERS, 0x4, 1, &head).unwrap(); // END_HEADERS
+        let body = format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"x"}}]}}"#);
+        self.send(Self::DATA, 0x1, 1, body.as_bytes()).unwrap(); // END_STREAM
+    }
+
+    /// Acknowledges a SETTINGS frame, and a PING when `answer_pings`, as a live peer does. True
+    /// when the frame was a PING (answered or not).
+    fn control(&mut self, ty: u8, flags: u8, payload: &[u8], answer_pings: bool) -> bool {
+        let ack = flags & 1 != 0;
+        match ty {
+            Self::SETTINGS if !ack => {
+                let _ = self.send(Self::SETTINGS, 1, 0, &[]);
+                false
+            }
+            Self::PING if !ack => {
+                if answer_pings {
+                    let _ = self.send(Self::PING, 1, 0, payload);
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// The next frame; `None` once the gateway closed the connection; an error when nothing came
     /// for 10 s.
     fn next(&mut self) -> Result<Option<Frame>, String> {
@@ -820,15 +855,8 @@ async fn an_idle_http2_connection_is_closed_at_the_header_timeout() {
                 RawH2::DATA if id == 1 && flags & 1 != 0 => {
                     answered = Some(std::time::Instant::now())
                 }
-                RawH2::SETTINGS if flags & 1 == 0 => {
-                    let _ = c.send(RawH2::SETTINGS, 1, 0, &[]);
-                }
-                RawH2::PING if flags & 1 == 0 => {
-                    pings += 1;
-                    let _ = c.send(RawH2::PING, 1, 0, &payload);
-                }
                 RawH2::GOAWAY => goaway = true,
-                _ => {}
+                _ => pings += c.control(ty, flags, &payload, true) as u32,
             }
         }
         Ok((status, answered, goaway, pings, std::time::Instant::now()))
@@ -866,30 +894,10 @@ async fn an_http2_peer_that_stops_answering_pings_is_let_go() {
     let t0 = std::time::Instant::now();
     let seen = tokio::task::spawn_blocking(move || -> Result<_, String> {
         let mut c = RawH2::connect(addr);
-        c.send(
-            RawH2::HEADERS,
-            0x4, // END_HEADERS
-            1,
-            &hpack(
-                &[POST, HTTP],
-                &[
-                    (4, "/v1/chat/completions"),
-                    (1, "x"),
-                    (31, "application/json"),
-                ],
-            ),
-        )
-        .unwrap();
-        let body = r#"{"model":"a","messages":[{"role":"user","content":"x"}]}"#;
-        c.send(RawH2::DATA, 0x1, 1, body.as_bytes()).unwrap();
+        c.chat("a");
         let mut pings = 0;
         while let Some((ty, flags, id, payload)) = c.next()? {
             match ty {
-                RawH2::SETTINGS if flags & 1 == 0 => {
-                    let _ = c.send(RawH2::SETTINGS, 1, 0, &[]);
-                }
-                // Never answered: the peer has gone silent.
-                RawH2::PING if flags & 1 == 0 => pings += 1,
                 RawH2::HEADERS if id == 1 => {
                     let mut more = String::new();
                     while let Ok(Some((RawH2::DATA, _, 1, data))) = c.next() {
@@ -897,7 +905,8 @@ async fn an_http2_peer_that_stops_answering_pings_is_let_go() {
                     }
                     return Err(format!("answered: {payload:02x?} {more}"));
                 }
-                _ => {}
+                // PINGs never answered: the peer has gone silent.
+                _ => pings += c.control(ty, flags, &payload, false) as u32,
             }
         }
         Ok(pings)
@@ -926,35 +935,16 @@ async fn at_shutdown_an_http2_connection_finishes_its_stream_then_is_sent_goaway
     let addr = gw.addr;
     let client = tokio::task::spawn_blocking(move || -> Result<_, String> {
         let mut c = RawH2::connect(addr);
-        c.send(
-            RawH2::HEADERS,
-            0x4,
-            1,
-            &hpack(
-                &[POST, HTTP],
-                &[
-                    (4, "/v1/chat/completions"),
-                    (1, "x"),
-                    (31, "application/json"),
-                ],
-            ),
-        )
-        .unwrap();
-        let body = r#"{"model":"a","messages":[{"role":"user","content":"x"}]}"#;
-        c.send(RawH2::DATA, 0x1, 1, body.as_bytes()).unwrap();
+        c.chat("a");
         let (mut status, mut ended, mut goaway) = (None, false, false);
         while let Some((ty, flags, id, payload)) = c.next()? {
             match ty {
                 RawH2::HEADERS if id == 1 => status = payload.first().copied(),
                 RawH2::DATA if id == 1 && flags & 1 != 0 => ended = true,
-                RawH2::SETTINGS if flags & 1 == 0 => {
-                    let _ = c.send(RawH2::SETTINGS, 1, 0, &[]);
-                }
-                RawH2::PING if flags & 1 == 0 => {
-                    let _ = c.send(RawH2::PING, 1, 0, &payload);
-                }
                 RawH2::GOAWAY => goaway = true,
-                _ => {}
+                _ => {
+                    c.control(ty, flags, &payload, true);
+                }
             }
         }
         Ok((status, ended, goaway))
@@ -2263,6 +2253,43 @@ impl Endless {
     }
 }
 
+/// `a` (an endless upstream) then `b` in the chain, with `server.max_response_bytes` at 1 MiB
+/// and `a`'s `timeouts` as given.
+fn endless_then(a: &Endless, b: &MockUp, timeouts: &str) -> String {
+    format!(
+        "server: {{ max_response_bytes: 1048576 }}\nmodels:\n  a: {{ type: openai, base_url: \"http://{}/v1\", timeouts: {timeouts} }}\n  b: {{ type: openai, base_url: \"{}\" }}\nrouting_policy:\n  fallback_chain: [a, b]\n",
+        a.addr,
+        b.base()
+    )
+}
+
+/// The endless upstream was read past `limit`, but no further than the sockets' buffers take:
+/// far from the 256 MiB it would have gone on to send.
+fn assert_cut_past(up: &Endless, limit: u64) {
+    let written = up.written();
+    assert!(
+        written > limit,
+        "only {written} bytes were sent: the limit was not reached"
+    );
+    assert!(
+        written < 64 << 20,
+        "{written} bytes were read of the endless answer"
+    );
+}
+
+/// `class error` of the first attempt on `endpoint` in the audit trail, once it is written.
+async fn first_attempt(gw: &Gw, endpoint: &str) -> String {
+    let sql = format!("SELECT class || ' ' || error FROM attempts WHERE endpoint = '{endpoint}'");
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            !audit_rows(gw, &sql).is_empty()
+        })
+        .await,
+        "no attempt on {endpoint} in the audit trail"
+    );
+    audit_rows(gw, &sql)[0][0].as_str().unwrap().to_string()
+}
+
 /// An upstream whose 200 answer never ends is read no further than `server.max_response_bytes`:
 /// the attempt is `malformed_response`, the connection dropped, and the request fails over.
 /// Before, the gateway held every byte it was sent until `timeouts.total` (here 256 MiB, then a
@@ -2272,31 +2299,12 @@ async fn an_answer_that_never_ends_is_cut_at_max_response_bytes_and_fails_over()
     const CAP: u64 = 256 << 20;
     let a = Endless::start(CAP, false, false);
     let b = MockUp::openai("name: b").await;
-    let gw = Gw::start(&format!(
-        "server: {{ max_response_bytes: 1048576 }}\nmodels:\n  a: {{ type: openai, base_url: \"http://{}/v1\", timeouts: {{ total: 20s }} }}\n  b: {{ type: openai, base_url: \"{}\" }}\nrouting_policy:\n  fallback_chain: [a, b]\n",
-        a.addr,
-        b.base()
-    ));
+    let gw = Gw::start(&endless_then(&a, &b, "{ total: 20s }"));
     let r = gw.chat("a", "x").await;
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "x-autohedge-endpoint"), "b", "failed over");
-    assert!(a.written() > 0, "the endless answer was sent");
-    // Past the limit (1 MiB), only what the sockets' buffers took: far from the 256 MiB the
-    // upstream would have gone on to send.
-    assert!(
-        a.written() < 64 << 20,
-        "{} bytes were read of the endless answer",
-        a.written()
-    );
-    let sql = "SELECT class || ' ' || error FROM attempts WHERE endpoint = 'a'";
-    assert!(
-        eventually(Duration::from_secs(5), || async {
-            !audit_rows(&gw, sql).is_empty()
-        })
-        .await
-    );
-    let rows = audit_rows(&gw, sql);
-    let row = rows[0][0].as_str().unwrap();
+    assert_cut_past(&a, 1 << 20);
+    let row = first_attempt(&gw, "a").await;
     assert!(
         row.starts_with("malformed_response ") && row.contains("larger than 1048576 bytes"),
         "{row}"
@@ -2325,15 +2333,7 @@ async fn a_probe_answer_that_never_ends_fails_the_probe_at_8_mib() {
     let st = gw.status().await;
     let reason = st["endpoints"]["p"]["health_reason"].as_str().unwrap_or("");
     assert!(reason.contains("larger than 8388608 bytes"), "{reason}");
-    assert!(
-        p.written() > 8 << 20,
-        "the endless answer was sent past the limit"
-    );
-    assert!(
-        p.written() < 64 << 20,
-        "{} bytes were read of the endless probe answer",
-        p.written()
-    );
+    assert_cut_past(&p, 8 << 20);
     assert_no_panic(&gw);
 }
 
@@ -2345,11 +2345,7 @@ async fn a_stream_of_endless_preamble_is_cut_at_max_response_bytes_and_fails_ove
     const CAP: u64 = 256 << 20;
     let a = Endless::start(CAP, false, true);
     let b = MockUp::openai("name: b\nreply: \"from b\"").await;
-    let gw = Gw::start(&format!(
-        "server: {{ max_response_bytes: 1048576 }}\nmodels:\n  a: {{ type: openai, base_url: \"http://{}/v1\", timeouts: {{ first_token: 20s, total: 30s }} }}\n  b: {{ type: openai, base_url: \"{}\" }}\nrouting_policy:\n  fallback_chain: [a, b]\n",
-        a.addr,
-        b.base()
-    ));
+    let gw = Gw::start(&endless_then(&a, &b, "{ first_token: 20s, total: 30s }"));
     let r = gw
         .post(
             "/v1/chat/completions",
@@ -2359,24 +2355,8 @@ async fn a_stream_of_endless_preamble_is_cut_at_max_response_bytes_and_fails_ove
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "x-autohedge-endpoint"), "b", "failed over");
     assert_eq!(stream_text(&sse_events(r).await), "from b");
-    assert!(
-        a.written() > 1 << 20,
-        "the preamble was sent past the limit"
-    );
-    assert!(
-        a.written() < 64 << 20,
-        "{} bytes of preamble were held",
-        a.written()
-    );
-    let sql = "SELECT class || ' ' || error FROM attempts WHERE endpoint = 'a'";
-    assert!(
-        eventually(Duration::from_secs(5), || async {
-            !audit_rows(&gw, sql).is_empty()
-        })
-        .await
-    );
-    let rows = audit_rows(&gw, sql);
-    let row = rows[0][0].as_str().unwrap();
+    assert_cut_past(&a, 1 << 20);
+    let row = first_attempt(&gw, "a").await;
     assert!(
         row.starts_with("malformed_response ")
             && row.contains("preamble larger than 1048576 bytes"),

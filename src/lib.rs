@@ -34,6 +34,7 @@ pub mod registry;
 pub mod reload;
 pub mod report;
 pub mod router;
+pub mod send_deadline;
 pub mod server;
 pub mod state;
 pub mod stats;
@@ -57,6 +58,7 @@ mod layering {
         ("health", &[include_str!("health.rs")], &[]),
         ("hedge", &[include_str!("hedge.rs")], &[]),
         ("h1pool", &[include_str!("h1pool.rs")], &[]),
+        ("send_deadline", &[include_str!("send_deadline.rs")], &[]),
         ("ratelimit", &[include_str!("ratelimit.rs")], &[]),
         ("vault", &[include_str!("vault.rs")], &[]),
         (

@@ -159,6 +159,7 @@ impl Gateway {
         }
         let grace = opts.config.shutdown_grace;
         let header_timeout = opts.config.header_timeout;
+        let send_timeout = opts.config.send_timeout;
         let state = AppState::new(
             opts.config,
             opened.store.handle(),
@@ -234,6 +235,7 @@ impl Gateway {
             cancel.clone(),
             grace,
             header_timeout,
+            send_timeout,
         ));
         tracing::info!(%addr, "autohedge listening");
         Ok(Gateway {
@@ -300,6 +302,7 @@ async fn serve(
     cancel: CancellationToken,
     grace: Duration,
     header_timeout: Duration,
+    send_timeout: Duration,
 ) {
     let mut http1 = hyper::server::conn::http1::Builder::new();
     http1
@@ -348,7 +351,7 @@ async fn serve(
                 },
             };
             // Client resets and header timeouts end up here; they are the client's business.
-            let io = TokioIo::new(tcp);
+            let io = crate::send_deadline::SendDeadline::new(TokioIo::new(tcp), send_timeout);
             let ended = match proto {
                 Proto::Http1 => {
                     let svc = hyper::service::service_fn(
@@ -409,7 +412,7 @@ async fn serve(
                 }
             };
             if let Err(e) = ended {
-                tracing::debug!(error = %e, "connection ended with an error");
+                tracing::debug!(error = %crate::upstream::error_chain(&e), "connection ended with an error");
             }
         });
     }

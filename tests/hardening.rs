@@ -2163,26 +2163,34 @@ async fn a_gateway_out_of_file_descriptors_blames_no_endpoint() {
 }
 
 /// A loopback upstream whose answers never end: every POST (and, with `endless_get`, every GET)
-/// gets a 200 with a chunked JSON body — or, with `sse`, an event stream of role-only preamble
-/// chunks and never any content — written until `cap` bytes, then the connection is held in
-/// silence. GETs otherwise get a one-model list, so probes pass. `written` is the most any
-/// connection got written before the gateway stopped reading (or `cap`).
+/// gets a 200 with a chunked JSON body — or, with `events`, an event stream of that one event
+/// (`ROLE` or `CONTENT`) again and again — written until `cap` bytes, then the connection is held
+/// in silence. GETs otherwise get a one-model list, so probes pass. `written` is the most any
+/// connection got written before the gateway stopped reading (or `cap`); `released` says the
+/// gateway let go of an answer's connection (a write failed, or it closed).
 struct Endless {
     addr: std::net::SocketAddr,
     written: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    released: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
+/// A role-only chunk: stream preamble, never content.
+const ROLE: &str = "data: {\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\"}}]}\n\n";
+/// A content chunk.
+const CONTENT: &str = "data: {\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"x \"}}]}\n\n";
+
 impl Endless {
-    fn start(cap: u64, endless_get: bool, sse: bool) -> Endless {
-        use std::sync::atomic::{AtomicU64, Ordering};
+    fn start(cap: u64, endless_get: bool, events: Option<&'static str>) -> Endless {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap();
         let written = std::sync::Arc::new(AtomicU64::new(0));
-        let w = written.clone();
+        let released = std::sync::Arc::new(AtomicBool::new(false));
+        let (w, r) = (written.clone(), released.clone());
         std::thread::spawn(move || {
             for conn in listener.incoming() {
                 let Ok(mut s) = conn else { return };
-                let w = w.clone();
+                let (w, r) = (w.clone(), r.clone());
                 std::thread::spawn(move || {
                     loop {
                         // One request: its head, then as many body bytes as it declares.
@@ -2213,12 +2221,11 @@ impl Endless {
                             );
                             continue;
                         }
-                        let (content_type, first, piece) = if sse {
-                            let role = "data: {\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\"}}]}\n\n";
+                        let (content_type, first, piece) = if let Some(event) = events {
                             (
                                 "text/event-stream",
                                 String::new(),
-                                role.repeat(0x10000 / role.len()),
+                                event.repeat(0x10000 / event.len()),
                             )
                         } else {
                             (
@@ -2233,19 +2240,29 @@ impl Endless {
                         );
                         let chunk = format!("{:x}\r\n{piece}\r\n", piece.len());
                         let mut sent = 0u64;
-                        while sent < cap && s.write_all(chunk.as_bytes()).is_ok() {
+                        while sent < cap {
+                            if s.write_all(chunk.as_bytes()).is_err() {
+                                r.store(true, Ordering::Relaxed);
+                                return;
+                            }
                             sent += piece.len() as u64;
                             w.fetch_max(sent, Ordering::Relaxed);
                         }
                         // Silence, the connection held until the gateway lets go of it.
                         s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-                        let _ = s.read(&mut byte);
+                        if matches!(s.read(&mut byte), Ok(0)) {
+                            r.store(true, Ordering::Relaxed);
+                        }
                         return;
                     }
                 });
             }
         });
-        Endless { addr, written }
+        Endless {
+            addr,
+            written,
+            released,
+        }
     }
 
     fn written(&self) -> u64 {
@@ -2297,7 +2314,7 @@ async fn first_attempt(gw: &Gw, endpoint: &str) -> String {
 #[tokio::test]
 async fn an_answer_that_never_ends_is_cut_at_max_response_bytes_and_fails_over() {
     const CAP: u64 = 256 << 20;
-    let a = Endless::start(CAP, false, false);
+    let a = Endless::start(CAP, false, None);
     let b = MockUp::openai("name: b").await;
     let gw = Gw::start(&endless_then(&a, &b, "{ total: 20s }"));
     let r = gw.chat("a", "x").await;
@@ -2317,7 +2334,7 @@ async fn an_answer_that_never_ends_is_cut_at_max_response_bytes_and_fails_over()
 #[tokio::test]
 async fn a_probe_answer_that_never_ends_fails_the_probe_at_8_mib() {
     const CAP: u64 = 256 << 20;
-    let p = Endless::start(CAP, true, false);
+    let p = Endless::start(CAP, true, None);
     let gw = Gw::start(&format!(
         "models:\n  p: {{ type: openai, base_url: \"http://{}/v1\" }}\nhealth: {{ probe_interval: 60s, probe_timeout: 10s, flip_after: 1 }}\n",
         p.addr
@@ -2343,7 +2360,7 @@ async fn a_probe_answer_that_never_ends_fails_the_probe_at_8_mib() {
 #[tokio::test]
 async fn a_stream_of_endless_preamble_is_cut_at_max_response_bytes_and_fails_over() {
     const CAP: u64 = 256 << 20;
-    let a = Endless::start(CAP, false, true);
+    let a = Endless::start(CAP, false, Some(ROLE));
     let b = MockUp::openai("name: b\nreply: \"from b\"").await;
     let gw = Gw::start(&endless_then(&a, &b, "{ first_token: 20s, total: 30s }"));
     let r = gw
@@ -2361,6 +2378,90 @@ async fn a_stream_of_endless_preamble_is_cut_at_max_response_bytes_and_fails_ove
         row.starts_with("malformed_response ")
             && row.contains("preamble larger than 1048576 bytes"),
         "{row}"
+    );
+    assert_no_panic(&gw);
+}
+
+/// A client that asks for a stream and then reads nothing is let go after `server.send_timeout`
+/// without progress, and so is the upstream connection behind it: before, the gateway waited to
+/// write for ever, holding the client's connection, the request and the upstream's stream (the
+/// backend still at work) for as long as the client liked.
+#[tokio::test]
+async fn a_client_that_reads_nothing_is_let_go_after_the_send_timeout() {
+    let a = Endless::start(256 << 20, false, Some(CONTENT));
+    let gw = Gw::start(&format!(
+        "server: {{ send_timeout: 1s }}\nmodels:\n  a: {{ type: openai, base_url: \"http://{}/v1\", timeouts: {{ total: 60s }} }}\n",
+        a.addr
+    ));
+    let mut s = std::net::TcpStream::connect(gw.addr).unwrap();
+    let body = r#"{"model":"a","stream":true,"messages":[{"role":"user","content":"x"}]}"#;
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    // The stream flows until every buffer between the upstream and this client is full.
+    assert!(
+        eventually(Duration::from_secs(10), || async { a.written() > 1 << 20 }).await,
+        "the stream started: {} bytes",
+        a.written()
+    );
+    // Nothing read: the gateway's writes wait, past the send timeout.
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            a.released.load(std::sync::atomic::Ordering::Relaxed)
+        })
+        .await,
+        "the upstream's stream is still held ({} bytes written)",
+        a.written()
+    );
+    // What the buffers held comes out, then the end: the connection was closed, the stream
+    // never finished.
+    let read = tokio::task::spawn_blocking(move || {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut buf = vec![0u8; 1 << 16];
+        let mut total = 0u64;
+        let mut tail = Vec::new();
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) => return Ok((total, String::from_utf8_lossy(&tail).into_owned())),
+                Ok(n) => {
+                    total += n as u64;
+                    tail = buf[..n].to_vec();
+                    if total > 128 << 20 {
+                        return Err(format!("still streaming after {total} bytes"));
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                    return Ok((total, String::new()));
+                }
+                Err(e) => return Err(format!("still open after {total} bytes ({e})")),
+            }
+        }
+    })
+    .await
+    .unwrap();
+    let (total, tail) = read.expect("the gateway closed the connection");
+    assert!(total > 0, "the stream's start reached the client");
+    assert!(!tail.contains("[DONE]"), "the stream finished: {tail}");
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            gw.log().contains("server.send_timeout")
+        })
+        .await,
+        "the cut is logged with its reason:\n{}",
+        gw.log()
+    );
+    // Recorded as what it was, a client that left mid-stream: nothing against the upstream.
+    let sql = "SELECT status, endpoint, error_class FROM requests";
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            audit_rows(&gw, sql) == vec![vec![json!(200), json!("a"), json!("client_closed")]]
+        })
+        .await,
+        "{:?}",
+        audit_rows(&gw, sql)
     );
     assert_no_panic(&gw);
 }

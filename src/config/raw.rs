@@ -250,6 +250,9 @@ pub struct RawServer {
     pub header_timeout: Option<Dur>,
     /// A client must send its whole request body within this. Default 30s.
     pub body_timeout: Option<Dur>,
+    /// A write to a client that makes no progress for this long (the client reads nothing)
+    /// closes its connection. Default 60s (nginx's `send_timeout`).
+    pub send_timeout: Option<Dur>,
     /// Requests served at once; above it new ones get 503 `overloaded` at once. 0: unlimited.
     pub max_concurrent_requests: Option<usize>,
 }

@@ -599,6 +599,7 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
         shutdown_grace: or_default(raw.server.shutdown_grace, Duration::from_secs(30)),
         header_timeout: or_default(raw.server.header_timeout, Duration::from_secs(10)),
         body_timeout: or_default(raw.server.body_timeout, Duration::from_secs(30)),
+        send_timeout: or_default(raw.server.send_timeout, Duration::from_secs(60)),
         max_concurrent_requests: raw.server.max_concurrent_requests.unwrap_or(0),
         endpoints,
         fallback_chain,

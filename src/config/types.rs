@@ -404,6 +404,8 @@ pub struct Config {
     pub shutdown_grace: Duration,
     pub header_timeout: Duration,
     pub body_timeout: Duration,
+    /// `server.send_timeout`: the longest a write to a client may wait (`send_deadline`).
+    pub send_timeout: Duration,
     /// 0: unlimited.
     pub max_concurrent_requests: usize,
     pub endpoints: BTreeMap<String, Arc<Endpoint>>,

@@ -368,6 +368,7 @@ async fn serve(
                 }
                 Proto::Http2 => {
                     let (open, idle) = Streams::new();
+                    let watched = open.clone();
                     let svc = hyper::service::service_fn(
                         move |req: axum::http::Request<hyper::body::Incoming>| {
                             let (router, state_) = (router.clone(), state_.clone());
@@ -376,12 +377,11 @@ async fn serve(
                             let stream = open.opened();
                             async move {
                                 let resp = crate::http::dispatch(&state_, &router, req, peer).await;
-                                Ok::<_, std::convert::Infallible>(resp.map(|body| {
-                                    axum::body::Body::new(Tracked {
-                                        body,
-                                        _stream: stream,
-                                    })
-                                }))
+                                Ok::<_, std::convert::Infallible>(
+                                    resp.map(|body| {
+                                        axum::body::Body::new(Tracked::new(body, stream))
+                                    }),
+                                )
                             }
                         },
                     );
@@ -394,10 +394,21 @@ async fn serve(
                     tokio::pin!(conn);
                     let idle = idle.elapsed(header_timeout);
                     tokio::pin!(idle);
+                    let mut look = tokio::time::interval(send_timeout / 4);
+                    look.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                     let mut closing = false;
                     loop {
                         tokio::select! {
                             r = conn.as_mut() => break r,
+                            _ = look.tick() => {
+                                if watched.stalled(send_timeout) {
+                                    // A stream the client gives no room (no WINDOW_UPDATE) for
+                                    // `send_timeout`: as `SendDeadline` for a socket that takes
+                                    // nothing. Dropping the connection resets its streams.
+                                    tracing::debug!(%peer, "HTTP/2 client took nothing of a response for server.send_timeout; connection closed");
+                                    return;
+                                }
+                            }
                             _ = cancel.cancelled(), if !closing => {
                                 conn.as_mut().graceful_shutdown();
                                 closing = true;
@@ -436,10 +447,28 @@ async fn serve(
 /// no next request within it. hyper's HTTP/2 server has no idle deadline of its own, so a client
 /// that sent the preface and then nothing (or only answers PINGs) held its socket and task for
 /// ever.
-struct Streams(Arc<tokio::sync::watch::Sender<usize>>);
+///
+/// It also knows which streams wait for the client: a response body that handed hyper a frame
+/// is not polled again until the client's flow-control window has room for it. A client that
+/// never grants room (no `WINDOW_UPDATE`) — while answering PINGs — would hold the stream, and
+/// the upstream's stream behind it, for ever; the socket's own [`SendDeadline`] never sees a
+/// write wait, since nothing is written.
+///
+/// [`SendDeadline`]: crate::send_deadline::SendDeadline
+#[derive(Clone)]
+struct Streams {
+    open: Arc<tokio::sync::watch::Sender<usize>>,
+    /// Since when each stream (by its number here) has had a frame waiting for the client.
+    waiting: Arc<std::sync::Mutex<std::collections::HashMap<u64, tokio::time::Instant>>>,
+    next: Arc<std::sync::atomic::AtomicU64>,
+}
 
 /// One open stream; dropping it (the response's body sent in full, or the stream reset) closes it.
-struct OpenStream(Arc<tokio::sync::watch::Sender<usize>>);
+struct OpenStream {
+    streams: Streams,
+    id: u64,
+    handed: bool,
+}
 
 /// Watches a connection's open streams.
 struct Idle(tokio::sync::watch::Receiver<usize>);
@@ -447,18 +476,61 @@ struct Idle(tokio::sync::watch::Receiver<usize>);
 impl Streams {
     fn new() -> (Streams, Idle) {
         let (tx, rx) = tokio::sync::watch::channel(0);
-        (Streams(Arc::new(tx)), Idle(rx))
+        let streams = Streams {
+            open: Arc::new(tx),
+            waiting: Default::default(),
+            next: Default::default(),
+        };
+        (streams, Idle(rx))
     }
 
     fn opened(&self) -> OpenStream {
-        self.0.send_modify(|n| *n += 1);
-        OpenStream(self.0.clone())
+        self.open.send_modify(|n| *n += 1);
+        OpenStream {
+            streams: self.clone(),
+            id: self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            handed: false,
+        }
+    }
+
+    /// Whether a stream has had a frame waiting for the client for `limit` or more.
+    fn stalled(&self, limit: Duration) -> bool {
+        let now = tokio::time::Instant::now();
+        self.waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .any(|since| now.duration_since(*since) >= limit)
+    }
+}
+
+impl OpenStream {
+    /// The body handed hyper a frame: from now the stream waits for the client to take it.
+    fn handed(&mut self) {
+        self.handed = true;
+        self.streams
+            .waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(self.id, tokio::time::Instant::now());
+    }
+
+    /// The body is polled again: what it handed has been taken.
+    fn taken(&mut self) {
+        if std::mem::take(&mut self.handed) {
+            self.streams
+                .waiting
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&self.id);
+        }
     }
 }
 
 impl Drop for OpenStream {
     fn drop(&mut self) {
-        self.0.send_modify(|n| *n = n.saturating_sub(1));
+        self.taken();
+        self.streams.open.send_modify(|n| *n = n.saturating_sub(1));
     }
 }
 
@@ -478,10 +550,20 @@ impl Idle {
     }
 }
 
-/// A response body that holds its stream open until it is dropped.
+/// A response body that holds its stream open until it is dropped, and says when it waits for
+/// the client (see [`Streams`]).
 struct Tracked {
     body: axum::body::Body,
-    _stream: OpenStream,
+    stream: OpenStream,
+}
+
+impl Tracked {
+    /// The response goes to hyper now: until its body is first polled, it waits for the client
+    /// too (a client that opened with no flow-control window at all).
+    fn new(body: axum::body::Body, mut stream: OpenStream) -> Tracked {
+        stream.handed();
+        Tracked { body, stream }
+    }
 }
 
 impl hyper::body::Body for Tracked {
@@ -492,7 +574,13 @@ impl hyper::body::Body for Tracked {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
-        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+        let this = &mut *self;
+        this.stream.taken();
+        let polled = std::pin::Pin::new(&mut this.body).poll_frame(cx);
+        if let std::task::Poll::Ready(Some(Ok(_))) = &polled {
+            this.stream.handed();
+        }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {
@@ -651,6 +739,33 @@ mod tests {
         drop(third);
         watch.await.unwrap();
         assert_eq!(t0.elapsed(), after * 3 + after / 2 + after * 2 + after);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_is_stalled_only_while_what_it_handed_waits_past_the_limit() {
+        let limit = Duration::from_secs(5);
+        let (streams, _idle) = Streams::new();
+        let mut a = streams.opened();
+        let mut b = streams.opened();
+        assert!(!streams.stalled(limit), "nothing handed yet");
+        a.handed();
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        b.handed();
+        assert!(!streams.stalled(limit));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(streams.stalled(limit), "a has waited 5 s");
+        // Taken, then handed again: the wait starts over; b has waited 1 s.
+        a.taken();
+        a.handed();
+        assert!(!streams.stalled(limit));
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        assert!(streams.stalled(limit), "b has waited 5 s");
+        drop(b);
+        assert!(!streams.stalled(limit), "a stream gone waits for nothing");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(streams.stalled(limit), "a again, 5 s");
+        drop(a);
+        assert!(!streams.stalled(limit));
     }
 
     #[test]

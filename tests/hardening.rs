@@ -726,11 +726,20 @@ impl RawH2 {
 
     /// Connects and sends the preface with an empty SETTINGS frame.
     fn connect(addr: std::net::SocketAddr) -> RawH2 {
+        Self::connect_with(addr, &[])
+    }
+
+    /// The same with these settings (identifier, value).
+    fn connect_with(addr: std::net::SocketAddr, settings: &[(u16, u32)]) -> RawH2 {
         let mut s = std::net::TcpStream::connect(addr).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").unwrap();
         let mut c = RawH2 { s };
-        c.send(Self::SETTINGS, 0, 0, &[]).unwrap();
+        let payload: Vec<u8> = settings
+            .iter()
+            .flat_map(|(id, v)| [&id.to_be_bytes()[..], &v.to_be_bytes()[..]].concat())
+            .collect();
+        c.send(Self::SETTINGS, 0, 0, &payload).unwrap();
         c
     }
 
@@ -742,9 +751,9 @@ impl RawH2 {
         self.s.write_all(&f)
     }
 
-    /// `POST /v1/chat/completions` for `model` on stream 1: its HEADERS, then the body in one
-    /// DATA frame that ends the stream.
-    fn chat(&mut self, model: &str) {
+    /// `POST /v1/chat/completions` for `model` on stream 1 (`stream: true` when `stream`): its
+    /// HEADERS, then the body in one DATA frame that ends the stream.
+    fn chat(&mut self, model: &str, stream: bool) {
         let head = hpack(
             &[POST, HTTP],
             &[
@@ -754,7 +763,9 @@ impl RawH2 {
             ],
         );
         self.send(Self::HEADERS, 0x4, 1, &head).unwrap(); // END_HEADERS
-        let body = format!(r#"{{"model":"{model}","messages":[{{"role":"user","content":"x"}}]}}"#);
+        let body = format!(
+            r#"{{"model":"{model}","stream":{stream},"messages":[{{"role":"user","content":"x"}}]}}"#
+        );
         self.send(Self::DATA, 0x1, 1, body.as_bytes()).unwrap(); // END_STREAM
     }
 
@@ -894,7 +905,7 @@ async fn an_http2_peer_that_stops_answering_pings_is_let_go() {
     let t0 = std::time::Instant::now();
     let seen = tokio::task::spawn_blocking(move || -> Result<_, String> {
         let mut c = RawH2::connect(addr);
-        c.chat("a");
+        c.chat("a", false);
         let mut pings = 0;
         while let Some((ty, flags, id, payload)) = c.next()? {
             match ty {
@@ -935,7 +946,7 @@ async fn at_shutdown_an_http2_connection_finishes_its_stream_then_is_sent_goaway
     let addr = gw.addr;
     let client = tokio::task::spawn_blocking(move || -> Result<_, String> {
         let mut c = RawH2::connect(addr);
-        c.chat("a");
+        c.chat("a", false);
         let (mut status, mut ended, mut goaway) = (None, false, false);
         while let Some((ty, flags, id, payload)) = c.next()? {
             match ty {
@@ -2462,6 +2473,52 @@ async fn a_client_that_reads_nothing_is_let_go_after_the_send_timeout() {
         .await,
         "{:?}",
         audit_rows(&gw, sql)
+    );
+    assert_no_panic(&gw);
+}
+
+/// An HTTP/2 client that asks for a stream and then grants it no flow-control window (no
+/// `WINDOW_UPDATE`) — while answering every PING, so neither keep-alive nor idleness ends it — is
+/// let go after `server.send_timeout`, with the upstream's stream behind it.
+#[tokio::test]
+async fn an_http2_client_that_grants_no_window_is_let_go_after_the_send_timeout() {
+    let a = Endless::start(256 << 20, false, Some(CONTENT));
+    let gw = Gw::start(&format!(
+        "server: {{ send_timeout: 1s, header_timeout: 60s }}\nmodels:\n  a: {{ type: openai, base_url: \"http://{}/v1\", timeouts: {{ total: 60s }} }}\n",
+        a.addr
+    ));
+    let addr = gw.addr;
+    let t0 = std::time::Instant::now();
+    let client = tokio::task::spawn_blocking(move || -> Result<_, String> {
+        // SETTINGS_INITIAL_WINDOW_SIZE (4): 100 bytes a stream, never raised.
+        let mut c = RawH2::connect_with(addr, &[(4, 100)]);
+        c.chat("a", true);
+        let (mut status, mut data) = (None, 0usize);
+        while let Some((ty, flags, id, payload)) = c.next()? {
+            match ty {
+                RawH2::HEADERS if id == 1 => status = payload.first().copied(),
+                RawH2::DATA if id == 1 => data += payload.len(),
+                _ => {
+                    c.control(ty, flags, &payload, true);
+                }
+            }
+        }
+        Ok((status, data))
+    });
+    let (status, data) = client.await.unwrap().expect("the connection is closed");
+    assert_eq!(status, Some(STATUS_200), "the stream began");
+    assert!(data > 0 && data <= 100, "{data} bytes: the window held");
+    let took = t0.elapsed();
+    assert!(
+        took >= Duration::from_millis(900),
+        "closed after {took:?}, before the send timeout"
+    );
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            a.released.load(std::sync::atomic::Ordering::Relaxed)
+        })
+        .await,
+        "the upstream's stream is still held"
     );
     assert_no_panic(&gw);
 }

@@ -129,7 +129,7 @@ pub async fn watch(
     // A change between the initial load and the watch being in place would be missed:
     // compare with what is live now, once the watch exists.
     let live = Some(state.config.load().source.clone().into_bytes());
-    let now = std::fs::read(&path).ok();
+    let now = crate::config::read_bounded(&path, crate::config::MAX_CONFIG_BYTES).ok();
     if now.is_some() && now != live {
         reload_off_path(&state, &path).await;
     }
@@ -140,7 +140,7 @@ pub async fn watch(
             _ = hup.recv() => {
                 tracing::info!("SIGHUP: reloading config");
                 reload_off_path(&state, &path).await;
-                last = std::fs::read(&path).ok();
+                last = crate::config::read_bounded(&path, crate::config::MAX_CONFIG_BYTES).ok();
             }
             Some(()) = rx.recv() => {
                 // Debounce: wait for the burst of events to end, but never longer than
@@ -149,7 +149,7 @@ pub async fn watch(
                 while tokio::time::Instant::now() < until
                     && let Ok(Some(())) = tokio::time::timeout(DEBOUNCE, rx.recv()).await
                 {}
-                let now = std::fs::read(&path).ok();
+                let now = crate::config::read_bounded(&path, crate::config::MAX_CONFIG_BYTES).ok();
                 if now.is_none() {
                     // Mid-rename or deleted: keep the live table; the next event retries.
                     continue;

@@ -39,6 +39,34 @@ const DEFAULT_MAX_BODY: usize = 8 * 1024 * 1024;
 /// inputs of 3,072 floats as JSON text are about 90 MB.
 const DEFAULT_MAX_RESPONSE: usize = 128 * 1024 * 1024;
 
+/// The largest config file read: a config of hundreds of endpoints is tens of KB. A path that
+/// points at something endless (`/dev/zero`, a FIFO someone keeps writing) must not grow the
+/// process without bound.
+pub const MAX_CONFIG_BYTES: u64 = 16 * 1024 * 1024;
+
+/// A file's bytes, at most `limit` of them: more is an error (`InvalidData`, saying so), not a
+/// truncated read. For the config file and the files it names (key files, CA bundles).
+pub fn read_bounded(path: &Path, limit: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(limit + 1)
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > limit {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("larger than {limit} bytes"),
+        ));
+    }
+    Ok(bytes)
+}
+
+/// [`read_bounded`] as text.
+pub fn read_text_bounded(path: &Path, limit: u64) -> std::io::Result<String> {
+    String::from_utf8(read_bounded(path, limit)?)
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8"))
+}
+
 impl Config {
     /// Reads and loads a config file.
     pub fn load_file(path: &Path) -> Result<Config, ConfigError> {
@@ -49,7 +77,7 @@ impl Config {
         path: &Path,
         discovered: &[DiscoveredEndpoint],
     ) -> Result<Config, ConfigError> {
-        let text = std::fs::read_to_string(path)
+        let text = read_text_bounded(path, MAX_CONFIG_BYTES)
             .map_err(|e| ConfigError(format!("cannot read {}: {e}", path.display())))?;
         Config::load_with(&text, discovered)
             .map_err(|e| ConfigError(format!("{}: {}", path.display(), e.0)))
@@ -397,8 +425,50 @@ mod discovered_tests {
         assert_eq!(scrub_scalars("cut \"sk-unterminated"), "cut (value hidden)");
     }
 
+    #[test]
+    fn flow_collections_nested_past_the_limit_are_refused_before_parsing() {
+        // 100,000 levels took the YAML parser 15 s; refused at once, saying why.
+        let deep = format!("models: {}", "[".repeat(100_000));
+        let t0 = std::time::Instant::now();
+        let err = Config::load(&deep).unwrap_err();
+        assert!(err.0.contains("nested deeper than 256 levels"), "{}", err.0);
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(2),
+            "{:?}",
+            t0.elapsed()
+        );
+        assert_eq!(raw::flow_depth(&"{".repeat(300)), 300);
+        // Brackets in quoted scalars and comments are not nesting.
+        let quoted = format!(
+            "a: \"{b}\"\nb: '{b}'\nc: x # {b}\nd: [1, [2, {{e: 3}}]]\n",
+            b = "[".repeat(1000)
+        );
+        assert_eq!(raw::flow_depth(&quoted), 3);
+        // A real config nests a handful.
+        assert!(raw::flow_depth(EMBEDDED_DEFAULT) < 8);
+        assert!(raw::flow_depth(include_str!("../../config/example.yaml")) < 8);
+    }
+
+    #[test]
+    fn a_config_file_that_never_ends_is_refused_not_read_whole() {
+        let err = Config::load_file(Path::new("/dev/zero")).unwrap_err();
+        assert!(err.0.contains("larger than 16777216 bytes"), "{}", err.0);
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("key");
+        std::fs::write(&key, "k".repeat(70_000)).unwrap();
+        let err = read_text_bounded(&key, 64 * 1024).unwrap_err();
+        assert!(err.to_string().contains("larger than 65536 bytes"), "{err}");
+        std::fs::write(&key, "sk-small\n").unwrap();
+        assert_eq!(read_text_bounded(&key, 64 * 1024).unwrap(), "sk-small\n");
+    }
+
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
+        #[test]
+        fn depth_scan_never_panics(text in "\\PC{0,300}") {
+            let _ = raw::flow_depth(&text);
+        }
+
         #[test]
         fn scrub_never_panics(msg in "\\PC{0,200}") {
             let _ = scrub_scalars(&msg);

@@ -312,7 +312,8 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
         let tls = match &ep.ca_file {
             None => tls_config(None).map_err(|e| ConfigError(format!("at `{at}`: {e}")))?,
             Some(path) => {
-                let pem = std::fs::read(path).map_err(|e| {
+                // A CA bundle is a few hundred KB at most (the whole Mozilla store: ~220 KB).
+                let pem = read_bounded(path.as_ref(), 4 * 1024 * 1024).map_err(|e| {
                     ConfigError(format!("at `{at}.ca_file`: cannot read {path}: {e}"))
                 })?;
                 tls_config(Some(&pem))

@@ -175,7 +175,8 @@ impl KeySource {
                 Ok(v) if !v.trim().is_empty() => Ok(Secret(v.trim().to_string())),
                 _ => Err(format!("environment variable {name} is not set")),
             },
-            KeySource::File(path) => match std::fs::read_to_string(path) {
+            // A key is a few hundred bytes; a path to something endless must not be read whole.
+            KeySource::File(path) => match super::read_text_bounded(path.as_ref(), 64 * 1024) {
                 Ok(v) if !v.trim().is_empty() => Ok(Secret(v.trim().to_string())),
                 Ok(_) => Err(format!("key file {path} is empty")),
                 Err(e) => Err(format!("key file {path} cannot be read: {e}")),

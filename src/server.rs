@@ -394,7 +394,8 @@ async fn serve(
                     tokio::pin!(conn);
                     let idle = idle.elapsed(header_timeout);
                     tokio::pin!(idle);
-                    let mut look = tokio::time::interval(send_timeout / 4);
+                    let mut look =
+                        tokio::time::interval((send_timeout / 4).max(Duration::from_millis(1)));
                     look.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                     let mut closing = false;
                     loop {

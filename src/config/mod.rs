@@ -426,6 +426,25 @@ mod discovered_tests {
     }
 
     #[test]
+    fn zero_front_door_timeouts_are_refused() {
+        for key in ["header_timeout", "body_timeout", "send_timeout"] {
+            let err = Config::load(&format!(
+                "server: {{ {key}: 0 }}\nmodels:\n  a: {{ type: openai, base_url: \"http://127.0.0.1:9/v1\" }}\n"
+            ))
+            .unwrap_err();
+            assert_eq!(
+                err.0,
+                format!("at `server.{key}`: must be greater than zero"),
+                "{key}"
+            );
+            Config::load(&format!(
+                "server: {{ {key}: 250ms }}\nmodels:\n  a: {{ type: openai, base_url: \"http://127.0.0.1:9/v1\" }}\n"
+            ))
+            .unwrap_or_else(|e| panic!("{key}: {}", e.0));
+        }
+    }
+
+    #[test]
     fn flow_collections_nested_past_the_limit_are_refused_before_parsing() {
         // 100,000 levels took the YAML parser 15 s; refused at once, saying why.
         let deep = format!("models: {}", "[".repeat(100_000));

@@ -567,6 +567,19 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
             ep.name
         )));
     }
+    // Zero would close every connection before its first byte (header), refuse every body, or
+    // cut every response that waits a moment for the client: no gateway at all.
+    for (what, d) in [
+        ("header_timeout", raw.server.header_timeout),
+        ("body_timeout", raw.server.body_timeout),
+        ("send_timeout", raw.server.send_timeout),
+    ] {
+        if d.is_some_and(|d| d.0.is_zero()) {
+            return Err(ConfigError(format!(
+                "at `server.{what}`: must be greater than zero"
+            )));
+        }
+    }
     let health = HealthPolicy {
         probe_interval: or_default(raw.health.probe_interval, Duration::from_secs(15))
             .max(Duration::from_millis(100)),

@@ -5,6 +5,7 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -457,18 +458,23 @@ async fn serve(
 ///
 /// [`SendDeadline`]: crate::send_deadline::SendDeadline
 #[derive(Clone)]
-struct Streams {
-    open: Arc<tokio::sync::watch::Sender<usize>>,
-    /// Since when each stream (by its number here) has had a frame waiting for the client.
-    waiting: Arc<std::sync::Mutex<std::collections::HashMap<u64, tokio::time::Instant>>>,
-    next: Arc<std::sync::atomic::AtomicU64>,
+struct Streams(Arc<StreamsShared>);
+
+struct StreamsShared {
+    open: tokio::sync::watch::Sender<usize>,
+    /// What the streams' waits are counted from.
+    epoch: tokio::time::Instant,
+    /// Each open stream's wait ([`OpenStream::waiting`]), registered once when it opens; a stream
+    /// gone leaves a dead entry, pruned at the next look.
+    waits: std::sync::Mutex<Vec<std::sync::Weak<AtomicU64>>>,
 }
 
 /// One open stream; dropping it (the response's body sent in full, or the stream reset) closes it.
 struct OpenStream {
     streams: Streams,
-    id: u64,
-    handed: bool,
+    /// Since when (milliseconds past `epoch`, plus one) a frame this stream handed hyper has
+    /// waited for the client; 0 while none waits. A store per frame: no lock on the stream's path.
+    waiting: Arc<AtomicU64>,
 }
 
 /// Watches a connection's open streams.
@@ -477,61 +483,63 @@ struct Idle(tokio::sync::watch::Receiver<usize>);
 impl Streams {
     fn new() -> (Streams, Idle) {
         let (tx, rx) = tokio::sync::watch::channel(0);
-        let streams = Streams {
-            open: Arc::new(tx),
-            waiting: Default::default(),
-            next: Default::default(),
-        };
+        let streams = Streams(Arc::new(StreamsShared {
+            open: tx,
+            epoch: tokio::time::Instant::now(),
+            waits: Default::default(),
+        }));
         (streams, Idle(rx))
     }
 
     fn opened(&self) -> OpenStream {
-        self.open.send_modify(|n| *n += 1);
+        self.0.open.send_modify(|n| *n += 1);
+        let waiting = Arc::new(AtomicU64::new(0));
+        self.0
+            .waits
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Arc::downgrade(&waiting));
         OpenStream {
             streams: self.clone(),
-            id: self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-            handed: false,
+            waiting,
         }
+    }
+
+    /// Milliseconds since `epoch`, plus one (0 means "not waiting").
+    fn now(&self) -> u64 {
+        self.0.epoch.elapsed().as_millis() as u64 + 1
     }
 
     /// Whether a stream has had a frame waiting for the client for `limit` or more.
     fn stalled(&self, limit: Duration) -> bool {
-        let now = tokio::time::Instant::now();
-        self.waiting
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .any(|since| now.duration_since(*since) >= limit)
+        let (now, limit) = (self.now(), limit.as_millis() as u64);
+        let mut waits = self.0.waits.lock().unwrap_or_else(|e| e.into_inner());
+        waits.retain(|w| w.strong_count() > 0);
+        waits.iter().filter_map(std::sync::Weak::upgrade).any(|w| {
+            let since = w.load(Ordering::Relaxed);
+            since != 0 && now.saturating_sub(since) >= limit
+        })
     }
 }
 
 impl OpenStream {
     /// The body handed hyper a frame: from now the stream waits for the client to take it.
-    fn handed(&mut self) {
-        self.handed = true;
-        self.streams
-            .waiting
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(self.id, tokio::time::Instant::now());
+    fn handed(&self) {
+        self.waiting.store(self.streams.now(), Ordering::Relaxed);
     }
 
     /// The body is polled again: what it handed has been taken.
-    fn taken(&mut self) {
-        if std::mem::take(&mut self.handed) {
-            self.streams
-                .waiting
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&self.id);
-        }
+    fn taken(&self) {
+        self.waiting.store(0, Ordering::Relaxed);
     }
 }
 
 impl Drop for OpenStream {
     fn drop(&mut self) {
-        self.taken();
-        self.streams.open.send_modify(|n| *n = n.saturating_sub(1));
+        self.streams
+            .0
+            .open
+            .send_modify(|n| *n = n.saturating_sub(1));
     }
 }
 
@@ -561,7 +569,7 @@ struct Tracked {
 impl Tracked {
     /// The response goes to hyper now: until its body is first polled, it waits for the client
     /// too (a client that opened with no flow-control window at all).
-    fn new(body: axum::body::Body, mut stream: OpenStream) -> Tracked {
+    fn new(body: axum::body::Body, stream: OpenStream) -> Tracked {
         stream.handed();
         Tracked { body, stream }
     }
@@ -746,8 +754,8 @@ mod tests {
     async fn a_stream_is_stalled_only_while_what_it_handed_waits_past_the_limit() {
         let limit = Duration::from_secs(5);
         let (streams, _idle) = Streams::new();
-        let mut a = streams.opened();
-        let mut b = streams.opened();
+        let a = streams.opened();
+        let b = streams.opened();
         assert!(!streams.stalled(limit), "nothing handed yet");
         a.handed();
         tokio::time::sleep(Duration::from_secs(4)).await;

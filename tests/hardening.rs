@@ -2291,6 +2291,14 @@ fn endless_then(a: &Endless, b: &MockUp, timeouts: &str) -> String {
     )
 }
 
+/// `a` (an endless upstream) alone, its `timeouts.total` 60 s, with this `server` section.
+fn endless_only(a: &Endless, server: &str) -> String {
+    format!(
+        "server: {server}\nmodels:\n  a: {{ type: openai, base_url: \"http://{}/v1\", timeouts: {{ total: 60s }} }}\n",
+        a.addr
+    )
+}
+
 /// The endless upstream was read past `limit`, but no further than the sockets' buffers take:
 /// far from the 256 MiB it would have gone on to send.
 fn assert_cut_past(up: &Endless, limit: u64) {
@@ -2400,10 +2408,7 @@ async fn a_stream_of_endless_preamble_is_cut_at_max_response_bytes_and_fails_ove
 #[tokio::test]
 async fn a_client_that_reads_nothing_is_let_go_after_the_send_timeout() {
     let a = Endless::start(256 << 20, false, Some(CONTENT));
-    let gw = Gw::start(&format!(
-        "server: {{ send_timeout: 1s }}\nmodels:\n  a: {{ type: openai, base_url: \"http://{}/v1\", timeouts: {{ total: 60s }} }}\n",
-        a.addr
-    ));
+    let gw = Gw::start(&endless_only(&a, "{ send_timeout: 1s }"));
     let mut s = std::net::TcpStream::connect(gw.addr).unwrap();
     let body = r#"{"model":"a","stream":true,"messages":[{"role":"user","content":"x"}]}"#;
     write!(
@@ -2483,9 +2488,9 @@ async fn a_client_that_reads_nothing_is_let_go_after_the_send_timeout() {
 #[tokio::test]
 async fn an_http2_client_that_grants_no_window_is_let_go_after_the_send_timeout() {
     let a = Endless::start(256 << 20, false, Some(CONTENT));
-    let gw = Gw::start(&format!(
-        "server: {{ send_timeout: 1s, header_timeout: 60s }}\nmodels:\n  a: {{ type: openai, base_url: \"http://{}/v1\", timeouts: {{ total: 60s }} }}\n",
-        a.addr
+    let gw = Gw::start(&endless_only(
+        &a,
+        "{ send_timeout: 1s, header_timeout: 60s }",
     ));
     let addr = gw.addr;
     let t0 = std::time::Instant::now();

@@ -304,17 +304,23 @@ impl Answer {
     }
 }
 
-/// A reqwest response's body, up to `limit` bytes (probes, `/tokenize`): what [`Answer::bytes`]
-/// is for the request path.
-pub async fn reqwest_body(mut r: reqwest::Response, limit: usize) -> Result<Bytes, BodyError> {
-    let mut all = bytes::BytesMut::new();
-    while let Some(b) = r.chunk().await.map_err(|e| BodyError::Read(e.into()))? {
-        if all.len() + b.len() > limit {
-            return Err(BodyError::TooLarge(limit));
+impl From<reqwest::Response> for Answer {
+    fn from(resp: reqwest::Response) -> Answer {
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let body = resp.bytes_stream().map_err(BoxError::from);
+        Answer {
+            status,
+            headers,
+            body: Box::pin(body),
         }
-        all.extend_from_slice(&b);
     }
-    Ok(all.freeze())
+}
+
+/// A reqwest response's body, up to `limit` bytes (probes, `/tokenize`), read as
+/// [`Answer::bytes`] reads the request path's.
+pub async fn reqwest_body(r: reqwest::Response, limit: usize) -> Result<Bytes, BodyError> {
+    Answer::from(r).bytes(limit).await
 }
 
 /// Times a connection to an upstream (a request's or a probe's) could not be made because this
@@ -485,16 +491,7 @@ impl Prepared<'_> {
             Prepared::DirectOwned(client, req) => send_direct(&client, req).await,
             Prepared::Pooled(pool, req) => send_pooled(&pool, req).await,
             Prepared::Reqwest(rb) => match rb.send().await {
-                Ok(resp) => {
-                    let status = resp.status();
-                    let headers = resp.headers().clone();
-                    let body = resp.bytes_stream().map_err(BoxError::from);
-                    Ok(Answer {
-                        status,
-                        headers,
-                        body: Box::pin(body),
-                    })
-                }
+                Ok(resp) => Ok(Answer::from(resp)),
                 Err(e) => {
                     // reqwest's Display includes the URL: a discovered task's internal address,
                     // which belongs in the audit row, not in a client's 503 body.

@@ -189,6 +189,14 @@ async fn container_view(docker: &Docker, id: &str, network: Option<&str>) -> Con
     }
 }
 
+/// `http://ip:port` for an address the engine gave, or `None` when it is not an IP address.
+/// The engine's word decides where requests (and the endpoint's key) go, so nothing else is
+/// taken from it: not a host name, a path or a `user@` — and an IPv6 address is bracketed.
+fn task_url(ip: &str, port: u16) -> Option<String> {
+    let ip: std::net::IpAddr = ip.parse().ok()?;
+    Some(format!("http://{}", std::net::SocketAddr::new(ip, port)))
+}
+
 /// With `docker.stack` set, only that stack's services and containers count.
 fn in_stack(labels: &HashMap<String, String>, cfg: &DockerConfig) -> bool {
     match &cfg.stack {
@@ -203,15 +211,23 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
     let mut out = Vec::new();
     let mut filters = HashMap::new();
     filters.insert("label".to_string(), vec![LABEL_ENDPOINT.to_string()]);
-    // Not a swarm manager: no services, which is fine.
-    let services = docker
+    let services = match docker
         .list_services(Some(
             ListServicesOptionsBuilder::default()
                 .filters(&filters)
                 .build(),
         ))
         .await
-        .unwrap_or_default();
+    {
+        Ok(services) => services,
+        // Not a swarm manager ("This node is not a swarm manager"): no services, which is fine.
+        Err(bollard::errors::Error::DockerResponseServerError {
+            status_code: 503, ..
+        }) => Vec::new(),
+        // Anything else fails the scan: read as "no services", it would have taken every
+        // Swarm-backed endpoint down while their tasks ran on.
+        Err(e) => return Err(e),
+    };
     for svc in services {
         let spec = svc.spec.clone().unwrap_or_default();
         let labels = spec.labels.clone().unwrap_or_default();
@@ -221,7 +237,9 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
         if !in_stack(&labels, cfg) {
             continue;
         }
-        let name = spec.name.clone().unwrap_or_default();
+        // Docker caps names at 63 characters; an engine that does not is clipped, since the
+        // name is shown in `/status`, logs and `endpoint_events`.
+        let name = crate::engine::clip(&spec.name.clone().unwrap_or_default());
         let port = labels
             .get(LABEL_PORT)
             .and_then(|p| p.parse::<u16>().ok())
@@ -297,8 +315,7 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
                 continue;
             }
             running += 1;
-            if let Some(ip) = ip {
-                let addr = format!("http://{ip}:{port}");
+            if let Some(addr) = ip.as_deref().and_then(|ip| task_url(ip, port)) {
                 if let Some(cid) = &cid {
                     containers.push((cid.clone(), addr.clone()));
                 }
@@ -348,15 +365,14 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
         if !in_stack(&labels, cfg) {
             continue;
         }
-        let name = c
-            .names
-            .clone()
-            .unwrap_or_default()
-            .first()
-            .cloned()
-            .unwrap_or_default()
-            .trim_start_matches('/')
-            .to_string();
+        let name = crate::engine::clip(
+            c.names
+                .as_deref()
+                .and_then(<[String]>::first)
+                .map(String::as_str)
+                .unwrap_or_default()
+                .trim_start_matches('/'),
+        );
         let port = labels
             .get(LABEL_PORT)
             .and_then(|p| p.parse::<u16>().ok())
@@ -377,8 +393,10 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
             None
         };
         let addresses = if down.is_none() {
-            ip.map(|ip| vec![format!("http://{ip}:{port}")])
-                .unwrap_or_default()
+            ip.as_deref()
+                .and_then(|ip| task_url(ip, port))
+                .into_iter()
+                .collect()
         } else {
             vec![]
         };
@@ -402,17 +420,6 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
     Ok(out)
 }
 
-fn percent_encode(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
-}
-
 /// Task ID → address on `network` (or the first non-ingress network), read from the raw `/tasks`
 /// JSON: the typed model lacks `NetworksAttachments`. Empty on any error (the caller falls back to
 /// inspecting local containers).
@@ -421,7 +428,7 @@ async fn task_addresses(
     network: Option<&str>,
     timeout: Duration,
 ) -> HashMap<String, String> {
-    let filters = percent_encode(&json!({"service": [service]}).to_string());
+    let filters = crate::engine::percent_encode(&json!({"service": [service]}).to_string());
     let Ok(Value::Array(tasks)) =
         engine("GET", &format!("/tasks?filters={filters}"), None, timeout).await
     else {
@@ -481,8 +488,7 @@ fn event(state: &AppState, endpoint: &str, ev: &str, reason: String) {
     }));
 }
 
-/// A raw Docker Engine API call over `DOCKER_HOST` (unix:// or tcp://, default the local
-/// socket). Service updates go through raw JSON so the read-modify-write of a service spec keeps
+/// A raw Engine API call ([`crate::engine::call`]: read bounded) under `timeout`. Service updates go through raw JSON so the read-modify-write of a service spec keeps
 /// every field, including ones a typed model does not know (a typed round trip dropped
 /// `--no-healthcheck`, for one).
 async fn engine(
@@ -491,7 +497,7 @@ async fn engine(
     body: Option<Value>,
     timeout: Duration,
 ) -> Result<Value, String> {
-    tokio::time::timeout(timeout, engine_call(method, path, body))
+    tokio::time::timeout(timeout, crate::engine::call(method, path, body))
         .await
         .map_err(|_| {
             format!(
@@ -499,68 +505,6 @@ async fn engine(
                 timeout.as_millis()
             )
         })?
-}
-
-/// The most of one Engine API answer read by [`engine_call`].
-const ENGINE_BODY_LIMIT: usize = 16 * 1024 * 1024;
-
-async fn engine_call(method: &str, path: &str, body: Option<Value>) -> Result<Value, String> {
-    use http_body_util::{BodyExt, Full};
-    use hyper_util::rt::TokioIo;
-    let host =
-        std::env::var("DOCKER_HOST").unwrap_or_else(|_| "unix:///var/run/docker.sock".into());
-    let req = hyper::Request::builder()
-        .method(method)
-        .uri(path)
-        .header("host", "docker")
-        .header("content-type", "application/json")
-        .body(Full::new(bytes::Bytes::from(
-            body.map(|b| b.to_string()).unwrap_or_default(),
-        )))
-        .map_err(|e| e.to_string())?;
-    macro_rules! send {
-        ($stream:expr) => {{
-            let (mut tx, conn) = hyper::client::conn::http1::handshake(TokioIo::new($stream))
-                .await
-                .map_err(|e| e.to_string())?;
-            let driver = tokio::spawn(conn);
-            let resp = tx.send_request(req).await.map_err(|e| e.to_string());
-            let out = match resp {
-                Ok(r) => {
-                    let status = r.status();
-                    // The engine's answer is trusted no more than an upstream's: bounded.
-                    let bytes = http_body_util::Limited::new(r.into_body(), ENGINE_BODY_LIMIT)
-                        .collect()
-                        .await
-                        .map_err(|e| e.to_string())?
-                        .to_bytes();
-                    if !status.is_success() {
-                        Err(format!("{status}: {}", String::from_utf8_lossy(&bytes)))
-                    } else if bytes.is_empty() {
-                        Ok(Value::Null)
-                    } else {
-                        serde_json::from_slice(&bytes).map_err(|e| e.to_string())
-                    }
-                }
-                Err(e) => Err(e),
-            };
-            driver.abort();
-            out
-        }};
-    }
-    if let Some(path) = host.strip_prefix("unix://") {
-        let stream = tokio::net::UnixStream::connect(path)
-            .await
-            .map_err(|e| format!("{path}: {e}"))?;
-        send!(stream)
-    } else if let Some(addr) = host.strip_prefix("tcp://") {
-        let stream = tokio::net::TcpStream::connect(addr)
-            .await
-            .map_err(|e| format!("{addr}: {e}"))?;
-        send!(stream)
-    } else {
-        Err(format!("unsupported DOCKER_HOST {host}"))
-    }
 }
 
 /// Reads a service's spec as raw JSON, lets `change` edit it, and posts it back at that version.
@@ -629,13 +573,13 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
                 _ = tokio::time::sleep(Duration::from_secs(5)) => continue,
             }
         }
-        let result = match Docker::connect_with_defaults() {
+        let result = match crate::engine::docker() {
             Ok(d) => match tokio::time::timeout(dcfg.timeout, scan(&d, &dcfg)).await {
                 Ok(Ok(found)) => Ok((d, found)),
-                Ok(Err(e)) => Err(e.to_string()),
+                Ok(Err(e)) => Err(crate::engine::clip(&crate::upstream::error_chain(&e))),
                 Err(_) => Err(format!("no answer within {}ms", dcfg.timeout.as_millis())),
             },
-            Err(e) => Err(e.to_string()),
+            Err(e) => Err(crate::engine::clip(&e.to_string())),
         };
         match result {
             Err(e) => {
@@ -828,43 +772,44 @@ impl Drop for FollowerGuard {
     }
 }
 
-/// Follows the engine's event stream and wakes the watcher on container events that move or
-/// sicken an endpoint. Reconnects after errors; idle while Docker is off in the config.
+/// Follows the engine's event stream ([`crate::engine::events`]: read bounded) and wakes the
+/// watcher on container events that move or sicken an endpoint. Reconnects after errors; idle
+/// while Docker is off in the config.
 async fn follow_events(
     state: Arc<AppState>,
     wake: tokio::sync::mpsc::Sender<Option<String>>,
     cancel: CancellationToken,
 ) {
-    use bollard::query_parameters::EventsOptionsBuilder;
     use futures_util::StreamExt;
+    let filters = json!({"type": ["container"], "event": WAKE_EVENTS});
     loop {
-        if state.config.load().docker.enabled
-            && let Ok(docker) = Docker::connect_with_defaults()
-        {
-            let mut filters = HashMap::new();
-            filters.insert("type".to_string(), vec!["container".to_string()]);
-            filters.insert(
-                "event".to_string(),
-                WAKE_EVENTS.iter().map(|e| e.to_string()).collect(),
-            );
-            let mut events = docker.events(Some(
-                EventsOptionsBuilder::default().filters(&filters).build(),
-            ));
-            loop {
-                tokio::select! {
-                    _ = cancel.cancelled() => return,
-                    ev = events.next() => match ev {
-                        Some(Ok(ev)) => {
-                            let dead = ev
-                                .action
-                                .as_deref()
-                                .is_some_and(|a| DEATH_EVENTS.contains(&a));
-                            let id = ev.actor.and_then(|a| a.id);
-                            // A full queue already holds a wake-up; the rescan finds the rest.
-                            let _ = wake.try_send(id.filter(|_| dead));
-                        }
-                        _ => break,
-                    },
+        if state.config.load().docker.enabled {
+            let opened = tokio::select! {
+                _ = cancel.cancelled() => return,
+                opened = crate::engine::events(&filters) => opened,
+            };
+            if let Ok(events) = opened {
+                let mut events = std::pin::pin!(events);
+                loop {
+                    tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        ev = events.next() => match ev {
+                            Some(Ok(ev)) => {
+                                let dead = ev
+                                    .action
+                                    .as_deref()
+                                    .is_some_and(|a| DEATH_EVENTS.contains(&a));
+                                let id = ev.actor.and_then(|a| a.id);
+                                // A full queue already holds a wake-up; the rescan finds the rest.
+                                let _ = wake.try_send(id.filter(|_| dead));
+                            }
+                            Some(Err(e)) => {
+                                tracing::debug!(error = %crate::engine::clip(&e), "docker event stream ended");
+                                break;
+                            }
+                            None => break,
+                        },
+                    }
                 }
             }
         }
@@ -1022,4 +967,63 @@ async fn remediate(
         }
     }
     actions
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_an_ip_address_from_the_engine_becomes_a_task_url() {
+        assert_eq!(
+            task_url("10.0.1.7", 8000).as_deref(),
+            Some("http://10.0.1.7:8000")
+        );
+        // IPv6 (an overlay network with IPv6 on): bracketed, or the port would read as part of it.
+        assert_eq!(
+            task_url("fd00::1:7", 8000).as_deref(),
+            Some("http://[fd00::1:7]:8000")
+        );
+        for hostile in [
+            "evil.example",
+            "10.0.1.7/steal",
+            "user@10.0.1.7",
+            "10.0.1.7:1@evil.example",
+            "10.0.1.7#",
+            " 10.0.1.7",
+            "",
+        ] {
+            assert_eq!(task_url(hostile, 8000), None, "{hostile:?}");
+        }
+    }
+
+    use proptest::strategy::Strategy as _;
+
+    proptest::proptest! {
+        /// Whatever the engine says, a task URL is `http://`, an IP literal and the port —
+        /// never a host name, a path or credentials.
+        #[test]
+        fn a_task_url_is_an_ip_and_a_port(
+            raw in proptest::prop_oneof![
+                "\\PC{0,40}",
+                proptest::arbitrary::any::<std::net::IpAddr>().prop_map(|ip| ip.to_string()),
+                (proptest::arbitrary::any::<std::net::IpAddr>(), "[/@:#?a-z. \\]\\[]{1,6}")
+                    .prop_map(|(ip, s)| format!("{ip}{s}")),
+                ("[/@:#?a-z. \\]\\[]{1,6}", proptest::arbitrary::any::<std::net::IpAddr>())
+                    .prop_map(|(s, ip)| format!("{s}{ip}")),
+            ],
+            port in 1u16..,
+        ) {
+            if let Some(u) = task_url(&raw, port) {
+                let parsed = reqwest::Url::parse(&u).unwrap();
+                proptest::prop_assert_eq!(parsed.scheme(), "http");
+                let host = parsed.host_str().unwrap_or("");
+                let bare = host.trim_start_matches('[').trim_end_matches(']');
+                proptest::prop_assert!(bare.parse::<std::net::IpAddr>().is_ok(), "{}", u);
+                proptest::prop_assert_eq!(parsed.port_or_known_default(), Some(port));
+                proptest::prop_assert_eq!(parsed.path(), "/");
+                proptest::prop_assert_eq!(parsed.username(), "");
+            }
+        }
+    }
 }

@@ -17,6 +17,7 @@ pub mod clients;
 pub mod config;
 pub mod demo;
 pub mod discovery;
+pub mod engine;
 pub mod error;
 pub mod executor;
 pub mod h1pool;

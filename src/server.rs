@@ -29,6 +29,45 @@ const INFLIGHT_DRAIN: Duration = Duration::from_secs(3);
 /// error does not spin a core.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
+/// The accept loop's warning is written at most this often, with how many failures it did not
+/// log: while the process is out of descriptors `accept` fails every [`ACCEPT_BACKOFF`], and a
+/// line each time (20 a second, 72,000 an hour) would fill the disk the log shares.
+const ACCEPT_WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// A warning that repeats, let through at most once per `every`; the ones held back are counted
+/// and reported with the next one let through.
+#[derive(Debug)]
+pub struct Throttle {
+    every: Duration,
+    last: Option<tokio::time::Instant>,
+    held: u64,
+}
+
+impl Throttle {
+    pub fn new(every: Duration) -> Throttle {
+        Throttle {
+            every,
+            last: None,
+            held: 0,
+        }
+    }
+
+    /// `Some(n)` when this occurrence is to be logged (`n` held back since the last one logged),
+    /// `None` when it is held back.
+    pub fn pass(&mut self, now: tokio::time::Instant) -> Option<u64> {
+        match self.last {
+            Some(t) if now.duration_since(t) < self.every => {
+                self.held += 1;
+                None
+            }
+            _ => {
+                self.last = Some(now);
+                Some(std::mem::take(&mut self.held))
+            }
+        }
+    }
+}
+
 /// How often audit rows past `server.audit_retention` are deleted (also once at start).
 const PRUNE_EVERY: Duration = Duration::from_secs(3600);
 
@@ -318,13 +357,16 @@ async fn serve(
         .keep_alive_timeout(header_timeout);
     let builders = Arc::new((http1, http2));
     let graceful = GracefulShutdown::new();
+    let mut accept_warning = Throttle::new(ACCEPT_WARN_EVERY);
     loop {
         let (tcp, peer) = tokio::select! {
             _ = cancel.cancelled() => break,
             r = listener.accept() => match r {
                 Ok(x) => x,
                 Err(e) => {
-                    tracing::warn!(error = %e, "accept failed");
+                    if let Some(held) = accept_warning.pass(tokio::time::Instant::now()) {
+                        tracing::warn!(error = %e, failures_not_logged = held, "accept failed (logged at most once per {}s)", ACCEPT_WARN_EVERY.as_secs());
+                    }
                     tokio::time::sleep(ACCEPT_BACKOFF).await;
                     continue;
                 }
@@ -670,6 +712,26 @@ mod tests {
         assert_eq!(open_files_wanted(None, None), None);
         // A soft limit above the hard one cannot be, but is never lowered.
         assert_eq!(open_files_wanted(Some(30_000), Some(20_000)), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_repeating_warning_passes_once_per_period_and_counts_what_it_held() {
+        let every = Duration::from_secs(10);
+        let mut t = Throttle::new(every);
+        let t0 = tokio::time::Instant::now();
+        assert_eq!(t.pass(t0), Some(0), "the first is logged");
+        // Every 50 ms for just under the period: all held back.
+        let mut at = t0;
+        for _ in 0..199 {
+            at += Duration::from_millis(50);
+            assert_eq!(t.pass(at), None);
+        }
+        assert!(at < t0 + every);
+        // The period is over: logged, with the 199 held back since.
+        assert_eq!(t.pass(t0 + every), Some(199));
+        assert_eq!(t.pass(t0 + every + Duration::from_secs(1)), None);
+        // After a quiet spell the next one is logged at once, with what was held before it.
+        assert_eq!(t.pass(t0 + every * 5), Some(1));
     }
 
     #[test]

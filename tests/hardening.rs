@@ -2100,6 +2100,14 @@ async fn a_gateway_out_of_file_descriptors_blames_no_endpoint() {
     }
     assert_eq!(a.requests().await, 0, "no request reached an upstream");
     assert_eq!(b.requests().await, 0);
+    // The accept loop failed every 50 ms meanwhile (more than a second of it), and said so —
+    // once, not twenty times a second.
+    let accept_warnings = gw.log().matches("accept failed").count();
+    assert!(
+        (1..=2).contains(&accept_warnings),
+        "{accept_warnings} accept warnings:\n{}",
+        gw.log()
+    );
 
     // The probes' own connections are closed after each answer from now on: the next round
     // needs new sockets, and finds no descriptor either.
@@ -2525,5 +2533,319 @@ async fn an_http2_client_that_grants_no_window_is_let_go_after_the_send_timeout(
         .await,
         "the upstream's stream is still held"
     );
+    assert_no_panic(&gw);
+}
+
+/// What the fake Docker engine answers a path with.
+#[derive(Clone)]
+enum EngineAnswer {
+    /// A body of this status (`application/json`).
+    Body(u16, String),
+    /// A 200 whose chunked body is `start`, then `fill` bytes without end — up to 256 MiB,
+    /// then the connection is held in silence.
+    Endless { start: &'static str, fill: u8 },
+    /// No answer; the connection held.
+    Silent,
+}
+
+/// A Docker Engine on a unix socket, as hostile as a test wants: each path (the first key it
+/// contains) gets its [`EngineAnswer`], each connection one answer. Counts, by key, the
+/// connections and the most written on one of them.
+struct FakeEngine {
+    _dir: tempfile::TempDir,
+    host: String,
+    answers: std::sync::Arc<std::sync::Mutex<Vec<(&'static str, EngineAnswer)>>>,
+    seen: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<&'static str, (u64, u64)>>>,
+}
+
+impl FakeEngine {
+    /// A reachable engine that is no swarm manager, lists no container and sends no event.
+    fn start() -> FakeEngine {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("docker.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+        let answers = std::sync::Arc::new(std::sync::Mutex::new(vec![
+            ("/_ping", EngineAnswer::Body(200, "OK".into())),
+            (
+                "/services",
+                EngineAnswer::Body(
+                    503,
+                    r#"{"message":"This node is not a swarm manager."}"#.into(),
+                ),
+            ),
+            ("/containers/json", EngineAnswer::Body(200, "[]".into())),
+            ("/events", EngineAnswer::Silent),
+        ]));
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
+        let (a, s) = (answers.clone(), seen.clone());
+        std::thread::spawn(move || {
+            for c in listener.incoming().flatten() {
+                let (a, s) = (a.clone(), s.clone());
+                std::thread::spawn(move || FakeEngine::serve(c, a, s));
+            }
+        });
+        FakeEngine {
+            _dir: dir,
+            host: format!("unix://{}", sock.display()),
+            answers,
+            seen,
+        }
+    }
+
+    fn set(&self, key: &'static str, answer: EngineAnswer) {
+        let mut a = self.answers.lock().unwrap();
+        a.retain(|(k, _)| *k != key);
+        a.insert(0, (key, answer));
+    }
+
+    /// (connections, most bytes written on one) for `key`.
+    fn seen(&self, key: &str) -> (u64, u64) {
+        self.seen
+            .lock()
+            .unwrap()
+            .get(key)
+            .copied()
+            .unwrap_or((0, 0))
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn serve(
+        mut c: std::os::unix::net::UnixStream,
+        answers: std::sync::Arc<std::sync::Mutex<Vec<(&'static str, EngineAnswer)>>>,
+        seen: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<&'static str, (u64, u64)>>>,
+    ) {
+        let mut head = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 65536 {
+            match c.read(&mut buf) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => head.extend_from_slice(&buf[..n]),
+            }
+        }
+        let head = String::from_utf8_lossy(&head).to_string();
+        let path = head.split(' ').nth(1).unwrap_or("").to_string();
+        let found = answers
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(k, _)| path.contains(k))
+            .cloned();
+        let Some((key, answer)) = found else {
+            let body = r#"{"message":"page not found"}"#;
+            let _ = write!(
+                c,
+                "HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            return;
+        };
+        let note = |written: u64| {
+            let mut s = seen.lock().unwrap();
+            let e = s.entry(key).or_insert((0, 0));
+            if written == 0 {
+                e.0 += 1;
+            }
+            e.1 = e.1.max(written);
+        };
+        note(0);
+        match answer {
+            EngineAnswer::Body(status, body) => {
+                let _ = write!(
+                    c,
+                    "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+            EngineAnswer::Silent => std::thread::sleep(Duration::from_secs(60)),
+            EngineAnswer::Endless { start, fill } => {
+                const CAP: u64 = 256 << 20;
+                let _ = write!(
+                    c,
+                    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{start}\r\n",
+                    start.len()
+                );
+                let chunk = vec![fill; 64 * 1024];
+                let mut written = 0u64;
+                while written < CAP {
+                    if write!(c, "{:x}\r\n", chunk.len()).is_err()
+                        || c.write_all(&chunk).is_err()
+                        || c.write_all(b"\r\n").is_err()
+                    {
+                        break;
+                    }
+                    written += chunk.len() as u64;
+                    note(written);
+                }
+                std::thread::sleep(Duration::from_secs(60));
+            }
+        }
+    }
+}
+
+/// An engine whose container list never ends: the gateway reads it to the limit (16 MiB), says
+/// why in `/status`, and goes on serving. Before, bollard read the whole answer into memory —
+/// here 256 MiB, until `docker.timeout`; an engine that kept going would have had the kernel
+/// kill the gateway.
+#[tokio::test]
+async fn a_docker_engine_answer_without_end_is_read_to_the_limit_only() {
+    let engine = FakeEngine::start();
+    engine.set(
+        "/containers/json",
+        EngineAnswer::Endless {
+            start: "[",
+            fill: b' ',
+        },
+    );
+    let a = MockUp::openai("name: a").await;
+    let gw = Gw::start_with_env(
+        &format!(
+            "models:\n  a: {{ type: openai, base_url: \"{}\" }}\ndocker: {{ enabled: true, interval: 300ms, timeout: 10s }}\n",
+            a.base()
+        ),
+        &[("DOCKER_HOST", engine.host.as_str())],
+    );
+    let ok = eventually(Duration::from_secs(8), || async {
+        gw.status().await["docker"]["error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("longer than 16777216 bytes")
+    })
+    .await;
+    assert!(ok, "{}", gw.status().await["docker"]);
+    assert_eq!(
+        gw.status().await["docker"]["status"],
+        "docker_daemon_unreachable"
+    );
+    let (connections, written) = engine.seen("/containers/json");
+    assert!(connections >= 1);
+    // The limit, plus what the socket's buffers held when the gateway let go.
+    assert!(
+        (16 << 20..20 << 20).contains(&written),
+        "the engine wrote {written} bytes on one answer"
+    );
+    // Routing goes on.
+    let r = gw.chat("a", "x").await;
+    assert_eq!(r.status(), 200);
+    assert_no_panic(&gw);
+}
+
+/// An event line that never ends: the follower reads at most 1 MiB of it, drops the
+/// connection and follows the stream anew. Before, bollard's decoder held the growing line and
+/// parsed all of it again on every read.
+#[tokio::test]
+async fn a_docker_event_line_without_end_is_cut_and_the_stream_reopened() {
+    let engine = FakeEngine::start();
+    engine.set(
+        "/events",
+        EngineAnswer::Endless {
+            start: r#"{"Type":"container","Action":"die","Actor":{"ID":""#,
+            fill: b'a',
+        },
+    );
+    let a = MockUp::openai("name: a").await;
+    let gw = Gw::start_with_env(
+        &format!(
+            "models:\n  a: {{ type: openai, base_url: \"{}\" }}\ndocker: {{ enabled: true, interval: 300ms, timeout: 2s }}\n",
+            a.base()
+        ),
+        &[("DOCKER_HOST", engine.host.as_str())],
+    );
+    let ok = eventually(Duration::from_secs(8), || async {
+        engine.seen("/events").0 >= 2
+    })
+    .await;
+    let (connections, written) = engine.seen("/events");
+    assert!(ok, "the event stream was opened {connections} times");
+    // 1 MiB, plus what the socket's buffers held.
+    assert!(
+        (1 << 20..3 << 20).contains(&written),
+        "the engine wrote {written} bytes on one event line"
+    );
+    assert_eq!(gw.status().await["docker"]["status"], "ok");
+    assert_eq!(gw.chat("a", "x").await.status(), 200);
+    assert_no_panic(&gw);
+}
+
+/// A Swarm manager that fails to list services (an election, an overloaded raft) is an engine
+/// that cannot be read, not a swarm with no services: the endpoint keeps its last known address
+/// and goes on serving. Before, the error read as "no service labelled", which took the
+/// endpoint down and left its clients with 503s while its task ran on.
+#[tokio::test]
+async fn a_failed_service_list_keeps_the_last_known_addresses() {
+    let up = MockUp::openai("name: task").await;
+    let engine = FakeEngine::start();
+    engine.set(
+        "/services",
+        EngineAnswer::Body(
+            200,
+            json!([{
+                "ID": "svc1",
+                "Version": {"Index": 1},
+                "Spec": {
+                    "Name": "llm",
+                    "Labels": {"autohedge.endpoint": "disc", "autohedge.port": up.addr.port().to_string()},
+                    "Mode": {"Replicated": {"Replicas": 1}},
+                },
+            }])
+            .to_string(),
+        ),
+    );
+    engine.set(
+        "/tasks",
+        EngineAnswer::Body(
+            200,
+            json!([{
+                "ID": "task1",
+                "ServiceID": "svc1",
+                "DesiredState": "running",
+                "Status": {"State": "running"},
+                "NetworksAttachments": [{"Network": {"Spec": {"Name": "backend"}}, "Addresses": ["127.0.0.1/8"]}],
+            }])
+            .to_string(),
+        ),
+    );
+    let gw = Gw::start_with_env(
+        "models:\n  disc: { type: openai, discover: docker }\ndocker: { enabled: true, interval: 200ms, timeout: 2s }\n",
+        &[("DOCKER_HOST", engine.host.as_str())],
+    );
+    let ok = eventually(Duration::from_secs(8), || async {
+        gw.chat("disc", "x").await.status() == 200
+    })
+    .await;
+    assert!(ok, "{}", gw.status().await);
+    let served = up.requests().await;
+    assert!(served >= 1, "the task's address was discovered and served");
+
+    engine.set(
+        "/services",
+        EngineAnswer::Body(
+            500,
+            r#"{"message":"rpc error: code = Unknown desc = the raft is electing a leader"}"#
+                .into(),
+        ),
+    );
+    // Several scans see the error.
+    let before = engine.seen("/services").0;
+    let ok = eventually(Duration::from_secs(5), || async {
+        engine.seen("/services").0 >= before + 3
+    })
+    .await;
+    assert!(ok, "the watcher kept scanning");
+    let st = gw.status().await;
+    assert_eq!(st["docker"]["status"], "docker_daemon_unreachable", "{st}");
+    assert!(
+        st["docker"]["error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("the raft is electing a leader"),
+        "{st}"
+    );
+    assert_ne!(st["endpoints"]["disc"]["state"], "unhealthy", "{st}");
+    for _ in 0..3 {
+        let r = gw.chat("disc", "x").await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(header(&r, "x-autohedge-endpoint"), "disc");
+    }
+    assert_eq!(up.requests().await, served + 3);
     assert_no_panic(&gw);
 }

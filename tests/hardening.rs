@@ -2561,9 +2561,12 @@ struct FakeEngine {
 impl FakeEngine {
     /// A reachable engine that is no swarm manager, lists no container and sends no event.
     fn start() -> FakeEngine {
+        FakeEngine::start_on(false)
+    }
+
+    /// Listening on `tcp` (127.0.0.1) or on a unix socket.
+    fn start_on(tcp: bool) -> FakeEngine {
         let dir = tempfile::tempdir().unwrap();
-        let sock = dir.path().join("docker.sock");
-        let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
         let answers = std::sync::Arc::new(std::sync::Mutex::new(vec![
             ("/_ping", EngineAnswer::Body(200, "OK".into())),
             (
@@ -2578,15 +2581,30 @@ impl FakeEngine {
         ]));
         let seen = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
         let (a, s) = (answers.clone(), seen.clone());
-        std::thread::spawn(move || {
-            for c in listener.incoming().flatten() {
-                let (a, s) = (a.clone(), s.clone());
-                std::thread::spawn(move || FakeEngine::serve(c, a, s));
-            }
-        });
+        let host = if tcp {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let host = format!("tcp://{}", listener.local_addr().unwrap());
+            std::thread::spawn(move || {
+                for c in listener.incoming().flatten() {
+                    let (a, s) = (a.clone(), s.clone());
+                    std::thread::spawn(move || FakeEngine::serve(c, a, s));
+                }
+            });
+            host
+        } else {
+            let sock = dir.path().join("docker.sock");
+            let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+            std::thread::spawn(move || {
+                for c in listener.incoming().flatten() {
+                    let (a, s) = (a.clone(), s.clone());
+                    std::thread::spawn(move || FakeEngine::serve(c, a, s));
+                }
+            });
+            format!("unix://{}", sock.display())
+        };
         FakeEngine {
             _dir: dir,
-            host: format!("unix://{}", sock.display()),
+            host,
             answers,
             seen,
         }
@@ -2610,7 +2628,7 @@ impl FakeEngine {
 
     #[allow(clippy::type_complexity)]
     fn serve(
-        mut c: std::os::unix::net::UnixStream,
+        mut c: impl Read + Write,
         answers: std::sync::Arc<std::sync::Mutex<Vec<(&'static str, EngineAnswer)>>>,
         seen: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<&'static str, (u64, u64)>>>,
     ) {
@@ -2683,12 +2701,18 @@ impl FakeEngine {
 }
 
 /// An engine whose container list never ends: the gateway reads it to the limit (16 MiB), says
-/// why in `/status`, and goes on serving. Before, bollard read the whole answer into memory —
-/// here 256 MiB, until `docker.timeout`; an engine that kept going would have had the kernel
-/// kill the gateway.
+/// why in `/status`, and goes on serving — over a unix socket and over `tcp://` alike. Before,
+/// bollard read the whole answer into memory — here 256 MiB, until `docker.timeout`; an engine
+/// that kept going would have had the kernel kill the gateway.
 #[tokio::test]
 async fn a_docker_engine_answer_without_end_is_read_to_the_limit_only() {
-    let engine = FakeEngine::start();
+    for tcp in [false, true] {
+        an_endless_engine_answer_is_cut(tcp).await;
+    }
+}
+
+async fn an_endless_engine_answer_is_cut(tcp: bool) {
+    let engine = FakeEngine::start_on(tcp);
     engine.set(
         "/containers/json",
         EngineAnswer::Endless {
@@ -2711,17 +2735,23 @@ async fn a_docker_engine_answer_without_end_is_read_to_the_limit_only() {
             .contains("longer than 16777216 bytes")
     })
     .await;
-    assert!(ok, "{}", gw.status().await["docker"]);
+    assert!(ok, "{}: {}", engine.host, gw.status().await["docker"]);
     assert_eq!(
         gw.status().await["docker"]["status"],
         "docker_daemon_unreachable"
     );
     let (connections, written) = engine.seen("/containers/json");
     assert!(connections >= 1);
+    assert!(
+        engine.seen("/_ping").0 >= 1,
+        "{}: pinged first",
+        engine.host
+    );
     // The limit, plus what the socket's buffers held when the gateway let go.
     assert!(
         (16 << 20..20 << 20).contains(&written),
-        "the engine wrote {written} bytes on one answer"
+        "{}: the engine wrote {written} bytes on one answer",
+        engine.host
     );
     // Routing goes on.
     let r = gw.chat("a", "x").await;

@@ -488,9 +488,10 @@ fn event(state: &AppState, endpoint: &str, ev: &str, reason: String) {
     }));
 }
 
-/// A raw Engine API call ([`crate::engine::call`]: read bounded) under `timeout`. Service updates go through raw JSON so the read-modify-write of a service spec keeps
-/// every field, including ones a typed model does not know (a typed round trip dropped
-/// `--no-healthcheck`, for one).
+/// A raw Engine API call ([`crate::engine::call`]: read bounded) under `timeout`. Service
+/// updates go through raw JSON so the read-modify-write of a service spec keeps every field,
+/// including ones a typed model does not know (a typed round trip dropped `--no-healthcheck`,
+/// for one).
 async fn engine(
     method: &str,
     path: &str,

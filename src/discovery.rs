@@ -73,6 +73,10 @@ const DEATH_EVENTS: &[&str] = &["die", "stop", "kill", "oom"];
 /// Events arriving together (a kill is die + stop) trigger one scan.
 const EVENT_COALESCE: Duration = Duration::from_millis(20);
 
+/// Scans triggered by events start at least this far apart (a dead container's address is
+/// dropped at its event all the same).
+const EVENT_RESCAN_GAP: Duration = Duration::from_millis(250);
+
 /// How long the event follower waits before reconnecting to the engine's event stream.
 const EVENTS_RECONNECT: Duration = Duration::from_secs(1);
 
@@ -574,6 +578,7 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
                 _ = tokio::time::sleep(Duration::from_secs(5)) => continue,
             }
         }
+        let scanned_at = Instant::now();
         let result = match crate::engine::docker() {
             Ok(d) => match tokio::time::timeout(dcfg.timeout, scan(&d, &dcfg)).await {
                 Ok(Ok(found)) => Ok((d, found)),
@@ -744,18 +749,22 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(dcfg.interval) => {}
             Some(ev) = wake.recv() => {
-                // A dead container's address leaves the pool now, before the rescan confirms.
-                let mut dead = ev.into_iter().collect::<Vec<_>>();
-                // A burst of events (die, stop, kill) makes one scan.
-                let until = tokio::time::Instant::now() + EVENT_COALESCE;
-                while let Ok(Some(more)) = tokio::time::timeout_at(until, wake.recv()).await {
-                    dead.extend(more);
-                }
-                for cid in dead {
-                    if let Some((endpoint, addr)) = by_container.remove(&cid) {
+                // A burst of events (die, stop, kill) makes one scan, and a host whose containers
+                // come and go all the time (a CI runner beside the backends, or an engine that
+                // floods) one every EVENT_RESCAN_GAP at most. A dead container's address leaves
+                // the pool as its event arrives, before the rescan confirms.
+                let until = (Instant::now() + EVENT_COALESCE).max(scanned_at + EVENT_RESCAN_GAP);
+                let mut next = Some(ev);
+                while let Some(ev) = next.take() {
+                    if let Some(cid) = ev
+                        && let Some((endpoint, addr)) = by_container.remove(&cid)
+                    {
                         state.registry.drop_address(&endpoint, &addr, &format!(
                             "container {} of the task died", cid.chars().take(12).collect::<String>()
                         ));
+                    }
+                    if let Ok(Some(more)) = tokio::time::timeout_at(until, wake.recv()).await {
+                        next = Some(more);
                     }
                 }
             }

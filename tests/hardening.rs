@@ -2546,6 +2546,8 @@ enum EngineAnswer {
     Endless { start: &'static str, fill: u8 },
     /// No answer; the connection held.
     Silent,
+    /// A 200 whose chunked body is `line` again and again, one every `every`, for 30 s.
+    Repeat { line: &'static str, every: Duration },
 }
 
 /// A Docker Engine on a unix socket, as hostile as a test wants: each path (the first key it
@@ -2675,6 +2677,22 @@ impl FakeEngine {
                 );
             }
             EngineAnswer::Silent => std::thread::sleep(Duration::from_secs(60)),
+            EngineAnswer::Repeat { line, every } => {
+                let _ = write!(
+                    c,
+                    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                );
+                let until = std::time::Instant::now() + Duration::from_secs(30);
+                let mut written = 0u64;
+                while std::time::Instant::now() < until {
+                    if write!(c, "{:x}\r\n{line}\r\n", line.len()).is_err() {
+                        break;
+                    }
+                    written += line.len() as u64;
+                    note(written);
+                    std::thread::sleep(every);
+                }
+            }
             EngineAnswer::Endless { start, fill } => {
                 const CAP: u64 = 256 << 20;
                 let _ = write!(
@@ -2877,5 +2895,50 @@ async fn a_failed_service_list_keeps_the_last_known_addresses() {
         assert_eq!(header(&r, "x-autohedge-endpoint"), "disc");
     }
     assert_eq!(up.requests().await, served + 3);
+    assert_no_panic(&gw);
+}
+
+/// An engine whose containers come and go all the time (a CI runner on the same host, or an
+/// engine that floods): 200 `start` events a second. Rescans follow them, but at most one every
+/// 250 ms. Before, each event (after 20 ms of coalescing) started a scan of its own: the watcher
+/// scanned back to back, loading the engine and the gateway's runtime.
+#[tokio::test]
+async fn a_flood_of_container_events_rescans_at_most_every_250_ms() {
+    let engine = FakeEngine::start();
+    engine.set(
+        "/events",
+        EngineAnswer::Repeat {
+            line: "{\"Type\":\"container\",\"Action\":\"start\",\"Actor\":{\"ID\":\"c1\"}}\n",
+            every: Duration::from_millis(5),
+        },
+    );
+    let a = MockUp::openai("name: a").await;
+    // The poll is once a minute: every scan after the first is the events' doing.
+    let gw = Gw::start_with_env(
+        &format!(
+            "models:\n  a: {{ type: openai, base_url: \"{}\" }}\ndocker: {{ enabled: true, interval: 60s, timeout: 2s }}\n",
+            a.base()
+        ),
+        &[("DOCKER_HOST", engine.host.as_str())],
+    );
+    let ok = eventually(Duration::from_secs(5), || async {
+        engine.seen("/events").1 > 0 && engine.seen("/containers/json").0 >= 2
+    })
+    .await;
+    assert!(ok, "events were sent and set off a rescan");
+    let before = engine.seen("/containers/json").0;
+    let events_before = engine.seen("/events").1;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let scans = engine.seen("/containers/json").0 - before;
+    let sent = (engine.seen("/events").1 - events_before) / 58;
+    assert!(sent >= 300, "{sent} events sent in 3 s");
+    eprintln!("{scans} scans in 3 s under {sent} events");
+    // 3 s at one every 250 ms, and one of slack for where the window falls.
+    assert!(
+        (3..=13).contains(&scans),
+        "{scans} scans in 3 s under {sent} events"
+    );
+    assert_eq!(gw.status().await["docker"]["status"], "ok");
+    assert_eq!(gw.chat("a", "x").await.status(), 200);
     assert_no_panic(&gw);
 }

@@ -53,7 +53,7 @@ impl ProbeReport {
 /// for (an `OpenAI-Organization`, a gateway token in front of a local server).
 fn with_headers(ep: &Endpoint, mut rb: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
     for (k, v) in &ep.headers {
-        rb = rb.header(k.as_str(), v.as_str());
+        rb = rb.header(k.as_str(), v.expose());
     }
     rb
 }

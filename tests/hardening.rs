@@ -2942,3 +2942,56 @@ async fn a_flood_of_container_events_rescans_at_most_every_250_ms() {
     assert_eq!(gw.chat("a", "x").await.status(), 200);
     assert_no_panic(&gw);
 }
+
+/// An upstream whose 400 quotes the endpoint's key and its `api-key` header (a proxy that
+/// echoes the request, a provider that quotes what it refused): the client gets the upstream's
+/// answer with both replaced by `[REDACTED]`, and neither reaches the log or the audit trail.
+/// Before, the body went to the client as it came, and the header's value — not counted as a
+/// secret — was logged and stored with the attempt's error.
+#[tokio::test]
+async fn an_upstream_error_that_quotes_a_secret_reaches_the_client_without_it() {
+    const KEY: &str = "sk-proj-ECHOEDKEYVALUE4242QzXw";
+    const HDR: &str = "azure-HEADERSECRET-7777";
+    let a = MockUp::openai(&format!(
+        "require_headers: {{api-key: {HDR}}}\nrules: [{{status: 400, error: \"bad request from key {KEY} with api-key {HDR}\"}}]"
+    ))
+    .await;
+    let mut gw = Gw::start_with_env(
+        &format!(
+            "models:\n  a: {{ type: openai, base_url: \"{}\", api_key: env:AH_ECHO_KEY, headers: {{ api-key: env:AH_ECHO_HDR }} }}\n",
+            a.base()
+        ),
+        &[("AH_ECHO_KEY", KEY), ("AH_ECHO_HDR", HDR)],
+    );
+    let r = gw.chat("a", "x").await;
+    // A 400, not the mock's 403 for a missing header: the header reached it, and so did the key.
+    assert_eq!(r.status(), 400);
+    assert_eq!(a.stats().await["key_tails"], json!(["QzXw"]));
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+    assert_eq!(
+        body["error"]["message"], "bad request from key [REDACTED] with api-key [REDACTED]",
+        "{body}"
+    );
+    gw.stop();
+    let rows = audit_rows(&gw, "SELECT COALESCE(error, '') FROM attempts");
+    assert!(!rows.is_empty(), "the attempt was recorded");
+    let mut db = Vec::new();
+    for f in ["autohedge.db", "autohedge.db-wal"] {
+        db.extend(std::fs::read(gw.data_dir().join(f)).unwrap_or_default());
+    }
+    let db = String::from_utf8_lossy(&db).to_string();
+    let log = gw.log();
+    assert!(
+        log.contains("attempt failed"),
+        "the failure was logged:\n{log}"
+    );
+    for (what, text) in [("log", &log), ("sqlite", &db)] {
+        assert!(!text.contains("ECHOEDKEYVALUE"), "{what} holds the key");
+        assert!(
+            !text.contains("HEADERSECRET"),
+            "{what} holds the header's value"
+        );
+    }
+    assert_no_panic(&gw);
+}

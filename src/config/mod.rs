@@ -359,6 +359,38 @@ mod discovered_tests {
     }
 
     #[test]
+    fn credential_headers_are_secrets_and_plain_ones_are_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let token = dir.path().join("token");
+        std::fs::write(&token, "tok-from-file-9876\n").unwrap();
+        let text = format!(
+            "models:\n  a:\n    type: openai\n    base_url: http://127.0.0.1:9/v1\n    api_key: sk-literal-key-1234\n    headers:\n      Authorization: Bearer tok-literal-5555\n      OpenAI-Organization: org-plain\n      X-Gateway: file:{}\n      X-Api-Key: abcd-literal\n",
+            token.display()
+        );
+        let cfg = Config::load(&text).unwrap();
+        let mut secrets = cfg.endpoints["a"].secret_values();
+        secrets.sort();
+        assert_eq!(
+            secrets,
+            vec![
+                "Bearer tok-literal-5555",
+                "abcd-literal",
+                "sk-literal-key-1234",
+                "tok-from-file-9876",
+                "tok-literal-5555",
+            ]
+        );
+        // The values still go upstream as configured.
+        let sent: Vec<(&str, &str)> = cfg.endpoints["a"]
+            .headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.expose()))
+            .collect();
+        assert!(sent.contains(&("X-Gateway", "tok-from-file-9876")), "{sent:?}");
+        assert!(sent.contains(&("OpenAI-Organization", "org-plain")), "{sent:?}");
+    }
+
+    #[test]
     fn parse_errors_never_echo_a_scalar() {
         let secret = "sk-live-NEVERSHOWN1234567890";
         for (text, path) in [

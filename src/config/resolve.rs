@@ -286,6 +286,7 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
             )));
         }
         let mut headers = Vec::new();
+        let mut header_secrets = Vec::new();
         for (k, v) in ep.headers.unwrap_or_default() {
             if reqwest::header::HeaderName::from_bytes(k.as_bytes()).is_err() {
                 return Err(ConfigError(format!(
@@ -293,6 +294,7 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
                 )));
             }
             let source = KeySource::parse(&v);
+            let literal = matches!(source, KeySource::Literal);
             let value = match source {
                 KeySource::Literal => v.clone(),
                 _ => match source.resolve(&v, fetched) {
@@ -303,7 +305,10 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
                     }
                 },
             };
-            headers.push((k, value));
+            if !literal || credential_header(&k) {
+                header_secrets.extend(secret_parts(&value).map(|s| Secret::new(s.to_string())));
+            }
+            headers.push((k, Secret::new(value)));
         }
         let upstream_model = ep.model.unwrap_or_else(|| name.clone());
         // What the endpoint *is*: a retirement (410) is about the model at this address, not
@@ -396,6 +401,7 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
                 cooldown: ep.cooldown.map(|d| d.0),
                 cost: ep.cost.unwrap_or_default(),
                 headers,
+                header_secrets,
                 fingerprint,
                 client,
                 plain: plain(plain_connector, direct.is_some(), &uris),
@@ -996,4 +1002,31 @@ fn parse_digest(hex: &str) -> Option<[u8; 32]> {
         *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
     }
     Some(out)
+}
+
+/// Whether a header's name says its value is a credential (`authorization`, `api-key`,
+/// `x-goog-api-key`, `x-auth-token`, a cookie...).
+fn credential_header(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    [
+        "auth",
+        "key",
+        "token",
+        "secret",
+        "cookie",
+        "password",
+        "signature",
+    ]
+    .iter()
+    .any(|w| name.contains(w))
+}
+
+/// What of a credential header's value is secret: the value, and for `Bearer x` or `Basic x`
+/// the token alone too (an upstream may quote either).
+fn secret_parts(value: &str) -> impl Iterator<Item = &str> {
+    let token = value
+        .split_once(' ')
+        .map(|(_, t)| t.trim())
+        .filter(|t| !t.is_empty());
+    std::iter::once(value.trim()).chain(token)
 }

@@ -326,7 +326,12 @@ pub struct Endpoint {
     pub retry_backoff: Duration,
     pub cooldown: Option<Duration>,
     pub cost: RawCost,
-    pub headers: Vec<(String, String)>,
+    /// `headers:`, resolved (a value may come from `env:`, `file:` or `vault:`).
+    pub headers: Vec<(String, Secret)>,
+    /// The `headers:` values that are credentials — read from `env:`, `file:` or `vault:`, or
+    /// under a name such as `authorization` or `api-key` (with a `Bearer`/`Basic` value's
+    /// token alone besides) — redacted from upstream texts like the keys.
+    pub header_secrets: Vec<Secret>,
     pub counter: crate::tokens::Counter,
     pub on_context_overflow: Option<Overflow>,
     pub payload_hygiene: Hygiene,
@@ -356,11 +361,13 @@ pub struct Endpoint {
 }
 
 impl Endpoint {
-    /// Every resolved key value, for redacting upstream texts before they are stored or shown.
+    /// Every resolved key value and credential header value, for redacting upstream texts
+    /// before they are stored or shown.
     pub fn secret_values(&self) -> Vec<&str> {
         self.keys
             .iter()
             .filter_map(|k| k.value.as_ref().map(|s| s.expose()))
+            .chain(self.header_secrets.iter().map(Secret::expose))
             .collect()
     }
 

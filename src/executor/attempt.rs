@@ -473,6 +473,9 @@ async fn read_error(
             }
             Bytes::from(body)
         };
+        // Passed on as it is — but an upstream that quotes the endpoint's key (or a credential
+        // header) must not hand it to the client.
+        let body = classify::redact_exact(body, &ep.secret_values());
         f.passthrough = Some(Box::new((status, h, body)));
     }
     f

@@ -267,6 +267,37 @@ pub fn redact(text: &str, secrets: &[&str]) -> String {
     }
 }
 
+/// `body` with every occurrence of a secret (four bytes or longer) replaced by `[REDACTED]`,
+/// for an upstream's answer passed to the client as it is (a 4xx): only the exact values go,
+/// so the upstream's word on the request stays as it was. The body comes back untouched (no
+/// copy) when none occurs.
+pub fn redact_exact(body: bytes::Bytes, secrets: &[&str]) -> bytes::Bytes {
+    let secrets: Vec<&[u8]> = secrets
+        .iter()
+        .map(|s| s.as_bytes())
+        .filter(|s| s.len() >= 4)
+        .collect();
+    if !secrets
+        .iter()
+        .any(|s| memchr::memmem::find(&body, s).is_some())
+    {
+        return body;
+    }
+    let mut out = body.to_vec();
+    for s in secrets {
+        let mut done = Vec::with_capacity(out.len());
+        let mut rest = &out[..];
+        while let Some(at) = memchr::memmem::find(rest, s) {
+            done.extend_from_slice(&rest[..at]);
+            done.extend_from_slice(b"[REDACTED]");
+            rest = &rest[at + s.len()..];
+        }
+        done.extend_from_slice(rest);
+        out = done;
+    }
+    bytes::Bytes::from(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -612,6 +643,29 @@ mod tests {
             let out = redact(&body, &["sk-secretsecret"]);
             proptest::prop_assert!(!out.contains("sk-secretsecret"));
         }
+    }
+
+    #[test]
+    fn exact_redaction_replaces_only_the_secrets_and_copies_only_when_it_must() {
+        let body = bytes::Bytes::from_static(
+            br#"{"error":{"message":"key sk-live-AAAA1111 and sk-live-AAAA1111 again; api_key=fine"}}"#,
+        );
+        let out = redact_exact(body.clone(), &["sk-live-AAAA1111", "abc"]);
+        assert_eq!(
+            &out[..],
+            br#"{"error":{"message":"key [REDACTED] and [REDACTED] again; api_key=fine"}}"#
+        );
+        // Still JSON, with the upstream's message otherwise as it was.
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .ends_with("api_key=fine")
+        );
+        // Nothing to redact: the same bytes, not a copy; short secrets are not matched.
+        let same = redact_exact(body.clone(), &["not-there", "key"]);
+        assert_eq!(same.as_ptr(), body.as_ptr());
     }
 
     #[test]

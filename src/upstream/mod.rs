@@ -191,7 +191,7 @@ pub fn request<'a>(
         rb = rb.bearer_auth(k.expose());
     }
     for (k, v) in &ep.headers {
-        rb = rb.header(k.as_str(), v.as_str());
+        rb = rb.header(k.as_str(), v.expose());
     }
     Ok((Prepared::Reqwest(rb), sanitized))
 }
@@ -226,7 +226,7 @@ fn direct_request(
     for (k, v) in &ep.headers {
         h.append(
             http::HeaderName::from_bytes(k.as_bytes()).ok()?,
-            HeaderValue::from_str(v).ok()?,
+            HeaderValue::from_str(v.expose()).ok()?,
         );
     }
     Some(req)

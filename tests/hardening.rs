@@ -2995,3 +2995,58 @@ async fn an_upstream_error_that_quotes_a_secret_reaches_the_client_without_it() 
     }
     assert_no_panic(&gw);
 }
+
+/// A base URL with a user and password (`http://user:pass@host/v1`, a proxy with Basic auth in
+/// front of a server): they go upstream as `Authorization: Basic`, and appear nowhere else —
+/// not in `check-config`'s output, `/status`, the log (at debug) or the database. Before, the
+/// URL was printed and stored as written (a connect error's detail and the endpoint's
+/// fingerprint held the password), and the pooled client's debug lines named it.
+#[tokio::test]
+async fn credentials_in_a_base_url_go_as_basic_auth_and_are_shown_nowhere() {
+    use base64::Engine as _;
+    let token = base64::engine::general_purpose::STANDARD.encode("user:PASSWORDY");
+    let dead = dead_addr();
+    let b = MockUp::openai(&format!(
+        "require_headers: {{authorization: \"Basic {token}\"}}"
+    ))
+    .await;
+    let mut gw = Gw::start(&format!(
+        "models:\n  a: {{ type: openai, base_url: \"http://user:PASSWORDX@{dead}/v1\", timeouts: {{ connect: 500ms }} }}\n  b: {{ type: openai, base_url: \"http://user:PASSWORDY@{}/v1\" }}\nrouting_policy: {{ fallback_chain: [a, b] }}\n",
+        b.addr
+    ));
+    // a fails to connect; b is served — with the Basic header, or it would have answered 403.
+    let r = gw.chat("a", "x").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    assert!(b.requests().await >= 1);
+    let status = gw.status().await.to_string();
+    assert!(
+        status.contains("connect_error"),
+        "a's failure is in /status: {status}"
+    );
+    let check = std::process::Command::new(BIN)
+        .args(["check-config"])
+        .arg(&gw.config_path)
+        .output()
+        .unwrap();
+    let check = String::from_utf8_lossy(&check.stdout).to_string();
+    assert!(check.contains(&format!("url=http://{dead}/v1")), "{check}");
+    gw.stop();
+    let mut db = Vec::new();
+    for f in ["autohedge.db", "autohedge.db-wal"] {
+        db.extend(std::fs::read(gw.data_dir().join(f)).unwrap_or_default());
+    }
+    let db = String::from_utf8_lossy(&db).to_string();
+    let log = gw.log();
+    for (what, text) in [
+        ("/status", &status),
+        ("check-config", &check),
+        ("sqlite", &db),
+        ("log", &log),
+    ] {
+        for secret in ["PASSWORDX", "PASSWORDY", token.as_str()] {
+            assert!(!text.contains(secret), "{what} holds {secret}");
+        }
+    }
+    assert_no_panic(&gw);
+}

@@ -386,8 +386,52 @@ mod discovered_tests {
             .iter()
             .map(|(k, v)| (k.as_str(), v.expose()))
             .collect();
-        assert!(sent.contains(&("X-Gateway", "tok-from-file-9876")), "{sent:?}");
-        assert!(sent.contains(&("OpenAI-Organization", "org-plain")), "{sent:?}");
+        assert!(
+            sent.contains(&("X-Gateway", "tok-from-file-9876")),
+            "{sent:?}"
+        );
+        assert!(
+            sent.contains(&("OpenAI-Organization", "org-plain")),
+            "{sent:?}"
+        );
+    }
+
+    #[test]
+    fn a_base_url_with_credentials_becomes_basic_auth_and_a_url_without_them() {
+        use base64::Engine as _;
+        let cfg = Config::load(
+            "models:\n  a: { type: vllm, base_url: \"http://us%3Aer:p%40ss-word@127.0.0.1:9/v1/\" }\n",
+        )
+        .unwrap();
+        let ep = &cfg.endpoints["a"];
+        assert_eq!(ep.base_url, "http://127.0.0.1:9/v1");
+        assert!(!ep.fingerprint.contains("p%40ss"), "{}", ep.fingerprint);
+        let token = base64::engine::general_purpose::STANDARD.encode("us:er:p@ss-word");
+        let auth: Vec<&str> = ep
+            .headers
+            .iter()
+            .filter(|(k, _)| k == "authorization")
+            .map(|(_, v)| v.expose())
+            .collect();
+        assert_eq!(auth, vec![format!("Basic {token}")]);
+        let secrets = ep.secret_values();
+        for s in [format!("Basic {token}").as_str(), token.as_str(), "p@ss-word"] {
+            assert!(secrets.contains(&s), "{s} in {secrets:?}");
+        }
+        assert!(!crate::config::describe::describe(&cfg).contains("p%40ss"));
+        // Two ways to authenticate is a mistake, said without the values.
+        for also in [
+            ", api_key: sk-abcdef",
+            ", headers: { Authorization: \"Bearer x\" }",
+        ] {
+            let e = Config::load(&format!(
+                "models:\n  a: {{ type: vllm, base_url: \"http://u:secretpw@127.0.0.1:9/v1\"{also} }}\n"
+            ))
+            .unwrap_err()
+            .0;
+            assert!(e.contains("give one of them"), "{e}");
+            assert!(!e.contains("secretpw") && !e.contains("sk-abcdef"), "{e}");
+        }
     }
 
     #[test]

@@ -214,15 +214,28 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
                 EndpointKind::Openai => "https://api.openai.com/v1".to_string(),
             },
         };
-        let base_url = base.trim_end_matches('/').to_string();
+        let mut base_url = base.trim_end_matches('/').to_string();
         // The URL is not echoed: it may carry credentials (`https://user:pass@host`).
-        let parsed = reqwest::Url::parse(&base_url)
+        let mut parsed = reqwest::Url::parse(&base_url)
             .map_err(|e| ConfigError(format!("at `{at}.base_url`: invalid URL: {e}")))?;
         if !matches!(parsed.scheme(), "http" | "https") {
             return Err(ConfigError(format!(
                 "at `{at}.base_url`: scheme must be http or https"
             )));
         }
+        // Credentials in the URL are sent as HTTP Basic auth (as curl and reqwest do) and taken
+        // out of it: the URL is shown by `check-config`, in logs, error details and the
+        // endpoint's fingerprint, none of which may hold a password.
+        let basic = if !parsed.username().is_empty() || parsed.password().is_some() {
+            let user = percent_decoded(parsed.username());
+            let pass = parsed.password().map(percent_decoded).unwrap_or_default();
+            let _ = parsed.set_username("");
+            let _ = parsed.set_password(None);
+            base_url = parsed.as_str().trim_end_matches('/').to_string();
+            Some((user, pass))
+        } else {
+            None
+        };
         let specs: Vec<String> = match (ep.api_key, ep.api_keys) {
             (Some(_), Some(_)) => {
                 return Err(ConfigError(format!(
@@ -309,6 +322,27 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
                 header_secrets.extend(secret_parts(&value).map(|s| Secret::new(s.to_string())));
             }
             headers.push((k, Secret::new(value)));
+        }
+        if let Some((user, pass)) = basic {
+            if !specs.is_empty()
+                || headers
+                    .iter()
+                    .any(|(k, _)| k.eq_ignore_ascii_case("authorization"))
+            {
+                return Err(ConfigError(format!(
+                    "at `{at}.base_url`: the URL's user and password would be sent as `Authorization: Basic`, which `api_key` or `headers.Authorization` sets too: give one of them"
+                )));
+            }
+            use base64::Engine as _;
+            let token = base64::engine::general_purpose::STANDARD.encode(format!("{user}:{pass}"));
+            let value = format!("Basic {token}");
+            header_secrets.extend(secret_parts(&value).map(|s| Secret::new(s.to_string())));
+            // The password as written, or a token given as the user name alone.
+            let bare = if pass.is_empty() { user } else { pass };
+            if bare.len() >= 4 {
+                header_secrets.push(Secret::new(bare));
+            }
+            headers.push(("authorization".to_string(), Secret::new(value)));
         }
         let upstream_model = ep.model.unwrap_or_else(|| name.clone());
         // What the endpoint *is*: a retirement (410) is about the model at this address, not
@@ -1002,6 +1036,31 @@ fn parse_digest(hex: &str) -> Option<[u8; 32]> {
         *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
     }
     Some(out)
+}
+
+/// A URL's user name or password as written, percent-decoded (`p%40ss` is `p@ss`).
+fn percent_decoded(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        match (
+            b[i],
+            b.get(i + 1).copied().and_then(hex),
+            b.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(hi), Some(lo)) => {
+                out.push((hi * 16 + lo) as u8);
+                i += 3;
+            }
+            (c, _, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Whether a header's name says its value is a credential (`authorization`, `api-key`,

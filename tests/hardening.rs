@@ -1548,6 +1548,23 @@ async fn a_hung_docker_daemon_is_unreachable_not_a_frozen_loop() {
     })
     .await;
     assert!(ok, "the watcher loop is not frozen");
+    // ... and each timed-out call's connection is let go, not kept: after eight more the
+    // gateway holds no more descriptors than it did after the first few.
+    let fds_early = open_fds(gw.pid());
+    let ok = eventually(Duration::from_secs(15), || async {
+        accepted.load(std::sync::atomic::Ordering::Relaxed) >= before + 8
+    })
+    .await;
+    assert!(ok, "the watcher kept calling the hung engine");
+    let fds = open_fds(gw.pid());
+    eprintln!(
+        "{} engine connections made, {fds_early} then {fds} descriptors open",
+        accepted.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    assert!(
+        fds <= fds_early + 2,
+        "{fds} descriptors open after eight more hung engine calls ({fds_early} before)"
+    );
     // ... routing goes on, and shutdown is not blocked by the hung engine.
     assert_eq!(gw.chat("a", "x").await.status(), 200);
     let t = std::time::Instant::now();

@@ -415,7 +415,11 @@ mod discovered_tests {
             .collect();
         assert_eq!(auth, vec![format!("Basic {token}")]);
         let secrets = ep.secret_values();
-        for s in [format!("Basic {token}").as_str(), token.as_str(), "p@ss-word"] {
+        for s in [
+            format!("Basic {token}").as_str(),
+            token.as_str(),
+            "p@ss-word",
+        ] {
             assert!(secrets.contains(&s), "{s} in {secrets:?}");
         }
         assert!(!crate::config::describe::describe(&cfg).contains("p%40ss"));

@@ -114,7 +114,8 @@ pub struct Rule {
     #[serde(default)]
     pub reset: bool,
     pub reply: Option<String>,
-    /// Streams: after N content chunks send an in-band error event.
+    /// Streams: after N content chunks send an in-band error event (its message: `error`, or
+    /// "mock in-band error").
     pub stream_error_after: Option<usize>,
     /// Streams: after N content chunks stop sending but keep the connection open.
     pub stall_after: Option<usize>,
@@ -779,12 +780,13 @@ impl Mock {
             let mut sent_content = 0usize;
             for (i, ev) in events.into_iter().enumerate() {
                 if i > 0 {
+                    let message = rule.error.as_deref().unwrap_or("mock in-band error");
                     let err = match flavor {
                         Flavor::Vllm => {
-                            json!({"object": "error", "message": "mock in-band error", "type": "InternalServerError", "param": null, "code": 500})
+                            json!({"object": "error", "message": message, "type": "InternalServerError", "param": null, "code": 500})
                         }
                         _ => {
-                            json!({"error": {"message": "mock in-band error", "type": "server_error", "param": null, "code": null}})
+                            json!({"error": {"message": message, "type": "server_error", "param": null, "code": null}})
                         }
                     };
                     let err = Bytes::from(format!("data: {err}\n\n"));

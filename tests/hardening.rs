@@ -3013,6 +3013,68 @@ async fn an_upstream_error_that_quotes_a_secret_reaches_the_client_without_it() 
     assert_no_panic(&gw);
 }
 
+/// The same for an in-band error event in a committed stream: it passes to the client as the
+/// upstream sent it, but for the endpoint's key, should the upstream quote it. Before, the
+/// event went out byte for byte.
+#[tokio::test]
+async fn an_in_band_stream_error_that_quotes_the_key_reaches_the_client_without_it() {
+    const KEY: &str = "sk-proj-STREAMEDKEYVALUE77QzXw";
+    let a = MockUp::openai(&format!(
+        "rules: [{{stream_error_after: 2, error: \"overloaded for key {KEY}\"}}]"
+    ))
+    .await;
+    let mut gw = Gw::start_with_env(
+        &format!(
+            "models:\n  a: {{ type: openai, base_url: \"{}\", api_key: env:AH_STREAM_KEY }}\n",
+            a.base()
+        ),
+        &[("AH_STREAM_KEY", KEY)],
+    );
+    let r = gw
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "a", "stream": true, "messages": [{"role": "user", "content": "x"}]}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    let events = sse_events(r).await;
+    assert_eq!(
+        a.stats().await["key_tails"],
+        json!(["QzXw"]),
+        "the key reached a"
+    );
+    // Two content chunks, then the upstream's own error event, as it sent it but for the key.
+    let last = events.last().cloned().unwrap_or_default();
+    let err: Value = serde_json::from_str(&last).unwrap_or_else(|_| panic!("{events:?}"));
+    assert_eq!(err["error"]["type"], "server_error", "{events:?}");
+    assert_eq!(
+        err["error"]["message"], "overloaded for key [REDACTED]",
+        "{events:?}"
+    );
+    assert!(
+        events.iter().all(|e| !e.contains("STREAMEDKEY")),
+        "{events:?}"
+    );
+    gw.stop();
+    let mut db = Vec::new();
+    for f in ["autohedge.db", "autohedge.db-wal"] {
+        db.extend(std::fs::read(gw.data_dir().join(f)).unwrap_or_default());
+    }
+    let db = String::from_utf8_lossy(&db).to_string();
+    assert!(
+        !audit_rows(
+            &gw,
+            "SELECT 1 FROM attempts WHERE class = 'stream_error_event'"
+        )
+        .is_empty(),
+        "the in-band error was recorded"
+    );
+    for (what, text) in [("log", gw.log()), ("sqlite", db)] {
+        assert!(!text.contains("STREAMEDKEY"), "{what} holds the key");
+    }
+    assert_no_panic(&gw);
+}
+
 /// A base URL with a user and password (`http://user:pass@host/v1`, a proxy with Basic auth in
 /// front of a server): they go upstream as `Authorization: Basic`, and appear nowhere else —
 /// not in `check-config`'s output, `/status`, the log (at debug) or the database. Before, the

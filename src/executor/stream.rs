@@ -255,9 +255,12 @@ pub(super) async fn pump(
                 if let Some(first) = continued(&mut st, Outcome::InBand, &err).await {
                     return Some((Ok(first), st));
                 }
-                // The upstream's own error event passes through to the client as sent.
+                // The upstream's own error event passes through to the client as sent — but
+                // for the endpoint's secrets, should it quote one.
                 st.finished = true;
                 st.guard.finish(Some((Outcome::InBand, err)));
+                let b = classify::redact_exact(b, &st.guard.ep.secret_values());
+                return Some((Ok(b), st));
             } else if st.done_seen {
                 // `data: [DONE]` ends the stream for the client; whatever the upstream does
                 // with its connection afterwards is not the client's problem, nor a failure.

@@ -439,3 +439,78 @@ async fn a_namespace_reads_its_own_secrets() {
     );
     gw.stop();
 }
+
+/// A request's own key (`x-encrypted-key`) quoted back by the upstream — in a 400 passed on to
+/// the client, in a 500 that fails over — reads `[REDACTED]` in the client's answer and appears
+/// in no log line, `/status` or SQLite row. A key without a recognisable prefix, so only the
+/// exact value can catch it. Before, only the endpoints' own keys were redacted: this one was
+/// echoed to the client and stored with the attempt's error.
+#[tokio::test]
+async fn a_requests_own_key_quoted_by_the_upstream_is_redacted_everywhere() {
+    const OWN: &str = "azureOWNKEYVALUE0123456789QzXw";
+    let bao = Bao::start().await;
+    bao.with_transit_and_approle().await;
+    bao.put_secret("sk-from-vault-eeee-5555").await;
+    let quoting = MockUp::openai(&format!(
+        "rules:\n  - {{ status: 400, times: 1, error: \"invalid request for credential {OWN}\" }}\n  - {{ status: 500, error: \"backend failed for credential {OWN}\" }}\n"
+    ))
+    .await;
+    let b = MockUp::openai("name: b").await;
+    let mut gw = Gw::start_with_env(
+        &format!(
+            r#"models:
+  q: {{ type: openai, base_url: "{}", api_key: "vault:secret/openai#api_key" }}
+  b: {{ type: openai, base_url: "{}", api_key: "vault:secret/openai#api_key" }}
+routes:
+  chat: [q, b]
+vault:
+  address: "{}"
+  token: env:TEST_VAULT_TOKEN
+  transit_key: autohedge
+"#,
+            quoting.base(),
+            b.base(),
+            bao.addr
+        ),
+        &[("TEST_VAULT_TOKEN", ROOT_TOKEN)],
+    );
+    let own = bao.encrypt(OWN).await;
+    // The 400: the client's answer is the upstream's, but for the key.
+    let r = chat_with(&gw, "chat", Some(&own)).await;
+    assert_eq!(r.status(), 400);
+    assert_eq!(
+        last_tail(&quoting).await,
+        "QzXw",
+        "the own key reached the upstream"
+    );
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(
+        body["error"]["message"], "invalid request for credential [REDACTED]",
+        "{body}"
+    );
+    // The 500: fails over to b, which serves.
+    let r = chat_with(&gw, "chat", Some(&own)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    let st = gw.status().await.to_string();
+    assert!(
+        st.contains("backend failed for credential"),
+        "the 500's text is in /status: {st}"
+    );
+    gw.stop();
+    let rows = audit_rows(
+        &gw,
+        "SELECT error FROM attempts WHERE class = 'server_error'",
+    );
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    let db = std::fs::read(gw.db()).unwrap();
+    let log = gw.log();
+    assert!(log.contains("backend failed for credential"), "the 500 was logged");
+    let secret = "OWNKEYVALUE";
+    assert!(!st.contains(secret), "/status holds the own key");
+    assert!(!log.contains(secret), "the log holds the own key");
+    assert!(
+        !db.windows(secret.len()).any(|w| w == secret.as_bytes()),
+        "SQLite holds the own key"
+    );
+}

@@ -150,7 +150,7 @@ impl<'a> Attempt<'a> {
             Some(Ok(r)) => r,
         };
         if !resp.status.is_success() {
-            return Err(read_error(ep, resp, deadline, self.max_cooldown).await);
+            return Err(read_error(ep, self.key, resp, deadline, self.max_cooldown).await);
         }
         let ratelimit = classify::ratelimit_headers(&resp.headers, self.max_cooldown);
         let status = resp.status;
@@ -267,7 +267,7 @@ impl<'a> Attempt<'a> {
         };
         if !resp.status.is_success() {
             let deadline = (t0 + ep.timeouts.total).min(self.deadline);
-            return Err(read_error(ep, resp, deadline, self.max_cooldown).await);
+            return Err(read_error(ep, self.key, resp, deadline, self.max_cooldown).await);
         }
         let ratelimit = classify::ratelimit_headers(&resp.headers, self.max_cooldown);
         let status = resp.status.as_u16();
@@ -433,6 +433,7 @@ impl<'a> Attempt<'a> {
 /// A non-2xx answer: its class, the upstream's hint, and for client errors its own response.
 async fn read_error(
     ep: &Endpoint,
+    key: Option<&Secret>,
     resp: Answer,
     deadline: Instant,
     max_cooldown: Duration,
@@ -473,9 +474,11 @@ async fn read_error(
             }
             Bytes::from(body)
         };
-        // Passed on as it is — but an upstream that quotes the endpoint's key (or a credential
-        // header) must not hand it to the client.
-        let body = classify::redact_exact(body, &ep.secret_values());
+        // Passed on as it is — but an upstream that quotes the endpoint's key, a credential
+        // header or the request's own key (`x-encrypted-key`) must not hand it to the client.
+        let mut secrets = ep.secret_values();
+        secrets.extend(key.map(Secret::expose));
+        let body = classify::redact_exact(body, &secrets);
         f.passthrough = Some(Box::new((status, h, body)));
     }
     f

@@ -267,6 +267,7 @@ impl Run {
                     usage_tap,
                     op: self.req.op,
                     break_recorded: false,
+                    own_key: self.own_key_for(&ep).cloned(),
                 };
                 let cont = self.continuation(&ep, &prelude);
                 // The StreamGuard owns the row from here on.

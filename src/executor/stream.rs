@@ -44,9 +44,18 @@ pub(super) struct StreamGuard {
     pub op: Op,
     /// The current endpoint's break is already recorded (a continuation was tried).
     pub break_recorded: bool,
+    /// The request's own key (`x-encrypted-key`), redacted like the endpoints' own.
+    pub own_key: Option<crate::config::Secret>,
 }
 
 impl StreamGuard {
+    /// What is redacted from `ep`'s texts: its secrets and the request's own key.
+    fn secrets<'a>(&'a self, ep: &'a Endpoint) -> Vec<&'a str> {
+        let mut s = ep.secret_values();
+        s.extend(self.own_key.as_ref().map(crate::config::Secret::expose));
+        s
+    }
+
     /// Adds an attempt to the row (continuation: the break, and each continuing attempt).
     fn push_attempt(
         &mut self,
@@ -76,7 +85,7 @@ impl StreamGuard {
         };
         // In-band error texts are upstream bytes: redacted like every other upstream error.
         let failure = failure.map(|(class, detail)| {
-            let secrets = self.ep.secret_values();
+            let secrets = self.secrets(&self.ep);
             (class, classify::redact(&detail, &secrets))
         });
         row.latency_ms = self.started.elapsed().as_secs_f64() * 1000.0;
@@ -259,7 +268,7 @@ pub(super) async fn pump(
                 // for the endpoint's secrets, should it quote one.
                 st.finished = true;
                 st.guard.finish(Some((Outcome::InBand, err)));
-                let b = classify::redact_exact(b, &st.guard.ep.secret_values());
+                let b = classify::redact_exact(b, &st.guard.secrets(&st.guard.ep));
                 return Some((Ok(b), st));
             } else if st.done_seen {
                 // `data: [DONE]` ends the stream for the client; whatever the upstream does
@@ -492,7 +501,7 @@ impl PassThrough {
         let cfg = self.guard.cfg.clone();
         let from = self.guard.ep.clone();
         // The break counts against its endpoint as any failure after the commit does.
-        let secrets = from.secret_values();
+        let secrets = self.guard.secrets(&from);
         let detail = classify::redact(detail, &secrets);
         self.guard
             .push_attempt(&from.name, class, Some(200), Some(detail.clone()));
@@ -597,7 +606,7 @@ impl PassThrough {
                 }
                 Ok(Success::Full { .. }) => continue,
                 Err(f) => {
-                    let secrets = ep.secret_values();
+                    let secrets = self.guard.secrets(&ep);
                     let detail = classify::redact(&f.detail, &secrets);
                     self.guard
                         .push_attempt(&ep.name, f.class, f.status, Some(detail.clone()));

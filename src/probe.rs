@@ -218,11 +218,28 @@ async fn probe_custom(
         ),
         Ok((status, _, body)) => {
             let (res, purge) = judge_custom(hc, status, &body, mem);
-            let detail = serde_json::from_str::<Value>(&body).unwrap_or(json!({"status": status}));
-            (res, purge, detail)
+            (res, purge, check_detail(ep, status, &body))
         }
     };
     (ProbeReport::new(at, result, detail), purge)
+}
+
+/// The most of a custom check's answer shown in `/status` (`probe.detail`).
+const CHECK_DETAIL_LIMIT: usize = 4096;
+
+/// What `/status` shows of a custom check's answer: its JSON when it is small, with the
+/// endpoint's secrets (keys, credential headers) redacted — a debug endpoint may echo what it
+/// was sent; else only the status and the size. Before, the whole answer (up to the probe's
+/// 8 MiB) was shown as it came.
+fn check_detail(ep: &Endpoint, status: u16, body: &str) -> Value {
+    if body.len() > CHECK_DETAIL_LIMIT {
+        return json!({"status": status, "bytes": body.len(), "note": "answer too large to show"});
+    }
+    let body = crate::upstream::classify::redact_exact(
+        bytes::Bytes::copy_from_slice(body.as_bytes()),
+        &ep.secret_values(),
+    );
+    serde_json::from_slice::<Value>(&body).unwrap_or(json!({"status": status}))
 }
 
 /// The opt-in semantic probe: one real one-token completion that must return message content.

@@ -3075,6 +3075,57 @@ async fn an_in_band_stream_error_that_quotes_the_key_reaches_the_client_without_
     assert_no_panic(&gw);
 }
 
+/// A custom health check's answer is shown in `/status` (`probe.detail`) — but small (4 KiB at
+/// most, else its status and size) and with the endpoint's secrets redacted: a debug endpoint
+/// may echo what it was sent. Before, the whole answer was shown as it came, up to the probe's
+/// 8 MiB.
+#[tokio::test]
+async fn a_custom_health_checks_answer_is_shown_small_and_without_secrets() {
+    const KEY: &str = "sk-proj-HEALTHECHOKEY31QzXw";
+    let big = format!(
+        "{{\\\"status\\\":\\\"ok\\\",\\\"pad\\\":\\\"{}\\\"}}",
+        "x".repeat(10_000)
+    );
+    let a = MockUp::openai(&format!(
+        "rules: [{{when: {{path: /health}}, body: \"{{\\\"status\\\":\\\"ok\\\",\\\"seen\\\":\\\"Bearer {KEY}\\\"}}\"}}]"
+    ))
+    .await;
+    let b = MockUp::openai(&format!(
+        "rules: [{{when: {{path: /health}}, body: \"{big}\"}}]"
+    ))
+    .await;
+    let gw = Gw::start_with_env(
+        &format!(
+            "models:\n  a: {{ type: openai, base_url: \"{}\", api_key: env:AH_HC_KEY, health_check: {{ url: /health }} }}\n  b: {{ type: openai, base_url: \"{}\", health_check: {{ url: /health }} }}\nhealth: {{ probe_interval: 200ms }}\n",
+            a.base(),
+            b.base()
+        ),
+        &[("AH_HC_KEY", KEY)],
+    );
+    let ok = eventually(Duration::from_secs(5), || async {
+        let st = gw.status().await;
+        st["endpoints"]["a"]["probe"]["detail"]["status"] == "ok"
+            && st["endpoints"]["b"]["probe"]["detail"]["bytes"].is_u64()
+    })
+    .await;
+    let st = gw.status().await;
+    assert!(ok, "{}", st["endpoints"]);
+    assert_eq!(
+        st["endpoints"]["a"]["probe"]["detail"]["seen"], "Bearer [REDACTED]",
+        "{}",
+        st["endpoints"]["a"]["probe"]
+    );
+    assert_eq!(st["endpoints"]["a"]["state"], "healthy");
+    assert_eq!(
+        st["endpoints"]["b"]["state"], "healthy",
+        "a large answer is still healthy"
+    );
+    let text = st.to_string();
+    assert!(!text.contains("HEALTHECHOKEY"), "/status holds the key");
+    assert!(text.len() < 20_000, "/status is {} bytes", text.len());
+    assert_no_panic(&gw);
+}
+
 /// A base URL with a user and password (`http://user:pass@host/v1`, a proxy with Basic auth in
 /// front of a server): they go upstream as `Authorization: Basic`, and appear nowhere else —
 /// not in `check-config`'s output, `/status`, the log (at debug) or the database. Before, the

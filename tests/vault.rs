@@ -505,7 +505,10 @@ vault:
     assert_eq!(rows.len(), 1, "{rows:?}");
     let db = std::fs::read(gw.db()).unwrap();
     let log = gw.log();
-    assert!(log.contains("backend failed for credential"), "the 500 was logged");
+    assert!(
+        log.contains("backend failed for credential"),
+        "the 500 was logged"
+    );
     let secret = "OWNKEYVALUE";
     assert!(!st.contains(secret), "/status holds the own key");
     assert!(!log.contains(secret), "the log holds the own key");

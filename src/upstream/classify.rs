@@ -267,15 +267,16 @@ pub fn redact(text: &str, secrets: &[&str]) -> String {
     }
 }
 
-/// `body` with every occurrence of a secret (four bytes or longer) replaced by `[REDACTED]`,
-/// for an upstream's answer passed to the client as it is (a 4xx): only the exact values go,
-/// so the upstream's word on the request stays as it was. The body comes back untouched (no
-/// copy) when none occurs.
+/// `body` with every occurrence of a secret replaced by `[REDACTED]`, for an upstream's answer
+/// passed to the client as it is (a 4xx): only the exact values go, so the upstream's word on
+/// the request stays as it was — and only values of 8 bytes or more, so that a placeholder key
+/// (`EMPTY`, `none`, as local servers are often given) does not blank that word out of the
+/// client's answer. The body comes back untouched (no copy) when none occurs.
 pub fn redact_exact(body: bytes::Bytes, secrets: &[&str]) -> bytes::Bytes {
     let secrets: Vec<&[u8]> = secrets
         .iter()
         .map(|s| s.as_bytes())
-        .filter(|s| s.len() >= 4)
+        .filter(|s| s.len() >= 8)
         .collect();
     if !secrets
         .iter()
@@ -663,8 +664,9 @@ mod tests {
                 .unwrap()
                 .ends_with("api_key=fine")
         );
-        // Nothing to redact: the same bytes, not a copy; short secrets are not matched.
-        let same = redact_exact(body.clone(), &["not-there", "key"]);
+        // Nothing to redact: the same bytes, not a copy; short secrets (a placeholder key such
+        // as `EMPTY`, here `message`'s 7 bytes) are not matched.
+        let same = redact_exact(body.clone(), &["not-there", "message", "key"]);
         assert_eq!(same.as_ptr(), body.as_ptr());
     }
 

@@ -656,7 +656,20 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
                 if changed {
                     let kinds: Vec<(String, EndpointKind)> =
                         wanted.iter().map(|w| (w.name.clone(), w.kind)).collect();
-                    match state.install_discovered(wanted) {
+                    // Building a config is blocking work — `vault:` secrets are read over the
+                    // network (up to `vault.timeout` a call), clients and TLS built — so it runs
+                    // on the blocking pool, as a reload does: on a runtime worker it stalled
+                    // every request queued there until Vault answered.
+                    let st = state.clone();
+                    let installed =
+                        tokio::task::spawn_blocking(move || st.install_discovered(wanted))
+                            .await
+                            .unwrap_or_else(|e| {
+                                Err(crate::config::ConfigError(format!(
+                                    "the install task failed: {e}"
+                                )))
+                            });
+                    match installed {
                         Ok(added) => {
                             for name in added {
                                 let kind = kinds

@@ -517,3 +517,74 @@ vault:
         "SQLite holds the own key"
     );
 }
+
+/// Adopting a discovered endpoint builds a new config, which reads `vault:` secrets. With Vault
+/// hung (the real server, stopped with SIGSTOP) that read waits up to `vault.timeout`: it must
+/// wait on the blocking pool, not on a runtime worker. With one worker
+/// (`TOKIO_WORKER_THREADS=1`) requests are served meanwhile. Before, the install ran on the
+/// worker and every request waited for Vault's timeout (20 s here).
+#[tokio::test]
+async fn a_discovery_install_waiting_on_vault_does_not_stall_requests() {
+    let bao = Bao::start().await;
+    bao.put_secret("sk-from-vault-ffff-6666").await;
+    let a = MockUp::openai("name: a").await;
+    let engine = FakeEngine::start();
+    let mut gw = Gw::start_with_env(
+        &format!(
+            r#"models:
+  a: {{ type: openai, base_url: "{}", api_key: "vault:secret/openai#api_key" }}
+docker: {{ enabled: true, interval: 200ms, timeout: 2s, adopt_unconfigured: true }}
+vault:
+  address: "{}"
+  token: env:TEST_VAULT_TOKEN
+  timeout: 20s
+"#,
+            a.base(),
+            bao.addr
+        ),
+        &[
+            ("TEST_VAULT_TOKEN", ROOT_TOKEN),
+            ("DOCKER_HOST", engine.host.as_str()),
+            ("TOKIO_WORKER_THREADS", "1"),
+        ],
+    );
+    assert_eq!(chat_with(&gw, "a", None).await.status(), 200);
+    assert_eq!(last_tail(&a).await, "6666", "the key came from Vault");
+    // Vault stops answering; then a labelled container appears, and the next scan adopts it.
+    let stop = |sig: &str| {
+        let ok = Command::new("kill")
+            .args([sig, &bao.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill {sig}");
+    };
+    stop("-STOP");
+    engine.set(
+        "/containers/json",
+        EngineAnswer::Body(
+            200,
+            json!([{"Id": "c1", "Names": ["/extra"], "State": "running", "Labels": {"autohedge.endpoint": "extra"}}])
+                .to_string(),
+        ),
+    );
+    let before = engine.seen("/containers/json").0;
+    let ok = eventually(Duration::from_secs(5), || async {
+        engine.seen("/containers/json").0 > before
+    })
+    .await;
+    assert!(ok, "the watcher scanned again");
+    // The install is under way, waiting on Vault; requests are served all the same.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let served = tokio::time::timeout(Duration::from_secs(10), chat_with(&gw, "a", None)).await;
+    stop("-CONT");
+    let r = served.expect("a request waited for the hung Vault read");
+    assert_eq!(r.status(), 200);
+    // Once Vault answers, the adoption completes.
+    let ok = eventually(Duration::from_secs(30), || async {
+        gw.status().await["docker"]["discovered_endpoints"] == json!(["extra"])
+    })
+    .await;
+    assert!(ok, "{}", gw.status().await["docker"]);
+    gw.stop();
+}

@@ -3,6 +3,9 @@
 
 #![allow(dead_code)]
 
+pub mod engine;
+pub use engine::{EngineAnswer, FakeEngine};
+
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

@@ -1,0 +1,187 @@
+//! A Docker Engine on a unix socket (or loopback TCP) that answers as a test scripts it,
+//! hostile answers included.
+
+use std::io::{Read, Write};
+use std::time::Duration;
+
+/// What the fake Docker engine answers a path with.
+#[derive(Clone)]
+pub enum EngineAnswer {
+    /// A body of this status (`application/json`).
+    Body(u16, String),
+    /// A 200 whose chunked body is `start`, then `fill` bytes without end — up to 256 MiB,
+    /// then the connection is held in silence.
+    Endless { start: &'static str, fill: u8 },
+    /// No answer; the connection held.
+    Silent,
+    /// A 200 whose chunked body is `line` again and again, one every `every`, for 30 s.
+    Repeat { line: &'static str, every: Duration },
+}
+
+/// A Docker Engine on a unix socket, as hostile as a test wants: each path (the first key it
+/// contains) gets its [`EngineAnswer`], each connection one answer. Counts, by key, the
+/// connections and the most written on one of them.
+pub struct FakeEngine {
+    _dir: tempfile::TempDir,
+    pub host: String,
+    answers: std::sync::Arc<std::sync::Mutex<Vec<(&'static str, EngineAnswer)>>>,
+    seen: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<&'static str, (u64, u64)>>>,
+}
+
+impl FakeEngine {
+    /// A reachable engine that is no swarm manager, lists no container and sends no event.
+    pub fn start() -> FakeEngine {
+        FakeEngine::start_on(false)
+    }
+
+    /// Listening on `tcp` (127.0.0.1) or on a unix socket.
+    pub fn start_on(tcp: bool) -> FakeEngine {
+        let dir = tempfile::tempdir().unwrap();
+        let answers = std::sync::Arc::new(std::sync::Mutex::new(vec![
+            ("/_ping", EngineAnswer::Body(200, "OK".into())),
+            (
+                "/services",
+                EngineAnswer::Body(
+                    503,
+                    r#"{"message":"This node is not a swarm manager."}"#.into(),
+                ),
+            ),
+            ("/containers/json", EngineAnswer::Body(200, "[]".into())),
+            ("/events", EngineAnswer::Silent),
+        ]));
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
+        let (a, s) = (answers.clone(), seen.clone());
+        let host = if tcp {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            let host = format!("tcp://{}", listener.local_addr().unwrap());
+            std::thread::spawn(move || {
+                for c in listener.incoming().flatten() {
+                    let (a, s) = (a.clone(), s.clone());
+                    std::thread::spawn(move || FakeEngine::serve(c, a, s));
+                }
+            });
+            host
+        } else {
+            let sock = dir.path().join("docker.sock");
+            let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+            std::thread::spawn(move || {
+                for c in listener.incoming().flatten() {
+                    let (a, s) = (a.clone(), s.clone());
+                    std::thread::spawn(move || FakeEngine::serve(c, a, s));
+                }
+            });
+            format!("unix://{}", sock.display())
+        };
+        FakeEngine {
+            _dir: dir,
+            host,
+            answers,
+            seen,
+        }
+    }
+
+    pub fn set(&self, key: &'static str, answer: EngineAnswer) {
+        let mut a = self.answers.lock().unwrap();
+        a.retain(|(k, _)| *k != key);
+        a.insert(0, (key, answer));
+    }
+
+    /// (connections, most bytes written on one) for `key`.
+    pub fn seen(&self, key: &str) -> (u64, u64) {
+        self.seen
+            .lock()
+            .unwrap()
+            .get(key)
+            .copied()
+            .unwrap_or((0, 0))
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn serve(
+        mut c: impl Read + Write,
+        answers: std::sync::Arc<std::sync::Mutex<Vec<(&'static str, EngineAnswer)>>>,
+        seen: std::sync::Arc<std::sync::Mutex<std::collections::HashMap<&'static str, (u64, u64)>>>,
+    ) {
+        let mut head = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 65536 {
+            match c.read(&mut buf) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => head.extend_from_slice(&buf[..n]),
+            }
+        }
+        let head = String::from_utf8_lossy(&head).to_string();
+        let path = head.split(' ').nth(1).unwrap_or("").to_string();
+        let found = answers
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(k, _)| path.contains(k))
+            .cloned();
+        let Some((key, answer)) = found else {
+            let body = r#"{"message":"page not found"}"#;
+            let _ = write!(
+                c,
+                "HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            return;
+        };
+        let note = |written: u64| {
+            let mut s = seen.lock().unwrap();
+            let e = s.entry(key).or_insert((0, 0));
+            if written == 0 {
+                e.0 += 1;
+            }
+            e.1 = e.1.max(written);
+        };
+        note(0);
+        match answer {
+            EngineAnswer::Body(status, body) => {
+                let _ = write!(
+                    c,
+                    "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+            EngineAnswer::Silent => std::thread::sleep(Duration::from_secs(60)),
+            EngineAnswer::Repeat { line, every } => {
+                let _ = write!(
+                    c,
+                    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                );
+                let until = std::time::Instant::now() + Duration::from_secs(30);
+                let mut written = 0u64;
+                while std::time::Instant::now() < until {
+                    if write!(c, "{:x}\r\n{line}\r\n", line.len()).is_err() {
+                        break;
+                    }
+                    written += line.len() as u64;
+                    note(written);
+                    std::thread::sleep(every);
+                }
+            }
+            EngineAnswer::Endless { start, fill } => {
+                const CAP: u64 = 256 << 20;
+                let _ = write!(
+                    c,
+                    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{start}\r\n",
+                    start.len()
+                );
+                let chunk = vec![fill; 64 * 1024];
+                let mut written = 0u64;
+                while written < CAP {
+                    if write!(c, "{:x}\r\n", chunk.len()).is_err()
+                        || c.write_all(&chunk).is_err()
+                        || c.write_all(b"\r\n").is_err()
+                    {
+                        break;
+                    }
+                    written += chunk.len() as u64;
+                    note(written);
+                }
+                std::thread::sleep(Duration::from_secs(60));
+            }
+        }
+    }
+}

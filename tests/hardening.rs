@@ -7,6 +7,7 @@ mod common;
 use std::io::{Read, Write};
 use std::time::Duration;
 
+use common::engine::{EngineAnswer, FakeEngine};
 use common::*;
 use serde_json::{Value, json};
 

@@ -9,6 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use base64::Engine;
+use common::engine::{EngineAnswer, FakeEngine};
 use common::*;
 use serde_json::{Value, json};
 

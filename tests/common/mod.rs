@@ -4,7 +4,6 @@
 #![allow(dead_code)]
 
 pub mod engine;
-pub use engine::{EngineAnswer, FakeEngine};
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;

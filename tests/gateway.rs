@@ -747,11 +747,7 @@ async fn api_keys_never_leak() {
     let check_out = String::from_utf8_lossy(&check.stdout).to_string();
     assert!(check_out.contains("env:AH_LEAK_KEY"), "{check_out}");
     gw.stop();
-    let mut db = Vec::new();
-    for f in ["autohedge.db", "autohedge.db-wal"] {
-        db.extend(std::fs::read(gw.data_dir().join(f)).unwrap_or_default());
-    }
-    let db = String::from_utf8_lossy(&db).to_string();
+    let db = gw.db_text();
     let log = gw.log();
     // The whole key and its distinctive middle never appear anywhere.
     for (what, text) in [

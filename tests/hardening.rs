@@ -2812,11 +2812,7 @@ async fn an_upstream_error_that_quotes_a_secret_reaches_the_client_without_it() 
     gw.stop();
     let rows = audit_rows(&gw, "SELECT COALESCE(error, '') FROM attempts");
     assert!(!rows.is_empty(), "the attempt was recorded");
-    let mut db = Vec::new();
-    for f in ["autohedge.db", "autohedge.db-wal"] {
-        db.extend(std::fs::read(gw.data_dir().join(f)).unwrap_or_default());
-    }
-    let db = String::from_utf8_lossy(&db).to_string();
+    let db = gw.db_text();
     let log = gw.log();
     assert!(
         log.contains("attempt failed"),
@@ -2875,11 +2871,7 @@ async fn an_in_band_stream_error_that_quotes_the_key_reaches_the_client_without_
         "{events:?}"
     );
     gw.stop();
-    let mut db = Vec::new();
-    for f in ["autohedge.db", "autohedge.db-wal"] {
-        db.extend(std::fs::read(gw.data_dir().join(f)).unwrap_or_default());
-    }
-    let db = String::from_utf8_lossy(&db).to_string();
+    let db = gw.db_text();
     assert!(
         !audit_rows(
             &gw,
@@ -2981,11 +2973,7 @@ async fn credentials_in_a_base_url_go_as_basic_auth_and_are_shown_nowhere() {
     let check = String::from_utf8_lossy(&check.stdout).to_string();
     assert!(check.contains(&format!("url=http://{dead}/v1")), "{check}");
     gw.stop();
-    let mut db = Vec::new();
-    for f in ["autohedge.db", "autohedge.db-wal"] {
-        db.extend(std::fs::read(gw.data_dir().join(f)).unwrap_or_default());
-    }
-    let db = String::from_utf8_lossy(&db).to_string();
+    let db = gw.db_text();
     let log = gw.log();
     for (what, text) in [
         ("/status", &status),

@@ -246,6 +246,16 @@ impl Gw {
         self.dir.join("data")
     }
 
+    /// The audit database's bytes — the file and its write-ahead log — as text, for showing
+    /// that a value is stored nowhere in it.
+    pub fn db_text(&self) -> String {
+        let mut db = Vec::new();
+        for f in ["autohedge.db", "autohedge.db-wal"] {
+            db.extend(std::fs::read(self.data_dir().join(f)).unwrap_or_default());
+        }
+        String::from_utf8_lossy(&db).into_owned()
+    }
+
     pub fn db(&self) -> PathBuf {
         self.data_dir().join("autohedge.db")
     }

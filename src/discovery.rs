@@ -224,9 +224,12 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
         .await
     {
         Ok(services) => services,
-        // Not a swarm manager ("This node is not a swarm manager"): no services, which is fine.
+        // Not a swarm manager ("This node is not a swarm manager", 503), or an engine without
+        // Swarm's API at all (Podman's Docker-compatible socket: 404 or 501): no services,
+        // which is fine.
         Err(bollard::errors::Error::DockerResponseServerError {
-            status_code: 503, ..
+            status_code: 503 | 404 | 501,
+            ..
         }) => Vec::new(),
         // Anything else fails the scan: read as "no services", it would have taken every
         // Swarm-backed endpoint down while their tasks ran on.

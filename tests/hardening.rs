@@ -2731,6 +2731,17 @@ async fn a_failed_service_list_keeps_the_last_known_addresses() {
         assert_eq!(header(&r, "x-autohedge-endpoint"), "disc");
     }
     assert_eq!(up.requests().await, served + 3);
+    // An engine without Swarm's API at all (Podman's socket answers 404) is read as one with no
+    // services, as a worker node's 503 is: the scan succeeds.
+    engine.set(
+        "/services",
+        EngineAnswer::Body(404, r#"{"message":"page not found"}"#.into()),
+    );
+    let ok = eventually(Duration::from_secs(5), || async {
+        gw.status().await["docker"]["status"] == "ok"
+    })
+    .await;
+    assert!(ok, "{}", gw.status().await["docker"]);
     assert_no_panic(&gw);
 }
 

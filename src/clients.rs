@@ -92,11 +92,32 @@ pub fn admin(auth: &Auth, headers: &HeaderMap, peer: SocketAddr) -> Result<(), A
                 "This path needs the admin key: `Authorization: Bearer <auth.admin_key>`.".into(),
             )),
         },
-        None if peer.ip().is_loopback() => Ok(()),
+        None if peer.ip().is_loopback() && !relayed(headers) => Ok(()),
+        // A reverse proxy on this host (TLS in front of the gateway, as README suggests) makes
+        // every client a loopback peer: what it relays is not a local operator's request.
+        None if peer.ip().is_loopback() => Err(ApiError::Forbidden(
+            "This request came through a proxy (it carries Forwarded, X-Forwarded-For, X-Real-IP or Via): without auth.admin_key this path answers local clients only.".into(),
+        )),
         None => Err(ApiError::Forbidden(
             "This path answers loopback clients only unless auth.admin_key is set.".into(),
         )),
     }
+}
+
+/// Headers a reverse proxy adds to what it relays: RFC 7239's `Forwarded`, the de facto
+/// `X-Forwarded-*` and `X-Real-IP`, and RFC 9110's `Via`.
+const RELAY_HEADERS: &[&str] = &[
+    "forwarded",
+    "x-forwarded-for",
+    "x-forwarded-host",
+    "x-forwarded-proto",
+    "x-real-ip",
+    "via",
+];
+
+/// Whether a request was relayed by a proxy (see [`RELAY_HEADERS`]).
+fn relayed(headers: &HeaderMap) -> bool {
+    RELAY_HEADERS.iter().any(|h| headers.contains_key(*h))
 }
 
 /// One client's limiters and spend.

@@ -297,6 +297,26 @@ async fn the_admin_surface_needs_the_admin_key_or_loopback() {
     assert_eq!(http.get(&local).send().await.unwrap().status(), 200);
     let r = http.get(&remote).send().await.unwrap();
     assert_eq!(r.status(), 403, "from {ip}");
+    // Loopback, but relayed by a reverse proxy on this host (the headers Caddy, Traefik, Envoy,
+    // HAProxy or an nginx with `proxy_set_header` add): not a local operator.
+    for (h, v) in [
+        ("x-forwarded-for", "203.0.113.7"),
+        ("forwarded", "for=203.0.113.7;proto=https"),
+        ("x-real-ip", "203.0.113.7"),
+        ("via", "1.1 caddy"),
+    ] {
+        let r = http.get(&local).header(h, v).send().await.unwrap();
+        let status = r.status();
+        let body: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(status, 403, "{h}: {body}");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap_or("")
+                .contains("came through a proxy"),
+            "{body}"
+        );
+    }
     // The API itself answers the other address (with a client key): the refusal is the admin
     // rule, not the network.
     let r = http
@@ -351,6 +371,15 @@ async fn the_admin_surface_needs_the_admin_key_or_loopback() {
             .await
             .unwrap();
         assert_eq!(r.status(), 200, "{base}");
+        // Through a proxy too: the key is what counts.
+        let r = http
+            .get(format!("{base}/status"))
+            .bearer_auth(ADMIN)
+            .header("x-forwarded-for", "203.0.113.7")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{base} relayed");
         // A client key is not the admin key.
         let r = http
             .get(format!("{base}/status"))

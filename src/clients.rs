@@ -92,7 +92,12 @@ pub fn admin(auth: &Auth, headers: &HeaderMap, peer: SocketAddr) -> Result<(), A
                 "This path needs the admin key: `Authorization: Bearer <auth.admin_key>`.".into(),
             )),
         },
-        None if peer.ip().is_loopback() && !relayed(headers) => Ok(()),
+        None if peer.ip().is_loopback() && !relayed(headers) && local_host(headers) => Ok(()),
+        // A page a browser loaded from elsewhere, whose name was then pointed at 127.0.0.1 (DNS
+        // rebinding), reaches the gateway as a loopback peer with that name as its Host.
+        None if peer.ip().is_loopback() && !local_host(headers) => Err(ApiError::Forbidden(
+            "This request names a host other than localhost or an IP address (a browser page's, through DNS rebinding?): without auth.admin_key this path answers local clients only.".into(),
+        )),
         // A reverse proxy on this host (TLS in front of the gateway, as README suggests) makes
         // every client a loopback peer: what it relays is not a local operator's request.
         None if peer.ip().is_loopback() => Err(ApiError::Forbidden(
@@ -114,6 +119,31 @@ const RELAY_HEADERS: &[&str] = &[
     "x-real-ip",
     "via",
 ];
+
+/// Whether the request's `Host` is one a local client uses: `localhost` (or a name under
+/// `.localhost`, which resolves to loopback by RFC 6761) or an IP address — anything but a
+/// domain name a web page could have been loaded from. No `Host` (HTTP/1.0, HTTP/2's
+/// `:authority`, which browsers send only over TLS) passes.
+fn local_host(headers: &HeaderMap) -> bool {
+    let Some(host) = headers.get(http::header::HOST) else {
+        return true;
+    };
+    let Ok(host) = host.to_str() else {
+        return false;
+    };
+    // `[::1]:8080`, `127.0.0.1:8080`, `localhost:8080`, `localhost`.
+    let name = match host.strip_prefix('[') {
+        Some(rest) => {
+            return rest
+                .split(']')
+                .next()
+                .is_some_and(|ip| ip.parse::<std::net::Ipv6Addr>().is_ok());
+        }
+        None => host.rsplit_once(':').map_or(host, |(n, _)| n),
+    };
+    let name = name.trim_end_matches('.').to_ascii_lowercase();
+    name == "localhost" || name.ends_with(".localhost") || name.parse::<std::net::IpAddr>().is_ok()
+}
 
 /// Whether a request was relayed by a proxy (see [`RELAY_HEADERS`]).
 fn relayed(headers: &HeaderMap) -> bool {
@@ -303,6 +333,37 @@ pub fn civil_from_days(days: i64) -> (i64, i64, i64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_localhost_and_ip_addresses_are_local_hosts() {
+        let with = |h: &str| {
+            let mut m = HeaderMap::new();
+            m.insert(http::header::HOST, h.parse().unwrap());
+            local_host(&m)
+        };
+        for ok in [
+            "127.0.0.1:8080",
+            "127.0.0.1",
+            "[::1]:8080",
+            "localhost:8080",
+            "LOCALHOST",
+            "app.localhost:3000",
+            "10.0.0.5:8080",
+            "localhost.",
+        ] {
+            assert!(with(ok), "{ok}");
+        }
+        for bad in [
+            "evil.example:8080",
+            "evil.example",
+            "localhost.evil.example",
+            "[evil]:80",
+            "::1",
+        ] {
+            assert!(!with(bad), "{bad}");
+        }
+        assert!(local_host(&HeaderMap::new()), "no Host at all");
+    }
 
     fn key(name: &str, rpm: Option<u32>, tpm: Option<u64>, budget: Option<f64>) -> ClientKey {
         ClientKey {

@@ -297,6 +297,22 @@ async fn the_admin_surface_needs_the_admin_key_or_loopback() {
     assert_eq!(http.get(&local).send().await.unwrap().status(), 200);
     let r = http.get(&remote).send().await.unwrap();
     assert_eq!(r.status(), 403, "from {ip}");
+    // Loopback, but naming another host: a page a browser loaded from elsewhere, whose name
+    // was then pointed at 127.0.0.1 (DNS rebinding). `localhost` is local.
+    let r = http
+        .get(&local)
+        .header("host", format!("rebind.example:{port}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403, "a rebound name");
+    let r = http
+        .get(&local)
+        .header("host", format!("localhost:{port}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "localhost");
     // Loopback, but relayed by a reverse proxy on this host (the headers Caddy, Traefik, Envoy,
     // HAProxy or an nginx with `proxy_set_header` add): not a local operator.
     for (h, v) in [

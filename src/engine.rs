@@ -39,12 +39,12 @@ pub fn host() -> String {
     std::env::var("DOCKER_HOST").unwrap_or_else(|_| "unix:///var/run/docker.sock".into())
 }
 
-enum Stream {
-    Unix(tokio::net::UnixStream),
-    Tcp(tokio::net::TcpStream),
-}
+/// A unix socket or a TCP connection (tokio-util's `Either` is both `AsyncRead` and
+/// `AsyncWrite` over either).
+type Stream = tokio_util::either::Either<tokio::net::UnixStream, tokio::net::TcpStream>;
 
-/// A connection to the engine whose reads fail once more than `left` bytes came in.
+/// A connection to the engine whose reads fail once more than `left` bytes came in. Writes go
+/// straight through.
 struct Capped {
     stream: Stream,
     left: u64,
@@ -58,10 +58,7 @@ impl AsyncRead for Capped {
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         let before = buf.filled().len();
-        let polled = match &mut this.stream {
-            Stream::Unix(s) => Pin::new(s).poll_read(cx, buf),
-            Stream::Tcp(s) => Pin::new(s).poll_read(cx, buf),
-        };
+        let polled = Pin::new(&mut this.stream).poll_read(cx, buf);
         if let Poll::Ready(Ok(())) = polled {
             let n = (buf.filled().len() - before) as u64;
             match this.left.checked_sub(n) {
@@ -85,24 +82,15 @@ impl AsyncWrite for Capped {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        match &mut self.get_mut().stream {
-            Stream::Unix(s) => Pin::new(s).poll_write(cx, buf),
-            Stream::Tcp(s) => Pin::new(s).poll_write(cx, buf),
-        }
+        Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match &mut self.get_mut().stream {
-            Stream::Unix(s) => Pin::new(s).poll_flush(cx),
-            Stream::Tcp(s) => Pin::new(s).poll_flush(cx),
-        }
+        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match &mut self.get_mut().stream {
-            Stream::Unix(s) => Pin::new(s).poll_shutdown(cx),
-            Stream::Tcp(s) => Pin::new(s).poll_shutdown(cx),
-        }
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
     }
 }
 
@@ -110,7 +98,7 @@ impl AsyncWrite for Capped {
 async fn connect(limit: u64) -> io::Result<TokioIo<Capped>> {
     let host = host();
     let stream = if let Some(path) = host.strip_prefix("unix://") {
-        Stream::Unix(
+        Stream::Left(
             tokio::net::UnixStream::connect(path)
                 .await
                 .map_err(|e| io::Error::new(e.kind(), format!("{path}: {e}")))?,
@@ -120,7 +108,7 @@ async fn connect(limit: u64) -> io::Result<TokioIo<Capped>> {
         .or_else(|| host.strip_prefix("http://"))
     {
         let addr = addr.trim_end_matches('/');
-        Stream::Tcp(
+        Stream::Right(
             tokio::net::TcpStream::connect(addr)
                 .await
                 .map_err(|e| io::Error::new(e.kind(), format!("{addr}: {e}")))?,

@@ -2554,6 +2554,26 @@ async fn an_http2_client_that_grants_no_window_is_let_go_after_the_send_timeout(
     assert_no_panic(&gw);
 }
 
+/// A gateway with one endpoint `a` on `up`, following `engine` with `docker: { enabled: true,
+/// <docker> }`.
+fn gw_on_engine(engine: &FakeEngine, up: &MockUp, docker: &str) -> Gw {
+    Gw::start_with_env(
+        &format!(
+            "models:\n  a: {{ type: openai, base_url: \"{}\" }}\ndocker: {{ enabled: true, {docker} }}\n",
+            up.base()
+        ),
+        &[("DOCKER_HOST", engine.host.as_str())],
+    )
+}
+
+/// What a hostile engine must leave as it was: the engine read as reachable, `a` serving, no
+/// panic.
+async fn assert_engine_ok_and_serving(gw: &Gw) {
+    assert_eq!(gw.status().await["docker"]["status"], "ok");
+    assert_eq!(gw.chat("a", "x").await.status(), 200);
+    assert_no_panic(gw);
+}
+
 /// An engine whose container list never ends: the gateway reads it to the limit (16 MiB), says
 /// why in `/status`, and goes on serving — over a unix socket and over `tcp://` alike. Before,
 /// bollard read the whole answer into memory — here 256 MiB, until `docker.timeout`; an engine
@@ -2575,13 +2595,7 @@ async fn an_endless_engine_answer_is_cut(tcp: bool) {
         },
     );
     let a = MockUp::openai("name: a").await;
-    let gw = Gw::start_with_env(
-        &format!(
-            "models:\n  a: {{ type: openai, base_url: \"{}\" }}\ndocker: {{ enabled: true, interval: 300ms, timeout: 10s }}\n",
-            a.base()
-        ),
-        &[("DOCKER_HOST", engine.host.as_str())],
-    );
+    let gw = gw_on_engine(&engine, &a, "interval: 300ms, timeout: 10s");
     let ok = eventually(Duration::from_secs(8), || async {
         gw.status().await["docker"]["error"]
             .as_str()
@@ -2641,13 +2655,7 @@ async fn a_docker_event_line_without_end_is_cut_and_the_stream_reopened() {
         },
     );
     let a = MockUp::openai("name: a").await;
-    let gw = Gw::start_with_env(
-        &format!(
-            "models:\n  a: {{ type: openai, base_url: \"{}\" }}\ndocker: {{ enabled: true, interval: 300ms, timeout: 2s }}\n",
-            a.base()
-        ),
-        &[("DOCKER_HOST", engine.host.as_str())],
-    );
+    let gw = gw_on_engine(&engine, &a, "interval: 300ms, timeout: 2s");
     let ok = eventually(Duration::from_secs(8), || async {
         engine.seen("/events").0 >= 2
     })
@@ -2659,9 +2667,7 @@ async fn a_docker_event_line_without_end_is_cut_and_the_stream_reopened() {
         (1 << 20..3 << 20).contains(&written),
         "the engine wrote {written} bytes on one event line"
     );
-    assert_eq!(gw.status().await["docker"]["status"], "ok");
-    assert_eq!(gw.chat("a", "x").await.status(), 200);
-    assert_no_panic(&gw);
+    assert_engine_ok_and_serving(&gw).await;
 }
 
 /// A Swarm manager that fails to list services (an election, an overloaded raft) is an engine
@@ -2775,13 +2781,7 @@ async fn a_flood_of_container_events_rescans_at_most_every_250_ms() {
     );
     let a = MockUp::openai("name: a").await;
     // The poll is once a minute: every scan after the first is the events' doing.
-    let gw = Gw::start_with_env(
-        &format!(
-            "models:\n  a: {{ type: openai, base_url: \"{}\" }}\ndocker: {{ enabled: true, interval: 60s, timeout: 2s }}\n",
-            a.base()
-        ),
-        &[("DOCKER_HOST", engine.host.as_str())],
-    );
+    let gw = gw_on_engine(&engine, &a, "interval: 60s, timeout: 2s");
     let ok = eventually(Duration::from_secs(5), || async {
         engine.seen("/events").1 > 0 && engine.seen("/containers/json").0 >= 2
     })
@@ -2799,9 +2799,7 @@ async fn a_flood_of_container_events_rescans_at_most_every_250_ms() {
         (3..=13).contains(&scans),
         "{scans} scans in 3 s under {sent} events"
     );
-    assert_eq!(gw.status().await["docker"]["status"], "ok");
-    assert_eq!(gw.chat("a", "x").await.status(), 200);
-    assert_no_panic(&gw);
+    assert_engine_ok_and_serving(&gw).await;
 }
 
 /// An upstream whose 400 quotes the endpoint's key and its `api-key` header (a proxy that

@@ -371,6 +371,13 @@ impl Endpoint {
             .collect()
     }
 
+    /// [`Self::secret_values`] and the key a request sent of its own (`x-encrypted-key`).
+    pub fn secret_values_with<'a>(&'a self, own: Option<&'a Secret>) -> Vec<&'a str> {
+        let mut s = self.secret_values();
+        s.extend(own.map(Secret::expose));
+        s
+    }
+
     pub fn usable_keys(&self) -> usize {
         self.keys.iter().filter(|k| k.value.is_some()).count()
     }

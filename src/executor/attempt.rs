@@ -476,9 +476,7 @@ async fn read_error(
         };
         // Passed on as it is — but an upstream that quotes the endpoint's key, a credential
         // header or the request's own key (`x-encrypted-key`) must not hand it to the client.
-        let mut secrets = ep.secret_values();
-        secrets.extend(key.map(Secret::expose));
-        let body = classify::redact_exact(body, &secrets);
+        let body = classify::redact_exact(body, &ep.secret_values_with(key));
         f.passthrough = Some(Box::new((status, h, body)));
     }
     f

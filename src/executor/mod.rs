@@ -857,8 +857,7 @@ impl Run {
         {
             self.app.registry.observe_ratelimit(ep, key_idx, seen);
         }
-        let mut secrets = ep.secret_values();
-        secrets.extend(self.own_key_for(ep).map(Secret::expose));
+        let secrets = ep.secret_values_with(self.own_key_for(ep));
         let detail = classify::redact(&f.detail, &secrets);
         let internal = f.internal.as_deref().map(|d| classify::redact(d, &secrets));
         tracing::info!(

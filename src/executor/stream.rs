@@ -51,9 +51,7 @@ pub(super) struct StreamGuard {
 impl StreamGuard {
     /// What is redacted from `ep`'s texts: its secrets and the request's own key.
     fn secrets<'a>(&'a self, ep: &'a Endpoint) -> Vec<&'a str> {
-        let mut s = ep.secret_values();
-        s.extend(self.own_key.as_ref().map(crate::config::Secret::expose));
-        s
+        ep.secret_values_with(self.own_key.as_ref())
     }
 
     /// Adds an attempt to the row (continuation: the break, and each continuing attempt).

@@ -67,7 +67,7 @@ pub struct EndpointRuntime {
     fingerprint: String,
     probe: Option<crate::probe::ProbeReport>,
     /// A context limit an upstream's own error stated (smaller than configured, or none was).
-    learned_window: Option<u64>,
+    learned_window: Option<LearnedWindow>,
     health: crate::health::Health,
     /// Where Docker discovery says the endpoint runs now (`http://ip:port`), if it does.
     discovered: Option<crate::discovery::Discovered>,
@@ -85,6 +85,18 @@ pub struct EndpointRuntime {
     /// Recent latencies sorted, for hedge delays (re-sorted at most every `SORTED_TTL`).
     sorted: Option<(Instant, Arc<Vec<f64>>)>,
 }
+
+/// A context window learned from an upstream's context-length error, and the request whose error
+/// taught it (shown in `/status`, so an operator can find the answer that did it).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LearnedWindow {
+    pub tokens: u64,
+    pub request_id: String,
+}
+
+/// No window is learned below this: a stated limit of a few tokens is a message quoting something
+/// else, not a model (the smallest served models hold 512).
+pub const MIN_LEARNED_WINDOW: u64 = 64;
 
 /// How stale the sorted latencies behind a hedge's percentile delay may be.
 const SORTED_TTL: Duration = Duration::from_millis(250);
@@ -230,7 +242,7 @@ impl Registry {
         };
         map.retain(|name, _| cfg.endpoints.contains_key(name));
         for (name, ep) in &cfg.endpoints {
-            let entry = map.entry(name.clone()).or_insert_with(|| {
+            let fresh = |persisted: &[PersistedStats]| {
                 let mut rt = EndpointRuntime::new(&cfg.policy, &ep.fingerprint);
                 if ep.discover {
                     rt.health
@@ -242,7 +254,13 @@ impl Registry {
                     rt.requests = p.requests;
                     rt.successes = p.successes;
                     rt.failures = p.failures;
-                    rt.learned_window = p.learned_context_window;
+                    // Only what was learned from the server this definition names.
+                    if p.learned_window_fingerprint.as_deref() == Some(ep.fingerprint.as_str()) {
+                        rt.learned_window = p.learned_context_window.map(|tokens| LearnedWindow {
+                            tokens,
+                            request_id: p.learned_window_request.clone().unwrap_or_default(),
+                        });
+                    }
                     if let Some(reason) = &p.retired_reason {
                         if p.retired_fingerprint.as_deref() == Some(ep.fingerprint.as_str()) {
                             rt.retired = Some(Retirement {
@@ -260,50 +278,46 @@ impl Registry {
                         }
                     }
                 }
-                Arc::new(Mutex::new(rt))
-            });
+                rt
+            };
+            let entry = map
+                .entry(name.clone())
+                .or_insert_with(|| Arc::new(Mutex::new(fresh(persisted))));
             let mut rt = lock(entry);
             rt.window.resize(cfg.policy.window, now);
-            let identity_changed = rt.fingerprint != ep.fingerprint;
-            if identity_changed {
-                rt.dead_keys.clear();
-            } else {
-                // A rejection stays with the value it was made against: a key whose value was
-                // replaced (file rewritten, env var changed, literal edited) starts afresh.
-                rt.dead_keys
-                    .retain(|h| ep.keys.iter().any(|k| k.value.is_some() && &k.hash == h));
+            if rt.fingerprint != ep.fingerprint {
+                // Another server (type, base URL, model, or discovered ↔ static) under the same
+                // name: nothing learned about the old one — its window, cooldown, health,
+                // ejection, retirement, rejected keys, Docker's word — is true of this one.
+                let old = std::mem::replace(&mut *rt, fresh(&[]));
+                drop(rt);
+                if old.learned_window.is_some() {
+                    self.store.send(crate::store::Record::LearnedWindow {
+                        endpoint: name.clone(),
+                        learned: None,
+                    });
+                }
+                if old.retired.is_some() {
+                    self.store.send_flag(name, None, None);
+                }
+                self.event(
+                    name,
+                    "redefined",
+                    "endpoint definition changed in the config: its learned state starts afresh",
+                );
+                continue;
             }
+            // A rejection stays with the value it was made against: a key whose value was
+            // replaced (file rewritten, env var changed, literal edited) starts afresh.
+            rt.dead_keys
+                .retain(|h| ep.keys.iter().any(|k| k.value.is_some() && &k.hash == h));
             let usable = ep
                 .keys
                 .iter()
                 .any(|k| k.value.is_some() && !rt.dead_keys.contains(&k.hash));
-            if rt.auth_failed.is_some() && (identity_changed || usable) {
+            if rt.auth_failed.is_some() && usable {
                 rt.auth_failed = None;
-                self.event(
-                    name,
-                    "auth_cleared",
-                    if identity_changed {
-                        "endpoint definition changed in the config"
-                    } else {
-                        "a rejected key's value was replaced"
-                    },
-                );
-            }
-            if identity_changed {
-                rt.fingerprint = ep.fingerprint.clone();
-                if rt
-                    .retired
-                    .as_ref()
-                    .is_some_and(|r| r.fingerprint != ep.fingerprint)
-                {
-                    rt.retired = None;
-                    self.event(
-                        name,
-                        "unretired",
-                        "endpoint definition changed in the config",
-                    );
-                    self.store.send_flag(name, None, None);
-                }
+                self.event(name, "auth_cleared", "a rejected key's value was replaced");
             }
         }
     }
@@ -580,9 +594,22 @@ impl Registry {
         }
     }
 
-    pub fn record_tokens(&self, endpoint: &str, tokens_in: u64, tokens_out: u64, estimated: bool) {
+    /// Tokens a request used; `served`: it was answered in full, so the endpoint holds that many.
+    pub fn record_tokens(
+        &self,
+        endpoint: &str,
+        tokens_in: u64,
+        tokens_out: u64,
+        estimated: bool,
+        served: bool,
+    ) {
         if let Some(rt) = self.get(endpoint) {
             let mut rt = lock(&rt);
+            // Only the upstream's own count: an estimate could raise the floor past the truth.
+            if served && !estimated {
+                rt.window
+                    .served(Instant::now(), tokens_in.saturating_add(tokens_out));
+            }
             rt.tokens_in += tokens_in;
             rt.tokens_out += tokens_out;
             if estimated {
@@ -593,37 +620,57 @@ impl Registry {
 
     /// The window to plan with: the configured one, lowered by what the upstream said.
     pub fn effective_window(&self, ep: &Endpoint) -> Option<u64> {
-        let learned = self.get(&ep.name).and_then(|rt| lock(&rt).learned_window);
+        let learned = self
+            .get(&ep.name)
+            .and_then(|rt| lock(&rt).learned_window.as_ref().map(|l| l.tokens));
         match (ep.context_window, learned) {
             (Some(c), Some(l)) => Some(c.min(l)),
             (c, l) => c.or(l),
         }
     }
 
-    /// Records a limit stated in a context-length error, if it teaches anything new.
-    pub fn learn_window(&self, ep: &Endpoint, tokens: u64) {
+    /// Records a limit an upstream stated (a context-length error of the request `request_id`, or
+    /// its `/tokenize`), if it teaches anything new and can be true: never below
+    /// [`MIN_LEARNED_WINDOW`], nor below the largest request the endpoint served in full within
+    /// the stats window.
+    pub fn learn_window(&self, ep: &Endpoint, tokens: u64, request_id: &str) {
         let Some(rt) = self.get(&ep.name) else {
             return;
         };
         {
             let mut rt = lock(&rt);
-            let current = match (ep.context_window, rt.learned_window) {
-                (Some(c), Some(l)) => Some(c.min(l)),
-                (c, l) => c.or(l),
+            let current = match (ep.context_window, rt.learned_window.as_ref()) {
+                (Some(c), Some(l)) => Some(c.min(l.tokens)),
+                (c, l) => c.or(l.map(|l| l.tokens)),
             };
             if current.is_some_and(|c| c <= tokens) {
                 return;
             }
-            rt.learned_window = Some(tokens);
+            let served = rt.window.counts(Instant::now()).served_max;
+            if tokens < MIN_LEARNED_WINDOW || tokens < served {
+                drop(rt);
+                tracing::warn!(
+                    endpoint = %ep.name,
+                    request_id,
+                    stated = tokens,
+                    served,
+                    "a stated context limit below what the endpoint holds is not learned"
+                );
+                return;
+            }
+            rt.learned_window = Some(LearnedWindow {
+                tokens,
+                request_id: request_id.to_string(),
+            });
         }
         self.store.send(crate::store::Record::LearnedWindow {
             endpoint: ep.name.clone(),
-            tokens,
+            learned: Some((tokens, request_id.to_string(), ep.fingerprint.clone())),
         });
         self.event(
             &ep.name,
             "context_window_learned",
-            &format!("upstream stated a context limit of {tokens} tokens"),
+            &format!("upstream stated a context limit of {tokens} tokens (request {request_id})"),
         );
     }
 
@@ -763,7 +810,8 @@ impl Registry {
             .unwrap_or(false)
     }
 
-    /// Lifts retirement, auth failure, cooldown and rejected keys (operator's `endpoint clear`).
+    /// Lifts retirement, auth failure, cooldown, rejected keys and a learned context window
+    /// (operator's `endpoint clear`).
     pub fn clear(&self, name: &str) -> bool {
         let Some(rt) = self.get(name) else {
             return false;
@@ -775,8 +823,13 @@ impl Registry {
             rt.cooldown_until = None;
             rt.cooldown_reason = None;
             rt.dead_keys.clear();
+            rt.learned_window = None;
         }
         self.store.send_flag(name, None, None);
+        self.store.send(crate::store::Record::LearnedWindow {
+            endpoint: name.to_string(),
+            learned: None,
+        });
         self.event(name, "cleared", "cleared by operator");
         true
     }
@@ -878,7 +931,15 @@ impl Registry {
                     ewma_latency_ms: rt.latency.get(),
                     retired_reason: rt.retired.as_ref().map(|r| r.reason.clone()),
                     retired_fingerprint: rt.retired.as_ref().map(|r| r.fingerprint.clone()),
-                    learned_context_window: rt.learned_window,
+                    learned_context_window: rt.learned_window.as_ref().map(|l| l.tokens),
+                    learned_window_request: rt
+                        .learned_window
+                        .as_ref()
+                        .map(|l| l.request_id.clone()),
+                    learned_window_fingerprint: rt
+                        .learned_window
+                        .as_ref()
+                        .map(|_| rt.fingerprint.clone()),
                 }
             })
             .collect()
@@ -994,7 +1055,8 @@ impl Registry {
             "ratelimit": ratelimit,
             "slow_start_share": rt.slow_start(now, policy.slow_start),
             "context_window": ep.context_window,
-            "learned_context_window": rt.learned_window,
+            "learned_context_window": rt.learned_window.as_ref().map(|l| l.tokens),
+            "learned_context_window_request": rt.learned_window.as_ref().map(|l| &l.request_id),
             "tokenizer": ep.counter.method(),
             "health_reason": rt.health.reason(),
             "discovered": rt.discovered.as_ref().map(|d| json!({

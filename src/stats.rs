@@ -15,6 +15,9 @@ const BUCKETS: u32 = 12;
 pub struct Counts {
     pub ok: u64,
     pub failed: u64,
+    /// The largest prompt + completion (tokens) of a request served in full: what the endpoint
+    /// has shown it holds, the floor under any context window learned from an error.
+    pub served_max: u64,
 }
 
 impl Counts {
@@ -74,7 +77,8 @@ impl RollingWindow {
         }
     }
 
-    pub fn record(&mut self, now: Instant, ok: bool) {
+    /// The bucket `now` falls in, opened if needed.
+    fn current(&mut self, now: Instant) -> &mut Counts {
         self.prune(now);
         let fresh = match self.buckets.back() {
             Some((start, _)) => now.saturating_duration_since(*start) >= self.width,
@@ -83,13 +87,23 @@ impl RollingWindow {
         if fresh {
             self.buckets.push_back((now, Counts::default()));
         }
-        if let Some((_, c)) = self.buckets.back_mut() {
-            if ok {
-                c.ok += 1;
-            } else {
-                c.failed += 1;
-            }
+        let last = self.buckets.len() - 1;
+        &mut self.buckets[last].1
+    }
+
+    pub fn record(&mut self, now: Instant, ok: bool) {
+        let c = self.current(now);
+        if ok {
+            c.ok += 1;
+        } else {
+            c.failed += 1;
         }
+    }
+
+    /// A request of `tokens` (prompt + completion) was served in full.
+    pub fn served(&mut self, now: Instant, tokens: u64) {
+        let c = self.current(now);
+        c.served_max = c.served_max.max(tokens);
     }
 
     pub fn counts(&self, now: Instant) -> Counts {
@@ -98,6 +112,7 @@ impl RollingWindow {
             if now.saturating_duration_since(*start) < self.window {
                 sum.ok += c.ok;
                 sum.failed += c.failed;
+                sum.served_max = sum.served_max.max(c.served_max);
             }
         }
         sum
@@ -188,16 +203,35 @@ mod tests {
         for _ in 0..5 {
             w.record(Instant::now(), true);
         }
-        assert_eq!(w.counts(Instant::now()), Counts { ok: 5, failed: 5 });
+        let c = w.counts(Instant::now());
+        assert_eq!((c.ok, c.failed), (5, 5));
         tokio::time::advance(Duration::from_secs(31)).await;
-        assert_eq!(w.counts(Instant::now()), Counts { ok: 5, failed: 0 });
+        let c = w.counts(Instant::now());
+        assert_eq!((c.ok, c.failed), (5, 0));
         tokio::time::advance(Duration::from_secs(60)).await;
         assert_eq!(w.counts(Instant::now()).total(), 0);
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn the_largest_served_request_is_kept_for_the_window() {
+        let mut w = RollingWindow::new(Duration::from_secs(60));
+        w.served(Instant::now(), 900);
+        tokio::time::advance(Duration::from_secs(30)).await;
+        w.served(Instant::now(), 300);
+        assert_eq!(w.counts(Instant::now()).served_max, 900);
+        tokio::time::advance(Duration::from_secs(31)).await;
+        assert_eq!(w.counts(Instant::now()).served_max, 300);
+        tokio::time::advance(Duration::from_secs(60)).await;
+        assert_eq!(w.counts(Instant::now()).served_max, 0);
+    }
+
     #[test]
     fn rate_needs_min_samples() {
-        let c = Counts { ok: 1, failed: 1 };
+        let c = Counts {
+            ok: 1,
+            failed: 1,
+            served_max: 0,
+        };
         assert_eq!(c.rate(10), None);
         assert_eq!(c.rate(2), Some(0.5));
     }

@@ -105,6 +105,14 @@ const MIGRATIONS: &[&str] = &[
     r#"
     DROP INDEX IF EXISTS attempts_ts;
     "#,
+    // 6: a learned context window keeps the request that taught it and the definition of the
+    // endpoint it was learned under. Windows learned before could have been taught by a client's
+    // own text (a quoted validation error): they are forgotten and learned again from upstreams.
+    r#"
+    ALTER TABLE endpoint_state ADD COLUMN learned_window_request TEXT;
+    ALTER TABLE endpoint_state ADD COLUMN learned_window_fingerprint TEXT;
+    UPDATE endpoint_state SET learned_context_window = NULL;
+    "#,
 ];
 
 /// Rows deleted per transaction when pruning past retention: each delete is a few milliseconds,
@@ -230,6 +238,8 @@ pub struct PersistedStats {
     pub retired_reason: Option<String>,
     pub retired_fingerprint: Option<String>,
     pub learned_context_window: Option<u64>,
+    pub learned_window_request: Option<String>,
+    pub learned_window_fingerprint: Option<String>,
 }
 
 pub enum Record {
@@ -242,10 +252,11 @@ pub enum Record {
         fingerprint: Option<String>,
     },
     Stats(Vec<PersistedStats>),
-    /// A context limit learned from an upstream's context-length error.
+    /// A context limit learned from an upstream's context-length error: the tokens, the request
+    /// that taught it and the endpoint's fingerprint; `None` forgets it.
     LearnedWindow {
         endpoint: String,
-        tokens: u64,
+        learned: Option<(u64, String, String)>,
     },
     /// Deletes audit rows (requests, attempts, events) older than this.
     Prune(SystemTime),
@@ -846,11 +857,15 @@ impl<'c> Statements<'c> {
                         )?;
                     }
                 }
-                Record::LearnedWindow { endpoint, tokens } => {
+                Record::LearnedWindow { endpoint, learned } => {
+                    let (tokens, request, fingerprint) = match learned {
+                        Some((t, r, f)) => (Some(t as i64), Some(r), Some(f)),
+                        None => (None, None, None),
+                    };
                     conn.execute(
-                        "INSERT INTO endpoint_state (endpoint, learned_context_window, updated_ms) VALUES (?1, ?2, ?3)
-                         ON CONFLICT(endpoint) DO UPDATE SET learned_context_window = excluded.learned_context_window, updated_ms = excluded.updated_ms",
-                        params![endpoint, tokens as i64, ms(SystemTime::now())],
+                        "INSERT INTO endpoint_state (endpoint, learned_context_window, learned_window_request, learned_window_fingerprint, updated_ms) VALUES (?1, ?2, ?3, ?4, ?5)
+                         ON CONFLICT(endpoint) DO UPDATE SET learned_context_window = excluded.learned_context_window, learned_window_request = excluded.learned_window_request, learned_window_fingerprint = excluded.learned_window_fingerprint, updated_ms = excluded.updated_ms",
+                        params![endpoint, tokens, request, fingerprint, ms(SystemTime::now())],
                     )?;
                 }
                 Record::Prune(before) => prunes.push(before),
@@ -977,7 +992,7 @@ fn read_spend(conn: &Connection) -> rusqlite::Result<Vec<(String, String, f64)>>
 
 fn read_persisted(conn: &Connection) -> rusqlite::Result<Vec<PersistedStats>> {
     let mut stmt = conn.prepare(
-        "SELECT endpoint, requests, successes, failures, ewma_latency_ms, retired_reason, retired_fingerprint, learned_context_window FROM endpoint_state",
+        "SELECT endpoint, requests, successes, failures, ewma_latency_ms, retired_reason, retired_fingerprint, learned_context_window, learned_window_request, learned_window_fingerprint FROM endpoint_state",
     )?;
     let rows = stmt.query_map([], |r| {
         Ok(PersistedStats {
@@ -989,6 +1004,8 @@ fn read_persisted(conn: &Connection) -> rusqlite::Result<Vec<PersistedStats>> {
             retired_reason: r.get(5)?,
             retired_fingerprint: r.get(6)?,
             learned_context_window: r.get::<_, Option<i64>>(7)?.map(|v| v as u64),
+            learned_window_request: r.get(8)?,
+            learned_window_fingerprint: r.get(9)?,
         })
     })?;
     rows.collect()
@@ -1006,7 +1023,7 @@ pub fn clear_endpoint(data_dir: &Path, name: &str) -> rusqlite::Result<bool> {
         )
         .optional()?;
     conn.execute(
-        "UPDATE endpoint_state SET retired_reason = NULL, retired_fingerprint = NULL, updated_ms = ?2 WHERE endpoint = ?1",
+        "UPDATE endpoint_state SET retired_reason = NULL, retired_fingerprint = NULL, learned_context_window = NULL, learned_window_request = NULL, learned_window_fingerprint = NULL, updated_ms = ?2 WHERE endpoint = ?1",
         params![name, ms(SystemTime::now())],
     )?;
     conn.execute(

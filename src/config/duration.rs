@@ -44,15 +44,27 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
             return Err("invalid duration unit: use ms, s, m, h or d".to_string());
         }
     };
-    secs_to_duration(value * scale).ok_or_else(|| "duration out of range".to_string())
+    secs_to_duration(value * scale).ok_or_else(|| OUT_OF_RANGE.to_string())
 }
 
+/// The longest duration any key accepts, in every form (integer, float, string): 365 days. Far
+/// beyond any sensible timeout or window, and far enough from `Instant`'s range that a deadline
+/// built from a few of them cannot overflow.
+pub const MAX_SECS: u64 = 365 * 86_400;
+
+const OUT_OF_RANGE: &str = "duration out of range: at most 365 days";
+
 fn secs_to_duration(secs: f64) -> Option<Duration> {
-    if secs.is_finite() && (0.0..1e12).contains(&secs) {
+    // The check keeps `from_secs_f64` away from the values it panics on (NaN, negative, huge).
+    if secs.is_finite() && (0.0..=MAX_SECS as f64).contains(&secs) {
         Some(Duration::from_secs_f64(secs))
     } else {
         None
     }
+}
+
+fn whole_secs(v: u64) -> Option<Duration> {
+    (v <= MAX_SECS).then(|| Duration::from_secs(v))
 }
 
 impl<'de> Deserialize<'de> for Dur {
@@ -64,17 +76,18 @@ impl<'de> Deserialize<'de> for Dur {
                 f.write_str("a duration: seconds as a number, or a string such as 250ms, 2s, 5m")
             }
             fn visit_u64<E: de::Error>(self, v: u64) -> Result<Dur, E> {
-                Ok(Dur(Duration::from_secs(v)))
+                whole_secs(v)
+                    .map(Dur)
+                    .ok_or_else(|| E::custom(OUT_OF_RANGE))
             }
             fn visit_i64<E: de::Error>(self, v: i64) -> Result<Dur, E> {
-                u64::try_from(v)
-                    .map(|v| Dur(Duration::from_secs(v)))
-                    .map_err(|_| E::custom("a duration cannot be negative"))
+                let v = u64::try_from(v).map_err(|_| E::custom("a duration cannot be negative"))?;
+                self.visit_u64(v)
             }
             fn visit_f64<E: de::Error>(self, v: f64) -> Result<Dur, E> {
                 secs_to_duration(v)
                     .map(Dur)
-                    .ok_or_else(|| E::custom("duration out of range"))
+                    .ok_or_else(|| E::custom(OUT_OF_RANGE))
             }
             fn visit_str<E: de::Error>(self, v: &str) -> Result<Dur, E> {
                 parse_duration(v).map(Dur).map_err(E::custom)
@@ -116,5 +129,36 @@ mod tests {
         let d: Dur = serde_yaml_ng::from_str("\"5m\"").unwrap();
         assert_eq!(d.0, Duration::from_secs(300));
         assert!(serde_yaml_ng::from_str::<Dur>("-3").is_err());
+    }
+
+    #[test]
+    fn every_form_has_the_same_365_day_cap() {
+        let year = Duration::from_secs(MAX_SECS);
+        for ok in ["31536000", "31536000.0", "\"365d\"", "\"8760h\""] {
+            assert_eq!(serde_yaml_ng::from_str::<Dur>(ok).unwrap().0, year, "{ok}");
+        }
+        for over in [
+            "31536001",
+            "18446744073709551615",
+            "31536000.5",
+            "1e300",
+            "\"366d\"",
+            "\"31536001s\"",
+            "\"99999999999999999999999h\"",
+        ] {
+            let err = serde_yaml_ng::from_str::<Dur>(over)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("at most 365 days"), "{over}: {err}");
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn any_text_gives_a_bounded_duration_or_an_error(text in ".{0,40}") {
+            if let Ok(d) = parse_duration(&text) {
+                proptest::prop_assert!(d.as_secs() <= MAX_SECS);
+            }
+        }
     }
 }

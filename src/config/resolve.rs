@@ -347,7 +347,19 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
         let upstream_model = ep.model.unwrap_or_else(|| name.clone());
         // What the endpoint *is*: a retirement (410) is about the model at this address, not
         // about the key, so keys are tracked separately (by value hash, see `ApiKey::hash`).
-        let fingerprint = format!("{}|{}|{}", ep.kind, base_url, upstream_model);
+        // A discovered endpoint is another server than a static one at the same base URL: the
+        // marker changes its fingerprint (static ones keep theirs, and their stored retirements).
+        let fingerprint = format!(
+            "{}|{}|{}{}",
+            ep.kind,
+            base_url,
+            upstream_model,
+            if ep.discover.is_some() {
+                "|discover"
+            } else {
+                ""
+            }
+        );
         let tls = match &ep.ca_file {
             None => tls_config(None).map_err(|e| ConfigError(format!("at `{at}`: {e}")))?,
             Some(path) => {

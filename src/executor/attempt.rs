@@ -135,7 +135,7 @@ impl<'a> Attempt<'a> {
     pub(super) async fn full(&self, rb: Prepared<'_>) -> Result<Success, Failure> {
         let ep = self.ep;
         // Each attempt's timeouts are capped by what is left of the request's own deadline.
-        let deadline = (Instant::now() + ep.timeouts.total).min(self.deadline);
+        let deadline = (super::after(Instant::now(), ep.timeouts.total)).min(self.deadline);
         let timer = sleep_until(deadline);
         tokio::pin!(timer);
         let resp = match within!(timer, rb.send()) {

@@ -59,7 +59,7 @@ impl Run {
             if let Some(b) = counted {
                 self.backend_failed.remove(&ep.name);
                 if let Some(max) = b.max_model_len {
-                    self.app.registry.learn_window(ep, max);
+                    self.app.registry.learn_window(ep, max, &self.request_id);
                 }
                 let count = Count {
                     tokens: b.tokens,

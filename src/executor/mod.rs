@@ -34,6 +34,14 @@ mod respond;
 mod stream;
 
 use attempt::{Attempt, Failure, Success};
+
+/// `start + d`, saturating: config durations are capped at load (365 days), but a deadline is
+/// never where an outsized value may panic a request.
+pub(crate) fn after(start: Instant, d: Duration) -> Instant {
+    start
+        .checked_add(d)
+        .unwrap_or_else(|| start + Duration::from_secs(crate::config::duration::MAX_SECS))
+}
 use context::fmt_window;
 use race::Racing;
 
@@ -201,7 +209,7 @@ pub async fn execute(
         waited: Duration::ZERO,
     };
     let arrived = arrived.unwrap_or(run.started);
-    run.deadline = run.started + run.cfg.policy.request_timeout;
+    run.deadline = after(run.started, run.cfg.policy.request_timeout);
     let deadline = run.deadline;
     match timeout_at(deadline, run.go(chain)).await {
         Ok(resp) => {
@@ -399,7 +407,7 @@ impl Run {
                     self.pass.tried.remove(n);
                     self.pass.reported_skip.remove(n);
                 }
-                if Instant::now() + soonest <= wait_until {
+                if after(Instant::now(), soonest) <= wait_until {
                     tokio::time::sleep(soonest).await;
                     self.waited += soonest;
                 } else {
@@ -424,7 +432,7 @@ impl Run {
                 if let Some(d) = soonest {
                     // A floor, so a `Retry-After: 0` loop cannot spin against the upstream.
                     let d = d.max(MIN_REWAIT);
-                    if Instant::now() + d <= wait_until {
+                    if after(Instant::now(), d) <= wait_until {
                         tokio::time::sleep(d).await;
                         self.waited += d;
                         for n in rate_limited {
@@ -911,8 +919,18 @@ impl Run {
                 Settled::Done(EndpointOutcome::ClientError(s, h, b))
             }
             Action::ContextSkip => {
-                if let Some(limit) = classify::context_limit(&f.detail) {
-                    self.app.registry.learn_window(ep, limit);
+                // Learned only from the upstream's own words: a validation error that quotes
+                // the request (vLLM's do) would let one client shrink the window for all.
+                if let Some((limit, phrase)) = classify::stated_limit(&f.detail) {
+                    if self.req.quotes(phrase) {
+                        tracing::warn!(
+                            request_id = %self.request_id,
+                            endpoint = %ep.name,
+                            "a context limit stated in words the request itself holds is not learned"
+                        );
+                    } else {
+                        self.app.registry.learn_window(ep, limit, &self.request_id);
+                    }
                 }
                 // If nothing larger exists, the client gets this 400 rather than a 503.
                 if let Some(p) = f.passthrough {

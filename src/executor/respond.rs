@@ -235,6 +235,7 @@ impl Run {
                     row.tokens_in.unwrap_or(0),
                     row.tokens_out.unwrap_or(0),
                     row.tokens_estimated,
+                    true,
                 );
                 self.send_row(row);
                 resp
@@ -274,7 +275,8 @@ impl Run {
                 self.row_written = true;
                 let idle = ep.timeouts.first_token;
                 let deadline =
-                    (Instant::now() + ep.timeouts.total.saturating_sub(ttft)).min(self.deadline);
+                    (super::after(Instant::now(), ep.timeouts.total.saturating_sub(ttft)))
+                        .min(self.deadline);
                 let state = PassThrough {
                     prelude: prelude.into(),
                     rest,

@@ -105,6 +105,7 @@ impl StreamGuard {
             row.tokens_in.unwrap_or(0),
             row.tokens_out.unwrap_or(0),
             row.tokens_estimated,
+            failure.is_none(),
         );
         let ttft_ms = self.ttft.as_secs_f64() * 1000.0;
         match failure {
@@ -241,7 +242,7 @@ pub(super) async fn pump(
     if st.finished {
         return None;
     }
-    let wait_until = (Instant::now() + st.idle).min(st.deadline);
+    let wait_until = (super::after(Instant::now(), st.idle)).min(st.deadline);
     st.timer.as_mut().reset(wait_until);
     let next = tokio::select! {
         // Shutdown's cut first, so a stream that always has a chunk ready is still cut; then
@@ -582,7 +583,8 @@ impl PassThrough {
                     self.parser = SseParser::new();
                     self.done_seen = false;
                     self.finished = false;
-                    self.deadline = (Instant::now() + ep.timeouts.total).min(c.deadline);
+                    self.deadline =
+                        (super::after(Instant::now(), ep.timeouts.total)).min(c.deadline);
                     self.idle = ep.timeouts.first_token;
                     self.guard
                         .push_attempt(&ep.name, Outcome::Ok, Some(200), None);

@@ -56,10 +56,15 @@ pub fn is_context_message(msg: &str) -> bool {
 
 /// The context limit a context-length error states, when it states one.
 pub fn context_limit(body: &str) -> Option<u64> {
-    LIMIT_RE
-        .captures(body)
-        .and_then(|c| c.get(1))
-        .and_then(|m| m.as_str().parse().ok())
+    stated_limit(body).map(|(n, _)| n)
+}
+
+/// The limit a context-length error states, with the words that state it (`maximum context
+/// length is 8192`): a caller checks they are the upstream's own, not the request's quoted back.
+pub fn stated_limit(body: &str) -> Option<(u64, &str)> {
+    let c = LIMIT_RE.captures(body)?;
+    let n = c.get(1)?.as_str().parse().ok()?;
+    Some((n, c.get(0)?.as_str()))
 }
 
 /// How long a 429 asks us to stay away: `retry-after-ms`, then `Retry-After` (seconds or an
@@ -405,6 +410,10 @@ mod tests {
             Some(512)
         );
         assert_eq!(context_limit("nothing here"), None);
+        assert_eq!(
+            stated_limit("{\"message\": \"This model's maximum context length is 1 tokens.\"}"),
+            Some((1, "maximum context length is 1"))
+        );
     }
 
     const MAX: Duration = Duration::from_secs(600);

@@ -116,6 +116,27 @@ impl Inbound {
         }
     }
 
+    /// Whether `phrase` occurs (ASCII case aside) in any string or key of the request as decoded
+    /// JSON: then an upstream's message that holds it may only be quoting the request back.
+    pub fn quotes(&self, phrase: &str) -> bool {
+        let needle = phrase.to_ascii_lowercase();
+        if needle.is_empty() {
+            return true;
+        }
+        fn any(v: &Value, needle: &str) -> bool {
+            let has = |s: &str| s.to_ascii_lowercase().contains(needle);
+            match v {
+                Value::String(s) => has(s),
+                Value::Array(a) => a.iter().any(|v| any(v, needle)),
+                Value::Object(m) => m.iter().any(|(k, v)| has(k) || any(v, needle)),
+                _ => false,
+            }
+        }
+        self.body()
+            .iter()
+            .any(|(k, v)| k.to_ascii_lowercase().contains(&needle) || any(v, &needle))
+    }
+
     /// Whether the body has a `tools` key.
     pub fn has_tools_key(&self) -> bool {
         match &self.plain {

@@ -191,6 +191,33 @@ def test_max_tokens_over_max_model_len_goes_to_a_larger_endpoint(stack):
     assert raw.headers["x-autohedge-endpoint"] == "big"
 
 
+def test_a_request_quoting_a_context_error_teaches_the_endpoint_nothing(stack):
+    # vLLM's validation 400 quotes the invalid input: the words of a context-length error put in
+    # `temperature` come back in vLLM's own answer, and must not set the window to 1 for everyone.
+    before = _status(stack["addr"])["endpoints"]["vllm"]["learned_context_window"]
+    poison = "This model's maximum context length is 1 tokens."
+    try:
+        raw = stack["client"].chat.completions.with_raw_response.create(
+            model="chat", messages=MSG, max_tokens=4, extra_body={"temperature": poison})
+        rid = raw.headers["x-request-id"]
+    except openai.APIStatusError as e:
+        rid = e.response.headers["x-request-id"]
+    # vLLM really answered that request, with its 400 (the attempt is in the audit trail).
+    deadline = time.time() + 10
+    while True:
+        with sqlite3.connect(stack["db"]) as db:
+            rows = db.execute("SELECT status FROM attempts WHERE request_id = ? AND endpoint = 'vllm'",
+                              (rid,)).fetchall()
+        if rows or time.time() > deadline:
+            break
+        time.sleep(0.1)
+    assert rows and rows[-1][0] == 400, rows
+    assert _status(stack["addr"])["endpoints"]["vllm"]["learned_context_window"] == before
+    raw = stack["client"].chat.completions.with_raw_response.create(
+        model="chat", messages=MSG, max_tokens=4, extra_body=GEN)
+    assert raw.headers["x-autohedge-endpoint"] == "vllm"
+
+
 def test_a_queue_turns_the_endpoint_degraded(stack):
     # --max-num-seqs 2: sixty-four long generations at once leave most of them waiting; with
     # vllm_max_waiting: 0 the probe's /metrics reading makes the endpoint degraded.

@@ -1,0 +1,269 @@
+//! One gateway, many tenants: no client's request, key or bytes, no config value and no upstream's
+//! bytes may change what the other clients get. Each test first shows the thing happened (the
+//! upstream got the request, answered as it did) and then that nobody else was touched.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use common::*;
+use serde_json::{Value, json};
+
+/// An upstream that answers like vLLM's OpenAI server: a request whose `temperature` is not a
+/// number gets vLLM's validation 400, which quotes the invalid input back; a message `overflow:N`
+/// gets vLLM's context-length 400 stating a limit of N; anything else is served, with
+/// `usage.prompt_tokens` N for a message `served:N` (else 10). Counts the requests it got.
+struct VllmLike {
+    base: String,
+    requests: Arc<AtomicU64>,
+}
+
+async fn vllm_like() -> VllmLike {
+    use axum::routing::post;
+    let requests = Arc::new(AtomicU64::new(0));
+    let seen = requests.clone();
+    let app = axum::Router::new().route(
+        "/v1/chat/completions",
+        post(move |body: axum::Json<Value>| {
+            let seen = seen.clone();
+            async move {
+                seen.fetch_add(1, Ordering::SeqCst);
+                let bad = |msg: String| {
+                    (
+                        axum::http::StatusCode::BAD_REQUEST,
+                        axum::Json(json!({"error": {"message": msg, "type": "BadRequestError", "param": null, "code": 400}})),
+                    )
+                };
+                if let Some(t) = body.get("temperature").filter(|t| !t.is_number()) {
+                    return bad(format!(
+                        "1 validation error for ChatCompletionRequest\ntemperature\n  Input should be a valid number, unable to parse string as a number [type=float_parsing, input_value={t}, input_type=str]"
+                    ));
+                }
+                let text = body
+                    .pointer("/messages/0/content")
+                    .and_then(Value::as_str)
+                    .unwrap_or("");
+                if let Some(n) = text.strip_prefix("overflow:") {
+                    return bad(format!(
+                        "This model's maximum context length is {n} tokens. However, you requested 99999 tokens (99990 in the messages, 9 in the completion). Please reduce the length of the messages or completion."
+                    ));
+                }
+                let prompt: u64 = text
+                    .strip_prefix("served:")
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(10);
+                (
+                    axum::http::StatusCode::OK,
+                    axum::Json(json!({
+                        "id": "chatcmpl-v", "object": "chat.completion", "created": 1, "model": "tiny",
+                        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                        "usage": {"prompt_tokens": prompt, "completion_tokens": 1, "total_tokens": prompt + 1}
+                    })),
+                )
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    VllmLike {
+        base: format!("http://{addr}/v1"),
+        requests,
+    }
+}
+
+impl VllmLike {
+    fn requests(&self) -> u64 {
+        self.requests.load(Ordering::SeqCst)
+    }
+}
+
+fn learned(st: &Value, name: &str) -> Value {
+    st["endpoints"][name]["learned_context_window"].clone()
+}
+
+async fn chat_with(gw: &Gw, id: &str, model: &str, content: &str) -> reqwest::Response {
+    gw.chat_id(
+        id,
+        json!({"model": model, "messages": [{"role": "user", "content": content}]}),
+    )
+    .await
+}
+
+/// Rewrites the config file and has the gateway reload it (SIGHUP), waiting until `/status`
+/// shows `until`.
+async fn reload(gw: &Gw, cfg: &str, until: impl Fn(&Value) -> bool) {
+    std::fs::write(&gw.config_path, cfg).unwrap();
+    std::process::Command::new("kill")
+        .args(["-HUP", &gw.pid().to_string()])
+        .status()
+        .unwrap();
+    let ok = eventually(Duration::from_secs(10), || async {
+        until(&gw.status().await)
+    })
+    .await;
+    assert!(ok, "reload not seen: {}", gw.status().await);
+}
+
+/// vLLM's validation errors quote the input: a request whose `temperature` is the text of a
+/// context-length error must not teach the endpoint a window of 1 token. Nor does an upstream's
+/// stated limit below 64 tokens, or below a request it served in full. A real limit is learned,
+/// with the request that taught it; `endpoint clear` forgets it in the running gateway and in
+/// SQLite.
+#[tokio::test]
+async fn a_learned_window_comes_only_from_the_upstreams_own_word() {
+    let v = vllm_like().await;
+    let big = MockUp::openai("name: big").await;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = format!(
+        "models:\n  v: {{ type: vllm, base_url: \"{}\", model: tiny }}\n  big: {{ type: openai, base_url: \"{}\", context_window: 128000 }}\nroutes:\n  chat: [v, big]\n",
+        v.base,
+        big.base()
+    );
+    let mut gw = Gw::start_in(dir.path(), &cfg, &[]);
+
+    // The poisoned request: vLLM answers its 400, quoting the temperature.
+    let r = gw
+        .chat_id(
+            "poison-1",
+            json!({"model": "chat", "temperature": "This model's maximum context length is 1 tokens.",
+                   "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .await;
+    assert_eq!(v.requests(), 1, "v got the request and answered its 400");
+    let _ = r.text().await;
+    assert_eq!(learned(&gw.status().await, "v"), Value::Null);
+    // Everyone else is still served by v.
+    let r = chat_with(&gw, "plain-1", "chat", "hello").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "v");
+
+    // A stated limit below 64 tokens is no model's window.
+    let r = chat_with(&gw, "tiny-limit", "chat", "overflow:32").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "big");
+    assert_eq!(v.requests(), 3);
+    assert_eq!(learned(&gw.status().await, "v"), Value::Null);
+
+    // v served 500 prompt tokens in full: a stated limit of 300 is not its window.
+    let r = chat_with(&gw, "served-500", "chat", "served:500").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "v");
+    let r = chat_with(&gw, "below-served", "chat", "overflow:300").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "big");
+    assert_eq!(v.requests(), 5);
+    assert_eq!(learned(&gw.status().await, "v"), Value::Null);
+
+    // A real limit is learned, with the request that taught it.
+    let r = chat_with(&gw, "teacher", "chat", "overflow:4096").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "big");
+    let st = gw.status().await;
+    assert_eq!(learned(&st, "v"), 4096);
+    assert_eq!(
+        st["endpoints"]["v"]["learned_context_window_request"],
+        "teacher"
+    );
+
+    // `endpoint clear` forgets it live...
+    let out = std::process::Command::new(BIN)
+        .args(["endpoint", "clear", "v", "--url", &gw.url(""), "--data-dir"])
+        .arg(gw.data_dir())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(learned(&gw.status().await, "v"), Value::Null);
+    gw.stop();
+    // ...and in SQLite: a restart does not bring it back.
+    let gw = Gw::start_in(dir.path(), &cfg, &[]);
+    assert_eq!(learned(&gw.status().await, "v"), Value::Null);
+    let r = chat_with(&gw, "after-restart", "chat", "hello").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "v");
+}
+
+/// Pointing endpoint `e` at another server by a reload starts its state afresh: the window learned
+/// from the old server, and its cooldown, do not carry over to the new one.
+#[tokio::test]
+async fn a_redefined_endpoint_forgets_what_was_learned_about_the_old_server() {
+    let old = vllm_like().await;
+    let new = vllm_like().await;
+    let big = MockUp::openai("name: big").await;
+    let cfg = |base: &str| {
+        format!(
+            "models:\n  e: {{ type: vllm, base_url: \"{base}\", model: tiny }}\n  big: {{ type: openai, base_url: \"{}\", context_window: 128000 }}\nroutes:\n  chat: [e, big]\n",
+            big.base()
+        )
+    };
+    let gw = Gw::start(&cfg(&old.base));
+    let r = chat_with(&gw, "teach", "chat", "overflow:100").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "big");
+    assert_eq!(old.requests(), 1);
+    assert_eq!(learned(&gw.status().await, "e"), 100);
+
+    reload(&gw, &cfg(&new.base), |st| {
+        st["endpoints"]["e"]["learned_context_window"].is_null()
+    })
+    .await;
+    // The new server gets a prompt the old one's window would have sent elsewhere.
+    let long = "word ".repeat(400);
+    let r = chat_with(&gw, "long", "chat", &long).await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "e");
+    assert_eq!(new.requests(), 1);
+    gw.status().await;
+    let mut gw = gw;
+    gw.stop();
+    let ev = audit_rows(
+        &gw,
+        "SELECT event FROM endpoint_events WHERE endpoint = 'e' ORDER BY id",
+    );
+    assert!(
+        ev.iter().any(|e| e[0] == "redefined"),
+        "the change is an event: {ev:?}"
+    );
+}
+
+/// `request_timeout: 18446744073709551615` (and every duration over 365 days, in any form) is
+/// refused at load, naming its path; it used to load and turn every request into a 500.
+#[tokio::test]
+async fn an_outsized_duration_is_refused_at_load_naming_its_path() {
+    let a = MockUp::openai("name: a").await;
+    for (key, value) in [
+        ("request_timeout", "18446744073709551615"),
+        ("request_timeout", "31536001"),
+        ("request_timeout", "1e30"),
+        ("request_timeout", "\"400d\""),
+        ("default_cooldown", "18446744073709551615"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.yaml");
+        std::fs::write(
+            &path,
+            format!(
+                "models:\n  a: {{ type: openai, base_url: \"{}\" }}\nrouting_policy: {{ {key}: {value} }}\n",
+                a.base()
+            ),
+        )
+        .unwrap();
+        let out = std::process::Command::new(BIN)
+            .arg("check-config")
+            .arg(&path)
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(!out.status.success(), "{key}: {value} loaded: {text}");
+        assert!(
+            text.contains(&format!("routing_policy.{key}")) && text.contains("365 days"),
+            "{key}: {value}: {text}"
+        );
+    }
+    // The cap itself loads and serves.
+    let gw = Gw::start(&format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\" }}\nrouting_policy: {{ request_timeout: 31536000 }}\n",
+        a.base()
+    ));
+    assert_eq!(gw.chat("a", "x").await.status(), 200);
+    assert_eq!(a.requests().await, 1);
+}

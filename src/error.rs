@@ -21,6 +21,10 @@ pub struct AttemptReport {
     /// Tried although health said to skip it (healthy panic, or the last resort).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub panic_mode: bool,
+    /// Made with the request's own key (`x-encrypted-key`): its failures are the client's, and
+    /// change nothing the gateway knows about the endpoint.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub own_key: bool,
     /// The detail with what only operators may see (an upstream task's address): audit row only.
     #[serde(skip)]
     pub internal: Option<String>,

@@ -219,6 +219,9 @@ async fn serve(
         client: client_name,
         key: own_key,
         arrived: Some(arrived),
+        allowed: client
+            .and_then(|c| c.models.as_ref())
+            .map(|m| cfg.covered_by(m)),
     };
     // Nothing below reads the client's headers (see `release_read_buffer`).
     drop(headers);
@@ -390,14 +393,27 @@ fn release_read_buffer(body: Bytes) -> Bytes {
     }
 }
 
-async fn models(State(app): State<Arc<AppState>>) -> Response {
+/// The model list. With `auth.keys` set it needs a client key, and lists only what that key may
+/// ask for (a route's chain only as far as the key covers it).
+async fn models(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     let cfg = app.config.load();
+    let client = match clients::identify(&cfg.auth, &headers) {
+        Ok(c) => c,
+        Err(e) => return e.into_response(),
+    };
+    let allowed = client.and_then(|c| c.models.as_ref());
+    let covered = allowed.map(|m| cfg.covered_by(m));
+    let may_ask = |name: &str| allowed.is_none_or(|m| m.contains(name));
     let created = 0;
     let mut data = Vec::new();
-    for (name, chain) in &cfg.routes {
+    for (name, chain) in cfg.routes.iter().filter(|(n, _)| may_ask(n)) {
+        let chain: Vec<&String> = chain
+            .iter()
+            .filter(|e| covered.as_ref().is_none_or(|c| c.contains(*e)))
+            .collect();
         data.push(json!({"id": name, "object": "model", "created": created, "owned_by": "autohedge", "autohedge": {"kind": "route", "chain": chain}}));
     }
-    for (name, ep) in &cfg.endpoints {
+    for (name, ep) in cfg.endpoints.iter().filter(|(n, _)| may_ask(n)) {
         data.push(json!({"id": name, "object": "model", "created": created, "owned_by": "autohedge", "autohedge": {"kind": "endpoint", "type": ep.kind.to_string(), "upstream_model": ep.upstream_model}}));
     }
     axum::Json(json!({"object": "list", "data": data})).into_response()

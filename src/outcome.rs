@@ -63,6 +63,10 @@ pub enum Outcome {
     SkippedRatelimitPredicted,
     /// The prompt does not fit the endpoint's (known) context window.
     ContextSkip,
+    /// The request's client key may not use this endpoint (its `models` allow-list covers
+    /// neither it nor a route whose chain holds it): never called, for the request nor its
+    /// hedges and continuations.
+    SkippedNotAllowed,
 
     // ── A committed stream that ended badly (the client already has bytes) ──
     StreamBroken,
@@ -91,7 +95,7 @@ pub enum Outcome {
 
 impl Outcome {
     /// Every variant, for tests that walk the whole table.
-    pub const ALL: [Outcome; 31] = [
+    pub const ALL: [Outcome; 32] = [
         Outcome::Ok,
         Outcome::Connect,
         Outcome::Connection,
@@ -114,6 +118,7 @@ impl Outcome {
         Outcome::SkippedUnhealthy,
         Outcome::SkippedRatelimitPredicted,
         Outcome::ContextSkip,
+        Outcome::SkippedNotAllowed,
         Outcome::StreamBroken,
         Outcome::StreamStalled,
         Outcome::StreamTruncated,
@@ -151,6 +156,7 @@ impl Outcome {
             Outcome::SkippedRatelimitPredicted => "skipped_ratelimit_predicted",
             Outcome::HedgeCancelled => "hedge_cancelled",
             Outcome::ContextSkip => "context_skip",
+            Outcome::SkippedNotAllowed => "skipped_not_allowed",
             Outcome::StreamBroken => "stream_broken",
             Outcome::StreamStalled => "stream_stalled",
             Outcome::StreamTruncated => "stream_truncated",
@@ -173,6 +179,7 @@ impl Outcome {
                 | Outcome::SkippedUnhealthy
                 | Outcome::SkippedRatelimitPredicted
                 | Outcome::ContextSkip
+                | Outcome::SkippedNotAllowed
         )
     }
 
@@ -340,6 +347,7 @@ mod tests {
                 "skipped_ratelimit_predicted",
             ),
             (Outcome::ContextSkip, "context_skip"),
+            (Outcome::SkippedNotAllowed, "skipped_not_allowed"),
             (Outcome::StreamBroken, "stream_broken"),
             (Outcome::StreamStalled, "stream_stalled"),
             (Outcome::StreamTruncated, "stream_truncated"),

@@ -112,6 +112,7 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE endpoint_state ADD COLUMN learned_window_request TEXT;
     ALTER TABLE endpoint_state ADD COLUMN learned_window_fingerprint TEXT;
     UPDATE endpoint_state SET learned_context_window = NULL;
+    ALTER TABLE attempts ADD COLUMN own_key INTEGER NOT NULL DEFAULT 0;
     "#,
 ];
 
@@ -154,6 +155,8 @@ pub struct AttemptRow {
     pub latency_ms: f64,
     /// Tried although health said to skip it (healthy panic, last resort).
     pub panic_mode: bool,
+    /// Made with the request's own key (`x-encrypted-key`).
+    pub own_key: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -564,7 +567,7 @@ const REQUEST_COLUMNS: [&str; 24] = [
     "client_key",
 ];
 
-const ATTEMPT_COLUMNS: [&str; 10] = [
+const ATTEMPT_COLUMNS: [&str; 11] = [
     "request_row",
     "request_id",
     "seq",
@@ -575,6 +578,7 @@ const ATTEMPT_COLUMNS: [&str; 10] = [
     "error",
     "latency_ms",
     "panic_mode",
+    "own_key",
 ];
 
 /// The `requests` columns of a plain row ([`plain_request`]), as indices into
@@ -613,7 +617,7 @@ fn plain_request(row: &RequestRow) -> bool {
 }
 
 fn plain_attempt(a: &AttemptRow) -> bool {
-    a.error.is_none() && !a.panic_mode
+    a.error.is_none() && !a.panic_mode && !a.own_key
 }
 
 /// Rows one INSERT carries, largest first: a batch of 100 rows is three statements of 32, then
@@ -729,6 +733,7 @@ fn bind_attempt(
         &a.error,
         &a.latency_ms,
         &a.panic_mode,
+        &a.own_key,
     ];
     bind_all(stmt, at, &values, shape)
 }
@@ -1146,6 +1151,7 @@ mod tests {
             attempts: vec![
                 AttemptRow {
                     panic_mode: false,
+                    own_key: false,
                     seq: 1,
                     endpoint: "a".into(),
                     class: class.parse().expect("a known outcome"),
@@ -1155,6 +1161,7 @@ mod tests {
                 },
                 AttemptRow {
                     panic_mode: false,
+                    own_key: false,
                     seq: 2,
                     endpoint: endpoint.into(),
                     class: crate::outcome::Outcome::Ok,
@@ -1294,6 +1301,7 @@ mod tests {
             attempts: (0..n)
                 .map(|k| AttemptRow {
                     panic_mode: k % 2 == 1,
+                    own_key: false,
                     seq: k as u32 + 1,
                     endpoint: format!("e{k}"),
                     class: crate::outcome::Outcome::Ok,
@@ -1327,6 +1335,7 @@ mod tests {
             attempts: (0..i % 4)
                 .map(|k| AttemptRow {
                     panic_mode: (i + k).is_multiple_of(5),
+                    own_key: false,
                     seq: k as u32 + 1,
                     endpoint: format!("e{k}"),
                     class: [Outcome::Ok, Outcome::Timeout, Outcome::SkippedCooldown][k % 3],

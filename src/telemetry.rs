@@ -756,6 +756,7 @@ mod tests {
                     error: None,
                     latency_ms: 1.0,
                     panic_mode: false,
+                    own_key: false,
                 })
                 .collect(),
             ..RequestRow::new("r".into(), SystemTime::UNIX_EPOCH, "chat")

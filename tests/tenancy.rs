@@ -267,3 +267,137 @@ async fn an_outsized_duration_is_refused_at_load_naming_its_path() {
     assert_eq!(gw.chat("a", "x").await.status(), 200);
     assert_eq!(a.requests().await, 1);
 }
+
+async fn call_as(gw: &Gw, key: &str, id: &str, body: Value) -> reqwest::Response {
+    reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .bearer_auth(key)
+        .header("x-request-id", id)
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// A key's `models` hold over the whole path: a key allowed `local` is never served, hedged or
+/// retried by `paid`, the fallback chain's next endpoint, and `paid` is recorded as
+/// `skipped_not_allowed`; a key allowed the route gets the route's whole chain. `GET /v1/models`
+/// needs a client key and lists only what the key may ask for.
+#[tokio::test]
+async fn a_keys_allow_list_holds_over_fallback_hedges_and_the_model_list() {
+    let local = MockUp::openai("name: local\nrules: [{status: 503}]").await;
+    let paid = MockUp::openai("name: paid").await;
+    let slow = MockUp::openai("name: slow\nrules: [{delay: 1s}]").await;
+    let cfg = format!(
+        r#"models:
+  local: {{ type: openai, base_url: "{}" }}
+  paid: {{ type: openai, base_url: "{}" }}
+  slow: {{ type: openai, base_url: "{}", hedge: {{ after: 50ms, max_extra: 100% }} }}
+routes:
+  chat: [local, paid]
+routing_policy: {{ fallback_chain: [local, paid], max_wait: 0s, panic_threshold: 0 }}
+auth:
+  keys:
+    - {{ name: team-local, key: sk-team-local-000000, models: [local, slow] }}
+    - {{ name: team-chat, key: sk-team-chat-111111, models: [chat] }}
+"#,
+        local.base(),
+        paid.base(),
+        slow.base()
+    );
+    let mut gw = Gw::start(&cfg);
+    let ask =
+        |model: &str| json!({"model": model, "messages": [{"role": "user", "content": "hi"}]});
+
+    // The route's key: local fails, paid (in the route's chain) serves.
+    let r = call_as(&gw, "sk-team-chat-111111", "chat-ok", ask("chat")).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "paid");
+    assert_eq!(paid.requests().await, 1);
+
+    // The endpoint's key: local fails, and neither slow's hedge nor paid may take over.
+    let before = local.requests().await;
+    let r = call_as(&gw, "sk-team-local-000000", "local-503", ask("local")).await;
+    let status = r.status();
+    let body: Value = r.json().await.unwrap();
+    assert!(local.requests().await > before, "local was really tried");
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(paid.requests().await, 1, "paid never called");
+    let classes: Vec<(String, String)> = body["error"]["attempts"]
+        .as_array()
+        .unwrap_or(&vec![])
+        .iter()
+        .map(|a| {
+            (
+                a["endpoint"].as_str().unwrap_or("").to_string(),
+                a["class"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect();
+    assert!(
+        classes.contains(&("paid".into(), "skipped_not_allowed".into())),
+        "{body}"
+    );
+
+    // Asked for slow (chain: slow, then the fallback chain local, paid), the hedge goes to local
+    // (covered; it fails) and never to paid; slow answers after its delay.
+    let before = local.requests().await;
+    let r = call_as(&gw, "sk-team-local-000000", "slow-hedge", ask("slow")).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "slow");
+    assert_eq!(slow.requests().await, 1);
+    assert_eq!(paid.requests().await, 1, "no hedge to paid");
+    assert_eq!(
+        local.requests().await,
+        before + 1,
+        "the hedge went to local"
+    );
+    // Without an allow-list (the route's key may not ask for slow at all).
+    let r = call_as(&gw, "sk-team-chat-111111", "slow-403", ask("slow")).await;
+    assert_eq!(r.status(), 403);
+
+    // The model list needs a key and shows only what the key may ask for.
+    let models = |key: Option<&'static str>| {
+        let url = gw.url("/v1/models");
+        async move {
+            let mut req = reqwest::Client::new().get(url);
+            if let Some(k) = key {
+                req = req.bearer_auth(k);
+            }
+            let r = req.send().await.unwrap();
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap())
+        }
+    };
+    let (status, body) = models(None).await;
+    assert_eq!(status, 401, "{body}");
+    let ids = |v: &Value| -> Vec<String> {
+        v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let (_, body) = models(Some("sk-team-local-000000")).await;
+    assert_eq!(ids(&body), vec!["local", "slow"]);
+    let (_, body) = models(Some("sk-team-chat-111111")).await;
+    assert_eq!(ids(&body), vec!["chat"]);
+    assert_eq!(
+        body["data"][0]["autohedge"]["chain"],
+        json!(["local", "paid"])
+    );
+
+    gw.stop();
+    let rows = audit_rows(
+        &gw,
+        "SELECT a.endpoint, a.class FROM attempts a JOIN requests r ON r.id = a.request_row WHERE r.request_id IN ('local-503', 'slow-hedge') AND a.class = 'skipped_not_allowed' ORDER BY a.id",
+    );
+    assert_eq!(
+        rows,
+        vec![
+            vec![json!("paid"), json!("skipped_not_allowed")],
+            vec![json!("paid"), json!("skipped_not_allowed")],
+        ]
+    );
+}

@@ -589,3 +589,94 @@ vault:
     assert!(ok, "{}", gw.status().await["docker"]);
     gw.stop();
 }
+
+/// A client's own key (`x-encrypted-key`) limited or refused by the upstream is the client's
+/// business: a 429 for it fails over with the same key, and when nothing serves the client gets
+/// the upstream's 429 with its `retry-after` (not a 503); a 410 or 404 likewise. None of it cools,
+/// retires or ejects the shared endpoint: the next plain requests are served by it at once. The
+/// attempt rows say the request's own key was used.
+#[tokio::test]
+async fn a_clients_own_key_failures_change_nothing_for_the_others() {
+    let bao = Bao::start().await;
+    bao.with_transit_and_approle().await;
+    let limited_rule = "{when: {key: sk-client-limited-5555}, status: 429, error: \"You exceeded your current quota\", error_code: insufficient_quota, headers: {retry-after: \"7\"}}";
+    let gone_rule = "{when: {key: sk-client-gone-6666}, status: 410, error: \"The model `gpt-x` has been deprecated\"}";
+    let missing_rule = "{when: {key: sk-client-gone-6666}, status: 404, error: \"The model `gpt-x` does not exist or you do not have access to it.\", error_code: model_not_found}";
+    let a = MockUp::openai(&format!("name: a\nrules: [{limited_rule}, {gone_rule}]")).await;
+    let b = MockUp::openai(&format!("name: b\nrules: [{missing_rule}]")).await;
+    let cfg = format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\", api_key: sk-shared-aaaa-1111 }}\n  b: {{ type: openai, base_url: \"{}\", api_key: sk-shared-bbbb-2222 }}\nroutes:\n  chat: [a, b]\nrouting_policy: {{ max_wait: 0s }}\nvault:\n  address: \"{}\"\n  token: env:TEST_VAULT_TOKEN\n  transit_key: autohedge\n",
+        a.base(),
+        b.base(),
+        bao.addr
+    );
+    let mut gw = Gw::start_with_env(&cfg, &[("TEST_VAULT_TOKEN", ROOT_TOKEN)]);
+
+    // 429 for the client's key at `a`: the request goes on to `b` with that same key.
+    let limited = bao.encrypt("sk-client-limited-5555").await;
+    let r = chat_with(&gw, "chat", Some(&limited)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    assert_eq!(last_tail(&a).await, "5555", "a got the client's key");
+    assert_eq!(last_tail(&b).await, "5555", "b got the same key");
+    // The shared endpoint is not cooling: plain requests go to `a` at once.
+    let st = gw.status().await;
+    assert_eq!(st["endpoints"]["a"]["cooldown_remaining_ms"], 0, "{st}");
+    let r = chat_with(&gw, "chat", None).await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "a");
+    assert_eq!(last_tail(&a).await, "1111");
+
+    // Refused everywhere (410 at `a`, 404 at `b`): the client gets the upstream's answer.
+    let gone = bao.encrypt("sk-client-gone-6666").await;
+    let (a0, b0) = (a.requests().await, b.requests().await);
+    let r = chat_with(&gw, "chat", Some(&gone)).await;
+    let status = r.status().as_u16();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!((a.requests().await, b.requests().await), (a0 + 1, b0 + 1));
+    assert_eq!(status, 404, "{body}");
+    assert_eq!(body["error"]["code"], "model_not_found", "{body}");
+    let st = gw.status().await;
+    for ep in ["a", "b"] {
+        assert_eq!(st["endpoints"][ep]["state"], "healthy", "{ep}: {st}");
+    }
+    for _ in 0..2 {
+        let r = chat_with(&gw, "chat", None).await;
+        assert_eq!(header(&r, "x-autohedge-endpoint"), "a");
+    }
+
+    // Limited everywhere: the client gets the 429 with its retry-after.
+    b.set_script(&format!("name: b\nrules: [{limited_rule}]"))
+        .await;
+    let r = chat_with(&gw, "chat", Some(&limited)).await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(header(&r, "retry-after"), "7");
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "insufficient_quota", "{body}");
+    let st = gw.status().await;
+    for ep in ["a", "b"] {
+        assert_eq!(
+            st["endpoints"][ep]["cooldown_remaining_ms"], 0,
+            "{ep}: {st}"
+        );
+    }
+    let r = chat_with(&gw, "chat", None).await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "a");
+
+    gw.stop();
+    let own = audit_rows(
+        &gw,
+        "SELECT endpoint, status, own_key FROM attempts WHERE status IN (404, 410, 429) ORDER BY id",
+    );
+    assert_eq!(
+        own,
+        vec![
+            vec![json!("a"), json!(429), json!(1)],
+            vec![json!("a"), json!(410), json!(1)],
+            vec![json!("b"), json!(404), json!(1)],
+            vec![json!("a"), json!(429), json!(1)],
+            vec![json!("b"), json!(429), json!(1)],
+        ]
+    );
+    let events = audit_rows(&gw, "SELECT event FROM endpoint_events");
+    assert!(events.is_empty(), "no endpoint event: {events:?}");
+}

@@ -138,6 +138,24 @@ impl Config {
         self.chains.get(requested).cloned()
     }
 
+    /// The endpoints a client key's `models` allow-list covers: a named endpoint covers itself,
+    /// a named route the endpoints of its chain. Nothing else may serve, hedge or continue that
+    /// key's requests.
+    pub fn covered_by(
+        &self,
+        models: &std::collections::BTreeSet<String>,
+    ) -> std::collections::BTreeSet<String> {
+        let mut covered = std::collections::BTreeSet::new();
+        for name in models {
+            if let Some(route) = self.routes.get(name) {
+                covered.extend(route.iter().cloned());
+            } else if self.endpoints.contains_key(name) {
+                covered.insert(name.clone());
+            }
+        }
+        covered
+    }
+
     /// [`Config::chains`]: every route's chain, and every endpoint's (the endpoint, then the
     /// fallback chain from the place after it, wrapping around, each name once). Route names
     /// never clash with endpoint names (loading refuses it).

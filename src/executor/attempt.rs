@@ -113,6 +113,8 @@ pub(super) struct Attempt<'a> {
     pub max_answer: usize,
     /// A discovered task's address, for `discover: docker` endpoints.
     pub base: Option<&'a str>,
+    /// `key` is the request's own (`x-encrypted-key`).
+    pub own_key: bool,
 }
 
 impl<'a> Attempt<'a> {
@@ -150,7 +152,15 @@ impl<'a> Attempt<'a> {
             Some(Ok(r)) => r,
         };
         if !resp.status.is_success() {
-            return Err(read_error(ep, self.key, resp, deadline, self.max_cooldown).await);
+            return Err(read_error(
+                ep,
+                self.key,
+                self.own_key,
+                resp,
+                deadline,
+                self.max_cooldown,
+            )
+            .await);
         }
         let ratelimit = classify::ratelimit_headers(&resp.headers, self.max_cooldown);
         let status = resp.status;
@@ -267,7 +277,15 @@ impl<'a> Attempt<'a> {
         };
         if !resp.status.is_success() {
             let deadline = (t0 + ep.timeouts.total).min(self.deadline);
-            return Err(read_error(ep, self.key, resp, deadline, self.max_cooldown).await);
+            return Err(read_error(
+                ep,
+                self.key,
+                self.own_key,
+                resp,
+                deadline,
+                self.max_cooldown,
+            )
+            .await);
         }
         let ratelimit = classify::ratelimit_headers(&resp.headers, self.max_cooldown);
         let status = resp.status.as_u16();
@@ -434,6 +452,7 @@ impl<'a> Attempt<'a> {
 async fn read_error(
     ep: &Endpoint,
     key: Option<&Secret>,
+    own_key: bool,
     resp: Answer,
     deadline: Instant,
     max_cooldown: Duration,
@@ -459,8 +478,24 @@ async fn read_error(
     if class == Outcome::RateLimited {
         f.retry_after = classify::retry_after(&headers, max_cooldown);
     }
-    if matches!(class, Outcome::Client | Outcome::ContextLength) {
+    // Client errors and context refusals may go back to the client as they are; so may what an
+    // upstream said of the request's own key (`x-encrypted-key`): its 429 (with the headers
+    // that say when to come back), 404 or 410.
+    let own_key_answer = own_key
+        && matches!(
+            class,
+            Outcome::RateLimited | Outcome::Gone | Outcome::ModelMissing
+        );
+    if matches!(class, Outcome::Client | Outcome::ContextLength) || own_key_answer {
         let mut h = HeaderMap::new();
+        if own_key_answer {
+            for (name, value) in &headers {
+                let n = name.as_str();
+                if n == "retry-after" || n == "retry-after-ms" || n.starts_with("x-ratelimit-") {
+                    h.insert(name.clone(), value.clone());
+                }
+            }
+        }
         let body = if ep.kind == EndpointKind::Ollama {
             // Ollama's `{"error": "..."}` becomes OpenAI's error shape for the client.
             h.insert(

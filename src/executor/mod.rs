@@ -68,6 +68,9 @@ pub struct Caller {
     pub key: Option<Secret>,
     /// When the front door began on the request (the gateway's own time is measured from it).
     pub arrived: Option<Instant>,
+    /// The endpoints the client key's `models` allow-list covers ([`Config::covered_by`]);
+    /// `None`: every endpoint.
+    pub allowed: Option<std::collections::BTreeSet<String>>,
 }
 
 /// One request's journey.
@@ -90,6 +93,9 @@ struct Run {
     context_skipped: Vec<(String, u64)>,
     /// The response of the latest context-length refusal, returned if nothing larger exists.
     last_context_error: Option<(StatusCode, HeaderMap, Bytes)>,
+    /// The last failure of the request's own key (429, 404, 410) and its endpoint: the answer
+    /// when no endpoint serves, instead of a 503.
+    own_key_answer: Option<(String, (StatusCode, HeaderMap, Bytes))>,
     /// (messages, tokens) dropped by truncation.
     truncation: Option<(usize, u64)>,
     /// Characters payload hygiene changed in the body sent upstream.
@@ -153,6 +159,7 @@ impl Drop for Run {
                 latency_ms: t0.elapsed().as_secs_f64() * 1000.0,
                 error: Some("the request ended while this attempt was in flight".into()),
                 panic_mode: false,
+                own_key: false,
                 internal: None,
             });
         }
@@ -171,6 +178,18 @@ pub async fn execute(
     caller: Caller,
 ) -> Response {
     let arrived = caller.arrived;
+    // The allow-list holds over the whole path: endpoints the key does not cover leave the chain
+    // here, so neither the first attempt, a hedge, a retry nor a continuation can reach them.
+    let mut not_allowed = Vec::new();
+    let chain = match &caller.allowed {
+        Some(allowed) if chain.iter().any(|n| !allowed.contains(n)) => {
+            let (kept, out): (Vec<String>, Vec<String>) =
+                chain.iter().cloned().partition(|n| allowed.contains(n));
+            not_allowed = out;
+            Arc::from(kept)
+        }
+        _ => chain,
+    };
     let hedge = hedge_for(&app, &cfg, &req, &chain);
     let continue_chain = (req.stream
         && req.op == Op::Chat
@@ -190,6 +209,7 @@ pub async fn execute(
         counted_prompt: None,
         context_skipped: Vec::new(),
         last_context_error: None,
+        own_key_answer: None,
         truncation: None,
         sanitized: 0,
         deadline: Instant::now(),
@@ -208,6 +228,14 @@ pub async fn execute(
         backend_failed: HashSet::new(),
         waited: Duration::ZERO,
     };
+    let client = run.client.clone().unwrap_or_default();
+    for name in not_allowed {
+        run.skipped(
+            name,
+            Outcome::SkippedNotAllowed,
+            format!("client key `{client}` may not use this endpoint (auth.keys[].models)"),
+        );
+    }
     let arrived = arrived.unwrap_or(run.started);
     run.deadline = after(run.started, run.cfg.policy.request_timeout);
     let deadline = run.deadline;
@@ -335,6 +363,9 @@ impl Run {
                 .find(|a| a.class == Outcome::ContextLength)
                 .map(|a| a.endpoint.clone())
                 .unwrap_or_default();
+            return self.respond_passthrough(&ep, status, headers, body);
+        }
+        if let Some((ep, (status, headers, body))) = self.own_key_answer.take() {
             return self.respond_passthrough(&ep, status, headers, body);
         }
         self.all_failed()
@@ -582,6 +613,7 @@ impl Run {
             latency_ms: 0.0,
             error: Some(detail),
             panic_mode: false,
+            own_key: false,
             internal: None,
         });
     }
@@ -630,6 +662,7 @@ impl Run {
             max_cooldown: self.cfg.policy.max_cooldown,
             max_answer: self.cfg.max_response_bytes,
             base: base.as_deref(),
+            own_key: self.own_key_for(ep).is_some(),
         };
         let (rb, sanitized) = attempt.prepare(self.req.stream)?;
         // Counted here: a request the adapter could not express never left the gateway.
@@ -662,11 +695,13 @@ impl Run {
             max_cooldown: self.cfg.policy.max_cooldown,
             max_answer: self.cfg.max_response_bytes,
             base: base.as_deref(),
+            own_key: self.own_key_for(ep).is_some(),
         };
         let (rb, sanitized) = attempt.prepare(self.req.stream)?;
         let rb = rb.into_owned();
         self.sanitized = sanitized;
         self.calls += 1;
+        let own_key = self.own_key_for(ep).is_some();
         let (ep, req, request_id) = (ep.clone(), self.req.clone(), self.request_id.clone());
         let (deadline, max_cooldown, max_answer) = (
             self.deadline,
@@ -684,6 +719,7 @@ impl Run {
                 max_cooldown,
                 max_answer,
                 base: base.as_deref(),
+                own_key,
             };
             if req.stream {
                 attempt.stream(rb, t0).await
@@ -848,6 +884,7 @@ impl Run {
                     latency_ms,
                     error: None,
                     panic_mode,
+                    own_key,
                     internal: None,
                 });
                 if !self.req.stream {
@@ -884,6 +921,7 @@ impl Run {
             latency_ms,
             error: Some(detail.clone()),
             panic_mode,
+            own_key,
             internal,
         });
         let hints = Hints {
@@ -909,6 +947,21 @@ impl Run {
                 Bytes::from(err.body().to_string()),
             ));
         }
+        if own_key
+            && matches!(
+                f.class,
+                Outcome::RateLimited | Outcome::Gone | Outcome::ModelMissing
+            )
+        {
+            // The request's own key was limited (429, `insufficient_quota`), or its account
+            // cannot reach the model (404, 410): the client's business. Nothing is learned about
+            // the shared endpoint; the request fails over, and should nothing serve it, the
+            // client gets this answer (with its `retry-after`), not a 503.
+            if let Some(p) = f.passthrough {
+                self.own_key_answer = Some((ep.name.clone(), *p));
+            }
+            return Settled::Done(FAILED);
+        }
         match outcome::action(f.class, hints) {
             Action::Serve => Settled::Done(unreachable_serve()),
             Action::ReturnToClient => {
@@ -921,7 +974,9 @@ impl Run {
             Action::ContextSkip => {
                 // Learned only from the upstream's own words: a validation error that quotes
                 // the request (vLLM's do) would let one client shrink the window for all.
-                if let Some((limit, phrase)) = classify::stated_limit(&f.detail) {
+                if let Some((limit, phrase)) = classify::stated_limit(&f.detail)
+                    && !own_key
+                {
                     if self.req.quotes(phrase) {
                         tracing::warn!(
                             request_id = %self.request_id,

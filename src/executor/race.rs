@@ -211,6 +211,7 @@ impl Run {
                 winner.name
             )),
             panic_mode,
+            own_key: false,
             internal: None,
         });
     }

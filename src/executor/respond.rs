@@ -35,6 +35,7 @@ impl Run {
                 latency_ms: t0.elapsed().as_secs_f64() * 1000.0,
                 error: Some("cut off by routing_policy.request_timeout".into()),
                 panic_mode,
+                own_key: false,
                 internal: None,
             });
         }
@@ -388,6 +389,7 @@ fn attempt_rows(attempts: impl IntoIterator<Item = AttemptReport>) -> Vec<Attemp
             error: a.internal.or(a.error),
             latency_ms: a.latency_ms,
             panic_mode: a.panic_mode,
+            own_key: a.own_key,
         })
         .collect()
 }

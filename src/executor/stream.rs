@@ -73,6 +73,7 @@ impl StreamGuard {
                 error,
                 latency_ms,
                 panic_mode: false,
+                own_key: self.own_key.is_some(),
             });
         }
     }
@@ -138,6 +139,7 @@ impl StreamGuard {
                     error: Some(detail.clone()),
                     latency_ms: row.latency_ms,
                     panic_mode: false,
+                    own_key: self.own_key.is_some(),
                 });
                 tracing::warn!(request_id = %row.request_id, endpoint = %self.ep.name, class = class.as_str(), error = %detail, "stream failed after commit");
                 self.app.registry.apply(
@@ -525,10 +527,21 @@ impl PassThrough {
             if !usable {
                 continue;
             }
-            let key_idx = match app.registry.pick_key(&ep) {
-                crate::registry::KeyPick::NotNeeded => None,
-                crate::registry::KeyPick::Use(i) => Some(i),
-                _ => continue,
+            // The first leg's key goes on: the request's own (`x-encrypted-key`) where the
+            // endpoint takes it, as the first leg did, else one of the endpoint's keys.
+            let own_key = self
+                .guard
+                .own_key
+                .clone()
+                .filter(|_| ep.kind == crate::config::EndpointKind::Openai);
+            let key_idx = if own_key.is_some() {
+                None
+            } else {
+                match app.registry.pick_key(&ep) {
+                    crate::registry::KeyPick::NotNeeded => None,
+                    crate::registry::KeyPick::Use(i) => Some(i),
+                    _ => continue,
+                }
             };
             let base = if ep.discover {
                 match app.registry.discovered_base(&ep.name) {
@@ -541,13 +554,18 @@ impl PassThrough {
             let req = c.request(&ep);
             let attempt = Attempt {
                 ep: &ep,
-                key: key_idx.and_then(|i| ep.keys[i].value.as_ref()),
+                key: own_key.as_ref().or_else(|| {
+                    key_idx
+                        .and_then(|i| ep.keys.get(i))
+                        .and_then(|k| k.value.as_ref())
+                }),
                 req: &req,
                 request_id: &c.request_id,
                 deadline: c.deadline,
                 max_cooldown: cfg.policy.max_cooldown,
                 max_answer: cfg.max_response_bytes,
                 base: base.as_deref(),
+                own_key: own_key.is_some(),
             };
             let t0 = Instant::now();
             let Ok((rb, _)) = attempt.prepare(true) else {
@@ -610,7 +628,8 @@ impl PassThrough {
                     let detail = classify::redact(&f.detail, &secrets);
                     self.guard
                         .push_attempt(&ep.name, f.class, f.status, Some(detail.clone()));
-                    if f.class.counts_against_endpoint() {
+                    // A failure of the request's own key is the client's, not the endpoint's.
+                    if f.class.counts_against_endpoint() && own_key.is_none() {
                         app.registry.apply(
                             &ep,
                             &cfg.policy,

@@ -145,6 +145,41 @@ fn local_host(headers: &HeaderMap) -> bool {
     name == "localhost" || name.ends_with(".localhost") || name.parse::<std::net::IpAddr>().is_ok()
 }
 
+/// `/v1/*` against DNS rebinding (`server.allowed_hosts`): whether the request's `Host` may be
+/// served. `allowed` set: its name (port aside, ASCII case aside) is one of them, a `.name` entry
+/// also covering names under it, `*` every name. Unset: on a loopback listener only `localhost`
+/// and IP literals ([`local_host`]), elsewhere every name.
+pub fn host_allowed(allowed: Option<&[String]>, loopback: bool, headers: &HeaderMap) -> bool {
+    match allowed {
+        None => !loopback || local_host(headers),
+        Some(list) => {
+            let Some(host) = headers.get(http::header::HOST) else {
+                // HTTP/1.0 without Host, or HTTP/2 (no browser sends it in clear text).
+                return true;
+            };
+            let Some(name) = host.to_str().ok().map(host_name) else {
+                return false;
+            };
+            list.iter().any(|a| {
+                a == "*"
+                    || *a == name
+                    || a.strip_prefix('.')
+                        .is_some_and(|d| name == d || name.ends_with(a.as_str()))
+            })
+        }
+    }
+}
+
+/// The name of a `Host` value, lower-cased, without its port or trailing dot (`[::1]` keeps its
+/// brackets off: `::1`).
+fn host_name(host: &str) -> String {
+    let name = match host.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or(""),
+        None => host.rsplit_once(':').map_or(host, |(n, _)| n),
+    };
+    name.trim_end_matches('.').to_ascii_lowercase()
+}
+
 /// Whether a request was relayed by a proxy (see [`RELAY_HEADERS`]).
 fn relayed(headers: &HeaderMap) -> bool {
     RELAY_HEADERS.iter().any(|h| headers.contains_key(*h))

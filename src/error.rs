@@ -66,6 +66,8 @@ pub enum ApiError {
     Unavailable(String),
     /// 403: an admin call from a non-loopback peer.
     Forbidden(String),
+    /// 403: the request's `Host` is not one of `server.allowed_hosts` (DNS rebinding).
+    HostNotAllowed,
     /// 401: no client key, or not one of `auth.keys` (or the admin key, for admin paths).
     Unauthorized(String),
     /// 403: the client key may not use this model.
@@ -117,7 +119,7 @@ impl ApiError {
             ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::Forbidden(_) | ApiError::HostNotAllowed => StatusCode::FORBIDDEN,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::ModelNotAllowed { .. } => StatusCode::FORBIDDEN,
@@ -144,6 +146,7 @@ impl ApiError {
             ApiError::BodyTimeout(_) => "body_timeout",
             ApiError::Unavailable(_) => "shutdown",
             ApiError::Forbidden(_) => "forbidden",
+            ApiError::HostNotAllowed => "host_not_allowed",
             ApiError::Internal(_) => "internal",
             ApiError::Unauthorized(_) => "invalid_api_key",
             ApiError::ModelNotAllowed { .. } => "model_not_allowed",
@@ -228,6 +231,12 @@ impl ApiError {
             ),
             ApiError::Unavailable(m) => (m.clone(), "server_error", None, Some("shutdown")),
             ApiError::Forbidden(m) => (m.clone(), "permission_error", None, Some("forbidden")),
+            ApiError::HostNotAllowed => (
+                "This request's Host is not one this gateway serves (server.allowed_hosts): a page whose name was pointed at this address (DNS rebinding) may not use it.".into(),
+                "permission_error",
+                None,
+                Some("host_not_allowed"),
+            ),
             ApiError::Internal(m) => (m.clone(), "server_error", None, Some("internal_error")),
             ApiError::Unauthorized(m) => (
                 m.clone(),

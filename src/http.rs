@@ -124,6 +124,12 @@ async fn serve(
 ) -> Response {
     let arrived = tokio::time::Instant::now();
     let cfg = app.config.load_full();
+    let loopback = app
+        .listen_loopback
+        .load(std::sync::atomic::Ordering::Relaxed);
+    if !clients::host_allowed(cfg.allowed_hosts.as_deref(), loopback, &headers) {
+        return with_request_id(ApiError::HostNotAllowed.into_response(), &id);
+    }
     // Who is asking comes first: an unknown caller gets nothing else of the gateway's work.
     let client = match clients::identify(&cfg.auth, &headers) {
         Ok(c) => c,
@@ -397,6 +403,12 @@ fn release_read_buffer(body: Bytes) -> Bytes {
 /// ask for (a route's chain only as far as the key covers it).
 async fn models(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     let cfg = app.config.load();
+    let loopback = app
+        .listen_loopback
+        .load(std::sync::atomic::Ordering::Relaxed);
+    if !clients::host_allowed(cfg.allowed_hosts.as_deref(), loopback, &headers) {
+        return ApiError::HostNotAllowed.into_response();
+    }
     let client = match clients::identify(&cfg.auth, &headers) {
         Ok(c) => c,
         Err(e) => return e.into_response(),
@@ -510,6 +522,10 @@ async fn status(
             "predict_rate_limits": cfg.policy.predict_rate_limits,
         },
         "in_flight": app.inflight(),
+        "server": {
+            "max_concurrent_requests": cfg.max_concurrent_requests,
+            "allowed_hosts": cfg.allowed_hosts,
+        },
         // Who may use it: counts and names only, never a key or a digest.
         "auth": {
             "client_keys": cfg.auth.keys.as_ref().map(|k| k.len()),

@@ -208,6 +208,9 @@ impl Gateway {
             opened.spend,
         );
         let addr = opts.listener.local_addr()?;
+        state
+            .listen_loopback
+            .store(addr.ip().is_loopback(), Ordering::Relaxed);
         let cancel = CancellationToken::new();
         let mut tasks = JoinSet::new();
 

@@ -54,6 +54,10 @@ pub struct AppState {
     pub alerts_rx: Mutex<Option<tokio::sync::mpsc::Receiver<crate::alerts::Signal>>>,
     /// Metrics, recent failovers, per-endpoint 4xx counts: the operator's figures.
     pub telemetry: crate::telemetry::Telemetry,
+    /// The listener is on a loopback address: `/v1/*` then answers only `localhost` and IP
+    /// literals as `Host` unless `server.allowed_hosts` says otherwise. Set once the socket is
+    /// bound; true until then, the safe reading.
+    pub listen_loopback: std::sync::atomic::AtomicBool,
 }
 
 /// A request slot: counts the request as in flight until dropped.
@@ -95,6 +99,7 @@ impl AppState {
             alerts,
             alerts_rx: Mutex::new(Some(alerts_rx)),
             telemetry: crate::telemetry::Telemetry::new(),
+            listen_loopback: std::sync::atomic::AtomicBool::new(true),
         })
     }
 

@@ -401,3 +401,80 @@ auth:
         ]
     );
 }
+
+async fn with_host(gw: &Gw, host: &str) -> (u16, Value) {
+    let r = reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .header("host", host)
+        .json(&json!({"model": "a", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+/// DNS rebinding against `/v1/*`: on a loopback listener a request whose `Host` is a domain name
+/// (a web page's, pointed at 127.0.0.1) gets 403 `host_not_allowed` and reaches no upstream;
+/// `localhost` and IP literals pass. `server.allowed_hosts` replaces the default; on a listener
+/// that is not loopback there is no check unless it is set. `max_concurrent_requests` defaults to
+/// 4096.
+#[tokio::test]
+async fn a_rebound_host_name_cannot_use_a_loopback_gateway() {
+    let a = MockUp::openai("name: a").await;
+    let cfg = format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\" }}\n",
+        a.base()
+    );
+    let gw = Gw::start(&cfg);
+    let port = gw.addr.port();
+    let (status, body) = with_host(&gw, &format!("localhost:{port}")).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(with_host(&gw, &format!("[::1]:{port}")).await.0, 200);
+    assert_eq!(a.requests().await, 2);
+    let (status, body) = with_host(&gw, &format!("rebind.attacker.example:{port}")).await;
+    assert_eq!(status, 403, "{body}");
+    assert_eq!(body["error"]["code"], "host_not_allowed", "{body}");
+    assert_eq!(a.requests().await, 2, "nothing reached the upstream");
+    let r = reqwest::Client::new()
+        .get(gw.url("/v1/models"))
+        .header("host", "rebind.attacker.example")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403);
+    let st = gw.status().await;
+    assert_eq!(st["server"]["max_concurrent_requests"], 4096, "{st}");
+
+    // allowed_hosts set: exactly those names (and `.name` for the names under it).
+    let gw = Gw::start(&format!(
+        "server: {{ allowed_hosts: [gw.internal, .corp.example] }}\n{cfg}"
+    ));
+    assert_eq!(with_host(&gw, "gw.internal").await.0, 200);
+    assert_eq!(with_host(&gw, "GW.Internal:8000").await.0, 200);
+    assert_eq!(with_host(&gw, "ai.corp.example").await.0, 200);
+    assert_eq!(with_host(&gw, "localhost").await.0, 403);
+    assert_eq!(with_host(&gw, "corp.example.attacker.example").await.0, 403);
+
+    // Not loopback: no check unless set.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.yaml");
+    std::fs::write(
+        &path,
+        format!("{cfg}auth: {{ keys: [{{ name: t, key: sk-tenant-0000000000 }}] }}\n"),
+    )
+    .unwrap();
+    let gw = Gw::start_listening(dir.path(), &path, &[], "0.0.0.0:0");
+    let r = reqwest::Client::new()
+        .post(format!(
+            "http://127.0.0.1:{}/v1/chat/completions",
+            gw.addr.port()
+        ))
+        .header("host", "gateway.example")
+        .bearer_auth("sk-tenant-0000000000")
+        .json(&json!({"model": "a", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+}

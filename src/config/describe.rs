@@ -7,6 +7,18 @@ pub fn describe(cfg: &Config) -> String {
     use std::fmt::Write;
     let mut out = String::new();
     let _ = writeln!(out, "listen: {}", cfg.listen);
+    let _ = writeln!(
+        out,
+        "server: max_concurrent_requests={} allowed_hosts={}",
+        match cfg.max_concurrent_requests {
+            0 => "unlimited".to_string(),
+            n => n.to_string(),
+        },
+        match &cfg.allowed_hosts {
+            Some(h) => h.join(","),
+            None => "default (on a loopback listen: localhost and IP literals)".into(),
+        }
+    );
     let _ = writeln!(out, "fallback_chain: {}", cfg.fallback_chain.join(" -> "));
     for (name, chain) in &cfg.routes {
         let mut extra = String::new();

@@ -254,7 +254,11 @@ pub struct RawServer {
     /// closes its connection. Default 60s (nginx's `send_timeout`).
     pub send_timeout: Option<Dur>,
     /// Requests served at once; above it new ones get 503 `overloaded` at once. 0: unlimited.
+    /// Default 4096.
     pub max_concurrent_requests: Option<usize>,
+    /// `Host` names `/v1/*` answers (DNS rebinding): a name, `.name` for it and the names under
+    /// it, or `*`. Default: on a loopback `listen`, `localhost` and IP literals; else any.
+    pub allowed_hosts: Option<Vec<String>>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -648,6 +648,22 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
             "server.listen is {listen}, not loopback, and `auth.keys` is not set: anyone who reaches this address can spend the upstream keys"
         ));
     }
+    let allowed_hosts = match raw.server.allowed_hosts {
+        None => None,
+        Some(list) => {
+            let mut names = Vec::with_capacity(list.len());
+            for (i, h) in list.into_iter().enumerate() {
+                let h = h.trim().trim_end_matches('.').to_ascii_lowercase();
+                if h.is_empty() || h.contains(['/', ' ', '@']) {
+                    return Err(ConfigError(format!(
+                        "at `server.allowed_hosts[{i}]`: a host name, `.name` (it and the names under it) or `*`"
+                    )));
+                }
+                names.push(h);
+            }
+            Some(names)
+        }
+    };
     let mut cfg = Config {
         listen,
         max_body_bytes: raw.server.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY),
@@ -666,7 +682,10 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
         header_timeout: or_default(raw.server.header_timeout, Duration::from_secs(10)),
         body_timeout: or_default(raw.server.body_timeout, Duration::from_secs(30)),
         send_timeout: or_default(raw.server.send_timeout, Duration::from_secs(60)),
-        max_concurrent_requests: raw.server.max_concurrent_requests.unwrap_or(0),
+        // Envoy's circuit breaker allows 1,024 requests per cluster by default; one process
+        // serving many teams gets four times that, and none may take every socket and byte.
+        max_concurrent_requests: raw.server.max_concurrent_requests.unwrap_or(4096),
+        allowed_hosts,
         endpoints,
         fallback_chain,
         routes,

@@ -423,6 +423,9 @@ pub struct Config {
     pub send_timeout: Duration,
     /// 0: unlimited.
     pub max_concurrent_requests: usize,
+    /// `server.allowed_hosts`, lower-cased; `None`: the default by listen address
+    /// (`clients::host_allowed`).
+    pub allowed_hosts: Option<Vec<String>>,
     pub endpoints: BTreeMap<String, Arc<Endpoint>>,
     pub fallback_chain: Vec<String>,
     pub routes: BTreeMap<String, Vec<String>>,

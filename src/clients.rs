@@ -20,6 +20,7 @@ use governor::middleware::StateInformationMiddleware;
 use governor::state::{InMemoryState, NotKeyed};
 use governor::{Quota, RateLimiter};
 use subtle::ConstantTimeEq;
+use tokio::time::Instant;
 
 use crate::config::{Auth, ClientKey, key_digest};
 use crate::error::{ApiError, ClientLimit};
@@ -188,9 +189,26 @@ fn relayed(headers: &HeaderMap) -> bool {
 /// One client's limiters and spend.
 struct State {
     rpm: Option<(u32, Limiter)>,
-    tpm: Option<(u32, Limiter)>,
-    /// (month `YYYY-MM`, US dollars spent in it).
-    spend: Mutex<(String, f64)>,
+    tpm: Option<(u64, Mutex<TokenBucket>)>,
+    spend: Mutex<Spend>,
+}
+
+/// A key's spend this month, and what requests still running have reserved of its budget.
+#[derive(Clone, Debug, Default)]
+struct Spend {
+    /// `YYYY-MM`, UTC.
+    month: String,
+    usd: f64,
+    reserved: f64,
+}
+
+impl Spend {
+    fn roll(&mut self, month: String) {
+        if self.month != month {
+            self.month = month;
+            self.usd = 0.0;
+        }
+    }
 }
 
 fn limiter(per_minute: u32) -> Option<(u32, Limiter)> {
@@ -199,6 +217,155 @@ fn limiter(per_minute: u32) -> Option<(u32, Limiter)> {
         per_minute,
         RateLimiter::direct(Quota::per_minute(n)).with_middleware::<StateInformationMiddleware>(),
     ))
+}
+
+/// A key's `tpm`: a bucket of a minute's tokens, refilled continuously, that a request's
+/// completion may take below zero when it ends (its tokens were spent; the next requests wait
+/// until the debt is refilled). governor's GCRA, used for `rpm`, can only refuse, never owe.
+#[derive(Debug)]
+pub struct TokenBucket {
+    per_minute: u64,
+    level: f64,
+    at: Instant,
+}
+
+/// What a refused take says: tokens left now, and how long until the take would pass.
+#[derive(Debug, PartialEq)]
+pub struct Refused {
+    pub remaining: u64,
+    pub retry_after: Duration,
+}
+
+impl TokenBucket {
+    pub fn new(per_minute: u64, now: Instant) -> Self {
+        TokenBucket {
+            per_minute,
+            level: per_minute as f64,
+            at: now,
+        }
+    }
+
+    fn refill(&mut self, now: Instant) {
+        let rate = self.per_minute as f64 / 60.0;
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        self.level = (self.level + elapsed * rate).min(self.per_minute as f64);
+        self.at = now;
+    }
+
+    /// Takes `n` tokens if the bucket holds them. More than a minute's worth never passes.
+    pub fn take(&mut self, n: u64, now: Instant) -> Result<(), Refused> {
+        self.refill(now);
+        if n as f64 <= self.level {
+            self.level -= n as f64;
+            return Ok(());
+        }
+        let rate = (self.per_minute as f64 / 60.0).max(1e-9);
+        let retry_after = if n > self.per_minute {
+            Duration::from_secs(60)
+        } else {
+            Duration::from_secs_f64(((n as f64 - self.level) / rate).clamp(0.0, 86_400.0))
+        };
+        Err(Refused {
+            remaining: self.remaining(),
+            retry_after,
+        })
+    }
+
+    /// Takes `n` tokens that were spent already, below zero if need be.
+    pub fn charge(&mut self, n: u64, now: Instant) {
+        self.refill(now);
+        // Bounded: a debt of more than a day's tokens would only mean a key locked out for a
+        // day; it says the same at a day.
+        self.level = (self.level - n as f64).max(-(self.per_minute as f64) * 1440.0);
+    }
+
+    pub fn remaining(&self) -> u64 {
+        self.level.max(0.0) as u64
+    }
+
+    /// Until the bucket is full again.
+    pub fn reset(&self) -> Duration {
+        let rate = (self.per_minute as f64 / 60.0).max(1e-9);
+        Duration::from_secs_f64(
+            ((self.per_minute as f64 - self.level) / rate).clamp(0.0, 86_400.0 * 1440.0),
+        )
+    }
+}
+
+/// What admitting a request asks of its key.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Ask {
+    /// Tokens taken from `tpm` at once: the prompt, plus `max_tokens` when the request gives one
+    /// (OpenAI's own rule).
+    pub tokens: u64,
+    /// The request gave no `max_tokens`: its completion tokens are taken from `tpm` when it
+    /// ends.
+    pub charge_completion: bool,
+    /// The most the request can cost (US dollars), reserved against `budget_usd` while it runs.
+    pub reserve_usd: f64,
+}
+
+/// An admitted request's hold on its key, settled once when the request ends: its real cost is
+/// spent, its reservation let go, its completion tokens charged. Dropped unsettled (refused
+/// after admission, or never served), it lets the reservation go.
+pub struct Admission {
+    state: Arc<State>,
+    name: String,
+    reserved: f64,
+    charge_completion: bool,
+    settled: bool,
+}
+
+impl Admission {
+    /// The request ended (now: the month of its end is the one charged) having cost `usd` and
+    /// produced `completion_tokens`. Returns the key's spend this month as it now stands (key
+    /// name, month, dollars) when the request cost anything, for the audit writer to persist.
+    pub fn settle(
+        &mut self,
+        usd: Option<f64>,
+        completion_tokens: u64,
+    ) -> Option<(String, String, f64)> {
+        if std::mem::replace(&mut self.settled, true) {
+            return None;
+        }
+        let total = {
+            let mut spend = self.state.spend.lock().unwrap_or_else(|e| e.into_inner());
+            spend.reserved = (spend.reserved - self.reserved).max(0.0);
+            usd.filter(|u| u.is_finite() && *u > 0.0).map(|usd| {
+                spend.roll(month_of(SystemTime::now()));
+                spend.usd += usd;
+                (self.name.clone(), spend.month.clone(), spend.usd)
+            })
+        };
+        if self.charge_completion
+            && completion_tokens > 0
+            && let Some((_, bucket)) = &self.state.tpm
+        {
+            bucket
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .charge(completion_tokens, Instant::now());
+        }
+        total
+    }
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.settle(None, 0);
+        }
+    }
+}
+
+impl std::fmt::Debug for Admission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Admission")
+            .field("reserved", &self.reserved)
+            .field("charge_completion", &self.charge_completion)
+            .field("settled", &self.settled)
+            .finish()
+    }
 }
 
 /// Per-key limits and spend, kept across config reloads (by key name).
@@ -223,10 +390,9 @@ impl Clients {
 
     fn state(&self, key: &ClientKey) -> Arc<State> {
         let mut map = self.map.lock().unwrap_or_else(|e| e.into_inner());
-        let tpm = key.tpm.map(|t| t.min(u64::from(u32::MAX)) as u32);
         if let Some(s) = map.get(&key.name)
             && s.rpm.as_ref().map(|r| r.0) == key.rpm
-            && s.tpm.as_ref().map(|t| t.0) == tpm
+            && s.tpm.as_ref().map(|t| t.0) == key.tpm
         {
             return s.clone();
         }
@@ -243,43 +409,79 @@ impl Clients {
                     .get(&(key.name.clone(), month.clone()))
                     .copied()
                     .unwrap_or(0.0);
-                (month, usd)
+                Spend {
+                    month,
+                    usd,
+                    reserved: 0.0,
+                }
             });
         let s = Arc::new(State {
             rpm: key.rpm.and_then(limiter),
-            tpm: tpm.and_then(limiter),
+            tpm: key
+                .tpm
+                .filter(|t| *t > 0)
+                .map(|t| (t, Mutex::new(TokenBucket::new(t, Instant::now())))),
             spend: Mutex::new(spend),
         });
         map.insert(key.name.clone(), s.clone());
         s
     }
 
-    /// Admits one request of about `tokens` (prompt estimate + `max_tokens`): the budget, then
-    /// `rpm`, then `tpm`.
-    pub fn admit(&self, key: &ClientKey, tokens: u64) -> Result<(), ApiError> {
+    /// Admits one request: the budget (with what running requests reserved), then `rpm`, then
+    /// `tpm`; then reserves the request's worst-case cost until it is settled.
+    pub fn admit(&self, key: &ClientKey, ask: Ask) -> Result<Admission, ApiError> {
         let s = self.state(key);
-        if let Some(budget) = key.budget_usd {
-            let month = month_of(SystemTime::now());
-            let mut spend = s.spend.lock().unwrap_or_else(|e| e.into_inner());
-            if spend.0 != month {
-                *spend = (month, 0.0);
-            }
-            if spend.1 >= budget {
-                return Err(ApiError::QuotaExceeded {
+        let over_budget = |spend: &mut Spend| {
+            spend.roll(month_of(SystemTime::now()));
+            key.budget_usd
+                .filter(|b| spend.usd + spend.reserved >= *b)
+                .map(|budget| ApiError::QuotaExceeded {
                     client: key.name.clone(),
                     budget,
-                });
-            }
+                })
+        };
+        if let Some(e) = over_budget(&mut s.spend.lock().unwrap_or_else(|e| e.into_inner())) {
+            return Err(e);
         }
         if let Some((limit, l)) = &s.rpm {
             Self::take(l, *limit, 1, "requests", &key.name)?;
         }
-        if let Some((limit, l)) = &s.tpm
-            && tokens > 0
+        if let Some((limit, bucket)) = &s.tpm
+            && ask.tokens > 0
         {
-            Self::take(l, *limit, tokens, "tokens", &key.name)?;
+            let mut b = bucket.lock().unwrap_or_else(|e| e.into_inner());
+            if let Err(r) = b.take(ask.tokens, Instant::now()) {
+                return Err(ApiError::ClientRateLimited(Box::new(ClientLimit {
+                    client: key.name.clone(),
+                    kind: "tokens",
+                    limit: *limit,
+                    remaining: r.remaining,
+                    reset: b.reset(),
+                    retry_after: r.retry_after,
+                })));
+            }
         }
-        Ok(())
+        let reserved = if key.budget_usd.is_some() && ask.reserve_usd.is_finite() {
+            ask.reserve_usd.max(0.0)
+        } else {
+            0.0
+        };
+        {
+            // Checked again under the same lock as the reservation: concurrent admissions
+            // overshoot the budget by at most one reservation.
+            let mut spend = s.spend.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(e) = over_budget(&mut spend) {
+                return Err(e);
+            }
+            spend.reserved += reserved;
+        }
+        Ok(Admission {
+            state: s,
+            name: key.name.clone(),
+            reserved,
+            charge_completion: ask.charge_completion && key.tpm.is_some(),
+            settled: false,
+        })
     }
 
     fn take(
@@ -310,22 +512,6 @@ impl Clients {
         }
     }
 
-    /// A served request of `name` cost `usd` (recorded with its audit row).
-    pub fn spent(&self, name: &str, usd: f64, at: SystemTime) {
-        if !usd.is_finite() || usd <= 0.0 {
-            return;
-        }
-        let month = month_of(at);
-        let map = self.map.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(s) = map.get(name) {
-            let mut spend = s.spend.lock().unwrap_or_else(|e| e.into_inner());
-            if spend.0 != month {
-                *spend = (month, 0.0);
-            }
-            spend.1 += usd;
-        }
-    }
-
     /// Spend this month per key name, for `/status`.
     pub fn spend(&self) -> Vec<(String, f64)> {
         let month = month_of(SystemTime::now());
@@ -334,11 +520,26 @@ impl Clients {
             .iter()
             .map(|(n, s)| {
                 let spend = s.spend.lock().unwrap_or_else(|e| e.into_inner());
-                (n.clone(), if spend.0 == month { spend.1 } else { 0.0 })
+                (
+                    n.clone(),
+                    if spend.month == month { spend.usd } else { 0.0 },
+                )
             })
             .collect();
         out.sort_by(|a, b| a.0.cmp(&b.0));
         out
+    }
+
+    /// Every key's spend per month as it stands, for the audit writer to persist (its own record,
+    /// on the stats persister's tick and at shutdown: not lost with a dropped audit row).
+    pub fn spend_snapshot(&self) -> Vec<(String, String, f64)> {
+        let map = self.map.lock().unwrap_or_else(|e| e.into_inner());
+        map.iter()
+            .filter_map(|(n, s)| {
+                let spend = s.spend.lock().unwrap_or_else(|e| e.into_inner());
+                (spend.usd > 0.0).then(|| (n.clone(), spend.month.clone(), spend.usd))
+            })
+            .collect()
     }
 }
 
@@ -481,13 +682,20 @@ mod tests {
         assert!(admin(&unread, &HeaderMap::new(), local).is_err());
     }
 
+    fn ask(tokens: u64) -> Ask {
+        Ask {
+            tokens,
+            ..Ask::default()
+        }
+    }
+
     #[test]
     fn rpm_admits_exactly_the_limit_in_a_burst() {
         let c = Clients::new(vec![]);
         let k = key("a", Some(5), None, None);
-        let admitted = (0..20).filter(|_| c.admit(&k, 0).is_ok()).count();
+        let admitted = (0..20).filter(|_| c.admit(&k, ask(0)).is_ok()).count();
         assert_eq!(admitted, 5);
-        match c.admit(&k, 0) {
+        match c.admit(&k, ask(0)) {
             Err(ApiError::ClientRateLimited(l)) => {
                 assert_eq!((l.kind, l.limit, l.remaining), ("requests", 5, 0));
                 assert!(l.retry_after > Duration::ZERO && l.retry_after <= Duration::from_secs(12));
@@ -496,15 +704,90 @@ mod tests {
         }
     }
 
-    #[test]
-    fn tpm_counts_tokens_and_refuses_a_request_larger_than_a_minute() {
+    #[tokio::test(start_paused = true)]
+    async fn tpm_counts_tokens_and_refuses_a_request_larger_than_a_minute() {
         let c = Clients::new(vec![]);
         let k = key("a", None, Some(1000), None);
-        assert!(c.admit(&k, 600).is_ok());
+        assert!(c.admit(&k, ask(600)).is_ok());
+        match c.admit(&k, ask(600)) {
+            Err(ApiError::ClientRateLimited(l)) => {
+                assert_eq!((l.kind, l.limit, l.remaining), ("tokens", 1000, 400));
+                // 200 tokens short at 1000 a minute: 12 s.
+                assert_eq!(l.retry_after, Duration::from_secs(12));
+            }
+            other => panic!("{other:?}"),
+        }
         assert!(
-            matches!(c.admit(&k, 600), Err(ApiError::ClientRateLimited(l)) if l.kind == "tokens")
+            c.admit(&k, ask(5000)).is_err(),
+            "over a whole minute's budget"
         );
-        assert!(c.admit(&k, 5000).is_err(), "over a whole minute's budget");
+        tokio::time::advance(Duration::from_secs(12)).await;
+        assert!(c.admit(&k, ask(600)).is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn completion_tokens_without_max_tokens_are_charged_when_the_request_ends() {
+        let c = Clients::new(vec![]);
+        let k = key("a", None, Some(100), None);
+        let open = Ask {
+            tokens: 10,
+            charge_completion: true,
+            reserve_usd: 0.0,
+        };
+        let mut a = c.admit(&k, open).unwrap();
+        // Its completion was 500 tokens: the key owes 410 and waits for them.
+        a.settle(None, 500);
+        match c.admit(&k, open) {
+            Err(ApiError::ClientRateLimited(l)) => {
+                assert_eq!(l.remaining, 0);
+                // 420 tokens short (410 owed and these 10) at 100 a minute.
+                assert_eq!(l.retry_after, Duration::from_secs(252));
+            }
+            other => panic!("{other:?}"),
+        }
+        tokio::time::advance(Duration::from_secs(252)).await;
+        assert!(c.admit(&k, open).is_ok());
+        // With max_tokens counted at admission, nothing more is charged.
+        let k = key("b", None, Some(100), None);
+        let counted = Ask {
+            tokens: 60,
+            charge_completion: false,
+            reserve_usd: 0.0,
+        };
+        c.admit(&k, counted).unwrap().settle(None, 500);
+        assert!(c.admit(&k, ask(40)).is_ok());
+    }
+
+    #[test]
+    fn concurrent_requests_overshoot_a_budget_by_at_most_one_reservation() {
+        let c = Clients::new(vec![]);
+        let k = key("a", None, None, Some(1.0));
+        let reserve = Ask {
+            tokens: 0,
+            charge_completion: false,
+            reserve_usd: 0.3,
+        };
+        // Four at once: each reserves 0.30; the fourth finds 0.90 held and is still admitted
+        // (0.90 < 1.00); the fifth finds 1.20 and is refused.
+        let mut running: Vec<Admission> = (0..4).map(|_| c.admit(&k, reserve).unwrap()).collect();
+        assert!(matches!(
+            c.admit(&k, reserve),
+            Err(ApiError::QuotaExceeded { .. })
+        ));
+        // They settle at their real cost; the spend is what they cost, at most budget + 0.30.
+        for a in &mut running {
+            assert!(a.settle(Some(0.3), 0).is_some());
+        }
+        let spent = c.spend()[0].1;
+        assert!((spent - 1.2).abs() < 1e-9, "{spent}");
+        assert!(spent <= 1.0 + 0.3 + 1e-9);
+        assert!(c.admit(&k, reserve).is_err());
+        // An admission dropped unsettled (refused later, or never served) lets its hold go.
+        let k = key("b", None, None, Some(1.0));
+        for _ in 0..10 {
+            drop(c.admit(&k, reserve).unwrap());
+        }
+        assert!(c.admit(&k, reserve).is_ok());
     }
 
     #[test]
@@ -512,22 +795,24 @@ mod tests {
         let month = month_of(SystemTime::now());
         let k = key("a", None, None, Some(1.0));
         let c = Clients::new(vec![("a".into(), month.clone(), 0.75)]);
-        assert!(
-            c.admit(&k, 0).is_ok(),
-            "0.75 of 1.00 spent before the restart"
+        let mut a = c
+            .admit(&k, ask(0))
+            .expect("0.75 of 1.00 spent before the restart");
+        assert_eq!(
+            a.settle(Some(0.30), 0),
+            Some(("a".to_string(), month.clone(), 1.05))
         );
-        c.spent("a", 0.30, SystemTime::now());
         assert!(matches!(
-            c.admit(&k, 0),
+            c.admit(&k, ask(0)),
             Err(ApiError::QuotaExceeded { .. })
         ));
         assert_eq!(c.spend(), vec![("a".to_string(), 1.05)]);
+        assert_eq!(c.spend_snapshot(), vec![("a".to_string(), month, 1.05)]);
         // Last month's spend does not count.
         let c = Clients::new(vec![("a".into(), "1999-12".into(), 50.0)]);
-        assert!(c.admit(&k, 0).is_ok());
         // Hostile costs are ignored.
-        c.spent("a", f64::NAN, SystemTime::now());
-        c.spent("a", -5.0, SystemTime::now());
-        assert!(c.admit(&k, 0).is_ok());
+        assert_eq!(c.admit(&k, ask(0)).unwrap().settle(Some(f64::NAN), 0), None);
+        assert_eq!(c.admit(&k, ask(0)).unwrap().settle(Some(-5.0), 0), None);
+        assert!(c.admit(&k, ask(0)).is_ok());
     }
 }

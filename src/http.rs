@@ -169,24 +169,13 @@ async fn serve(
         let err = ApiError::ModelNotFound(inbound.model.clone());
         return refused(&app, &id, op, &inbound, client_name, err);
     };
-    if let Some(c) = client {
-        // OpenAI's own rule for tokens per minute: the prompt plus `max_tokens` count at once.
-        let tokens = if c.tpm.is_some() {
-            let max_tokens = [
-                wire::TokenField::MaxCompletionTokens,
-                wire::TokenField::MaxTokens,
-            ]
-            .into_iter()
-            .find_map(|f| inbound.token_field(f).flatten())
-            .unwrap_or(0);
-            wire::estimate_tokens(inbound.prompt_chars()).saturating_add(max_tokens)
-        } else {
-            0
-        };
-        if let Err(err) = app.clients.admit(c, tokens) {
-            return refused(&app, &id, op, &inbound, client_name, err);
-        }
-    }
+    let admission = match client {
+        None => None,
+        Some(c) => match app.clients.admit(c, ask_of(&cfg, &chain, &inbound)) {
+            Ok(a) => Some(a),
+            Err(err) => return refused(&app, &id, op, &inbound, client_name, err),
+        },
+    };
     // A per-request upstream key, encrypted with Vault's transit engine.
     let own_key = match headers.get("x-encrypted-key") {
         None => None,
@@ -223,6 +212,7 @@ async fn serve(
     };
     let caller = executor::Caller {
         client: client_name,
+        admission,
         key: own_key,
         arrived: Some(arrived),
         allowed: client
@@ -286,14 +276,19 @@ fn refused(
     client: Option<String>,
     err: ApiError,
 ) -> Response {
-    app.record_request(RequestRow {
-        requested_model: Some(inbound.model.clone()),
-        status: err.status().as_u16(),
-        error_class: Some(err.class().into()),
-        stream: inbound.stream,
-        client_key: client,
-        ..RequestRow::new(id.to_string(), std::time::SystemTime::now(), op.name())
-    });
+    // An admission made before the refusal (Vault could not decrypt the key) is dropped with
+    // the request, letting its reservation go.
+    app.record_request(
+        RequestRow {
+            requested_model: Some(inbound.model.clone()),
+            status: err.status().as_u16(),
+            error_class: Some(err.class().into()),
+            stream: inbound.stream,
+            client_key: client,
+            ..RequestRow::new(id.to_string(), std::time::SystemTime::now(), op.name())
+        },
+        None,
+    );
     with_request_id(err.into_response(), id)
 }
 
@@ -396,6 +391,33 @@ fn release_read_buffer(body: Bytes) -> Bytes {
         Bytes::copy_from_slice(&body)
     } else {
         body
+    }
+}
+
+/// What a request asks of its client key: OpenAI's own rule for tokens per minute (the prompt
+/// plus `max_tokens` at once; without `max_tokens`, the completion is charged when it ends), and
+/// the most it can cost on the dearest endpoint of its chain (`max_tokens`, else that endpoint's
+/// own cap), reserved against the budget while it runs.
+fn ask_of(cfg: &crate::config::Config, chain: &[String], inbound: &wire::Inbound) -> clients::Ask {
+    let max_tokens = [
+        wire::TokenField::MaxCompletionTokens,
+        wire::TokenField::MaxTokens,
+    ]
+    .into_iter()
+    .find_map(|f| inbound.token_field(f).flatten());
+    let prompt = wire::estimate_tokens(inbound.prompt_chars());
+    let reserve_usd = chain
+        .iter()
+        .filter_map(|n| cfg.endpoints.get(n))
+        .map(|ep| {
+            let out = max_tokens.or(ep.max_tokens).unwrap_or(0);
+            (prompt as f64 * ep.cost.input_per_mtok + out as f64 * ep.cost.output_per_mtok) / 1e6
+        })
+        .fold(0.0, f64::max);
+    clients::Ask {
+        tokens: prompt.saturating_add(max_tokens.unwrap_or(0)),
+        charge_completion: max_tokens.is_none(),
+        reserve_usd,
     }
 }
 

@@ -257,7 +257,10 @@ impl Gateway {
                 loop {
                     tokio::select! {
                         _ = c.cancelled() => break,
-                        _ = tick.tick() => st.store.send(Record::Stats(st.registry.snapshot())),
+                        _ = tick.tick() => {
+                            st.store.send(Record::Stats(st.registry.snapshot()));
+                            st.store.send(Record::Spend(st.clients.spend_snapshot()));
+                        }
                         _ = prune.tick() => {
                             if let Some(keep) = st.config.load().audit_retention
                                 && let Some(before) = std::time::SystemTime::now().checked_sub(keep)
@@ -311,6 +314,9 @@ impl Gateway {
         self.state
             .store
             .send(Record::Stats(self.state.registry.snapshot()));
+        self.state
+            .store
+            .send(Record::Spend(self.state.clients.spend_snapshot()));
         if let Some(store) = self.store.take() {
             tokio::task::spawn_blocking(move || store.close())
                 .await

@@ -191,9 +191,19 @@ impl AppState {
         Ok(added)
     }
 
-    /// The one place a request's end is recorded: metrics, the access line, alerts, then the
+    /// The one place a request's end is recorded: its client key's admission settled (the cost
+    /// spent and persisted, the completion charged), metrics, the access line, alerts, then the
     /// audit row (queued, never waited for).
-    pub fn record_request(&self, row: crate::store::RequestRow) {
+    pub fn record_request(
+        &self,
+        row: crate::store::RequestRow,
+        admission: Option<crate::clients::Admission>,
+    ) {
+        if let Some(mut a) = admission
+            && let Some(total) = a.settle(row.cost_usd, row.tokens_out.unwrap_or(0))
+        {
+            self.store.send(crate::store::Record::Spend(vec![total]));
+        }
         self.telemetry.request(&self.config.load(), &row);
         if row.status == 503 {
             self.alerts.unavailable();

@@ -261,6 +261,8 @@ pub enum Record {
         endpoint: String,
         learned: Option<(u64, String, String)>,
     },
+    /// Client keys' spend as it stands: (key name, month, US dollars in all).
+    Spend(Vec<(String, String, f64)>),
     /// Deletes audit rows (requests, attempts, events) older than this.
     Prune(SystemTime),
     /// Replies once everything queued before it is committed.
@@ -748,6 +750,7 @@ struct Statements<'c> {
     commit: rusqlite::Statement<'c>,
     next_id: rusqlite::Statement<'c>,
     spend: rusqlite::Statement<'c>,
+    spend_total: rusqlite::Statement<'c>,
     event: rusqlite::Statement<'c>,
     /// The multi-row INSERTs' text, built once: `requests[i]` inserts `ROWS_PER_INSERT[i]` rows.
     requests: [String; ROWS_PER_INSERT.len()],
@@ -772,8 +775,14 @@ impl<'c> Statements<'c> {
             commit: conn.prepare("COMMIT")?,
             next_id: conn.prepare("SELECT coalesce(max(id), 0) + 1 FROM requests")?,
             spend: conn.prepare(
-                "INSERT INTO client_spend (client, month, usd, requests) VALUES (?1, ?2, ?3, 1)
-                 ON CONFLICT (client, month) DO UPDATE SET usd = usd + excluded.usd, requests = requests + 1",
+                "INSERT INTO client_spend (client, month, usd, requests) VALUES (?1, ?2, 0, 1)
+                 ON CONFLICT (client, month) DO UPDATE SET requests = requests + 1",
+            )?,
+            // A key's month as it stands in memory: absolute, so a record that was dropped is
+            // made good by the next, and never lowered (a row read at start is the floor).
+            spend_total: conn.prepare(
+                "INSERT INTO client_spend (client, month, usd, requests) VALUES (?1, ?2, ?3, 0)
+                 ON CONFLICT (client, month) DO UPDATE SET usd = max(usd, excluded.usd)",
             )?,
             event: conn.prepare(
                 "INSERT INTO endpoint_events (ts_ms, endpoint, event, reason) VALUES (?1, ?2, ?3, ?4)",
@@ -824,16 +833,11 @@ impl<'c> Statements<'c> {
         for r in batch.drain(..) {
             match r {
                 Record::Request(row) => {
+                    // The row counts the request; its cost reaches `usd` through
+                    // `Record::Spend` (so a dropped row loses no spend).
                     if let Some(client) = &row.client_key {
-                        let usd = row
-                            .cost_usd
-                            .filter(|c| c.is_finite() && *c > 0.0)
-                            .unwrap_or(0.0);
-                        self.spend.execute(params![
-                            client,
-                            crate::clients::month_of(row.ts),
-                            usd
-                        ])?;
+                        self.spend
+                            .execute(params![client, crate::clients::month_of(row.ts)])?;
                     }
                     requests.push((next_id, row));
                     next_id += 1;
@@ -872,6 +876,13 @@ impl<'c> Statements<'c> {
                          ON CONFLICT(endpoint) DO UPDATE SET learned_context_window = excluded.learned_context_window, learned_window_request = excluded.learned_window_request, learned_window_fingerprint = excluded.learned_window_fingerprint, updated_ms = excluded.updated_ms",
                         params![endpoint, tokens, request, fingerprint, ms(SystemTime::now())],
                     )?;
+                }
+                Record::Spend(rows) => {
+                    for (client, month, usd) in rows {
+                        if usd.is_finite() && usd >= 0.0 {
+                            self.spend_total.execute(params![client, month, usd])?;
+                        }
+                    }
                 }
                 Record::Prune(before) => prunes.push(before),
                 Record::Flush(f) => flushes.push(f),

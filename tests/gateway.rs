@@ -390,7 +390,7 @@ routing_policy: {{ fallback_chain: [a, single, b] }}
 
 #[tokio::test]
 async fn context_length_fails_over_only_to_larger_windows() {
-    let small = MockUp::openai("context_window: 50").await;
+    let small = MockUp::openai("context_window: 80").await;
     let same = MockUp::openai("name: same").await;
     let big = MockUp::openai("name: big").await;
     let vague = MockUp::openai("rules: [{status: 400, error: \"input length exceeds the context length\", error_code: context_length_exceeded}]").await;
@@ -399,7 +399,7 @@ async fn context_length_fails_over_only_to_larger_windows() {
 models:
   vague: {{ type: openai, base_url: "{}" }}
   small: {{ type: openai, base_url: "{}" }}
-  same: {{ type: openai, base_url: "{}", context_window: 50 }}
+  same: {{ type: openai, base_url: "{}", context_window: 80 }}
   big: {{ type: openai, base_url: "{}", context_window: 100000 }}
 routing_policy: {{ fallback_chain: [small, same, big] }}
 routes:
@@ -425,7 +425,7 @@ routes:
     // small's refusal stated its limit: it is learned, kept, and used from the next request.
     assert_eq!(
         gw.status().await["endpoints"]["small"]["learned_context_window"],
-        50
+        80
     );
     let r = gw.chat("small", &long).await;
     assert_eq!(header(&r, "x-autohedge-endpoint"), "big");
@@ -450,7 +450,7 @@ routes:
     assert_eq!(v["error"]["code"], "context_length_exceeded");
     let msg = v["error"]["message"].as_str().unwrap();
     assert!(
-        msg.contains("largest context window in its chain is 50 tokens"),
+        msg.contains("largest context window in its chain is 80 tokens"),
         "{msg}"
     );
     // A refusal that states no limit, with nothing else to try: the upstream's own 400.
@@ -828,7 +828,7 @@ async fn every_request_has_one_audit_row_after_sigterm() {
     );
     assert!(failovers >= 10, "{failovers}");
     let version: i64 = one(&conn, "PRAGMA user_version");
-    assert_eq!(version, 5);
+    assert_eq!(version, 6);
 }
 
 #[tokio::test]
@@ -1440,7 +1440,7 @@ async fn payload_hygiene_and_learned_limits_persist() {
     assert_eq!(n, 2);
 
     // A limit learned from an upstream error survives a restart.
-    a.set_script("context_window: 20").await;
+    a.set_script("context_window: 80").await;
     let cfg = format!(
         "models:\n  a: {{ type: openai, base_url: \"{}\", context_window: 100000 }}\n",
         a.base()
@@ -1450,13 +1450,13 @@ async fn payload_hygiene_and_learned_limits_persist() {
     assert_eq!(r.status(), 400, "nothing larger to try");
     assert_eq!(
         gw.status().await["endpoints"]["a"]["learned_context_window"],
-        20
+        80
     );
     gw.stop();
     let gw = Gw::start_in(tmp.path(), &cfg, &[]);
     assert_eq!(
         gw.status().await["endpoints"]["a"]["learned_context_window"],
-        20
+        80
     );
     let before = a.requests().await;
     let r = gw.chat("a", &"word ".repeat(100)).await;
@@ -1470,14 +1470,14 @@ async fn payload_hygiene_and_learned_limits_persist() {
 
 #[tokio::test]
 async fn backend_tokenize_counts_and_teaches_the_window() {
-    let v = MockUp::start(autohedge::mock::Flavor::Vllm, "context_window: 30").await;
+    let v = MockUp::start(autohedge::mock::Flavor::Vllm, "context_window: 80").await;
     let b = MockUp::openai("name: b").await;
     let gw = Gw::start(&format!(
         "models:\n  v: {{ type: vllm, base_url: \"{}\", backend_tokenize: vllm, tokenize_timeout: 500ms }}\n  b: {{ type: openai, base_url: \"{}\", context_window: 128000 }}\n",
         v.base(),
         b.base()
     ));
-    let r = gw.chat("v", &"several words here ".repeat(20)).await;
+    let r = gw.chat("v", &"several words here ".repeat(40)).await;
     assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
     assert_eq!(
         v.requests().await,
@@ -1487,7 +1487,7 @@ async fn backend_tokenize_counts_and_teaches_the_window() {
     assert_eq!(v.stats().await["by_path"]["/tokenize"], 1);
     let st = gw.status().await;
     assert_eq!(
-        st["endpoints"]["v"]["learned_context_window"], 30,
+        st["endpoints"]["v"]["learned_context_window"], 80,
         "max_model_len learned"
     );
     // Short prompts still go to v.

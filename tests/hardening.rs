@@ -584,7 +584,7 @@ async fn slow_clients_are_cut_off() {
     // Headers complete, body promised but never sent: 408 in OpenAI's shape.
     let mut s = std::net::TcpStream::connect(gw.addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    s.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"mo")
+    s.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"mo")
         .unwrap();
     let mut got = Vec::new();
     let mut buf = [0u8; 4096];
@@ -601,7 +601,7 @@ async fn slow_clients_are_cut_off() {
     // Headers never completed: the connection is closed.
     let mut s = std::net::TcpStream::connect(gw.addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    s.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
+    s.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\n")
         .unwrap();
     let n = s.read(&mut buf).unwrap_or(0);
     let head = String::from_utf8_lossy(&buf[..n]);
@@ -642,7 +642,7 @@ async fn a_client_that_connects_and_sends_nothing_is_cut_off_at_the_header_timeo
     let mut partial = std::net::TcpStream::connect(gw.addr).unwrap();
     partial.write_all(b"PRI * HTTP/2.0\r\n").unwrap();
     served
-        .write_all(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        .write_all(b"GET /health HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n")
         .unwrap();
     let mut got = String::new();
     served.read_to_string(&mut got).unwrap();
@@ -1997,7 +1997,7 @@ async fn a_burst_of_connections_while_the_gateway_is_paused_waits_in_the_accept_
     );
     let body = chat.to_string();
     let req = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
     );
     for s in &mut socks {
@@ -2041,7 +2041,7 @@ fn raw_chat(mut s: std::net::TcpStream, model: &str) -> (u16, String) {
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     write!(
         s,
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
     )
     .unwrap();
@@ -2439,7 +2439,7 @@ async fn a_client_that_reads_nothing_is_let_go_after_the_send_timeout() {
     let body = r#"{"model":"a","stream":true,"messages":[{"role":"user","content":"x"}]}"#;
     write!(
         s,
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     )
     .unwrap();

@@ -885,12 +885,19 @@ async fn a_stated_context_limit_is_learned_and_recorded() {
         a.base(),
         b.base()
     ));
-    let r = gw.chat("a", "x").await;
+    let r = gw
+        .chat_id(
+            "teacher-1",
+            json!({"model": "a", "messages": [{"role": "user", "content": "x"}]}),
+        )
+        .await;
     assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
     assert_eq!(a.requests().await, 1);
+    let st = gw.status().await;
+    assert_eq!(st["endpoints"]["a"]["learned_context_window"], 300);
     assert_eq!(
-        gw.status().await["endpoints"]["a"]["learned_context_window"],
-        300
+        st["endpoints"]["a"]["learned_context_window_request"],
+        "teacher-1"
     );
     gw.stop();
     let ev = db_rows(
@@ -899,7 +906,9 @@ async fn a_stated_context_limit_is_learned_and_recorded() {
     );
     assert_eq!(
         ev,
-        vec!["context_window_learned: upstream stated a context limit of 300 tokens"]
+        vec![
+            "context_window_learned: upstream stated a context limit of 300 tokens (request teacher-1)"
+        ]
     );
 }
 

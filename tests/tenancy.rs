@@ -478,3 +478,358 @@ async fn a_rebound_host_name_cannot_use_a_loopback_gateway() {
         .unwrap();
     assert_eq!(r.status(), 200);
 }
+
+/// How a raw SSE upstream ends its stream.
+#[derive(Clone, Copy)]
+enum Ending {
+    /// Closes the connection in the middle of an HTTP chunk (a broken stream).
+    Break,
+    /// Sends `data:` lines with no blank line, without end (until the gateway hangs up, or
+    /// `limit` bytes).
+    Endless { limit: usize },
+}
+
+/// A loopback upstream speaking OpenAI's streaming wire format byte for byte: chunked HTTP/1.1,
+/// `chunks` as given, then `ending`. Returns its base URL and the bytes of the ending it wrote.
+async fn raw_sse_upstream(chunks: Vec<String>, ending: Ending) -> (String, Arc<AtomicU64>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let wrote = Arc::new(AtomicU64::new(0));
+    let counter = wrote.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            let chunks = chunks.clone();
+            let counter = counter.clone();
+            tokio::spawn(async move {
+                // The request: headers, then a body of content-length bytes.
+                let mut req = Vec::new();
+                let mut buf = [0u8; 4096];
+                let body_start = loop {
+                    let Ok(n) = sock.read(&mut buf).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    req.extend_from_slice(&buf[..n]);
+                    if let Some(i) = req.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break i + 4;
+                    }
+                };
+                let head = String::from_utf8_lossy(&req[..body_start]).to_ascii_lowercase();
+                let len: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(0);
+                while req.len() < body_start + len {
+                    let Ok(n) = sock.read(&mut buf).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    req.extend_from_slice(&buf[..n]);
+                }
+                let mut out = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
+                for c in &chunks {
+                    out.extend_from_slice(format!("{:x}\r\n{c}\r\n", c.len()).as_bytes());
+                }
+                if sock.write_all(&out).await.is_err() {
+                    return;
+                }
+                match ending {
+                    Ending::Break => {
+                        // A chunk announced longer than what follows, then the connection goes.
+                        let _ = sock.write_all(b"400\r\ndata: {\"id\":\"x\",\"choices\":[{\"delta\":{\"content\":\"par").await;
+                        let _ = sock.flush().await;
+                    }
+                    Ending::Endless { limit } => {
+                        let line = format!("data: {}\n", "z".repeat(1000));
+                        let chunk = format!("{:x}\r\n{}\r\n", line.len() * 64, line.repeat(64));
+                        let mut sent = 0;
+                        while sent < limit {
+                            if sock.write_all(chunk.as_bytes()).await.is_err() {
+                                break;
+                            }
+                            sent += chunk.len();
+                            counter.store(sent as u64, Ordering::SeqCst);
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (format!("http://{addr}/v1"), wrote)
+}
+
+fn content_event(text: &str) -> String {
+    format!(
+        "data: {}\n\n",
+        json!({"id": "chatcmpl-raw", "object": "chat.completion.chunk", "created": 1, "model": "m",
+               "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": null}]})
+    )
+}
+
+/// Every event of a stream the client got, each `data:` JSON or `[DONE]`; panics on any other.
+fn whole_events(raw: &str) -> Vec<Value> {
+    let mut p = autohedge::wire::sse::SseParser::new();
+    let events = p.push(raw.as_bytes()).unwrap();
+    assert!(
+        !p.has_partial(),
+        "the client's stream ends mid-event: {raw:?}"
+    );
+    events
+        .iter()
+        .filter(|e| e.data.trim() != "[DONE]")
+        .map(|e| {
+            serde_json::from_str(&e.data)
+                .unwrap_or_else(|err| panic!("not JSON ({err}): {:?} in {raw:?}", e.data))
+        })
+        .collect()
+}
+
+/// An upstream that breaks in the middle of an event: the client gets the whole events before
+/// it, then the gateway's error event on a clean boundary; the half event never reaches it.
+#[tokio::test]
+async fn a_stream_broken_mid_event_reaches_the_client_as_whole_events() {
+    // The event before the break comes in two pieces, its blank line in the second.
+    let first = content_event("Hello ");
+    let (a, b) = first.split_at(20);
+    let (base, _) = raw_sse_upstream(
+        vec![a.to_string(), b.to_string(), content_event("world ")],
+        Ending::Break,
+    )
+    .await;
+    let gw = Gw::start(&format!(
+        "models:\n  a: {{ type: openai, base_url: \"{base}\" }}\n"
+    ));
+    let r = gw
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "a", "stream": true, "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    let raw = r.text().await.unwrap();
+    let events = whole_events(&raw);
+    let text: String = events
+        .iter()
+        .filter_map(|v| {
+            v.pointer("/choices/0/delta/content")
+                .and_then(Value::as_str)
+        })
+        .collect();
+    assert_eq!(text, "Hello world ", "{raw}");
+    assert!(
+        !raw.contains(":\"par"),
+        "the half event reached the client: {raw}"
+    );
+    let last = events.last().unwrap();
+    assert_eq!(last["error"]["code"], "stream_broken", "{raw}");
+}
+
+/// An upstream that sends `data:` lines without the blank line that ends an event, without end:
+/// the gateway holds at most `limits.max_event_bytes` of it, passes none of it on, ends the
+/// client's stream with `stream_broken` and hangs up on the upstream; its memory stays flat.
+/// Before the first content chunk the same upstream is failed over.
+#[tokio::test]
+async fn an_endless_event_is_cut_at_max_event_bytes_and_memory_stays_bounded() {
+    const LIMIT: usize = 300 * 1024 * 1024;
+    let (endless, wrote) = raw_sse_upstream(
+        vec![content_event("Hello ")],
+        Ending::Endless { limit: LIMIT },
+    )
+    .await;
+    let (early, early_wrote) = raw_sse_upstream(vec![], Ending::Endless { limit: LIMIT }).await;
+    let b = MockUp::openai("name: b\nreply: \"served by b\"").await;
+    let gw = Gw::start(&format!(
+        "models:\n  endless: {{ type: openai, base_url: \"{endless}\" }}\n  early: {{ type: openai, base_url: \"{early}\" }}\n  b: {{ type: openai, base_url: \"{}\" }}\nroutes:\n  late: [endless, b]\n  first: [early, b]\nlimits: {{ max_event_bytes: 1048576 }}\n",
+        b.base()
+    ));
+    let ask = |model: &str| json!({"model": model, "stream": true, "messages": [{"role": "user", "content": "hi"}]});
+    // Warm up every path once (code pages, pools, the allocator's first arenas), then measure
+    // what a second 300 MB event costs.
+    let _ = gw.chat("b", "x").await.text().await;
+    for model in ["late", "first"] {
+        let _ = gw
+            .post("/v1/chat/completions", ask(model))
+            .await
+            .text()
+            .await;
+    }
+    let rss_before = rss_kb(gw.pid());
+
+    let r = gw.post("/v1/chat/completions", ask("late")).await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "endless");
+    let raw = r.text().await.unwrap();
+    assert!(
+        wrote.load(Ordering::SeqCst) > 1024 * 1024,
+        "the upstream sent past the limit"
+    );
+    assert!(
+        raw.len() < 1024 * 1024,
+        "the client got {} bytes",
+        raw.len()
+    );
+    assert!(
+        !raw.contains("zzzz"),
+        "none of the unfinished event passed on"
+    );
+    let events = whole_events(&raw);
+    assert_eq!(events[0]["choices"][0]["delta"]["content"], "Hello ");
+    let last = events.last().unwrap();
+    assert_eq!(last["error"]["code"], "stream_broken", "{raw}");
+    assert!(
+        last["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("max_event_bytes"),
+        "{last}"
+    );
+    // The gateway hung up: the upstream could not write its 300 MB.
+    let ok = eventually(Duration::from_secs(10), || async {
+        let a = wrote.load(Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        wrote.load(Ordering::SeqCst) == a
+    })
+    .await;
+    assert!(ok);
+    assert!((wrote.load(Ordering::SeqCst) as usize) < LIMIT / 4);
+
+    // Before the first content chunk: an attempt that fails over, invisibly.
+    let r = gw.post("/v1/chat/completions", ask("first")).await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    let raw = r.text().await.unwrap();
+    assert!(raw.contains("served"), "{raw}");
+    assert!(early_wrote.load(Ordering::SeqCst) > 1024 * 1024);
+
+    let grown_mb = rss_kb(gw.pid()).saturating_sub(rss_before) / 1024;
+    assert!(grown_mb < 32, "RSS grew by {grown_mb} MiB");
+}
+
+/// `tpm` counts what is spent: a prompt of token ids counts as its length, and a request without
+/// `max_tokens` is charged its completion tokens when it ends, so the next requests wait. The
+/// 429 carries the tokens trio.
+#[tokio::test]
+async fn tpm_counts_token_id_prompts_and_completions_without_max_tokens() {
+    let a = MockUp::openai(&format!(
+        "name: a\nreply: \"{}\"",
+        "word ".repeat(300).trim()
+    ))
+    .await;
+    let gw = Gw::start(&format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\" }}\nauth:\n  keys:\n    - {{ name: ids, key: sk-ids-000000000000, tpm: 100 }}\n    - {{ name: open, key: sk-open-00000000000, tpm: 100 }}\n",
+        a.base()
+    ));
+    let send = |key: &'static str, path: &'static str, body: Value| {
+        let url = gw.url(path);
+        async move {
+            reqwest::Client::new()
+                .post(url)
+                .bearer_auth(key)
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    // 60 token ids, twice: the second is over 100 tokens a minute.
+    let ids: Vec<u32> = (1..=60).collect();
+    let body = json!({"model": "a", "prompt": ids, "max_tokens": 1});
+    let r = send("sk-ids-000000000000", "/v1/completions", body.clone()).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(a.requests().await, 1);
+    let r = send("sk-ids-000000000000", "/v1/completions", body.clone()).await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(header(&r, "x-ratelimit-limit-tokens"), "100");
+    assert!(!header(&r, "x-ratelimit-remaining-tokens").is_empty());
+    assert!(!header(&r, "x-ratelimit-reset-tokens").is_empty());
+    assert_eq!(a.requests().await, 1, "refused before the upstream");
+    // Lists of id lists count too: 3 × 2000 ids is far over a minute's 100.
+    let many =
+        json!({"model": "a", "prompt": [vec![7u32; 2000], vec![7u32; 2000], vec![7u32; 2000]]});
+    assert_eq!(
+        send("sk-ids-000000000000", "/v1/completions", many)
+            .await
+            .status(),
+        429
+    );
+
+    // No max_tokens: admitted on its prompt; its 300 completion tokens are charged at the end.
+    let chat = json!({"model": "a", "messages": [{"role": "user", "content": "hi"}]});
+    let r = send("sk-open-00000000000", "/v1/chat/completions", chat.clone()).await;
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 300);
+    assert_eq!(a.requests().await, 2);
+    let r = send("sk-open-00000000000", "/v1/chat/completions", chat.clone()).await;
+    assert_eq!(r.status(), 429, "the completion was charged");
+    assert_eq!(header(&r, "x-ratelimit-remaining-tokens"), "0");
+    // The same for a stream: its completion, counted as it ends, is charged too.
+    let gw2 = Gw::start(&format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\" }}\nauth:\n  keys:\n    - {{ name: s, key: sk-stream-000000000, tpm: 100 }}\n",
+        a.base()
+    ));
+    let streamed = |n: &'static str| {
+        let url = gw2.url("/v1/chat/completions");
+        async move {
+            reqwest::Client::new()
+                .post(url)
+                .bearer_auth("sk-stream-000000000")
+                .header("x-request-id", n)
+                .json(&json!({"model": "a", "stream": true, "messages": [{"role": "user", "content": "hi"}]}))
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    let r = streamed("s1").await;
+    assert_eq!(r.status(), 200);
+    let text = stream_text(&sse_events(r).await);
+    assert_eq!(text.split_whitespace().count(), 300);
+    assert_eq!(streamed("s2").await.status(), 429);
+}
+
+/// A budget cannot be overshot by concurrency: twenty requests at once against a $5 budget, each
+/// able to cost $1, are admitted five at a time, never all twenty; the spend ends at most one
+/// request's cost over the budget.
+#[tokio::test]
+async fn concurrent_requests_overshoot_a_budget_by_at_most_one_reservation() {
+    let a = MockUp::openai("name: a\nreply: ok\nrules: [{delay: 500ms}]").await;
+    let gw = Gw::start(&format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\", cost: {{ input_per_mtok: 0, output_per_mtok: 1000000 }} }}\nauth:\n  keys:\n    - {{ name: team, key: sk-team-budget-0000, budget_usd: 5 }}\n",
+        a.base()
+    ));
+    let mut tasks = Vec::new();
+    for _ in 0..20 {
+        let url = gw.url("/v1/chat/completions");
+        tasks.push(tokio::spawn(async move {
+            reqwest::Client::new()
+                .post(url)
+                .bearer_auth("sk-team-budget-0000")
+                .json(&json!({"model": "a", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}))
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }));
+    }
+    let mut statuses = Vec::new();
+    for t in tasks {
+        statuses.push(t.await.unwrap());
+    }
+    let served = statuses.iter().filter(|s| **s == 200).count();
+    let refused = statuses.iter().filter(|s| **s == 429).count();
+    assert_eq!((served, refused), (5, 15), "{statuses:?}");
+    assert_eq!(a.requests().await, 5);
+    let spent = gw.status().await["auth"]["spend_this_month_usd"]["team"]
+        .as_f64()
+        .unwrap();
+    assert!((5.0..=6.0).contains(&spent), "{spent}");
+}

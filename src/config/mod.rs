@@ -14,7 +14,7 @@ mod types;
 pub use describe::describe;
 pub use raw::*;
 use resolve::build;
-pub use resolve::{key_digest, listen_is_loopback, url_for};
+pub use resolve::{DEFAULT_MAX_EVENT_BYTES, key_digest, listen_is_loopback, url_for};
 pub use types::*;
 
 use std::collections::{BTreeMap, BTreeSet};

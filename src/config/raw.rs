@@ -23,6 +23,17 @@ pub struct RawConfig {
     pub auth: RawAuth,
     pub vault: Option<RawVault>,
     pub alerts: Option<RawAlerts>,
+    #[serde(default)]
+    pub limits: RawLimits,
+}
+
+/// `limits:`: how much of an upstream's bytes the gateway holds at once.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawLimits {
+    /// The most one SSE event of an upstream stream may take (default 4 MiB): before the first
+    /// content chunk a larger one fails over; after it the stream ends with `stream_broken`.
+    pub max_event_bytes: Option<usize>,
 }
 
 /// `alerts:`: webhooks told about what an operator must act on.

@@ -648,6 +648,15 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
             "server.listen is {listen}, not loopback, and `auth.keys` is not set: anyone who reaches this address can spend the upstream keys"
         ));
     }
+    let max_event_bytes = match raw.limits.max_event_bytes {
+        None => DEFAULT_MAX_EVENT_BYTES,
+        Some(n) if n >= 1024 => n,
+        Some(_) => {
+            return Err(ConfigError(
+                "at `limits.max_event_bytes`: at least 1024 (one chunk of a stream is a few hundred bytes)".into(),
+            ));
+        }
+    };
     let allowed_hosts = match raw.server.allowed_hosts {
         None => None,
         Some(list) => {
@@ -685,6 +694,7 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
         // Envoy's circuit breaker allows 1,024 requests per cluster by default; one process
         // serving many teams gets four times that, and none may take every socket and byte.
         max_concurrent_requests: raw.server.max_concurrent_requests.unwrap_or(4096),
+        max_event_bytes,
         allowed_hosts,
         endpoints,
         fallback_chain,
@@ -862,6 +872,10 @@ fn hedge_spec(at: &str, h: &RawHedge) -> Result<crate::hedge::Spec, ConfigError>
         tools: h.tools.unwrap_or(false),
     })
 }
+
+/// `limits.max_event_bytes`' default: a chunk of an LLM stream is a few hundred bytes; a whole
+/// tool call's arguments or a logprobs block fit many times over.
+pub const DEFAULT_MAX_EVENT_BYTES: usize = 4 * 1024 * 1024;
 
 /// True for `127.0.0.1:…`, `[::1]:…` and `localhost:…`.
 pub fn listen_is_loopback(listen: &str) -> bool {

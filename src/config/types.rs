@@ -423,6 +423,8 @@ pub struct Config {
     pub send_timeout: Duration,
     /// 0: unlimited.
     pub max_concurrent_requests: usize,
+    /// `limits.max_event_bytes`: the most one upstream SSE event may take.
+    pub max_event_bytes: usize,
     /// `server.allowed_hosts`, lower-cased; `None`: the default by listen address
     /// (`clients::host_allowed`).
     pub allowed_hosts: Option<Vec<String>>,

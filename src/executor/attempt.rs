@@ -115,6 +115,8 @@ pub(super) struct Attempt<'a> {
     pub base: Option<&'a str>,
     /// `key` is the request's own (`x-encrypted-key`).
     pub own_key: bool,
+    /// `limits.max_event_bytes`: one SSE event larger than this fails the attempt over.
+    pub max_event: usize,
 }
 
 impl<'a> Attempt<'a> {
@@ -336,7 +338,7 @@ impl<'a> Attempt<'a> {
             }
             resp.body
         };
-        let mut parser = SseParser::new();
+        let mut parser = SseParser::with_max_event(self.max_event);
         let mut prelude = Vec::new();
         let mut held = 0usize;
         let mut usage = None;

@@ -63,6 +63,8 @@ const MIN_REWAIT: Duration = Duration::from_millis(100);
 pub struct Caller {
     /// The client key's name (`auth.keys[].name`), for the audit row and the key's spend.
     pub client: Option<String>,
+    /// The key's hold on its limits, settled with the request's audit row.
+    pub admission: Option<crate::clients::Admission>,
     /// The plaintext of a valid `x-encrypted-key`: the upstream key of OpenAI-type endpoints
     /// for this request only.
     pub key: Option<Secret>,
@@ -122,6 +124,9 @@ struct Run {
     continue_chain: Option<Arc<[String]>>,
     /// The client key's name, when `auth.keys` is set.
     client: Option<String>,
+    /// The client key's hold on its limits: settled with the audit row (or by a committed
+    /// stream's guard, which takes it).
+    admission: Option<crate::clients::Admission>,
     /// The request's own upstream key (`x-encrypted-key`), for OpenAI-type endpoints.
     own_key: Option<Secret>,
     /// Endpoints tried although health said to skip them (healthy panic, last resort).
@@ -223,6 +228,7 @@ pub async fn execute(
         forced: HashSet::new(),
         continue_chain,
         client: caller.client,
+        admission: caller.admission,
         own_key: caller.key,
         panic_mode: HashSet::new(),
         backend_failed: HashSet::new(),
@@ -621,10 +627,7 @@ impl Run {
     /// Sends the request's one audit row (and counts its cost against the client key).
     fn send_row(&mut self, row: RequestRow) {
         self.row_written = true;
-        if let (Some(client), Some(cost)) = (&row.client_key, row.cost_usd) {
-            self.app.clients.spent(client, cost, row.ts);
-        }
-        self.app.record_request(row);
+        self.app.record_request(row, self.admission.take());
     }
 
     fn views(&self, names: &[String]) -> Vec<View> {
@@ -663,6 +666,7 @@ impl Run {
             max_answer: self.cfg.max_response_bytes,
             base: base.as_deref(),
             own_key: self.own_key_for(ep).is_some(),
+            max_event: self.cfg.max_event_bytes,
         };
         let (rb, sanitized) = attempt.prepare(self.req.stream)?;
         // Counted here: a request the adapter could not express never left the gateway.
@@ -696,6 +700,7 @@ impl Run {
             max_answer: self.cfg.max_response_bytes,
             base: base.as_deref(),
             own_key: self.own_key_for(ep).is_some(),
+            max_event: self.cfg.max_event_bytes,
         };
         let (rb, sanitized) = attempt.prepare(self.req.stream)?;
         let rb = rb.into_owned();
@@ -703,10 +708,11 @@ impl Run {
         self.calls += 1;
         let own_key = self.own_key_for(ep).is_some();
         let (ep, req, request_id) = (ep.clone(), self.req.clone(), self.request_id.clone());
-        let (deadline, max_cooldown, max_answer) = (
+        let (deadline, max_cooldown, max_answer, max_event) = (
             self.deadline,
             self.cfg.policy.max_cooldown,
             self.cfg.max_response_bytes,
+            self.cfg.max_event_bytes,
         );
         let fut = async move {
             // The key is in the prepared request already.
@@ -720,6 +726,7 @@ impl Run {
                 max_answer,
                 base: base.as_deref(),
                 own_key,
+                max_event,
             };
             if req.stream {
                 attempt.stream(rb, t0).await

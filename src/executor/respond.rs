@@ -270,8 +270,12 @@ impl Run {
                     op: self.req.op,
                     break_recorded: false,
                     own_key: self.own_key_for(&ep).cloned(),
+                    admission: self.admission.take(),
                 };
                 let cont = self.continuation(&ep, &prelude);
+                // The start of an event the first reads left unfinished waits for its end.
+                let mut prelude = prelude;
+                let held = super::stream::hold_tail(&mut prelude, parser.pending());
                 // The StreamGuard owns the row from here on.
                 self.row_written = true;
                 let idle = ep.timeouts.first_token;
@@ -291,6 +295,7 @@ impl Run {
                     stop: Box::pin(self.app.hard_stop.clone().cancelled_owned()),
                     timer: Box::pin(tokio::time::sleep_until(deadline)),
                     cont,
+                    held,
                 };
                 let body = Body::from_stream(futures_util::stream::unfold(Box::new(state), pump));
                 let mut resp = Response::new(body);

@@ -1,7 +1,10 @@
 //! A committed stream: the client already has bytes, so nothing can fail over any more.
-//! `PassThrough` forwards the upstream's bytes as they arrive (buffered preamble first), watches
-//! them — without holding them — for usage, `[DONE]` and in-band errors, and ends the stream with
-//! an OpenAI-style error event when the upstream breaks, stalls or runs out of time.
+//! `PassThrough` forwards the upstream's bytes as they arrive (buffered preamble first), one whole
+//! SSE event at a time: the bytes of an event whose blank line has not come yet are held (at most
+//! `limits.max_event_bytes`) and dropped if the upstream breaks first, so the client's stream is
+//! always whole events and an error event or a continuation starts on a clean boundary. It
+//! watches the events for usage, `[DONE]` and in-band errors, and ends the stream with an
+//! OpenAI-style error event when the upstream breaks, stalls or runs out of time.
 //! `StreamGuard` owns the audit row and writes it exactly once: at the end, on a failure, or when
 //! the client leaves (the body is dropped).
 
@@ -10,7 +13,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 use serde_json::Value;
 use tokio::time::Instant;
@@ -46,6 +49,8 @@ pub(super) struct StreamGuard {
     pub break_recorded: bool,
     /// The request's own key (`x-encrypted-key`), redacted like the endpoints' own.
     pub own_key: Option<crate::config::Secret>,
+    /// The client key's hold on its limits, settled when the stream ends.
+    pub admission: Option<crate::clients::Admission>,
 }
 
 impl StreamGuard {
@@ -149,10 +154,7 @@ impl StreamGuard {
                 );
             }
         }
-        if let (Some(client), Some(cost)) = (&row.client_key, row.cost_usd) {
-            self.app.clients.spent(client, cost, row.ts);
-        }
-        self.app.record_request(row);
+        self.app.record_request(row, self.admission.take());
     }
 }
 
@@ -183,17 +185,53 @@ pub(super) struct PassThrough {
     pub timer: Pin<Box<tokio::time::Sleep>>,
     /// Stream continuation, when the route has it on.
     pub cont: Option<Box<Continuation>>,
+    /// The upstream's unfinished event: sent once its blank line arrives, dropped if the stream
+    /// breaks first. Bounded by the parser (`limits.max_event_bytes`).
+    pub held: BytesMut,
+}
+
+/// What one upstream read held, as `PassThrough::scan` read it.
+enum Scanned {
+    /// Whole events (or part of one): pass on.
+    Events,
+    /// An in-band error event, the `index`th event of the read.
+    InBand { message: String, index: usize },
+    /// Bytes that are not SSE, or an event over `limits.max_event_bytes`.
+    Invalid(String),
+}
+
+/// Moves the last `n` bytes of `chunks` (the start of an unfinished event) into a buffer of
+/// their own, for `PassThrough::held`.
+pub(super) fn hold_tail(chunks: &mut Vec<Bytes>, mut n: usize) -> BytesMut {
+    let mut tail: Vec<Bytes> = Vec::new();
+    while n > 0 {
+        let Some(mut last) = chunks.pop() else {
+            break;
+        };
+        if last.len() <= n {
+            n -= last.len();
+            tail.push(last);
+        } else {
+            tail.push(last.split_off(last.len() - n));
+            chunks.push(last);
+            n = 0;
+        }
+    }
+    let mut held = BytesMut::with_capacity(tail.iter().map(Bytes::len).sum());
+    for b in tail.iter().rev() {
+        held.extend_from_slice(b);
+    }
+    held
 }
 
 impl PassThrough {
-    /// Watches the passing bytes for usage, `[DONE]` and in-band errors without holding them.
-    fn scan(&mut self, b: &Bytes) -> Option<String> {
+    /// Reads one upstream read's events for usage, `[DONE]` and in-band errors.
+    fn scan(&mut self, b: &Bytes) -> Scanned {
         let events = match self.parser.push(b) {
             Ok(e) => e,
-            Err(e) => return Some(e.0),
+            Err(e) => return Scanned::Invalid(e.0),
         };
-        let mut err = None;
-        for ev in events {
+        for (index, ev) in events.into_iter().enumerate() {
             if ev.data.trim() == "[DONE]" {
                 self.done_seen = true;
                 continue;
@@ -214,17 +252,47 @@ impl PassThrough {
                 if let Some(u) = wire::usage_of(&v) {
                     self.guard.usage = Some(u);
                 }
-                if let Some(c) = self.cont.as_mut() {
-                    c.watch(&v);
-                }
                 match wire::classify_chunk(&v) {
-                    ChunkKind::Error(m) => err = Some(m),
+                    // What follows an error event is not read: the stream ends at it.
+                    ChunkKind::Error(message) => return Scanned::InBand { message, index },
                     ChunkKind::Content => self.guard.out_chars += chunk_text_chars(&v),
                     ChunkKind::Preamble => {}
                 }
+                if let Some(c) = self.cont.as_mut() {
+                    c.watch(&v);
+                }
             }
         }
-        err
+        Scanned::Events
+    }
+
+    /// The whole events `b` completes, with the held start of the first of them; the start of
+    /// an event `b` leaves unfinished is held. No copy when `b` holds whole events only.
+    fn frame(&mut self, b: Bytes) -> Bytes {
+        let n = self.parser.pending();
+        if self.held.is_empty() && n == 0 {
+            return b;
+        }
+        if self.held.is_empty() && n <= b.len() {
+            let cut = b.len() - n;
+            self.held.extend_from_slice(&b[cut..]);
+            return b.slice(..cut);
+        }
+        self.held.extend_from_slice(&b);
+        let cut = self.held.len().saturating_sub(n);
+        self.held.split_to(cut).freeze()
+    }
+
+    /// The held bytes and `b` up to `end` of `b` (an event's end, from the parser); what was
+    /// held is let go.
+    fn upto(&mut self, b: &Bytes, end: usize) -> Bytes {
+        let end = end.min(b.len());
+        if self.held.is_empty() {
+            return b.slice(..end);
+        }
+        let mut out = std::mem::take(&mut self.held);
+        out.extend_from_slice(&b[..end]);
+        out.freeze()
     }
 }
 
@@ -260,26 +328,62 @@ pub(super) async fn pump(
         () = st.timer.as_mut() => Err(()),
     };
     match next {
-        Ok(Some(Ok(b))) => {
-            if let Some(err) = st.scan(&b) {
-                if let Some(first) = continued(&mut st, Outcome::InBand, &err).await {
+        Ok(Some(Ok(b))) => match st.scan(&b) {
+            Scanned::Events => {
+                let out = st.frame(b);
+                if st.done_seen {
+                    // `data: [DONE]` ends the stream for the client; whatever the upstream does
+                    // with its connection afterwards is not the client's problem, nor a failure.
+                    st.finished = true;
+                    st.held.clear();
+                    st.guard.finish(None);
+                }
+                Some((Ok(out), st))
+            }
+            Scanned::InBand { message, index } => {
+                // The whole events up to and including the error event, and where it starts.
+                let ends = st.parser.ends();
+                let end = ends.get(index).copied().unwrap_or(b.len());
+                let start = index
+                    .checked_sub(1)
+                    .and_then(|i| ends.get(i))
+                    .map_or(0, |e| st.held.len() + e);
+                let upto_error = st.upto(&b, end);
+                if st.cont.is_some() {
+                    // The events before the error reach the client, then the continuation:
+                    // what it carries on from is exactly what the client has.
+                    let before = upto_error.slice(..start.min(upto_error.len()));
+                    if let Some(first) = continued(&mut st, Outcome::InBand, &message).await {
+                        if before.is_empty() {
+                            return Some((Ok(first), st));
+                        }
+                        st.prelude.push_front(first);
+                        return Some((Ok(before), st));
+                    }
+                }
+                Some((Ok(in_band_end(&mut st, message, upto_error)), st))
+            }
+            Scanned::Invalid(detail) => {
+                // What was held of the unreadable event is dropped: the client's stream stays
+                // whole events, and the error event (or a continuation) starts clean.
+                st.held.clear();
+                let detail = format!("upstream stream unreadable: {detail}");
+                if let Some(first) = continued(&mut st, Outcome::StreamBroken, &detail).await {
                     return Some((Ok(first), st));
                 }
-                // The upstream's own error event passes through to the client as sent — but
-                // for the endpoint's secrets, should it quote one.
                 st.finished = true;
-                st.guard.finish(Some((Outcome::InBand, err)));
-                let b = classify::redact_exact(b, &st.guard.secrets(&st.guard.ep));
-                return Some((Ok(b), st));
-            } else if st.done_seen {
-                // `data: [DONE]` ends the stream for the client; whatever the upstream does
-                // with its connection afterwards is not the client's problem, nor a failure.
-                st.finished = true;
-                st.guard.finish(None);
+                st.guard
+                    .finish(Some((Outcome::StreamBroken, detail.clone())));
+                let ev = stream_error_event(
+                    &format!("The upstream's stream could not be passed on: {detail}."),
+                    "stream_broken",
+                );
+                Some((Ok(Bytes::from(ev)), st))
             }
-            Some((Ok(b), st))
-        }
+        },
         Ok(None) => {
+            // An unfinished last event is not passed on.
+            st.held.clear();
             if !st.done_seen
                 && let Some(first) = continued(
                     &mut st,
@@ -307,6 +411,7 @@ pub(super) async fn pump(
             }
         }
         Ok(Some(Err(e))) => {
+            st.held.clear();
             let detail = error_chain(&*e);
             if let Some(first) = continued(&mut st, Outcome::StreamBroken, &detail).await {
                 return Some((Ok(first), st));
@@ -320,6 +425,7 @@ pub(super) async fn pump(
             Some((Ok(Bytes::from(ev)), st))
         }
         Err(_) => {
+            st.held.clear();
             let total = Instant::now() >= st.deadline;
             if !total
                 && let Some(first) = continued(
@@ -347,6 +453,14 @@ pub(super) async fn pump(
             ))
         }
     }
+}
+
+/// Ends the stream at the upstream's own in-band error event, which passes to the client as sent
+/// (`out`: the whole events up to and including it) but for the endpoint's secrets.
+fn in_band_end(st: &mut PassThrough, message: String, out: Bytes) -> Bytes {
+    st.finished = true;
+    st.guard.finish(Some((Outcome::InBand, message)));
+    classify::redact_exact(out, &st.guard.secrets(&st.guard.ep))
 }
 
 /// Carries the stream on after a break, when continuation is on and an endpoint can: the first
@@ -566,6 +680,7 @@ impl PassThrough {
                 max_answer: cfg.max_response_bytes,
                 base: base.as_deref(),
                 own_key: own_key.is_some(),
+                max_event: cfg.max_event_bytes,
             };
             let t0 = Instant::now();
             let Ok((rb, _)) = attempt.prepare(true) else {
@@ -583,7 +698,7 @@ impl PassThrough {
                         ep.name, from.name
                     );
                     let mut splicer = Splicer {
-                        parser: SseParser::new(),
+                        parser: SseParser::with_max_event(cfg.max_event_bytes),
                         identity: c.identity.clone(),
                         note: Some(note),
                     };
@@ -598,7 +713,7 @@ impl PassThrough {
                         Ok(b) => splicer.push(&b).map_err(|e| Box::new(e) as _),
                         Err(e) => Err(e),
                     }));
-                    self.parser = SseParser::new();
+                    self.parser = SseParser::with_max_event(cfg.max_event_bytes);
                     self.done_seen = false;
                     self.finished = false;
                     self.deadline =

@@ -445,11 +445,17 @@ pub fn estimate_tokens(text_len: usize) -> u64 {
     (text_len as u64).div_ceil(4)
 }
 
-/// The characters of message contents and prompt, for estimating prompt tokens.
+/// A number in a prompt is a token id (`"prompt": [1, 2, …]`, lists of them, `input` of ids):
+/// one token, counted as the characters [`estimate_tokens`] makes one of.
+pub const TOKEN_ID_CHARS: usize = 4;
+
+/// The characters of message contents and prompt, for estimating prompt tokens (a token id
+/// counts as [`TOKEN_ID_CHARS`]).
 pub fn prompt_chars(body: &Map<String, Value>) -> usize {
     fn walk(v: &Value) -> usize {
         match v {
             Value::String(s) => s.len(),
+            Value::Number(_) => TOKEN_ID_CHARS,
             Value::Array(a) => a.iter().map(walk).sum(),
             Value::Object(o) => o
                 .iter()

@@ -337,8 +337,9 @@ fn skip(s: &mut Scanner<'_>) -> Option<()> {
 }
 
 /// Skips a value that [`super::prompt_chars`] counts, returning its characters: the bytes of
-/// its strings (unescaped), in arrays nested up to [`MAX_DEPTH`]. An object inside is declined
-/// (its keys would have to be compared for repeats and for `image_url`).
+/// its strings (unescaped) and [`super::TOKEN_ID_CHARS`] a number, in arrays nested up to
+/// [`MAX_DEPTH`]. An object inside is declined (its keys would have to be compared for repeats
+/// and for `image_url`).
 fn counted(s: &mut Scanner<'_>) -> Option<usize> {
     let mut chars = 0;
     let mut depth: u32 = 0;
@@ -365,7 +366,10 @@ fn counted(s: &mut Scanner<'_>) -> Option<usize> {
                     continue;
                 }
             }
-            b'-' | b'0'..=b'9' => number(s)?,
+            b'-' | b'0'..=b'9' => {
+                number(s)?;
+                chars += super::TOKEN_ID_CHARS;
+            }
             b'n' => s.literal(b"null").ok()?,
             b't' => s.literal(b"true").ok()?,
             b'f' => s.literal(b"false").ok()?,

@@ -9,7 +9,7 @@ pub struct SseEvent {
     pub data: String,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct SseParser {
     /// The start of a line the last push did not finish.
     line: Vec<u8>,
@@ -18,10 +18,26 @@ pub struct SseParser {
     data: String,
     has_data: bool,
     last_was_cr: bool,
+    /// Bytes read since the end of the last blank line: the unfinished event's, which a relay
+    /// holds back until the event is whole.
+    pending: usize,
+    /// The most one event may take, blank line aside (`limits.max_event_bytes`).
+    max_event: usize,
+    /// Where, in the last push's bytes, each event it returned ended (after its blank line).
+    ends: Vec<usize>,
+}
+
+impl Default for SseParser {
+    fn default() -> Self {
+        Self::with_max_event(DEFAULT_MAX_EVENT)
+    }
 }
 
 /// A line longer than this is not SSE from an LLM server; refusing it bounds memory on garbage.
 const MAX_LINE: usize = 4 * 1024 * 1024;
+
+/// `limits.max_event_bytes`' default.
+pub const DEFAULT_MAX_EVENT: usize = crate::config::DEFAULT_MAX_EVENT_BYTES;
 
 #[derive(Debug, PartialEq, Eq)]
 pub struct SseError(pub String);
@@ -51,21 +67,56 @@ impl SseParser {
         Self::default()
     }
 
+    /// A parser that refuses an event of more than `max_event` bytes.
+    pub fn with_max_event(max_event: usize) -> Self {
+        SseParser {
+            line: Vec::new(),
+            event: None,
+            data: String::new(),
+            has_data: false,
+            last_was_cr: false,
+            pending: 0,
+            max_event: max_event.max(1),
+            ends: Vec::new(),
+        }
+    }
+
+    /// Bytes of the unfinished event (read since the last blank line): a relay that forwards
+    /// only whole events holds these back.
+    pub fn pending(&self) -> usize {
+        self.pending
+    }
+
+    /// Where, in the bytes of the last push, each event it returned ended (its blank line
+    /// included), in order.
+    pub fn ends(&self) -> &[usize] {
+        &self.ends
+    }
+
     /// Feeds bytes; returns the events they completed. Lines are found with `memchr` and read
     /// where they lie; only the unfinished end of a push is copied, to be completed by the next.
     pub fn push(&mut self, bytes: &[u8]) -> Result<Vec<SseEvent>, SseError> {
         let mut out = Vec::new();
+        self.ends.clear();
         let mut rest = bytes;
+        // Where in `bytes` the last blank line ended (`None`: not in this push).
+        let mut boundary = None;
         // A `\r\n` split between two pushes. An empty push (a zero-length body frame) between
         // them changes nothing: the `\n` that follows still ends the `\r`'s line, not another.
         if self.last_was_cr && !rest.is_empty() {
             self.last_was_cr = false;
             if let Some(tail) = rest.strip_prefix(b"\n") {
                 rest = tail;
+                if self.pending == 0 {
+                    // The `\n` of a blank line's `\r\n`: it belongs to the ended event.
+                    boundary = Some(1);
+                }
             }
         }
         while let Some(i) = memchr::memchr2(b'\n', b'\r', rest) {
             let (head, end) = (&rest[..i], rest[i]);
+            let blank = head.is_empty() && self.line.is_empty();
+            let before = out.len();
             if self.line.is_empty() {
                 if head.len() > MAX_LINE {
                     return Err(too_long());
@@ -90,6 +141,20 @@ impl SseParser {
                     Some(_) => {}
                 }
             }
+            let at = bytes.len() - rest.len();
+            if blank {
+                boundary = Some(at);
+                if out.len() > before {
+                    self.ends.push(at);
+                }
+            } else {
+                // An event's size is checked as its lines end; its last, unfinished line is
+                // checked by `MAX_LINE` and below.
+                let since = boundary.map_or(self.pending + at, |b| at - b);
+                if since > self.max_event {
+                    return Err(self.too_large());
+                }
+            }
         }
         if !rest.is_empty() {
             if self.line.len() + rest.len() > MAX_LINE {
@@ -97,7 +162,21 @@ impl SseParser {
             }
             self.line.extend_from_slice(rest);
         }
+        self.pending = match boundary {
+            Some(b) => bytes.len() - b,
+            None => self.pending + bytes.len(),
+        };
+        if self.pending > self.max_event {
+            return Err(self.too_large());
+        }
         Ok(out)
+    }
+
+    fn too_large(&self) -> SseError {
+        SseError(format!(
+            "SSE event over {} bytes (limits.max_event_bytes)",
+            self.max_event
+        ))
     }
 
     fn line_done(&mut self, line: &[u8], out: &mut Vec<SseEvent>) -> Result<(), SseError> {
@@ -325,21 +404,101 @@ mod tests {
         }
     }
 
+    /// What a relay that holds back `pending()` forwards after each push: the bytes up to the
+    /// last blank line, however the input was split.
+    fn relay(p: &mut SseParser, pushes: &[&[u8]]) -> Result<Vec<u8>, SseError> {
+        let mut held: Vec<u8> = Vec::new();
+        let mut sent = Vec::new();
+        for push in pushes {
+            p.push(push)?;
+            held.extend_from_slice(push);
+            let cut = held.len() - p.pending();
+            sent.extend(held.drain(..cut));
+        }
+        Ok(sent)
+    }
+
+    /// Where the last blank line of `bytes` ends (the reference: a line at a time).
+    fn last_boundary(bytes: &[u8]) -> usize {
+        let mut at = 0;
+        let mut line_start = 0;
+        let mut i = 0;
+        while i < bytes.len() {
+            if bytes[i] == b'\n' || bytes[i] == b'\r' {
+                let blank = i == line_start;
+                let mut end = i + 1;
+                if bytes[i] == b'\r' && bytes.get(i + 1) == Some(&b'\n') {
+                    end += 1;
+                }
+                if blank {
+                    at = end;
+                }
+                line_start = end;
+                i = end;
+            } else {
+                i += 1;
+            }
+        }
+        at
+    }
+
+    #[test]
+    fn a_relay_forwards_whole_events_only() {
+        let bytes = STREAM.as_bytes();
+        for i in 0..=bytes.len() {
+            let mut p = SseParser::new();
+            let sent = relay(&mut p, &[&bytes[..i]]).unwrap();
+            // The `\n` of a blank line's `\r\n` may wait for the next push.
+            let want = last_boundary(&bytes[..i]);
+            assert_eq!(sent.len(), want, "prefix of {i}");
+            let mut p = SseParser::new();
+            let sent = relay(&mut p, &[&bytes[..i], &bytes[i..]]).unwrap();
+            assert_eq!(sent, bytes, "whole after a split at {i}");
+        }
+        // Event ends, per push.
+        let mut p = SseParser::new();
+        let events = p.push(b"data: a\n\n: c\n\ndata: b\r\n\r\ndata: c").unwrap();
+        assert_eq!(events.len(), 2);
+        assert_eq!(p.ends(), [9, 25]);
+        assert_eq!(p.pending(), 7);
+    }
+
+    #[test]
+    fn an_event_over_the_limit_is_refused_however_it_comes() {
+        let mut p = SseParser::with_max_event(100);
+        // Lines of data without the blank line that ends the event.
+        let line = format!("data: {}\n", "x".repeat(20));
+        assert!(p.push(line.repeat(3).as_bytes()).is_ok());
+        assert!(p.push(line.as_bytes()).is_err());
+        // Whole events under the limit, any number of them.
+        let mut p = SseParser::with_max_event(100);
+        let ev = format!("data: {}\n\n", "x".repeat(80));
+        for _ in 0..100 {
+            assert_eq!(p.push(ev.as_bytes()).unwrap().len(), 1);
+        }
+        // One unfinished line, in pieces.
+        let mut p = SseParser::with_max_event(100);
+        assert!(p.push(b"data: ").is_ok());
+        assert!(p.push(&[b'y'; 200]).is_err());
+    }
+
     /// The 4 MiB line limit holds for a line given whole and for one given in pieces.
     #[test]
     fn a_line_over_the_limit_is_refused_either_way() {
+        // No event limit here: the line's own limit is under test.
+        let parser = || SseParser::with_max_event(usize::MAX);
         let mut line = vec![b'a'; MAX_LINE];
-        assert!(SseParser::new().push(&line).is_ok());
+        assert!(parser().push(&line).is_ok());
         let mut whole = line.clone();
         whole.push(b'\n');
-        assert!(SseParser::new().push(&whole).is_ok());
+        assert!(parser().push(&whole).is_ok());
         line.push(b'a');
-        assert!(SseParser::new().push(&line).is_err());
-        let mut p = SseParser::new();
+        assert!(parser().push(&line).is_err());
+        let mut p = parser();
         assert!(p.push(&line[..MAX_LINE / 2]).is_ok());
         assert!(p.push(&line[MAX_LINE / 2..]).is_err());
         line.push(b'\n');
-        assert!(SseParser::new().push(&line).is_err());
+        assert!(parser().push(&line).is_err());
     }
 
     proptest::proptest! {
@@ -348,6 +507,31 @@ mod tests {
             let mut p = SseParser::new();
             for c in &chunks {
                 let _ = p.push(c);
+            }
+        }
+
+        #[test]
+        fn a_relay_of_any_bytes_split_anyhow_forwards_up_to_the_last_blank_line(
+            bytes in sse_like(),
+            cuts in proptest::collection::vec(0usize..400, 0..6),
+        ) {
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c % (bytes.len() + 1)).collect();
+            cuts.sort_unstable();
+            let mut pushes: Vec<&[u8]> = Vec::new();
+            let mut at = 0;
+            for c in cuts.into_iter().chain([bytes.len()]) {
+                pushes.push(&bytes[at..c]);
+                at = c;
+            }
+            let mut p = SseParser::new();
+            if let Ok(sent) = relay(&mut p, &pushes) {
+                let want = last_boundary(&bytes);
+                // A trailing `\r\n` blank line's `\n` may be forwarded or wait: both whole.
+                proptest::prop_assert!(
+                    sent.len() == want || (sent.len() + 1 == want && bytes[want - 1] == b'\n'),
+                    "sent {} of {}, boundary {}", sent.len(), bytes.len(), want
+                );
+                proptest::prop_assert_eq!(&sent[..], &bytes[..sent.len()]);
             }
         }
 

@@ -180,8 +180,22 @@ async fn serve(
     let own_key = match headers.get("x-encrypted-key") {
         None => None,
         Some(v) => {
+            // Within the request's own deadline (the executor's runs from `arrived` too), and
+            // cut by shutdown: a slow Vault holds this request only.
+            let deadline = executor::after(arrived, cfg.policy.request_timeout);
             let decrypted = match (app.transit(&cfg), v.to_str()) {
-                (Some(t), Ok(text)) => t.decrypt(text).await,
+                (Some(t), Ok(text)) => tokio::select! {
+                    r = tokio::time::timeout_at(deadline, t.decrypt(text)) => r.unwrap_or_else(|_| {
+                        Err(crate::vault::DecryptError::Unavailable(
+                            "no answer within routing_policy.request_timeout".into(),
+                        ))
+                    }),
+                    () = app.hard_stop.cancelled() => {
+                        return refused(&app, &id, op, &inbound, client_name, ApiError::Unavailable(
+                            "The gateway is shutting down.".into(),
+                        ));
+                    }
+                },
                 _ => Err(crate::vault::DecryptError::Invalid),
             };
             match decrypted {

@@ -117,11 +117,8 @@ impl AppState {
     /// `transit_key`.
     pub fn transit(&self, cfg: &Config) -> Option<Arc<crate::vault::Transit>> {
         let settings = cfg.vault.as_ref()?;
-        let key = settings.transit_key.as_ref()?;
-        let id = format!(
-            "{}|{}|{}|{:?}",
-            settings.address, settings.transit_mount, key, settings.namespace
-        );
+        settings.transit_key.as_ref()?;
+        let id = crate::vault::transit_id(settings);
         let mut slot = self.transit.lock().unwrap_or_else(|e| e.into_inner());
         match slot.as_ref() {
             Some((current, t)) if *current == id => Some(t.clone()),

@@ -8,10 +8,12 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
+use futures_util::FutureExt;
+use futures_util::future::{BoxFuture, Shared};
 use sha2::{Digest, Sha256};
 use vaultrs::client::{Client, VaultClient, VaultClientSettingsBuilder};
 use zeroize::Zeroizing;
@@ -215,7 +217,7 @@ fn shown(e: &vaultrs::error::ClientError) -> String {
 }
 
 /// Why an `x-encrypted-key` could not be used.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DecryptError {
     /// Not a transit ciphertext, or Vault refused to decrypt it (400 `invalid_encrypted_key`).
     Invalid,
@@ -223,10 +225,20 @@ pub enum DecryptError {
     Unavailable(String),
 }
 
+/// A Vault call shared by every request that needs its answer: the first starts it, the others
+/// wait on the same future (one login, one decrypt per ciphertext), and no lock is held while it
+/// runs.
+type Flight<T> = Shared<BoxFuture<'static, T>>;
+
 /// Transit decryption of per-request keys, with a short cache keyed by the ciphertext's digest.
+/// Decrypts of different ciphertexts run at once: the locks here guard maps and are never held
+/// across a call to Vault.
 pub struct Transit {
-    settings: Settings,
-    client: tokio::sync::Mutex<Option<VaultClient>>,
+    settings: Arc<Settings>,
+    /// The logged-in client, or the login under way.
+    client: Mutex<Option<Flight<Result<Arc<VaultClient>, String>>>>,
+    /// Decrypts under way, by the ciphertext's digest.
+    flights: Mutex<HashMap<[u8; 32], Flight<Result<Zeroizing<String>, DecryptError>>>>,
     cache: Mutex<HashMap<[u8; 32], Cached>>,
 }
 
@@ -236,11 +248,16 @@ type Cached = (Instant, Zeroizing<String>);
 /// Entries kept at most in the decryption cache.
 const CACHE_MAX: usize = 10_000;
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 impl Transit {
     pub fn new(settings: Settings) -> Transit {
         Transit {
-            settings,
-            client: tokio::sync::Mutex::new(None),
+            settings: Arc::new(settings),
+            client: Mutex::new(None),
+            flights: Mutex::new(HashMap::new()),
             cache: Mutex::new(HashMap::new()),
         }
     }
@@ -249,19 +266,45 @@ impl Transit {
         &self.settings
     }
 
+    /// The logged-in client: the one there is, or the login under way, or a new login.
+    fn login(&self) -> Flight<Result<Arc<VaultClient>, String>> {
+        let mut slot = lock(&self.client);
+        if let Some(f) = slot.as_ref() {
+            return f.clone();
+        }
+        let settings = self.settings.clone();
+        let f = async move { connect(&settings).await.map(Arc::new) }
+            .boxed()
+            .shared();
+        *slot = Some(f.clone());
+        f
+    }
+
+    /// Forgets `failed` (a login that failed, or a client Vault stopped taking): the next call
+    /// logs in again. A newer login another request started meanwhile is kept.
+    fn forget(&self, failed: &Flight<Result<Arc<VaultClient>, String>>) {
+        let mut slot = lock(&self.client);
+        if slot.as_ref().is_some_and(|f| f.ptr_eq(failed)) {
+            *slot = None;
+        }
+    }
+
     /// The plaintext key of `ciphertext` (`vault:v1:…`).
-    pub async fn decrypt(&self, ciphertext: &str) -> Result<Zeroizing<String>, DecryptError> {
+    pub async fn decrypt(
+        self: &Arc<Self>,
+        ciphertext: &str,
+    ) -> Result<Zeroizing<String>, DecryptError> {
         let ciphertext = ciphertext.trim();
         if !ciphertext.starts_with("vault:v") || ciphertext.len() > 16 * 1024 {
             return Err(DecryptError::Invalid);
         }
-        let Some(key) = self.settings.transit_key.as_deref() else {
+        if self.settings.transit_key.is_none() {
             return Err(DecryptError::Invalid);
-        };
+        }
         let id: [u8; 32] = Sha256::digest(ciphertext.as_bytes()).into();
         let now = Instant::now();
         {
-            let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            let mut cache = lock(&self.cache);
             match cache.get(&id) {
                 Some((at, v)) if now.duration_since(*at) < self.settings.cache_ttl => {
                     return Ok(v.clone());
@@ -272,19 +315,61 @@ impl Transit {
                 None => {}
             }
         }
-        let mut guard = self.client.lock().await;
-        if guard.is_none() {
-            *guard = Some(
-                connect(&self.settings)
-                    .await
-                    .map_err(DecryptError::Unavailable)?,
-            );
+        let flight = {
+            let mut flights = lock(&self.flights);
+            match flights.get(&id) {
+                Some(f) => f.clone(),
+                None => {
+                    let me = self.clone();
+                    let text = ciphertext.to_string();
+                    let f = async move { me.decrypt_now(id, &text).await }
+                        .boxed()
+                        .shared();
+                    flights.insert(id, f.clone());
+                    f
+                }
+            }
+        };
+        flight.await
+    }
+
+    /// One decrypt at Vault, its answer cached; the flight is let go when it ends.
+    async fn decrypt_now(
+        &self,
+        id: [u8; 32],
+        ciphertext: &str,
+    ) -> Result<Zeroizing<String>, DecryptError> {
+        let result = self.call_decrypt(ciphertext).await;
+        if let Ok(value) = &result {
+            let now = Instant::now();
+            let mut cache = lock(&self.cache);
+            if cache.len() >= CACHE_MAX {
+                let ttl = self.settings.cache_ttl;
+                cache.retain(|_, (at, _)| now.duration_since(*at) < ttl);
+                if cache.len() >= CACHE_MAX {
+                    cache.clear();
+                }
+            }
+            cache.insert(id, (now, value.clone()));
         }
-        let Some(client) = guard.as_ref() else {
-            return Err(DecryptError::Unavailable("no vault client".into()));
+        lock(&self.flights).remove(&id);
+        result
+    }
+
+    async fn call_decrypt(&self, ciphertext: &str) -> Result<Zeroizing<String>, DecryptError> {
+        let Some(key) = self.settings.transit_key.as_deref() else {
+            return Err(DecryptError::Invalid);
+        };
+        let login = self.login();
+        let client = match login.clone().await {
+            Ok(c) => c,
+            Err(e) => {
+                self.forget(&login);
+                return Err(DecryptError::Unavailable(e));
+            }
         };
         let result = vaultrs::transit::data::decrypt(
-            client,
+            client.as_ref(),
             &self.settings.transit_mount,
             key,
             ciphertext,
@@ -300,11 +385,10 @@ impl Transit {
             }
             Err(e) => {
                 // A lapsed token or a restarted server: log in again next time.
-                *guard = None;
+                self.forget(&login);
                 return Err(DecryptError::Unavailable(shown(&e)));
             }
         };
-        drop(guard);
         let bytes = Zeroizing::new(
             base64::engine::general_purpose::STANDARD
                 .decode(plaintext.as_bytes())
@@ -315,17 +399,44 @@ impl Transit {
         if value.is_empty() {
             return Err(DecryptError::Invalid);
         }
-        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-        if cache.len() >= CACHE_MAX {
-            let ttl = self.settings.cache_ttl;
-            cache.retain(|_, (at, _)| now.duration_since(*at) < ttl);
-            if cache.len() >= CACHE_MAX {
-                cache.clear();
-            }
-        }
-        cache.insert(id, (now, value.clone()));
         Ok(value)
     }
+}
+
+/// What identifies a transit decrypter's settings, credentials included (as a digest): a reload
+/// that changes the address, key, namespace, token or AppRole gets a new one, which logs in
+/// with the new credentials.
+pub fn transit_id(s: &Settings) -> String {
+    let mut h = Sha256::new();
+    for part in [
+        s.address.as_str(),
+        s.transit_mount.as_str(),
+        s.transit_key.as_deref().unwrap_or(""),
+        s.namespace.as_deref().unwrap_or(""),
+    ] {
+        h.update(part.as_bytes());
+        h.update([0]);
+    }
+    match &s.login {
+        Login::Token(t) => {
+            h.update(b"token\0");
+            h.update(t.as_bytes());
+        }
+        Login::AppRole {
+            mount,
+            role_id,
+            secret_id,
+        } => {
+            h.update(b"approle\0");
+            for part in [mount.as_str(), role_id.as_str(), secret_id.as_str()] {
+                h.update(part.as_bytes());
+                h.update([0]);
+            }
+        }
+    }
+    h.update(s.timeout.as_nanos().to_le_bytes());
+    h.update(s.cache_ttl.as_nanos().to_le_bytes());
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 #[cfg(test)]

@@ -680,3 +680,214 @@ async fn a_clients_own_key_failures_change_nothing_for_the_others() {
     let events = audit_rows(&gw, "SELECT event FROM endpoint_events");
     assert!(events.is_empty(), "no endpoint event: {events:?}");
 }
+
+/// A loopback proxy in front of the real OpenBao that holds back transit decrypts of the
+/// ciphertexts in `slow` until `release` is notified, and counts the decrypt calls per ciphertext.
+struct SlowVault {
+    addr: String,
+    release: std::sync::Arc<tokio::sync::Notify>,
+    calls: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    /// Decrypts of slow ciphertexts Vault has answered.
+    done: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+async fn slow_vault(bao: &Bao, slow: Vec<String>) -> SlowVault {
+    use axum::body::Bytes;
+    use axum::http::{HeaderMap, Method, Uri};
+    use std::sync::Arc;
+    let release = Arc::new(tokio::sync::Notify::new());
+    let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (r, c, d, upstream) = (
+        release.clone(),
+        calls.clone(),
+        done.clone(),
+        bao.addr.clone(),
+    );
+    let app = axum::Router::new().fallback(
+        move |method: Method, uri: Uri, headers: HeaderMap, body: Bytes| {
+            let (release, calls, done, upstream, slow) = (
+                r.clone(),
+                c.clone(),
+                d.clone(),
+                upstream.clone(),
+                slow.clone(),
+            );
+            async move {
+                let text = String::from_utf8_lossy(&body).to_string();
+                let held = uri.path().contains("/transit/decrypt/")
+                    && slow.iter().any(|s| text.contains(s.as_str()));
+                if uri.path().contains("/transit/decrypt/") {
+                    calls.lock().unwrap().push(text.clone());
+                }
+                if held {
+                    release.notified().await;
+                }
+                let mut req = reqwest::Client::new()
+                    .request(method, format!("{upstream}{uri}"))
+                    .body(body.to_vec());
+                for (k, v) in &headers {
+                    if k != "host" && k != "content-length" {
+                        req = req.header(k, v);
+                    }
+                }
+                let resp = req.send().await.unwrap();
+                let status = resp.status().as_u16();
+                let bytes = resp.bytes().await.unwrap();
+                if held {
+                    done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+                (
+                    axum::http::StatusCode::from_u16(status).unwrap(),
+                    [("content-type", "application/json")],
+                    bytes,
+                )
+            }
+        },
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    SlowVault {
+        addr,
+        release,
+        calls,
+        done,
+    }
+}
+
+/// Vault never serializes requests: while Vault sits on one ciphertext's decrypt, a request with
+/// another ciphertext is decrypted and served; five requests with the slow ciphertext make one
+/// decrypt call; a decrypt that outlasts `request_timeout` answers 503 `vault_unavailable` while
+/// Vault still holds it. A reload that changes the Vault token uses the new token for transit.
+#[tokio::test]
+async fn vault_decrypts_run_side_by_side_and_a_new_token_is_used_for_transit() {
+    let bao = Bao::start().await;
+    bao.with_transit_and_approle().await;
+    let slow_ct = bao.encrypt("sk-client-slow-7777").await;
+    let fast_ct = bao.encrypt("sk-client-fast-8888").await;
+    let proxy = slow_vault(&bao, vec![slow_ct.clone()]).await;
+    let a = MockUp::openai("name: a").await;
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("vault-token");
+    std::fs::write(&token_file, ROOT_TOKEN).unwrap();
+    let cfg = |timeout: &str| {
+        format!(
+            "models:\n  a: {{ type: openai, base_url: \"{}\" }}\nrouting_policy: {{ request_timeout: {timeout} }}\nvault:\n  address: \"{}\"\n  token: \"file:{}\"\n  transit_key: autohedge\n",
+            a.base(),
+            proxy.addr,
+            token_file.display()
+        )
+    };
+    let gw = Gw::start_in(dir.path(), &cfg("30s"), &[]);
+    let gw = std::sync::Arc::new(gw);
+
+    // Five requests with the slow ciphertext: Vault holds their one decrypt.
+    let mut slow = Vec::new();
+    for _ in 0..5 {
+        let (gw, ct) = (gw.clone(), slow_ct.clone());
+        slow.push(tokio::spawn(async move {
+            chat_with(&gw, "a", Some(&ct)).await.status().as_u16()
+        }));
+    }
+    let held = eventually(Duration::from_secs(10), || async {
+        proxy
+            .calls
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|c| c.contains(&slow_ct))
+    })
+    .await;
+    assert!(held, "the slow decrypt reached Vault");
+    // Another ciphertext is decrypted and served meanwhile.
+    let r = chat_with(&gw, "a", Some(&fast_ct)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(last_tail(&a).await, "8888");
+    assert_eq!(
+        proxy.done.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "served while Vault still held the other decrypt"
+    );
+    assert!(slow.iter().all(|t| !t.is_finished()));
+    proxy.release.notify_waiters();
+    for t in slow {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    let slow_calls = proxy
+        .calls
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|c| c.contains(&slow_ct))
+        .count();
+    assert_eq!(slow_calls, 1, "one decrypt for five requests");
+
+    // A decrypt longer than request_timeout: the request ends, Vault still holding it.
+    let later = bao.encrypt("sk-client-late-9999").await;
+    let proxy2 = slow_vault(&bao, vec![later.clone()]).await;
+    let mut gw = std::sync::Arc::try_unwrap(gw).ok().unwrap();
+    gw.stop();
+    let gw = Gw::start_in(
+        dir.path(),
+        &cfg("1s").replace(&proxy.addr, &proxy2.addr),
+        &[],
+    );
+    let r = chat_with(&gw, "a", Some(&later)).await;
+    let status = r.status().as_u16();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["error"]["code"], "vault_unavailable");
+    assert_eq!(proxy2.done.load(std::sync::atomic::Ordering::SeqCst), 0);
+    proxy2.release.notify_waiters();
+
+    drop(gw);
+
+    // The token changes by a reload (the file it is read from), and the old one is revoked:
+    // transit logs in with the new one.
+    let token = |bao: &Bao| {
+        let http = bao.http.clone();
+        let url = format!("{}/v1/auth/token/create", bao.addr);
+        async move {
+            let v: Value = http
+                .post(url)
+                .header("X-Vault-Token", ROOT_TOKEN)
+                .json(&json!({"policies": ["autohedge"]}))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap();
+            v["auth"]["client_token"].as_str().unwrap().to_string()
+        }
+    };
+    let (old_token, new_token) = (token(&bao).await, token(&bao).await);
+    std::fs::write(&token_file, &old_token).unwrap();
+    let direct = cfg("30s").replace(&proxy.addr, &bao.addr);
+    let gw = Gw::start_in(dir.path(), &direct, &[]);
+    let r = chat_with(&gw, "a", Some(&fast_ct)).await;
+    assert_eq!(r.status(), 200, "the old token decrypts");
+    let reloads = gw.status().await["config"]["reloads"].as_u64().unwrap_or(0);
+    std::fs::write(&token_file, &new_token).unwrap();
+    std::process::Command::new("kill")
+        .args(["-HUP", &gw.pid().to_string()])
+        .status()
+        .unwrap();
+    let ok = eventually(Duration::from_secs(10), || async {
+        gw.status().await["config"]["reloads"].as_u64().unwrap_or(0) > reloads
+    })
+    .await;
+    assert!(ok, "reloaded: {}", gw.status().await["config"]);
+    bao.call(
+        reqwest::Method::POST,
+        "auth/token/revoke",
+        json!({"token": old_token}),
+    )
+    .await;
+    let fresh = bao.encrypt("sk-client-new-token-1234").await;
+    let r = chat_with(&gw, "a", Some(&fresh)).await;
+    let status = r.status();
+    assert_eq!(status, 200, "{}", r.text().await.unwrap());
+    assert_eq!(last_tail(&a).await, "1234");
+}

@@ -37,7 +37,7 @@ use attempt::{Attempt, Failure, Success};
 
 /// `start + d`, saturating: config durations are capped at load (365 days), but a deadline is
 /// never where an outsized value may panic a request.
-pub(crate) fn after(start: Instant, d: Duration) -> Instant {
+pub fn after(start: Instant, d: Duration) -> Instant {
     start
         .checked_add(d)
         .unwrap_or_else(|| start + Duration::from_secs(crate::config::duration::MAX_SECS))
@@ -243,7 +243,8 @@ pub async fn execute(
         );
     }
     let arrived = arrived.unwrap_or(run.started);
-    run.deadline = after(run.started, run.cfg.policy.request_timeout);
+    // From the front door's start: the wait for Vault's decrypt of `x-encrypted-key` counts.
+    run.deadline = after(arrived, run.cfg.policy.request_timeout);
     let deadline = run.deadline;
     match timeout_at(deadline, run.go(chain)).await {
         Ok(resp) => {

@@ -230,15 +230,21 @@ pub enum DecryptError {
 /// runs.
 type Flight<T> = Shared<BoxFuture<'static, T>>;
 
+/// A login: the client it made, or why it failed.
+type LoginFlight = Flight<Result<Arc<VaultClient>, String>>;
+
+/// A decrypt: the plaintext key, or why there is none.
+type DecryptFlight = Flight<Result<Zeroizing<String>, DecryptError>>;
+
 /// Transit decryption of per-request keys, with a short cache keyed by the ciphertext's digest.
 /// Decrypts of different ciphertexts run at once: the locks here guard maps and are never held
 /// across a call to Vault.
 pub struct Transit {
     settings: Arc<Settings>,
     /// The logged-in client, or the login under way.
-    client: Mutex<Option<Flight<Result<Arc<VaultClient>, String>>>>,
+    client: Mutex<Option<LoginFlight>>,
     /// Decrypts under way, by the ciphertext's digest.
-    flights: Mutex<HashMap<[u8; 32], Flight<Result<Zeroizing<String>, DecryptError>>>>,
+    flights: Mutex<HashMap<[u8; 32], DecryptFlight>>,
     cache: Mutex<HashMap<[u8; 32], Cached>>,
 }
 
@@ -267,7 +273,7 @@ impl Transit {
     }
 
     /// The logged-in client: the one there is, or the login under way, or a new login.
-    fn login(&self) -> Flight<Result<Arc<VaultClient>, String>> {
+    fn login(&self) -> LoginFlight {
         let mut slot = lock(&self.client);
         if let Some(f) = slot.as_ref() {
             return f.clone();
@@ -282,7 +288,7 @@ impl Transit {
 
     /// Forgets `failed` (a login that failed, or a client Vault stopped taking): the next call
     /// logs in again. A newer login another request started meanwhile is kept.
-    fn forget(&self, failed: &Flight<Result<Arc<VaultClient>, String>>) {
+    fn forget(&self, failed: &LoginFlight) {
         let mut slot = lock(&self.client);
         if slot.as_ref().is_some_and(|f| f.ptr_eq(failed)) {
             *slot = None;

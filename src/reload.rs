@@ -128,8 +128,14 @@ pub async fn watch(
 
     // A change between the initial load and the watch being in place would be missed:
     // compare with what is live now, once the watch exists.
-    let live = Some(state.config.load().source.clone().into_bytes());
-    let now = crate::config::read_bounded(&path, crate::config::MAX_CONFIG_BYTES).ok();
+    // Compared by digest: the watcher keeps no copy of the file's text (its literal keys).
+    let digest = |path: &Path| {
+        crate::config::read_bounded(path, crate::config::MAX_CONFIG_BYTES)
+            .ok()
+            .map(|b| crate::config::text_digest(&b))
+    };
+    let live = Some(state.config.load().source_digest);
+    let now = digest(&path);
     if now.is_some() && now != live {
         reload_off_path(&state, &path).await;
     }
@@ -140,7 +146,7 @@ pub async fn watch(
             _ = hup.recv() => {
                 tracing::info!("SIGHUP: reloading config");
                 reload_off_path(&state, &path).await;
-                last = crate::config::read_bounded(&path, crate::config::MAX_CONFIG_BYTES).ok();
+                last = digest(&path);
             }
             Some(()) = rx.recv() => {
                 // Debounce: wait for the burst of events to end, but never longer than
@@ -149,7 +155,7 @@ pub async fn watch(
                 while tokio::time::Instant::now() < until
                     && let Ok(Some(())) = tokio::time::timeout(DEBOUNCE, rx.recv()).await
                 {}
-                let now = crate::config::read_bounded(&path, crate::config::MAX_CONFIG_BYTES).ok();
+                let now = digest(&path);
                 if now.is_none() {
                     // Mid-rename or deleted: keep the live table; the next event retries.
                     continue;
@@ -208,7 +214,7 @@ pub async fn vault_refresher(state: Arc<AppState>, cancel: CancellationToken) {
 pub fn refresh_vault_now(state: &AppState) -> bool {
     let _serial = state.install_lock.lock().unwrap_or_else(|e| e.into_inner());
     let current = state.config.load_full();
-    if current.vault.is_none() || current.source.is_empty() {
+    if current.vault.is_none() {
         return false;
     }
     let discovered = state
@@ -216,7 +222,10 @@ pub fn refresh_vault_now(state: &AppState) -> bool {
         .lock()
         .map(|d| d.clone())
         .unwrap_or_default();
-    match Config::load_with(&current.source, &discovered) {
+    let Some(rebuilt) = current.rebuild_with(&discovered) else {
+        return false;
+    };
+    match rebuilt {
         Ok(cfg) => {
             *state.vault_error.lock().unwrap_or_else(|e| e.into_inner()) = None;
             if cfg.vault_digest == current.vault_digest {

@@ -172,10 +172,10 @@ impl AppState {
     ) -> Result<Vec<String>, crate::config::ConfigError> {
         let _serial = self.install_lock.lock().unwrap_or_else(|e| e.into_inner());
         let current = self.config.load_full();
-        if current.source.is_empty() && !current.endpoints.is_empty() {
+        let Some(built) = current.rebuild_with(&wanted) else {
             return Ok(Vec::new());
-        }
-        let new_cfg = Config::load_with(&current.source, &wanted)?;
+        };
+        let new_cfg = built?;
         let added: Vec<String> = wanted
             .iter()
             .filter(|w| !current.endpoints.contains_key(&w.name))
@@ -277,6 +277,10 @@ mod tests {
             live.endpoints.contains_key("svc"),
             "discovery's endpoint is kept"
         );
-        assert_eq!(live.source, text("v51"));
+        assert!(
+            matches!(&live.source, crate::config::Source::File(p) if *p == path),
+            "{:?}",
+            live.source
+        );
     }
 }

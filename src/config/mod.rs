@@ -67,6 +67,12 @@ pub fn read_text_bounded(path: &Path, limit: u64) -> std::io::Result<String> {
         .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8"))
 }
 
+/// SHA-256 of a config text.
+pub fn text_digest(bytes: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).into()
+}
+
 impl Config {
     /// Reads and loads a config file.
     pub fn load_file(path: &Path) -> Result<Config, ConfigError> {
@@ -77,10 +83,27 @@ impl Config {
         path: &Path,
         discovered: &[DiscoveredEndpoint],
     ) -> Result<Config, ConfigError> {
-        let text = read_text_bounded(path, MAX_CONFIG_BYTES)
-            .map_err(|e| ConfigError(format!("cannot read {}: {e}", path.display())))?;
-        Config::load_with(&text, discovered)
-            .map_err(|e| ConfigError(format!("{}: {}", path.display(), e.0)))
+        let text = zeroize::Zeroizing::new(
+            read_text_bounded(path, MAX_CONFIG_BYTES)
+                .map_err(|e| ConfigError(format!("cannot read {}: {e}", path.display())))?,
+        );
+        let mut cfg = Config::build_from(&text, discovered)
+            .map_err(|e| ConfigError(format!("{}: {}", path.display(), e.0)))?;
+        cfg.source = Source::File(path.to_path_buf());
+        Ok(cfg)
+    }
+
+    /// Builds the table again from where it came from, with `discovered`; `None` when it was
+    /// not built from YAML.
+    pub fn rebuild_with(
+        &self,
+        discovered: &[DiscoveredEndpoint],
+    ) -> Option<Result<Config, ConfigError>> {
+        match &self.source {
+            Source::None => None,
+            Source::File(p) => Some(Config::load_file_with(p, discovered)),
+            Source::Text(t) => Some(Config::load_with(t, discovered)),
+        }
     }
 
     /// Parses, validates and resolves a config text.
@@ -91,6 +114,18 @@ impl Config {
     /// Like `load`, plus endpoints Docker discovery found that the file does not name: each is
     /// added with `discover: docker` and appended to the fallback chain (when docker is on).
     pub fn load_with(text: &str, discovered: &[DiscoveredEndpoint]) -> Result<Config, ConfigError> {
+        let mut cfg = Config::build_from(text, discovered)?;
+        cfg.source = Source::Text(Arc::from(text));
+        Ok(cfg)
+    }
+
+    fn build_from(text: &str, discovered: &[DiscoveredEndpoint]) -> Result<Config, ConfigError> {
+        let mut cfg = Config::build_raw(text, discovered)?;
+        cfg.source_digest = text_digest(text.as_bytes());
+        Ok(cfg)
+    }
+
+    fn build_raw(text: &str, discovered: &[DiscoveredEndpoint]) -> Result<Config, ConfigError> {
         let mut raw = parse(text)?;
         let mut extra = Vec::new();
         if raw.docker.enabled && raw.docker.adopt_unconfigured {
@@ -128,7 +163,6 @@ impl Config {
             }
         };
         let mut cfg = build(raw, &fetched)?;
-        cfg.source = text.to_string();
         cfg.discovered_extra = extra;
         Ok(cfg)
     }
@@ -521,6 +555,29 @@ mod discovered_tests {
             "invalid type: integer (value hidden), expected a string"
         );
         assert_eq!(scrub_scalars("cut \"sk-unterminated"), "cut (value hidden)");
+    }
+
+    #[test]
+    fn a_file_loaded_table_keeps_no_copy_of_its_literal_keys() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.yaml");
+        let secret = "sk-literal-in-the-file-0123456789";
+        std::fs::write(
+            &path,
+            format!(
+                "models:\n  a: {{ type: openai, base_url: \"http://127.0.0.1:9/v1\", api_key: \"{secret}\", headers: {{ x-api-key: \"{secret}\" }} }}\n"
+            ),
+        )
+        .unwrap();
+        let cfg = Config::load_file(&path).unwrap();
+        assert!(matches!(&cfg.source, Source::File(p) if *p == path));
+        let shown = format!("{cfg:?}");
+        assert!(!shown.contains(secret), "Debug shows the key");
+        assert!(!shown.contains("sk-literal"), "Debug shows part of the key");
+        // A rebuild reads the file again, and finds the key there.
+        let again = cfg.rebuild_with(&[]).unwrap().unwrap();
+        assert_eq!(again.source_digest, cfg.source_digest);
+        assert_eq!(again.endpoints["a"].keys.len(), 1);
     }
 
     #[test]

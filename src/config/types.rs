@@ -406,6 +406,30 @@ pub struct Policy {
     pub predict_rate_limits: bool,
 }
 
+/// Where a table's YAML comes from when it is built again (discovery found other endpoints).
+/// A file is read again rather than kept as text: its literal keys stay in the file, not in a
+/// copy in memory that a `Debug` or a dump could show.
+#[derive(Clone, Default)]
+pub enum Source {
+    /// Built from parts (tests), not from YAML: never rebuilt.
+    #[default]
+    None,
+    /// A config file, read again on every rebuild (the newest text, as a reload would read).
+    File(std::path::PathBuf),
+    /// YAML given as text: the embedded default or the demo's, which hold no secrets.
+    Text(Arc<str>),
+}
+
+impl std::fmt::Debug for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::None => f.write_str("None"),
+            Source::File(p) => write!(f, "File({})", p.display()),
+            Source::Text(t) => write!(f, "Text({} bytes)", t.len()),
+        }
+    }
+}
+
 /// The runtime routing table. Requests hold an `Arc<Config>` for their whole life.
 #[derive(Debug)]
 pub struct Config {
@@ -450,8 +474,10 @@ pub struct Config {
     pub policy: Policy,
     pub health: HealthPolicy,
     pub docker: DockerConfig,
-    /// The YAML text this table was built from (to rebuild it when discovery changes).
-    pub source: String,
+    /// Where this table was built from, to rebuild it when discovery changes.
+    pub source: Source,
+    /// SHA-256 of the YAML text it was built from: the file watcher compares the file with it.
+    pub source_digest: [u8; 32],
     /// Endpoints that exist because Docker discovery found them, not because the file names them.
     pub discovered_extra: Vec<String>,
     /// Problems that do not stop the gateway (an unset `env:` key) — reported at start.

@@ -81,7 +81,7 @@ impl Run {
         if let Some(c) = self.counts.get(&key) {
             return c.clone();
         }
-        let count = if self.req.prompt_chars() > BLOCKING_COUNT_CHARS {
+        let count = if self.req.tokenized_chars() > BLOCKING_COUNT_CHARS {
             let counter = counter.clone();
             let req = self.req.clone();
             tokio::task::spawn_blocking(move || counter.request(req.op, req.body()))
@@ -143,25 +143,24 @@ impl Run {
         };
         let budget = ((window as f64 * self.cfg.policy.context_fill).floor() as u64)
             .saturating_sub(self.requested_max_tokens());
-        let messages = self
-            .req
-            .body()
-            .get("messages")
-            .and_then(Value::as_array)
-            .cloned()
-            .unwrap_or_default();
-        let tools = self
-            .req
-            .body()
-            .get("tools")
-            .and_then(Value::as_array)
-            .map(|t| ep.counter.tools(t))
-            .unwrap_or(0);
+        let req = self.req.clone();
         let counter = ep.counter.clone();
         let opts = self.cfg.policy.truncation;
+        // Counting the tools and the messages is BPE work on all of the request: off the
+        // async workers.
         let result = tokio::task::spawn_blocking(move || {
+            let body = req.body();
+            let messages: &[Value] = body
+                .get("messages")
+                .and_then(Value::as_array)
+                .map_or(&[], Vec::as_slice);
+            let tools = body
+                .get("tools")
+                .and_then(Value::as_array)
+                .map(|t| counter.tools(t))
+                .unwrap_or(0);
             truncate::truncate(
-                &messages,
+                messages,
                 budget,
                 tokens::REPLY_PRIMING + tools,
                 &counter,

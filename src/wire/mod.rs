@@ -137,6 +137,26 @@ impl Inbound {
             .any(|(k, v)| k.to_ascii_lowercase().contains(&needle) || any(v, &needle))
     }
 
+    /// The characters a token count reads: the prompt's ([`Inbound::prompt_chars`]) and the
+    /// tools' (names, descriptions, JSON schemas). What decides whether counting runs on the
+    /// blocking pool: a request whose size is all in its tools must not hold an async worker.
+    pub fn tokenized_chars(&self) -> usize {
+        fn walk(v: &Value) -> usize {
+            match v {
+                Value::String(s) => s.len(),
+                Value::Array(a) => a.iter().map(walk).sum(),
+                Value::Object(o) => o.iter().map(|(k, v)| k.len() + walk(v)).sum(),
+                _ => 1,
+            }
+        }
+        let tools = if self.has_tools_key() {
+            self.body().get("tools").map_or(0, walk)
+        } else {
+            0
+        };
+        self.prompt_chars().saturating_add(tools)
+    }
+
     /// Whether the body has a `tools` key.
     pub fn has_tools_key(&self) -> bool {
         match &self.plain {
@@ -476,6 +496,22 @@ pub fn prompt_chars(body: &Map<String, Value>) -> usize {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn the_size_that_decides_where_counting_runs_includes_the_tools() {
+        let schema = "x".repeat(100_000);
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f", "description": schema,
+                "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}}]});
+        let raw = Bytes::from(serde_json::to_vec(&body).unwrap());
+        let req = read_request(Op::Chat, raw).unwrap();
+        assert!(req.prompt_chars() < 10);
+        assert!(req.tokenized_chars() > 100_000, "{}", req.tokenized_chars());
+        // Token ids count as tokens in the prompt's size.
+        let ids = json!({"model": "m", "prompt": [[1, 2, 3], [4, 5]]});
+        let req = read_request(Op::Completions, Bytes::from(ids.to_string())).unwrap();
+        assert_eq!(estimate_tokens(req.prompt_chars()), 5);
+    }
 
     #[test]
     fn validates_like_openai() {

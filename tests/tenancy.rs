@@ -833,3 +833,82 @@ async fn concurrent_requests_overshoot_a_budget_by_at_most_one_reservation() {
         .unwrap();
     assert!((5.0..=6.0).contains(&spent), "{spent}");
 }
+
+fn error_event(message: &str) -> String {
+    format!(
+        "data: {}\n\n",
+        json!({"error": {"message": message, "type": "server_error", "code": null}})
+    )
+}
+
+/// A continuation is invisible: when one upstream read holds both content and an in-band error,
+/// the client still gets that content, then the continuation (no gap); the audit row and the
+/// key's bill hold both legs' tokens.
+#[tokio::test]
+async fn a_continued_stream_has_no_gap_and_both_legs_are_billed() {
+    let both = format!("{}{}", content_event("there "), error_event("engine died"));
+    let (brk, _) = raw_sse_upstream(vec![content_event("Hello "), both], Ending::Break).await;
+    let cont = MockUp::start(
+        autohedge::mock::Flavor::Vllm,
+        "reply: \"Hello there my old friend\"",
+    )
+    .await;
+    let mut gw = Gw::start(&format!(
+        "models:\n  brk: {{ type: vllm, base_url: \"{brk}\", cost: {{ input_per_mtok: 0, output_per_mtok: 1000000 }} }}\n  cont: {{ type: vllm, base_url: \"{}\", cost: {{ input_per_mtok: 0, output_per_mtok: 1000000 }} }}\nroutes:\n  chat:\n    chain: [brk, cont]\n    continue_streams: true\nauth:\n  keys:\n    - {{ name: team, key: sk-team-cont-000000 }}\n",
+        cont.base()
+    ));
+    let r = reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .bearer_auth("sk-team-cont-000000")
+        .header("x-request-id", "cont-1")
+        .json(
+            &json!({"model": "chat", "stream": true, "stream_options": {"include_usage": true},
+                      "messages": [{"role": "user", "content": "greet"}]}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let raw = r.text().await.unwrap();
+    let events = whole_events(&raw);
+    let text: String = events
+        .iter()
+        .filter_map(|v| {
+            v.pointer("/choices/0/delta/content")
+                .and_then(Value::as_str)
+        })
+        .collect();
+    assert_eq!(cont.requests().await, 1, "cont carried the stream on");
+    let sent = cont.stats().await["last_body"].clone();
+    let prefix = sent["messages"].as_array().unwrap().last().unwrap()["content"].clone();
+    assert_eq!(
+        prefix, "Hello there ",
+        "cont was asked to go on from what the client has"
+    );
+    assert_eq!(text, "Hello there my old friend", "{raw}");
+    assert!(!raw.contains("engine died"), "{raw}");
+    // The second leg's own usage, as the client saw it.
+    let second = events
+        .iter()
+        .filter_map(|v| v["usage"]["completion_tokens"].as_u64())
+        .next_back()
+        .expect("usage chunk");
+    let status = gw.status().await;
+    let spent = status["auth"]["spend_this_month_usd"]["team"]
+        .as_f64()
+        .unwrap_or(0.0);
+    gw.stop();
+    let row = audit_rows(
+        &gw,
+        "SELECT tokens_out, cost_usd, continued_from FROM requests WHERE request_id = 'cont-1'",
+    );
+    // The first leg's "Hello there " (12 characters: 3 tokens estimated) plus the second's.
+    assert_eq!(row[0][0], json!(3 + second), "{row:?}");
+    assert_eq!(row[0][2], json!("brk"));
+    let cost = row[0][1].as_f64().unwrap();
+    assert!((cost - (3 + second) as f64).abs() < 1e-9, "{cost}");
+    assert!(
+        (spent - cost).abs() < 1e-9,
+        "billed both legs: {spent} vs {cost}"
+    );
+}

@@ -67,6 +67,10 @@ pub fn read_text_bounded(path: &Path, limit: u64) -> std::io::Result<String> {
         .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8"))
 }
 
+/// How often a rebuild reads a file again that did not load, and how far apart.
+const REBUILD_RETRIES: usize = 5;
+const REBUILD_RETRY_GAP: std::time::Duration = std::time::Duration::from_millis(20);
+
 /// SHA-256 of a config text.
 pub fn text_digest(bytes: &[u8]) -> [u8; 32] {
     use sha2::Digest;
@@ -101,7 +105,20 @@ impl Config {
     ) -> Option<Result<Config, ConfigError>> {
         match &self.source {
             Source::None => None,
-            Source::File(p) => Some(Config::load_file_with(p, discovered)),
+            Source::File(p) => {
+                // A file caught mid-write (an editor or `cp` truncates it first) reads as
+                // invalid for an instant: read it again a few times before giving up, as the
+                // watcher's debounce waits out the same write.
+                let mut built = Config::load_file_with(p, discovered);
+                for _ in 0..REBUILD_RETRIES {
+                    if built.is_ok() {
+                        break;
+                    }
+                    std::thread::sleep(REBUILD_RETRY_GAP);
+                    built = Config::load_file_with(p, discovered);
+                }
+                Some(built)
+            }
             Source::Text(t) => Some(Config::load_with(t, discovered)),
         }
     }

@@ -19,7 +19,7 @@ use serde_json::Value;
 use tokio::time::Instant;
 
 use super::attempt::{Attempt, ByteStream, Success, chunk_text_chars, error_chain};
-use super::respond::fill_usage;
+use super::respond::{Leg, fill_usage};
 use crate::config::{Config, Endpoint};
 use crate::error::stream_error_event;
 use crate::outcome::Outcome;
@@ -51,6 +51,8 @@ pub(super) struct StreamGuard {
     pub own_key: Option<crate::config::Secret>,
     /// The client key's hold on its limits, settled when the stream ends.
     pub admission: Option<crate::clients::Admission>,
+    /// What the broken first leg of a continued stream used and cost, added to the row.
+    pub prior: Option<Leg>,
 }
 
 impl StreamGuard {
@@ -113,6 +115,10 @@ impl StreamGuard {
             row.tokens_estimated,
             failure.is_none(),
         );
+        // A continuation's answer is both legs': the client's key is billed for both.
+        if let Some(prior) = self.prior.take() {
+            prior.add_to(&mut row);
+        }
         let ttft_ms = self.ttft.as_secs_f64() * 1000.0;
         match failure {
             None => {
@@ -725,6 +731,32 @@ impl PassThrough {
                         row.continued_from = Some(from.name.clone());
                         row.endpoint = Some(ep.name.clone());
                     }
+                    // The first leg's tokens as its upstream billed them (its usage, else
+                    // counted), recorded against it; the second leg counts from zero and the
+                    // row sums both.
+                    let tapped = self
+                        .guard
+                        .usage_tap
+                        .as_ref()
+                        .and_then(|t| t.lock().ok().and_then(|u| *u));
+                    let first = Leg::of(
+                        &from,
+                        self.guard.usage.or(tapped),
+                        self.guard.prompt_estimate,
+                        wire::estimate_tokens(self.guard.out_chars),
+                        self.guard.op,
+                    );
+                    app.registry.record_tokens(
+                        &from.name,
+                        first.tokens_in,
+                        first.tokens_out,
+                        first.estimated,
+                        false,
+                    );
+                    self.guard.prior = Some(first);
+                    self.guard.prompt_estimate =
+                        self.guard.prompt_estimate.saturating_add(first.tokens_out);
+                    self.guard.out_chars = 0;
                     self.guard.ep = ep.clone();
                     self.guard.break_recorded = false;
                     self.guard.usage = None;

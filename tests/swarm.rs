@@ -238,6 +238,8 @@ async fn swarm_discovery_failover_remediation_and_recovery() {
         let mut args = vec![
             "service".to_string(),
             "create".into(),
+            // A local image: never ask a registry for its digest.
+            "--no-resolve-image".into(),
             "-q".into(),
             "--detach".into(),
             "--name".into(),
@@ -298,6 +300,7 @@ async fn swarm_discovery_failover_remediation_and_recovery() {
     must(&[
         "service",
         "create",
+        "--no-resolve-image",
         "-q",
         "--detach",
         "--name",
@@ -411,6 +414,7 @@ docker:
     must(&[
         "service",
         "create",
+        "--no-resolve-image",
         "-q",
         "--detach",
         "--name",
@@ -476,6 +480,7 @@ docker:
     must(&[
         "service",
         "create",
+        "--no-resolve-image",
         "-q",
         "--detach",
         "--name",

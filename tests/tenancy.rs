@@ -912,3 +912,47 @@ async fn a_continued_stream_has_no_gap_and_both_legs_are_billed() {
         "billed both legs: {spent} vs {cost}"
     );
 }
+
+/// A failed attempt the upstream billed (its answer reported `usage`) is charged to the request:
+/// its tokens and cost join the serving endpoint's in the audit row and the key's spend.
+#[tokio::test]
+async fn a_failed_attempt_that_reported_usage_is_billed() {
+    let a = MockUp::openai(
+        r#"rules: [{body: "{\"error\": {\"message\": \"engine overloaded\", \"type\": \"server_error\"}, \"usage\": {\"prompt_tokens\": 5, \"completion_tokens\": 7, \"total_tokens\": 12}}"}]"#,
+    )
+    .await;
+    let b = MockUp::openai("name: b\nreply: \"one two three\"").await;
+    let mut gw = Gw::start(&format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\", cost: {{ input_per_mtok: 1000000, output_per_mtok: 1000000 }} }}\n  b: {{ type: openai, base_url: \"{}\", cost: {{ input_per_mtok: 1000000, output_per_mtok: 1000000 }} }}\nroutes:\n  chat: [a, b]\nauth:\n  keys:\n    - {{ name: team, key: sk-team-billed-0000 }}\n",
+        a.base(),
+        b.base()
+    ));
+    let r = reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .bearer_auth("sk-team-billed-0000")
+        .header("x-request-id", "billed-1")
+        .json(&json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    assert_eq!(a.requests().await, 1, "a answered its in-band error");
+    let v: Value = r.json().await.unwrap();
+    let (b_in, b_out) = (
+        v["usage"]["prompt_tokens"].as_u64().unwrap(),
+        v["usage"]["completion_tokens"].as_u64().unwrap(),
+    );
+    let spent = gw.status().await["auth"]["spend_this_month_usd"]["team"]
+        .as_f64()
+        .unwrap();
+    gw.stop();
+    let row = audit_rows(
+        &gw,
+        "SELECT tokens_in, tokens_out, cost_usd FROM requests WHERE request_id = 'billed-1'",
+    );
+    assert_eq!(row[0][0], json!(5 + b_in), "{row:?}");
+    assert_eq!(row[0][1], json!(7 + b_out), "{row:?}");
+    let cost = (12 + b_in + b_out) as f64;
+    assert!((row[0][2].as_f64().unwrap() - cost).abs() < 1e-9, "{row:?}");
+    assert!((spent - cost).abs() < 1e-9, "{spent} vs {cost}");
+}

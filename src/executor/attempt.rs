@@ -36,6 +36,8 @@ pub(super) struct Failure {
     pub passthrough: Option<Box<(StatusCode, HeaderMap, Bytes)>>,
     /// What the response's `x-ratelimit-*` headers said, if it said anything (boxed: rare).
     pub ratelimit: Option<Box<Observed>>,
+    /// The `usage` a failed answer reported: the upstream billed it, so the client's key pays.
+    pub usage: Option<Usage>,
 }
 
 impl Failure {
@@ -48,7 +50,14 @@ impl Failure {
             internal: None,
             passthrough: None,
             ratelimit: None,
+            usage: None,
         }
+    }
+
+    /// The same, with the `usage` the failed answer reported.
+    fn billed(mut self, usage: Option<Usage>) -> Self {
+        self.usage = usage;
+        self
     }
 }
 
@@ -242,7 +251,7 @@ impl<'a> Attempt<'a> {
             // Rare paths (an error inside a 200, or no usage to record): read the whole tree.
             let parsed: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
             if let ChunkKind::Error(msg) = wire::classify_chunk(&parsed) {
-                return Err(Failure::new(Outcome::InBand, Some(status.as_u16()), msg));
+                return Err(Failure::new(Outcome::InBand, Some(status.as_u16()), msg).billed(usage));
             }
             out_chars = response_text_chars(&parsed);
         }
@@ -424,7 +433,7 @@ impl<'a> Attempt<'a> {
                         } else {
                             Outcome::InBand
                         };
-                        return Err(Failure::new(class, Some(status), m));
+                        return Err(Failure::new(class, Some(status), m).billed(usage));
                     }
                     ChunkKind::Content => {
                         out_chars += chunk_text_chars(&v);

@@ -95,6 +95,9 @@ struct Run {
     context_skipped: Vec<(String, u64)>,
     /// The response of the latest context-length refusal, returned if nothing larger exists.
     last_context_error: Option<(StatusCode, HeaderMap, Bytes)>,
+    /// What failed attempts the upstream billed (their answers reported `usage`) used and cost:
+    /// added to the request's row and its key's bill.
+    billed: Option<respond::Leg>,
     /// The last failure of the request's own key (429, 404, 410) and its endpoint: the answer
     /// when no endpoint serves, instead of a 503.
     own_key_answer: Option<(String, (StatusCode, HeaderMap, Bytes))>,
@@ -215,6 +218,7 @@ pub async fn execute(
         context_skipped: Vec::new(),
         last_context_error: None,
         own_key_answer: None,
+        billed: None,
         truncation: None,
         sanitized: 0,
         deadline: Instant::now(),
@@ -626,8 +630,11 @@ impl Run {
     }
 
     /// Sends the request's one audit row (and counts its cost against the client key).
-    fn send_row(&mut self, row: RequestRow) {
+    fn send_row(&mut self, mut row: RequestRow) {
         self.row_written = true;
+        if let Some(billed) = self.billed.take() {
+            billed.add_to(&mut row);
+        }
         self.app.record_request(row, self.admission.take());
     }
 
@@ -909,6 +916,10 @@ impl Run {
             && !own_key
         {
             self.app.registry.observe_ratelimit(ep, key_idx, seen);
+        }
+        if let Some(usage) = f.usage {
+            let leg = respond::Leg::of(ep, Some(usage), 0, 0, self.req.op);
+            self.billed = Some(self.billed.map_or(leg, |b| b.plus(leg)));
         }
         let secrets = ep.secret_values_with(self.own_key_for(ep));
         let detail = classify::redact(&f.detail, &secrets);

@@ -271,7 +271,8 @@ impl Run {
                     break_recorded: false,
                     own_key: self.own_key_for(&ep).cloned(),
                     admission: self.admission.take(),
-                    prior: None,
+                    // Failed attempts the upstream billed are the request's too.
+                    prior: self.billed.take(),
                 };
                 let cont = self.continuation(&ep, &prelude);
                 // The start of an event the first reads left unfinished waits for its end.
@@ -403,6 +404,19 @@ impl Leg {
             cost_usd: priced.then(|| {
                 (tin as f64 * ep.cost.input_per_mtok + tout as f64 * ep.cost.output_per_mtok) / 1e6
             }),
+        }
+    }
+
+    /// Both legs' figures together.
+    pub(super) fn plus(self, other: Leg) -> Leg {
+        Leg {
+            tokens_in: self.tokens_in.saturating_add(other.tokens_in),
+            tokens_out: self.tokens_out.saturating_add(other.tokens_out),
+            estimated: self.estimated || other.estimated,
+            cost_usd: match (self.cost_usd, other.cost_usd) {
+                (None, None) => None,
+                (a, b) => Some(a.unwrap_or(0.0) + b.unwrap_or(0.0)),
+            },
         }
     }
 

@@ -753,7 +753,7 @@ impl PassThrough {
                         first.estimated,
                         false,
                     );
-                    self.guard.prior = Some(first);
+                    self.guard.prior = Some(self.guard.prior.map_or(first, |p| p.plus(first)));
                     self.guard.prompt_estimate =
                         self.guard.prompt_estimate.saturating_add(first.tokens_out);
                     self.guard.out_chars = 0;

@@ -129,6 +129,19 @@ pub(super) struct Attempt<'a> {
 }
 
 impl<'a> Attempt<'a> {
+    /// A non-2xx answer to this attempt, read (within `deadline`) and classified.
+    async fn failed(&self, resp: Answer, deadline: Instant) -> Failure {
+        read_error(
+            self.ep,
+            self.key,
+            self.own_key,
+            resp,
+            deadline,
+            self.max_cooldown,
+        )
+        .await
+    }
+
     /// The upstream request (payload hygiene, adapter) and how many characters hygiene changed.
     /// Synchronous, so the caller counts the call before anything is awaited; `Err` means the
     /// request cannot be expressed for this endpoint and never left the gateway.
@@ -163,15 +176,7 @@ impl<'a> Attempt<'a> {
             Some(Ok(r)) => r,
         };
         if !resp.status.is_success() {
-            return Err(read_error(
-                ep,
-                self.key,
-                self.own_key,
-                resp,
-                deadline,
-                self.max_cooldown,
-            )
-            .await);
+            return Err(self.failed(resp, deadline).await);
         }
         let ratelimit = classify::ratelimit_headers(&resp.headers, self.max_cooldown);
         let status = resp.status;
@@ -288,15 +293,7 @@ impl<'a> Attempt<'a> {
         };
         if !resp.status.is_success() {
             let deadline = (t0 + ep.timeouts.total).min(self.deadline);
-            return Err(read_error(
-                ep,
-                self.key,
-                self.own_key,
-                resp,
-                deadline,
-                self.max_cooldown,
-            )
-            .await);
+            return Err(self.failed(resp, deadline).await);
         }
         let ratelimit = classify::ratelimit_headers(&resp.headers, self.max_cooldown);
         let status = resp.status.as_u16();

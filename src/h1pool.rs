@@ -360,12 +360,13 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    /// Plain TCP to the pool's target, as the gateway's connector is for `http`; every connect
-    /// after the first waits `slow_after_first` (zero by default).
+    /// Plain TCP to the pool's target, as the gateway's connector is for `http`; with a `gate`,
+    /// every connect after the first waits for it.
     #[derive(Clone, Default)]
     struct Tcp {
         made: Arc<AtomicUsize>,
-        slow_after_first: Duration,
+        /// When set, every connect after the first waits for it to be notified as well.
+        gate: Option<Arc<tokio::sync::Notify>>,
     }
 
     impl tower::Service<Uri> for Tcp {
@@ -376,13 +377,12 @@ mod tests {
             Poll::Ready(Ok(()))
         }
         fn call(&mut self, uri: Uri) -> Self::Future {
-            let slow = if self.made.fetch_add(1, Ordering::SeqCst) > 0 {
-                self.slow_after_first
-            } else {
-                Duration::ZERO
-            };
+            let later = self.made.fetch_add(1, Ordering::SeqCst) > 0;
+            let gate = self.gate.clone().filter(|_| later);
             Box::pin(async move {
-                tokio::time::sleep(slow).await;
+                if let Some(g) = gate {
+                    g.notified().await;
+                }
                 let addr = uri.authority().map(|a| a.to_string()).unwrap_or_default();
                 Ok(hyper_util::rt::TokioIo::new(
                     tokio::net::TcpStream::connect(addr).await?,
@@ -533,9 +533,11 @@ mod tests {
     async fn a_connection_given_back_during_a_connect_is_taken_and_the_new_one_pooled() {
         let (target, accepted) = server(1000, false, "ok").await;
         let made = Arc::new(AtomicUsize::new(0));
+        // The second connect does not finish until the test lets it: no clock decides.
+        let gate = Arc::new(tokio::sync::Notify::new());
         let connector = Tcp {
             made: made.clone(),
-            slow_after_first: Duration::from_millis(800),
+            gate: Some(gate.clone()),
         };
         let pool = H1Pool::new(connector, target.clone(), Duration::from_secs(60), 8);
         // The first connection carries a response whose body is not read yet.
@@ -544,29 +546,33 @@ mod tests {
             let pool = pool.clone();
             let target = target.clone();
             tokio::spawn(async move {
-                let t = Instant::now();
                 let resp = pool.send(get(&target)).await.unwrap();
-                let body = resp.into_body().collect().await.unwrap().to_bytes();
-                (t.elapsed(), body)
+                resp.into_body().collect().await.unwrap().to_bytes()
             })
         };
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        assert_eq!(
-            made.load(Ordering::SeqCst),
-            2,
-            "the second request is connecting"
-        );
+        while made.load(Ordering::SeqCst) < 2 {
+            tokio::task::yield_now().await;
+        }
         // Reading the first body to its end gives its connection back.
         let body = held.into_body().collect().await.unwrap().to_bytes();
         assert_eq!(body, "ok");
-        let (took, body) = waiting.await.unwrap();
+        // Served on the connection given back, while its own connect is still held.
+        let body = tokio::time::timeout(Duration::from_secs(30), waiting)
+            .await
+            .expect("served without the held connect")
+            .unwrap();
         assert_eq!(body, "ok");
-        assert!(
-            took < Duration::from_millis(700),
-            "waited {took:?} for the slow connect"
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            1,
+            "the second connect is still held"
         );
-        // The slow connection, once made, is pooled beside the first.
-        tokio::time::sleep(Duration::from_millis(1000)).await;
+        // The held connection, once made, is pooled beside the first.
+        gate.notify_one();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while pool.idle() < 2 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
         assert_eq!(pool.idle(), 2);
     }

@@ -140,6 +140,8 @@ struct Counters {
     rule_matches: Vec<u64>,
     rule_applied: Vec<u64>,
     last_body: Option<Value>,
+    /// The header names of the last inference call.
+    last_header_names: Vec<String>,
     /// The last four characters of each key seen on inference calls, in order (never whole keys).
     key_tails: Vec<String>,
     /// The same for every request (probes included).
@@ -376,6 +378,12 @@ impl Mock {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(str::to_string);
+        // What the caller sent, by name only (never a value): tests show a header stayed away.
+        let header_names: Vec<String> = req
+            .headers()
+            .keys()
+            .map(|n| n.as_str().to_string())
+            .collect();
         let missing_header = {
             let script = self.script();
             script
@@ -399,6 +407,7 @@ impl Mock {
                     "by_path": c.by_path,
                     "rule_applied": c.rule_applied,
                     "last_body": c.last_body,
+                    "last_header_names": c.last_header_names,
                     "key_tails": c.key_tails,
                     "key_tails_all": c.key_tails_all,
                 });
@@ -435,6 +444,7 @@ impl Mock {
             // `requests` counts inference calls; probes (GETs) show only under `by_path`.
             if method == hyper::Method::POST && path != "/tokenize" {
                 c.requests += 1;
+                c.last_header_names = header_names;
             }
             *c.by_path.entry(path.clone()).or_default() += 1;
             if !body.is_null() {

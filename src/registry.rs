@@ -86,6 +86,32 @@ pub struct EndpointRuntime {
     sorted: Option<(Instant, Arc<Vec<f64>>)>,
 }
 
+/// The per-request draw slow start compares with its share. A debug build whose environment
+/// sets `AUTOHEDGE_TEST_SEED` draws from one seeded sequence instead (splitmix64 over a shared
+/// counter), so a test of the share is reproducible rather than failing one run in hundreds.
+fn roll() -> f64 {
+    #[cfg(debug_assertions)]
+    {
+        static SEEDED: std::sync::LazyLock<Option<std::sync::atomic::AtomicU64>> =
+            std::sync::LazyLock::new(|| {
+                std::env::var("AUTOHEDGE_TEST_SEED")
+                    .ok()
+                    .and_then(|s| s.parse().ok())
+                    .map(std::sync::atomic::AtomicU64::new)
+            });
+        if let Some(state) = SEEDED.as_ref() {
+            let mut z = state
+                .fetch_add(0x9E37_79B9_7F4A_7C15, std::sync::atomic::Ordering::Relaxed)
+                .wrapping_add(0x9E37_79B9_7F4A_7C15);
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            return (z >> 11) as f64 / (1u64 << 53) as f64;
+        }
+    }
+    fastrand::f64()
+}
+
 /// A context window learned from an upstream's context-length error, and the request whose error
 /// taught it (shown in `/status`, so an operator can find the answer that did it).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -857,11 +883,7 @@ impl Registry {
                     capabilities: ep.caps,
                     no_usable_key: dead,
                     slow_start,
-                    roll: if slow_start.is_some() {
-                        fastrand::f64()
-                    } else {
-                        0.0
-                    },
+                    roll: if slow_start.is_some() { roll() } else { 0.0 },
                 })
             })
             .collect()

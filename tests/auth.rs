@@ -74,6 +74,20 @@ async fn client_keys_decide_who_may_call_and_which_models() {
         .unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(m.requests().await, 2);
+    // `b` has no key of its own: the client's `x-api-key` (nor any Authorization) did not go
+    // on in its place.
+    let names = m.stats().await["last_header_names"].clone();
+    assert!(
+        names.as_array().is_some_and(|a| !a.is_empty()),
+        "the mock saw the headers: {names}"
+    );
+    for h in ["x-api-key", "authorization"] {
+        assert!(
+            !names.as_array().unwrap().contains(&json!(h)),
+            "{h} reached the keyless endpoint: {names}"
+        );
+    }
+    assert_eq!(m.stats().await["key_tails"], json!(["9999"]));
     // No key, a wrong key: 401 in OpenAI's shape, and nothing reached the upstream.
     for key in [None, Some("sk-nope"), Some(&TEAM_A[..TEAM_A.len() - 1])] {
         let (status, body) = error_of(call(&gw, key, "chat", json!({})).await).await;

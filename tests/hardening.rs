@@ -603,7 +603,11 @@ async fn slow_clients_are_cut_off() {
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     s.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\n")
         .unwrap();
-    let n = s.read(&mut buf).unwrap_or(0);
+    // A read timeout is not a close: it must fail the test, not pass as 0 bytes.
+    let n = match s.read(&mut buf) {
+        Ok(n) => n,
+        Err(e) => panic!("the half-sent headers were not closed on within 10 s: {e}"),
+    };
     let head = String::from_utf8_lossy(&buf[..n]);
     assert!(n == 0 || head.starts_with("HTTP/1.1 408"), "closed: {head}");
     assert_eq!(a.requests().await, 0);
@@ -853,6 +857,9 @@ async fn an_idle_http2_connection_is_closed_at_the_header_timeout() {
     // close its connection.
     let seen = tokio::task::spawn_blocking(move || -> Result<_, String> {
         let mut c = RawH2::connect(addr);
+        // The idle time is measured from before the request: the client reading its answer
+        // late cannot make a close at the deadline look early.
+        let sent = std::time::Instant::now();
         c.send(
             RawH2::HEADERS,
             0x5, // END_HEADERS | END_STREAM
@@ -871,11 +878,19 @@ async fn an_idle_http2_connection_is_closed_at_the_header_timeout() {
                 _ => pings += c.control(ty, flags, &payload, true) as u32,
             }
         }
-        Ok((status, answered, goaway, pings, std::time::Instant::now()))
+        Ok((
+            status,
+            answered,
+            goaway,
+            pings,
+            sent,
+            std::time::Instant::now(),
+        ))
     })
     .await
     .unwrap();
-    let (status, answered, goaway, pings, closed) = seen.expect("the idle connection is closed");
+    let (status, answered, goaway, pings, sent, closed) =
+        seen.expect("the idle connection is closed");
     assert_eq!(
         status,
         Some(STATUS_200),
@@ -883,12 +898,17 @@ async fn an_idle_http2_connection_is_closed_at_the_header_timeout() {
     );
     let answered = answered.expect("the response's body ended");
     assert!(goaway, "the close is announced with GOAWAY");
-    let idle = closed - answered;
+    // The answer came before the idle time began, so the connection lived at least the whole
+    // header_timeout (1 s) after the request was sent.
+    let lived = closed - sent;
     assert!(
-        idle >= Duration::from_millis(700),
-        "closed {idle:?} after the response, before the idle deadline"
+        lived >= Duration::from_millis(1000),
+        "closed {lived:?} after the request, before the idle deadline"
     );
-    println!("closed {idle:?} after the last response; {pings} PING(s) answered");
+    println!(
+        "closed {:?} after the last response; {pings} PING(s) answered",
+        closed - answered
+    );
     assert_eq!(gw.chat("a", "x").await.status(), 200, "others are served");
     assert_no_panic(&gw);
 }
@@ -1989,7 +2009,9 @@ async fn a_burst_of_connections_while_the_gateway_is_paused_waits_in_the_accept_
         .send()
         .await;
     assert!(stopped.is_err(), "a stopped gateway answered");
-    let mut socks = connects(gw.addr, BURST, Duration::from_millis(500)).await;
+    // A generous wait, so a slow machine cannot fail it: with a queue too short, the SYNs past
+    // it would go unanswered for as long as the gateway stays stopped.
+    let mut socks = connects(gw.addr, BURST, Duration::from_secs(10)).await;
     assert_eq!(
         socks.len(),
         BURST,
@@ -2093,6 +2115,7 @@ async fn a_gateway_out_of_file_descriptors_blames_no_endpoint() {
     // Then idle ones (sending nothing; `header_timeout` is 60 s) past the limit: every
     // descriptor is taken, and the rest wait in the accept queue, so one that comes free goes
     // to the next of them at once (the accept loop retries every 50 ms).
+    let exhausted_at = std::time::Instant::now();
     let held: Vec<_> = (0..LIMIT + 50)
         .map(|_| std::net::TcpStream::connect(gw.addr).unwrap())
         .collect();
@@ -2105,8 +2128,13 @@ async fn a_gateway_out_of_file_descriptors_blames_no_endpoint() {
         open_fds(pid)
     );
     for (i, s) in requests.into_iter().enumerate() {
-        // The previous request's connection, closed, has gone to a queued one by now.
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        // The previous request's connection, closed, has gone to a queued one: every
+        // descriptor is taken again.
+        assert!(
+            eventually(Duration::from_secs(10), || async { open_fds(pid) >= LIMIT }).await,
+            "request {i}: {} of {LIMIT} open",
+            open_fds(pid)
+        );
         let (status, body) = tokio::task::spawn_blocking(move || raw_chat(s, "chat"))
             .await
             .unwrap();
@@ -2119,11 +2147,13 @@ async fn a_gateway_out_of_file_descriptors_blames_no_endpoint() {
     assert_eq!(a.requests().await, 0, "no request reached an upstream");
     assert_eq!(b.requests().await, 0);
     // The accept loop failed every 50 ms meanwhile (more than a second of it), and said so —
-    // once, not twenty times a second.
+    // once per 10 s of it (the throttle's period), not twenty times a second.
     let accept_warnings = gw.log().matches("accept failed").count();
+    let periods = exhausted_at.elapsed().as_secs() / 10 + 1;
     assert!(
-        (1..=2).contains(&accept_warnings),
-        "{accept_warnings} accept warnings:\n{}",
+        (1..=periods as usize + 1).contains(&accept_warnings),
+        "{accept_warnings} accept warnings in {:?}:\n{}",
+        exhausted_at.elapsed(),
         gw.log()
     );
 
@@ -2789,15 +2819,24 @@ async fn a_flood_of_container_events_rescans_at_most_every_250_ms() {
     assert!(ok, "events were sent and set off a rescan");
     let before = engine.seen("/containers/json").0;
     let events_before = engine.seen("/events").1;
+    let t0 = std::time::Instant::now();
     tokio::time::sleep(Duration::from_secs(3)).await;
     let scans = engine.seen("/containers/json").0 - before;
     let sent = (engine.seen("/events").1 - events_before) / 58;
-    assert!(sent >= 300, "{sent} events sent in 3 s");
-    eprintln!("{scans} scans in 3 s under {sent} events");
-    // 3 s at one every 250 ms, and one of slack for where the window falls.
+    let elapsed = t0.elapsed();
+    eprintln!("{scans} scans in {elapsed:?} under {sent} events");
+    // Counted, not timed: events still set off scans, far more events came than scans were
+    // made, and the scans are at most one per 250 ms of however long the window really was
+    // (plus one for where it falls and one in flight).
+    assert!(scans >= 1, "the events set off no scan");
     assert!(
-        (3..=13).contains(&scans),
-        "{scans} scans in 3 s under {sent} events"
+        sent >= 10 * scans,
+        "{sent} events for {scans} scans: not a flood"
+    );
+    let most = (elapsed.as_millis() / 250) as u64 + 2;
+    assert!(
+        scans <= most,
+        "{scans} scans in {elapsed:?} (at most {most}) under {sent} events"
     );
     assert_engine_ok_and_serving(&gw).await;
 }

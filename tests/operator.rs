@@ -718,19 +718,33 @@ async fn stats_watch_redraws_in_place_until_interrupted() {
         .spawn()
         .unwrap();
     let mut out = child.stdout.take().unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = seen.clone();
     let reader = std::thread::spawn(move || {
-        let mut buf = Vec::new();
-        let _ = out.read_to_end(&mut buf);
-        buf
+        let mut chunk = [0u8; 4096];
+        while let Ok(n) = out.read(&mut chunk) {
+            if n == 0 {
+                break;
+            }
+            sink.lock().unwrap().extend_from_slice(&chunk[..n]);
+        }
     });
-    // Two redraws come 2 s apart.
-    tokio::time::sleep(Duration::from_millis(3000)).await;
+    // Two redraws (2 s apart), waited for however slow the machine is.
+    let redrawn = eventually(Duration::from_secs(30), || async {
+        String::from_utf8_lossy(&seen.lock().unwrap())
+            .matches("refreshed")
+            .count()
+            >= 2
+    })
+    .await;
     let _ = Command::new("kill")
         .args(["-INT", &child.id().to_string()])
         .status();
     let status = child.wait().unwrap();
     assert!(status.success(), "{status}");
-    let text = String::from_utf8(reader.join().unwrap()).unwrap();
+    reader.join().unwrap();
+    let text = String::from_utf8(seen.lock().unwrap().clone()).unwrap();
+    assert!(redrawn, "two redraws within 30 s: {text:?}");
     assert!(text.matches("\x1b[H\x1b[2J").count() >= 2, "{text:?}");
     assert!(text.matches("refreshed").count() >= 2, "{text:?}");
     assert!(text.contains("a "), "{text}");

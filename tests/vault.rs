@@ -244,6 +244,18 @@ async fn vault_secrets_refresh_transit_keys_and_vault_going_away() {
         json!([]),
         "the vLLM endpoint got no key"
     );
+    // A hedged request: the first attempt (slow, 2 s) and its hedged copy (a) both carry the
+    // request's own key.
+    let r = chat_with(&gw, "hedged", Some(&own)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-hedged"), "true");
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "a");
+    assert_eq!(
+        last_tail(&slow).await,
+        "3333",
+        "the first attempt had the own key"
+    );
+    assert_eq!(last_tail(&a).await, "3333", "so had the hedged copy");
     // Forged ciphertexts: 400, and nothing reached an upstream.
     let before = a.requests().await;
     for forged in [

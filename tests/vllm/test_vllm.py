@@ -175,20 +175,47 @@ def test_backend_tokenize_is_the_servers_own_count(stack):
     assert _status(stack["addr"])["endpoints"]["vllm_tok"]["learned_context_window"] == MAX_MODEL_LEN
 
 
+def _vllm_attempt(stack, rid, endpoint):
+    """The status and class of `endpoint`'s attempt in request `rid` (waits for the row)."""
+    deadline = time.time() + 10
+    while True:
+        with sqlite3.connect(stack["db"]) as db:
+            row = db.execute("SELECT status, class FROM attempts WHERE request_id = ? AND endpoint = ?",
+                             (rid, endpoint)).fetchone()
+        if row or time.time() > deadline:
+            return row
+        time.sleep(0.1)
+
+
+def _forget_window(stack):
+    """`autohedge endpoint clear vllm` through the admin call: the window a case before taught is
+    forgotten, so this case meets vLLM's own 400 again."""
+    req = urllib.request.Request(f"http://{stack['addr']}/admin/endpoints/vllm/clear", data=b"{}",
+                                 headers={"content-type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200
+    assert _status(stack["addr"])["endpoints"]["vllm"]["learned_context_window"] is None
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_prompt_over_max_model_len_goes_to_a_larger_endpoint(stack, stream):
+    _forget_window(stack)
     long = [{"role": "user", "content": "the quick brown fox " * 200}]
     raw = stack["client"].chat.completions.with_raw_response.create(
         model="chat", messages=long, max_tokens=4, stream=stream)
     assert raw.headers["x-autohedge-endpoint"] == "big"
-    # vLLM's own 400 wording stated the limit; the gateway learned it.
+    # vLLM itself refused it with its own 400 (no window was known)...
+    assert _vllm_attempt(stack, raw.headers["x-request-id"], "vllm") == (400, "context_length")
+    # ...whose wording stated the limit; the gateway learned it.
     assert _status(stack["addr"])["endpoints"]["vllm"]["learned_context_window"] == MAX_MODEL_LEN
 
 
 def test_max_tokens_over_max_model_len_goes_to_a_larger_endpoint(stack):
+    _forget_window(stack)
     raw = stack["client"].chat.completions.with_raw_response.create(
         model="chat", messages=MSG, max_tokens=5000)
     assert raw.headers["x-autohedge-endpoint"] == "big"
+    assert _vllm_attempt(stack, raw.headers["x-request-id"], "vllm") == (400, "context_length")
 
 
 def test_a_request_quoting_a_context_error_teaches_the_endpoint_nothing(stack):

@@ -22,7 +22,6 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{AlertEvent, Webhook, WebhookFormat};
-use crate::state::AppState;
 
 /// Alerts waiting for the task; more are dropped (and counted).
 const QUEUE: usize = 1024;
@@ -209,9 +208,20 @@ fn slack_escape(s: &str) -> String {
         .replace('>', "&gt;")
 }
 
+/// What the alert task reads of the gateway, now and then: its live config and the audit
+/// trail's drop counter. `AppState` provides it; the task reaches into nothing else.
+pub trait Source: Send + Sync + 'static {
+    fn config(&self) -> Arc<crate::config::Config>;
+    fn audit_dropped(&self) -> u64;
+}
+
 /// The alert task: filters, deduplicates and delivers. Stops on `cancel` (deliveries in
 /// flight are given up: they are retries of something already attempted).
-pub async fn run(state: Arc<AppState>, mut rx: mpsc::Receiver<Signal>, cancel: CancellationToken) {
+pub async fn run<S: Source>(
+    state: Arc<S>,
+    mut rx: mpsc::Receiver<Signal>,
+    cancel: CancellationToken,
+) {
     let client = match reqwest::Client::builder()
         .timeout(POST_TIMEOUT)
         .redirect(reqwest::redirect::Policy::none())
@@ -223,11 +233,11 @@ pub async fn run(state: Arc<AppState>, mut rx: mpsc::Receiver<Signal>, cancel: C
             return;
         }
     };
-    let gateway = gateway_name(&state);
+    let gateway = gateway_name(&state.config());
     let mut dedupe = Dedupe::default();
     let mut fails = FailWindow::default();
     let mut deliveries: JoinSet<()> = JoinSet::new();
-    let mut audit_dropped = state.store.dropped();
+    let mut audit_dropped = state.audit_dropped();
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -239,7 +249,7 @@ pub async fn run(state: Arc<AppState>, mut rx: mpsc::Receiver<Signal>, cancel: C
             },
             _ = tick.tick() => {
                 while deliveries.try_join_next().is_some() {}
-                let now = state.store.dropped();
+                let now = state.audit_dropped();
                 if now > audit_dropped {
                     let n = now - audit_dropped;
                     audit_dropped = now;
@@ -254,7 +264,7 @@ pub async fn run(state: Arc<AppState>, mut rx: mpsc::Receiver<Signal>, cancel: C
                 }
             }
         };
-        let cfg = state.config.load();
+        let cfg = state.config();
         let Some(settings) = cfg.alerts.as_ref() else {
             continue;
         };
@@ -339,9 +349,9 @@ async fn deliver(client: reqwest::Client, hook: Webhook, body: Value, event: Ale
 
 /// What the messages call this gateway: `$HOSTNAME` (a container's id in Swarm) and the listen
 /// address.
-fn gateway_name(state: &AppState) -> String {
+fn gateway_name(cfg: &crate::config::Config) -> String {
     let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "autohedge".into());
-    format!("{host} ({})", state.config.load().listen)
+    format!("{host} ({})", cfg.listen)
 }
 
 #[cfg(test)]

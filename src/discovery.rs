@@ -36,7 +36,7 @@
 //! `endpoint_events` row with its reason and result.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bollard::Docker;
@@ -50,6 +50,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{DockerConfig, EndpointKind};
+pub use crate::observed::{Discovered, DockerStatus, SharedStatus};
 use crate::state::AppState;
 use crate::store::{EndpointEvent, Record};
 
@@ -79,51 +80,6 @@ const EVENT_RESCAN_GAP: Duration = Duration::from_millis(250);
 
 /// How long the event follower waits before reconnecting to the engine's event stream.
 const EVENTS_RECONNECT: Duration = Duration::from_secs(1);
-
-/// Where and how an endpoint runs, as Docker sees it.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Discovered {
-    /// Service (or container) name.
-    pub service: String,
-    /// `http://ip:port` of each running task.
-    pub addresses: Vec<String>,
-    pub running: usize,
-    /// Tasks that failed or were restarted (Swarm), or the container's restart count.
-    pub restarts: u64,
-    /// Why it is down, if it is: no running task, or the engine reports it unhealthy.
-    pub down: Option<String>,
-}
-
-/// The watcher's last view, for `/status`.
-#[derive(Clone, Debug, Default)]
-pub struct DockerStatus {
-    pub enabled: bool,
-    pub reachable: Option<bool>,
-    pub error: Option<String>,
-    pub last_scan: Option<SystemTime>,
-    /// Endpoints that exist only because discovery found them.
-    pub added: Vec<String>,
-    pub actions: u64,
-}
-
-impl DockerStatus {
-    pub fn to_json(&self) -> Value {
-        json!({
-            "enabled": self.enabled,
-            "status": match self.reachable {
-                None => if self.enabled { "starting" } else { "disabled" },
-                Some(true) => "ok",
-                Some(false) => "docker_daemon_unreachable",
-            },
-            "error": self.error,
-            "last_scan_unix_ms": self.last_scan.and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok()).map(|d| d.as_millis() as u64),
-            "discovered_endpoints": self.added,
-            "remediation_actions": self.actions,
-        })
-    }
-}
-
-pub type SharedStatus = Arc<Mutex<DockerStatus>>;
 
 #[derive(Clone, Debug)]
 struct Found {

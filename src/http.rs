@@ -609,7 +609,7 @@ async fn metrics(
             header::CONTENT_TYPE,
             "text/plain; version=0.0.4; charset=utf-8",
         )],
-        app.telemetry.render(&app),
+        app.telemetry.render(&app.gauges()),
     )
         .into_response()
 }

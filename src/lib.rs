@@ -27,6 +27,7 @@ pub mod http;
 pub mod logctx;
 pub mod logwriter;
 pub mod mock;
+pub mod observed;
 pub mod op;
 pub mod outcome;
 pub mod probe;
@@ -85,6 +86,123 @@ mod layering {
             ],
         ),
     ];
+
+    /// Every module (a file under `src/`, or a folder's file) and the modules it imports, from
+    /// `crate::…` and `super::…` paths outside its tests. A folder is one module seen from
+    /// outside; inside it, its files are modules of their own (so siblings that import each
+    /// other show), and a file's imports of its own folder (`super::after`) are not edges.
+    fn import_graph() -> std::collections::BTreeMap<String, std::collections::BTreeSet<String>> {
+        use std::collections::{BTreeMap, BTreeSet};
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut files: BTreeMap<String, String> = BTreeMap::new();
+        let mut folders: BTreeSet<String> = BTreeSet::new();
+        for entry in std::fs::read_dir(&src).unwrap() {
+            let path = entry.unwrap().path();
+            let name = path.file_stem().unwrap().to_string_lossy().into_owned();
+            if path.is_dir() {
+                folders.insert(name.clone());
+                for f in std::fs::read_dir(&path).unwrap() {
+                    let f = f.unwrap().path();
+                    if f.extension().is_some_and(|e| e == "rs") {
+                        let stem = f.file_stem().unwrap().to_string_lossy().into_owned();
+                        let node = if stem == "mod" {
+                            name.clone()
+                        } else {
+                            format!("{name}::{stem}")
+                        };
+                        files.insert(node, std::fs::read_to_string(&f).unwrap());
+                    }
+                }
+            } else if path.extension().is_some_and(|e| e == "rs") && name != "lib" && name != "main"
+            {
+                files.insert(name, std::fs::read_to_string(&path).unwrap());
+            }
+        }
+        let ident = |t: &str| -> String {
+            t.chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect()
+        };
+        let mut graph = BTreeMap::new();
+        for (node, text) in &files {
+            // Tests may reach anywhere: only the code before the first `#[cfg(test)]` counts,
+            // and not its comments (a doc link is not an import).
+            let code: String = text
+                .split("\n#[cfg(test)]")
+                .next()
+                .unwrap_or(text)
+                .lines()
+                .filter(|l| !l.trim_start().starts_with("//"))
+                .collect::<Vec<_>>()
+                .join("\n");
+            let code = code.as_str();
+            let folder = node.split("::").next().unwrap().to_string();
+            let inside = node.contains("::");
+            let mut to = BTreeSet::new();
+            for (at, _) in code.match_indices("crate::") {
+                let first = ident(&code[at + 7..]);
+                let rest = &code[at + 7 + first.len()..];
+                let target = match rest.strip_prefix("::").map(ident) {
+                    Some(second)
+                        if first == folder && files.contains_key(&format!("{first}::{second}")) =>
+                    {
+                        format!("{first}::{second}")
+                    }
+                    _ => first,
+                };
+                to.insert(target);
+            }
+            if inside {
+                for (at, _) in code.match_indices("super::") {
+                    let sibling = format!("{folder}::{}", ident(&code[at + 7..]));
+                    if files.contains_key(&sibling) {
+                        to.insert(sibling);
+                    }
+                }
+            }
+            to.retain(|t| {
+                files.contains_key(t)
+                    && t != node
+                    // A folder and its own files: its inside, not an import.
+                    && !(t == &folder && inside)
+                    && !(node == &folder && t.starts_with(&format!("{folder}::")))
+            });
+            graph.insert(node.clone(), to);
+        }
+        assert!(
+            folders.contains("executor") && graph.len() > 30,
+            "the reader is broken"
+        );
+        graph
+    }
+
+    /// No import circle between modules: each one can be read, tested and changed knowing only
+    /// what is below it. Fails naming the circle.
+    #[test]
+    fn no_module_imports_one_that_imports_it_back() {
+        let graph = import_graph();
+        // For each module, the modules it reaches; a circle is a module that reaches itself (the
+        // graph is a few dozen nodes: no cleverer algorithm is needed).
+        let reach = |from: &str| {
+            let mut seen = std::collections::BTreeSet::new();
+            let mut stack = vec![from.to_string()];
+            while let Some(n) = stack.pop() {
+                for t in graph.get(&n).into_iter().flatten() {
+                    if seen.insert(t.clone()) {
+                        stack.push(t.clone());
+                    }
+                }
+            }
+            seen
+        };
+        for a in graph.keys() {
+            let from_a = reach(a);
+            if from_a.contains(a) {
+                let circle: Vec<&String> = from_a.iter().filter(|b| reach(b).contains(a)).collect();
+                panic!("an import circle through `{a}`: {circle:?}");
+            }
+        }
+    }
 
     #[test]
     fn lower_layers_import_nothing_of_the_request_path() {

@@ -19,35 +19,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{Endpoint, EndpointKind, HealthPolicy};
 use crate::health::ProbeResult;
+pub use crate::observed::ProbeReport;
 use crate::state::AppState;
 use crate::upstream::metrics;
-
-/// What one probe found.
-#[derive(Clone, Debug)]
-pub struct ProbeReport {
-    pub at: SystemTime,
-    pub ok: bool,
-    pub detail: Value,
-    pub result: ProbeResult,
-    /// False when the probe says nothing about health (no probe route on this server, or the
-    /// probe's key was rejected while others remain): the result is shown, not fed to health.
-    pub counts: bool,
-    /// The probe's 401/403 rejected this key (index into the endpoint's keys).
-    pub rejected_key: Option<usize>,
-}
-
-impl ProbeReport {
-    fn new(at: SystemTime, result: ProbeResult, detail: Value) -> Self {
-        ProbeReport {
-            at,
-            ok: result == ProbeResult::Healthy,
-            detail,
-            result,
-            counts: true,
-            rejected_key: None,
-        }
-    }
-}
 
 /// The endpoint's `headers:` on a probe request: probes must look like the traffic they vouch
 /// for (an `OpenAI-Organization`, a gateway token in front of a local server).

@@ -15,27 +15,12 @@ use serde_json::{Value, json};
 use tokio::time::Instant;
 
 use crate::config::{Config, Endpoint, Policy};
+pub use crate::router::Avail;
 use crate::stats::{Counts, Ewma, LatencySample, RollingWindow};
 use crate::store::{EndpointEvent, PersistedStats, StoreHandle};
 
 /// Recent latencies kept per endpoint for percentiles.
 const LATENCY_SAMPLES: usize = 512;
-
-/// Why an endpoint cannot take a request right now.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Avail {
-    Ready,
-    /// Served, but ranked behind healthy endpoints (probes say so).
-    Degraded,
-    Cooldown(Duration),
-    Retired,
-    AuthFailed,
-    /// Unhealthy, warming, ejected or half-open: skipped.
-    Unhealthy {
-        state: &'static str,
-        reason: String,
-    },
-}
 
 #[derive(Debug)]
 struct Retirement {
@@ -65,12 +50,12 @@ pub struct EndpointRuntime {
     tokens_out: u64,
     tokens_estimated: u64,
     fingerprint: String,
-    probe: Option<crate::probe::ProbeReport>,
+    probe: Option<crate::observed::ProbeReport>,
     /// A context limit an upstream's own error stated (smaller than configured, or none was).
     learned_window: Option<LearnedWindow>,
     health: crate::health::Health,
     /// Where Docker discovery says the endpoint runs now (`http://ip:port`), if it does.
-    discovered: Option<crate::discovery::Discovered>,
+    discovered: Option<crate::observed::Discovered>,
     /// The last non-empty set of discovered addresses (sorted).
     last_addresses: Vec<String>,
     /// Rate-limit budgets the upstream's headers announced, per key (its value's hash; `""` for
@@ -700,7 +685,7 @@ impl Registry {
         );
     }
 
-    pub fn set_probe(&self, endpoint: &str, report: crate::probe::ProbeReport) {
+    pub fn set_probe(&self, endpoint: &str, report: crate::observed::ProbeReport) {
         if let Some(rt) = self.get(endpoint) {
             lock(&rt).probe = Some(report);
         }
@@ -742,7 +727,7 @@ impl Registry {
     }
 
     /// Docker's view of an endpoint: where it runs, and whether it is down.
-    pub fn observe_docker(&self, endpoint: &str, d: Option<crate::discovery::Discovered>) {
+    pub fn observe_docker(&self, endpoint: &str, d: Option<crate::observed::Discovered>) {
         let Some(rt) = self.get(endpoint) else {
             return;
         };
@@ -750,7 +735,7 @@ impl Registry {
         let (fresh, tr) = {
             let mut rt = lock(&rt);
             let down = d.as_ref().and_then(|d| d.down.clone());
-            let addrs = |d: &Option<crate::discovery::Discovered>| {
+            let addrs = |d: &Option<crate::observed::Discovered>| {
                 let mut a = d.as_ref().map(|d| d.addresses.clone()).unwrap_or_default();
                 a.sort();
                 a
@@ -1149,7 +1134,7 @@ pub fn lock(m: &Mutex<EndpointRuntime>) -> std::sync::MutexGuard<'_, EndpointRun
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::discovery::Discovered;
+    use crate::observed::Discovered;
 
     fn found(addr: &str, down: Option<&str>) -> Option<Discovered> {
         Some(Discovered {

@@ -8,7 +8,22 @@ use tokio::time::Instant;
 
 use crate::config::{Capability, Caps};
 use crate::outcome::Outcome;
-use crate::registry::Avail;
+
+/// Why an endpoint cannot take a request right now.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Avail {
+    Ready,
+    /// Served, but ranked behind healthy endpoints (probes say so).
+    Degraded,
+    Cooldown(Duration),
+    Retired,
+    AuthFailed,
+    /// Unhealthy, warming, ejected or half-open: skipped.
+    Unhealthy {
+        state: &'static str,
+        reason: String,
+    },
+}
 
 /// What the ranking needs to know about one endpoint.
 #[derive(Clone, Debug)]

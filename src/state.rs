@@ -29,7 +29,7 @@ pub struct AppState {
     pub reload: Mutex<ReloadStatus>,
     pub started: std::time::Instant,
     /// The Docker watcher's last view.
-    pub docker: crate::discovery::SharedStatus,
+    pub docker: crate::observed::SharedStatus,
     /// Endpoints discovery added to the table (kept across file reloads).
     pub discovered: Mutex<Vec<crate::config::DiscoveredEndpoint>>,
     /// Cancelled when `shutdown_grace` is over: requests still running are cut (and recorded
@@ -58,6 +58,15 @@ pub struct AppState {
     /// literals as `Host` unless `server.allowed_hosts` says otherwise. Set once the socket is
     /// bound; true until then, the safe reading.
     pub listen_loopback: std::sync::atomic::AtomicBool,
+}
+
+impl crate::alerts::Source for AppState {
+    fn config(&self) -> Arc<Config> {
+        self.config.load_full()
+    }
+    fn audit_dropped(&self) -> u64 {
+        self.store.dropped()
+    }
 }
 
 /// A request slot: counts the request as in flight until dropped.
@@ -101,6 +110,35 @@ impl AppState {
             telemetry: crate::telemetry::Telemetry::new(),
             listen_loopback: std::sync::atomic::AtomicBool::new(true),
         })
+    }
+
+    /// The gauges `/metrics` shows, read now.
+    pub fn gauges(&self) -> crate::telemetry::Gauges {
+        let cfg = self.config.load();
+        let endpoints = cfg
+            .endpoints
+            .iter()
+            .map(|(name, ep)| {
+                let (state, requests, tokens) = self.registry.gauges(ep, &cfg.policy);
+                crate::telemetry::EndpointGauges {
+                    name: name.clone(),
+                    state,
+                    requests,
+                    tokens,
+                }
+            })
+            .collect();
+        crate::telemetry::Gauges {
+            states: &crate::registry::ENDPOINT_STATES,
+            endpoints,
+            docker_up: self
+                .docker
+                .lock()
+                .map(|d| d.reachable == Some(true))
+                .unwrap_or(false),
+            audit_dropped: self.store.dropped(),
+            alerts_dropped: self.alerts.dropped(),
+        }
     }
 
     /// Runs `f` on the hedge budget named `key` (created empty on first use).

@@ -19,7 +19,6 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::state::AppState;
 use crate::store::RequestRow;
 
 /// Series handles and answer windows looked up by config names on every request (foldhash; no
@@ -393,40 +392,52 @@ impl Telemetry {
         Some((bad as f64 / q.len() as f64, q.len()))
     }
 
-    /// The Prometheus text: gauges read now from the registry and the other tasks, then the
-    /// exporter's rendering.
-    pub fn render(&self, app: &AppState) -> String {
+    /// The Prometheus text: the gauges as read now (`Gauges`, gathered by the caller from the
+    /// registry and the other tasks), then the exporter's rendering.
+    pub fn render(&self, g: &Gauges) -> String {
         let Some(h) = handle() else {
             return "# metrics are recorded by another recorder in this process\n".into();
         };
-        let cfg = app.config.load();
-        for (name, ep) in &cfg.endpoints {
-            let (state, requests, tokens) = app.registry.gauges(ep, &cfg.policy);
-            for s in crate::registry::ENDPOINT_STATES {
-                gauge!("autohedge_endpoint_state", "endpoint" => name.clone(), "state" => s)
-                    .set(if s == state { 1.0 } else { 0.0 });
+        for e in &g.endpoints {
+            for s in g.states {
+                gauge!("autohedge_endpoint_state", "endpoint" => e.name.clone(), "state" => *s)
+                    .set(if *s == e.state { 1.0 } else { 0.0 });
             }
-            for (kind, v) in [("requests", requests), ("tokens", tokens)] {
+            for (kind, v) in [("requests", e.requests), ("tokens", e.tokens)] {
                 if let Some(v) = v {
-                    gauge!("autohedge_upstream_ratelimit_remaining", "endpoint" => name.clone(), "kind" => kind)
+                    gauge!("autohedge_upstream_ratelimit_remaining", "endpoint" => e.name.clone(), "kind" => kind)
                         .set(v as f64);
                 }
             }
         }
-        let docker_up = app
-            .docker
-            .lock()
-            .map(|d| d.reachable == Some(true))
-            .unwrap_or(false);
-        gauge!("autohedge_docker_up").set(if docker_up { 1.0 } else { 0.0 });
-        counter!("autohedge_audit_dropped_total").absolute(app.store.dropped());
-        counter!("autohedge_alerts_dropped_total").absolute(app.alerts.dropped());
+        gauge!("autohedge_docker_up").set(if g.docker_up { 1.0 } else { 0.0 });
+        counter!("autohedge_audit_dropped_total").absolute(g.audit_dropped);
+        counter!("autohedge_alerts_dropped_total").absolute(g.alerts_dropped);
         counter!("autohedge_out_of_files_total").absolute(crate::upstream::out_of_files_count());
         if let Some((w, _)) = ACCESS_LOG.get() {
             counter!("autohedge_log_dropped_total").absolute(w.dropped_lines());
         }
         h.render()
     }
+}
+
+/// The gauges `/metrics` shows, read at scrape time by whoever holds the gateway's state (plain
+/// data: telemetry reaches into nothing).
+pub struct Gauges {
+    /// Every state name an endpoint can be in (each gets its series, 1 for the current one).
+    pub states: &'static [&'static str],
+    pub endpoints: Vec<EndpointGauges>,
+    pub docker_up: bool,
+    pub audit_dropped: u64,
+    pub alerts_dropped: u64,
+}
+
+pub struct EndpointGauges {
+    pub name: String,
+    pub state: &'static str,
+    /// What its keys' fresh `x-ratelimit-*` headers predict it can take now.
+    pub requests: Option<u64>,
+    pub tokens: Option<u64>,
 }
 
 /// The route label: the requested model when the config names it (a route or an endpoint),

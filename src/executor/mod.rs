@@ -32,6 +32,7 @@ mod context;
 mod race;
 mod respond;
 mod stream;
+mod usage;
 
 use attempt::{Attempt, Failure, Success};
 
@@ -97,7 +98,7 @@ struct Run {
     last_context_error: Option<(StatusCode, HeaderMap, Bytes)>,
     /// What failed attempts the upstream billed (their answers reported `usage`) used and cost:
     /// added to the request's row and its key's bill.
-    billed: Option<respond::Leg>,
+    billed: Option<usage::Leg>,
     /// The last failure of the request's own key (429, 404, 410) and its endpoint: the answer
     /// when no endpoint serves, instead of a 503.
     own_key_answer: Option<(String, (StatusCode, HeaderMap, Bytes))>,
@@ -918,7 +919,7 @@ impl Run {
             self.app.registry.observe_ratelimit(ep, key_idx, seen);
         }
         if let Some(usage) = f.usage {
-            let leg = respond::Leg::of(ep, Some(usage), 0, 0, self.req.op);
+            let leg = usage::Leg::of(ep, Some(usage), 0, 0, self.req.op);
             self.billed = Some(self.billed.map_or(leg, |b| b.plus(leg)));
         }
         let secrets = ep.secret_values_with(self.own_key_for(ep));

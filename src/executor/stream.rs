@@ -19,7 +19,7 @@ use serde_json::Value;
 use tokio::time::Instant;
 
 use super::attempt::{Attempt, ByteStream, Success, chunk_text_chars, error_chain};
-use super::respond::{Leg, fill_usage};
+use super::usage::{Leg, fill_usage};
 use crate::config::{Config, Endpoint};
 use crate::error::stream_error_event;
 use crate::outcome::Outcome;

@@ -1,0 +1,83 @@
+//! What the background watchers observed, as plain data: a probe's report and Docker's view of
+//! where an endpoint runs. The registry keeps them per endpoint and `/status` shows them; the
+//! prober and the Docker watcher produce them. A module of its own so the registry needs neither
+//! watcher (they sit above it, on `AppState`), and no import circle runs through them.
+
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use serde_json::{Value, json};
+
+use crate::health::ProbeResult;
+
+/// What one probe found.
+#[derive(Clone, Debug)]
+pub struct ProbeReport {
+    pub at: SystemTime,
+    pub ok: bool,
+    pub detail: Value,
+    pub result: ProbeResult,
+    /// False when the probe says nothing about health (no probe route on this server, or the
+    /// probe's key was rejected while others remain): the result is shown, not fed to health.
+    pub counts: bool,
+    /// The probe's 401/403 rejected this key (index into the endpoint's keys).
+    pub rejected_key: Option<usize>,
+}
+
+impl ProbeReport {
+    pub(crate) fn new(at: SystemTime, result: ProbeResult, detail: Value) -> Self {
+        ProbeReport {
+            at,
+            ok: result == ProbeResult::Healthy,
+            detail,
+            result,
+            counts: true,
+            rejected_key: None,
+        }
+    }
+}
+
+/// Where and how an endpoint runs, as Docker sees it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Discovered {
+    /// Service (or container) name.
+    pub service: String,
+    /// `http://ip:port` of each running task.
+    pub addresses: Vec<String>,
+    pub running: usize,
+    /// Tasks that failed or were restarted (Swarm), or the container's restart count.
+    pub restarts: u64,
+    /// Why it is down, if it is: no running task, or the engine reports it unhealthy.
+    pub down: Option<String>,
+}
+
+/// The watcher's last view, for `/status`.
+#[derive(Clone, Debug, Default)]
+pub struct DockerStatus {
+    pub enabled: bool,
+    pub reachable: Option<bool>,
+    pub error: Option<String>,
+    pub last_scan: Option<SystemTime>,
+    /// Endpoints that exist only because discovery found them.
+    pub added: Vec<String>,
+    pub actions: u64,
+}
+
+impl DockerStatus {
+    pub fn to_json(&self) -> Value {
+        json!({
+            "enabled": self.enabled,
+            "status": match self.reachable {
+                None => if self.enabled { "starting" } else { "disabled" },
+                Some(true) => "ok",
+                Some(false) => "docker_daemon_unreachable",
+            },
+            "error": self.error,
+            "last_scan_unix_ms": self.last_scan.and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok()).map(|d| d.as_millis() as u64),
+            "discovered_endpoints": self.added,
+            "remediation_actions": self.actions,
+        })
+    }
+}
+
+pub type SharedStatus = Arc<Mutex<DockerStatus>>;

@@ -54,7 +54,27 @@ impl Drop for Cleanup {
                 eprintln!("--- gateway logs\n{logs}");
             }
         }
-        for s in &self.services {
+        // The gateway first, and gone, before the services it manages: a gateway still running
+        // its remediation while its services are removed has the engine update a service being
+        // deleted, and Docker 20.10's orchestrator was seen to crash on that
+        // (`SetServiceTasksRemove`: a nil pointer), taking the engine down.
+        let (gateways, others): (Vec<&String>, Vec<&String>) =
+            self.services.iter().partition(|s| s.contains("-gateway"));
+        for s in &gateways {
+            let _ = docker(&["service", "rm", s]);
+        }
+        for s in &gateways {
+            let filter = format!("label=com.docker.swarm.service.name={s}");
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while Instant::now() < deadline {
+                let (ok, ids) = docker(&["ps", "-q", "--filter", &filter]);
+                if ok && ids.trim().is_empty() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(250));
+            }
+        }
+        for s in &others {
             let _ = docker(&["service", "rm", s]);
         }
         // Tasks take a moment to go; the network can only go after them.

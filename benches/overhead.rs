@@ -126,7 +126,7 @@ fn spawn_role(role: &str, extra: &[String]) -> (Child, SocketAddr) {
 }
 
 async fn upstream(tag: String) {
-    let listener = autohedge::server::bind("127.0.0.1:0").await.unwrap();
+    let listener = autohedge::front::server::bind("127.0.0.1:0").await.unwrap();
     println!("listening on {}", listener.local_addr().unwrap());
     let tag: Arc<str> = tag.into();
     loop {
@@ -163,7 +163,7 @@ async fn upstream(tag: String) {
 /// The floor: accept, forward the request to the upstream with a pooled client, stream the
 /// response back. No parsing, no policy.
 async fn proxy(target: String) {
-    let listener = autohedge::server::bind("127.0.0.1:0").await.unwrap();
+    let listener = autohedge::front::server::bind("127.0.0.1:0").await.unwrap();
     println!("listening on {}", listener.local_addr().unwrap());
     let mut conn = HttpConnector::new();
     conn.set_nodelay(true);

@@ -171,9 +171,9 @@ fn main() {
     for _ in 0..3 {
         let t = Instant::now();
         let since = now - Duration::from_secs(86_400 + 60);
-        let r = autohedge::report::build(dir.path(), since).expect("report");
-        let md = autohedge::report::markdown(&r);
-        let html = autohedge::report::html(&r);
+        let r = autohedge::ops::report::build(dir.path(), since).expect("report");
+        let md = autohedge::ops::report::markdown(&r);
+        let html = autohedge::ops::report::html(&r);
         times.push(t.elapsed().as_secs_f64());
         assert_eq!(r.requests, rows, "every row read");
         sizes = (md.len(), html.len());

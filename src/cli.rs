@@ -9,15 +9,15 @@ use anyhow::{Context, bail};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{self, Config, EMBEDDED_DEFAULT};
+use crate::front::server::{Gateway, GatewayOptions};
 use crate::mock::{self, Flavor, Mock};
-use crate::server::{Gateway, GatewayOptions};
 use crate::store;
 
 const DEFAULT_CONFIG: &str = "config/config.yaml";
 
 /// Logs go to stderr (stdout carries the `listening on` line scripts wait for). `RUST_LOG`
 /// overrides the level; `AUTOHEDGE_LOG_FORMAT=json` switches to JSON lines.
-pub fn init_tracing(default_level: &str) -> Option<crate::logwriter::Guard> {
+pub fn init_tracing(default_level: &str) -> Option<crate::ops::logwriter::Guard> {
     use tracing_subscriber::EnvFilter;
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
@@ -37,7 +37,7 @@ pub fn init_tracing(default_level: &str) -> Option<crate::logwriter::Guard> {
         .filter(|n| *n > 0)
         .unwrap_or(LOG_QUEUE_LINES);
     let (writer, guard) =
-        match crate::logwriter::LogWriter::start(std::io::stderr(), limit, "autohedge-log") {
+        match crate::ops::logwriter::LogWriter::start(std::io::stderr(), limit, "autohedge-log") {
             Ok(w) => w,
             Err(e) => {
                 eprintln!("autohedge: cannot start the log writer thread: {e}");
@@ -45,7 +45,7 @@ pub fn init_tracing(default_level: &str) -> Option<crate::logwriter::Guard> {
             }
         };
     let json = std::env::var("AUTOHEDGE_LOG_FORMAT").as_deref() == Ok("json");
-    let _ = crate::telemetry::ACCESS_LOG.set((writer.clone(), json));
+    let _ = crate::ops::telemetry::ACCESS_LOG.set((writer.clone(), json));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(writer);
@@ -55,11 +55,11 @@ pub fn init_tracing(default_level: &str) -> Option<crate::logwriter::Guard> {
         builder
             // Fields at the top level (`jq .status`), not under `fields`.
             .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
-            .event_format(crate::logctx::Format::json())
+            .event_format(crate::ops::logctx::Format::json())
             .try_init()
     } else {
         builder
-            .event_format(crate::logctx::Format::text())
+            .event_format(crate::ops::logctx::Format::text())
             .try_init()
     };
     // The guard flushes what is queued when it is dropped (at exit).
@@ -108,7 +108,7 @@ pub async fn serve(
     data_dir: PathBuf,
 ) -> anyhow::Result<ExitCode> {
     let (cfg, path) = load_config(config_path)?;
-    let files = crate::server::raise_open_files_limit();
+    let files = crate::front::server::raise_open_files_limit();
     match (&files.error, files.now) {
         (Some(e), _) => tracing::warn!(
             error = %e,
@@ -121,7 +121,7 @@ pub async fn serve(
         _ => {}
     }
     if let Some(n) = files.now
-        && n < crate::server::FEW_OPEN_FILES
+        && n < crate::front::server::FEW_OPEN_FILES
     {
         tracing::warn!(
             limit = n,
@@ -129,7 +129,7 @@ pub async fn serve(
         );
     }
     let addr = listen.unwrap_or_else(|| cfg.listen.clone());
-    let listener = crate::server::bind(&addr)
+    let listener = crate::front::server::bind(&addr)
         .await
         .with_context(|| format!("cannot listen on {addr}"))?;
     let gw = Gateway::start(GatewayOptions {
@@ -167,7 +167,7 @@ pub async fn mock_upstream(
         }
         None => mock::Script::default(),
     };
-    let listener = crate::server::bind(&listen)
+    let listener = crate::front::server::bind(&listen)
         .await
         .with_context(|| format!("cannot listen on {listen}"))?;
     let addr = listener.local_addr()?;
@@ -298,7 +298,7 @@ pub fn count_tokens(
 pub fn report(
     data_dir: &Path,
     since: &str,
-    format: crate::report::Format,
+    format: crate::ops::report::Format,
     out: Option<&Path>,
 ) -> anyhow::Result<ExitCode> {
     let window =
@@ -306,10 +306,10 @@ pub fn report(
     let from = SystemTime::now()
         .checked_sub(window)
         .unwrap_or(SystemTime::UNIX_EPOCH);
-    let r = crate::report::build(data_dir, from).context("reading the audit trail")?;
+    let r = crate::ops::report::build(data_dir, from).context("reading the audit trail")?;
     let text = match format {
-        crate::report::Format::Md => crate::report::markdown(&r),
-        crate::report::Format::Html => crate::report::html(&r),
+        crate::ops::report::Format::Md => crate::ops::report::markdown(&r),
+        crate::ops::report::Format::Html => crate::ops::report::html(&r),
     };
     match out {
         Some(p) => {
@@ -597,7 +597,7 @@ pub async fn spawn_mock(
     script: mock::Script,
     cancel: CancellationToken,
 ) -> anyhow::Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>)> {
-    let listener = crate::server::bind("127.0.0.1:0").await?;
+    let listener = crate::front::server::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let m: Arc<Mock> = Mock::new(flavor, script);
     let handle = tokio::spawn(mock::serve(listener, m, cancel));

@@ -11,8 +11,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::cli::spawn_mock;
 use crate::config::Config;
+use crate::front::server::{Gateway, GatewayOptions};
 use crate::mock::{self, Flavor};
-use crate::server::{Gateway, GatewayOptions};
 
 const PRIMARY_SCRIPT: &str = r#"
 name: primary
@@ -80,7 +80,7 @@ routes:
         config: cfg,
         config_path: None,
         data_dir: data_dir.clone(),
-        listener: crate::server::bind("127.0.0.1:0").await?,
+        listener: crate::front::server::bind("127.0.0.1:0").await?,
         watch: false,
     })
     .await?;

@@ -13,7 +13,7 @@ pub struct AttemptReport {
     /// Upstream HTTP status, if one was received.
     pub status: Option<u16>,
     /// What happened (serialised as `connect_error`, `timeout`, `skipped_cooldown`, …, or `ok`).
-    pub class: crate::outcome::Outcome,
+    pub class: crate::routing::outcome::Outcome,
     pub latency_ms: f64,
     /// Redacted detail; never contains a key or an internal address.
     #[serde(skip_serializing_if = "Option::is_none")]

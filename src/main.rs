@@ -98,7 +98,7 @@ enum Command {
         #[arg(long, default_value = "24h")]
         since: String,
         #[arg(long, value_enum, default_value = "md")]
-        format: autohedge::report::Format,
+        format: autohedge::ops::report::Format,
         /// Write here instead of stdout.
         #[arg(long)]
         out: Option<PathBuf>,

@@ -11,7 +11,7 @@ use arc_swap::ArcSwap;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::registry::Registry;
+use crate::routing::registry::Registry;
 use crate::store::{PersistedStats, StoreHandle};
 
 #[derive(Debug, Default, Clone)]
@@ -29,7 +29,7 @@ pub struct AppState {
     pub reload: Mutex<ReloadStatus>,
     pub started: std::time::Instant,
     /// The Docker watcher's last view.
-    pub docker: crate::observed::SharedStatus,
+    pub docker: crate::routing::observed::SharedStatus,
     /// Endpoints discovery added to the table (kept across file reloads).
     pub discovered: Mutex<Vec<crate::config::DiscoveredEndpoint>>,
     /// Cancelled when `shutdown_grace` is over: requests still running are cut (and recorded
@@ -41,26 +41,26 @@ pub struct AppState {
     /// newest inputs under this lock, so none installs a table older than another's.
     pub install_lock: Mutex<()>,
     /// Hedge budgets by `route:NAME` / `endpoint:NAME` (kept across reloads).
-    pub hedges: Mutex<std::collections::BTreeMap<String, crate::hedge::Budget>>,
+    pub hedges: Mutex<std::collections::BTreeMap<String, crate::routing::hedge::Budget>>,
     /// Client keys' limits and spend (kept across reloads, by key name).
-    pub clients: crate::clients::Clients,
+    pub clients: crate::front::clients::Clients,
     /// Vault transit for `x-encrypted-key`, for the current `vault:` settings.
     transit: Mutex<Option<(String, Arc<crate::vault::Transit>)>>,
     /// The last Vault refresh that failed, for `/status` (the last good values stay in use).
     pub vault_error: Mutex<Option<String>>,
     /// Raises webhook alerts (never blocks); the task in `alerts::run` delivers them.
-    pub alerts: crate::alerts::Alerts,
+    pub alerts: crate::ops::alerts::Alerts,
     /// The alert task's receiver, taken once when the gateway starts its tasks.
-    pub alerts_rx: Mutex<Option<tokio::sync::mpsc::Receiver<crate::alerts::Signal>>>,
+    pub alerts_rx: Mutex<Option<tokio::sync::mpsc::Receiver<crate::ops::alerts::Signal>>>,
     /// Metrics, recent failovers, per-endpoint 4xx counts: the operator's figures.
-    pub telemetry: crate::telemetry::Telemetry,
+    pub telemetry: crate::ops::telemetry::Telemetry,
     /// The listener is on a loopback address: `/v1/*` then answers only `localhost` and IP
     /// literals as `Host` unless `server.allowed_hosts` says otherwise. Set once the socket is
     /// bound; true until then, the safe reading.
     pub listen_loopback: std::sync::atomic::AtomicBool,
 }
 
-impl crate::alerts::Source for AppState {
+impl crate::ops::alerts::Source for AppState {
     fn config(&self) -> Arc<Config> {
         self.config.load_full()
     }
@@ -86,7 +86,7 @@ impl AppState {
         persisted: &[PersistedStats],
         spend: Vec<(String, String, f64)>,
     ) -> Arc<AppState> {
-        let (alerts, alerts_rx) = crate::alerts::Alerts::channel();
+        let (alerts, alerts_rx) = crate::ops::alerts::Alerts::channel();
         let registry = Registry::new(store.clone()).with_alerts(alerts.clone());
         registry.sync(&cfg, persisted);
         Arc::new(AppState {
@@ -102,25 +102,25 @@ impl AppState {
             inflight: Arc::new(AtomicUsize::new(0)),
             install_lock: Mutex::new(()),
             hedges: Mutex::new(Default::default()),
-            clients: crate::clients::Clients::new(spend),
+            clients: crate::front::clients::Clients::new(spend),
             transit: Mutex::new(None),
             vault_error: Mutex::new(None),
             alerts,
             alerts_rx: Mutex::new(Some(alerts_rx)),
-            telemetry: crate::telemetry::Telemetry::new(),
+            telemetry: crate::ops::telemetry::Telemetry::new(),
             listen_loopback: std::sync::atomic::AtomicBool::new(true),
         })
     }
 
     /// The gauges `/metrics` shows, read now.
-    pub fn gauges(&self) -> crate::telemetry::Gauges {
+    pub fn gauges(&self) -> crate::ops::telemetry::Gauges {
         let cfg = self.config.load();
         let endpoints = cfg
             .endpoints
             .iter()
             .map(|(name, ep)| {
                 let (state, requests, tokens) = self.registry.gauges(ep, &cfg.policy);
-                crate::telemetry::EndpointGauges {
+                crate::ops::telemetry::EndpointGauges {
                     name: name.clone(),
                     state,
                     requests,
@@ -128,8 +128,8 @@ impl AppState {
                 }
             })
             .collect();
-        crate::telemetry::Gauges {
-            states: &crate::registry::ENDPOINT_STATES,
+        crate::ops::telemetry::Gauges {
+            states: &crate::routing::registry::ENDPOINT_STATES,
             endpoints,
             docker_up: self
                 .docker
@@ -142,7 +142,11 @@ impl AppState {
     }
 
     /// Runs `f` on the hedge budget named `key` (created empty on first use).
-    pub fn hedge_budget<R>(&self, key: &str, f: impl FnOnce(&mut crate::hedge::Budget) -> R) -> R {
+    pub fn hedge_budget<R>(
+        &self,
+        key: &str,
+        f: impl FnOnce(&mut crate::routing::hedge::Budget) -> R,
+    ) -> R {
         let mut budgets = self.hedges.lock().unwrap_or_else(|e| e.into_inner());
         match budgets.get_mut(key) {
             Some(b) => f(b),
@@ -194,7 +198,7 @@ impl AppState {
     pub fn install(&self, cfg: Config) {
         self.registry.sync(&cfg, &[]);
         self.config.store(Arc::new(cfg));
-        crate::telemetry::config_reload(true);
+        crate::ops::telemetry::config_reload(true);
         let mut r = self.reload.lock().unwrap_or_else(|e| e.into_inner());
         r.reloads += 1;
         r.last_ok = Some(SystemTime::now());
@@ -232,7 +236,7 @@ impl AppState {
     pub fn record_request(
         &self,
         row: crate::store::RequestRow,
-        admission: Option<crate::clients::Admission>,
+        admission: Option<crate::front::clients::Admission>,
     ) {
         if let Some(mut a) = admission
             && let Some(total) = a.settle(row.cost_usd, row.tokens_out.unwrap_or(0))
@@ -248,7 +252,7 @@ impl AppState {
     }
 
     pub fn reload_failed(&self, error: String) {
-        crate::telemetry::config_reload(false);
+        crate::ops::telemetry::config_reload(false);
         self.alerts
             .raise(crate::config::AlertEvent::ConfigReloadFailed, None, &error);
         let mut r = self.reload.lock().unwrap_or_else(|e| e.into_inner());

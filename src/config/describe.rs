@@ -108,10 +108,10 @@ pub fn describe(cfg: &Config) -> String {
     out
 }
 
-fn hedge_text(h: &crate::hedge::Spec) -> String {
+fn hedge_text(h: &crate::routing::hedge::Spec) -> String {
     let after = match h.after {
-        crate::hedge::After::Fixed(d) => format!("{d:?}"),
-        crate::hedge::After::Percentile(p) => format!("p{p}"),
+        crate::routing::hedge::After::Fixed(d) => format!("{d:?}"),
+        crate::routing::hedge::After::Percentile(p) => format!("p{p}"),
     };
     format!(
         "hedge after {after} (min {:?}), at most {}% extra{}",

@@ -542,7 +542,7 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
             note: p.truncation.and_then(|t| t.omission_note).unwrap_or(true),
         },
         // Filled from `health:` below.
-        health: crate::health::Thresholds::default(),
+        health: crate::routing::health::Thresholds::default(),
         max_cooldown: or_default(p.max_cooldown, Duration::from_secs(600)),
         panic_threshold: p.panic_threshold.unwrap_or(0.5),
         request_timeout: or_default(p.request_timeout, Duration::from_secs(300)),
@@ -570,7 +570,7 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
         ));
     }
     let rh = &raw.health;
-    let thresholds = crate::health::Thresholds {
+    let thresholds = crate::routing::health::Thresholds {
         flip_after: rh.flip_after.unwrap_or(2).max(1),
         warmup: or_default(rh.warmup, Duration::from_secs(180)),
         eject_after: rh.eject_after.unwrap_or(5).max(1),
@@ -834,8 +834,8 @@ fn check_chain(
 }
 
 /// `hedge:` as the executor reads it.
-fn hedge_spec(at: &str, h: &RawHedge) -> Result<crate::hedge::Spec, ConfigError> {
-    use crate::hedge::{After, Spec, parse_percentile, parse_share};
+fn hedge_spec(at: &str, h: &RawHedge) -> Result<crate::routing::hedge::Spec, ConfigError> {
+    use crate::routing::hedge::{After, Spec, parse_percentile, parse_share};
     let after = match &h.after {
         StrOrNum::Num(n) => After::Fixed(
             duration::parse_duration(&n.to_string())

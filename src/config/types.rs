@@ -353,7 +353,7 @@ pub struct Endpoint {
     /// configured address go over instead of `direct`.
     pub plain: Option<Plain>,
     /// `hedge:`: hedging for requests that try this endpoint first (unless their route has one).
-    pub hedge: Option<crate::hedge::Spec>,
+    pub hedge: Option<crate::routing::hedge::Spec>,
     /// Upstream URL per operation (indexed by `Op as usize`), parsed once per load.
     pub urls: [reqwest::Url; 3],
     /// The same as `http::Uri`s, for the direct client.
@@ -397,7 +397,7 @@ pub struct Policy {
     pub context_fill: f64,
     pub on_context_overflow: Overflow,
     pub truncation: crate::tokens::truncate::Options,
-    pub health: crate::health::Thresholds,
+    pub health: crate::routing::health::Thresholds,
     pub max_cooldown: Duration,
     pub panic_threshold: f64,
     pub request_timeout: Duration,
@@ -462,7 +462,7 @@ pub struct Config {
     /// Per-route overflow settings (routes written in the long form).
     pub route_overflow: BTreeMap<String, Overflow>,
     /// Per-route hedging (routes written in the long form).
-    pub route_hedge: BTreeMap<String, crate::hedge::Spec>,
+    pub route_hedge: BTreeMap<String, crate::routing::hedge::Spec>,
     /// Routes with `continue_streams: true`.
     pub route_continue: BTreeSet<String>,
     /// `auth:`: client keys and the admin key, as digests only.

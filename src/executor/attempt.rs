@@ -12,8 +12,8 @@ use serde_json::Value;
 use tokio::time::{Instant, sleep_until, timeout_at};
 
 use crate::config::{Endpoint, EndpointKind, Secret};
-use crate::outcome::Outcome;
-use crate::ratelimit::Observed;
+use crate::routing::outcome::Outcome;
+use crate::routing::ratelimit::Observed;
 use crate::upstream::{self, Answer, Prepared, SendError, classify};
 use crate::wire::sse::SseParser;
 use crate::wire::{self, ChunkKind, Inbound, Usage};

@@ -18,9 +18,9 @@ use tokio::time::{Instant, timeout_at};
 
 use crate::config::{Config, Endpoint, Overflow, Secret};
 use crate::error::AttemptReport;
-use crate::outcome::{self, Action, Hints, Outcome};
-use crate::registry::{Effect, KeyPick};
-use crate::router::{self, View};
+use crate::routing::outcome::{self, Action, Hints, Outcome};
+use crate::routing::registry::{Effect, KeyPick};
+use crate::routing::router::{self, View};
 use crate::state::AppState;
 use crate::store::RequestRow;
 use crate::tokens::Count;
@@ -65,7 +65,7 @@ pub struct Caller {
     /// The client key's name (`auth.keys[].name`), for the audit row and the key's spend.
     pub client: Option<String>,
     /// The key's hold on its limits, settled with the request's audit row.
-    pub admission: Option<crate::clients::Admission>,
+    pub admission: Option<crate::front::clients::Admission>,
     /// The plaintext of a valid `x-encrypted-key`: the upstream key of OpenAI-type endpoints
     /// for this request only.
     pub key: Option<Secret>,
@@ -116,7 +116,7 @@ struct Run {
     /// A hedged copy in flight beside `current`.
     current_hedge: Option<(Arc<Endpoint>, Instant)>,
     /// This request's hedging (`route:NAME` or `endpoint:NAME` budget, and the spec).
-    hedge: Option<(String, crate::hedge::Spec)>,
+    hedge: Option<(String, crate::routing::hedge::Spec)>,
     hedges_sent: u32,
     /// A hedged copy served the request (`x-autohedge-hedged: true`).
     hedge_won: bool,
@@ -130,7 +130,7 @@ struct Run {
     client: Option<String>,
     /// The client key's hold on its limits: settled with the audit row (or by a committed
     /// stream's guard, which takes it).
-    admission: Option<crate::clients::Admission>,
+    admission: Option<crate::front::clients::Admission>,
     /// The request's own upstream key (`x-encrypted-key`), for OpenAI-type endpoints.
     own_key: Option<Secret>,
     /// Endpoints tried although health said to skip them (healthy panic, last resort).
@@ -254,7 +254,7 @@ pub async fn execute(
     match timeout_at(deadline, run.go(chain)).await {
         Ok(resp) => {
             // Until the response (a stream: its commit) started, less the waiting.
-            crate::telemetry::overhead(arrived.elapsed().saturating_sub(run.waited));
+            crate::ops::telemetry::overhead(arrived.elapsed().saturating_sub(run.waited));
             resp
         }
         Err(_) => run.request_timed_out(),
@@ -269,7 +269,7 @@ fn hedge_for(
     cfg: &Config,
     req: &Inbound,
     chain: &[String],
-) -> Option<(String, crate::hedge::Spec)> {
+) -> Option<(String, crate::routing::hedge::Spec)> {
     let (key, spec) = match cfg.route_hedge.get(&req.model) {
         Some(s) => (format!("route:{}", req.model), *s),
         None => {
@@ -468,7 +468,7 @@ impl Run {
                     .soonest_cooldown()
                     .into_iter()
                     .chain(again.iter().map(|v| match v.avail {
-                        crate::registry::Avail::Cooldown(d) => d,
+                        crate::routing::registry::Avail::Cooldown(d) => d,
                         _ => Duration::ZERO,
                     }))
                     .min();

@@ -17,7 +17,7 @@ use super::attempt::{Failure, Success};
 use super::{EndpointOutcome, FAILED, Finished, Run, Settled};
 use crate::config::Endpoint;
 use crate::error::AttemptReport;
-use crate::outcome::Outcome;
+use crate::routing::outcome::Outcome;
 
 pub(super) type AttemptFuture = Pin<Box<dyn Future<Output = Result<Success, Failure>> + Send>>;
 

@@ -16,7 +16,7 @@ use super::stream::{Continuation, PassThrough, StreamGuard, pump};
 use super::usage::fill_usage;
 use crate::config::Endpoint;
 use crate::error::{ApiError, AttemptReport};
-use crate::outcome::Outcome;
+use crate::routing::outcome::Outcome;
 use crate::store::{AttemptRow, RequestRow};
 use crate::upstream::classify;
 use crate::wire;

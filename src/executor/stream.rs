@@ -22,8 +22,8 @@ use super::attempt::{Attempt, ByteStream, Success, chunk_text_chars, error_chain
 use super::usage::{Leg, fill_usage};
 use crate::config::{Config, Endpoint};
 use crate::error::stream_error_event;
-use crate::outcome::Outcome;
-use crate::registry::Effect;
+use crate::routing::outcome::Outcome;
+use crate::routing::registry::Effect;
 use crate::state::AppState;
 use crate::store::{AttemptRow, RequestRow};
 use crate::upstream::{self, classify};
@@ -50,7 +50,7 @@ pub(super) struct StreamGuard {
     /// The request's own key (`x-encrypted-key`), redacted like the endpoints' own.
     pub own_key: Option<crate::config::Secret>,
     /// The client key's hold on its limits, settled when the stream ends.
-    pub admission: Option<crate::clients::Admission>,
+    pub admission: Option<crate::front::clients::Admission>,
     /// What the broken first leg of a continued stream used and cost, added to the row.
     pub prior: Option<Leg>,
 }
@@ -641,7 +641,8 @@ impl PassThrough {
                 v.name == ep.name
                     && matches!(
                         v.avail,
-                        crate::registry::Avail::Ready | crate::registry::Avail::Degraded
+                        crate::routing::registry::Avail::Ready
+                            | crate::routing::registry::Avail::Degraded
                     )
             });
             if !usable {
@@ -658,8 +659,8 @@ impl PassThrough {
                 None
             } else {
                 match app.registry.pick_key(&ep) {
-                    crate::registry::KeyPick::NotNeeded => None,
-                    crate::registry::KeyPick::Use(i) => Some(i),
+                    crate::routing::registry::KeyPick::NotNeeded => None,
+                    crate::routing::registry::KeyPick::Use(i) => Some(i),
                     _ => continue,
                 }
             };

@@ -7,7 +7,7 @@ use std::time::Duration;
 use regex::Regex;
 use reqwest::header::HeaderMap;
 
-pub use crate::outcome::Outcome;
+pub use crate::routing::outcome::Outcome;
 
 /// Context-length wording of OpenAI, vLLM, Ollama, llama.cpp server and a few others.
 static CONTEXT_RE: LazyLock<Regex> = LazyLock::new(|| {
@@ -111,7 +111,10 @@ pub fn retry_after(headers: &HeaderMap, max: Duration) -> Option<Duration> {
 /// What a response's `x-ratelimit-*` headers say (any status, not only 429s). A budget is taken
 /// only with both its `remaining` and its `reset` readable; `limit` is optional. Every value is
 /// hostile: malformed ones are ignored, resets are clamped to `max` (`routing_policy.max_cooldown`).
-pub fn ratelimit_headers(headers: &HeaderMap, max: Duration) -> crate::ratelimit::Observed {
+pub fn ratelimit_headers(
+    headers: &HeaderMap,
+    max: Duration,
+) -> crate::routing::ratelimit::Observed {
     // One pass over the headers, each name matched as bytes in one `match`: six lookups by
     // name would hash each name, on every response, for what most upstreams (vLLM, Ollama,
     // llama.cpp) never send.
@@ -141,7 +144,7 @@ fn observed(
     found: [[Option<&str>; 3]; 2],
     max: Duration,
     go_duration: fn(&str) -> Option<Duration>,
-) -> crate::ratelimit::Observed {
+) -> crate::routing::ratelimit::Observed {
     let budget = |[remaining, reset, limit]: [Option<&str>; 3]| {
         let remaining = remaining?.parse::<u64>().ok()?;
         let reset = reset?;
@@ -150,7 +153,7 @@ fn observed(
         let limit = limit.and_then(|v| v.parse::<u64>().ok());
         Some((limit, remaining, reset.min(max)))
     };
-    crate::ratelimit::Observed {
+    crate::routing::ratelimit::Observed {
         requests: budget(found[0]),
         tokens: budget(found[1]),
     }
@@ -420,7 +423,10 @@ mod tests {
 
     /// The header scan as it was (split and matched as text, resets read as floats), which the
     /// one-`match` scan must agree with.
-    fn reference_headers(headers: &HeaderMap, max: Duration) -> crate::ratelimit::Observed {
+    fn reference_headers(
+        headers: &HeaderMap,
+        max: Duration,
+    ) -> crate::routing::ratelimit::Observed {
         let mut found: [[Option<&str>; 3]; 2] = [[None; 3]; 2];
         for (name, value) in headers {
             let Some(rest) = name.as_str().strip_prefix("x-ratelimit-") else {
@@ -637,7 +643,7 @@ mod tests {
             // And whatever was read, the prediction built on it gives a value, never a panic,
             // and never asks to wait longer than the clamped reset.
             let now = tokio::time::Instant::now();
-            let mut l = crate::ratelimit::Limits::default();
+            let mut l = crate::routing::ratelimit::Limits::default();
             l.observe(&seen, now);
             if let Some((d, _)) = l.wait_for(tokens_needed, now) {
                 proptest::prop_assert!(d <= MAX);

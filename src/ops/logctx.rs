@@ -159,7 +159,7 @@ where
             Format::Text(inner) => {
                 let ansi = writer.has_ansi_escapes();
                 let mut ts = Vec::with_capacity(32);
-                crate::telemetry::rfc3339(&mut ts, std::time::SystemTime::now());
+                crate::ops::telemetry::rfc3339(&mut ts, std::time::SystemTime::now());
                 let ts = std::str::from_utf8(&ts).unwrap_or_default();
                 let level = *event.metadata().level();
                 let (name, color) = match level {

@@ -15,8 +15,8 @@ use serde_json::{Value, json};
 use tokio::time::Instant;
 
 use crate::config::{Config, Endpoint, Policy};
-pub use crate::router::Avail;
-use crate::stats::{Counts, Ewma, LatencySample, RollingWindow};
+pub use crate::routing::router::Avail;
+use crate::routing::stats::{Counts, Ewma, LatencySample, RollingWindow};
 use crate::store::{EndpointEvent, PersistedStats, StoreHandle};
 
 /// Recent latencies kept per endpoint for percentiles.
@@ -50,17 +50,17 @@ pub struct EndpointRuntime {
     tokens_out: u64,
     tokens_estimated: u64,
     fingerprint: String,
-    probe: Option<crate::observed::ProbeReport>,
+    probe: Option<crate::routing::observed::ProbeReport>,
     /// A context limit an upstream's own error stated (smaller than configured, or none was).
     learned_window: Option<LearnedWindow>,
-    health: crate::health::Health,
+    health: crate::routing::health::Health,
     /// Where Docker discovery says the endpoint runs now (`http://ip:port`), if it does.
-    discovered: Option<crate::observed::Discovered>,
+    discovered: Option<crate::routing::observed::Discovered>,
     /// The last non-empty set of discovered addresses (sorted).
     last_addresses: Vec<String>,
     /// Rate-limit budgets the upstream's headers announced, per key (its value's hash; `""` for
     /// an endpoint without keys).
-    limits: HashMap<String, crate::ratelimit::Limits>,
+    limits: HashMap<String, crate::routing::ratelimit::Limits>,
     /// When the endpoint last came back from unhealthy, warming or ejection (slow start).
     recovered_at: Option<Instant>,
     /// It has been available before: only then is becoming available a *recovery*. An endpoint
@@ -135,7 +135,7 @@ impl EndpointRuntime {
             fingerprint: fingerprint.to_string(),
             probe: None,
             learned_window: None,
-            health: crate::health::Health::default(),
+            health: crate::routing::health::Health::default(),
             discovered: None,
             last_addresses: Vec::new(),
             limits: HashMap::default(),
@@ -148,7 +148,7 @@ impl EndpointRuntime {
     /// The share of its traffic the endpoint takes now, when it is in its slow start.
     pub fn slow_start(&self, now: Instant, window: Duration) -> Option<f64> {
         let cooldown = self.cooldown_from.zip(self.cooldown_until);
-        crate::router::slow_start_share(self.recovered_at, cooldown, now, window)
+        crate::routing::router::slow_start_share(self.recovered_at, cooldown, now, window)
     }
 
     /// Keys of `ep` that resolved and have not been rejected.
@@ -172,9 +172,9 @@ impl EndpointRuntime {
             return Avail::Cooldown(until - now);
         }
         match self.health.verdict(now) {
-            crate::health::Verdict::Healthy => Avail::Ready,
-            crate::health::Verdict::Degraded => Avail::Degraded,
-            crate::health::Verdict::Skip { state, reason, .. } => {
+            crate::routing::health::Verdict::Healthy => Avail::Ready,
+            crate::routing::health::Verdict::Degraded => Avail::Degraded,
+            crate::routing::health::Verdict::Skip { state, reason, .. } => {
                 Avail::Unhealthy { state, reason }
             }
         }
@@ -190,7 +190,7 @@ pub struct Registry {
     map: RwLock<HashMap<String, Arc<Mutex<EndpointRuntime>>>>,
     store: StoreHandle,
     /// Endpoint events an operator must hear about become alerts.
-    alerts: Option<crate::alerts::Alerts>,
+    alerts: Option<crate::ops::alerts::Alerts>,
 }
 
 /// Which API key an attempt uses.
@@ -204,7 +204,7 @@ pub enum KeyPick {
     Exhausted,
     /// Usable keys exist, but every one's rate-limit budget is predicted too small for this
     /// request for at least this long.
-    Limited(Duration, crate::ratelimit::Short),
+    Limited(Duration, crate::routing::ratelimit::Short),
 }
 
 /// What one attempt's outcome does to the endpoint's state.
@@ -214,7 +214,7 @@ pub enum Effect {
     Success { latency_ms: f64 },
     /// Counts against the endpoint (connect error, timeout, 5xx, broken stream).
     Failure {
-        class: crate::outcome::Outcome,
+        class: crate::routing::outcome::Outcome,
         detail: String,
     },
     /// 429: no health penalty, but no traffic until the cooldown ends.
@@ -234,7 +234,7 @@ impl Registry {
         }
     }
 
-    pub fn with_alerts(mut self, alerts: crate::alerts::Alerts) -> Self {
+    pub fn with_alerts(mut self, alerts: crate::ops::alerts::Alerts) -> Self {
         self.alerts = Some(alerts);
         self
     }
@@ -396,7 +396,7 @@ impl Registry {
             return KeyPick::NotNeeded;
         }
         let n = ep.keys.len();
-        let mut soonest: Option<(Duration, crate::ratelimit::Short)> = None;
+        let mut soonest: Option<(Duration, crate::routing::ratelimit::Short)> = None;
         for step in 0..n {
             let i = (rt.key_cursor + step) % n;
             let k = &ep.keys[i];
@@ -441,7 +441,7 @@ impl Registry {
         &self,
         ep: &Endpoint,
         key: Option<usize>,
-        seen: &crate::ratelimit::Observed,
+        seen: &crate::routing::ratelimit::Observed,
     ) {
         if seen.is_empty() {
             return;
@@ -460,7 +460,7 @@ impl Registry {
             match rt.limits.get_mut(hash) {
                 Some(l) => l.observe(seen, now),
                 None => {
-                    let mut l = crate::ratelimit::Limits::default();
+                    let mut l = crate::routing::ratelimit::Limits::default();
                     l.observe(seen, now);
                     rt.limits.insert(hash.to_string(), l);
                 }
@@ -483,10 +483,10 @@ impl Registry {
                 }
             }
         };
-        if sorted.len() < crate::hedge::MIN_SAMPLES {
+        if sorted.len() < crate::routing::hedge::MIN_SAMPLES {
             return None;
         }
-        let ms = crate::stats::percentile_sorted(&sorted, p)?;
+        let ms = crate::routing::stats::percentile_sorted(&sorted, p)?;
         // Our own measurements, but no float reaches a panicking conversion: `as` saturates.
         (ms.is_finite() && ms >= 0.0).then(|| Duration::from_micros((ms * 1000.0) as u64))
     }
@@ -685,13 +685,13 @@ impl Registry {
         );
     }
 
-    pub fn set_probe(&self, endpoint: &str, report: crate::observed::ProbeReport) {
+    pub fn set_probe(&self, endpoint: &str, report: crate::routing::observed::ProbeReport) {
         if let Some(rt) = self.get(endpoint) {
             lock(&rt).probe = Some(report);
         }
     }
 
-    fn transition(&self, endpoint: &str, tr: &crate::health::Transition) {
+    fn transition(&self, endpoint: &str, tr: &crate::routing::health::Transition) {
         let serving = |s: &str| matches!(s, "healthy" | "degraded");
         if serving(tr.to)
             && !serving(tr.from)
@@ -714,8 +714,8 @@ impl Registry {
     pub fn observe_probe(
         &self,
         endpoint: &str,
-        result: &crate::health::ProbeResult,
-        t: &crate::health::Thresholds,
+        result: &crate::routing::health::ProbeResult,
+        t: &crate::routing::health::Thresholds,
     ) {
         let Some(rt) = self.get(endpoint) else {
             return;
@@ -727,7 +727,7 @@ impl Registry {
     }
 
     /// Docker's view of an endpoint: where it runs, and whether it is down.
-    pub fn observe_docker(&self, endpoint: &str, d: Option<crate::observed::Discovered>) {
+    pub fn observe_docker(&self, endpoint: &str, d: Option<crate::routing::observed::Discovered>) {
         let Some(rt) = self.get(endpoint) else {
             return;
         };
@@ -735,7 +735,7 @@ impl Registry {
         let (fresh, tr) = {
             let mut rt = lock(&rt);
             let down = d.as_ref().and_then(|d| d.down.clone());
-            let addrs = |d: &Option<crate::observed::Discovered>| {
+            let addrs = |d: &Option<crate::routing::observed::Discovered>| {
                 let mut a = d.as_ref().map(|d| d.addresses.clone()).unwrap_or_default();
                 a.sort();
                 a
@@ -846,7 +846,7 @@ impl Registry {
     }
 
     /// What the router needs to know about `names`, now.
-    pub fn views(&self, cfg: &Config, names: &[String]) -> Vec<crate::router::View> {
+    pub fn views(&self, cfg: &Config, names: &[String]) -> Vec<crate::routing::router::View> {
         let now = Instant::now();
         names
             .iter()
@@ -861,7 +861,7 @@ impl Registry {
                         rt.slow_start(now, cfg.policy.slow_start),
                     )
                 })?;
-                Some(crate::router::View {
+                Some(crate::routing::router::View {
                     name: n.clone(),
                     avail,
                     success_rate: rate,
@@ -878,7 +878,8 @@ impl Registry {
     pub fn chains_in_panic(&self, cfg: &Config) -> Vec<String> {
         let mut out = Vec::new();
         let mut check = |name: &str, chain: &[String]| {
-            if crate::router::in_panic(&self.views(cfg, chain), cfg.policy.panic_threshold) {
+            if crate::routing::router::in_panic(&self.views(cfg, chain), cfg.policy.panic_threshold)
+            {
                 out.push(name.to_string());
             }
         };
@@ -894,8 +895,8 @@ impl Registry {
     pub fn ranked(&self, cfg: &Config) -> Value {
         let plan = |chain: &[String]| {
             let views = self.views(cfg, chain);
-            let panic = crate::router::in_panic(&views, cfg.policy.panic_threshold);
-            let p = crate::router::rank(
+            let panic = crate::routing::router::in_panic(&views, cfg.policy.panic_threshold);
+            let p = crate::routing::router::rank(
                 chain,
                 &views,
                 &Default::default(),
@@ -975,7 +976,7 @@ impl Registry {
         );
         let (mut requests, mut tokens) = (None::<u64>, None::<u64>);
         for l in rt.limits.values().filter(|l| !l.expired(now)) {
-            let add = |sum: &mut Option<u64>, b: &Option<crate::ratelimit::Budget>| {
+            let add = |sum: &mut Option<u64>, b: &Option<crate::routing::ratelimit::Budget>| {
                 if let Some(b) = b.filter(|b| b.reset_at > now) {
                     let n = b.available(now).clamp(0.0, u64::MAX as f64) as u64;
                     *sum = Some(sum.unwrap_or(0).saturating_add(n));
@@ -1013,7 +1014,7 @@ impl Registry {
                 if l.expired(now) {
                     return None;
                 }
-                let budget = |b: &Option<crate::ratelimit::Budget>| {
+                let budget = |b: &Option<crate::routing::ratelimit::Budget>| {
                     b.filter(|b| b.reset_at > now).map(|b| {
                         json!({
                             "limit": b.limit,
@@ -1134,7 +1135,7 @@ pub fn lock(m: &Mutex<EndpointRuntime>) -> std::sync::MutexGuard<'_, EndpointRun
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::observed::Discovered;
+    use crate::routing::observed::Discovered;
 
     fn found(addr: &str, down: Option<&str>) -> Option<Discovered> {
         Some(Discovered {
@@ -1175,6 +1176,6 @@ mod tests {
             Avail::Unhealthy { .. }
         ));
         reg.observe_docker("d", found("http://10.0.0.6:8000", None));
-        assert_eq!(share("d"), Some(crate::router::SLOW_START_MIN));
+        assert_eq!(share("d"), Some(crate::routing::router::SLOW_START_MIN));
     }
 }

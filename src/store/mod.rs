@@ -148,7 +148,7 @@ fn ms(t: SystemTime) -> i64 {
 pub struct AttemptRow {
     pub seq: u32,
     pub endpoint: String,
-    pub class: crate::outcome::Outcome,
+    pub class: crate::routing::outcome::Outcome,
     pub status: Option<u16>,
     /// Already redacted: never contains a key.
     pub error: Option<String>,
@@ -837,7 +837,7 @@ impl<'c> Statements<'c> {
                     // `Record::Spend` (so a dropped row loses no spend).
                     if let Some(client) = &row.client_key {
                         self.spend
-                            .execute(params![client, crate::clients::month_of(row.ts)])?;
+                            .execute(params![client, crate::front::clients::month_of(row.ts)])?;
                     }
                     requests.push((next_id, row));
                     next_id += 1;
@@ -1114,8 +1114,8 @@ pub fn report(data_dir: &Path, since: SystemTime) -> rusqlite::Result<Vec<Endpoi
     for (ep, mut v) in lat {
         v.sort_by(f64::total_cmp);
         if let Some(e) = out.get_mut(&ep) {
-            e.p50_ms = crate::stats::percentile_sorted(&v, 50.0);
-            e.p95_ms = crate::stats::percentile_sorted(&v, 95.0);
+            e.p50_ms = crate::routing::stats::percentile_sorted(&v, 50.0);
+            e.p95_ms = crate::routing::stats::percentile_sorted(&v, 95.0);
         }
     }
     let mut stmt = conn.prepare(
@@ -1149,7 +1149,7 @@ pub fn report(data_dir: &Path, since: SystemTime) -> rusqlite::Result<Vec<Endpoi
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::outcome::Outcome;
+    use crate::routing::outcome::Outcome;
 
     fn row(id: &str, endpoint: &str, class: &str) -> RequestRow {
         RequestRow {
@@ -1175,7 +1175,7 @@ mod tests {
                     own_key: false,
                     seq: 2,
                     endpoint: endpoint.into(),
-                    class: crate::outcome::Outcome::Ok,
+                    class: crate::routing::outcome::Outcome::Ok,
                     status: Some(200),
                     error: None,
                     latency_ms: 4.0,
@@ -1315,7 +1315,7 @@ mod tests {
                     own_key: false,
                     seq: k as u32 + 1,
                     endpoint: format!("e{k}"),
-                    class: crate::outcome::Outcome::Ok,
+                    class: crate::routing::outcome::Outcome::Ok,
                     status: Some(200),
                     error: (k == 0).then(|| format!("err {i}")),
                     latency_ms: k as f64,

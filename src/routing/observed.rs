@@ -8,7 +8,7 @@ use std::time::SystemTime;
 
 use serde_json::{Value, json};
 
-use crate::health::ProbeResult;
+use crate::routing::health::ProbeResult;
 
 /// What one probe found.
 #[derive(Clone, Debug)]

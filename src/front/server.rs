@@ -228,16 +228,16 @@ impl Gateway {
                 }
             });
         }
-        tasks.spawn(crate::probe::run(state.clone(), cancel.clone()));
+        tasks.spawn(crate::discovery::probe::run(state.clone(), cancel.clone()));
         if let Some(rx) = state
             .alerts_rx
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()
         {
-            tasks.spawn(crate::alerts::run(state.clone(), rx, cancel.clone()));
+            tasks.spawn(crate::ops::alerts::run(state.clone(), rx, cancel.clone()));
         }
-        tasks.spawn(crate::telemetry::upkeep(cancel.clone()));
+        tasks.spawn(crate::ops::telemetry::upkeep(cancel.clone()));
         tasks.spawn(crate::reload::vault_refresher(
             state.clone(),
             cancel.clone(),
@@ -273,7 +273,7 @@ impl Gateway {
             });
         }
 
-        let app = crate::http::router(state.clone());
+        let app = crate::front::http::router(state.clone());
         let server = tokio::spawn(serve(
             opts.listener,
             app,
@@ -403,7 +403,8 @@ async fn serve(
                 },
             };
             // Client resets and header timeouts end up here; they are the client's business.
-            let io = crate::send_deadline::SendDeadline::new(TokioIo::new(tcp), send_timeout);
+            let io =
+                crate::front::send_deadline::SendDeadline::new(TokioIo::new(tcp), send_timeout);
             let ended = match proto {
                 Proto::Http1 => {
                     let svc = hyper::service::service_fn(
@@ -411,7 +412,7 @@ async fn serve(
                             let (router, state_) = (router.clone(), state_.clone());
                             async move {
                                 Ok::<_, std::convert::Infallible>(
-                                    crate::http::dispatch(&state_, &router, req, peer).await,
+                                    crate::front::http::dispatch(&state_, &router, req, peer).await,
                                 )
                             }
                         },
@@ -428,7 +429,8 @@ async fn serve(
                             // is sent (or the stream is reset): the guard rides in the body.
                             let stream = open.opened();
                             async move {
-                                let resp = crate::http::dispatch(&state_, &router, req, peer).await;
+                                let resp =
+                                    crate::front::http::dispatch(&state_, &router, req, peer).await;
                                 Ok::<_, std::convert::Infallible>(
                                     resp.map(|body| {
                                         axum::body::Body::new(Tracked::new(body, stream))
@@ -507,7 +509,7 @@ async fn serve(
 /// the upstream's stream behind it, for ever; the socket's own [`SendDeadline`] never sees a
 /// write wait, since nothing is written.
 ///
-/// [`SendDeadline`]: crate::send_deadline::SendDeadline
+/// [`SendDeadline`]: crate::front::send_deadline::SendDeadline
 #[derive(Clone)]
 struct Streams(Arc<StreamsShared>);
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::config::{Capability, Caps};
-use crate::outcome::Outcome;
+use crate::routing::outcome::Outcome;
 
 /// Why an endpoint cannot take a request right now.
 #[derive(Clone, Debug, PartialEq)]

@@ -14,9 +14,9 @@ use serde_json::json;
 
 use futures_util::FutureExt;
 
-use crate::clients;
 use crate::error::ApiError;
 use crate::executor;
+use crate::front::clients;
 use crate::state::AppState;
 use crate::store::RequestRow;
 use crate::wire::{self, Op};
@@ -111,7 +111,7 @@ async fn proxy(app: Arc<AppState>, op: Op, headers: HeaderMap, body: Body) -> Re
     let id = request_id(&headers);
     // Everything logged while this request is served carries its id (`logctx`).
     let ctx: Arc<str> = Arc::from(id.as_str());
-    crate::logctx::InRequest::new(ctx.clone(), serve(app, op, headers, body, id, ctx)).await
+    crate::ops::logctx::InRequest::new(ctx.clone(), serve(app, op, headers, body, id, ctx)).await
 }
 
 async fn serve(
@@ -318,7 +318,7 @@ struct WithSlot {
 
 impl Drop for WithSlot {
     fn drop(&mut self) {
-        let _in = crate::logctx::enter(&self.ctx);
+        let _in = crate::ops::logctx::enter(&self.ctx);
         drop(std::mem::take(&mut self.body));
     }
 }
@@ -332,7 +332,7 @@ impl hyper::body::Body for WithSlot {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, axum::Error>>> {
         let this = &mut *self;
-        let _in = crate::logctx::enter(&this.ctx);
+        let _in = crate::ops::logctx::enter(&this.ctx);
         std::pin::Pin::new(&mut this.body).poll_frame(cx)
     }
 
@@ -633,7 +633,7 @@ async fn docs() -> Response {
         .into_response()
 }
 
-const DOCS_PAGE: &str = include_str!("docs.html");
+const DOCS_PAGE: &str = include_str!("../docs.html");
 
 /// Operator call behind `autohedge endpoint clear`: the admin key (or, without one, loopback
 /// only), and a JSON content type — a cross-site form in a browser cannot send one, so a web

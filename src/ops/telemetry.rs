@@ -221,7 +221,7 @@ impl Handles {
         let h = EndpointHandles {
             tokens_in: counter!("autohedge_tokens_total", "endpoint" => ep.to_string(), "direction" => "in"),
             tokens_out: counter!("autohedge_tokens_total", "endpoint" => ep.to_string(), "direction" => "out"),
-            attempts: crate::outcome::Outcome::ALL
+            attempts: crate::routing::outcome::Outcome::ALL
                 .iter()
                 .map(|_| OnceLock::new())
                 .collect(),
@@ -250,8 +250,8 @@ impl RouteHandles {
 }
 
 impl EndpointHandles {
-    fn attempt(&self, ep: &str, class: crate::outcome::Outcome) {
-        let Some(i) = crate::outcome::Outcome::ALL
+    fn attempt(&self, ep: &str, class: crate::routing::outcome::Outcome) {
+        let Some(i) = crate::routing::outcome::Outcome::ALL
             .iter()
             .position(|o| *o == class)
         else {
@@ -490,11 +490,13 @@ fn failovers(row: &RequestRow) -> Vec<Failover> {
     let called: Vec<_> = row
         .attempts
         .iter()
-        .filter(|a| !a.class.is_skip() && a.class != crate::outcome::Outcome::HedgeCancelled)
+        .filter(|a| {
+            !a.class.is_skip() && a.class != crate::routing::outcome::Outcome::HedgeCancelled
+        })
         .collect();
     let mut out = Vec::new();
     for (i, a) in called.iter().enumerate() {
-        if a.class == crate::outcome::Outcome::Ok {
+        if a.class == crate::routing::outcome::Outcome::Ok {
             continue;
         }
         let next = called[i + 1..].iter().find(|b| b.endpoint != a.endpoint);
@@ -521,7 +523,7 @@ fn failovers(row: &RequestRow) -> Vec<Failover> {
 /// The log writer and whether lines are JSON, set by `cli::init_tracing`: access lines go
 /// straight to it, and `/metrics` reads its drop counter. Without it (the library embedded,
 /// tests in-process) access lines go through `tracing::info!`.
-pub static ACCESS_LOG: OnceLock<(crate::logwriter::LogWriter, bool)> = OnceLock::new();
+pub static ACCESS_LOG: OnceLock<(crate::ops::logwriter::LogWriter, bool)> = OnceLock::new();
 
 /// The access line: one per request, at info (`RUST_LOG` filters it like any line), with the
 /// request's figures and the request span's `request_id`. Written straight to the log writer in
@@ -595,7 +597,7 @@ pub(crate) fn rfc3339(buf: &mut Vec<u8>, t: SystemTime) {
     let secs = d.as_secs();
     let days = (secs / 86_400) as i64;
     let rem = secs % 86_400;
-    let (year, month, day) = crate::clients::civil_from_days(days);
+    let (year, month, day) = crate::front::clients::civil_from_days(days);
     // Digits pushed by hand: `write!` with seven padded fields cost more than the rest of the
     // line.
     fn digits(buf: &mut Vec<u8>, mut n: u64, width: usize) {
@@ -748,7 +750,7 @@ fn text_line(buf: &mut Vec<u8>, row: &RequestRow, route: &str, now: SystemTime) 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::outcome::Outcome;
+    use crate::routing::outcome::Outcome;
     use crate::store::AttemptRow;
 
     fn row(attempts: &[(&str, Outcome)], status: u16) -> RequestRow {

@@ -18,8 +18,8 @@ use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Endpoint, EndpointKind, HealthPolicy};
-use crate::health::ProbeResult;
-pub use crate::observed::ProbeReport;
+use crate::routing::health::ProbeResult;
+pub use crate::routing::observed::ProbeReport;
 use crate::state::AppState;
 use crate::upstream::metrics;
 
@@ -460,7 +460,7 @@ pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
             // The key requests would use now, not always the first: a revoked first key must not
             // make a probe fail while the second serves.
             let key = match st.registry.current_key(ep) {
-                crate::registry::KeyPick::Use(i) => ep.keys[i]
+                crate::routing::registry::KeyPick::Use(i) => ep.keys[i]
                     .value
                     .as_ref()
                     .map(|v| (i, v.expose().to_string())),
@@ -535,7 +535,7 @@ pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
                     state.registry.apply(
                         ep,
                         &cfg.policy,
-                        crate::registry::Effect::KeyRejected {
+                        crate::routing::registry::Effect::KeyRejected {
                             key: i,
                             detail: format!("probe: {detail}"),
                         },

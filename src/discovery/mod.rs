@@ -35,6 +35,9 @@
 //! `min_interval`, so nothing flaps; `dry_run` records what it would do. Every action is an
 //! `endpoint_events` row with its reason and result.
 
+pub mod engine;
+pub mod probe;
+
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -50,7 +53,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{DockerConfig, EndpointKind};
-pub use crate::observed::{Discovered, DockerStatus, SharedStatus};
+pub use crate::routing::observed::{Discovered, DockerStatus, SharedStatus};
 use crate::state::AppState;
 use crate::store::{EndpointEvent, Record};
 
@@ -202,7 +205,7 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
         }
         // Docker caps names at 63 characters; an engine that does not is clipped, since the
         // name is shown in `/status`, logs and `endpoint_events`.
-        let name = crate::engine::clip(&spec.name.clone().unwrap_or_default());
+        let name = crate::discovery::engine::clip(&spec.name.clone().unwrap_or_default());
         let port = labels
             .get(LABEL_PORT)
             .and_then(|p| p.parse::<u16>().ok())
@@ -328,7 +331,7 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
         if !in_stack(&labels, cfg) {
             continue;
         }
-        let name = crate::engine::clip(
+        let name = crate::discovery::engine::clip(
             c.names
                 .as_deref()
                 .and_then(<[String]>::first)
@@ -391,7 +394,8 @@ async fn task_addresses(
     network: Option<&str>,
     timeout: Duration,
 ) -> HashMap<String, String> {
-    let filters = crate::engine::percent_encode(&json!({"service": [service]}).to_string());
+    let filters =
+        crate::discovery::engine::percent_encode(&json!({"service": [service]}).to_string());
     let Ok(Value::Array(tasks)) =
         engine("GET", &format!("/tasks?filters={filters}"), None, timeout).await
     else {
@@ -451,7 +455,7 @@ fn event(state: &AppState, endpoint: &str, ev: &str, reason: String) {
     }));
 }
 
-/// A raw Engine API call ([`crate::engine::call`]: read bounded) under `timeout`. Service
+/// A raw Engine API call ([`crate::discovery::engine::call`]: read bounded) under `timeout`. Service
 /// updates go through raw JSON so the read-modify-write of a service spec keeps every field,
 /// including ones a typed model does not know (a typed round trip dropped `--no-healthcheck`,
 /// for one).
@@ -461,7 +465,7 @@ async fn engine(
     body: Option<Value>,
     timeout: Duration,
 ) -> Result<Value, String> {
-    tokio::time::timeout(timeout, crate::engine::call(method, path, body))
+    tokio::time::timeout(timeout, crate::discovery::engine::call(method, path, body))
         .await
         .map_err(|_| {
             format!(
@@ -538,13 +542,15 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
             }
         }
         let scanned_at = Instant::now();
-        let result = match crate::engine::docker() {
+        let result = match crate::discovery::engine::docker() {
             Ok(d) => match tokio::time::timeout(dcfg.timeout, scan(&d, &dcfg)).await {
                 Ok(Ok(found)) => Ok((d, found)),
-                Ok(Err(e)) => Err(crate::engine::clip(&crate::upstream::error_chain(&e))),
+                Ok(Err(e)) => Err(crate::discovery::engine::clip(
+                    &crate::upstream::error_chain(&e),
+                )),
                 Err(_) => Err(format!("no answer within {}ms", dcfg.timeout.as_millis())),
             },
-            Err(e) => Err(crate::engine::clip(&e.to_string())),
+            Err(e) => Err(crate::discovery::engine::clip(&e.to_string())),
         };
         match result {
             Err(e) => {
@@ -754,7 +760,7 @@ impl Drop for FollowerGuard {
     }
 }
 
-/// Follows the engine's event stream ([`crate::engine::events`]: read bounded) and wakes the
+/// Follows the engine's event stream ([`crate::discovery::engine::events`]: read bounded) and wakes the
 /// watcher on container events that move or sicken an endpoint. Reconnects after errors; idle
 /// while Docker is off in the config.
 async fn follow_events(
@@ -768,7 +774,7 @@ async fn follow_events(
         if state.config.load().docker.enabled {
             let opened = tokio::select! {
                 _ = cancel.cancelled() => return,
-                opened = crate::engine::events(&filters) => opened,
+                opened = crate::discovery::engine::events(&filters) => opened,
             };
             if let Ok(events) = opened {
                 let mut events = std::pin::pin!(events);
@@ -786,7 +792,7 @@ async fn follow_events(
                                 let _ = wake.try_send(id.filter(|_| dead));
                             }
                             Some(Err(e)) => {
-                                tracing::debug!(error = %crate::engine::clip(&e), "docker event stream ended");
+                                tracing::debug!(error = %crate::discovery::engine::clip(&e), "docker event stream ended");
                                 break;
                             }
                             None => break,

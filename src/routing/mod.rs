@@ -1,0 +1,14 @@
+//! What decides where a request goes: the closed set of attempt outcomes and what each does
+//! (`outcome`), pure ranking (`router`), the hedging and rate-limit policies (`hedge`,
+//! `ratelimit`), the health state machine (`health`), the rolling statistics (`stats`), what the
+//! watchers observed (`observed`), and the live per-endpoint state that holds them all
+//! (`registry`). Everything but the registry is pure and clock-injected.
+
+pub mod health;
+pub mod hedge;
+pub mod observed;
+pub mod outcome;
+pub mod ratelimit;
+pub mod registry;
+pub mod router;
+pub mod stats;

@@ -2129,12 +2129,26 @@ async fn a_gateway_out_of_file_descriptors_blames_no_endpoint() {
     );
     for (i, s) in requests.into_iter().enumerate() {
         // The previous request's connection, closed, has gone to a queued one: every
-        // descriptor is taken again.
-        assert!(
-            eventually(Duration::from_secs(10), || async { open_fds(pid) >= LIMIT }).await,
-            "request {i}: {} of {LIMIT} open",
-            open_fds(pid)
-        );
+        // descriptor is taken again, and stays so (the accept loop retries every 50 ms, so a
+        // descriptor freed by that close is taken back well within the 300 ms it must hold).
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let mut full_since: Option<std::time::Instant> = None;
+        loop {
+            if open_fds(pid) >= LIMIT {
+                let since = *full_since.get_or_insert_with(std::time::Instant::now);
+                if since.elapsed() >= Duration::from_millis(300) {
+                    break;
+                }
+            } else {
+                full_since = None;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "request {i}: {} of {LIMIT} open",
+                open_fds(pid)
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         let (status, body) = tokio::task::spawn_blocking(move || raw_chat(s, "chat"))
             .await
             .unwrap();

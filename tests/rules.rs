@@ -1025,3 +1025,107 @@ async fn the_upstream_gets_the_clients_bytes_unless_they_could_be_read_two_ways(
     assert_eq!(sent["max_tokens"], 100);
     assert_eq!(sent["model"], "up-model");
 }
+
+/// `/docs` is served with a Content-Security-Policy that allows nothing but the page itself and
+/// its calls to the gateway (its data comes from `/status`, set as text).
+#[tokio::test]
+async fn the_live_page_is_served_with_a_self_only_content_security_policy() {
+    let a = MockUp::openai("name: a").await;
+    let gw = Gw::start(&format!("models:\n{}", ep("a", &a, "")));
+    let r = reqwest::get(gw.url("/docs")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    let csp = header(&r, "content-security-policy");
+    // Nothing by default; the page may talk only to the gateway itself; no other origin, no
+    // eval, no wildcard.
+    assert!(csp.contains("default-src 'none'"), "{csp}");
+    assert!(csp.contains("connect-src 'self'"), "{csp}");
+    assert!(
+        !csp.contains("unsafe-eval") && !csp.contains('*') && !csp.contains("http"),
+        "{csp}"
+    );
+    let page = r.text().await.unwrap();
+    assert!(page.contains("/status"), "the page reads /status");
+    assert!(
+        !page.contains("innerHTML"),
+        "values are set as text, never parsed as HTML"
+    );
+}
+
+/// An upstream's error body is read up to 64 KiB: a 400 of a megabyte reaches the client cut at
+/// that, and the gateway reads no more of it.
+#[tokio::test]
+async fn an_error_body_is_read_up_to_64_kib() {
+    let big = "x".repeat(1024 * 1024);
+    let a = MockUp::openai(&format!("rules: [{{status: 400, body: \"{big}\"}}]")).await;
+    let gw = Gw::start(&format!("models:\n{}", ep("a", &a, "")));
+    let r = gw.chat("a", "hi").await;
+    assert_eq!(r.status(), 400);
+    assert_eq!(a.requests().await, 1, "the upstream answered its 400");
+    let body = r.bytes().await.unwrap();
+    assert!(
+        body.len() > 60 * 1024,
+        "the body was passed on: {} bytes",
+        body.len()
+    );
+    assert!(body.len() <= 64 * 1024, "{} bytes passed on", body.len());
+}
+
+/// A request with `tools` skips an endpoint without the `tools` capability (recorded as
+/// `skipped_capability`) and is served by the next.
+#[tokio::test]
+async fn a_request_with_tools_skips_an_endpoint_without_the_tools_capability() {
+    let nt = MockUp::openai("name: nt").await;
+    let ok = MockUp::openai("name: ok").await;
+    let mut gw = Gw::start(&format!(
+        "models:\n{}{}routes:\n  chat: [nt, ok]\n",
+        ep("nt", &nt, ", capabilities: [chat]"),
+        ep("ok", &ok, "")
+    ));
+    let r = gw
+        .chat_id(
+            "tools-1",
+            json!({"model": "chat", "messages": [{"role": "user", "content": "weather?"}],
+                   "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]}),
+        )
+        .await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "ok");
+    assert_eq!(ok.requests().await, 1);
+    assert_eq!(nt.requests().await, 0, "never called");
+    // Without tools, nt serves.
+    assert_eq!(
+        header(&gw.chat("chat", "hi").await, "x-autohedge-endpoint"),
+        "nt"
+    );
+    gw.stop();
+    assert_eq!(
+        db_rows(
+            &gw,
+            "SELECT endpoint || ':' || class FROM attempts WHERE request_id = 'tools-1' ORDER BY seq"
+        ),
+        vec!["nt:skipped_capability", "ok:ok"]
+    );
+}
+
+/// An OpenAI-type server that answers `GET /models` with 405 has no probe: its state comes
+/// from live traffic, and it is not unhealthy.
+#[tokio::test]
+async fn a_405_for_the_model_list_means_no_probe_not_unhealthy() {
+    let a = MockUp::openai("name: a\nrules: [{when: {path: /v1/models}, status: 405}]").await;
+    let gw = Gw::start(&format!(
+        "models:\n{}health: {{ probe_interval: 100ms, flip_after: 1 }}\n",
+        ep("a", &a, "")
+    ));
+    let probed = eventually(Duration::from_secs(10), || async {
+        a.stats().await["by_path"]["/v1/models"]
+            .as_u64()
+            .unwrap_or(0)
+            >= 2
+    })
+    .await;
+    assert!(probed, "the probe asked /v1/models");
+    let st = gw.status().await;
+    let e = &st["endpoints"]["a"];
+    assert_eq!(e["state"], "healthy", "{e}");
+    assert!(e["probe"]["detail"].to_string().contains("no probe"), "{e}");
+    assert_eq!(gw.chat("a", "hi").await.status(), 200);
+}

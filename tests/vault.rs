@@ -903,3 +903,46 @@ async fn vault_decrypts_run_side_by_side_and_a_new_token_is_used_for_transit() {
     assert_eq!(status, 200, "{}", r.text().await.unwrap());
     assert_eq!(last_tail(&a).await, "1234");
 }
+
+/// A continuation's second leg uses the first leg's key: the request's own `x-encrypted-key`,
+/// where the continuing endpoint takes it (an OpenAI-type server that continues an assistant
+/// message, like llama.cpp's).
+#[tokio::test]
+async fn a_continued_stream_carries_the_requests_own_key_to_its_second_leg() {
+    let bao = Bao::start().await;
+    bao.with_transit_and_approle().await;
+    let brk = MockUp::openai(
+        "reply: \"Hello there my old friend\"\nrules: [{when: {stream: true}, reset_after: 2}]",
+    )
+    .await;
+    let cont = MockUp::openai("reply: \"my old friend\"").await;
+    let cfg = format!(
+        "models:\n  brk: {{ type: openai, base_url: \"{}\", api_key: sk-shared-brk-1111 }}\n  cont: {{ type: openai, base_url: \"{}\", api_key: sk-shared-cont-2222, capabilities: [chat, continue] }}\nroutes:\n  chat:\n    chain: [brk, cont]\n    continue_streams: true\nvault:\n  address: \"{}\"\n  token: env:TEST_VAULT_TOKEN\n  transit_key: autohedge\n",
+        brk.base(),
+        cont.base(),
+        bao.addr
+    );
+    let gw = Gw::start_with_env(&cfg, &[("TEST_VAULT_TOKEN", ROOT_TOKEN)]);
+    let own = bao.encrypt("sk-client-cont-4242").await;
+    let r = reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .header("x-encrypted-key", &own)
+        .json(&json!({"model": "chat", "stream": true, "messages": [{"role": "user", "content": "greet"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let text = stream_text(&sse_events(r).await);
+    assert_eq!(
+        cont.requests().await,
+        1,
+        "cont carried the stream on: {text}"
+    );
+    assert!(text.ends_with("friend"), "{text}");
+    assert_eq!(
+        last_tail(&brk).await,
+        "4242",
+        "the first leg had the own key"
+    );
+    assert_eq!(last_tail(&cont).await, "4242", "so had the second");
+}

@@ -956,3 +956,69 @@ async fn a_failed_attempt_that_reported_usage_is_billed() {
     assert!((row[0][2].as_f64().unwrap() - cost).abs() < 1e-9, "{row:?}");
     assert!((spent - cost).abs() < 1e-9, "{spent} vs {cost}");
 }
+
+/// A key's spend is persisted on its own path: with an audit queue of one, request rows are
+/// dropped, yet `client_spend` holds the whole month's spend after a clean stop, and a restart
+/// reads it back.
+#[tokio::test]
+async fn spend_survives_dropped_audit_rows() {
+    let a = MockUp::openai("name: a").await;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = format!(
+        "server: {{ audit_queue: 1 }}\nmodels:\n  a: {{ type: openai, base_url: \"{}\", cost: {{ input_per_mtok: 1000000, output_per_mtok: 1000000 }} }}\nauth:\n  keys:\n    - {{ name: team, key: sk-team-spend-00000, budget_usd: 100000 }}\n",
+        a.base()
+    );
+    let mut gw = Gw::start_in(dir.path(), &cfg, &[]);
+    let url = gw.url("/v1/chat/completions");
+    let mut tasks = Vec::new();
+    for _ in 0..20 {
+        let url = url.clone();
+        tasks.push(tokio::spawn(async move {
+            let c = reqwest::Client::new();
+            for _ in 0..10 {
+                let r = c
+                    .post(&url)
+                    .bearer_auth("sk-team-spend-00000")
+                    .json(&json!({"model": "a", "messages": [{"role": "user", "content": "x"}]}))
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(a.requests().await, 200);
+    let st = gw.status().await;
+    let spent = st["auth"]["spend_this_month_usd"]["team"].as_f64().unwrap();
+    assert!(spent > 0.0);
+    gw.stop();
+    let dropped = audit_rows(&gw, "SELECT COUNT(*) FROM requests")[0][0]
+        .as_u64()
+        .unwrap();
+    assert!(dropped < 200, "rows were dropped: {dropped} of 200 written");
+    let stored = audit_rows(&gw, "SELECT usd FROM client_spend WHERE client = 'team'")[0][0]
+        .as_f64()
+        .unwrap();
+    assert!(
+        (stored - spent).abs() < 1e-6,
+        "stored {stored}, spent {spent}"
+    );
+    let gw = Gw::start_in(dir.path(), &cfg, &[]);
+    let again = gw.status().await;
+    // The key's state exists once it is used; its spend is read from the database then.
+    let r = reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .bearer_auth("sk-team-spend-00000")
+        .json(&json!({"model": "a", "messages": [{"role": "user", "content": "x"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{again}");
+    let after = gw.status().await["auth"]["spend_this_month_usd"]["team"]
+        .as_f64()
+        .unwrap();
+    assert!(after > spent, "read back {after}, before {spent}");
+}

@@ -311,17 +311,24 @@ impl Gateway {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         while self.tasks.join_next().await.is_some() {}
-        self.state
-            .store
-            .send(Record::Stats(self.state.registry.snapshot()));
-        self.state
-            .store
-            .send(Record::Spend(self.state.clients.spend_snapshot()));
-        if let Some(store) = self.store.take() {
-            tokio::task::spawn_blocking(move || store.close())
-                .await
-                .ok();
-        }
+        // The last snapshots wait for room in the queue (on the blocking pool): a full queue at
+        // shutdown must not lose the month's spend or the endpoints' state.
+        let last = [
+            Record::Stats(self.state.registry.snapshot()),
+            Record::Spend(self.state.clients.spend_snapshot()),
+        ];
+        let handle = self.state.store.clone();
+        let store = self.store.take();
+        tokio::task::spawn_blocking(move || {
+            for r in last {
+                handle.send_waiting(r);
+            }
+            if let Some(store) = store {
+                store.close();
+            }
+        })
+        .await
+        .ok();
         tracing::info!("autohedge stopped; audit queue drained");
     }
 

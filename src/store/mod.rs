@@ -333,6 +333,17 @@ impl StoreHandle {
         self.written.load(Ordering::Relaxed)
     }
 
+    /// Queues `r`, waiting (blocking) for room instead of dropping it: for the last records of a
+    /// clean shutdown (the stats and spend snapshots), which a full queue must not lose.
+    pub fn send_waiting(&self, r: Record) {
+        match &self.tx {
+            Some(tx) if tx.send(r).is_ok() => {}
+            _ => {
+                self.dropped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
     /// Waits (blocking) until everything queued so far is on disk, or `timeout`.
     pub fn flush_blocking(&self, timeout: Duration) -> bool {
         let (tx, rx) = std::sync::mpsc::channel();

@@ -229,6 +229,12 @@ pub struct TokenBucket {
     at: Instant,
 }
 
+/// A wait in seconds as a `Duration`, never panicking: negative or NaN is none, and more than
+/// a day (a debt the bucket caps at a day's tokens, refilling) is a day.
+fn secs(s: f64) -> Duration {
+    Duration::try_from_secs_f64(s.clamp(0.0, 86_400.0)).unwrap_or_default()
+}
+
 /// What a refused take says: tokens left now, and how long until the take would pass.
 #[derive(Debug, PartialEq)]
 pub struct Refused {
@@ -263,7 +269,7 @@ impl TokenBucket {
         let retry_after = if n > self.per_minute {
             Duration::from_secs(60)
         } else {
-            Duration::from_secs_f64(((n as f64 - self.level) / rate).clamp(0.0, 86_400.0))
+            secs((n as f64 - self.level) / rate)
         };
         Err(Refused {
             remaining: self.remaining(),
@@ -286,9 +292,7 @@ impl TokenBucket {
     /// Until the bucket is full again.
     pub fn reset(&self) -> Duration {
         let rate = (self.per_minute as f64 / 60.0).max(1e-9);
-        Duration::from_secs_f64(
-            ((self.per_minute as f64 - self.level) / rate).clamp(0.0, 86_400.0 * 1440.0),
-        )
+        secs((self.per_minute as f64 - self.level) / rate)
     }
 }
 

@@ -177,52 +177,9 @@ async fn serve(
         },
     };
     // A per-request upstream key, encrypted with Vault's transit engine.
-    let own_key = match headers.get("x-encrypted-key") {
-        None => None,
-        Some(v) => {
-            // Within the request's own deadline (the executor's runs from `arrived` too), and
-            // cut by shutdown: a slow Vault holds this request only.
-            let deadline = executor::after(arrived, cfg.policy.request_timeout);
-            let decrypted = match (app.transit(&cfg), v.to_str()) {
-                (Some(t), Ok(text)) => tokio::select! {
-                    r = tokio::time::timeout_at(deadline, t.decrypt(text)) => r.unwrap_or_else(|_| {
-                        Err(crate::vault::DecryptError::Unavailable(
-                            "no answer within routing_policy.request_timeout".into(),
-                        ))
-                    }),
-                    () = app.hard_stop.cancelled() => {
-                        return refused(&app, &id, op, &inbound, client_name, ApiError::Unavailable(
-                            "The gateway is shutting down.".into(),
-                        ));
-                    }
-                },
-                _ => Err(crate::vault::DecryptError::Invalid),
-            };
-            match decrypted {
-                Ok(k) => Some(crate::config::Secret::new(k.as_str().to_string())),
-                Err(crate::vault::DecryptError::Invalid) => {
-                    return refused(
-                        &app,
-                        &id,
-                        op,
-                        &inbound,
-                        client_name,
-                        ApiError::InvalidEncryptedKey,
-                    );
-                }
-                Err(crate::vault::DecryptError::Unavailable(why)) => {
-                    tracing::warn!(request_id = %id, error = %why, "vault unavailable for x-encrypted-key");
-                    return refused(
-                        &app,
-                        &id,
-                        op,
-                        &inbound,
-                        client_name,
-                        ApiError::VaultUnavailable,
-                    );
-                }
-            }
-        }
+    let own_key = match own_key(&app, &cfg, &headers, arrived, &id).await {
+        Ok(k) => k,
+        Err(err) => return refused(&app, &id, op, &inbound, client_name, err),
     };
     let caller = executor::Caller {
         client: client_name,
@@ -405,6 +362,44 @@ fn release_read_buffer(body: Bytes) -> Bytes {
         Bytes::copy_from_slice(&body)
     } else {
         body
+    }
+}
+
+/// The request's own upstream key: `x-encrypted-key` decrypted by Vault's transit engine, within
+/// the request's own deadline (the executor's runs from `arrived` too) and cut by shutdown, so a
+/// slow Vault holds this request only.
+async fn own_key(
+    app: &AppState,
+    cfg: &crate::config::Config,
+    headers: &HeaderMap,
+    arrived: tokio::time::Instant,
+    id: &str,
+) -> Result<Option<crate::config::Secret>, ApiError> {
+    use crate::vault::DecryptError;
+    let Some(v) = headers.get("x-encrypted-key") else {
+        return Ok(None);
+    };
+    let deadline = executor::after(arrived, cfg.policy.request_timeout);
+    let decrypted = match (app.transit(cfg), v.to_str()) {
+        (Some(t), Ok(text)) => tokio::select! {
+            r = tokio::time::timeout_at(deadline, t.decrypt(text)) => r.unwrap_or_else(|_| {
+                Err(DecryptError::Unavailable(
+                    "no answer within routing_policy.request_timeout".into(),
+                ))
+            }),
+            () = app.hard_stop.cancelled() => {
+                return Err(ApiError::Unavailable("The gateway is shutting down.".into()));
+            }
+        },
+        _ => Err(DecryptError::Invalid),
+    };
+    match decrypted {
+        Ok(k) => Ok(Some(crate::config::Secret::new(k.as_str().to_string()))),
+        Err(DecryptError::Invalid) => Err(ApiError::InvalidEncryptedKey),
+        Err(DecryptError::Unavailable(why)) => {
+            tracing::warn!(request_id = %id, error = %why, "vault unavailable for x-encrypted-key");
+            Err(ApiError::VaultUnavailable)
+        }
     }
 }
 

@@ -46,8 +46,15 @@ pub fn init_tracing(default_level: &str) -> Option<crate::ops::logwriter::Guard>
         };
     let json = std::env::var("AUTOHEDGE_LOG_FORMAT").as_deref() == Ok("json");
     let _ = crate::ops::telemetry::ACCESS_LOG.set((writer.clone(), json));
+    // Colour only for a person at a terminal: `docker service logs`, files and pipes get plain
+    // text (and `NO_COLOR` turns it off anywhere).
+    let colour = {
+        use std::io::IsTerminal;
+        std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none()
+    };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(colour)
         .with_writer(writer);
     // Each line logged while a request is served carries it (`span.request_id` in JSON,
     // `request{request_id=…}:` in text): `logctx`, not a tracing span per request.

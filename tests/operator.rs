@@ -853,3 +853,45 @@ async fn the_gateway_raises_its_open_files_limit_to_the_hard_one() {
     let log = low.log();
     assert!(log.contains("few open files allowed"), "{log}");
 }
+
+/// `docker service logs` (a pipe, a file) gets no ANSI colour codes, and at the default level a
+/// request writes one line, its access line: the attempt that failed over is in that line's
+/// `attempt_classes`, its detail at debug (state changes, such as an ejection, are lines of
+/// their own; none happens here).
+#[tokio::test]
+async fn logs_have_no_colour_off_a_terminal_and_one_line_a_request_at_info() {
+    let bad = MockUp::openai("rules: [{status: 503}]").await;
+    let good = MockUp::openai("name: good").await;
+    let mut gw = Gw::start_with_env(
+        &format!(
+            "models:\n  bad: {{ type: openai, base_url: \"{}\" }}\n  good: {{ type: openai, base_url: \"{}\" }}\nroutes:\n  chat: [bad, good]\nhealth: {{ eject_after: 100 }}\n",
+            bad.base(),
+            good.base()
+        ),
+        &[("NO_COLOR", UNSET), ("RUST_LOG", "info")],
+    );
+    let before = gw.log().lines().count();
+    for i in 0..5 {
+        let r = gw
+            .chat_id(
+                &format!("req-{i}"),
+                serde_json::json!({"model": "chat", "messages": [{"role": "user", "content": "x"}]}),
+            )
+            .await;
+        assert_eq!(r.status(), 200);
+    }
+    assert_eq!(bad.requests().await, 5, "each request failed over from bad");
+    gw.stop();
+    let log = gw.log();
+    assert!(!log.contains('\u{1b}'), "ANSI codes in a log file:\n{log}");
+    let lines: Vec<&str> = log
+        .lines()
+        .skip(before)
+        .filter(|l| l.contains("req-"))
+        .collect();
+    assert_eq!(lines.len(), 5, "one line a request:\n{}", lines.join("\n"));
+    assert!(
+        lines.iter().all(|l| l.contains("server_error")),
+        "the failed attempt is in the access line: {lines:?}"
+    );
+}

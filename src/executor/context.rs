@@ -170,7 +170,7 @@ impl Run {
         .await;
         match result {
             Ok(Ok(t)) => {
-                tracing::info!(request_id = %self.request_id, endpoint = %name, dropped_messages = t.dropped_messages, dropped_tokens = t.dropped_tokens, "conversation truncated to fit");
+                tracing::debug!(request_id = %self.request_id, endpoint = %name, dropped_messages = t.dropped_messages, dropped_tokens = t.dropped_tokens, "conversation truncated to fit");
                 self.truncation = Some((t.dropped_messages, t.dropped_tokens));
                 Arc::make_mut(&mut self.req)
                     .body_mut()

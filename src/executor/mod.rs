@@ -925,7 +925,9 @@ impl Run {
         let secrets = ep.secret_values_with(self.own_key_for(ep));
         let detail = classify::redact(&f.detail, &secrets);
         let internal = f.internal.as_deref().map(|d| classify::redact(d, &secrets));
-        tracing::info!(
+        // A per-request fact: the access line carries the attempts' classes; the detail is
+        // for debugging (state changes it causes are logged as endpoint events).
+        tracing::debug!(
             request_id = %self.request_id,
             endpoint = %ep.name,
             class = f.class.as_str(),

@@ -762,7 +762,7 @@ impl PassThrough {
                     self.guard.break_recorded = false;
                     self.guard.usage = None;
                     self.guard.usage_tap = usage_tap;
-                    tracing::info!(request_id = %c.request_id, from = %from.name, to = %ep.name, "stream continued");
+                    tracing::debug!(request_id = %c.request_id, from = %from.name, to = %ep.name, "stream continued");
                     // Rescan what is queued, so usage and [DONE] in it are seen.
                     let queued: Vec<Bytes> = self.prelude.iter().cloned().collect();
                     for b in &queued {

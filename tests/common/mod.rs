@@ -17,6 +17,9 @@ use tokio_util::sync::CancellationToken;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_autohedge");
 
+/// An environment value that removes the variable instead (see [`Gw::start_with_env`]).
+pub const UNSET: &str = "\u{0}unset";
+
 /// An in-process mock upstream; stops when dropped.
 pub struct MockUp {
     pub addr: SocketAddr,
@@ -203,7 +206,12 @@ impl Gw {
             .stdout(Stdio::piped())
             .stderr(log);
         for (k, v) in env {
-            cmd.env(k, v);
+            // `UNSET` removes a variable the harness sets (NO_COLOR, RUST_LOG).
+            if *v == UNSET {
+                cmd.env_remove(k);
+            } else {
+                cmd.env(k, v);
+            }
         }
         let mut child = cmd.spawn().expect("gateway starts");
         let stdout = child.stdout.take().unwrap();

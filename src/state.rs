@@ -3,9 +3,9 @@
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use arc_swap::ArcSwap;
 use tokio_util::sync::CancellationToken;
@@ -58,6 +58,91 @@ pub struct AppState {
     /// literals as `Host` unless `server.allowed_hosts` says otherwise. Set once the socket is
     /// bound; true until then, the safe reading.
     pub listen_loopback: std::sync::atomic::AtomicBool,
+    /// Whether the gateway knows its endpoints yet (`Startup`): `/health` says `starting` and
+    /// requests wait until the first discovery scan and probe round are done, or a bound passed.
+    pub startup: Startup,
+}
+
+/// A new gateway's first moments: it must not turn requests away (503: "no running task
+/// discovered") or be put into rotation before it has looked at its endpoints once.
+pub struct Startup {
+    ready: AtomicBool,
+    probed: AtomicBool,
+    scanned: AtomicBool,
+    /// Notified (`true`) once ready.
+    tx: tokio::sync::watch::Sender<bool>,
+    /// Ready by this at the latest (`docker.timeout` + `health.probe_timeout` after the start):
+    /// a watcher that hangs cannot keep the gateway out of service.
+    by: std::sync::OnceLock<tokio::time::Instant>,
+}
+
+impl Default for Startup {
+    fn default() -> Self {
+        Startup {
+            ready: AtomicBool::new(false),
+            probed: AtomicBool::new(false),
+            scanned: AtomicBool::new(false),
+            tx: tokio::sync::watch::Sender::new(false),
+            by: std::sync::OnceLock::new(),
+        }
+    }
+}
+
+impl Startup {
+    /// Starts the clock: ready by `bound` from now at the latest. A gateway without Docker
+    /// discovery has nothing to scan.
+    pub fn begin(&self, bound: Duration, docker: bool) {
+        let _ = self.by.set(tokio::time::Instant::now() + bound);
+        if !docker {
+            self.scanned();
+        }
+    }
+
+    /// The first discovery scan is done (it found something, nothing, or failed).
+    pub fn scanned(&self) {
+        self.scanned.store(true, Ordering::Release);
+        self.check();
+    }
+
+    /// The first probe round is done.
+    pub fn probed(&self) {
+        self.probed.store(true, Ordering::Release);
+        self.check();
+    }
+
+    fn check(&self) {
+        if self.probed.load(Ordering::Acquire) && self.scanned.load(Ordering::Acquire) {
+            self.ready.store(true, Ordering::Release);
+            self.tx.send_replace(true);
+        }
+    }
+
+    /// Ready to serve: both done, or the bound passed (never started: ready, as in tests that
+    /// build state by hand).
+    pub fn is_ready(&self) -> bool {
+        if self.ready.load(Ordering::Acquire) {
+            return true;
+        }
+        match self.by.get() {
+            Some(by) if tokio::time::Instant::now() < *by => false,
+            _ => {
+                self.ready.store(true, Ordering::Release);
+                true
+            }
+        }
+    }
+
+    /// Waits until ready (at most until the bound).
+    pub async fn wait(&self) {
+        if self.is_ready() {
+            return;
+        }
+        let Some(by) = self.by.get().copied() else {
+            return;
+        };
+        let mut rx = self.tx.subscribe();
+        let _ = tokio::time::timeout_at(by, rx.wait_for(|r| *r)).await;
+    }
 }
 
 impl crate::ops::alerts::Source for AppState {
@@ -109,6 +194,7 @@ impl AppState {
             alerts_rx: Mutex::new(Some(alerts_rx)),
             telemetry: crate::ops::telemetry::Telemetry::new(),
             listen_loopback: std::sync::atomic::AtomicBool::new(true),
+            startup: Startup::default(),
         })
     }
 

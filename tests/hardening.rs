@@ -3063,3 +3063,63 @@ async fn credentials_in_a_base_url_go_as_basic_auth_and_are_shown_nowhere() {
     }
     assert_no_panic(&gw);
 }
+
+/// A new gateway does not turn requests away before it knows its endpoints: until its first
+/// discovery scan (here the engine takes 1.5 s to list services) and first probe round are done,
+/// `/health` answers 503 `starting` (so Swarm keeps a new replica out of rotation), and a
+/// request that comes meanwhile waits and is served by the endpoint discovery then finds.
+/// Before, the request got a 503 ("no running task discovered for this endpoint").
+#[tokio::test]
+async fn a_new_gateway_waits_for_its_first_scan_instead_of_answering_503() {
+    let up = MockUp::openai("name: task").await;
+    let engine = FakeEngine::start();
+    let services = json!([{
+        "ID": "svc1",
+        "Version": {"Index": 1},
+        "Spec": {
+            "Name": "llm",
+            "Labels": {"autohedge.endpoint": "disc", "autohedge.port": up.addr.port().to_string()},
+            "Mode": {"Replicated": {"Replicas": 1}},
+        },
+    }])
+    .to_string();
+    engine.set(
+        "/services",
+        EngineAnswer::Delayed(Duration::from_millis(1500), 200, services),
+    );
+    engine.set(
+        "/tasks",
+        EngineAnswer::Body(
+            200,
+            json!([{
+                "ID": "task1",
+                "ServiceID": "svc1",
+                "DesiredState": "running",
+                "Status": {"State": "running"},
+                "NetworksAttachments": [{"Network": {"Spec": {"Name": "backend"}}, "Addresses": ["127.0.0.1/8"]}],
+            }])
+            .to_string(),
+        ),
+    );
+    let gw = Gw::start_with_env(
+        "models:\n  disc: { type: openai, discover: docker }\ndocker: { enabled: true, interval: 60s, timeout: 5s }\n",
+        &[("DOCKER_HOST", engine.host.as_str())],
+    );
+    // Right after `listening`: the scan is still waiting on the engine.
+    let r = reqwest::get(gw.url("/health")).await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.json::<Value>().await.unwrap()["status"], "starting");
+    assert!(
+        engine.seen("/services").0 >= 1,
+        "the first scan is under way"
+    );
+    // A request now waits for the scan, and is served by the endpoint it found.
+    let r = gw.chat("disc", "x").await;
+    let status = r.status();
+    let body = r.text().await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(up.requests().await, 1);
+    let r = reqwest::get(gw.url("/health")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_no_panic(&gw);
+}

@@ -699,6 +699,8 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
                     };
                     state.registry.observe_docker(name, Some(d));
                 }
+                // The endpoints are known: a new gateway may serve (remediation can wait).
+                state.startup.scanned();
                 let actions = match tokio::time::timeout(
                     // Each engine call has its own bound; this bounds the round as a whole.
                     dcfg.timeout * 4,
@@ -723,6 +725,9 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
                 }
             }
         }
+        // A scan that failed is done too: the gateway serves on what it has (the bound would
+        // let it anyway).
+        state.startup.scanned();
         tokio::select! {
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(dcfg.interval) => {}

@@ -547,6 +547,8 @@ pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
                 state.registry.set_probe(&name, r);
             }
         }
+        // A probe round is done: what the endpoints said is known (a new gateway may serve).
+        state.startup.probed();
         // Ejected endpoints recover through the next probe; probe them sooner.
         let interval = if cfg.endpoints.keys().any(|n| state.registry.is_ejected(n)) {
             hp.probe_interval.min(thresholds.eject_base)

@@ -137,6 +137,11 @@ async fn serve(
     };
     // Shed, never queue: a gateway that queues past its capacity turns a spike into timeouts
     // for everyone; an immediate 503 with Retry-After lets clients back off or go elsewhere.
+    // A request that comes before the gateway knows its endpoints waits for it (bounded), rather
+    // than getting a 503 for an endpoint discovery has not found yet.
+    if !app.startup.is_ready() {
+        app.startup.wait().await;
+    }
     let Some(slot) = app.admit(cfg.max_concurrent_requests) else {
         return with_request_id(
             ApiError::Overloaded(cfg.max_concurrent_requests).into_response(),
@@ -465,6 +470,15 @@ async fn models(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Respons
 /// Liveness for orchestrators: 200 while the gateway serves, `degraded` (still 200) when a part
 /// that does not stop serving is off, such as the audit trail.
 async fn health(State(app): State<Arc<AppState>>) -> Response {
+    // A new gateway that has not looked at its endpoints yet is not one to send traffic to
+    // (Swarm's health check and a start-first update keep it out until then).
+    if !app.startup.is_ready() {
+        return (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(json!({"status": "starting"})),
+        )
+            .into_response();
+    }
     match app.store.off_reason() {
         None => axum::Json(json!({"status": "ok"})).into_response(),
         Some(r) => axum::Json(json!({

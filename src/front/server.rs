@@ -207,6 +207,19 @@ impl Gateway {
             &opened.persisted,
             opened.spend,
         );
+        // Ready once the first discovery scan and probe round are done, within what those may
+        // take at most: a watcher that hangs cannot keep the gateway out of service.
+        {
+            let cfg = state.config.load();
+            let docker = cfg.docker.enabled;
+            let bound = cfg.health.probe_timeout
+                + if docker {
+                    cfg.docker.timeout
+                } else {
+                    Duration::ZERO
+                };
+            state.startup.begin(bound, docker);
+        }
         let addr = opts.listener.local_addr()?;
         state
             .listen_loopback

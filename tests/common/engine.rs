@@ -14,6 +14,8 @@ pub enum EngineAnswer {
     Endless { start: &'static str, fill: u8 },
     /// No answer; the connection held.
     Silent,
+    /// `Body`, after a wait (an engine slow to answer, as at a node's start).
+    Delayed(Duration, u16, String),
     /// A 200 whose chunked body is `line` again and again, one every `every`, for 30 s.
     Repeat { line: &'static str, every: Duration },
 }
@@ -145,6 +147,14 @@ impl FakeEngine {
                 );
             }
             EngineAnswer::Silent => std::thread::sleep(Duration::from_secs(60)),
+            EngineAnswer::Delayed(wait, status, body) => {
+                std::thread::sleep(wait);
+                let _ = write!(
+                    c,
+                    "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
             EngineAnswer::Repeat { line, every } => {
                 let _ = write!(
                     c,

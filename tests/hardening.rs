@@ -638,6 +638,8 @@ async fn a_client_that_connects_and_sends_nothing_is_cut_off_at_the_header_timeo
         "server: {{ header_timeout: 500ms }}\nmodels:\n  a: {{ type: openai, base_url: \"{}\" }}\n",
         a.base()
     ));
+    // Ready first (a new gateway answers /health 503 `starting` until its first probe round).
+    gw.ready().await;
     // The gateway serves on a connection of the same kind, opened at the same moment.
     let mut served = std::net::TcpStream::connect(gw.addr).unwrap();
     let opened = std::time::Instant::now();
@@ -852,6 +854,7 @@ async fn an_idle_http2_connection_is_closed_at_the_header_timeout() {
         "server: {{ header_timeout: 1s }}\nmodels:\n  a: {{ type: openai, base_url: \"{}\" }}\n",
         a.base()
     ));
+    gw.ready().await;
     let addr = gw.addr;
     // A live client: it acknowledges SETTINGS and answers every PING, so only idleness can
     // close its connection.
@@ -3122,4 +3125,102 @@ async fn a_new_gateway_waits_for_its_first_scan_instead_of_answering_503() {
     let r = reqwest::get(gw.url("/health")).await.unwrap();
     assert_eq!(r.status(), 200);
     assert_no_panic(&gw);
+}
+
+/// Remediation acts only on evidence: a service whose task's Docker health check is still
+/// `starting` (its start period) is starting, not sick — no standby is scaled up for it. Once
+/// the health check fails, the same config does act (dry run: the action is recorded).
+#[tokio::test]
+async fn remediation_waits_out_a_health_check_that_is_still_starting() {
+    let up = MockUp::openai("name: task").await;
+    let engine = FakeEngine::start();
+    engine.set(
+        "/services",
+        EngineAnswer::Body(
+            200,
+            json!([{
+                "ID": "svc1",
+                "Version": {"Index": 1},
+                "Spec": {
+                    "Name": "llm",
+                    "Labels": {"autohedge.endpoint": "disc", "autohedge.port": up.addr.port().to_string(), "autohedge.manage": "true"},
+                    "Mode": {"Replicated": {"Replicas": 1}},
+                },
+            }])
+            .to_string(),
+        ),
+    );
+    engine.set(
+        "/tasks",
+        EngineAnswer::Body(
+            200,
+            json!([{
+                "ID": "task1",
+                "ServiceID": "svc1",
+                "DesiredState": "running",
+                "Status": {"State": "running", "ContainerStatus": {"ContainerID": "c1"}},
+                "NetworksAttachments": [{"Network": {"Spec": {"Name": "backend"}}, "Addresses": ["127.0.0.1/8"]}],
+            }])
+            .to_string(),
+        ),
+    );
+    let container = |health: &str| {
+        EngineAnswer::Body(
+            200,
+            json!({"Id": "c1", "RestartCount": 0,
+                   "State": {"Running": true, "Health": {"Status": health}},
+                   "NetworkSettings": {"Networks": {"backend": {"IPAddress": "127.0.0.1"}}}})
+            .to_string(),
+        )
+    };
+    engine.set("/containers/c1/json", container("starting"));
+    let mut gw = Gw::start_with_env(
+        "models:\n  disc: { type: openai, discover: docker }\ndocker:\n  enabled: true\n  interval: 200ms\n  timeout: 2s\n  remediation:\n    enabled: true\n    dry_run: true\n    unhealthy_after: 1\n    standby: [{ primary: disc, service: llm-standby }]\n",
+        &[("DOCKER_HOST", engine.host.as_str())],
+    );
+    // Many scans see the task starting.
+    let scans = eventually(Duration::from_secs(10), || async {
+        engine.seen("/containers/c1/json").0 >= 10
+    })
+    .await;
+    assert!(scans, "the container's health was read on every scan");
+    let st = gw.status().await;
+    assert!(
+        st["endpoints"]["disc"]["discovered"]["down"]
+            .as_str()
+            .unwrap_or("")
+            .contains("starting"),
+        "{}",
+        st["endpoints"]["disc"]
+    );
+    let acted = |gw: &Gw| {
+        audit_rows(
+            gw,
+            "SELECT event FROM endpoint_events WHERE event LIKE 'remediation%'",
+        )
+    };
+    // Now the health check fails: that is evidence.
+    engine.set("/containers/c1/json", container("unhealthy"));
+    let ok = eventually(Duration::from_secs(10), || async {
+        gw.status().await["docker"]["remediation_actions"]
+            .as_u64()
+            .unwrap_or(0)
+            >= 1
+    })
+    .await;
+    assert!(ok, "{}", gw.status().await["docker"]);
+    gw.stop();
+    let events = acted(&gw);
+    assert!(!events.is_empty(), "the failing health check was acted on");
+    let reasons = audit_rows(
+        &gw,
+        "SELECT reason FROM endpoint_events WHERE event LIKE 'remediation%' ORDER BY id",
+    );
+    assert!(
+        reasons[0][0]
+            .as_str()
+            .unwrap_or("")
+            .contains("health check failing"),
+        "the first action came only with the failing health check: {reasons:?}"
+    );
 }

@@ -91,8 +91,11 @@ struct Found {
     discovered: Discovered,
     labels: HashMap<String, String>,
     replicas: Option<i64>,
-    /// Tasks Swarm is bringing up right now (restarting is its job, not ours, meanwhile).
+    /// Tasks Swarm is bringing up right now, or whose Docker health check is still `starting`
+    /// (restarting is its job, not ours, meanwhile).
     starting: usize,
+    /// A task's Docker health check is failing (`unhealthy`): evidence whatever else starts.
+    health_failing: bool,
     /// (container id, `http://ip:port`) of each address, so a `die` event can drop it at once.
     containers: Vec<(String, String)>,
 }
@@ -278,6 +281,9 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
                 continue;
             }
             if health.as_deref() == Some("starting") {
+                // Docker's health check has not passed yet (its start period, or its first
+                // interval): not serving, and not sick either.
+                starting += 1;
                 continue;
             }
             running += 1;
@@ -288,8 +294,18 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
                 addresses.push(addr);
             }
         }
+        // A service deployed a moment ago may have no task at all yet: it is starting.
+        if tasks.is_empty() && replicas.unwrap_or(1) > 0 {
+            starting += 1;
+        }
         let down = if running == 0 {
-            Some(unhealthy.unwrap_or_else(|| format!("service {name} has no running task")))
+            Some(unhealthy.clone().unwrap_or_else(|| {
+                if starting > 0 {
+                    format!("service {name} is starting")
+                } else {
+                    format!("service {name} has no running task")
+                }
+            }))
         } else {
             None
         };
@@ -306,6 +322,7 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
             labels,
             replicas,
             starting,
+            health_failing: unhealthy.is_some(),
             containers,
         });
     }
@@ -380,6 +397,7 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
             labels,
             replicas: None,
             starting: 0,
+            health_failing: health.as_deref() == Some("unhealthy"),
             containers,
         });
     }
@@ -884,8 +902,11 @@ async fn remediate(
         // Only the service's own evidence: its tasks down or failing Docker's health check, or
         // probes of its current addresses failing. Warming, half-open and passive ejection are
         // not evidence (a restart warms; an old task's connect errors eject).
+        // A service whose tasks are all still starting (no task yet, or Docker's health check
+        // still `starting`) is not sick: its first minute is no evidence.
         let probe_says = state.registry.probe_unhealthy(&ep.name);
-        let unhealthy = f.discovered.down.is_some() || probe_says.is_some();
+        let only_starting = f.discovered.running == 0 && f.starting > 0 && !f.health_failing;
+        let unhealthy = (f.discovered.down.is_some() && !only_starting) || probe_says.is_some();
         let m = remedies.entry(svc.clone()).or_default();
         if unhealthy {
             m.unhealthy_streak += 1;

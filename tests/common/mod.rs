@@ -300,6 +300,18 @@ impl Gw {
             .unwrap()
     }
 
+    /// Waits (at most 10 s) until the gateway is ready: `/health` answers 200, not 503
+    /// `starting` (its first probe round and discovery scan are done).
+    pub async fn ready(&self) {
+        let url = self.url("/health");
+        let ok = eventually(Duration::from_secs(10), || {
+            let url = url.clone();
+            async move { reqwest::get(url).await.is_ok_and(|r| r.status() == 200) }
+        })
+        .await;
+        assert!(ok, "the gateway did not become ready within 10 s");
+    }
+
     pub async fn status(&self) -> Value {
         reqwest::get(self.url("/status"))
             .await

@@ -3224,3 +3224,78 @@ async fn remediation_waits_out_a_health_check_that_is_still_starting() {
         "the first action came only with the failing health check: {reasons:?}"
     );
 }
+
+/// A backend that comes back is back at its event: after Docker reports its container started,
+/// discovery looks again every 100 ms until its task runs (Swarm reports the container before
+/// the task is RUNNING), instead of waiting for the next periodic scan (here a minute away).
+#[tokio::test]
+async fn a_recovered_backend_is_back_at_its_start_event_not_the_next_scan() {
+    let up = MockUp::openai("name: task").await;
+    let engine = FakeEngine::start();
+    engine.set(
+        "/services",
+        EngineAnswer::Body(
+            200,
+            json!([{
+                "ID": "svc1",
+                "Version": {"Index": 1},
+                "Spec": {
+                    "Name": "llm",
+                    "Labels": {"autohedge.endpoint": "disc", "autohedge.port": up.addr.port().to_string()},
+                    "Mode": {"Replicated": {"Replicas": 1}},
+                },
+            }])
+            .to_string(),
+        ),
+    );
+    let task = |state: &str| {
+        EngineAnswer::Body(
+            200,
+            json!([{
+                "ID": "task1",
+                "ServiceID": "svc1",
+                "DesiredState": "running",
+                "Status": {"State": state},
+                "NetworksAttachments": [{"Network": {"Spec": {"Name": "backend"}}, "Addresses": ["127.0.0.1/8"]}],
+            }])
+            .to_string(),
+        )
+    };
+    engine.set("/tasks", task("starting"));
+    // One `start` event as the watcher connects (then nothing for a minute).
+    engine.set(
+        "/events",
+        EngineAnswer::Repeat {
+            line: "{\"Type\":\"container\",\"Action\":\"start\",\"Actor\":{\"ID\":\"c1\"}}\n",
+            every: Duration::from_secs(60),
+        },
+    );
+    let gw = Gw::start_with_env(
+        "models:\n  disc: { type: openai, discover: docker }\ndocker: { enabled: true, interval: 60s, timeout: 2s }\n",
+        &[("DOCKER_HOST", engine.host.as_str())],
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            engine.seen("/events").0 >= 1
+        })
+        .await,
+        "the watcher follows the events"
+    );
+    let st = gw.status().await;
+    assert!(
+        st["endpoints"]["disc"]["discovered"]["running_tasks"] == 0,
+        "{}",
+        st["endpoints"]["disc"]
+    );
+    // The task runs now; no event says so, and the periodic scan is a minute away.
+    let scans_before = engine.seen("/tasks").0;
+    engine.set("/tasks", task("running"));
+    let back = eventually(Duration::from_secs(10), || async {
+        gw.status().await["endpoints"]["disc"]["discovered"]["running_tasks"] == 1
+    })
+    .await;
+    assert!(back, "{}", gw.status().await["endpoints"]["disc"]);
+    assert!(engine.seen("/tasks").0 > scans_before, "found by a rescan");
+    assert_eq!(gw.chat("disc", "x").await.status(), 200);
+    assert_eq!(up.requests().await, 1);
+}

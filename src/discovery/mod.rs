@@ -68,6 +68,24 @@ pub const LABEL_STACK: &str = "com.docker.stack.namespace";
 /// Container events that change where an endpoint runs or whether it is healthy.
 const WAKE_EVENTS: &[&str] = &["die", "stop", "kill", "start", "oom", "health_status"];
 
+/// A container coming up: its task may serve again, so discovery looks again every
+/// `EAGER_RESCAN` until it runs (Docker reports the container before Swarm's task is RUNNING).
+const UP_EVENTS: &[&str] = &["start", "health_status: healthy"];
+
+/// How often discovery looks again while a container that came up has no running task yet: a
+/// recovered backend is back in rotation within about this of Docker calling it healthy.
+const EAGER_RESCAN: Duration = Duration::from_millis(100);
+
+/// What an engine event asks of the watcher.
+enum Wake {
+    /// This container died: its address leaves the pool at once.
+    Died(String),
+    /// A container started or turned healthy: rescan until its task runs.
+    Up,
+    /// Something else changed: rescan.
+    Changed,
+}
+
 /// Events waiting for the watcher; more are coalesced anyway.
 const EVENT_QUEUE: usize = 256;
 
@@ -538,7 +556,12 @@ async fn scale(service: &str, replicas: i64, timeout: Duration) -> Result<(), St
 pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: CancellationToken) {
     let mut remedies: BTreeMap<String, Remedy> = BTreeMap::new();
     let mut was_reachable: Option<bool> = None;
-    let (wake_tx, mut wake) = tokio::sync::mpsc::channel::<Option<String>>(EVENT_QUEUE);
+    let (wake_tx, mut wake) = tokio::sync::mpsc::channel::<Wake>(EVENT_QUEUE);
+    // After a container started or turned healthy: rescan every EAGER_RESCAN until every
+    // labelled service has a running task again, for at most `docker.interval` (the rescan the
+    // event sets off may still find the task not RUNNING).
+    let mut eager_until: Option<Instant> = None;
+    let mut all_running = true;
     // Owned here and stopped with the watcher (the token is a child of the gateway's).
     let stop = cancel.child_token();
     let _follower = FollowerGuard(
@@ -599,6 +622,11 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
                 }
             }
             Ok((docker, found)) => {
+                // (A standby scaled to 0 is not waited for.)
+                all_running = found
+                    .iter()
+                    .filter(|f| f.replicas != Some(0))
+                    .all(|f| f.discovered.running > 0);
                 if was_reachable == Some(false) {
                     for name in cfg.endpoints.keys() {
                         event(
@@ -746,9 +774,14 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
         // A scan that failed is done too: the gateway serves on what it has (the bound would
         // let it anyway).
         state.startup.scanned();
+        let eager = eager_until.is_some_and(|u| Instant::now() < u) && !all_running;
+        if !eager {
+            eager_until = None;
+        }
+        let pause = if eager { EAGER_RESCAN } else { dcfg.interval };
         tokio::select! {
             _ = cancel.cancelled() => return,
-            _ = tokio::time::sleep(dcfg.interval) => {}
+            _ = tokio::time::sleep(pause) => {}
             Some(ev) = wake.recv() => {
                 // A burst of events (die, stop, kill) makes one scan, and a host whose containers
                 // come and go all the time (a CI runner beside the backends, or an engine that
@@ -757,12 +790,16 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
                 let until = (Instant::now() + EVENT_COALESCE).max(scanned_at + EVENT_RESCAN_GAP);
                 let mut next = Some(ev);
                 while let Some(ev) = next.take() {
-                    if let Some(cid) = ev
-                        && let Some((endpoint, addr)) = by_container.remove(&cid)
-                    {
-                        state.registry.drop_address(&endpoint, &addr, &format!(
-                            "container {} of the task died", cid.chars().take(12).collect::<String>()
-                        ));
+                    match ev {
+                        Wake::Died(cid) => {
+                            if let Some((endpoint, addr)) = by_container.remove(&cid) {
+                                state.registry.drop_address(&endpoint, &addr, &format!(
+                                    "container {} of the task died", cid.chars().take(12).collect::<String>()
+                                ));
+                            }
+                        }
+                        Wake::Up => eager_until = Some(Instant::now() + dcfg.interval),
+                        Wake::Changed => {}
                     }
                     if let Ok(Some(more)) = tokio::time::timeout_at(until, wake.recv()).await {
                         next = Some(more);
@@ -788,7 +825,7 @@ impl Drop for FollowerGuard {
 /// while Docker is off in the config.
 async fn follow_events(
     state: Arc<AppState>,
-    wake: tokio::sync::mpsc::Sender<Option<String>>,
+    wake: tokio::sync::mpsc::Sender<Wake>,
     cancel: CancellationToken,
 ) {
     use futures_util::StreamExt;
@@ -806,13 +843,15 @@ async fn follow_events(
                         _ = cancel.cancelled() => return,
                         ev = events.next() => match ev {
                             Some(Ok(ev)) => {
-                                let dead = ev
-                                    .action
-                                    .as_deref()
-                                    .is_some_and(|a| DEATH_EVENTS.contains(&a));
+                                let action = ev.action.as_deref().unwrap_or("");
                                 let id = ev.actor.and_then(|a| a.id);
+                                let w = match id {
+                                    Some(id) if DEATH_EVENTS.contains(&action) => Wake::Died(id),
+                                    _ if UP_EVENTS.contains(&action) => Wake::Up,
+                                    _ => Wake::Changed,
+                                };
                                 // A full queue already holds a wake-up; the rescan finds the rest.
-                                let _ = wake.try_send(id.filter(|_| dead));
+                                let _ = wake.try_send(w);
                             }
                             Some(Err(e)) => {
                                 tracing::debug!(error = %crate::discovery::engine::clip(&e), "docker event stream ended");

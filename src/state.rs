@@ -58,6 +58,9 @@ pub struct AppState {
     /// literals as `Host` unless `server.allowed_hosts` says otherwise. Set once the socket is
     /// bound; true until then, the safe reading.
     pub listen_loopback: std::sync::atomic::AtomicBool,
+    /// Standby services remediation scaled up and has not scaled down yet (read from the audit
+    /// database at start), so a restarted gateway still scales them down.
+    pub standbys_up: Mutex<std::collections::BTreeSet<String>>,
     /// Whether the gateway knows its endpoints yet (`Startup`): `/health` says `starting` and
     /// requests wait until the first discovery scan and probe round are done, or a bound passed.
     pub startup: Startup,
@@ -195,6 +198,7 @@ impl AppState {
             telemetry: crate::ops::telemetry::Telemetry::new(),
             listen_loopback: std::sync::atomic::AtomicBool::new(true),
             startup: Startup::default(),
+            standbys_up: Mutex::new(Default::default()),
         })
     }
 

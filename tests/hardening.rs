@@ -3299,3 +3299,88 @@ async fn a_recovered_backend_is_back_at_its_start_event_not_the_next_scan() {
     assert_eq!(gw.chat("disc", "x").await.status(), 200);
     assert_eq!(up.requests().await, 1);
 }
+
+/// The standby is remembered across restarts: a gateway that scaled the standby up and was then
+/// replaced leaves the fact in its database, and the next one scales the standby back down once
+/// the primary has been healthy for `healthy_for`. Before, the flag lived in memory only, and the
+/// standby stayed up for good.
+#[tokio::test]
+async fn a_restarted_gateway_scales_down_the_standby_its_predecessor_brought_up() {
+    let up = MockUp::openai("name: task").await;
+    let engine = FakeEngine::start();
+    engine.set(
+        "/services",
+        EngineAnswer::Body(
+            200,
+            json!([{
+                "ID": "svc1",
+                "Version": {"Index": 1},
+                "Spec": {
+                    "Name": "llm",
+                    "Labels": {"autohedge.endpoint": "disc", "autohedge.port": up.addr.port().to_string(), "autohedge.manage": "true"},
+                    "Mode": {"Replicated": {"Replicas": 1}},
+                },
+            }])
+            .to_string(),
+        ),
+    );
+    engine.set(
+        "/services/llm-standby",
+        EngineAnswer::Body(
+            200,
+            json!({"ID": "sb1", "Version": {"Index": 3},
+                   "Spec": {"Name": "llm-standby", "Mode": {"Replicated": {"Replicas": 0}}}})
+            .to_string(),
+        ),
+    );
+    engine.set(
+        "/services/llm-standby/update",
+        EngineAnswer::Body(200, "{}".into()),
+    );
+    let task = |state: &str| {
+        EngineAnswer::Body(
+            200,
+            json!([{
+                "ID": "task1",
+                "ServiceID": "svc1",
+                "DesiredState": "running",
+                "Status": {"State": state},
+                "NetworksAttachments": [{"Network": {"Spec": {"Name": "backend"}}, "Addresses": ["127.0.0.1/8"]}],
+            }])
+            .to_string(),
+        )
+    };
+    // The primary's task failed: remediation scales the standby up.
+    engine.set("/tasks", task("failed"));
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = "models:\n  disc: { type: openai, discover: docker }\ndocker:\n  enabled: true\n  interval: 200ms\n  timeout: 2s\n  remediation:\n    enabled: true\n    unhealthy_after: 1\n    standby: [{ primary: disc, service: llm-standby, healthy_for: 1s }]\n";
+    let env = [("DOCKER_HOST", engine.host.as_str())];
+    let mut first = Gw::start_in(dir.path(), cfg, &env);
+    let scaled_up = eventually(Duration::from_secs(10), || async {
+        engine.seen("/services/llm-standby/update").0 >= 1
+    })
+    .await;
+    assert!(scaled_up, "{}", first.status().await["docker"]);
+    first.stop();
+    // The primary recovers while no gateway runs; a new one starts on the same data.
+    engine.set("/tasks", task("running"));
+    let mut second = Gw::start_in(dir.path(), cfg, &env);
+    let scaled_down = eventually(Duration::from_secs(15), || async {
+        engine.seen("/services/llm-standby/update").0 >= 2
+    })
+    .await;
+    assert!(scaled_down, "{}", second.status().await["docker"]);
+    second.stop();
+    let events: Vec<String> = audit_rows(
+        &second,
+        "SELECT event FROM endpoint_events WHERE event LIKE 'remediation%' ORDER BY id",
+    )
+    .into_iter()
+    .map(|r| r[0].as_str().unwrap_or("").to_string())
+    .collect();
+    assert_eq!(
+        events,
+        vec!["remediation_scale_up", "remediation_scale_down"],
+        "{events:?}"
+    );
+}

@@ -480,6 +480,23 @@ struct Remedy {
     standby_up: bool,
 }
 
+/// Records that remediation left `standby` up (or brought it back down), in memory and in the
+/// audit database, so a gateway started later knows it is its to scale down.
+fn remember_standby(state: &AppState, standby: &str, primary: &str, up: bool) {
+    if let Ok(mut set) = state.standbys_up.lock() {
+        if up {
+            set.insert(standby.to_string());
+        } else {
+            set.remove(standby);
+        }
+    }
+    state.store.send(Record::Standby {
+        standby: standby.to_string(),
+        primary: primary.to_string(),
+        up,
+    });
+}
+
 fn event(state: &AppState, endpoint: &str, ev: &str, reason: String) {
     tracing::info!(endpoint, event = ev, %reason, "docker event");
     state.alerts.endpoint_event(endpoint, ev, &reason);
@@ -946,7 +963,18 @@ async fn remediate(
         let probe_says = state.registry.probe_unhealthy(&ep.name);
         let only_starting = f.discovered.running == 0 && f.starting > 0 && !f.health_failing;
         let unhealthy = (f.discovered.down.is_some() && !only_starting) || probe_says.is_some();
-        let m = remedies.entry(svc.clone()).or_default();
+        let standby = r.standby.iter().find(|s| s.primary == ep.name);
+        let m = remedies.entry(svc.clone()).or_insert_with(|| Remedy {
+            // A standby an earlier run of the gateway scaled up is still up: this one scales it
+            // back down when the primary has been healthy long enough.
+            standby_up: standby.is_some_and(|sb| {
+                state
+                    .standbys_up
+                    .lock()
+                    .is_ok_and(|up| up.contains(&sb.service))
+            }),
+            ..Remedy::default()
+        });
         if unhealthy {
             m.unhealthy_streak += 1;
             m.healthy_since = None;
@@ -954,7 +982,6 @@ async fn remediate(
             m.unhealthy_streak = 0;
             m.healthy_since.get_or_insert(now);
         }
-        let standby = r.standby.iter().find(|s| s.primary == ep.name);
         let reason = format!(
             "{} consecutive unhealthy observations ({})",
             m.unhealthy_streak,
@@ -976,6 +1003,9 @@ async fn remediate(
                     scale(&sb.service, 1, cfg.docker.timeout),
                 )
                 .await;
+                if m.standby_up && !r.dry_run {
+                    remember_standby(state, &sb.service, &ep.name, true);
+                }
             }
             // A restart helps a task that runs but is sick. With no running task Swarm is already
             // rescheduling it; restarting then would only interrupt its start.
@@ -1016,6 +1046,9 @@ async fn remediate(
             .await;
             if down {
                 m.standby_up = false;
+                if !r.dry_run {
+                    remember_standby(state, &sb.service, &ep.name, false);
+                }
             }
         }
     }

@@ -207,6 +207,9 @@ impl Gateway {
             &opened.persisted,
             opened.spend,
         );
+        if let Ok(mut up) = state.standbys_up.lock() {
+            up.extend(opened.standbys_up);
+        }
         // Ready once the first discovery scan and probe round are done, within what those may
         // take at most: a watcher that hangs cannot keep the gateway out of service.
         {

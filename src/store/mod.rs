@@ -114,6 +114,15 @@ const MIGRATIONS: &[&str] = &[
     UPDATE endpoint_state SET learned_context_window = NULL;
     ALTER TABLE attempts ADD COLUMN own_key INTEGER NOT NULL DEFAULT 0;
     "#,
+    // 7: the standbys remediation scaled up, so a restarted gateway scales them back down.
+    r#"
+    CREATE TABLE standby_state (
+        standby TEXT PRIMARY KEY,
+        primary_endpoint TEXT NOT NULL,
+        up INTEGER NOT NULL,
+        updated_ms INTEGER NOT NULL
+    );
+    "#,
 ];
 
 /// Rows deleted per transaction when pruning past retention: each delete is a few milliseconds,
@@ -263,6 +272,12 @@ pub enum Record {
     },
     /// Client keys' spend as it stands: (key name, month, US dollars in all).
     Spend(Vec<(String, String, f64)>),
+    /// Remediation scaled this standby (service) up or back down, for its primary endpoint.
+    Standby {
+        standby: String,
+        primary: String,
+        up: bool,
+    },
     /// Deletes audit rows (requests, attempts, events) older than this.
     Prune(SystemTime),
     /// Replies once everything queued before it is committed.
@@ -368,6 +383,8 @@ pub struct Opened {
     pub persisted: Vec<PersistedStats>,
     /// Client keys' spend: (name, month, US dollars).
     pub spend: Vec<(String, String, f64)>,
+    /// Standby services remediation left scaled up.
+    pub standbys_up: Vec<String>,
 }
 
 /// How long opening retries while another process holds the database (SQLite does not call the
@@ -438,6 +455,8 @@ impl Store {
             .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
         let spend = read_spend(&conn)
             .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+        let standbys_up = read_standbys_up(&conn)
+            .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
         let (tx, rx) = sync_channel(capacity);
         let dropped = Arc::new(AtomicU64::new(0));
         let written = Arc::new(AtomicU64::new(0));
@@ -458,6 +477,7 @@ impl Store {
             },
             persisted,
             spend,
+            standbys_up,
         })
     }
 
@@ -477,6 +497,7 @@ impl Store {
                     },
                     persisted: Vec::new(),
                     spend: Vec::new(),
+                    standbys_up: Vec::new(),
                 }
             }
         }
@@ -895,6 +916,17 @@ impl<'c> Statements<'c> {
                         }
                     }
                 }
+                Record::Standby {
+                    standby,
+                    primary,
+                    up,
+                } => {
+                    conn.execute(
+                        "INSERT INTO standby_state (standby, primary_endpoint, up, updated_ms) VALUES (?1, ?2, ?3, ?4)
+                         ON CONFLICT(standby) DO UPDATE SET primary_endpoint = excluded.primary_endpoint, up = excluded.up, updated_ms = excluded.updated_ms",
+                        params![standby, primary, up, ms(SystemTime::now())],
+                    )?;
+                }
                 Record::Prune(before) => prunes.push(before),
                 Record::Flush(f) => flushes.push(f),
             }
@@ -1008,6 +1040,12 @@ pub fn report_by_key(data_dir: &Path, from: SystemTime) -> rusqlite::Result<Vec<
             cost_usd: r.get(6)?,
         })
     })?;
+    rows.collect()
+}
+
+fn read_standbys_up(conn: &Connection) -> rusqlite::Result<Vec<String>> {
+    let mut stmt = conn.prepare("SELECT standby FROM standby_state WHERE up = 1")?;
+    let rows = stmt.query_map([], |r| r.get(0))?;
     rows.collect()
 }
 

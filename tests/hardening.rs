@@ -3384,3 +3384,96 @@ async fn a_restarted_gateway_scales_down_the_standby_its_predecessor_brought_up(
         "{events:?}"
     );
 }
+
+/// One stack name: with no `docker.stack` in the config, a gateway running in a stack learns it
+/// from its own container's `com.docker.stack.namespace` label (its host name is its container
+/// id), sees only that stack's services, and finds a standby named without the stack's prefix
+/// (`llm-standby` is `mystack_llm-standby`): `docker stack deploy` under any name needs no edit.
+#[tokio::test]
+async fn a_gateway_learns_its_stack_from_its_own_container() {
+    let up = MockUp::openai("name: task").await;
+    let engine = FakeEngine::start();
+    let service = |id: &str, name: &str, stack: &str| {
+        json!({
+            "ID": id,
+            "Version": {"Index": 1},
+            "Spec": {
+                "Name": name,
+                "Labels": {"autohedge.endpoint": "disc", "autohedge.port": up.addr.port().to_string(),
+                           "autohedge.manage": "true", "com.docker.stack.namespace": stack},
+                "Mode": {"Replicated": {"Replicas": 1}},
+            },
+        })
+    };
+    engine.set(
+        "/services",
+        EngineAnswer::Body(
+            200,
+            json!([
+                service("svc1", "mystack_llm", "mystack"),
+                service("svc2", "other_llm", "other")
+            ])
+            .to_string(),
+        ),
+    );
+    // As the engine does: no service by the short name, the stack's by the full one.
+    engine.set(
+        "/services/llm-standby",
+        EngineAnswer::Body(404, r#"{"message":"service llm-standby not found"}"#.into()),
+    );
+    engine.set(
+        "/services/mystack_llm-standby",
+        EngineAnswer::Body(
+            200,
+            json!({"ID": "sb1", "Version": {"Index": 3},
+                   "Spec": {"Name": "mystack_llm-standby", "Mode": {"Replicated": {"Replicas": 0}}}})
+            .to_string(),
+        ),
+    );
+    engine.set(
+        "/services/mystack_llm-standby/update",
+        EngineAnswer::Body(200, "{}".into()),
+    );
+    engine.set(
+        "/tasks",
+        EngineAnswer::Body(
+            200,
+            json!([{"ID": "t1", "ServiceID": "svc1", "DesiredState": "running", "Status": {"State": "failed"}}])
+                .to_string(),
+        ),
+    );
+    engine.set(
+        "/containers/selfcontainer1/json",
+        EngineAnswer::Body(
+            200,
+            json!({"Id": "selfcontainer1", "Config": {"Labels": {"com.docker.stack.namespace": "mystack"}}})
+                .to_string(),
+        ),
+    );
+    let gw = Gw::start_with_env(
+        "models:\n  disc: { type: openai, discover: docker }\ndocker:\n  enabled: true\n  interval: 200ms\n  timeout: 2s\n  remediation:\n    enabled: true\n    unhealthy_after: 1\n    standby: [{ primary: disc, service: llm-standby }]\n",
+        &[
+            ("DOCKER_HOST", engine.host.as_str()),
+            ("HOSTNAME", "selfcontainer1"),
+        ],
+    );
+    let scaled = eventually(Duration::from_secs(10), || async {
+        engine.seen("/services/mystack_llm-standby/update").0 >= 1
+    })
+    .await;
+    assert!(
+        scaled,
+        "the standby was found in the stack: {}",
+        gw.status().await["docker"]
+    );
+    assert!(
+        engine.seen("/containers/selfcontainer1/json").0 >= 1,
+        "it asked about itself"
+    );
+    let st = gw.status().await;
+    assert_eq!(
+        st["endpoints"]["disc"]["discovered"]["service"], "mystack_llm",
+        "only its own stack's service: {}",
+        st["endpoints"]["disc"]
+    );
+}

@@ -528,6 +528,40 @@ async fn engine(
         })?
 }
 
+/// The `com.docker.stack.namespace` label of the container this process runs in (Docker names a
+/// container's host after its id): `Some(None)` when the engine says this is no stack's (or no
+/// container of its), `None` when it could not be asked (try again next scan).
+async fn learn_own_stack(timeout: Duration) -> Option<Option<String>> {
+    let host = std::env::var("HOSTNAME").ok()?;
+    if host.is_empty() || !host.chars().all(|c| c.is_ascii_alphanumeric()) {
+        return Some(None);
+    }
+    match engine("GET", &format!("/containers/{host}/json"), None, timeout).await {
+        Ok(c) => Some(
+            c.pointer("/Config/Labels")
+                .and_then(|l| l.get(LABEL_STACK))
+                .and_then(Value::as_str)
+                .map(|s| crate::discovery::engine::clip(s)),
+        ),
+        Err(e) if e.contains("404") || e.contains("No such container") => Some(None),
+        Err(_) => None,
+    }
+}
+
+/// A standby's service as the config names it, or the same name in this stack (`service:
+/// ollama-standby` finds `mystack_ollama-standby`), whichever the engine knows.
+async fn stack_service(service: &str, stack: Option<&str>, timeout: Duration) -> String {
+    if let Some(stack) = stack
+        && !service.starts_with(&format!("{stack}_"))
+        && engine("GET", &format!("/services/{service}"), None, timeout)
+            .await
+            .is_err()
+    {
+        return format!("{stack}_{service}");
+    }
+    service.to_string()
+}
+
 /// Reads a service's spec as raw JSON, lets `change` edit it, and posts it back at that version.
 async fn update_spec(
     service: &str,
@@ -587,9 +621,20 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
     );
     // Container id -> (endpoint, address) from the last scan.
     let mut by_container: HashMap<String, (String, String)> = HashMap::new();
+    // The stack this gateway runs in, from its own container's `com.docker.stack.namespace`
+    // label (the engine's word about our own container), when the config names none: `docker
+    // stack deploy -c docker-compose.yml anyname` works without editing the config. `None` until
+    // the engine answered; `Some(None)` outside a stack.
+    let mut own_stack: Option<Option<String>> = None;
     loop {
         let cfg = state.config.load_full();
-        let dcfg = cfg.docker.clone();
+        let mut dcfg = cfg.docker.clone();
+        if dcfg.enabled && dcfg.stack.is_none() {
+            if own_stack.is_none() {
+                own_stack = learn_own_stack(dcfg.timeout).await;
+            }
+            dcfg.stack = own_stack.clone().flatten();
+        }
         if !dcfg.enabled {
             if let Ok(mut s) = status.lock() {
                 s.enabled = false;
@@ -767,7 +812,7 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
                 let actions = match tokio::time::timeout(
                     // Each engine call has its own bound; this bounds the round as a whole.
                     dcfg.timeout * 4,
-                    remediate(&state, &cfg, &found, &mut remedies),
+                    remediate(&state, &cfg, dcfg.stack.as_deref(), &found, &mut remedies),
                 )
                 .await
                 {
@@ -935,6 +980,7 @@ async fn act(
 async fn remediate(
     state: &AppState,
     cfg: &crate::config::Config,
+    stack: Option<&str>,
     found: &[Found],
     remedies: &mut BTreeMap<String, Remedy>,
 ) -> u64 {
@@ -952,7 +998,10 @@ async fn remediate(
         let managed = f.labels.get(LABEL_MANAGE).map(String::as_str) == Some("true")
             || r.manage.contains(&svc);
         // Standbys are acted on through their primary, not for their own health.
-        if !managed || f.service_id.is_none() || r.standby.iter().any(|s| s.service == svc) {
+        let is_standby = r.standby.iter().any(|s| {
+            s.service == svc || stack.is_some_and(|st| svc == format!("{st}_{}", s.service))
+        });
+        if !managed || f.service_id.is_none() || is_standby {
             continue;
         }
         // Only the service's own evidence: its tasks down or failing Docker's health check, or
@@ -1000,7 +1049,11 @@ async fn remediate(
                     "remediation_scale_up",
                     format!("scale standby {} 0 -> 1", sb.service),
                     &reason,
-                    scale(&sb.service, 1, cfg.docker.timeout),
+                    scale(
+                        &stack_service(&sb.service, stack, cfg.docker.timeout).await,
+                        1,
+                        cfg.docker.timeout,
+                    ),
                 )
                 .await;
                 if m.standby_up && !r.dry_run {
@@ -1041,7 +1094,11 @@ async fn remediate(
                 "remediation_scale_down",
                 format!("scale standby {} 1 -> 0", sb.service),
                 &format!("primary healthy for {}s", sb.healthy_for.as_secs()),
-                scale(&sb.service, 0, cfg.docker.timeout),
+                scale(
+                    &stack_service(&sb.service, stack, cfg.docker.timeout).await,
+                    0,
+                    cfg.docker.timeout,
+                ),
             )
             .await;
             if down {

@@ -541,7 +541,7 @@ async fn learn_own_stack(timeout: Duration) -> Option<Option<String>> {
             c.pointer("/Config/Labels")
                 .and_then(|l| l.get(LABEL_STACK))
                 .and_then(Value::as_str)
-                .map(|s| crate::discovery::engine::clip(s)),
+                .map(crate::discovery::engine::clip),
         ),
         Err(e) if e.contains("404") || e.contains("No such container") => Some(None),
         Err(_) => None,

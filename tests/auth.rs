@@ -332,6 +332,8 @@ async fn the_admin_surface_needs_the_admin_key_or_loopback() {
     for (h, v) in [
         ("x-forwarded-for", "203.0.113.7"),
         ("forwarded", "for=203.0.113.7;proto=https"),
+        ("x-forwarded-host", "gateway.example"),
+        ("x-forwarded-proto", "https"),
         ("x-real-ip", "203.0.113.7"),
         ("via", "1.1 caddy"),
     ] {
@@ -347,6 +349,30 @@ async fn the_admin_surface_needs_the_admin_key_or_loopback() {
             "{body}"
         );
     }
+    // The rest of the admin surface follows the same rule from the other address: /metrics and
+    // /admin/* (and the live page's data) need the admin key there.
+    for path in ["/metrics"] {
+        let r = http
+            .get(format!("http://{ip}:{port}{path}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 403, "{path} from {ip}");
+        let r = http
+            .get(format!("http://127.0.0.1:{port}{path}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{path} from loopback");
+    }
+    let r = http
+        .post(format!("http://{ip}:{port}/admin/endpoints/a/clear"))
+        .header("content-type", "application/json")
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403, "/admin/* from {ip}");
     // The API itself answers the other address (with a client key): the refusal is the admin
     // rule, not the network.
     let r = http

@@ -1129,3 +1129,31 @@ async fn a_405_for_the_model_list_means_no_probe_not_unhealthy() {
     assert!(e["probe"]["detail"].to_string().contains("no probe"), "{e}");
     assert_eq!(gw.chat("a", "hi").await.status(), 200);
 }
+
+/// The endpoints' state is snapshotted to SQLite every 10 s while the gateway runs, not only at
+/// shutdown: a gateway killed without one (SIGKILL, the node lost) keeps its last 10 s.
+#[tokio::test]
+async fn endpoint_state_is_snapshotted_every_10_s_while_running() {
+    let a = MockUp::openai("name: a").await;
+    let gw = Gw::start(&format!("models:\n{}", ep("a", &a, "")));
+    for _ in 0..3 {
+        assert_eq!(gw.chat("a", "x").await.status(), 200);
+    }
+    let requests = || {
+        rusqlite::Connection::open(gw.db())
+            .ok()
+            .and_then(|c| {
+                c.query_row(
+                    "SELECT requests FROM endpoint_state WHERE endpoint = 'a'",
+                    [],
+                    |r| r.get::<_, i64>(0),
+                )
+                .ok()
+            })
+            .unwrap_or(0)
+    };
+    // Within the first snapshot period (and some slack), with the gateway still running.
+    let snapped = eventually(Duration::from_secs(25), || async { requests() == 3 }).await;
+    assert!(snapped, "no snapshot of the 3 requests: {}", requests());
+    assert!(gw.pid() > 0 && gw.status().await["endpoints"]["a"]["totals"].is_object());
+}

@@ -3113,7 +3113,10 @@ async fn a_new_gateway_waits_for_its_first_scan_instead_of_answering_503() {
     assert_eq!(r.status(), 503);
     assert_eq!(r.json::<Value>().await.unwrap()["status"], "starting");
     assert!(
-        engine.seen("/services").0 >= 1,
+        eventually(Duration::from_secs(5), || async {
+            engine.seen("/services").0 >= 1
+        })
+        .await,
         "the first scan is under way"
     );
     // A request now waits for the scan, and is served by the endpoint it found.

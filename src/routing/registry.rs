@@ -746,6 +746,10 @@ impl Registry {
             // task in between still counts as a replacement).
             let fresh =
                 if !new.is_empty() && !rt.last_addresses.is_empty() && rt.last_addresses != new {
+                    // Nor its success rate: the failures of a killed or sick task would keep
+                    // the healthy replacement demoted behind the others, and a demoted endpoint
+                    // gets no traffic to prove itself with, for the whole window.
+                    rt.window = RollingWindow::new(rt.window.window());
                     rt.health.new_addresses(now)
                 } else {
                     None
@@ -1177,5 +1181,39 @@ mod tests {
         ));
         reg.observe_docker("d", found("http://10.0.0.6:8000", None));
         assert_eq!(share("d"), Some(crate::routing::router::SLOW_START_MIN));
+    }
+
+    #[tokio::test]
+    async fn a_replacement_task_does_not_inherit_the_old_ones_success_rate() {
+        let cfg = Config::load(
+            "models:
+  d: { type: vllm, discover: docker }
+routing_policy: { min_samples: 2 }
+docker: { enabled: true }
+",
+        )
+        .unwrap();
+        let reg = Registry::new(StoreHandle::off("test".into()));
+        reg.sync(&cfg, &[]);
+        let ep = cfg.endpoints["d"].clone();
+        let rate = || reg.views(&cfg, &["d".into()])[0].success_rate;
+        reg.observe_docker("d", found("http://10.0.0.5:8000", None));
+        for _ in 0..3 {
+            reg.apply(
+                &ep,
+                &cfg.policy,
+                Effect::Failure {
+                    class: crate::routing::outcome::Outcome::Connection,
+                    detail: "reset".into(),
+                },
+            );
+        }
+        assert_eq!(rate(), Some(0.0), "the old task failed");
+        // The same address seen again: the same task, the same record.
+        reg.observe_docker("d", found("http://10.0.0.5:8000", None));
+        assert_eq!(rate(), Some(0.0));
+        // A replacement at another address starts with no record.
+        reg.observe_docker("d", found("http://10.0.0.9:8000", None));
+        assert_eq!(rate(), None);
     }
 }

@@ -895,3 +895,61 @@ async fn logs_have_no_colour_off_a_terminal_and_one_line_a_request_at_info() {
         "the failed attempt is in the access line: {lines:?}"
     );
 }
+
+/// The report's timeout and 5xx rules: an endpoint that times out on 5 % or more of its calls,
+/// and one failing with 5xx on 10 % or more (20 calls at least), each get their recommendation;
+/// an endpoint under both thresholds gets neither.
+#[tokio::test]
+async fn the_report_recommends_on_timeouts_and_5xx() {
+    // Every 4th call: a 503 (25 %); every 10th: 5 s, past its `timeouts.total` of 1 s (10 %).
+    let flaky = MockUp::openai(
+        "rules:\n  - when: {every: 4, path: /v1/chat/completions}\n    status: 503\n",
+    )
+    .await;
+    let slow = MockUp::openai(
+        "rules:\n  - when: {every: 10, path: /v1/chat/completions}\n    delay: 5s\n",
+    )
+    .await;
+    let fine = MockUp::openai("").await;
+    let backup = MockUp::openai("").await;
+    let config = format!(
+        "models:\n  flaky: {{type: openai, base_url: '{}'}}\n  slow: {{type: openai, base_url: '{}', timeouts: {{total: 1s}}}}\n  fine: {{type: openai, base_url: '{}'}}\n  backup: {{type: openai, base_url: '{}'}}\nrouting_policy: {{slow_start: 0, success_threshold: 0}}\nhealth: {{eject_after: 1000}}\nroutes:\n  a: [flaky, backup]\n  b: [slow, backup]\n  c: [fine, backup]\n",
+        flaky.base(),
+        slow.base(),
+        fine.base(),
+        backup.base()
+    );
+    let mut gw = Gw::start(&config);
+    for i in 0..20 {
+        for route in ["a", "b", "c"] {
+            let r = gw.chat(route, &format!("q{i}")).await;
+            assert_eq!(r.status(), 200, "{route}");
+        }
+    }
+    assert_eq!(flaky.requests().await, 20);
+    assert_eq!(slow.requests().await, 20);
+    gw.stop();
+    let out = Command::new(BIN)
+        .args(["report", "--since", "1h", "--data-dir"])
+        .arg(gw.data_dir())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let md = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        md.contains("`slow` timed out on 10 % of its calls (2 of 20)"),
+        "{md}"
+    );
+    assert!(
+        md.contains("`flaky` failed with 5xx or connection errors on 25 % of its calls (5 of 20)"),
+        "{md}"
+    );
+    assert!(
+        !md.contains("`fine` timed out") && !md.contains("`fine` failed"),
+        "{md}"
+    );
+}

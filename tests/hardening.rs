@@ -7,7 +7,7 @@ mod common;
 use std::io::{Read, Write};
 use std::time::Duration;
 
-use common::engine::{EngineAnswer, FakeEngine};
+use common::engine::{EngineAnswer, FakeEngine, service, service_with_id, tasks};
 use common::*;
 use serde_json::{Value, json};
 
@@ -2729,32 +2729,10 @@ async fn a_failed_service_list_keeps_the_last_known_addresses() {
         "/services",
         EngineAnswer::Body(
             200,
-            json!([{
-                "ID": "svc1",
-                "Version": {"Index": 1},
-                "Spec": {
-                    "Name": "llm",
-                    "Labels": {"autohedge.endpoint": "disc", "autohedge.port": up.addr.port().to_string()},
-                    "Mode": {"Replicated": {"Replicas": 1}},
-                },
-            }])
-            .to_string(),
+            json!([service("llm", "disc", up.addr.port(), &[])]).to_string(),
         ),
     );
-    engine.set(
-        "/tasks",
-        EngineAnswer::Body(
-            200,
-            json!([{
-                "ID": "task1",
-                "ServiceID": "svc1",
-                "DesiredState": "running",
-                "Status": {"State": "running"},
-                "NetworksAttachments": [{"Network": {"Spec": {"Name": "backend"}}, "Addresses": ["127.0.0.1/8"]}],
-            }])
-            .to_string(),
-        ),
-    );
+    engine.set("/tasks", tasks("running"));
     let gw = Gw::start_with_env(
         "models:\n  disc: { type: openai, discover: docker }\ndocker: { enabled: true, interval: 200ms, timeout: 2s }\n",
         &[("DOCKER_HOST", engine.host.as_str())],
@@ -3076,34 +3054,12 @@ async fn credentials_in_a_base_url_go_as_basic_auth_and_are_shown_nowhere() {
 async fn a_new_gateway_waits_for_its_first_scan_instead_of_answering_503() {
     let up = MockUp::openai("name: task").await;
     let engine = FakeEngine::start();
-    let services = json!([{
-        "ID": "svc1",
-        "Version": {"Index": 1},
-        "Spec": {
-            "Name": "llm",
-            "Labels": {"autohedge.endpoint": "disc", "autohedge.port": up.addr.port().to_string()},
-            "Mode": {"Replicated": {"Replicas": 1}},
-        },
-    }])
-    .to_string();
+    let services = json!([service("llm", "disc", up.addr.port(), &[])]).to_string();
     engine.set(
         "/services",
         EngineAnswer::Delayed(Duration::from_millis(1500), 200, services),
     );
-    engine.set(
-        "/tasks",
-        EngineAnswer::Body(
-            200,
-            json!([{
-                "ID": "task1",
-                "ServiceID": "svc1",
-                "DesiredState": "running",
-                "Status": {"State": "running"},
-                "NetworksAttachments": [{"Network": {"Spec": {"Name": "backend"}}, "Addresses": ["127.0.0.1/8"]}],
-            }])
-            .to_string(),
-        ),
-    );
+    engine.set("/tasks", tasks("running"));
     let gw = Gw::start_with_env(
         "models:\n  disc: { type: openai, discover: docker }\ndocker: { enabled: true, interval: 60s, timeout: 5s }\n",
         &[("DOCKER_HOST", engine.host.as_str())],
@@ -3141,15 +3097,12 @@ async fn remediation_waits_out_a_health_check_that_is_still_starting() {
         "/services",
         EngineAnswer::Body(
             200,
-            json!([{
-                "ID": "svc1",
-                "Version": {"Index": 1},
-                "Spec": {
-                    "Name": "llm",
-                    "Labels": {"autohedge.endpoint": "disc", "autohedge.port": up.addr.port().to_string(), "autohedge.manage": "true"},
-                    "Mode": {"Replicated": {"Replicas": 1}},
-                },
-            }])
+            json!([service(
+                "llm",
+                "disc",
+                up.addr.port(),
+                &[("autohedge.manage", "true")]
+            )])
             .to_string(),
         ),
     );
@@ -3239,32 +3192,10 @@ async fn a_recovered_backend_is_back_at_its_start_event_not_the_next_scan() {
         "/services",
         EngineAnswer::Body(
             200,
-            json!([{
-                "ID": "svc1",
-                "Version": {"Index": 1},
-                "Spec": {
-                    "Name": "llm",
-                    "Labels": {"autohedge.endpoint": "disc", "autohedge.port": up.addr.port().to_string()},
-                    "Mode": {"Replicated": {"Replicas": 1}},
-                },
-            }])
-            .to_string(),
+            json!([service("llm", "disc", up.addr.port(), &[])]).to_string(),
         ),
     );
-    let task = |state: &str| {
-        EngineAnswer::Body(
-            200,
-            json!([{
-                "ID": "task1",
-                "ServiceID": "svc1",
-                "DesiredState": "running",
-                "Status": {"State": state},
-                "NetworksAttachments": [{"Network": {"Spec": {"Name": "backend"}}, "Addresses": ["127.0.0.1/8"]}],
-            }])
-            .to_string(),
-        )
-    };
-    engine.set("/tasks", task("starting"));
+    engine.set("/tasks", tasks("starting"));
     // One `start` event as the watcher connects (then nothing for a minute).
     engine.set(
         "/events",
@@ -3284,15 +3215,18 @@ async fn a_recovered_backend_is_back_at_its_start_event_not_the_next_scan() {
         .await,
         "the watcher follows the events"
     );
-    let st = gw.status().await;
+    // The first scans found the task starting.
     assert!(
-        st["endpoints"]["disc"]["discovered"]["running_tasks"] == 0,
+        eventually(Duration::from_secs(10), || async {
+            gw.status().await["endpoints"]["disc"]["discovered"]["running_tasks"] == 0
+        })
+        .await,
         "{}",
-        st["endpoints"]["disc"]
+        gw.status().await["endpoints"]["disc"]
     );
     // The task runs now; no event says so, and the periodic scan is a minute away.
     let scans_before = engine.seen("/tasks").0;
-    engine.set("/tasks", task("running"));
+    engine.set("/tasks", tasks("running"));
     let back = eventually(Duration::from_secs(10), || async {
         gw.status().await["endpoints"]["disc"]["discovered"]["running_tasks"] == 1
     })
@@ -3315,15 +3249,12 @@ async fn a_restarted_gateway_scales_down_the_standby_its_predecessor_brought_up(
         "/services",
         EngineAnswer::Body(
             200,
-            json!([{
-                "ID": "svc1",
-                "Version": {"Index": 1},
-                "Spec": {
-                    "Name": "llm",
-                    "Labels": {"autohedge.endpoint": "disc", "autohedge.port": up.addr.port().to_string(), "autohedge.manage": "true"},
-                    "Mode": {"Replicated": {"Replicas": 1}},
-                },
-            }])
+            json!([service(
+                "llm",
+                "disc",
+                up.addr.port(),
+                &[("autohedge.manage", "true")]
+            )])
             .to_string(),
         ),
     );
@@ -3340,21 +3271,8 @@ async fn a_restarted_gateway_scales_down_the_standby_its_predecessor_brought_up(
         "/services/llm-standby/update",
         EngineAnswer::Body(200, "{}".into()),
     );
-    let task = |state: &str| {
-        EngineAnswer::Body(
-            200,
-            json!([{
-                "ID": "task1",
-                "ServiceID": "svc1",
-                "DesiredState": "running",
-                "Status": {"State": state},
-                "NetworksAttachments": [{"Network": {"Spec": {"Name": "backend"}}, "Addresses": ["127.0.0.1/8"]}],
-            }])
-            .to_string(),
-        )
-    };
     // The primary's task failed: remediation scales the standby up.
-    engine.set("/tasks", task("failed"));
+    engine.set("/tasks", tasks("failed"));
     let dir = tempfile::tempdir().unwrap();
     let cfg = "models:\n  disc: { type: openai, discover: docker }\ndocker:\n  enabled: true\n  interval: 200ms\n  timeout: 2s\n  remediation:\n    enabled: true\n    unhealthy_after: 1\n    standby: [{ primary: disc, service: llm-standby, healthy_for: 1s }]\n";
     let env = [("DOCKER_HOST", engine.host.as_str())];
@@ -3366,7 +3284,7 @@ async fn a_restarted_gateway_scales_down_the_standby_its_predecessor_brought_up(
     assert!(scaled_up, "{}", first.status().await["docker"]);
     first.stop();
     // The primary recovers while no gateway runs; a new one starts on the same data.
-    engine.set("/tasks", task("running"));
+    engine.set("/tasks", tasks("running"));
     let mut second = Gw::start_in(dir.path(), cfg, &env);
     let scaled_down = eventually(Duration::from_secs(15), || async {
         engine.seen("/services/llm-standby/update").0 >= 2
@@ -3397,16 +3315,16 @@ async fn a_gateway_learns_its_stack_from_its_own_container() {
     let up = MockUp::openai("name: task").await;
     let engine = FakeEngine::start();
     let service = |id: &str, name: &str, stack: &str| {
-        json!({
-            "ID": id,
-            "Version": {"Index": 1},
-            "Spec": {
-                "Name": name,
-                "Labels": {"autohedge.endpoint": "disc", "autohedge.port": up.addr.port().to_string(),
-                           "autohedge.manage": "true", "com.docker.stack.namespace": stack},
-                "Mode": {"Replicated": {"Replicas": 1}},
-            },
-        })
+        service_with_id(
+            id,
+            name,
+            "disc",
+            up.addr.port(),
+            &[
+                ("autohedge.manage", "true"),
+                ("com.docker.stack.namespace", stack),
+            ],
+        )
     };
     engine.set(
         "/services",

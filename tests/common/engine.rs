@@ -195,3 +195,45 @@ impl FakeEngine {
         }
     }
 }
+
+/// The Engine API's answer for one replicated Swarm service `svc1` named `name`, labelled as
+/// endpoint `endpoint` on `port`, with `extra` labels (`autohedge.manage`, a stack).
+pub fn service(name: &str, endpoint: &str, port: u16, extra: &[(&str, &str)]) -> serde_json::Value {
+    service_with_id("svc1", name, endpoint, port, extra)
+}
+
+/// The same with its own id.
+pub fn service_with_id(
+    id: &str,
+    name: &str,
+    endpoint: &str,
+    port: u16,
+    extra: &[(&str, &str)],
+) -> serde_json::Value {
+    let mut labels =
+        serde_json::json!({"autohedge.endpoint": endpoint, "autohedge.port": port.to_string()});
+    for (k, v) in extra {
+        labels[*k] = serde_json::json!(v);
+    }
+    serde_json::json!({
+        "ID": id,
+        "Version": {"Index": 1},
+        "Spec": {"Name": name, "Labels": labels, "Mode": {"Replicated": {"Replicas": 1}}},
+    })
+}
+
+/// The task list with one task `task1` of service `svc1` in `state` (Swarm's word: `running`,
+/// `starting`, `failed`…), reachable at 127.0.0.1 on the network `backend`.
+pub fn tasks(state: &str) -> EngineAnswer {
+    EngineAnswer::Body(
+        200,
+        serde_json::json!([{
+            "ID": "task1",
+            "ServiceID": "svc1",
+            "DesiredState": "running",
+            "Status": {"State": state},
+            "NetworksAttachments": [{"Network": {"Spec": {"Name": "backend"}}, "Addresses": ["127.0.0.1/8"]}],
+        }])
+        .to_string(),
+    )
+}

@@ -24,6 +24,17 @@ if ! command -v chromium >/dev/null; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium fonts-dejavu-core >/dev/null
 fi
 
+# The Swarm test needs the Docker Engine. The machine starts it before a session, but a CI run once
+# found none answering: start it here when it does not answer (root only), and wait for it.
+if command -v docker >/dev/null && ! docker info >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v dockerd >/dev/null; then
+    echo "the Docker Engine does not answer: starting dockerd (log: /tmp/autohedge-dockerd.log)..."
+    (nohup dockerd >>/tmp/autohedge-dockerd.log 2>&1 &)
+  fi
+  for _ in $(seq 1 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+  docker info >/dev/null 2>&1 || echo "the Docker Engine still does not answer; tests/swarm.rs will say so"
+fi
+
 cargo build --locked --bins
 cargo test --locked
 # -rs lists every skip with its reason; with CI=true a skip fails the run (tests/conftest.py).

@@ -211,7 +211,15 @@ async fn status_when(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn swarm_discovery_failover_remediation_and_recovery() {
-    let (ok, info) = docker(&["info", "--format", "{{.Swarm.LocalNodeState}}"]);
+    // An engine that is still starting gets 30 s to answer.
+    let engine_deadline = Instant::now() + Duration::from_secs(30);
+    let (ok, info) = loop {
+        let (ok, info) = docker(&["info", "--format", "{{.Swarm.LocalNodeState}}"]);
+        if ok || Instant::now() > engine_deadline {
+            break (ok, info);
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    };
     assert!(
         ok,
         "the Docker Engine must be running for this test (where none can run, leave it out with `cargo test -- --skip swarm_`): {info}"

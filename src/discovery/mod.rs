@@ -80,8 +80,12 @@ const EAGER_RESCAN: Duration = Duration::from_millis(100);
 enum Wake {
     /// This container died: its address leaves the pool at once.
     Died(String),
-    /// A container started or turned healthy: rescan until its task runs.
+    /// A container started: rescan until its task runs.
     Up,
+    /// A container's Docker health check passed: its task serves once a scan sees it, so the
+    /// scan comes sooner than for other events (the gap is [`EAGER_RESCAN`]). Docker sends it
+    /// only when the status changes.
+    Healthy,
     /// Something else changed: rescan.
     Changed,
 }
@@ -189,6 +193,155 @@ fn in_stack(labels: &HashMap<String, String>, cfg: &DockerConfig) -> bool {
     }
 }
 
+/// One labelled Swarm service of the scan: its running, healthy tasks' addresses and how the
+/// rest stand; `None` when it is not one of ours (no endpoint label, another stack).
+async fn scan_service(
+    docker: &Docker,
+    cfg: &DockerConfig,
+    svc: bollard::models::Service,
+) -> Result<Option<Found>, bollard::errors::Error> {
+    let spec = svc.spec.clone().unwrap_or_default();
+    let labels = spec.labels.clone().unwrap_or_default();
+    let Some(endpoint) = labels.get(LABEL_ENDPOINT).cloned() else {
+        return Ok(None);
+    };
+    if !in_stack(&labels, cfg) {
+        return Ok(None);
+    }
+    // Docker caps names at 63 characters; an engine that does not is clipped, since the
+    // name is shown in `/status`, logs and `endpoint_events`.
+    let name = crate::discovery::engine::clip(&spec.name.clone().unwrap_or_default());
+    let port = labels
+        .get(LABEL_PORT)
+        .and_then(|p| p.parse::<u16>().ok())
+        .unwrap_or(8000);
+    let replicas = spec
+        .mode
+        .as_ref()
+        .and_then(|m| m.replicated.as_ref())
+        .and_then(|r| r.replicas);
+    let mut tf = HashMap::new();
+    tf.insert("service".to_string(), vec![name.clone()]);
+    // The tasks, and their addresses from the raw API (what `tasks.<service>` DNS gives, for
+    // tasks on any node), asked at once.
+    let (tasks, raw_ips) = tokio::join!(
+        docker.list_tasks(Some(
+            ListTasksOptionsBuilder::default().filters(&tf).build(),
+        )),
+        task_addresses(&name, cfg.network.as_deref(), cfg.timeout)
+    );
+    let tasks = tasks?;
+    // Each running task's container (health, and a fallback address when it is on this node),
+    // inspected at once.
+    let views = futures_util::future::join_all(tasks.iter().map(|t| async {
+        let running = t.status.as_ref().and_then(|s| s.state) == Some(TaskState::RUNNING)
+            && t.desired_state == Some(TaskState::RUNNING);
+        let cid = t
+            .status
+            .as_ref()
+            .and_then(|s| s.container_status.as_ref())
+            .and_then(|c| c.container_id.as_deref());
+        match cid {
+            Some(cid) if running => Some(container_view(docker, cid, cfg.network.as_deref()).await),
+            _ => None,
+        }
+    }))
+    .await;
+    let mut addresses = Vec::new();
+    let mut running = 0;
+    let mut restarts = 0u64;
+    let mut unhealthy = None;
+    let mut starting = 0;
+    let mut containers = Vec::new();
+    for (t, view) in tasks.iter().zip(views) {
+        let state = t.status.as_ref().and_then(|s| s.state);
+        if matches!(state, Some(TaskState::FAILED) | Some(TaskState::REJECTED)) {
+            restarts += 1;
+        }
+        if t.desired_state == Some(TaskState::RUNNING)
+            && matches!(
+                state,
+                Some(TaskState::NEW)
+                    | Some(TaskState::ALLOCATED)
+                    | Some(TaskState::PENDING)
+                    | Some(TaskState::ASSIGNED)
+                    | Some(TaskState::ACCEPTED)
+                    | Some(TaskState::PREPARING)
+                    | Some(TaskState::READY)
+                    | Some(TaskState::STARTING)
+            )
+        {
+            starting += 1;
+        }
+        if state != Some(TaskState::RUNNING) || t.desired_state != Some(TaskState::RUNNING) {
+            continue;
+        }
+        let cid = t
+            .status
+            .as_ref()
+            .and_then(|s| s.container_status.as_ref())
+            .and_then(|c| c.container_id.clone());
+        let raw_ip = t.id.as_ref().and_then(|id| raw_ips.get(id).cloned());
+        if view.as_ref().and_then(|v| v.running) == Some(false) {
+            // The container died; Swarm has not updated the task yet. Its address is gone.
+            continue;
+        }
+        let (local_ip, health) = view.map(|v| (v.ip, v.health)).unwrap_or((None, None));
+        let ip = raw_ip.or(local_ip);
+        if health.as_deref() == Some("unhealthy") {
+            unhealthy = Some(format!(
+                "docker health check failing (task {} of {name})",
+                t.id.clone().unwrap_or_default()
+            ));
+            continue;
+        }
+        if health.as_deref() == Some("starting") {
+            // Docker's health check has not passed yet (its start period, or its first
+            // interval): not serving, and not sick either.
+            starting += 1;
+            continue;
+        }
+        running += 1;
+        if let Some(addr) = ip.as_deref().and_then(|ip| task_url(ip, port)) {
+            if let Some(cid) = &cid {
+                containers.push((cid.clone(), addr.clone()));
+            }
+            addresses.push(addr);
+        }
+    }
+    // A service deployed a moment ago may have no task at all yet: it is starting.
+    if tasks.is_empty() && replicas.unwrap_or(1) > 0 {
+        starting += 1;
+    }
+    let down = if running == 0 {
+        Some(unhealthy.clone().unwrap_or_else(|| {
+            if starting > 0 {
+                format!("service {name} is starting")
+            } else {
+                format!("service {name} has no running task")
+            }
+        }))
+    } else {
+        None
+    };
+    Ok(Some(Found {
+        endpoint,
+        service_id: svc.id.clone(),
+        discovered: Discovered {
+            service: name,
+            addresses,
+            running,
+            restarts,
+            down,
+        },
+        labels,
+        replicas,
+        starting,
+        health_failing: unhealthy.is_some(),
+        containers,
+    }))
+}
+
 /// One scan: Swarm services (when the engine is a manager) and plain containers.
 async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard::errors::Error> {
     docker.ping().await?;
@@ -215,134 +368,19 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
         // Swarm-backed endpoint down while their tasks ran on.
         Err(e) => return Err(e),
     };
-    for svc in services {
-        let spec = svc.spec.clone().unwrap_or_default();
-        let labels = spec.labels.clone().unwrap_or_default();
-        let Some(endpoint) = labels.get(LABEL_ENDPOINT).cloned() else {
-            continue;
-        };
-        if !in_stack(&labels, cfg) {
-            continue;
+    // Services are looked at concurrently: each costs a few engine calls (its tasks, their
+    // addresses, each running task's container), and a scan in series grew with every service —
+    // the time between a recovered backend's `healthy` event and its first request.
+    let found = futures_util::future::join_all(
+        services
+            .into_iter()
+            .map(|svc| scan_service(docker, cfg, svc)),
+    )
+    .await;
+    for f in found {
+        if let Some(f) = f? {
+            out.push(f);
         }
-        // Docker caps names at 63 characters; an engine that does not is clipped, since the
-        // name is shown in `/status`, logs and `endpoint_events`.
-        let name = crate::discovery::engine::clip(&spec.name.clone().unwrap_or_default());
-        let port = labels
-            .get(LABEL_PORT)
-            .and_then(|p| p.parse::<u16>().ok())
-            .unwrap_or(8000);
-        let replicas = spec
-            .mode
-            .as_ref()
-            .and_then(|m| m.replicated.as_ref())
-            .and_then(|r| r.replicas);
-        let mut tf = HashMap::new();
-        tf.insert("service".to_string(), vec![name.clone()]);
-        let tasks = docker
-            .list_tasks(Some(
-                ListTasksOptionsBuilder::default().filters(&tf).build(),
-            ))
-            .await?;
-        // Task addresses from the API (what `tasks.<service>` DNS gives), for tasks on any node.
-        let raw_ips = task_addresses(&name, cfg.network.as_deref(), cfg.timeout).await;
-        let mut addresses = Vec::new();
-        let mut running = 0;
-        let mut restarts = 0u64;
-        let mut unhealthy = None;
-        let mut starting = 0;
-        let mut containers = Vec::new();
-        for t in &tasks {
-            let state = t.status.as_ref().and_then(|s| s.state);
-            if matches!(state, Some(TaskState::FAILED) | Some(TaskState::REJECTED)) {
-                restarts += 1;
-            }
-            if t.desired_state == Some(TaskState::RUNNING)
-                && matches!(
-                    state,
-                    Some(TaskState::NEW)
-                        | Some(TaskState::ALLOCATED)
-                        | Some(TaskState::PENDING)
-                        | Some(TaskState::ASSIGNED)
-                        | Some(TaskState::ACCEPTED)
-                        | Some(TaskState::PREPARING)
-                        | Some(TaskState::READY)
-                        | Some(TaskState::STARTING)
-                )
-            {
-                starting += 1;
-            }
-            if state != Some(TaskState::RUNNING) || t.desired_state != Some(TaskState::RUNNING) {
-                continue;
-            }
-            let cid = t
-                .status
-                .as_ref()
-                .and_then(|s| s.container_status.as_ref())
-                .and_then(|c| c.container_id.clone());
-            let raw_ip = t.id.as_ref().and_then(|id| raw_ips.get(id).cloned());
-            let view = match &cid {
-                // Health and a fallback address come from the container, when it is on this node.
-                Some(cid) => Some(container_view(docker, cid, cfg.network.as_deref()).await),
-                None => None,
-            };
-            if view.as_ref().and_then(|v| v.running) == Some(false) {
-                // The container died; Swarm has not updated the task yet. Its address is gone.
-                continue;
-            }
-            let (local_ip, health) = view.map(|v| (v.ip, v.health)).unwrap_or((None, None));
-            let ip = raw_ip.or(local_ip);
-            if health.as_deref() == Some("unhealthy") {
-                unhealthy = Some(format!(
-                    "docker health check failing (task {} of {name})",
-                    t.id.clone().unwrap_or_default()
-                ));
-                continue;
-            }
-            if health.as_deref() == Some("starting") {
-                // Docker's health check has not passed yet (its start period, or its first
-                // interval): not serving, and not sick either.
-                starting += 1;
-                continue;
-            }
-            running += 1;
-            if let Some(addr) = ip.as_deref().and_then(|ip| task_url(ip, port)) {
-                if let Some(cid) = &cid {
-                    containers.push((cid.clone(), addr.clone()));
-                }
-                addresses.push(addr);
-            }
-        }
-        // A service deployed a moment ago may have no task at all yet: it is starting.
-        if tasks.is_empty() && replicas.unwrap_or(1) > 0 {
-            starting += 1;
-        }
-        let down = if running == 0 {
-            Some(unhealthy.clone().unwrap_or_else(|| {
-                if starting > 0 {
-                    format!("service {name} is starting")
-                } else {
-                    format!("service {name} has no running task")
-                }
-            }))
-        } else {
-            None
-        };
-        out.push(Found {
-            endpoint,
-            service_id: svc.id.clone(),
-            discovered: Discovered {
-                service: name,
-                addresses,
-                running,
-                restarts,
-                down,
-            },
-            labels,
-            replicas,
-            starting,
-            health_failing: unhealthy.is_some(),
-            containers,
-        });
     }
     // Plain containers (not Swarm tasks).
     let mut cf = HashMap::new();
@@ -849,7 +887,8 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
                 // come and go all the time (a CI runner beside the backends, or an engine that
                 // floods) one every EVENT_RESCAN_GAP at most. A dead container's address leaves
                 // the pool as its event arrives, before the rescan confirms.
-                let until = (Instant::now() + EVENT_COALESCE).max(scanned_at + EVENT_RESCAN_GAP);
+                let gap = if matches!(ev, Wake::Healthy) { EAGER_RESCAN } else { EVENT_RESCAN_GAP };
+                let until = (Instant::now() + EVENT_COALESCE).max(scanned_at + gap);
                 let mut next = Some(ev);
                 while let Some(ev) = next.take() {
                     match ev {
@@ -860,7 +899,9 @@ pub async fn run(state: Arc<AppState>, status: SharedStatus, cancel: Cancellatio
                                 ));
                             }
                         }
-                        Wake::Up => eager_until = Some(Instant::now() + dcfg.interval),
+                        Wake::Up | Wake::Healthy => {
+                            eager_until = Some(Instant::now() + dcfg.interval)
+                        }
                         Wake::Changed => {}
                     }
                     if let Ok(Some(more)) = tokio::time::timeout_at(until, wake.recv()).await {
@@ -909,6 +950,7 @@ async fn follow_events(
                                 let id = ev.actor.and_then(|a| a.id);
                                 let w = match id {
                                     Some(id) if DEATH_EVENTS.contains(&action) => Wake::Died(id),
+                                    _ if action == "health_status: healthy" => Wake::Healthy,
                                     _ if UP_EVENTS.contains(&action) => Wake::Up,
                                     _ => Wake::Changed,
                                 };

@@ -338,7 +338,7 @@ async fn swarm_discovery_failover_remediation_and_recovery() {
                     "--health-interval=1s",
                     "--health-timeout=2s",
                     "--health-retries=3",
-                    "--health-start-period=60s",
+                    "--health-start-period=12s",
                 ]
                 .map(String::from),
             );
@@ -360,11 +360,12 @@ async fn swarm_discovery_failover_remediation_and_recovery() {
         must(&a);
         s
     };
-    // A fresh deploy: the primary's first ten health checks fail, so Docker keeps it `starting`
-    // for about ten seconds (within its start period) while the gateways watch it.
+    // A fresh deploy: the primary's first eight health checks fail, so Docker keeps it
+    // `starting` for about eight seconds (within its 12 s start period) while the gateways watch
+    // it. (Each of its tasks is also no evidence for remediation in its first 12 s.)
     std::fs::write(
         dir.join("primary.yaml"),
-        "name: primary\nrules: [{when: {path: /health}, status: 503, times: 10}]\n",
+        "name: primary\nrules: [{when: {path: /health}, status: 503, times: 8}]\n",
     )
     .unwrap();
     let deployed = Instant::now();
@@ -617,7 +618,7 @@ docker:
         st["endpoints"]["standby"]["state"], "unhealthy",
         "standby has no running task"
     );
-    // The primary was `starting` for its first ten health checks; its later tasks pass at once.
+    // The primary was `starting` for its first eight health checks; its later tasks pass at once.
     std::fs::write(dir.join("primary.yaml"), "name: primary\n").unwrap();
     wait_for(
         "the sick container's health check to fail",
@@ -757,7 +758,7 @@ docker:
         })
     };
 
-    // A fresh deploy is no evidence: in its first minute (the primary `starting` for ten seconds
+    // A fresh deploy is no evidence: in its first minute (the primary `starting` for eight seconds
     // of it, the gateways watching from the start) no remediation acts. The dry-run gateway's
     // proposals are checked in its audit trail at the end (none before `quiet_until`).
     let first_minute = deployed + Duration::from_secs(60);

@@ -120,6 +120,9 @@ struct Found {
     health_failing: bool,
     /// (container id, `http://ip:port`) of each address, so a `die` event can drop it at once.
     containers: Vec<(String, String)>,
+    /// (container id, its health check's start period) of each running task on this node that
+    /// has a start period: remediation takes no evidence from a task still within it.
+    start_periods: Vec<(String, Duration)>,
 }
 
 fn task_path(kind: EndpointKind) -> &'static str {
@@ -136,7 +139,14 @@ struct ContainerView {
     restarts: u64,
     /// `None` when the container is not on this node (cannot be inspected).
     running: Option<bool>,
+    /// Its health check's start period (the service's, or its image's), at most
+    /// [`MAX_START_PERIOD`]; zero without one.
+    start_period: Duration,
 }
+
+/// The longest health-check start period remediation waits out: the engine's word is not
+/// trusted to hold a sick task off remediation for longer.
+const MAX_START_PERIOD: Duration = Duration::from_secs(600);
 
 async fn container_view(docker: &Docker, id: &str, network: Option<&str>) -> ContainerView {
     let Ok(c) = docker
@@ -148,9 +158,17 @@ async fn container_view(docker: &Docker, id: &str, network: Option<&str>) -> Con
             health: None,
             restarts: 0,
             running: None,
+            start_period: Duration::ZERO,
         };
     };
     let running = c.state.as_ref().and_then(|s| s.running);
+    let start_period = c
+        .config
+        .as_ref()
+        .and_then(|c| c.healthcheck.as_ref())
+        .and_then(|h| h.start_period)
+        .map(|ns| Duration::from_nanos(ns.max(0) as u64).min(MAX_START_PERIOD))
+        .unwrap_or_default();
     let health = c
         .state
         .as_ref()
@@ -174,6 +192,7 @@ async fn container_view(docker: &Docker, id: &str, network: Option<&str>) -> Con
         health,
         restarts,
         running,
+        start_period,
     }
 }
 
@@ -253,6 +272,7 @@ async fn scan_service(
     let mut unhealthy = None;
     let mut starting = 0;
     let mut containers = Vec::new();
+    let mut start_periods = Vec::new();
     for (t, view) in tasks.iter().zip(views) {
         let state = t.status.as_ref().and_then(|s| s.state);
         if matches!(state, Some(TaskState::FAILED) | Some(TaskState::REJECTED)) {
@@ -285,6 +305,11 @@ async fn scan_service(
         if view.as_ref().and_then(|v| v.running) == Some(false) {
             // The container died; Swarm has not updated the task yet. Its address is gone.
             continue;
+        }
+        if let (Some(cid), Some(v)) = (&cid, &view)
+            && !v.start_period.is_zero()
+        {
+            start_periods.push((cid.clone(), v.start_period));
         }
         let (local_ip, health) = view.map(|v| (v.ip, v.health)).unwrap_or((None, None));
         let ip = raw_ip.or(local_ip);
@@ -339,6 +364,7 @@ async fn scan_service(
         starting,
         health_failing: unhealthy.is_some(),
         containers,
+        start_periods,
     }))
 }
 
@@ -455,6 +481,8 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
             starting: 0,
             health_failing: health.as_deref() == Some("unhealthy"),
             containers,
+            // Plain containers are not remediated.
+            start_periods: Vec::new(),
         });
     }
     Ok(out)
@@ -516,6 +544,23 @@ struct Remedy {
     healthy_since: Option<Instant>,
     last_action: Option<Instant>,
     standby_up: bool,
+    /// When this gateway first saw each running task's container (those with a start period).
+    first_seen: HashMap<String, Instant>,
+}
+
+/// Whether any of a service's running tasks is still within its health check's start period,
+/// counted from when this gateway first saw it (a gateway started later waits the period out
+/// again: its first observations are no evidence either). Forgets containers no longer running.
+fn within_start_period(
+    first_seen: &mut HashMap<String, Instant>,
+    start_periods: &[(String, Duration)],
+    now: Instant,
+) -> bool {
+    first_seen.retain(|cid, _| start_periods.iter().any(|(c, _)| c == cid));
+    start_periods.iter().fold(false, |young, (cid, period)| {
+        let seen = *first_seen.entry(cid.clone()).or_insert(now);
+        young || now.saturating_duration_since(seen) < *period
+    })
 }
 
 /// Records that remediation left `standby` up (or brought it back down), in memory and in the
@@ -1053,7 +1098,7 @@ async fn remediate(
         // still `starting`) is not sick: its first minute is no evidence.
         let probe_says = state.registry.probe_unhealthy(&ep.name);
         let only_starting = f.discovered.running == 0 && f.starting > 0 && !f.health_failing;
-        let unhealthy = (f.discovered.down.is_some() && !only_starting) || probe_says.is_some();
+        let evidence = (f.discovered.down.is_some() && !only_starting) || probe_says.is_some();
         let standby = r.standby.iter().find(|s| s.primary == ep.name);
         let m = remedies.entry(svc.clone()).or_insert_with(|| Remedy {
             // A standby an earlier run of the gateway scaled up is still up: this one scales it
@@ -1066,6 +1111,8 @@ async fn remediate(
             }),
             ..Remedy::default()
         });
+        // Nor is a task within its health check's start period (a model still loading).
+        let unhealthy = evidence && !within_start_period(&mut m.first_seen, &f.start_periods, now);
         if unhealthy {
             m.unhealthy_streak += 1;
             m.healthy_since = None;
@@ -1157,6 +1204,47 @@ async fn remediate(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_task_within_its_start_period_is_no_evidence() {
+        let mut seen = HashMap::new();
+        let t0 = Instant::now();
+        let periods = vec![("c1".to_string(), Duration::from_secs(30))];
+        assert!(within_start_period(&mut seen, &periods, t0));
+        assert!(within_start_period(
+            &mut seen,
+            &periods,
+            t0 + Duration::from_secs(29)
+        ));
+        // Counted from when it was first seen, not from each look.
+        assert!(!within_start_period(
+            &mut seen,
+            &periods,
+            t0 + Duration::from_secs(30)
+        ));
+        // A replacement task starts its own period; the old one is forgotten.
+        let t1 = t0 + Duration::from_secs(40);
+        let replaced = vec![("c2".to_string(), Duration::from_secs(30))];
+        assert!(within_start_period(&mut seen, &replaced, t1));
+        assert_eq!(seen.keys().collect::<Vec<_>>(), ["c2"]);
+        // One young task among old ones holds the service's evidence.
+        let both = vec![
+            ("c2".to_string(), Duration::from_secs(30)),
+            ("c3".to_string(), Duration::from_secs(30)),
+        ];
+        assert!(within_start_period(
+            &mut seen,
+            &both,
+            t1 + Duration::from_secs(31)
+        ));
+        assert!(!within_start_period(
+            &mut seen,
+            &both,
+            t1 + Duration::from_secs(62)
+        ));
+        // No start period: never young.
+        assert!(!within_start_period(&mut seen, &[], t1));
+    }
 
     #[test]
     fn only_an_ip_address_from_the_engine_becomes_a_task_url() {

@@ -590,3 +590,43 @@ async fn a_hedge_that_fails_leaves_the_first_attempt_to_finish() {
         vec!["1:0"]
     );
 }
+
+/// `after: pNN` trusts a percentile only once the endpoint has `hedge::MIN_SAMPLES` (20)
+/// latencies: before that no hedge is sent, however slow the request and however full the
+/// budget. Every 4th request to `slow` takes 1 s and the budget pays a whole hedge a request, so
+/// without the minimum the 4th request would already be hedged.
+#[tokio::test]
+async fn a_percentile_delay_waits_for_its_sample_minimum() {
+    let slow = MockUp::openai(
+        "name: slow\nrules: [{when: {path: /v1/chat/completions, every: 4}, delay: 1s}]",
+    )
+    .await;
+    let fast = MockUp::openai("name: fast").await;
+    let cfg = format!(
+        "models:\n{}{}routes:\n  p50:\n    chain: [slow, fast]\n    hedge: {{ after: p50, max_extra: 100%, min_after: 150ms }}\n",
+        ep("slow", &slow, ""),
+        ep("fast", &fast, "")
+    );
+    let mut gw = Gw::start(&cfg);
+    let mut hedged = Vec::new();
+    for i in 1..=24 {
+        let r = gw.chat("p50", "x").await;
+        assert_eq!(r.status(), 200);
+        if header(&r, "x-autohedge-hedged") == "true" {
+            hedged.push(i);
+        }
+        if i == 20 {
+            assert_eq!(
+                fast.requests().await,
+                0,
+                "no hedge before 20 samples, though requests 4 to 20 were slow"
+            );
+        }
+    }
+    // The 24th (slow) request is the first with 20 samples behind it: hedged at the p50 (fast,
+    // so min_after), and served by the hedge.
+    assert_eq!(hedged, vec![24], "only the slow request after 20 samples");
+    assert_eq!(fast.requests().await, 1);
+    assert_eq!(slow.requests().await, 24, "every request tried slow first");
+    gw.stop();
+}

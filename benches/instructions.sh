@@ -39,10 +39,11 @@ for _ in $(seq 100); do grep -q "listening on" "$work/mock.out" 2>/dev/null && b
 mock=$(sed -n 's/.*listening on http:\/\///p' "$work/mock.out")
 mkdir -p "$work/conf"
 # The config in a directory of its own: the config watcher follows its directory, and the
-# gateway's log written beside it would wake the watcher on every write.
+# gateway's log written beside it would wake the watcher on every write. The endpoint has a
+# `context_window`, as the embedded default's do: the gateway counts every prompt's tokens.
 cat > "$work/conf/config.yaml" <<EOF
 models:
-  a: { type: openai, base_url: "http://$mock/v1", model: gpt-4o-mini }
+  a: { type: openai, base_url: "http://$mock/v1", model: gpt-4o-mini, context_window: 128000 }
 routing_policy: { fallback_chain: [a] }
 health: { probe_interval: 1h }
 EOF

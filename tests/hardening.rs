@@ -3271,10 +3271,15 @@ async fn a_restarted_gateway_scales_down_the_standby_its_predecessor_brought_up(
         "/services/llm-standby/update",
         EngineAnswer::Body(200, "{}".into()),
     );
-    // The primary's task failed: remediation scales the standby up.
+    // The primary's task failed: remediation scales the standby up. Each action is also a
+    // `remediation` alert.
     engine.set("/tasks", tasks("failed"));
+    let (hook, alerts) = scripted_webhook(&[]).await;
     let dir = tempfile::tempdir().unwrap();
-    let cfg = "models:\n  disc: { type: openai, discover: docker }\ndocker:\n  enabled: true\n  interval: 200ms\n  timeout: 2s\n  remediation:\n    enabled: true\n    unhealthy_after: 1\n    standby: [{ primary: disc, service: llm-standby, healthy_for: 1s }]\n";
+    let cfg = format!(
+        "models:\n  disc: {{ type: openai, discover: docker }}\ndocker:\n  enabled: true\n  interval: 200ms\n  timeout: 2s\n  remediation:\n    enabled: true\n    unhealthy_after: 1\n    standby: [{{ primary: disc, service: llm-standby, healthy_for: 1s }}]\nalerts:\n  webhooks: [{{ url: 'http://{hook}/hook', format: json }}]\n  events: [remediation]\n"
+    );
+    let cfg = cfg.as_str();
     let env = [("DOCKER_HOST", engine.host.as_str())];
     let mut first = Gw::start_in(dir.path(), cfg, &env);
     let scaled_up = eventually(Duration::from_secs(10), || async {
@@ -3282,6 +3287,19 @@ async fn a_restarted_gateway_scales_down_the_standby_its_predecessor_brought_up(
     })
     .await;
     assert!(scaled_up, "{}", first.status().await["docker"]);
+    let alerted = |n: usize| {
+        let alerts = alerts.clone();
+        async move {
+            alerts
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|(_, _, v)| v["event"] == "remediation")
+                .count()
+                >= n
+        }
+    };
+    assert!(eventually(Duration::from_secs(10), || alerted(1)).await);
     first.stop();
     // The primary recovers while no gateway runs; a new one starts on the same data.
     engine.set("/tasks", tasks("running"));
@@ -3291,6 +3309,7 @@ async fn a_restarted_gateway_scales_down_the_standby_its_predecessor_brought_up(
     })
     .await;
     assert!(scaled_down, "{}", second.status().await["docker"]);
+    assert!(eventually(Duration::from_secs(10), || alerted(2)).await);
     second.stop();
     let events: Vec<String> = audit_rows(
         &second,
@@ -3303,6 +3322,26 @@ async fn a_restarted_gateway_scales_down_the_standby_its_predecessor_brought_up(
         events,
         vec!["remediation_scale_up", "remediation_scale_down"],
         "{events:?}"
+    );
+    // Both actions reached the webhook as `remediation` alerts, saying what was done and how it
+    // went.
+    let details: Vec<String> = alerts
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, _, v)| v["event"] == "remediation" && v["endpoint"] == "disc")
+        .map(|(_, _, v)| v["detail"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(details.len(), 2, "{:?}", alerts.lock().unwrap());
+    assert!(
+        details[0].contains("scale standby llm-standby 0 -> 1")
+            && details[0].contains("result: ok"),
+        "{details:?}"
+    );
+    assert!(
+        details[1].contains("scale standby llm-standby 1 -> 0")
+            && details[1].contains("result: ok"),
+        "{details:?}"
     );
 }
 

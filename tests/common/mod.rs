@@ -439,3 +439,85 @@ pub fn audit_rows(gw: &Gw, sql: &str) -> Vec<Vec<Value>> {
     .collect::<Result<_, _>>()
     .unwrap()
 }
+
+/// What [`scripted_webhook`] received: (path, arrival, JSON body) per POST.
+pub type Webhooked = std::sync::Arc<std::sync::Mutex<Vec<(String, std::time::Instant, Value)>>>;
+
+/// A webhook that answers as scripted, per path: for the nth POST to a path its nth entry
+/// (`"drop"` closes the connection with no answer, a number is that status), 200 past the
+/// script. Records each POST's path, arrival and JSON body (null when it is not JSON).
+pub async fn scripted_webhook(
+    scripts: &[(&'static str, Vec<&'static str>)],
+) -> (std::net::SocketAddr, Webhooked) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let got: Webhooked = Default::default();
+    let scripts: std::sync::Arc<Vec<(&'static str, Vec<&'static str>)>> =
+        std::sync::Arc::new(scripts.to_vec());
+    let seen = got.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                return;
+            };
+            let (got, scripts) = (seen.clone(), scripts.clone());
+            tokio::spawn(async move {
+                // The request head and its body (content-length), then one answer; one request a
+                // connection (`connection: close`).
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                let (head_end, len) = loop {
+                    let Ok(n) = s.read(&mut chunk).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&buf[..i]).to_ascii_lowercase();
+                        let len = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse::<usize>().ok())
+                            .unwrap_or(0);
+                        break (i + 4, len);
+                    }
+                };
+                while buf.len() < head_end + len {
+                    match s.read(&mut chunk).await {
+                        Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                        _ => return,
+                    }
+                }
+                let path = String::from_utf8_lossy(&buf)
+                    .split_whitespace()
+                    .nth(1)
+                    .unwrap_or("")
+                    .to_string();
+                let body: Value =
+                    serde_json::from_slice(&buf[head_end..head_end + len]).unwrap_or(Value::Null);
+                let nth = {
+                    let mut g = got.lock().unwrap();
+                    let nth = g.iter().filter(|(p, _, _)| *p == path).count();
+                    g.push((path.clone(), std::time::Instant::now(), body));
+                    nth
+                };
+                let answer = scripts
+                    .iter()
+                    .find(|(p, _)| *p == path)
+                    .and_then(|(_, script)| script.get(nth).copied())
+                    .unwrap_or("200");
+                if answer == "drop" {
+                    return;
+                }
+                let reply = format!(
+                    "HTTP/1.1 {answer} X\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                );
+                let _ = s.write_all(reply.as_bytes()).await;
+            });
+        }
+    });
+    (addr, got)
+}

@@ -213,10 +213,9 @@ async fn vault_secrets_refresh_transit_keys_and_vault_going_away() {
     let a = MockUp::openai("name: a").await;
     let v = MockUp::start(autohedge::mock::Flavor::Vllm, "name: v").await;
     let slow = MockUp::openai("name: slow\nrules: [{delay: 2s}]").await;
-    let mut gw = Gw::start_with_env(
-        &config(&bao, &a, &v, &slow, "token: env:TEST_VAULT_TOKEN"),
-        &[("TEST_VAULT_TOKEN", ROOT_TOKEN)],
-    );
+    // Decrypted keys are cached for 6 s here (`vault:` is the config's last block).
+    let cfg = config(&bao, &a, &v, &slow, "token: env:TEST_VAULT_TOKEN") + "  cache_ttl: 6s\n";
+    let mut gw = Gw::start_with_env(&cfg, &[("TEST_VAULT_TOKEN", ROOT_TOKEN)]);
     // The upstream key came from Vault.
     let r = chat_with(&gw, "chat", None).await;
     assert_eq!(r.status(), 200);
@@ -271,9 +270,18 @@ async fn vault_secrets_refresh_transit_keys_and_vault_going_away() {
     }
     assert_eq!(a.requests().await, before);
     assert!(gw.status().await["vault"]["last_error"].is_null());
+    // A key decrypted just before Vault stops: cached (`cache_ttl`) from now.
+    let fresh = bao.encrypt("sk-client-own-eeee-5555").await;
+    let r = chat_with(&gw, "chat", Some(&fresh)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(last_tail(&a).await, "5555");
+    let decrypted = std::time::Instant::now();
     // Vault stops: the last good values keep serving, the error shows in /status, a new
     // ciphertext cannot be decrypted (503), one decrypted before is still cached.
     drop(bao);
+    let r = chat_with(&gw, "chat", Some(&fresh)).await;
+    assert_eq!(r.status(), 200, "cached within vault.cache_ttl");
+    assert_eq!(last_tail(&a).await, "5555");
     let r = chat_with(&gw, "chat", None).await;
     assert_eq!(r.status(), 200);
     assert_eq!(last_tail(&a).await, "2222");
@@ -289,9 +297,44 @@ async fn vault_secrets_refresh_transit_keys_and_vault_going_away() {
     let body: Value = r.json().await.unwrap();
     assert_eq!(status, 503, "{body}");
     assert_eq!(body["error"]["code"], "vault_unavailable");
-    let r = chat_with(&gw, "chat", Some(&own)).await;
-    assert_eq!(r.status(), 200, "cached within vault.cache_ttl");
-    assert_eq!(last_tail(&a).await, "3333");
+    // Past `cache_ttl` the cached key is gone, and with Vault down it cannot be decrypted again.
+    tokio::time::sleep(
+        (decrypted + Duration::from_millis(6500))
+            .saturating_duration_since(std::time::Instant::now()),
+    )
+    .await;
+    let before = a.requests().await;
+    let r = chat_with(&gw, "chat", Some(&fresh)).await;
+    let status = r.status();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(status, 503, "expired from the cache: {body}");
+    assert_eq!(body["error"]["code"], "vault_unavailable");
+    assert_eq!(a.requests().await, before, "nothing reached the upstream");
+    // A reload while Vault is down: the new file cannot be read through (its secrets are in
+    // Vault), so it is rejected with the reason in /status, and the last good table serves on.
+    std::fs::write(
+        &gw.config_path,
+        cfg.replace("  chat: [a]\n", "  chat: [a]\n  chat2: [a]\n"),
+    )
+    .unwrap();
+    let ok = eventually(Duration::from_secs(15), || async {
+        gw.status().await["config"]["last_reload_error"].is_string()
+    })
+    .await;
+    assert!(ok, "{}", gw.status().await["config"]);
+    let why = gw.status().await["config"]["last_reload_error"].to_string();
+    assert!(
+        why.contains("secret/openai"),
+        "names the secret's path: {why}"
+    );
+    let r = chat_with(&gw, "chat", None).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(last_tail(&a).await, "2222", "the last good key");
+    assert_eq!(
+        chat_with(&gw, "chat2", None).await.status(),
+        404,
+        "the rejected file's route is not live"
+    );
     let st = gw.status().await.to_string();
     gw.stop();
     // No secret, plaintext or ciphertext anywhere.
@@ -302,6 +345,7 @@ async fn vault_secrets_refresh_transit_keys_and_vault_going_away() {
         "sk-from-vault-bbbb-2222",
         "sk-client-own-cccc-3333",
         "sk-client-own-dddd-4444",
+        "sk-client-own-eeee-5555",
         ROOT_TOKEN,
         own.as_str(),
     ] {

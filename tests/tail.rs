@@ -322,6 +322,45 @@ async fn an_exhausted_budget_in_the_headers_routes_away_before_the_429() {
     );
 }
 
+/// With `max_wait` set and only predicted-short endpoints left, the request waits for the
+/// predicted refill (here 1.5 s) and then calls the endpoint once, instead of trying it at once
+/// into a likely 429. The wait is checked from below only.
+#[tokio::test]
+async fn max_wait_waits_for_a_predicted_refill() {
+    let announce = r#"{times: 1, headers: {x-ratelimit-remaining-requests: "0", x-ratelimit-reset-requests: "1500ms", x-ratelimit-limit-requests: ""}}"#;
+    let a = MockUp::openai(&format!("name: a\nrules: [{announce}]")).await;
+    let cfg = format!(
+        "models:\n{}routes:\n  only_a: [a]\nrouting_policy: {{ max_wait: 5s }}\n",
+        ep("a", &a, "")
+    );
+    let mut gw = Gw::start(&cfg);
+    assert_eq!(gw.chat("only_a", "x").await.status(), 200);
+    assert_eq!(a.requests().await, 1);
+    let t0 = Instant::now();
+    let r = gw
+        .chat_id(
+            "refill",
+            json!({"model": "only_a", "messages": [{"role": "user", "content": "x"}]}),
+        )
+        .await;
+    let took = t0.elapsed();
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "a");
+    assert_eq!(a.requests().await, 2, "one call, after the wait");
+    assert!(
+        took >= Duration::from_millis(1200),
+        "answered after {took:?}: it did not wait for the refill"
+    );
+    gw.stop();
+    assert_eq!(
+        rows(
+            &gw,
+            "SELECT endpoint, class FROM attempts WHERE request_id = 'refill' ORDER BY seq"
+        ),
+        vec!["a:skipped_ratelimit_predicted", "a:ok"]
+    );
+}
+
 #[tokio::test]
 async fn a_key_with_no_budget_left_is_passed_over_for_the_next() {
     let a = MockUp::openai(

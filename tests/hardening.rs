@@ -3345,6 +3345,85 @@ async fn a_restarted_gateway_scales_down_the_standby_its_predecessor_brought_up(
     );
 }
 
+/// While the primary's restarted task is still starting, the standby stays up: a starting task
+/// is no observation, neither sick nor healthy. Before, a round with only a starting task counted
+/// as healthy, and the standby came down `healthy_for` after the primary's restart, before the
+/// primary served again. Counted in scans, not timed: the standby must outlast several times
+/// `healthy_for` of them, then come down once the task runs.
+#[tokio::test]
+async fn the_standby_stays_up_while_the_restarted_primary_is_starting() {
+    let up = MockUp::openai("name: task").await;
+    let engine = FakeEngine::start();
+    engine.set(
+        "/services",
+        EngineAnswer::Body(
+            200,
+            json!([service(
+                "llm",
+                "disc",
+                up.addr.port(),
+                &[("autohedge.manage", "true")]
+            )])
+            .to_string(),
+        ),
+    );
+    engine.set(
+        "/services/llm-standby",
+        EngineAnswer::Body(
+            200,
+            json!({"ID": "sb1", "Version": {"Index": 3},
+                   "Spec": {"Name": "llm-standby", "Mode": {"Replicated": {"Replicas": 0}}}})
+            .to_string(),
+        ),
+    );
+    engine.set(
+        "/services/llm-standby/update",
+        EngineAnswer::Body(200, "{}".into()),
+    );
+    engine.set("/tasks", tasks("failed"));
+    let cfg = "models:\n  disc: { type: openai, discover: docker }\ndocker:\n  enabled: true\n  interval: 200ms\n  timeout: 2s\n  remediation:\n    enabled: true\n    unhealthy_after: 1\n    standby: [{ primary: disc, service: llm-standby, healthy_for: 400ms }]\n";
+    let mut gw = Gw::start_with_env(cfg, &[("DOCKER_HOST", engine.host.as_str())]);
+    let scaled_up = eventually(Duration::from_secs(10), || async {
+        engine.seen("/services/llm-standby/update").0 >= 1
+    })
+    .await;
+    assert!(scaled_up, "{}", gw.status().await["docker"]);
+    // The replacement task is starting: ten scans (2 s, five times `healthy_for`) later the
+    // standby is still up.
+    engine.set("/tasks", tasks("starting"));
+    let scans = engine.seen("/services").0;
+    let ok = eventually(Duration::from_secs(30), || async {
+        engine.seen("/services").0 >= scans + 10
+    })
+    .await;
+    assert!(ok, "the gateway kept scanning");
+    assert_eq!(
+        engine.seen("/services/llm-standby/update").0,
+        1,
+        "the standby came down while the primary was only starting"
+    );
+    // The task runs: after `healthy_for` the standby comes down.
+    engine.set("/tasks", tasks("running"));
+    let scaled_down = eventually(Duration::from_secs(15), || async {
+        engine.seen("/services/llm-standby/update").0 >= 2
+    })
+    .await;
+    assert!(scaled_down, "{}", gw.status().await["docker"]);
+    gw.stop();
+    let events: Vec<String> = audit_rows(
+        &gw,
+        "SELECT event FROM endpoint_events WHERE event LIKE 'remediation%' ORDER BY id",
+    )
+    .into_iter()
+    .map(|r| r[0].as_str().unwrap_or("").to_string())
+    .collect();
+    assert_eq!(
+        events,
+        vec!["remediation_scale_up", "remediation_scale_down"],
+        "{events:?}"
+    );
+}
+
 /// One stack name: with no `docker.stack` in the config, a gateway running in a stack learns it
 /// from its own container's `com.docker.stack.namespace` label (its host name is its container
 /// id), sees only that stack's services, and finds a standby named without the stack's prefix

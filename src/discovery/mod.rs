@@ -1111,8 +1111,14 @@ async fn remediate(
             }),
             ..Remedy::default()
         });
-        // Nor is a task within its health check's start period (a model still loading).
-        let unhealthy = evidence && !within_start_period(&mut m.first_seen, &f.start_periods, now);
+        // Nor is a task within its health check's start period (a model still loading). Either
+        // way the round is no observation at all, not a healthy one: a standby stays up while
+        // its restarted primary is still starting.
+        let young = within_start_period(&mut m.first_seen, &f.start_periods, now);
+        if (only_starting && probe_says.is_none()) || (evidence && young) {
+            continue;
+        }
+        let unhealthy = evidence;
         if unhealthy {
             m.unhealthy_streak += 1;
             m.healthy_since = None;

@@ -131,19 +131,14 @@ pub fn from_conn(
 
     // Attempts, by request row (the index's order): which requests failed over, causes, and
     // each endpoint's calls.
-    let first_row: Option<i64> = conn.query_row(
-        "SELECT MIN(id) FROM requests WHERE ts_ms >= ?1",
-        [from_ms],
-        |r| r.get(0),
-    )?;
+    let first_row: Option<i64> =
+        conn.query_row(crate::store::sql::FIRST_ROW_SINCE, [from_ms], |r| r.get(0))?;
     let mut causes: BTreeMap<String, Cause> = BTreeMap::new();
     let mut failed_attempts = 0u64;
     // Rows of requests that had a failed call before the end.
     let mut failed_over: std::collections::HashSet<i64> = Default::default();
     if let Some(first) = first_row {
-        let mut stmt = conn.prepare(
-            "SELECT request_row, request_id, ts_ms, endpoint, class FROM attempts WHERE request_row >= ?1 ORDER BY request_row, seq",
-        )?;
+        let mut stmt = conn.prepare(crate::store::sql::ATTEMPTS_FROM_ROW)?;
         let mut rows = stmt.query([first])?;
         while let Some(r) = rows.next()? {
             let row: i64 = r.get(0)?;
@@ -198,9 +193,7 @@ pub fn from_conn(
     }
 
     // Requests, by time.
-    let mut stmt = conn.prepare(
-        "SELECT id, ts_ms, endpoint, status, error_class, latency_ms FROM requests WHERE ts_ms >= ?1 AND ts_ms <= ?2",
-    )?;
+    let mut stmt = conn.prepare(crate::store::sql::REQUESTS_BETWEEN)?;
     let mut rows = stmt.query([from_ms, to_ms])?;
     let (
         mut requests,
@@ -274,9 +267,7 @@ pub fn from_conn(
         .collect();
 
     // Endpoint events.
-    let mut stmt = conn.prepare(
-        "SELECT endpoint, event, reason FROM endpoint_events WHERE ts_ms >= ?1 AND ts_ms <= ?2 ORDER BY ts_ms",
-    )?;
+    let mut stmt = conn.prepare(crate::store::sql::EVENTS_BETWEEN)?;
     let mut rows = stmt.query([from_ms, to_ms])?;
     while let Some(r) = rows.next()? {
         let endpoint: String = r.get(0)?;

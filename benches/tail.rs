@@ -180,14 +180,19 @@ async fn fixed_rate(c: &HttpClient, url: &str, rate: u64, secs: f64) -> Vec<(f64
     out
 }
 
+/// The nearest-rank percentile's rank (1-based). The small margin keeps a product that should
+/// be whole (99.9 % of 100,000) from rounding up past it in floating point.
+fn rank(n: usize, p: f64) -> usize {
+    ((p / 100.0) * n as f64 - 1e-9).ceil() as usize
+}
+
 fn pct(sorted: &[f64], p: f64) -> f64 {
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
+    sorted[rank(sorted.len(), p).clamp(1, sorted.len()) - 1]
 }
 
 /// How many samples lie beyond the `p`th percentile of `n` (what it rests on).
 fn beyond(n: usize, p: f64) -> usize {
-    n - ((p / 100.0) * n as f64).ceil() as usize
+    n - rank(n, p).min(n)
 }
 
 async fn mock_requests(c: &HttpClient, m: SocketAddr) -> u64 {

@@ -570,14 +570,13 @@ async fn run() {
     let added500 = pct(&gateway.lat[0], 99.0) - pct(&direct.lat[0], 99.0);
     let added5k = pct(&gateway.lat[1], 99.0) - pct(&direct.lat[1], 99.0);
     println!(
-        "Goals: throughput >= 85% of the floor: {:.0}% {}; CPU/req <= 1.3x the floor's: {cpu_ratio:.2}x {}; p99 added < 0.5 ms at 500/s: {added500:.3} ms {}; < 1 ms at 5000/s: {added5k:.3} ms {}; peak RSS < 50 MiB: {:.1} {}",
+        "Goals (issue #32's decision; instructions are counted by benches/instructions.sh): throughput >= 70% of the floor: {:.0}% {}; CPU/req {cpu_ratio:.2}x the floor's (no goal); p99 added <= 0.5 ms at 500/s: {added500:.3} ms {}; <= 1 ms at 5000/s: {added5k:.3} ms {}; peak RSS <= 50 MiB: {:.1} {}",
         ratio * 100.0,
-        verdict(ratio >= 0.85),
-        verdict(cpu_ratio <= 1.3),
-        verdict(added500 < 0.5),
-        verdict(added5k < 1.0),
+        verdict(ratio >= 0.70),
+        verdict(added500 <= 0.5),
+        verdict(added5k <= 1.0),
         peak_rss_mb(gateway.pid),
-        verdict(peak_rss_mb(gateway.pid) < 50.0),
+        verdict(peak_rss_mb(gateway.pid) <= 50.0),
     );
 
     // Both endpoints must have been healthy all along (a probe that failed would make this a

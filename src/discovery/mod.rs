@@ -48,6 +48,7 @@ use bollard::query_parameters::{
     InspectContainerOptions, ListContainersOptionsBuilder, ListServicesOptionsBuilder,
     ListTasksOptionsBuilder,
 };
+use futures_util::{StreamExt, stream};
 use serde_json::{Value, json};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -143,6 +144,10 @@ struct ContainerView {
     /// [`MAX_START_PERIOD`]; zero without one.
     start_period: Duration,
 }
+
+/// Services, and containers of a service, a scan asks the engine about at once: concurrency, but
+/// not a connection per task of an engine that lists thousands.
+const ENGINE_CALLS_AT_ONCE: usize = 8;
 
 /// The longest health-check start period remediation waits out: the engine's word is not
 /// trusted to hold a sick task off remediation for longer.
@@ -251,21 +256,31 @@ async fn scan_service(
     );
     let tasks = tasks?;
     // Each running task's container (health, and a fallback address when it is on this node),
-    // inspected at once.
-    let views = futures_util::future::join_all(tasks.iter().map(|t| async {
-        let running = t.status.as_ref().and_then(|s| s.state) == Some(TaskState::RUNNING)
-            && t.desired_state == Some(TaskState::RUNNING);
-        let cid = t
-            .status
-            .as_ref()
-            .and_then(|s| s.container_status.as_ref())
-            .and_then(|c| c.container_id.as_deref());
-        match cid {
-            Some(cid) if running => Some(container_view(docker, cid, cfg.network.as_deref()).await),
-            _ => None,
-        }
-    }))
-    .await;
+    // a few inspected at once.
+    let inspect: Vec<_> = tasks
+        .iter()
+        .map(|t| {
+            let running = t.status.as_ref().and_then(|s| s.state) == Some(TaskState::RUNNING)
+                && t.desired_state == Some(TaskState::RUNNING);
+            let cid = t
+                .status
+                .as_ref()
+                .and_then(|s| s.container_status.as_ref())
+                .and_then(|c| c.container_id.clone())
+                .filter(|_| running);
+            let network = cfg.network.clone();
+            async move {
+                match cid {
+                    Some(cid) => Some(container_view(docker, &cid, network.as_deref()).await),
+                    None => None,
+                }
+            }
+        })
+        .collect();
+    let views: Vec<Option<ContainerView>> = stream::iter(inspect)
+        .buffered(ENGINE_CALLS_AT_ONCE)
+        .collect()
+        .await;
     let mut addresses = Vec::new();
     let mut running = 0;
     let mut restarts = 0u64;
@@ -394,14 +409,16 @@ async fn scan(docker: &Docker, cfg: &DockerConfig) -> Result<Vec<Found>, bollard
         // Swarm-backed endpoint down while their tasks ran on.
         Err(e) => return Err(e),
     };
-    // Services are looked at concurrently: each costs a few engine calls (its tasks, their
+    // Services are looked at a few at a time: each costs a few engine calls (its tasks, their
     // addresses, each running task's container), and a scan in series grew with every service —
     // the time between a recovered backend's `healthy` event and its first request.
-    let found = futures_util::future::join_all(
+    let found: Vec<_> = stream::iter(
         services
             .into_iter()
             .map(|svc| scan_service(docker, cfg, svc)),
     )
+    .buffered(ENGINE_CALLS_AT_ONCE)
+    .collect()
     .await;
     for f in found {
         if let Some(f) = f? {
@@ -976,7 +993,6 @@ async fn follow_events(
     wake: tokio::sync::mpsc::Sender<Wake>,
     cancel: CancellationToken,
 ) {
-    use futures_util::StreamExt;
     let filters = json!({"type": ["container"], "event": WAKE_EVENTS});
     loop {
         if state.config.load().docker.enabled {

@@ -3237,13 +3237,9 @@ async fn a_recovered_backend_is_back_at_its_start_event_not_the_next_scan() {
     assert_eq!(up.requests().await, 1);
 }
 
-/// The standby is remembered across restarts: a gateway that scaled the standby up and was then
-/// replaced leaves the fact in its database, and the next one scales the standby back down once
-/// the primary has been healthy for `healthy_for`. Before, the flag lived in memory only, and the
-/// standby stayed up for good.
-#[tokio::test]
-async fn a_restarted_gateway_scales_down_the_standby_its_predecessor_brought_up() {
-    let up = MockUp::openai("name: task").await;
+/// An engine with one managed service `llm` (endpoint `disc`, its task at `up`) and a standby
+/// service `llm-standby` at 0 replicas whose updates succeed (counted by `seen`).
+fn standby_engine(up: &MockUp) -> FakeEngine {
     let engine = FakeEngine::start();
     engine.set(
         "/services",
@@ -3271,6 +3267,28 @@ async fn a_restarted_gateway_scales_down_the_standby_its_predecessor_brought_up(
         "/services/llm-standby/update",
         EngineAnswer::Body(200, "{}".into()),
     );
+    engine
+}
+
+/// The remediation events of a stopped gateway's audit trail, in order.
+fn remediation_events(gw: &Gw) -> Vec<String> {
+    audit_rows(
+        gw,
+        "SELECT event FROM endpoint_events WHERE event LIKE 'remediation%' ORDER BY id",
+    )
+    .into_iter()
+    .map(|r| r[0].as_str().unwrap_or("").to_string())
+    .collect()
+}
+
+/// The standby is remembered across restarts: a gateway that scaled the standby up and was then
+/// replaced leaves the fact in its database, and the next one scales the standby back down once
+/// the primary has been healthy for `healthy_for`. Before, the flag lived in memory only, and the
+/// standby stayed up for good.
+#[tokio::test]
+async fn a_restarted_gateway_scales_down_the_standby_its_predecessor_brought_up() {
+    let up = MockUp::openai("name: task").await;
+    let engine = standby_engine(&up);
     // The primary's task failed: remediation scales the standby up. Each action is also a
     // `remediation` alert.
     engine.set("/tasks", tasks("failed"));
@@ -3311,13 +3329,7 @@ async fn a_restarted_gateway_scales_down_the_standby_its_predecessor_brought_up(
     assert!(scaled_down, "{}", second.status().await["docker"]);
     assert!(eventually(Duration::from_secs(10), || alerted(2)).await);
     second.stop();
-    let events: Vec<String> = audit_rows(
-        &second,
-        "SELECT event FROM endpoint_events WHERE event LIKE 'remediation%' ORDER BY id",
-    )
-    .into_iter()
-    .map(|r| r[0].as_str().unwrap_or("").to_string())
-    .collect();
+    let events = remediation_events(&second);
     assert_eq!(
         events,
         vec!["remediation_scale_up", "remediation_scale_down"],
@@ -3353,33 +3365,7 @@ async fn a_restarted_gateway_scales_down_the_standby_its_predecessor_brought_up(
 #[tokio::test]
 async fn the_standby_stays_up_while_the_restarted_primary_is_starting() {
     let up = MockUp::openai("name: task").await;
-    let engine = FakeEngine::start();
-    engine.set(
-        "/services",
-        EngineAnswer::Body(
-            200,
-            json!([service(
-                "llm",
-                "disc",
-                up.addr.port(),
-                &[("autohedge.manage", "true")]
-            )])
-            .to_string(),
-        ),
-    );
-    engine.set(
-        "/services/llm-standby",
-        EngineAnswer::Body(
-            200,
-            json!({"ID": "sb1", "Version": {"Index": 3},
-                   "Spec": {"Name": "llm-standby", "Mode": {"Replicated": {"Replicas": 0}}}})
-            .to_string(),
-        ),
-    );
-    engine.set(
-        "/services/llm-standby/update",
-        EngineAnswer::Body(200, "{}".into()),
-    );
+    let engine = standby_engine(&up);
     engine.set("/tasks", tasks("failed"));
     let cfg = "models:\n  disc: { type: openai, discover: docker }\ndocker:\n  enabled: true\n  interval: 200ms\n  timeout: 2s\n  remediation:\n    enabled: true\n    unhealthy_after: 1\n    standby: [{ primary: disc, service: llm-standby, healthy_for: 400ms }]\n";
     let mut gw = Gw::start_with_env(cfg, &[("DOCKER_HOST", engine.host.as_str())]);
@@ -3410,13 +3396,7 @@ async fn the_standby_stays_up_while_the_restarted_primary_is_starting() {
     .await;
     assert!(scaled_down, "{}", gw.status().await["docker"]);
     gw.stop();
-    let events: Vec<String> = audit_rows(
-        &gw,
-        "SELECT event FROM endpoint_events WHERE event LIKE 'remediation%' ORDER BY id",
-    )
-    .into_iter()
-    .map(|r| r[0].as_str().unwrap_or("").to_string())
-    .collect();
+    let events = remediation_events(&gw);
     assert_eq!(
         events,
         vec!["remediation_scale_up", "remediation_scale_down"],

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::*;
@@ -365,51 +365,18 @@ async fn a_blocked_stderr_drops_log_lines_instead_of_stalling_requests() {
     assert!(n > 0 && String::from_utf8_lossy(&first[..n]).contains("\"level\""));
 }
 
-/// A loopback webhook receiver: records every POST (path, body); answers 503 to the first
-/// `fail_first` of those under `/json/`.
-struct Receiver {
-    addr: SocketAddr,
-    got: Arc<Mutex<Vec<(String, Value)>>>,
-}
-
-async fn receiver(fail_first: usize) -> Receiver {
-    use axum::extract::State;
-    use axum::http::{StatusCode, Uri};
-    type Shared = (Arc<Mutex<Vec<(String, Value)>>>, Arc<Mutex<usize>>);
-    let got = Arc::new(Mutex::new(Vec::new()));
-    let state: Shared = (got.clone(), Arc::new(Mutex::new(fail_first)));
-    let app = axum::Router::new()
-        .fallback(
-            |State((got, fails)): State<Shared>, uri: Uri, body: axum::body::Bytes| async move {
-                let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-                got.lock().unwrap().push((uri.path().to_string(), v));
-                let mut f = fails.lock().unwrap();
-                if *f > 0 && uri.path().starts_with("/json/") {
-                    *f -= 1;
-                    return StatusCode::SERVICE_UNAVAILABLE;
-                }
-                StatusCode::OK
-            },
-        )
-        .with_state(state);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    Receiver { addr, got }
-}
-
 #[tokio::test]
 async fn alerts_reach_webhooks_deduplicated_filtered_and_retried() {
     // The first POST is refused with 503: delivery retries it.
-    let hook = receiver(1).await;
+    let (hook_addr, hooked) = scripted_webhook(&[("/json/TOKEN-json-9d8e", vec!["503"])]).await;
     let gone = MockUp::openai("rules:\n  - when: {path: /v1/chat/completions}\n    status: 410\n    error: this model has been deprecated\n").await;
     let ok = MockUp::openai("").await;
     let bad = MockUp::openai(
         "rules:\n  - when: {path: /v1/chat/completions}\n    status: 500\n    error: down\n",
     )
     .await;
-    let json_url = format!("http://{}/json/TOKEN-json-9d8e", hook.addr);
-    let slack_url = format!("http://{}/services/T000/B000/SLACKSECRET77", hook.addr);
+    let json_url = format!("http://{}/json/TOKEN-json-9d8e", hook_addr);
+    let slack_url = format!("http://{}/services/T000/B000/SLACKSECRET77", hook_addr);
     let config = format!(
         "models:
   gone: {{type: openai, base_url: '{}', model: m}}
@@ -451,11 +418,11 @@ alerts:
         assert_eq!(gw.chat("broken", "hi").await.status(), 503);
     }
     let json_alerts = |event: &str| {
-        hook.got
+        hooked
             .lock()
             .unwrap()
             .iter()
-            .filter(|(p, v)| p.starts_with("/json/") && v["event"] == event)
+            .filter(|(p, _, v)| p.starts_with("/json/") && v["event"] == event)
             .count()
     };
     assert!(
@@ -464,34 +431,34 @@ alerts:
         })
         .await,
         "alerts: {:?}",
-        hook.got.lock().unwrap()
+        hooked.lock().unwrap()
     );
     // Settle: nothing more should come.
     tokio::time::sleep(Duration::from_millis(2500)).await;
-    let got = hook.got.lock().unwrap().clone();
+    let got = hooked.lock().unwrap().clone();
     // The retirement: refused once (503) and delivered on the retry; all_failed once, although
     // five requests failed (dedupe); nothing for events not listed.
     assert_eq!(json_alerts("endpoint_retired"), 2, "{got:?}");
     assert_eq!(json_alerts("all_failed"), 1, "{got:?}");
     let retired = got
         .iter()
-        .find(|(p, v)| p.starts_with("/json/") && v["event"] == "endpoint_retired")
+        .find(|(p, _, v)| p.starts_with("/json/") && v["event"] == "endpoint_retired")
         .unwrap();
-    assert_eq!(retired.1["endpoint"], "gone");
-    let detail = retired.1["detail"].as_str().unwrap();
+    assert_eq!(retired.2["endpoint"], "gone");
+    let detail = retired.2["detail"].as_str().unwrap();
     assert!(
         detail.contains("410") || detail.contains("deprecated"),
         "{retired:?}"
     );
     assert!(
-        got.iter().all(|(_, v)| v["event"].is_null()
+        got.iter().all(|(_, _, v)| v["event"].is_null()
             || ["endpoint_retired", "all_failed"].contains(&v["event"].as_str().unwrap_or(""))),
         "{got:?}"
     );
     let slack: Vec<&str> = got
         .iter()
-        .filter(|(p, _)| p.starts_with("/services/"))
-        .filter_map(|(_, v)| v["text"].as_str())
+        .filter(|(p, _, _)| p.starts_with("/services/"))
+        .filter_map(|(_, _, v)| v["text"].as_str())
         .collect();
     assert!(
         slack
@@ -603,10 +570,10 @@ async fn the_report_reads_the_trail_and_recommends_by_its_rules() {
 
 #[tokio::test]
 async fn each_event_the_gateway_raises_here_reaches_the_webhook() {
-    let hook = receiver(0).await;
+    let (hook_addr, hooked) = scripted_webhook(&[]).await;
     let keyed = MockUp::openai("keys: [k-good]\n").await;
     let flaky = MockUp::openai("").await;
-    let url = format!("http://{}/json/x", hook.addr);
+    let url = format!("http://{}/json/x", hook_addr);
     let config = format!(
         "server: {{ audit_queue: 1 }}
 models:
@@ -664,11 +631,11 @@ alerts:
     // A config file that does not parse.
     std::fs::write(&gw.config_path, "models: [broken\n").unwrap();
     let seen = |event: &str, endpoint: Option<&str>| {
-        hook.got
+        hooked
             .lock()
             .unwrap()
             .iter()
-            .any(|(_, v)| v["event"] == event && endpoint.is_none_or(|e| v["endpoint"] == e))
+            .any(|(_, _, v)| v["event"] == event && endpoint.is_none_or(|e| v["endpoint"] == e))
     };
     let all = [
         ("endpoint_auth_failed", Some("keyed")),
@@ -687,15 +654,14 @@ alerts:
         all.iter()
             .filter(|(e, ep)| !seen(e, *ep))
             .collect::<Vec<_>>(),
-        hook.got.lock().unwrap()
+        hooked.lock().unwrap()
     );
     // The Docker engine going away is one alert, not one per endpoint.
-    let docker = hook
-        .got
+    let docker = hooked
         .lock()
         .unwrap()
         .iter()
-        .filter(|(_, v)| v["event"] == "docker_unreachable")
+        .filter(|(_, _, v)| v["event"] == "docker_unreachable")
         .count();
     assert_eq!(docker, 1);
     let m = metrics(&gw, None).await;

@@ -1442,12 +1442,19 @@ async fn payload_hygiene_and_learned_limits_persist() {
     // A limit learned from an upstream error survives a restart.
     a.set_script("context_window: 80").await;
     let cfg = format!(
-        "models:\n  a: {{ type: openai, base_url: \"{}\", context_window: 100000 }}\n",
+        "models:\n  a: {{ type: openai, base_url: \"{}\", model: gpt-4o-mini, context_window: 100000 }}\n",
         a.base()
     );
     let mut gw = Gw::start_in(tmp.path(), &cfg, &[]);
     let r = gw.chat("a", &"word ".repeat(100)).await;
     assert_eq!(r.status(), 400, "nothing larger to try");
+    // The bound fit the configured window, so nothing was counted before the upstream refused:
+    // the refusal counts it, to say what the prompt needs.
+    let msg = r.json::<Value>().await.unwrap()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(msg.contains("needs 108 prompt tokens"), "{msg}");
     assert_eq!(
         gw.status().await["endpoints"]["a"]["learned_context_window"],
         80

@@ -744,6 +744,64 @@ async fn context_skip_honours_max_completion_tokens_and_context_fill() {
     );
 }
 
+/// The guard counts a prompt only when its byte bound (tokens <= UTF-8 bytes, plus framing)
+/// does not already fit the window: a short prompt is served uncounted, and a prompt whose bytes
+/// exceed the window but whose tokens fit is counted exactly and served by that endpoint, not
+/// skipped or refused.
+#[tokio::test]
+async fn only_a_prompt_near_its_window_is_counted_and_the_bound_never_refuses() {
+    let small = MockUp::openai("name: small").await;
+    let big = MockUp::openai("name: big").await;
+    let gw = Gw::start(&format!(
+        "models:\n  small: {{ type: openai, base_url: \"{}\", model: gpt-4o-mini, context_window: 400 }}\n  big: {{ type: openai, base_url: \"{}\", model: gpt-4o-mini, context_window: 100000 }}\nrouting_policy: {{ fallback_chain: [small, big] }}\n",
+        small.base(),
+        big.base()
+    ));
+    let short = json!([{"role": "user", "content": "Hello there"}]);
+    // 1,000 bytes: over the 380 tokens small allows, though its tokens are far fewer.
+    let near = json!([{"role": "user", "content": "word ".repeat(200)}]);
+    let exact = count_tokens(&gw, "small", &json!({ "messages": near }));
+    assert!(exact < 300, "{exact}");
+    let r = gw
+        .chat_id("short", json!({"model": "small", "messages": short}))
+        .await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "small");
+    let r = gw
+        .chat_id(
+            "near",
+            json!({"model": "small", "messages": near, "max_tokens": 380 - exact}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        header(&r, "x-autohedge-endpoint"),
+        "small",
+        "the exact count fits, so the endpoint is not skipped"
+    );
+    let r = gw
+        .chat_id(
+            "over",
+            json!({"model": "small", "messages": near, "max_tokens": 381 - exact}),
+        )
+        .await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "big", "one token over");
+    assert_eq!(small.requests().await, 2);
+    let mut gw = gw;
+    gw.stop();
+    let counted = db_rows(
+        &gw,
+        "SELECT request_id || ':' || COALESCE(prompt_tokens_counted, 'none') FROM requests ORDER BY request_id",
+    );
+    assert_eq!(
+        counted,
+        [
+            format!("near:{exact}"),
+            format!("over:{exact}"),
+            "short:none".to_string()
+        ]
+    );
+}
+
 #[tokio::test]
 async fn the_encoding_override_picks_the_tokenizer() {
     let a = MockUp::openai("name: a").await;

@@ -401,10 +401,6 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
                 None => crate::tokens::Counter::Estimate,
             },
         };
-        if ep.context_window.is_some() || ep.encoding.is_some() {
-            // This endpoint counts prompts: no request may wait for its encoder to be built.
-            counter.warm();
-        }
         let mut urls = Vec::with_capacity(3);
         for op in Op::ALL {
             let u = url_for(ep.kind, &base_url, op);

@@ -10,7 +10,7 @@ use serde_json::Value;
 use super::{BLOCKING_COUNT_CHARS, Run};
 use crate::config::{Endpoint, Overflow};
 use crate::error::ApiError;
-use crate::tokens::{self, Count, Counter, truncate};
+use crate::tokens::{self, Count, truncate};
 use crate::upstream;
 use crate::wire;
 
@@ -70,13 +70,13 @@ impl Run {
                 return count;
             }
         }
-        // An encoder still being built is never waited for: count with the estimate meanwhile.
-        let counter = if ep.counter.ready() {
-            &ep.counter
-        } else {
-            ep.counter.warm_in_background();
-            &Counter::Estimate
-        };
+        let counter = &ep.counter;
+        if !counter.ready() {
+            // Built the first time a prompt needs it (a few hundred ms, once per process), on
+            // the blocking pool; requests that arrive meanwhile wait for the same build.
+            let c = counter.clone();
+            let _ = tokio::task::spawn_blocking(move || c.warm()).await;
+        }
         let key = counter.method();
         if let Some(c) = self.counts.get(&key) {
             return c.clone();
@@ -99,14 +99,22 @@ impl Run {
     }
 
     /// The 400 for a request no endpoint's window holds.
-    pub(super) fn reject_overflow(&mut self, chain: &[String]) -> Response {
+    pub(super) async fn reject_overflow(&mut self, chain: &[String]) -> Response {
         let largest = chain
             .iter()
             .filter_map(|n| {
                 let ep = self.cfg.endpoints.get(n)?;
-                Some((n.clone(), self.app.registry.effective_window(ep)?))
+                Some((ep.clone(), self.app.registry.effective_window(ep)?))
             })
             .max_by_key(|(_, w)| *w);
+        // An upstream's refusal can come before any count (the byte bound fit its window as
+        // configured): the message says what the prompt needs, as the largest endpoint counts.
+        if self.counted_prompt.is_none()
+            && let Some((ep, _)) = &largest
+        {
+            self.prompt_tokens(ep).await;
+        }
+        let largest = largest.map(|(ep, w)| (ep.name.clone(), w));
         let counted = self.counted_prompt.unwrap_or(0);
         let max = self.requested_max_tokens();
         let message = match largest {
@@ -176,6 +184,7 @@ impl Run {
                     .body_mut()
                     .insert("messages".into(), Value::Array(t.messages));
                 self.counts.clear();
+                self.prompt_bound = None;
                 Ok(())
             }
             Ok(Err(e)) => Err(self.context_error(format!(

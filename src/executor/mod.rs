@@ -23,7 +23,7 @@ use crate::routing::registry::{Effect, KeyPick};
 use crate::routing::router::{self, View};
 use crate::state::AppState;
 use crate::store::RequestRow;
-use crate::tokens::Count;
+use crate::tokens::{self, Count};
 use crate::upstream::classify;
 use crate::wire::{Inbound, Op};
 
@@ -92,6 +92,8 @@ struct Run {
     counts: HashMap<String, Count>,
     /// The first count made, for the audit row.
     counted_prompt: Option<u64>,
+    /// The prompt's byte bound on its tokens, once computed ([`Run::fits_by_bound`]).
+    prompt_bound: Option<u64>,
     /// Endpoints skipped because the prompt did not fit, with their windows.
     context_skipped: Vec<(String, u64)>,
     /// The response of the latest context-length refusal, returned if nothing larger exists.
@@ -216,6 +218,7 @@ pub async fn execute(
         calls: 0,
         counts: HashMap::new(),
         counted_prompt: None,
+        prompt_bound: None,
         context_skipped: Vec::new(),
         last_context_error: None,
         own_key_answer: None,
@@ -362,7 +365,7 @@ impl Run {
                     self.context_skipped.clear();
                     self.last_context_error = None;
                 }
-                _ => return self.reject_overflow(&chain),
+                _ => return self.reject_overflow(&chain).await,
             }
         }
         if let Some((status, headers, body)) = self.last_context_error.take()
@@ -590,9 +593,12 @@ impl Run {
         {
             let policy = &self.cfg.policy;
             let context_fill = policy.context_fill;
+            let allowed = (w as f64 * context_fill).floor() as u64;
+            if self.fits_by_bound(&ep, allowed) {
+                return Some(ep);
+            }
             let prompt = self.prompt_tokens(&ep).await;
             let need = prompt.tokens + self.requested_max_tokens();
-            let allowed = (w as f64 * context_fill).floor() as u64;
             if need > allowed {
                 self.skipped(
                     name.to_string(),
@@ -614,6 +620,21 @@ impl Run {
             }
         }
         Some(ep)
+    }
+
+    /// Whether the prompt fits `allowed` tokens (completion included) without counting it: its
+    /// byte bound ([`tokens::tiktoken_bound`], computed once a request) already fits, and the
+    /// endpoint counts with a byte-level BPE. Most prompts are far smaller than their windows,
+    /// and the exact count (BPE work and the encoder's tables) is only needed near the edge.
+    fn fits_by_bound(&mut self, ep: &Endpoint, allowed: u64) -> bool {
+        if !ep.counter.bounded_by_bytes() || ep.backend_tokenize.is_some() {
+            return false;
+        }
+        let req = &self.req;
+        let bound = *self
+            .prompt_bound
+            .get_or_insert_with(|| tokens::tiktoken_bound(req.op, req.body()));
+        bound.saturating_add(self.requested_max_tokens()) <= allowed
     }
 
     /// Records an endpoint that was not called (skipped, or ruled out by context size).

@@ -45,9 +45,9 @@ pub enum Counter {
 
 impl Counter {
     /// Builds what this counter needs now (a tiktoken encoder takes 250–350 ms to build and holds
-    /// about 48 MB), so that no request waits for it. Config loading calls it for endpoints that
-    /// count prompts (a `context_window`, or an explicit `encoding:`) — before `listening` is
-    /// printed, and on reload off the request path.
+    /// about 40 MB). Built lazily: only a prompt whose [`tiktoken_bound`] does not already fit
+    /// its window needs the exact count, so a gateway whose prompts are small next to their
+    /// windows never holds the tables.
     pub fn warm(&self) {
         if let Counter::Tiktoken(f) = self {
             let _ = bpe(*f);
@@ -62,25 +62,9 @@ impl Counter {
         }
     }
 
-    /// Starts building the encoder on its own thread (once per family) and returns at once: for
-    /// an endpoint that did not count at load but has to now (it taught the registry its window).
-    /// Requests count with the estimate until it is ready.
-    pub fn warm_in_background(&self) {
-        use std::sync::atomic::{AtomicBool, Ordering};
-        static STARTED: [AtomicBool; 2] = [AtomicBool::new(false), AtomicBool::new(false)];
-        if let Counter::Tiktoken(f) = *self
-            && !self.ready()
-            && !STARTED[f as usize].swap(true, Ordering::AcqRel)
-        {
-            let spawned = std::thread::Builder::new()
-                .name("tiktoken-build".into())
-                .spawn(move || {
-                    let _ = bpe(f);
-                });
-            if spawned.is_err() {
-                STARTED[f as usize].store(false, Ordering::Release);
-            }
-        }
+    /// Whether [`tiktoken_bound`] bounds this counter's count (byte-level BPE).
+    pub fn bounded_by_bytes(&self) -> bool {
+        matches!(self, Counter::Tiktoken(_))
     }
 }
 
@@ -192,6 +176,57 @@ impl Counter {
 
     /// Tokens of one chat message, framing included (but not the reply priming).
     pub fn message(&self, m: &Value) -> u64 {
+        Measure::Tokens(self).message(m)
+    }
+
+    /// Tool definitions, by the rule in OpenAI's cookbook (`num_tokens_for_tools`).
+    pub fn tools(&self, tools: &[Value]) -> u64 {
+        Measure::Tokens(self).tools(tools)
+    }
+
+    /// Prompt tokens of a request body.
+    pub fn request(&self, op: Op, body: &Map<String, Value>) -> Count {
+        Count {
+            tokens: Measure::Tokens(self).request(op, body),
+            exact: self.is_exact(),
+        }
+    }
+}
+
+/// At least as many tokens as any tiktoken encoding counts for this request body, without
+/// encoding it: byte-level BPE gives every token at least one byte of the text, so a text's
+/// UTF-8 length bounds its tokens, and the framing, tool and image rules are the counter's own
+/// (with the larger of the two families' constants). A walk over the body, no BPE work: when
+/// this already fits a window, the exact count cannot change the verdict.
+pub fn tiktoken_bound(op: Op, body: &Map<String, Value>) -> u64 {
+    Measure::Bytes.request(op, body)
+}
+
+/// What a text costs while walking a request: tokens as a counter counts them, or UTF-8 bytes
+/// (the bound on any byte-level BPE's count).
+enum Measure<'a> {
+    Tokens(&'a Counter),
+    Bytes,
+}
+
+impl Measure<'_> {
+    fn text(&self, text: &str) -> u64 {
+        match self {
+            Measure::Tokens(c) => c.text(text),
+            Measure::Bytes => text.len() as u64,
+        }
+    }
+
+    /// The cost of the parts joined with `:` (how the cookbook counts a tool's fields).
+    fn joined(&self, parts: &[&str]) -> u64 {
+        match self {
+            Measure::Tokens(c) => c.text(&parts.join(":")),
+            Measure::Bytes => parts.iter().map(|p| p.len() as u64 + 1).sum(),
+        }
+    }
+
+    /// Tokens of one chat message, framing included (but not the reply priming).
+    fn message(&self, m: &Value) -> u64 {
         let mut n = TOKENS_PER_MESSAGE;
         let Some(obj) = m.as_object() else {
             return n;
@@ -238,7 +273,7 @@ impl Counter {
     }
 
     /// Tool definitions, by the rule in OpenAI's cookbook (`num_tokens_for_tools`).
-    pub fn tools(&self, tools: &[Value]) -> u64 {
+    fn tools(&self, tools: &[Value]) -> u64 {
         if tools.is_empty() {
             return 0;
         }
@@ -251,7 +286,10 @@ impl Counter {
             i64,
             i64,
         ) = match self {
-            Counter::Tiktoken(Family::Cl100k) => (10, 3, 3, -3, 3, 12),
+            // The bound takes the larger constants of the two families.
+            Measure::Tokens(Counter::Tiktoken(Family::Cl100k)) | Measure::Bytes => {
+                (10, 3, 3, -3, 3, 12)
+            }
             _ => (7, 3, 3, -3, 3, 12),
         };
         let mut n: i64 = 0;
@@ -261,7 +299,7 @@ impl Counter {
             let name = f.get("name").and_then(Value::as_str).unwrap_or("");
             let desc = f.get("description").and_then(Value::as_str).unwrap_or("");
             let desc = desc.strip_suffix('.').unwrap_or(desc);
-            n += self.text(&format!("{name}:{desc}")) as i64;
+            n += self.joined(&[name, desc]) as i64;
             if let Some(props) = f
                 .pointer("/parameters/properties")
                 .and_then(Value::as_object)
@@ -280,7 +318,7 @@ impl Counter {
                     let ty = p.get("type").and_then(Value::as_str).unwrap_or("");
                     let d = p.get("description").and_then(Value::as_str).unwrap_or("");
                     let d = d.strip_suffix('.').unwrap_or(d);
-                    n += self.text(&format!("{key}:{ty}:{d}")) as i64;
+                    n += self.joined(&[key, ty, d]) as i64;
                 }
             }
         }
@@ -289,7 +327,7 @@ impl Counter {
     }
 
     /// Prompt tokens of a request body.
-    pub fn request(&self, op: Op, body: &Map<String, Value>) -> Count {
+    fn request(&self, op: Op, body: &Map<String, Value>) -> u64 {
         let tokens = match op {
             Op::Chat => {
                 let msgs = body.get("messages").and_then(Value::as_array);
@@ -324,10 +362,7 @@ impl Counter {
                 }
             }
         };
-        Count {
-            tokens,
-            exact: self.is_exact(),
-        }
+        tokens
     }
 }
 
@@ -387,6 +422,7 @@ fn png_size(url: &str) -> Option<(u64, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
     use serde_json::json;
 
     #[test]
@@ -444,6 +480,88 @@ mod tests {
             image_tokens(&json!({"type": "image_url", "image_url": {"url": png}})),
             255
         );
+    }
+
+    /// Chat bodies with arbitrary text (any Unicode, whitespace runs, digits), names, parts,
+    /// tool calls and tool definitions.
+    fn chat_bodies() -> impl Strategy<Value = Map<String, Value>> {
+        let text = prop_oneof![
+            any::<String>(),
+            "[ \\n\\ta-z0-9'.,!?éß日本語🙂]{0,80}",
+            "( {1,5}|\\n|x{1,20}|1234567890){0,30}",
+        ];
+        let part = prop_oneof![
+            text.clone().prop_map(|t| json!({"type": "text", "text": t})),
+            Just(json!({"type": "image_url", "image_url": {"url": "https://x/y.png", "detail": "high"}})),
+            Just(json!({"type": "image_url", "image_url": {"url": "https://x/y.png", "detail": "low"}})),
+        ];
+        let message = prop_oneof![
+            (text.clone(), proptest::option::of(text.clone())).prop_map(|(c, name)| {
+                let mut m = json!({"role": "user", "content": c});
+                if let Some(n) = name {
+                    m["name"] = json!(n);
+                }
+                m
+            }),
+            proptest::collection::vec(part, 0..4)
+                .prop_map(|p| json!({"role": "user", "content": p})),
+            (text.clone(), text.clone()).prop_map(|(n, a)| json!({"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": n, "arguments": a}}]})),
+        ];
+        let tool = (text.clone(), text.clone(), text.clone(), proptest::collection::vec(text, 0..3))
+            .prop_map(|(name, desc, pdesc, items)| json!({"type": "function", "function": {
+                "name": name, "description": desc,
+                "parameters": {"type": "object", "properties": {"p": {"type": "string", "description": pdesc, "enum": items}}}}}));
+        (
+            proptest::collection::vec(message, 0..6),
+            proptest::collection::vec(tool, 0..3),
+        )
+            .prop_map(|(messages, tools)| {
+                let mut body = Map::new();
+                body.insert("messages".into(), Value::Array(messages));
+                if !tools.is_empty() {
+                    body.insert("tools".into(), Value::Array(tools));
+                }
+                body
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(200))]
+        /// The byte bound is never below either family's exact count: a prompt it admits cannot
+        /// be one the exact count would have refused.
+        #[test]
+        fn the_byte_bound_is_never_below_the_count(body in chat_bodies(), prompt in any::<String>()) {
+            let bound = tiktoken_bound(Op::Chat, &body);
+            for f in [Family::O200k, Family::Cl100k] {
+                let exact = Counter::Tiktoken(f).request(Op::Chat, &body).tokens;
+                prop_assert!(exact <= bound, "{f:?}: exact {exact} > bound {bound}");
+            }
+            let mut completion = Map::new();
+            completion.insert("prompt".into(), json!([prompt, [1, 2, 3], 7]));
+            let bound = tiktoken_bound(Op::Completions, &completion);
+            for f in [Family::O200k, Family::Cl100k] {
+                let exact = Counter::Tiktoken(f).request(Op::Completions, &completion).tokens;
+                prop_assert!(exact <= bound, "{f:?}: exact {exact} > bound {bound}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_byte_bound_counts_bytes_and_the_framing() {
+        // 11 bytes of text, 3 for the message, 3 to prime the reply; the exact count is 9.
+        let body = json!({"messages": [{"role": "user", "content": "Hello there"}]});
+        let body = body.as_object().unwrap();
+        // "user" is counted too (a string field): 4 bytes.
+        assert_eq!(tiktoken_bound(Op::Chat, body), 11 + 4 + 3 + 3);
+        assert_eq!(
+            Counter::Tiktoken(Family::O200k)
+                .request(Op::Chat, body)
+                .tokens,
+            9
+        );
+        // Multi-byte text: bytes, not characters.
+        let body = json!({"prompt": "日本語"});
+        assert_eq!(tiktoken_bound(Op::Completions, body.as_object().unwrap()), 9);
     }
 
     #[test]

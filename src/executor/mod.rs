@@ -631,9 +631,10 @@ impl Run {
             return false;
         }
         let req = &self.req;
-        let bound = *self
-            .prompt_bound
-            .get_or_insert_with(|| tokens::tiktoken_bound(req.op, req.body()));
+        let bound = *self.prompt_bound.get_or_insert_with(|| {
+            req.plain_token_bound()
+                .unwrap_or_else(|| tokens::tiktoken_bound(req.op, req.body()))
+        });
         bound.saturating_add(self.requested_max_tokens()) <= allowed
     }
 

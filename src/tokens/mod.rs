@@ -19,7 +19,7 @@ use crate::op::Op;
 /// cookbook "How to count tokens with tiktoken".
 pub const TOKENS_PER_MESSAGE: u64 = 3;
 /// A `name` field costs one more token.
-const TOKENS_PER_NAME: u64 = 1;
+pub const TOKENS_PER_NAME: u64 = 1;
 /// Every reply is primed with `<|start|>assistant<|message|>`.
 pub const REPLY_PRIMING: u64 = 3;
 
@@ -491,9 +491,14 @@ mod tests {
             "( {1,5}|\\n|x{1,20}|1234567890){0,30}",
         ];
         let part = prop_oneof![
-            text.clone().prop_map(|t| json!({"type": "text", "text": t})),
-            Just(json!({"type": "image_url", "image_url": {"url": "https://x/y.png", "detail": "high"}})),
-            Just(json!({"type": "image_url", "image_url": {"url": "https://x/y.png", "detail": "low"}})),
+            text.clone()
+                .prop_map(|t| json!({"type": "text", "text": t})),
+            Just(
+                json!({"type": "image_url", "image_url": {"url": "https://x/y.png", "detail": "high"}})
+            ),
+            Just(
+                json!({"type": "image_url", "image_url": {"url": "https://x/y.png", "detail": "low"}})
+            ),
         ];
         let message = prop_oneof![
             (text.clone(), proptest::option::of(text.clone())).prop_map(|(c, name)| {
@@ -561,7 +566,10 @@ mod tests {
         );
         // Multi-byte text: bytes, not characters.
         let body = json!({"prompt": "日本語"});
-        assert_eq!(tiktoken_bound(Op::Completions, body.as_object().unwrap()), 9);
+        assert_eq!(
+            tiktoken_bound(Op::Completions, body.as_object().unwrap()),
+            9
+        );
     }
 
     #[test]

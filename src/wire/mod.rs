@@ -109,6 +109,26 @@ impl Inbound {
     }
 
     /// The characters of the prompt ([`prompt_chars`] of the body).
+    /// At least as many tokens as any byte-level BPE counts for the prompt, from the scan of a
+    /// plain request alone (no parse): the body's length bounds the bytes of every string in
+    /// it, to which each message adds its framing (3, and 1 for a `name`) and the reply its
+    /// priming (3). `None` when the body must be walked ([`crate::tokens::tiktoken_bound`]):
+    /// not a plain request, or one with tool definitions.
+    pub fn plain_token_bound(&self) -> Option<u64> {
+        let plain = self.plain.as_ref()?;
+        let raw = self.raw.as_ref()?.len() as u64;
+        if plain.tools_key {
+            return None;
+        }
+        Some(match self.op {
+            Op::Chat => {
+                use crate::tokens::{REPLY_PRIMING, TOKENS_PER_MESSAGE, TOKENS_PER_NAME};
+                raw + (TOKENS_PER_MESSAGE + TOKENS_PER_NAME) * plain.messages as u64 + REPLY_PRIMING
+            }
+            Op::Completions | Op::Embeddings => raw,
+        })
+    }
+
     pub fn prompt_chars(&self) -> usize {
         match &self.plain {
             Some(p) => p.prompt_chars,

@@ -40,6 +40,8 @@ pub struct Plain {
     /// The characters of `messages`, `prompt` and `input`, as [`super::prompt_chars`] counts
     /// them in the map.
     pub prompt_chars: usize,
+    /// How many messages a chat request holds (0 for the other operations).
+    pub messages: usize,
 }
 
 /// Reads `body` as a plain request for `op`; `None` declines it to the `Value` path.
@@ -101,6 +103,7 @@ fn top(s: &mut Scanner<'_>, op: Op) -> Option<Plain> {
     let mut max_tokens = None;
     let mut max_completion_tokens = None;
     let mut chars = 0;
+    let mut message_count = 0;
     loop {
         let name = keys.next(s)?;
         let at = s.i;
@@ -123,7 +126,9 @@ fn top(s: &mut Scanner<'_>, op: Op) -> Option<Plain> {
                 };
             }
             Key::Messages if op == Op::Chat => {
-                chars += messages_of(s)?;
+                let (c, n) = messages_of(s)?;
+                chars += c;
+                message_count = n;
                 messages = true;
             }
             Key::Messages => chars += counted(s)?,
@@ -175,6 +180,7 @@ fn top(s: &mut Scanner<'_>, op: Op) -> Option<Plain> {
         max_completion_tokens,
         model_span,
         prompt_chars: chars,
+        messages: message_count,
     })
 }
 
@@ -223,21 +229,23 @@ fn is_empty_array(s: &Scanner<'_>) -> bool {
 
 /// A chat request's `messages`: a non-empty array of objects, each with a string `role` and its
 /// keys given once, holding no object (a content part may need vision). Returns their
-/// characters as [`super::prompt_chars`] counts them.
-fn messages_of(s: &mut Scanner<'_>) -> Option<usize> {
+/// characters as [`super::prompt_chars`] counts them, and how many there are.
+fn messages_of(s: &mut Scanner<'_>) -> Option<(usize, usize)> {
     if s.peek() != Some(b'[') || s.open_empty(b']') {
         return None;
     }
     let mut chars = 0;
+    let mut n = 0;
     loop {
         s.ws();
         chars += message(s)?;
+        n += 1;
         s.ws();
         match s.peek()? {
             b',' => s.i += 1,
             b']' => {
                 s.i += 1;
-                return Some(chars);
+                return Some((chars, n));
             }
             _ => return None,
         }
@@ -532,6 +540,10 @@ mod tests {
             max_completion_tokens: u64_of("max_completion_tokens"),
             model_span: super::super::patch::model_span(body)?,
             prompt_chars: super::super::prompt_chars(&map),
+            messages: match (op, map.get("messages")) {
+                (Op::Chat, Some(Value::Array(m))) => m.len(),
+                _ => 0,
+            },
         };
         Some((plain, inbound.needs))
     }
@@ -735,6 +747,43 @@ mod tests {
             if at < changed.len() {
                 changed[at] = byte;
                 agrees(op, &changed)?;
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(1000))]
+
+        /// The bound a plain request gives without a parse is never below either tiktoken
+        /// family's exact count of the same body (the context guard admits on it uncounted).
+        #[test]
+        fn the_plain_bound_is_never_below_the_count(
+            (op, body) in prop_oneof![
+                (ops(), body_text()),
+                // Long, arbitrary text as the client's JSON encoder writes it.
+                (prop::collection::vec((any::<String>(), "[ a-z0-9\\n]{0,400}"), 1..4), any::<bool>())
+                    .prop_map(|(texts, chat)| if chat {
+                        let messages: Vec<_> = texts
+                            .iter()
+                            .map(|(a, b)| serde_json::json!({"role": "user", "content": format!("{a}{b}"), "name": a}))
+                            .collect();
+                        (Op::Chat, serde_json::json!({"model": "m", "messages": messages}).to_string())
+                    } else {
+                        let prompt: Vec<_> = texts.iter().map(|(a, b)| format!("{a}{b}")).collect();
+                        (Op::Completions, serde_json::json!({"model": "m", "prompt": prompt}).to_string())
+                    }),
+            ]
+        ) {
+            let Ok(inbound) = super::super::read_request(op, bytes::Bytes::from(body.clone())) else {
+                return Ok(());
+            };
+            let Some(bound) = inbound.plain_token_bound() else {
+                prop_assert!(!body.contains(r#""model":"m""#), "a plain body was declined: {body}");
+                return Ok(());
+            };
+            for f in [crate::tokens::Family::O200k, crate::tokens::Family::Cl100k] {
+                let exact = crate::tokens::Counter::Tiktoken(f).request(op, inbound.body()).tokens;
+                prop_assert!(exact <= bound, "{f:?} {op:?}: exact {exact} > bound {bound}: {body}");
             }
         }
     }

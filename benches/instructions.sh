@@ -13,6 +13,8 @@
 #   python3 benches/inclusive.py 1000 5000 'wire::' 30   # then: by function, from the same files
 #   STREAM=1 bash benches/instructions.sh   # streamed answers: 32 content chunks 1 ms apart
 #                                           # (defaults SMALL=100 LARGE=400)
+#   CONC=16 FLOOR=0 bash benches/instructions.sh  # 16 connections at once: the audit
+#                                           # writer's cost a row in the batches of a load
 #   FLOOR=0 bash benches/instructions.sh    # without the floor (by default the bare hyper proxy
 #                                           # of benches/overhead.rs is counted the same way, and
 #                                           # benches/versus_floor.py prints the two by component)
@@ -23,6 +25,10 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-target/release/autohedge}
 FOCUS=${FOCUS:-'telemetry::|access_log|tracing_subscriber::fmt|metrics_exporter_prometheus|Instrumented|executor::execute'}
 STREAM=${STREAM:-}
+# Connections the client spreads the requests over (each sends its share one after another).
+# With 1 the audit writer commits a row or two at a time; with 16 it gathers the batches a
+# loaded gateway commits, so its figure is the cost of a row under load.
+CONC=${CONC:-1}
 FLOOR=${FLOOR:-1}
 [ -n "$STREAM" ] && FLOOR=0
 work=$(mktemp -d)
@@ -60,20 +66,24 @@ run() { # requests, callgrind file, then the command to count (the gateway unles
   for _ in $(seq 600); do grep -q "listening on" "$log.out" 2>/dev/null && break; sleep 0.1; done
   local addr
   addr=$(sed -n 's/.*listening on \(http:\/\/\)\{0,1\}//p' "$log.out" | head -1)
-  python3 - "$addr" "$n" "$STREAM" <<'PY'
-import http.client, json, sys
-addr, n, stream = sys.argv[1], int(sys.argv[2]), bool(sys.argv[3])
+  python3 - "$addr" "$n" "$STREAM" "$CONC" <<'PY'
+import http.client, json, sys, threading
+addr, n, stream, conc = sys.argv[1], int(sys.argv[2]), bool(sys.argv[3]), int(sys.argv[4])
 host, port = addr.rsplit(":", 1)
-c = http.client.HTTPConnection(host, int(port), timeout=60)
 req = {"model": "a", "messages": [{"role": "user", "content": "Hello there"}]}
 if stream:
     req["stream"] = True
 body = json.dumps(req)
-for i in range(n):
-    c.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
-    r = c.getresponse(); text = r.read()
-    assert r.status == 200, r.status
-    assert not stream or text.count(b"data: ") >= 33, text[:200]
+def client(count):
+    c = http.client.HTTPConnection(host, int(port), timeout=120)
+    for i in range(count):
+        c.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+        r = c.getresponse(); text = r.read()
+        assert r.status == 200, r.status
+        assert not stream or text.count(b"data: ") >= 33, text[:200]
+threads = [threading.Thread(target=client, args=(n // conc + (i < n % conc),)) for i in range(conc)]
+for t in threads: t.start()
+for t in threads: t.join()
 PY
   kill -TERM "$pid"
   wait "$pid" || true

@@ -328,7 +328,7 @@ impl Measure<'_> {
 
     /// Prompt tokens of a request body.
     fn request(&self, op: Op, body: &Map<String, Value>) -> u64 {
-        let tokens = match op {
+        match op {
             Op::Chat => {
                 let msgs = body.get("messages").and_then(Value::as_array);
                 let mut n: u64 = msgs
@@ -361,8 +361,7 @@ impl Measure<'_> {
                     _ => 0,
                 }
             }
-        };
-        tokens
+        }
     }
 }
 

@@ -12,6 +12,7 @@ macro_rules! say {
 }
 
 pub mod cli;
+pub mod cluster;
 pub mod config;
 pub mod demo;
 pub mod discovery;

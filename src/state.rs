@@ -64,6 +64,9 @@ pub struct AppState {
     /// Whether the gateway knows its endpoints yet (`Startup`): `/health` says `starting` and
     /// requests wait until the first discovery scan and probe round are done, or a bound passed.
     pub startup: Startup,
+    /// The shared store of `cluster:` (set once at start; `cluster:` changes take effect at the
+    /// next start).
+    pub cluster: std::sync::OnceLock<Arc<crate::cluster::Cluster>>,
 }
 
 /// A new gateway's first moments: it must not turn requests away (503: "no running task
@@ -198,6 +201,7 @@ impl AppState {
             telemetry: crate::ops::telemetry::Telemetry::new(),
             listen_loopback: std::sync::atomic::AtomicBool::new(true),
             startup: Startup::default(),
+            cluster: std::sync::OnceLock::new(),
             standbys_up: Mutex::new(Default::default()),
         })
     }
@@ -287,6 +291,12 @@ impl AppState {
     /// snapshot they started with.
     pub fn install(&self, cfg: Config) {
         self.registry.sync(&cfg, &[]);
+        let running = self.cluster.get().map(|c| c.settings());
+        if running != cfg.cluster.as_ref() {
+            tracing::warn!(
+                "`cluster:` changed: the running gateway keeps its store until it restarts"
+            );
+        }
         self.config.store(Arc::new(cfg));
         crate::ops::telemetry::config_reload(true);
         let mut r = self.reload.lock().unwrap_or_else(|e| e.into_inner());

@@ -95,6 +95,7 @@ const PATHS: &[(&str, &str)] = &[
     ("RawAuth", "auth."),
     ("RawClientKey", "auth.keys[]."),
     ("RawVault", "vault."),
+    ("RawCluster", "cluster."),
     ("RawApprole", "vault.approle."),
     ("RawAlerts", "alerts."),
     ("RawWebhook", "alerts.webhooks[]."),

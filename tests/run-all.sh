@@ -24,6 +24,15 @@ if ! command -v chromium >/dev/null; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium fonts-dejavu-core >/dev/null
 fi
 
+# Redis 7 for tests/cluster.rs (`cluster:`): Debian's redis-server, started by the test itself on
+# a free loopback port with persistence off (the package's own service is not used).
+if ! command -v redis-server >/dev/null; then
+  echo "installing redis-server (Debian's package) for tests/cluster.rs..."
+  if [ "$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
+fi
+
 # The Swarm test needs the Docker Engine. The machine starts it before a session, but a CI run once
 # found none answering: start it here when it does not answer (root only), and wait for it.
 if command -v docker >/dev/null && ! docker info >/dev/null 2>&1; then

@@ -25,6 +25,19 @@ pub struct RawConfig {
     pub alerts: Option<RawAlerts>,
     #[serde(default)]
     pub limits: RawLimits,
+    pub cluster: Option<RawCluster>,
+}
+
+/// `cluster:`: the store replicas share client limits through (Redis).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawCluster {
+    /// `redis://[user:pass@]host:6379/0` or `rediss://`; `env:`, `file:`, `vault:` or a literal.
+    pub redis: String,
+    /// Prefix of every key (default `autohedge:`): several fleets can share one Redis.
+    pub key_prefix: Option<String>,
+    /// The most a request ever waits on the store (default 25ms).
+    pub timeout: Option<Dur>,
 }
 
 /// `limits:`: how much of an upstream's bytes the gateway holds at once.

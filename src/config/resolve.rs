@@ -192,6 +192,7 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
     let vault_digest = vault.as_ref().map(|_| crate::vault::digest(fetched));
     let auth = auth(&raw.auth, &raw.models, &raw.routes, fetched, &mut warnings)?;
     let alerts = alerts(raw.alerts.as_ref(), fetched, &mut warnings)?;
+    let cluster = cluster(raw.cluster.as_ref(), fetched)?;
     if raw.models.is_empty() {
         return Err(ConfigError(
             "at `models`: at least one endpoint is required".into(),
@@ -712,10 +713,51 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
         source_digest: [0; 32],
         discovered_extra: Vec::new(),
         alerts,
+        cluster,
         warnings,
     };
     cfg.chains = cfg.resolve_chains();
     Ok(cfg)
+}
+
+/// `cluster:` → its settings. The URL is a secret (it may hold a password): errors name its
+/// source, never its value.
+fn cluster(
+    raw: Option<&RawCluster>,
+    fetched: &Fetched,
+) -> Result<Option<ClusterSettings>, ConfigError> {
+    let Some(raw) = raw else {
+        return Ok(None);
+    };
+    let url = required("cluster.redis", &raw.redis, fetched)?;
+    let source = KeySource::parse(&raw.redis);
+    let display = cluster_display(url.expose()).ok_or_else(|| {
+        ConfigError(format!(
+            "at `cluster.redis` ({source}): not a redis:// or rediss:// URL"
+        ))
+    })?;
+    let key_prefix = raw
+        .key_prefix
+        .clone()
+        .unwrap_or_else(|| "autohedge:".to_string());
+    if key_prefix.len() > 128 || key_prefix.chars().any(|c| c.is_control() || c == ' ') {
+        return Err(ConfigError(
+            "at `cluster.key_prefix`: at most 128 characters, no spaces or control characters"
+                .into(),
+        ));
+    }
+    let timeout = or_default(raw.timeout, Duration::from_millis(25));
+    if timeout.is_zero() || timeout > Duration::from_secs(10) {
+        return Err(ConfigError(
+            "at `cluster.timeout`: more than 0 and at most 10s".into(),
+        ));
+    }
+    Ok(Some(ClusterSettings {
+        url,
+        display,
+        key_prefix,
+        timeout,
+    }))
 }
 
 /// `alerts:` → `Alerts`. A webhook whose `env:`/`file:` cannot be read is left out with a
@@ -895,6 +937,7 @@ pub(super) fn vault_refs(raw: &RawConfig) -> Vec<crate::vault::Ref> {
         specs.extend(ep.headers.iter().flatten().map(|(_, v)| v.as_str()));
     }
     specs.extend(raw.auth.admin_key.as_deref());
+    specs.extend(raw.cluster.as_ref().map(|c| c.redis.as_str()));
     specs.extend(raw.auth.keys.iter().flatten().map(|k| k.key.as_str()));
     let mut refs: Vec<crate::vault::Ref> = specs
         .into_iter()

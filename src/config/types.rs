@@ -482,6 +482,8 @@ pub struct Config {
     pub discovered_extra: Vec<String>,
     /// Problems that do not stop the gateway (an unset `env:` key) — reported at start.
     pub warnings: Vec<String>,
+    /// `cluster:`, resolved; `None`: limits stay in this process.
+    pub cluster: Option<ClusterSettings>,
     /// `alerts:`; `None` without one (nothing is sent).
     pub alerts: Option<Alerts>,
 }
@@ -497,10 +499,11 @@ pub enum AlertEvent {
     ConfigReloadFailed,
     DockerUnreachable,
     Remediation,
+    ClusterStoreDown,
 }
 
 impl AlertEvent {
-    pub const ALL: [AlertEvent; 8] = [
+    pub const ALL: [AlertEvent; 9] = [
         AlertEvent::EndpointRetired,
         AlertEvent::EndpointAuthFailed,
         AlertEvent::EndpointUnhealthy,
@@ -509,6 +512,7 @@ impl AlertEvent {
         AlertEvent::ConfigReloadFailed,
         AlertEvent::DockerUnreachable,
         AlertEvent::Remediation,
+        AlertEvent::ClusterStoreDown,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -521,6 +525,7 @@ impl AlertEvent {
             AlertEvent::ConfigReloadFailed => "config_reload_failed",
             AlertEvent::DockerUnreachable => "docker_unreachable",
             AlertEvent::Remediation => "remediation",
+            AlertEvent::ClusterStoreDown => "cluster_store_down",
         }
     }
 
@@ -588,3 +593,47 @@ pub struct DiscoveredEndpoint {
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct ConfigError(pub String);
+
+/// `cluster:`, resolved.
+#[derive(Clone)]
+pub struct ClusterSettings {
+    pub url: Secret,
+    /// The URL without credentials: what logs and `/status` show.
+    pub display: String,
+    pub key_prefix: String,
+    pub timeout: Duration,
+}
+
+impl std::fmt::Debug for ClusterSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterSettings")
+            .field("store", &self.display)
+            .field("key_prefix", &self.key_prefix)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+impl PartialEq for ClusterSettings {
+    fn eq(&self, o: &Self) -> bool {
+        self.url.expose() == o.url.expose()
+            && self.key_prefix == o.key_prefix
+            && self.timeout == o.timeout
+    }
+}
+
+/// `redis://host:port/db` of a `redis://` or `rediss://` URL (credentials dropped), or `None`
+/// when it is not one the client accepts.
+pub fn cluster_display(url: &str) -> Option<String> {
+    let parsed = reqwest::Url::parse(url.trim()).ok()?;
+    if !matches!(parsed.scheme(), "redis" | "rediss") || parsed.host_str().is_none() {
+        return None;
+    }
+    redis::Client::open(url.trim()).ok()?;
+    let mut shown = format!("{}://{}", parsed.scheme(), parsed.host_str()?);
+    if let Some(p) = parsed.port() {
+        shown.push_str(&format!(":{p}"));
+    }
+    shown.push_str(parsed.path());
+    Some(shown)
+}

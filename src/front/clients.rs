@@ -2,11 +2,13 @@
 //! time; what each may ask for; its `rpm`/`tpm` limits (governor's GCRA, a burst of one minute's
 //! worth) and monthly budget; and the admin key for `/status` and `/admin/*`.
 //!
-//! Limits and budgets are enforced per gateway process (the stack runs one replica). They sit
-//! behind [`Clients::admit`] and [`Clients::spent`] only, so a shared store can replace the
-//! in-memory state later without touching the front door. Spend is persisted by the audit writer
-//! (`client_spend`, one row per key and month) and read back at start, so a restart does not
-//! reset a budget.
+//! Without `cluster:` limits and budgets are enforced per gateway process. With it,
+//! [`Clients::admit_shared`] asks the shared store (`crate::cluster`) first, so the whole fleet
+//! allows what one process would; when the store is away or slower than `cluster.timeout`, the
+//! replica admits on its own with every limit split by the replicas it last saw. Spend is
+//! persisted by the audit writer (`client_spend`, one row per key and month) and read back at
+//! start, so a restart does not reset a budget (with `cluster:`, the row tracks the fleet's spend
+//! as this replica last saw it, and seeds the store when it comes back empty).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -193,6 +195,32 @@ struct State {
     spend: Mutex<Spend>,
 }
 
+/// A key's limits while the shared store is away: each a `1/n` share (at least 1) of the
+/// configured one, and of the budget left when the store was last seen.
+struct Split {
+    replicas: u64,
+    rpm: Option<u32>,
+    tpm: Option<u64>,
+    budget: Option<f64>,
+    state: Arc<State>,
+}
+
+/// An admission the shared store knows about (or would have, had it answered).
+struct Shared {
+    cluster: Arc<crate::cluster::Cluster>,
+    /// The key's own state (its spend as this replica last saw the fleet's).
+    normal: Arc<State>,
+    /// The reservation's name in the store; `None` when admitted locally.
+    request: Option<String>,
+    month: String,
+    /// The fleet's spend this month when admitted.
+    usd_seen: f64,
+    /// The key's `tpm` (the bucket to charge completion tokens to), 0 without one.
+    tpm: u64,
+    /// Completion tokens are charged when the request ends.
+    charge_completion: bool,
+}
+
 /// A key's spend this month, and what requests still running have reserved of its budget.
 #[derive(Clone, Debug, Default)]
 struct Spend {
@@ -318,6 +346,7 @@ pub struct Admission {
     reserved: f64,
     charge_completion: bool,
     settled: bool,
+    shared: Option<Shared>,
 }
 
 impl Admission {
@@ -350,7 +379,36 @@ impl Admission {
                 .unwrap_or_else(|e| e.into_inner())
                 .charge(completion_tokens, Instant::now());
         }
-        total
+        let Some(sh) = &self.shared else {
+            return total;
+        };
+        // The store learns the request's end (queued, never awaited): its reservation let go,
+        // its cost spent, its completion tokens charged. The key's own state keeps the fleet's
+        // spend as last seen plus this cost, which the audit trail persists.
+        let usd = usd.filter(|u| u.is_finite() && *u > 0.0).unwrap_or(0.0);
+        sh.cluster.settle(crate::cluster::Settle {
+            client: self.name.clone(),
+            month: sh.month.clone(),
+            request: sh.request.clone(),
+            usd,
+            completion_tokens: if sh.charge_completion {
+                completion_tokens
+            } else {
+                0
+            },
+            tpm: sh.tpm,
+        });
+        if usd <= 0.0 {
+            return total;
+        }
+        let mut spend = sh.normal.spend.lock().unwrap_or_else(|e| e.into_inner());
+        spend.roll(month_of(SystemTime::now()));
+        spend.usd = if spend.month == sh.month {
+            spend.usd.max(sh.usd_seen) + usd
+        } else {
+            usd
+        };
+        Some((self.name.clone(), spend.month.clone(), spend.usd))
     }
 }
 
@@ -375,6 +433,9 @@ impl std::fmt::Debug for Admission {
 /// Per-key limits and spend, kept across config reloads (by key name).
 pub struct Clients {
     map: Mutex<HashMap<String, Arc<State>>>,
+    /// Keys' shares while the shared store is away (cleared when it answers again).
+    split: Mutex<HashMap<String, Split>>,
+    split_active: std::sync::atomic::AtomicBool,
     /// Spend read from the audit database at start: (key name, month, dollars).
     persisted: Mutex<HashMap<(String, String), f64>>,
 }
@@ -383,6 +444,8 @@ impl Clients {
     pub fn new(persisted: Vec<(String, String, f64)>) -> Clients {
         Clients {
             map: Mutex::new(HashMap::new()),
+            split: Mutex::new(HashMap::new()),
+            split_active: std::sync::atomic::AtomicBool::new(false),
             persisted: Mutex::new(
                 persisted
                     .into_iter()
@@ -434,14 +497,191 @@ impl Clients {
     /// Admits one request: the budget (with what running requests reserved), then `rpm`, then
     /// `tpm`; then reserves the request's worst-case cost until it is settled.
     pub fn admit(&self, key: &ClientKey, ask: Ask) -> Result<Admission, ApiError> {
-        let s = self.state(key);
+        Self::admit_on(self.state(key), key, key.budget_usd, ask)
+    }
+
+    /// Admits one request for the fleet through the shared store, or, when it is away or slower
+    /// than `cluster.timeout`, on this replica's share of every limit. The store's being away
+    /// never refuses a request by itself.
+    pub async fn admit_shared(
+        &self,
+        key: &ClientKey,
+        ask: Ask,
+        cluster: &Arc<crate::cluster::Cluster>,
+    ) -> Result<Admission, ApiError> {
+        use crate::cluster::{Admit, Verdict};
+        let month = month_of(SystemTime::now());
+        let request = uuid::Uuid::new_v4().to_string();
+        let reserve = if key.budget_usd.is_some() && ask.reserve_usd.is_finite() {
+            ask.reserve_usd.max(0.0)
+        } else {
+            0.0
+        };
+        let tpm = key.tpm.filter(|t| *t > 0);
+        let normal = self.state(key);
+        let shared = |request: Option<String>, usd_seen: f64| Shared {
+            cluster: cluster.clone(),
+            normal: normal.clone(),
+            request,
+            month: month.clone(),
+            usd_seen,
+            tpm: tpm.unwrap_or(0),
+            charge_completion: ask.charge_completion && tpm.is_some(),
+        };
+        let asked = Admit {
+            client: &key.name,
+            rpm: key.rpm.filter(|r| *r > 0),
+            tpm,
+            tokens: ask.tokens,
+            budget: key.budget_usd,
+            reserve,
+            request: &request,
+            month: &month,
+        };
+        let seen = |usd: f64| {
+            let mut spend = normal.spend.lock().unwrap_or_else(|e| e.into_inner());
+            spend.roll(month.clone());
+            if spend.month == month && usd > spend.usd {
+                spend.usd = usd;
+            }
+        };
+        match cluster.admit(&asked).await {
+            Ok(Verdict::Admitted { usd }) => {
+                seen(usd);
+                if cluster.stable() {
+                    self.end_split();
+                }
+                Ok(Admission {
+                    state: normal.clone(),
+                    name: key.name.clone(),
+                    reserved: 0.0,
+                    charge_completion: false,
+                    settled: false,
+                    shared: Some(shared(Some(request.clone()), usd)),
+                })
+            }
+            Ok(Verdict::Budget { usd }) => {
+                seen(usd);
+                Err(ApiError::QuotaExceeded {
+                    client: key.name.clone(),
+                    budget: key.budget_usd.unwrap_or(0.0),
+                })
+            }
+            Ok(Verdict::Limited {
+                kind,
+                remaining,
+                retry_after,
+                reset,
+            }) => Err(ApiError::ClientRateLimited(Box::new(ClientLimit {
+                client: key.name.clone(),
+                kind,
+                limit: if kind == "tokens" {
+                    tpm.unwrap_or(0)
+                } else {
+                    u64::from(key.rpm.unwrap_or(0))
+                },
+                remaining,
+                reset,
+                retry_after,
+            }))),
+            Err(()) => {
+                let (state, budget) = self.split_state(key, cluster.replicas(), &normal);
+                let usd_seen = normal.spend.lock().unwrap_or_else(|e| e.into_inner()).usd;
+                let mut a = Self::admit_on(state, key, budget, ask)?;
+                a.shared = Some(Shared {
+                    // Its completion tokens are charged here (the share's bucket) and in the
+                    // store when it is back.
+                    charge_completion: a.charge_completion,
+                    ..shared(None, usd_seen)
+                });
+                Ok(a)
+            }
+        }
+    }
+
+    /// A key's share of its limits while the shared store is away: made on the first request
+    /// of an outage (or when the replicas seen or the limits change), from the spend last seen.
+    fn split_state(
+        &self,
+        key: &ClientKey,
+        replicas: u64,
+        normal: &Arc<State>,
+    ) -> (Arc<State>, Option<f64>) {
+        let n = replicas.max(1);
+        let mut map = self.split.lock().unwrap_or_else(|e| e.into_inner());
+        self.split_active
+            .store(true, std::sync::atomic::Ordering::Release);
+        if let Some(s) = map.get(&key.name)
+            && s.replicas == n
+            && s.rpm == key.rpm
+            && s.tpm == key.tpm
+        {
+            return (s.state.clone(), s.budget);
+        }
+        let spend = normal
+            .spend
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let share = |v: u64| (v / n).max(1);
+        let budget = key.budget_usd.map(|b| {
+            let left = (b - spend.usd).max(0.0);
+            spend.usd + left / n as f64
+        });
+        let state = Arc::new(State {
+            rpm: key
+                .rpm
+                .filter(|r| *r > 0)
+                .and_then(|r| limiter(share(u64::from(r)) as u32)),
+            tpm: key.tpm.filter(|t| *t > 0).map(|t| {
+                (
+                    share(t),
+                    Mutex::new(TokenBucket::new(share(t), Instant::now())),
+                )
+            }),
+            spend: Mutex::new(Spend {
+                reserved: 0.0,
+                ..spend
+            }),
+        });
+        map.insert(
+            key.name.clone(),
+            Split {
+                replicas: n,
+                rpm: key.rpm,
+                tpm: key.tpm,
+                budget,
+                state: state.clone(),
+            },
+        );
+        (state, budget)
+    }
+
+    /// The store has answered for a minute: the next outage starts from fresh shares (a share
+    /// kept across a short break stays drained by what it admitted).
+    fn end_split(&self) {
+        if self
+            .split_active
+            .swap(false, std::sync::atomic::Ordering::AcqRel)
+        {
+            self.split.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        }
+    }
+
+    /// Admits on `s` with `budget` as the line (the error names the key's configured budget).
+    fn admit_on(
+        s: Arc<State>,
+        key: &ClientKey,
+        budget: Option<f64>,
+        ask: Ask,
+    ) -> Result<Admission, ApiError> {
         let over_budget = |spend: &mut Spend| {
             spend.roll(month_of(SystemTime::now()));
-            key.budget_usd
+            budget
                 .filter(|b| spend.usd + spend.reserved >= *b)
-                .map(|budget| ApiError::QuotaExceeded {
+                .map(|_| ApiError::QuotaExceeded {
                     client: key.name.clone(),
-                    budget,
+                    budget: key.budget_usd.unwrap_or(0.0),
                 })
         };
         if let Some(e) = over_budget(&mut s.spend.lock().unwrap_or_else(|e| e.into_inner())) {
@@ -465,7 +705,7 @@ impl Clients {
                 })));
             }
         }
-        let reserved = if key.budget_usd.is_some() && ask.reserve_usd.is_finite() {
+        let reserved = if budget.is_some() && ask.reserve_usd.is_finite() {
             ask.reserve_usd.max(0.0)
         } else {
             0.0
@@ -479,12 +719,14 @@ impl Clients {
             }
             spend.reserved += reserved;
         }
+        let charge_completion = ask.charge_completion && s.tpm.is_some();
         Ok(Admission {
             state: s,
             name: key.name.clone(),
             reserved,
-            charge_completion: ask.charge_completion && key.tpm.is_some(),
+            charge_completion,
             settled: false,
+            shared: None,
         })
     }
 

@@ -176,10 +176,17 @@ async fn serve(
     };
     let admission = match client {
         None => None,
-        Some(c) => match app.clients.admit(c, ask_of(&cfg, &chain, &inbound)) {
-            Ok(a) => Some(a),
-            Err(err) => return refused(&app, &id, op, &inbound, client_name, err),
-        },
+        Some(c) => {
+            let ask = ask_of(&cfg, &chain, &inbound);
+            let admitted = match app.cluster.get() {
+                Some(cluster) => app.clients.admit_shared(c, ask, cluster).await,
+                None => app.clients.admit(c, ask),
+            };
+            match admitted {
+                Ok(a) => Some(a),
+                Err(err) => return refused(&app, &id, op, &inbound, client_name, err),
+            }
+        }
     };
     // A per-request upstream key, encrypted with Vault's transit engine.
     let own_key = match own_key(&app, &cfg, &headers, arrived, &id).await {
@@ -479,13 +486,17 @@ async fn health(State(app): State<Arc<AppState>>) -> Response {
         )
             .into_response();
     }
-    match app.store.off_reason() {
-        None => axum::Json(json!({"status": "ok"})).into_response(),
-        Some(r) => axum::Json(json!({
-            "status": "degraded",
-            "reasons": [format!("audit trail off: {r}")],
-        }))
-        .into_response(),
+    let mut reasons = Vec::new();
+    if let Some(r) = app.store.off_reason() {
+        reasons.push(format!("audit trail off: {r}"));
+    }
+    if app.cluster.get().is_some_and(|c| c.unreachable()) {
+        reasons.push("cluster_store_unreachable".to_string());
+    }
+    if reasons.is_empty() {
+        axum::Json(json!({"status": "ok"})).into_response()
+    } else {
+        axum::Json(json!({"status": "degraded", "reasons": reasons})).into_response()
     }
 }
 
@@ -584,6 +595,7 @@ async fn status(
             "last_error": app.vault_error.lock().map(|e| e.clone()).unwrap_or(None),
         })),
         "docker": app.docker.lock().map(|d| d.to_json()).unwrap_or_default(),
+        "cluster": app.cluster.get().map(|c| c.status_json()),
         "audit": {
             "state": match app.store.off_reason() {
                 None => "ok".to_string(),

@@ -254,6 +254,20 @@ impl Gateway {
             tasks.spawn(crate::ops::alerts::run(state.clone(), rx, cancel.clone()));
         }
         tasks.spawn(crate::ops::telemetry::upkeep(cancel.clone()));
+        let cluster_settings = state.config.load().cluster.clone();
+        if let Some(settings) = cluster_settings {
+            let cluster = Arc::new(crate::cluster::Cluster::new(
+                settings,
+                state.alerts.clone(),
+            )?);
+            let _ = state.cluster.set(cluster.clone());
+            let st = state.clone();
+            tasks.spawn(crate::cluster::run(
+                cluster,
+                move || st.clients.spend_snapshot(),
+                cancel.clone(),
+            ));
+        }
         tasks.spawn(crate::reload::vault_refresher(
             state.clone(),
             cancel.clone(),

@@ -1,0 +1,7 @@
+-- A replica says it is alive for ARGV[2] ms; returns how many replicas are.
+-- KEYS: 1 the replicas (id -> until). ARGV: 1 this replica's id, 2 ms.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+return redis.call('ZCARD', KEYS[1])

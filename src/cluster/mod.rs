@@ -1,0 +1,640 @@
+//! `cluster:` — the store several replicas share client limits through (Redis).
+//!
+//! A client key's `rpm`, `tpm` and `budget_usd` are admitted by one script a request
+//! (`admit.lua`: budget, then `rpm`, then `tpm`, nothing taken unless all pass), so the fleet
+//! together allows exactly what one process would. A request ends with `settle.lua`, queued off
+//! the request path: its reservation let go, its cost spent, its completion tokens charged.
+//!
+//! The store is never the cause of an outage. A request waits on it at most `cluster.timeout`;
+//! past that, or while the store is known to be away, the replica admits on its own with each
+//! limit split by the live replica count it last saw ([`Cluster::replicas`]). A keeper task
+//! heartbeats every second (which also counts the replicas), marks the store down on a failure
+//! (`/health` `degraded`, `/status.cluster`, the `cluster_store_down` alert once an outage),
+//! retries with backoff, and on its return raises the shared month's spend to what this
+//! replica knows (`seed.lua`) before requests use the store again. Settles made while it was
+//! away wait in a bounded queue and are applied when it is back.
+//!
+//! The URL is a secret (it may carry a password): only [`Settings::display`] is ever shown, and
+//! store errors are scrubbed of it.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use serde_json::{Value, json};
+use tokio::sync::{Notify, mpsc};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::AlertEvent;
+
+/// How often a replica says it is alive; it counts as gone after [`ALIVE_FOR`].
+const HEARTBEAT: Duration = Duration::from_secs(1);
+const ALIVE_FOR: Duration = Duration::from_secs(5);
+/// The most the keeper's own calls (heartbeat, seeding, settles) wait on the store.
+const BACKGROUND_TIMEOUT: Duration = Duration::from_secs(1);
+/// Retries while the store is away: from this, doubling, to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// Settles waiting for the store; more are dropped (and counted).
+const SETTLE_QUEUE: usize = 100_000;
+/// A reservation of a replica that died before settling is let go after this.
+const HOLD: Duration = Duration::from_secs(3600);
+/// A month's spend outlives its month by this.
+const SPEND_TTL: Duration = Duration::from_secs(40 * 86_400);
+
+pub use crate::config::ClusterSettings as Settings;
+pub use crate::config::cluster_display as display_url;
+
+/// One admission asked of the store.
+#[derive(Debug, Clone, Copy)]
+pub struct Admit<'a> {
+    pub client: &'a str,
+    pub rpm: Option<u32>,
+    pub tpm: Option<u64>,
+    /// Taken from `tpm` at once.
+    pub tokens: u64,
+    pub budget: Option<f64>,
+    /// Held against `budget` until the request settles.
+    pub reserve: f64,
+    /// The reservation's name (the request's id).
+    pub request: &'a str,
+    /// `YYYY-MM`.
+    pub month: &'a str,
+}
+
+/// What the shared store said about one admission.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verdict {
+    /// Admitted; the key's spend this month as the store holds it.
+    Admitted {
+        usd: f64,
+    },
+    Budget {
+        usd: f64,
+    },
+    /// `requests` or `tokens` refused: tokens left, when the take would pass, when full.
+    Limited {
+        kind: &'static str,
+        remaining: u64,
+        retry_after: Duration,
+        reset: Duration,
+    },
+}
+
+/// A request's end, to be applied to the store.
+#[derive(Debug, Clone)]
+pub struct Settle {
+    pub client: String,
+    pub month: String,
+    /// The reservation to let go (`None`: the request held none in the store).
+    pub request: Option<String>,
+    pub usd: f64,
+    pub completion_tokens: u64,
+    pub tpm: u64,
+}
+
+/// The store's state as `/status` shows it.
+#[derive(Debug, Default)]
+struct Status {
+    last_error: Option<String>,
+    down_since: Option<SystemTime>,
+    last_ok: Option<SystemTime>,
+    /// Up without a break since.
+    up_since: Option<std::time::Instant>,
+    outages: u64,
+}
+
+pub struct Cluster {
+    settings: Settings,
+    /// This process among the replicas.
+    replica: String,
+    conn: ConnectionManager,
+    /// The store answered the last call (requests use it only then).
+    up: AtomicBool,
+    /// Connected once at least: until then requests admit on their own, split by one.
+    ever_up: AtomicBool,
+    replicas: AtomicU64,
+    status: Mutex<Status>,
+    settles: mpsc::Sender<Settle>,
+    settles_rx: Mutex<Option<mpsc::Receiver<Settle>>>,
+    settles_dropped: AtomicU64,
+    /// Woken when a request finds the store away, so the keeper retries at once.
+    wake: Notify,
+    /// Notified when the store is back.
+    back: Notify,
+    admit: redis::Script,
+    settle: redis::Script,
+    seed: redis::Script,
+    heartbeat: redis::Script,
+    alerts: crate::ops::alerts::Alerts,
+    /// Store waits of requests that found the store answering: the longest, in µs.
+    longest_wait_us: AtomicU64,
+    fallbacks: AtomicU64,
+    /// Requests the store did not answer within `cluster.timeout`.
+    slow_answers: AtomicU64,
+}
+
+impl Cluster {
+    /// Builds the client; nothing is connected until the keeper's first heartbeat (a store
+    /// away at start is an outage like any other: the gateway starts and serves).
+    pub fn new(settings: Settings, alerts: crate::ops::alerts::Alerts) -> anyhow::Result<Cluster> {
+        let client = redis::Client::open(settings.url.expose().trim())
+            .map_err(|_| anyhow::anyhow!("cluster.redis: not a redis URL"))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(BACKGROUND_TIMEOUT))
+            .set_response_timeout(Some(BACKGROUND_TIMEOUT))
+            .set_number_of_retries(1)
+            .set_max_delay(MAX_BACKOFF);
+        let conn = ConnectionManager::new_lazy_with_config(client, config)
+            .map_err(|e| anyhow::anyhow!("cluster.redis: {}", scrub(&settings, &e.to_string())))?;
+        let (tx, rx) = mpsc::channel(SETTLE_QUEUE);
+        Ok(Cluster {
+            replica: uuid::Uuid::new_v4().to_string(),
+            conn,
+            up: AtomicBool::new(false),
+            ever_up: AtomicBool::new(false),
+            replicas: AtomicU64::new(1),
+            status: Mutex::new(Status::default()),
+            settles: tx,
+            settles_rx: Mutex::new(Some(rx)),
+            settles_dropped: AtomicU64::new(0),
+            wake: Notify::new(),
+            back: Notify::new(),
+            admit: redis::Script::new(include_str!("admit.lua")),
+            settle: redis::Script::new(include_str!("settle.lua")),
+            seed: redis::Script::new(include_str!("seed.lua")),
+            heartbeat: redis::Script::new(include_str!("heartbeat.lua")),
+            alerts,
+            longest_wait_us: AtomicU64::new(0),
+            fallbacks: AtomicU64::new(0),
+            slow_answers: AtomicU64::new(0),
+            settings,
+        })
+    }
+
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    pub fn is_up(&self) -> bool {
+        self.up.load(Ordering::Acquire)
+    }
+
+    /// Live replicas as last seen (at least 1): what limits are split by while the store is away.
+    pub fn replicas(&self) -> u64 {
+        self.replicas.load(Ordering::Relaxed).max(1)
+    }
+
+    fn key(&self, parts: &[&str]) -> String {
+        let mut k = self.settings.key_prefix.clone();
+        k.push_str(&parts.join(":"));
+        k
+    }
+
+    /// Asks the store to admit one request, within `cluster.timeout`. `Err` (the store away or
+    /// slow) means: admit on local state.
+    pub async fn admit(&self, a: &Admit<'_>) -> Result<Verdict, ()> {
+        if !self.is_up() {
+            self.fallbacks.fetch_add(1, Ordering::Relaxed);
+            return Err(());
+        }
+        let Admit {
+            client,
+            tokens,
+            budget,
+            reserve,
+            request,
+            month,
+            ..
+        } = *a;
+        let rpm = a.rpm.unwrap_or(0);
+        let tpm = a.tpm.unwrap_or(0);
+        let mut inv = self.admit.prepare_invoke();
+        inv.key(self.key(&["rpm", client, &rpm.to_string()]))
+            .key(self.key(&["tpm", client, &tpm.to_string()]))
+            .key(self.key(&["spend", client, month]))
+            .key(self.key(&["resv", client]))
+            .key(self.key(&["resvamt", client]))
+            .key(self.key(&["resvtot", client]))
+            .arg(rpm)
+            .arg(tpm)
+            .arg(tokens)
+            .arg(budget.filter(|b| b.is_finite()).unwrap_or(-1.0))
+            .arg(if reserve.is_finite() {
+                reserve.max(0.0)
+            } else {
+                0.0
+            })
+            .arg(request)
+            .arg(HOLD.as_millis() as u64);
+        let mut conn = self.conn.clone();
+        let started = std::time::Instant::now();
+        let answer = tokio::time::timeout(
+            self.settings.timeout,
+            inv.invoke_async::<(String, String, u64, u64, String)>(&mut conn),
+        )
+        .await;
+        let verdict = match answer {
+            Ok(Ok((v, usd, retry, reset, remaining))) => {
+                let usd = usd
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|u| u.is_finite())
+                    .unwrap_or(0.0);
+                let remaining = remaining.parse::<f64>().unwrap_or(0.0).max(0.0) as u64;
+                let limited = |kind| Verdict::Limited {
+                    kind,
+                    remaining,
+                    retry_after: Duration::from_millis(retry),
+                    reset: Duration::from_millis(reset),
+                };
+                match v.as_str() {
+                    "ok" => Verdict::Admitted { usd },
+                    "budget" => Verdict::Budget { usd },
+                    "requests" => limited("requests"),
+                    "tokens" => limited("tokens"),
+                    other => {
+                        self.fallbacks.fetch_add(1, Ordering::Relaxed);
+                        self.down(&format!(
+                            "unexpected answer from the admission script: {other:.40}"
+                        ));
+                        return Err(());
+                    }
+                }
+            }
+            Ok(Err(e)) => {
+                self.fallbacks.fetch_add(1, Ordering::Relaxed);
+                self.down(&e.to_string());
+                return Err(());
+            }
+            Err(_) => {
+                // Slow is not down: this request is admitted alone, and the keeper asks the
+                // store at once (with its own, longer timeout) whether it is away.
+                self.fallbacks.fetch_add(1, Ordering::Relaxed);
+                self.slow_answers.fetch_add(1, Ordering::Relaxed);
+                self.note_error(&format!(
+                    "no answer within cluster.timeout ({} ms)",
+                    self.settings.timeout.as_millis()
+                ));
+                self.wake.notify_one();
+                return Err(());
+            }
+        };
+        let waited = started.elapsed().as_micros() as u64;
+        self.longest_wait_us.fetch_max(waited, Ordering::Relaxed);
+        Ok(verdict)
+    }
+
+    /// Queues a request's end for the store (never waits).
+    pub fn settle(&self, s: Settle) {
+        if s.request.is_none() && s.usd <= 0.0 && s.completion_tokens == 0 {
+            return;
+        }
+        if self.settles.try_send(s).is_err() {
+            let n = self.settles_dropped.fetch_add(1, Ordering::Relaxed) + 1;
+            if n == 1 || n.is_multiple_of(1000) {
+                tracing::warn!(
+                    dropped_total = n,
+                    "cluster settle queue full: a request's cost was not sent to the shared store"
+                );
+            }
+        }
+    }
+
+    fn note_error(&self, error: &str) {
+        let error = scrub(&self.settings, error);
+        self.status
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .last_error = Some(error);
+    }
+
+    /// Up without a break for a minute (a bucket's whole refill): a key's shares from an outage
+    /// before may be forgotten.
+    pub fn stable(&self) -> bool {
+        self.is_up()
+            && self
+                .status
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .up_since
+                .is_some_and(|t| t.elapsed() >= Duration::from_secs(60))
+    }
+
+    /// The store is away: requests admit locally until the keeper sees it back.
+    fn down(&self, error: &str) {
+        let error = scrub(&self.settings, error);
+        let was_up = self.up.swap(false, Ordering::AcqRel);
+        {
+            let mut st = self.status.lock().unwrap_or_else(|e| e.into_inner());
+            st.last_error = Some(error.clone());
+            st.up_since = None;
+            if was_up || st.down_since.is_none() {
+                st.down_since.get_or_insert_with(SystemTime::now);
+            }
+            if was_up {
+                st.outages += 1;
+            }
+        }
+        if was_up {
+            tracing::warn!(store = %self.settings.display, error = %error, replicas = self.replicas(), "cluster store unreachable: client limits are split by the replicas last seen until it is back");
+            self.alerts.raise(
+                AlertEvent::ClusterStoreDown,
+                None,
+                format!(
+                    "cluster store {} unreachable ({error}); replica {} admits on its own with client limits split by {}",
+                    self.settings.display,
+                    self.replica,
+                    self.replicas()
+                ),
+            );
+        }
+        self.wake.notify_one();
+    }
+
+    fn back_up(&self) {
+        {
+            let mut st = self.status.lock().unwrap_or_else(|e| e.into_inner());
+            st.down_since = None;
+            st.last_ok = Some(SystemTime::now());
+            st.up_since.get_or_insert_with(std::time::Instant::now);
+        }
+        if !self.up.swap(true, Ordering::AcqRel) {
+            let first = !self.ever_up.swap(true, Ordering::AcqRel);
+            if first {
+                tracing::info!(store = %self.settings.display, replicas = self.replicas(), "cluster store connected");
+            } else {
+                tracing::info!(store = %self.settings.display, replicas = self.replicas(), "cluster store back: client limits are shared again");
+            }
+        }
+        self.back.notify_waiters();
+    }
+
+    /// `/status.cluster`.
+    pub fn status_json(&self) -> Value {
+        let st = self.status.lock().unwrap_or_else(|e| e.into_inner());
+        let ms = |t: Option<SystemTime>| {
+            t.and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
+                .map(|d| d.as_millis() as u64)
+        };
+        json!({
+            "state": if self.is_up() { "up" } else if self.ever_up.load(Ordering::Acquire) { "down" } else { "connecting" },
+            "store": self.settings.display,
+            "key_prefix": self.settings.key_prefix,
+            "timeout_ms": self.settings.timeout.as_millis() as u64,
+            "replica": self.replica,
+            "replicas": self.replicas(),
+            "last_error": st.last_error,
+            "down_since_ms": ms(st.down_since),
+            "outages": st.outages,
+            "local_admissions": self.fallbacks.load(Ordering::Relaxed),
+            "slow_answers": self.slow_answers.load(Ordering::Relaxed),
+            "longest_wait_ms": self.longest_wait_us.load(Ordering::Relaxed) as f64 / 1000.0,
+            "settles_queued": SETTLE_QUEUE - self.settles.capacity(),
+            "settles_dropped": self.settles_dropped.load(Ordering::Relaxed),
+        })
+    }
+
+    /// Whether `/health` should say `degraded`: the store has been away since the last call.
+    pub fn unreachable(&self) -> bool {
+        !self.is_up()
+    }
+
+    async fn call<T: redis::FromRedisValue>(
+        &self,
+        inv: &redis::ScriptInvocation<'_>,
+    ) -> Result<T, String> {
+        let mut conn = self.conn.clone();
+        match tokio::time::timeout(BACKGROUND_TIMEOUT, inv.invoke_async::<T>(&mut conn)).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!(
+                "no answer within {} ms",
+                BACKGROUND_TIMEOUT.as_millis()
+            )),
+        }
+    }
+
+    async fn beat(&self) -> Result<u64, String> {
+        let mut inv = self.heartbeat.prepare_invoke();
+        inv.key(self.key(&["replicas"]))
+            .arg(&self.replica)
+            .arg(ALIVE_FOR.as_millis() as u64);
+        self.call::<u64>(&inv).await
+    }
+
+    /// Raises the shared spend of each (key, month) to what this replica knows.
+    async fn seed(&self, spend: &[(String, String, f64)]) -> Result<(), String> {
+        for (client, month, usd) in spend {
+            if !usd.is_finite() || *usd <= 0.0 {
+                continue;
+            }
+            let mut inv = self.seed.prepare_invoke();
+            inv.key(self.key(&["spend", client, month]))
+                .arg(*usd)
+                .arg(SPEND_TTL.as_secs());
+            self.call::<i64>(&inv).await?;
+        }
+        Ok(())
+    }
+
+    async fn apply(&self, s: &Settle) -> Result<(), String> {
+        let mut inv = self.settle.prepare_invoke();
+        inv.key(self.key(&["spend", &s.client, &s.month]))
+            .key(self.key(&["resv", &s.client]))
+            .key(self.key(&["resvamt", &s.client]))
+            .key(self.key(&["resvtot", &s.client]))
+            .key(self.key(&["tpm", &s.client, &s.tpm.to_string()]))
+            .arg(s.request.as_deref().unwrap_or(""))
+            .arg(if s.usd.is_finite() {
+                s.usd.max(0.0)
+            } else {
+                0.0
+            })
+            .arg(s.completion_tokens)
+            .arg(s.tpm)
+            .arg(SPEND_TTL.as_secs());
+        self.call::<String>(&inv).await.map(|_| ())
+    }
+
+    /// Leaves the replica set (a clean shutdown): the others split by one fewer at once.
+    async fn leave(&self) {
+        let mut conn = self.conn.clone();
+        let _ = tokio::time::timeout(
+            BACKGROUND_TIMEOUT,
+            redis::cmd("ZREM")
+                .arg(self.key(&["replicas"]))
+                .arg(&self.replica)
+                .query_async::<i64>(&mut conn),
+        )
+        .await;
+    }
+}
+
+/// The message without the store's URL or its password.
+fn scrub(settings: &Settings, msg: &str) -> String {
+    let mut out = msg.to_string();
+    let url = settings.url.expose().trim();
+    if !url.is_empty() {
+        out = out.replace(url, &settings.display);
+    }
+    if let Ok(u) = reqwest::Url::parse(url)
+        && let Some(p) = u.password()
+        && !p.is_empty()
+    {
+        out = out.replace(p, "[redacted]");
+        if let Ok(decoded) = urlencoding_decode(p)
+            && !decoded.is_empty()
+        {
+            out = out.replace(&decoded, "[redacted]");
+        }
+    }
+    out.chars().take(300).collect()
+}
+
+fn urlencoding_decode(s: &str) -> Result<String, std::string::FromUtf8Error> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%'
+            && let Some(h) = b.get(i + 1..i + 3)
+            && let Ok(v) = u8::from_str_radix(std::str::from_utf8(h).unwrap_or("zz"), 16)
+        {
+            out.push(v);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out)
+}
+
+/// The keeper: heartbeats (counting the replicas), marks the store down and up, seeds the
+/// shared spend when it comes back, and applies queued settles while it is up.
+pub async fn run(
+    cluster: Arc<Cluster>,
+    spend: impl Fn() -> Vec<(String, String, f64)> + Send + 'static,
+    cancel: CancellationToken,
+) {
+    let settler = tokio::spawn(settler(cluster.clone(), cancel.clone()));
+    let mut backoff = FIRST_BACKOFF;
+    loop {
+        let wait = match cluster.beat().await {
+            Ok(n) => {
+                cluster.replicas.store(n.max(1), Ordering::Relaxed);
+                if !cluster.is_up() {
+                    match cluster.seed(&spend()).await {
+                        Ok(()) => {
+                            cluster.back_up();
+                            backoff = FIRST_BACKOFF;
+                        }
+                        Err(e) => cluster.down(&e),
+                    }
+                }
+                if cluster.is_up() { HEARTBEAT } else { backoff }
+            }
+            Err(e) => {
+                cluster.down(&e);
+                let w = backoff;
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+                w
+            }
+        };
+        tokio::select! {
+            _ = cancel.cancelled() => break,
+            _ = tokio::time::sleep(wait) => {}
+            // A request found the store away: retry sooner than the heartbeat would.
+            _ = cluster.wake.notified(), if cluster.is_up() => {}
+        }
+    }
+    if cluster.is_up() {
+        cluster.leave().await;
+    }
+    settler.abort();
+}
+
+/// Applies settles in order; while the store is away they wait (in the queue) for it.
+async fn settler(cluster: Arc<Cluster>, cancel: CancellationToken) {
+    let Some(mut rx) = cluster
+        .settles_rx
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take()
+    else {
+        return;
+    };
+    let mut pending: VecDeque<Settle> = VecDeque::new();
+    loop {
+        if pending.is_empty() {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                s = rx.recv() => match s {
+                    Some(s) => pending.push_back(s),
+                    None => return,
+                },
+            }
+        }
+        while let Ok(s) = rx.try_recv() {
+            pending.push_back(s);
+        }
+        let Some(s) = pending.front() else {
+            continue;
+        };
+        if !cluster.is_up() {
+            let back = cluster.back.notified();
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = back => {}
+                _ = tokio::time::sleep(MAX_BACKOFF) => {}
+            }
+            continue;
+        }
+        match cluster.apply(s).await {
+            Ok(()) => {
+                pending.pop_front();
+            }
+            Err(e) => cluster.down(&e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Secret;
+
+    fn settings(url: &str) -> Settings {
+        Settings {
+            url: Secret::new(url.into()),
+            display: display_url(url).unwrap_or_default(),
+            key_prefix: "autohedge:".into(),
+            timeout: Duration::from_millis(25),
+        }
+    }
+
+    #[test]
+    fn the_url_is_shown_without_credentials() {
+        assert_eq!(
+            display_url("redis://user:s3cret@cache.internal:6380/2").as_deref(),
+            Some("redis://cache.internal:6380/2")
+        );
+        assert_eq!(display_url("rediss://:pw@h").as_deref(), Some("rediss://h"));
+        assert_eq!(display_url("http://h:6379"), None);
+        assert_eq!(display_url("not a url"), None);
+    }
+
+    #[test]
+    fn errors_are_scrubbed_of_the_url_and_password() {
+        let s = settings("redis://user:p%40ss@h:6379/0");
+        let msg = scrub(
+            &s,
+            "failed redis://user:p%40ss@h:6379/0: auth p@ss and p%40ss refused",
+        );
+        assert!(!msg.contains("p@ss") && !msg.contains("p%40ss"), "{msg}");
+        assert!(msg.contains("redis://h:6379/0"), "{msg}");
+    }
+}

@@ -1,0 +1,516 @@
+//! `cluster:` against a real Redis 7 (Debian's `redis-server`, started here on a free loopback
+//! port with persistence off; tests/run-all.sh installs it): several gateway processes share a
+//! client key's limits exactly, and a store that is killed, frozen (SIGSTOP) or restarted empty
+//! never turns a request into an error.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{Value, json};
+
+/// A `redis-server` of our own: loopback, a free port, no persistence. Killed when dropped.
+struct Redis {
+    port: u16,
+    child: Option<Child>,
+}
+
+impl Redis {
+    fn start() -> Redis {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        Redis::start_on(port)
+    }
+
+    fn start_on(port: u16) -> Redis {
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "yes",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server (Debian's redis-server package; tests/run-all.sh installs it)");
+        let r = Redis {
+            port,
+            child: Some(child),
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while r.ping().as_deref() != Some("+PONG") {
+            assert!(Instant::now() < deadline, "redis-server did not answer");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        r
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// One command in Redis's inline protocol; the first line of the answer.
+    fn cmd(&self, line: &str) -> Option<String> {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port)).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+        s.write_all(format!("{line}\r\n").as_bytes()).ok()?;
+        let mut buf = [0u8; 4096];
+        let n = s.read(&mut buf).ok()?;
+        let text = String::from_utf8_lossy(&buf[..n]).to_string();
+        Some(text.lines().next().unwrap_or("").to_string())
+    }
+
+    /// A bulk-string answer's value (`None` for a nil one).
+    fn value(&self, line: &str) -> Option<String> {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port)).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+        s.write_all(format!("{line}\r\n").as_bytes()).ok()?;
+        let mut buf = [0u8; 4096];
+        let n = s.read(&mut buf).ok()?;
+        let text = String::from_utf8_lossy(&buf[..n]).to_string();
+        let mut lines = text.lines();
+        match lines.next()? {
+            "$-1" => None,
+            l if l.starts_with('$') => lines.next().map(str::to_string),
+            l => Some(l.to_string()),
+        }
+    }
+
+    fn ping(&self) -> Option<String> {
+        self.cmd("PING")
+    }
+
+    fn signal(&self, sig: &str) {
+        let pid = self.child.as_ref().unwrap().id().to_string();
+        assert!(
+            Command::new("kill")
+                .args([sig, &pid])
+                .status()
+                .unwrap()
+                .success()
+        );
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        if let Some(c) = &self.child {
+            // A frozen server would not die of SIGKILL's sibling signals; SIGKILL always works.
+            let _ = Command::new("kill")
+                .args(["-CONT", &c.id().to_string()])
+                .status();
+        }
+        self.kill();
+    }
+}
+
+const TEAM: &str = "sk-team-0123456789";
+const TOKENS: &str = "sk-tokens-0123456789";
+
+fn config(upstream: &MockUp, prefix: &str, timeout: &str, extra: &str) -> String {
+    format!(
+        r#"models:
+  a: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
+auth:
+  keys:
+    - {{ name: team, key: env:TEAM_KEY, rpm: 60 }}
+    - {{ name: tokens, key: env:TOKENS_KEY, tpm: 600 }}
+cluster: {{ redis: env:AUTOHEDGE_REDIS_URL, key_prefix: "{prefix}", timeout: {timeout} }}
+health: {{ probe_interval: 1h }}
+{extra}"#,
+        upstream.base()
+    )
+}
+
+fn start(cfg: &str, redis_url: &str) -> Gw {
+    Gw::start_with_env(
+        cfg,
+        &[
+            ("TEAM_KEY", TEAM),
+            ("TOKENS_KEY", TOKENS),
+            ("AUTOHEDGE_REDIS_URL", redis_url),
+        ],
+    )
+}
+
+/// Waits until every gateway says the store is `up` and sees `n` replicas.
+async fn until_clustered(gws: &[&Gw], n: u64) {
+    for gw in gws {
+        let ok = eventually(Duration::from_secs(15), || async {
+            let st = gw.status().await;
+            st["cluster"]["state"] == "up" && st["cluster"]["replicas"] == n
+        })
+        .await;
+        assert!(ok, "not clustered: {}", gw.status().await["cluster"]);
+    }
+}
+
+/// Sends `count` chat requests with `key`, spread round-robin over `gws`, all at once (each on
+/// its own connection); returns the answers' statuses and headers, and how long the burst took.
+async fn burst(
+    gws: &[&Gw],
+    key: &str,
+    count: usize,
+    body: Value,
+) -> (Vec<(u16, reqwest::header::HeaderMap)>, Duration) {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
+    let started = Instant::now();
+    let sends = (0..count).map(|i| {
+        let url = gws[i % gws.len()].url("/v1/chat/completions");
+        let (client, body) = (client.clone(), body.clone());
+        let key = key.to_string();
+        async move {
+            let r = client
+                .post(url)
+                .bearer_auth(key)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.headers().clone())
+        }
+    });
+    let got = futures_util::future::join_all(sends).await;
+    (got, started.elapsed())
+}
+
+fn count(got: &[(u16, reqwest::header::HeaderMap)], status: u16) -> usize {
+    got.iter().filter(|(s, _)| *s == status).count()
+}
+
+/// Three gateway processes behind one Redis admit exactly what one would: a key at `rpm: 60`
+/// gets 60 of a 300-request burst spread over all three, and a key at `tpm: 600` asking 103
+/// tokens a request gets 5. Without the shared store each would allow its own 60 (180).
+#[tokio::test]
+async fn three_replicas_admit_exactly_one_keys_limits() {
+    let redis = Redis::start();
+    let up = MockUp::openai("name: a").await;
+    // A timeout the debug binaries on these 2 shared cores always meet under the burst: a
+    // request the store does not answer in time is admitted on the replica's share, which this
+    // test is not about (the other two are).
+    let cfg = config(&up, "exact:", "2s", "");
+    let gws = [
+        start(&cfg, &redis.url()),
+        start(&cfg, &redis.url()),
+        start(&cfg, &redis.url()),
+    ];
+    let gws: Vec<&Gw> = gws.iter().collect();
+    until_clustered(&gws, 3).await;
+
+    let hello = json!({"model": "a", "messages": [{"role": "user", "content": "Hello"}]});
+    let (got, took) = burst(&gws, TEAM, 300, hello.clone()).await;
+    assert_eq!(
+        count(&got, 200) + count(&got, 429),
+        300,
+        "only 200s and 429s"
+    );
+    // One request a second refills: a burst slower than a second may earn that many more.
+    let refilled = took.as_secs() as usize;
+    let ok = count(&got, 200);
+    assert!(
+        (60..=60 + refilled).contains(&ok),
+        "{ok} admitted of 300 in {took:?}"
+    );
+    assert_eq!(
+        up.requests().await,
+        ok as u64,
+        "each admitted request reached the upstream"
+    );
+    let (_, refused) = got.iter().find(|(s, _)| *s == 429).unwrap();
+    assert_eq!(refused["x-ratelimit-limit-requests"], "60");
+    assert_eq!(refused["x-ratelimit-remaining-requests"], "0");
+    assert!(refused.contains_key("retry-after"), "{refused:?}");
+
+    // tpm: 3 estimated prompt tokens ("Hello" and "user", 4 characters a token) + 100.
+    let asked = json!({"model": "a", "max_tokens": 100, "messages": [{"role": "user", "content": "Hello"}]});
+    let (got, took) = burst(&gws, TOKENS, 30, asked).await;
+    let ok = count(&got, 200);
+    let refilled = (took.as_secs_f64() * 10.0 / 103.0) as usize;
+    assert_eq!(count(&got, 200) + count(&got, 429), 30);
+    assert!(
+        (5..=5 + refilled).contains(&ok),
+        "{ok} admitted in {took:?}"
+    );
+    let (_, refused) = got.iter().find(|(s, _)| *s == 429).unwrap();
+    assert_eq!(refused["x-ratelimit-limit-tokens"], "600");
+    for gw in &gws {
+        let st = gw.status().await;
+        assert_eq!(st["cluster"]["local_admissions"], 0, "{}", st["cluster"]);
+    }
+}
+
+/// The store killed: no request fails for it. Each replica admits on its own with the key's
+/// limit split by the replicas it last saw (60 / 2 = 30 of a burst to one of two), `/health` says
+/// `degraded` (`cluster_store_unreachable`), `/status.cluster` says `down`, and the
+/// `cluster_store_down` alert fires once. Restarted empty on the same port, the store is used
+/// again.
+#[tokio::test]
+async fn a_killed_store_splits_the_limits_and_comes_back() {
+    let mut redis = Redis::start();
+    let port = redis.port;
+    let up = MockUp::openai("name: a").await;
+    let (hook, hooked) = scripted_webhook(&[]).await;
+    let cfg = config(
+        &up,
+        "killed:",
+        "25ms",
+        &format!(
+            "alerts: {{ webhooks: [{{ url: \"http://{hook}/hook\" }}], events: [cluster_store_down] }}\n"
+        ),
+    );
+    let a = start(&cfg, &redis.url());
+    let b = start(&cfg, &redis.url());
+    until_clustered(&[&a, &b], 2).await;
+    let hello = json!({"model": "a", "messages": [{"role": "user", "content": "Hello"}]});
+    // The store answers first: a request admitted through it.
+    let (got, _) = burst(&[&a], TEAM, 1, hello.clone()).await;
+    assert_eq!(got[0].0, 200);
+    assert_eq!(a.status().await["cluster"]["local_admissions"], 0);
+
+    redis.kill();
+    let (got, took) = burst(&[&a], TEAM, 100, hello.clone()).await;
+    assert_eq!(
+        count(&got, 200) + count(&got, 429),
+        100,
+        "no request failed for the store"
+    );
+    let ok = count(&got, 200);
+    let refilled = (took.as_secs_f64() / 2.0) as usize + 1;
+    assert!(
+        (30..=30 + refilled).contains(&ok),
+        "{ok} admitted alone in {took:?}"
+    );
+    let health: Value = reqwest::get(a.url("/health"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(health["status"], "degraded", "{health}");
+    assert!(
+        health["reasons"]
+            .as_array()
+            .unwrap()
+            .contains(&json!("cluster_store_unreachable")),
+        "{health}"
+    );
+    let st = a.status().await;
+    assert_eq!(st["cluster"]["state"], "down", "{}", st["cluster"]);
+    assert!(st["cluster"]["local_admissions"].as_u64().unwrap() >= 100);
+    assert!(st["cluster"]["last_error"].is_string());
+    let alerted = eventually(Duration::from_secs(10), || async {
+        hooked
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|(_, _, b)| b.to_string().contains("cluster_store_down"))
+    })
+    .await;
+    assert!(alerted, "the cluster_store_down alert was sent");
+
+    // Back, empty: shared again.
+    let redis = Redis::start_on(port);
+    let ok = eventually(Duration::from_secs(15), || async {
+        a.status().await["cluster"]["state"] == "up" && b.status().await["cluster"]["state"] == "up"
+    })
+    .await;
+    assert!(
+        ok,
+        "the replicas reconnected: {}",
+        a.status().await["cluster"]
+    );
+    let before = a.status().await["cluster"]["local_admissions"]
+        .as_u64()
+        .unwrap();
+    let (got, _) = burst(&[&a, &b], TEAM, 10, hello.clone()).await;
+    assert_eq!(count(&got, 200), 10, "a fresh store's bucket is full");
+    assert_eq!(
+        a.status().await["cluster"]["local_admissions"]
+            .as_u64()
+            .unwrap(),
+        before,
+        "admitted through the store again"
+    );
+    let health: Value = reqwest::get(a.url("/health"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(health["status"], "ok", "{health}");
+    assert!(redis.cmd("DBSIZE").unwrap().starts_with(':'));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Once per replica for the outage, each naming itself.
+    let mut sent: Vec<String> = hooked
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, _, b)| b["event"] == "cluster_store_down")
+        .map(|(_, _, b)| b["detail"].as_str().unwrap().to_string())
+        .collect();
+    sent.sort();
+    let (sa, sb) = (a.status().await, b.status().await);
+    let mut named = vec![
+        sent.iter()
+            .filter(|d| d.contains(sa["cluster"]["replica"].as_str().unwrap()))
+            .count(),
+        sent.iter()
+            .filter(|d| d.contains(sb["cluster"]["replica"].as_str().unwrap()))
+            .count(),
+    ];
+    named.sort();
+    assert_eq!((sent.len(), named), (2, vec![1, 1]), "{sent:?}");
+    assert!(
+        !sent
+            .iter()
+            .any(|d| d.contains(&redis.url()) && redis.url().contains('@'))
+    );
+}
+
+/// A frozen store (SIGSTOP: the connection stays open, nothing answers) costs a request at most
+/// `cluster.timeout` before it is admitted alone, and every request is answered.
+#[tokio::test]
+async fn a_frozen_store_costs_a_request_at_most_the_timeout() {
+    let redis = Redis::start();
+    let up = MockUp::openai("name: a").await;
+    let cfg = config(&up, "frozen:", "25ms", "");
+    let a = start(&cfg, &redis.url());
+    until_clustered(&[&a], 1).await;
+    let hello = json!({"model": "a", "messages": [{"role": "user", "content": "Hello"}]});
+    let (got, _) = burst(&[&a], TEAM, 1, hello.clone()).await;
+    assert_eq!(got[0].0, 200);
+
+    redis.signal("-STOP");
+    let (got, _) = burst(&[&a], TEAM, 20, hello.clone()).await;
+    redis.signal("-CONT");
+    assert_eq!(count(&got, 200), 20, "every request answered");
+    let st = a.status().await["cluster"].clone();
+    assert!(st["local_admissions"].as_u64().unwrap() >= 1, "{st}");
+    assert!(
+        st["last_error"]
+            .as_str()
+            .unwrap()
+            .contains("cluster.timeout"),
+        "{st}"
+    );
+    let ok = eventually(Duration::from_secs(15), || async {
+        a.status().await["cluster"]["state"] == "up"
+    })
+    .await;
+    assert!(ok, "back after SIGCONT");
+}
+
+/// A key's `budget_usd` across three replicas: reservations live in the store, so concurrent
+/// requests on all three overshoot the budget by at most one request's reservation, and every
+/// admitted request's cost is in the shared spend once its settle is applied.
+#[tokio::test]
+async fn three_replicas_share_one_budget() {
+    let redis = Redis::start();
+    let up = MockUp::openai("name: a").await;
+    let cfg = format!(
+        r#"models:
+  a: {{ type: openai, base_url: "{}", model: gpt-4o-mini, cost: {{ input_per_mtok: 1000, output_per_mtok: 1000 }} }}
+auth:
+  keys:
+    - {{ name: payer, key: env:TEAM_KEY, budget_usd: 0.1 }}
+cluster: {{ redis: env:AUTOHEDGE_REDIS_URL, key_prefix: "budget:", timeout: 2s }}
+health: {{ probe_interval: 1h }}
+"#,
+        up.base()
+    );
+    let gws = [
+        start(&cfg, &redis.url()),
+        start(&cfg, &redis.url()),
+        start(&cfg, &redis.url()),
+    ];
+    let gws: Vec<&Gw> = gws.iter().collect();
+    until_clustered(&gws, 3).await;
+    // Reserved: (3 prompt tokens estimated + 10) at $1,000 a million = $0.013 a request.
+    let body =
+        json!({"model": "a", "max_tokens": 10, "messages": [{"role": "user", "content": "Hello"}]});
+    let mut admitted = 0;
+    for _ in 0..4 {
+        let (got, _) = burst(&gws, TEAM, 30, body.clone()).await;
+        admitted += count(&got, 200);
+        for (s, _) in &got {
+            assert!(*s == 200 || *s == 429, "{s}");
+        }
+    }
+    assert!(admitted > 0);
+    let month = {
+        let st = gws[0].status().await;
+        let spend = &st["auth"]["spend_this_month_usd"];
+        assert!(spend["payer"].as_f64().unwrap() > 0.0, "{st}");
+        // The month as the gateway names it (UTC), from its own clock.
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64;
+        let days = now / 86_400;
+        // Howard Hinnant's civil_from_days.
+        let z = days + 719_468;
+        let era = z.div_euclid(146_097);
+        let doe = z - era * 146_097;
+        let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+        let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+        let mp = (5 * doy + 2) / 153;
+        let m = if mp < 10 { mp + 3 } else { mp - 9 };
+        let y = yoe + era * 400 + i64::from(m <= 2);
+        format!("{y:04}-{m:02}")
+    };
+    // Every settle applied: no reservation left, the spend is every admitted request's cost.
+    let settled = eventually(Duration::from_secs(10), || async {
+        redis
+            .value("GET budget:resvtot:payer")
+            .and_then(|v| v.parse::<f64>().ok())
+            .is_some_and(|v| v.abs() < 1e-9)
+    })
+    .await;
+    assert!(
+        settled,
+        "reservations left: {:?}",
+        redis.value("GET budget:resvtot:payer")
+    );
+    let spend: f64 = redis
+        .value(&format!("HGET budget:spend:payer:{month} usd"))
+        .unwrap()
+        .parse()
+        .unwrap();
+    let per_request = spend / admitted as f64;
+    assert!(
+        per_request > 0.0 && per_request <= 0.013 + 1e-9,
+        "{per_request}"
+    );
+    assert!(
+        spend <= 0.1 + 0.013 + 1e-9,
+        "overshot: {spend} for {admitted} requests"
+    );
+    assert!(
+        spend >= 0.1 - 0.013,
+        "stopped short: {spend} for {admitted} requests"
+    );
+    assert_eq!(up.requests().await, admitted as u64);
+}

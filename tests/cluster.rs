@@ -514,3 +514,137 @@ health: {{ probe_interval: 1h }}
     );
     assert_eq!(up.requests().await, admitted as u64);
 }
+
+/// What one replica learns about an endpoint reaches the others through the store and applies
+/// there without a call of their own: a retirement (410), a cooldown (429 and its
+/// `retry-after`), a learned context window; a replica started later reads them from the store;
+/// `endpoint clear` on one lifts them on all. Health stays each replica's own.
+#[tokio::test]
+async fn endpoint_knowledge_reaches_every_replica() {
+    let redis = Redis::start();
+    let gone = MockUp::openai(
+        "rules: [{status: 410, error: \"The model gpt-4-0314 has been deprecated\"}]",
+    )
+    .await;
+    let limited = MockUp::openai(
+        "rules: [{status: 429, times: 1, headers: {retry-after: \"30\"}, error: \"Rate limit reached\"}]",
+    )
+    .await;
+    let small = MockUp::openai("context_window: 80").await;
+    let spare = MockUp::openai("name: spare").await;
+    let cfg = format!(
+        r#"models:
+  gone: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
+  limited: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
+  small: {{ type: openai, base_url: "{}", model: gpt-4o-mini, context_window: 100000 }}
+  spare: {{ type: openai, base_url: "{}", model: gpt-4o-mini, context_window: 128000 }}
+routes:
+  retire: [gone, spare]
+  cool: [limited, spare]
+  window: [small, spare]
+cluster: {{ redis: env:AUTOHEDGE_REDIS_URL, key_prefix: "facts:" }}
+health: {{ probe_interval: 1h }}
+"#,
+        gone.base(),
+        limited.base(),
+        small.base(),
+        spare.base()
+    );
+    let a = start(&cfg, &redis.url());
+    let b = start(&cfg, &redis.url());
+    until_clustered(&[&a, &b], 2).await;
+
+    // A learns each thing from its own traffic.
+    assert_eq!(
+        header(&a.chat("retire", "hi").await, "x-autohedge-endpoint"),
+        "spare"
+    );
+    assert_eq!(
+        header(&a.chat("cool", "hi").await, "x-autohedge-endpoint"),
+        "spare"
+    );
+    let long = "word ".repeat(100);
+    let r = a.chat("window", &long).await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "spare");
+    let st = a.status().await;
+    assert_eq!(
+        st["endpoints"]["gone"]["state"], "retired",
+        "{}",
+        st["endpoints"]["gone"]
+    );
+    assert!(
+        st["endpoints"]["limited"]["cooldown_remaining_ms"]
+            .as_u64()
+            .unwrap()
+            > 20_000
+    );
+    assert_eq!(st["endpoints"]["small"]["learned_context_window"], 80);
+    let calls = (
+        gone.requests().await,
+        limited.requests().await,
+        small.requests().await,
+    );
+    assert_eq!(calls, (1, 1, 1));
+
+    // B knows it without a call.
+    let shared = eventually(Duration::from_secs(5), || async {
+        let st = b.status().await;
+        st["endpoints"]["gone"]["state"] == "retired"
+            && st["endpoints"]["limited"]["cooldown_remaining_ms"]
+                .as_u64()
+                .unwrap_or(0)
+                > 20_000
+            && st["endpoints"]["small"]["learned_context_window"] == 80
+    })
+    .await;
+    assert!(shared, "B: {}", b.status().await["endpoints"]);
+    for route in ["retire", "cool"] {
+        assert_eq!(
+            header(&b.chat(route, "hi").await, "x-autohedge-endpoint"),
+            "spare"
+        );
+    }
+    let r = b.chat("window", &long).await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "spare");
+    assert_eq!(
+        (
+            gone.requests().await,
+            limited.requests().await,
+            small.requests().await
+        ),
+        calls,
+        "B called none of them"
+    );
+
+    // A replica started later reads them from the store (its own data dir is new).
+    let c = start(&cfg, &redis.url());
+    until_clustered(&[&c], 3).await;
+    let read = eventually(Duration::from_secs(5), || async {
+        let st = c.status().await;
+        st["endpoints"]["gone"]["state"] == "retired"
+            && st["endpoints"]["small"]["learned_context_window"] == 80
+    })
+    .await;
+    assert!(read, "C: {}", c.status().await["endpoints"]);
+
+    // Cleared on B: lifted on A and C.
+    let r = reqwest::Client::new()
+        .post(b.url("/admin/endpoints/gone/clear"))
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    for gw in [&a, &c] {
+        let lifted = eventually(Duration::from_secs(5), || async {
+            gw.status().await["endpoints"]["gone"]["state"] != "retired"
+        })
+        .await;
+        assert!(lifted, "{}", gw.status().await["endpoints"]["gone"]);
+    }
+    assert_eq!(
+        redis.value("EXISTS facts:facts:gone").as_deref(),
+        Some(":0"),
+        "the stored facts went with the clear"
+    );
+}

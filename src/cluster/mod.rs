@@ -28,6 +28,7 @@ use tokio::sync::{Notify, mpsc};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::AlertEvent;
+use crate::routing::observed::Fact;
 
 /// How often a replica says it is alive; it counts as gone after [`ALIVE_FOR`].
 const HEARTBEAT: Duration = Duration::from_secs(1);
@@ -43,6 +44,12 @@ const SETTLE_QUEUE: usize = 100_000;
 const HOLD: Duration = Duration::from_secs(3600);
 /// A month's spend outlives its month by this.
 const SPEND_TTL: Duration = Duration::from_secs(40 * 86_400);
+/// An endpoint's shared facts outlive their last change by this.
+const FACTS_TTL: Duration = Duration::from_secs(30 * 86_400);
+/// The largest fact message read from the store; larger ones are ignored.
+const MAX_FACT_BYTES: usize = 64 * 1024;
+/// Facts waiting to be shared; more are dropped (the other replicas learn them themselves).
+pub const FACT_QUEUE: usize = 4096;
 
 pub use crate::config::ClusterSettings as Settings;
 pub use crate::config::cluster_display as display_url;
@@ -108,6 +115,7 @@ struct Status {
 
 pub struct Cluster {
     settings: Settings,
+    client: redis::Client,
     /// This process among the replicas.
     replica: String,
     conn: ConnectionManager,
@@ -128,6 +136,9 @@ pub struct Cluster {
     settle: redis::Script,
     seed: redis::Script,
     heartbeat: redis::Script,
+    share: redis::Script,
+    facts_shared: AtomicU64,
+    facts_applied: AtomicU64,
     alerts: crate::ops::alerts::Alerts,
     /// Store waits of requests that found the store answering: the longest, in µs.
     longest_wait_us: AtomicU64,
@@ -147,10 +158,11 @@ impl Cluster {
             .set_response_timeout(Some(BACKGROUND_TIMEOUT))
             .set_number_of_retries(1)
             .set_max_delay(MAX_BACKOFF);
-        let conn = ConnectionManager::new_lazy_with_config(client, config)
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config)
             .map_err(|e| anyhow::anyhow!("cluster.redis: {}", scrub(&settings, &e.to_string())))?;
         let (tx, rx) = mpsc::channel(SETTLE_QUEUE);
         Ok(Cluster {
+            client,
             replica: uuid::Uuid::new_v4().to_string(),
             conn,
             up: AtomicBool::new(false),
@@ -166,6 +178,9 @@ impl Cluster {
             settle: redis::Script::new(include_str!("settle.lua")),
             seed: redis::Script::new(include_str!("seed.lua")),
             heartbeat: redis::Script::new(include_str!("heartbeat.lua")),
+            share: redis::Script::new(include_str!("share.lua")),
+            facts_shared: AtomicU64::new(0),
+            facts_applied: AtomicU64::new(0),
             alerts,
             longest_wait_us: AtomicU64::new(0),
             fallbacks: AtomicU64::new(0),
@@ -394,6 +409,8 @@ impl Cluster {
             "longest_wait_ms": self.longest_wait_us.load(Ordering::Relaxed) as f64 / 1000.0,
             "settles_queued": SETTLE_QUEUE - self.settles.capacity(),
             "settles_dropped": self.settles_dropped.load(Ordering::Relaxed),
+            "facts_shared": self.facts_shared.load(Ordering::Relaxed),
+            "facts_applied": self.facts_applied.load(Ordering::Relaxed),
         })
     }
 
@@ -473,6 +490,82 @@ impl Cluster {
     }
 }
 
+/// Where a fact is stored among its endpoint's, and whether it is a clear.
+fn fact_field(f: &Fact) -> String {
+    match f {
+        Fact::Cooldown { .. } => "cooldown".into(),
+        Fact::Retired { .. } => "retired".into(),
+        Fact::KeyRejected { key, .. } => format!("key:{key}"),
+        Fact::Window { .. } => "window".into(),
+        Fact::Cleared { .. } => String::new(),
+    }
+}
+
+/// A fact message: who learned it, and what.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Message {
+    origin: String,
+    fact: Fact,
+}
+
+impl Cluster {
+    async fn publish(&self, fact: &Fact) -> Result<(), String> {
+        let body = serde_json::to_string(fact).map_err(|e| e.to_string())?;
+        let msg = serde_json::to_string(&Message {
+            origin: self.replica.clone(),
+            fact: fact.clone(),
+        })
+        .map_err(|e| e.to_string())?;
+        let mut inv = self.share.prepare_invoke();
+        inv.key(self.key(&["facts", fact.endpoint()]))
+            .arg(fact_field(fact))
+            .arg(body)
+            .arg(msg)
+            .arg(self.key(&["facts"]))
+            .arg(FACTS_TTL.as_secs());
+        self.call::<i64>(&inv).await.map(|_| ())
+    }
+
+    /// Every stored fact about `endpoints` (a replica that starts or reconnects catches up).
+    async fn stored_facts(&self, endpoints: &[String]) -> Result<Vec<Fact>, String> {
+        let mut out = Vec::new();
+        for e in endpoints {
+            let mut conn = self.conn.clone();
+            let got = tokio::time::timeout(
+                BACKGROUND_TIMEOUT,
+                redis::cmd("HGETALL")
+                    .arg(self.key(&["facts", e]))
+                    .query_async::<Vec<(String, String)>>(&mut conn),
+            )
+            .await
+            .map_err(|_| "no answer reading shared facts".to_string())?
+            .map_err(|e| e.to_string())?;
+            for (_, v) in got {
+                if v.len() <= MAX_FACT_BYTES
+                    && let Ok(f) = serde_json::from_str::<Fact>(&v)
+                    && f.endpoint() == e
+                {
+                    out.push(f);
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// What the keeper needs of the gateway, as plain functions (the cluster imports nothing of the
+/// state it serves).
+pub struct Hooks {
+    /// Each key's month as this replica knows it (seeding the store when it comes back).
+    pub spend: Box<dyn Fn() -> Vec<(String, String, f64)> + Send + Sync>,
+    /// The endpoints of the running table (whose stored facts to read).
+    pub endpoints: Box<dyn Fn() -> Vec<String> + Send + Sync>,
+    /// Applies a fact another replica learned.
+    pub apply: Box<dyn Fn(Fact) + Send + Sync>,
+    /// What this replica learns (the registry's queue).
+    pub facts: mpsc::Receiver<Fact>,
+}
+
 /// The message without the store's URL or its password.
 fn scrub(settings: &Settings, msg: &str) -> String {
     let mut out = msg.to_string();
@@ -515,12 +608,22 @@ fn urlencoding_decode(s: &str) -> Result<String, std::string::FromUtf8Error> {
 
 /// The keeper: heartbeats (counting the replicas), marks the store down and up, seeds the
 /// shared spend when it comes back, and applies queued settles while it is up.
-pub async fn run(
-    cluster: Arc<Cluster>,
-    spend: impl Fn() -> Vec<(String, String, f64)> + Send + 'static,
-    cancel: CancellationToken,
-) {
+pub async fn run(cluster: Arc<Cluster>, hooks: Hooks, cancel: CancellationToken) {
+    let Hooks {
+        spend,
+        endpoints,
+        apply,
+        facts,
+    } = hooks;
+    let apply: Arc<dyn Fn(Fact) + Send + Sync> = Arc::from(apply);
     let settler = tokio::spawn(settler(cluster.clone(), cancel.clone()));
+    let sharer = tokio::spawn(sharer(cluster.clone(), facts, cancel.clone()));
+    let listener = tokio::spawn(listener(
+        cluster.clone(),
+        Arc::from(endpoints),
+        apply,
+        cancel.clone(),
+    ));
     let mut backoff = FIRST_BACKOFF;
     loop {
         let wait = match cluster.beat().await {
@@ -555,6 +658,123 @@ pub async fn run(
         cluster.leave().await;
     }
     settler.abort();
+    sharer.abort();
+    listener.abort();
+}
+
+/// Shares what this replica learns, in order; while the store is away facts wait in the queue.
+async fn sharer(cluster: Arc<Cluster>, mut rx: mpsc::Receiver<Fact>, cancel: CancellationToken) {
+    loop {
+        let fact = tokio::select! {
+            _ = cancel.cancelled() => return,
+            f = rx.recv() => match f {
+                Some(f) => f,
+                None => return,
+            },
+        };
+        loop {
+            if !cluster.is_up() {
+                let back = cluster.back.notified();
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = back => {}
+                    _ = tokio::time::sleep(MAX_BACKOFF) => {}
+                }
+                continue;
+            }
+            match cluster.publish(&fact).await {
+                Ok(()) => {
+                    cluster.facts_shared.fetch_add(1, Ordering::Relaxed);
+                    break;
+                }
+                Err(e) => cluster.down(&e),
+            }
+        }
+    }
+}
+
+/// Applies what the other replicas learn: subscribes to the facts channel, then reads every
+/// stored fact (what was learned before this replica started or while it was cut off), then
+/// applies each message as it comes. Starts over, with backoff, when the subscription breaks.
+async fn listener(
+    cluster: Arc<Cluster>,
+    endpoints: Arc<dyn Fn() -> Vec<String> + Send + Sync>,
+    apply: Arc<dyn Fn(Fact) + Send + Sync>,
+    cancel: CancellationToken,
+) {
+    use futures_util::StreamExt;
+    let mut backoff = FIRST_BACKOFF;
+    loop {
+        if cancel.is_cancelled() {
+            return;
+        }
+        let subscribed = async {
+            let mut ps =
+                tokio::time::timeout(BACKGROUND_TIMEOUT, cluster.client.get_async_pubsub())
+                    .await
+                    .map_err(|_| "no answer subscribing".to_string())?
+                    .map_err(|e| e.to_string())?;
+            tokio::time::timeout(BACKGROUND_TIMEOUT, ps.subscribe(cluster.key(&["facts"])))
+                .await
+                .map_err(|_| "no answer subscribing".to_string())?
+                .map_err(|e| e.to_string())?;
+            Ok::<_, String>(ps)
+        }
+        .await;
+        let ps = match subscribed {
+            Ok(ps) => ps,
+            Err(e) => {
+                cluster.note_error(&e);
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+                continue;
+            }
+        };
+        // Subscribed first, then read: a fact published in between is seen twice, never missed
+        // (applying one twice changes nothing).
+        match cluster.stored_facts(&endpoints()).await {
+            Ok(facts) => {
+                for f in facts {
+                    cluster.facts_applied.fetch_add(1, Ordering::Relaxed);
+                    apply(f);
+                }
+            }
+            Err(e) => {
+                cluster.note_error(&e);
+                continue;
+            }
+        }
+        backoff = FIRST_BACKOFF;
+        let mut messages = ps.into_on_message();
+        loop {
+            let msg = tokio::select! {
+                _ = cancel.cancelled() => return,
+                m = messages.next() => m,
+            };
+            let Some(msg) = msg else {
+                break;
+            };
+            let payload: Vec<u8> = msg.get_payload_bytes().to_vec();
+            if payload.len() > MAX_FACT_BYTES {
+                continue;
+            }
+            let Ok(m) = serde_json::from_slice::<Message>(&payload) else {
+                continue;
+            };
+            if m.origin == cluster.replica {
+                continue;
+            }
+            cluster.facts_applied.fetch_add(1, Ordering::Relaxed);
+            apply(m.fact);
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(backoff) => {}
+        }
+    }
 }
 
 /// Applies settles in order; while the store is away they wait (in the queue) for it.

@@ -261,12 +261,21 @@ impl Gateway {
                 state.alerts.clone(),
             )?);
             let _ = state.cluster.set(cluster.clone());
-            let st = state.clone();
-            tasks.spawn(crate::cluster::run(
-                cluster,
-                move || st.clients.spend_snapshot(),
-                cancel.clone(),
-            ));
+            let (tx, facts) = tokio::sync::mpsc::channel(crate::cluster::FACT_QUEUE);
+            state.registry.share_with(tx);
+            let (a, b, c) = (state.clone(), state.clone(), state.clone());
+            let hooks = crate::cluster::Hooks {
+                spend: Box::new(move || a.clients.spend_snapshot()),
+                endpoints: Box::new(move || b.config.load().endpoints.keys().cloned().collect()),
+                apply: Box::new(move |fact| {
+                    let cfg = c.config.load();
+                    if let Some(ep) = cfg.endpoints.get(fact.endpoint()) {
+                        c.registry.apply_fact(ep, fact);
+                    }
+                }),
+                facts,
+            };
+            tasks.spawn(crate::cluster::run(cluster, hooks, cancel.clone()));
         }
         tasks.spawn(crate::reload::vault_refresher(
             state.clone(),

@@ -81,3 +81,52 @@ impl DockerStatus {
 }
 
 pub type SharedStatus = Arc<Mutex<DockerStatus>>;
+
+/// What one replica learned about an endpoint that the others should know (with `cluster:`):
+/// shared through the store and applied by every replica whose endpoint of that name has the
+/// same definition (`fingerprint`). Plain data, so the registry needs nothing of the cluster.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "fact", rename_all = "snake_case")]
+pub enum Fact {
+    /// A 429: no traffic until then (Unix ms).
+    Cooldown {
+        endpoint: String,
+        fingerprint: String,
+        until_unix_ms: u64,
+        detail: String,
+    },
+    /// A 410: out of rotation until cleared or redefined.
+    Retired {
+        endpoint: String,
+        fingerprint: String,
+        detail: String,
+    },
+    /// A 401/403 for the key whose value hashes to `key` (never the key).
+    KeyRejected {
+        endpoint: String,
+        fingerprint: String,
+        key: String,
+        detail: String,
+    },
+    /// A context window the upstream stated.
+    Window {
+        endpoint: String,
+        fingerprint: String,
+        tokens: u64,
+        request_id: String,
+    },
+    /// `autohedge endpoint clear`: everything above is lifted.
+    Cleared { endpoint: String },
+}
+
+impl Fact {
+    pub fn endpoint(&self) -> &str {
+        match self {
+            Fact::Cooldown { endpoint, .. }
+            | Fact::Retired { endpoint, .. }
+            | Fact::KeyRejected { endpoint, .. }
+            | Fact::Window { endpoint, .. }
+            | Fact::Cleared { endpoint } => endpoint,
+        }
+    }
+}

@@ -15,6 +15,7 @@ use serde_json::{Value, json};
 use tokio::time::Instant;
 
 use crate::config::{Config, Endpoint, Policy};
+use crate::routing::observed::Fact;
 pub use crate::routing::router::Avail;
 use crate::routing::stats::{Counts, Ewma, LatencySample, RollingWindow};
 use crate::store::{EndpointEvent, PersistedStats, StoreHandle};
@@ -191,6 +192,8 @@ pub struct Registry {
     store: StoreHandle,
     /// Endpoint events an operator must hear about become alerts.
     alerts: Option<crate::ops::alerts::Alerts>,
+    /// With `cluster:`: where what this replica learns goes, for the others (never waited on).
+    facts: std::sync::OnceLock<tokio::sync::mpsc::Sender<Fact>>,
 }
 
 /// Which API key an attempt uses.
@@ -231,6 +234,108 @@ impl Registry {
             map: RwLock::new(HashMap::default()),
             store,
             alerts: None,
+            facts: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Shares what this replica learns from now on (`cluster:`).
+    pub fn share_with(&self, tx: tokio::sync::mpsc::Sender<Fact>) {
+        let _ = self.facts.set(tx);
+    }
+
+    fn share(&self, fact: Fact) {
+        if let Some(tx) = self.facts.get() {
+            // A full queue loses a fact for the other replicas only: they learn it themselves.
+            let _ = tx.try_send(fact);
+        }
+    }
+
+    /// Applies what another replica learned, when this replica's endpoint of that name has the
+    /// same definition. Nothing is shared back. Values are bounded as if from an upstream: a
+    /// cooldown of at most an hour, a window no smaller than [`MIN_LEARNED_WINDOW`] nor than
+    /// what the endpoint served here.
+    pub fn apply_fact(&self, ep: &Endpoint, fact: Fact) {
+        let Some(rt) = self.get(&ep.name) else {
+            return;
+        };
+        let same = |fp: &str| fp == ep.fingerprint;
+        match fact {
+            Fact::Cooldown {
+                fingerprint,
+                until_unix_ms,
+                detail,
+                ..
+            } if same(&fingerprint) => {
+                let now_ms = SystemTime::now()
+                    .duration_since(SystemTime::UNIX_EPOCH)
+                    .map(|d| d.as_millis() as u64)
+                    .unwrap_or(0);
+                let left = Duration::from_millis(until_unix_ms.saturating_sub(now_ms))
+                    .min(Duration::from_secs(3600));
+                if left.is_zero() {
+                    return;
+                }
+                let now = Instant::now();
+                let mut rt = lock(&rt);
+                if rt.cooldown_until.is_none_or(|u| u <= now) {
+                    rt.cooldown_from = Some(now);
+                }
+                rt.cooldown_until =
+                    Some(rt.cooldown_until.map_or(now + left, |u| u.max(now + left)));
+                rt.cooldown_reason = Some(format!("{detail} (seen by another replica)"));
+            }
+            Fact::Retired {
+                fingerprint,
+                detail,
+                ..
+            } if same(&fingerprint) => {
+                let mut rt = lock(&rt);
+                if rt.retired.is_some() {
+                    return;
+                }
+                rt.retired = Some(Retirement {
+                    reason: detail.clone(),
+                    fingerprint: ep.fingerprint.clone(),
+                });
+                drop(rt);
+                self.store
+                    .send_flag(&ep.name, Some(&detail), Some(&ep.fingerprint));
+                self.event(
+                    &ep.name,
+                    "retired",
+                    &format!("{detail} (seen by another replica)"),
+                );
+            }
+            Fact::KeyRejected {
+                fingerprint,
+                key,
+                detail,
+                ..
+            } if same(&fingerprint) => {
+                let mut rt = lock(&rt);
+                if !ep.keys.iter().any(|k| k.hash == key) || !rt.dead_keys.insert(key) {
+                    return;
+                }
+                let left = ep
+                    .keys
+                    .iter()
+                    .any(|k| k.value.is_some() && !rt.dead_keys.contains(&k.hash));
+                if !left {
+                    rt.auth_failed = Some(format!("{detail} (seen by another replica)"));
+                }
+            }
+            Fact::Window {
+                fingerprint,
+                tokens,
+                request_id,
+                ..
+            } if same(&fingerprint) => {
+                self.learn_window_from(ep, tokens, &request_id, false);
+            }
+            Fact::Cleared { .. } => {
+                self.clear_from(&ep.name, false);
+            }
+            _ => {}
         }
     }
 
@@ -551,6 +656,15 @@ impl Registry {
                 rt.cooldown_reason = Some(detail.clone());
                 rt.last_error = Some((format!("rate_limited: {detail}"), SystemTime::now()));
                 drop(rt);
+                self.share(Fact::Cooldown {
+                    endpoint: ep.name.clone(),
+                    fingerprint: ep.fingerprint.clone(),
+                    until_unix_ms: (SystemTime::now() + for_)
+                        .duration_since(SystemTime::UNIX_EPOCH)
+                        .map(|d| d.as_millis() as u64)
+                        .unwrap_or(0),
+                    detail: detail.clone(),
+                });
                 self.event(
                     &ep.name,
                     "cooldown",
@@ -567,6 +681,11 @@ impl Registry {
                 drop(rt);
                 self.store
                     .send_flag(&ep.name, Some(&detail), Some(&ep.fingerprint));
+                self.share(Fact::Retired {
+                    endpoint: ep.name.clone(),
+                    fingerprint: ep.fingerprint.clone(),
+                    detail: detail.clone(),
+                });
                 self.event(&ep.name, "retired", &detail);
                 false
             }
@@ -584,6 +703,14 @@ impl Registry {
                     .any(|k| k.value.is_some() && !rt.dead_keys.contains(&k.hash));
                 if !newly {
                     return left;
+                }
+                if let Some(k) = ep.keys.get(key) {
+                    self.share(Fact::KeyRejected {
+                        endpoint: ep.name.clone(),
+                        fingerprint: ep.fingerprint.clone(),
+                        key: k.hash.clone(),
+                        detail: detail.clone(),
+                    });
                 }
                 if left {
                     drop(rt);
@@ -645,6 +772,11 @@ impl Registry {
     /// [`MIN_LEARNED_WINDOW`], nor below the largest request the endpoint served in full within
     /// the stats window.
     pub fn learn_window(&self, ep: &Endpoint, tokens: u64, request_id: &str) {
+        self.learn_window_from(ep, tokens, request_id, true);
+    }
+
+    /// [`Registry::learn_window`]; `share`: learned here (not from another replica).
+    fn learn_window_from(&self, ep: &Endpoint, tokens: u64, request_id: &str, share: bool) {
         let Some(rt) = self.get(&ep.name) else {
             return;
         };
@@ -678,6 +810,14 @@ impl Registry {
             endpoint: ep.name.clone(),
             learned: Some((tokens, request_id.to_string(), ep.fingerprint.clone())),
         });
+        if share {
+            self.share(Fact::Window {
+                endpoint: ep.name.clone(),
+                fingerprint: ep.fingerprint.clone(),
+                tokens,
+                request_id: request_id.to_string(),
+            });
+        }
         self.event(
             &ep.name,
             "context_window_learned",
@@ -828,6 +968,11 @@ impl Registry {
     /// Lifts retirement, auth failure, cooldown, rejected keys and a learned context window
     /// (operator's `endpoint clear`).
     pub fn clear(&self, name: &str) -> bool {
+        self.clear_from(name, true)
+    }
+
+    /// [`Registry::clear`]; `share`: made here (not by another replica).
+    fn clear_from(&self, name: &str, share: bool) -> bool {
         let Some(rt) = self.get(name) else {
             return false;
         };
@@ -845,7 +990,14 @@ impl Registry {
             endpoint: name.to_string(),
             learned: None,
         });
-        self.event(name, "cleared", "cleared by operator");
+        if share {
+            self.share(Fact::Cleared {
+                endpoint: name.to_string(),
+            });
+            self.event(name, "cleared", "cleared by operator");
+        } else {
+            self.event(name, "cleared", "cleared by operator on another replica");
+        }
         true
     }
 

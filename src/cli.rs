@@ -94,15 +94,37 @@ fn load_config(path: Option<PathBuf>) -> anyhow::Result<(Config, Option<PathBuf>
     }
 }
 
-/// Cancels `token` on SIGTERM or SIGINT.
-fn cancel_on_signals(token: CancellationToken) -> anyhow::Result<()> {
+/// Cancels `token` on SIGTERM or SIGINT. With a gateway's `state`, the drain comes first: it
+/// starts at once (`AppState::draining`) and accepting stops `server.drain_delay` later (or at
+/// a second signal).
+fn cancel_on_signals(
+    token: CancellationToken,
+    state: Option<std::sync::Arc<crate::state::AppState>>,
+) -> anyhow::Result<()> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     tokio::spawn(async move {
         tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM: draining"),
-            _ = int.recv() => tracing::info!("SIGINT: draining"),
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        let delay = state
+            .as_ref()
+            .map_or(Duration::ZERO, |s| s.config.load().drain_delay);
+        tracing::info!(
+            drain_delay_ms = delay.as_millis() as u64,
+            "signalled to stop: draining"
+        );
+        if let Some(s) = &state {
+            s.draining.cancel();
+        }
+        if !delay.is_zero() {
+            tokio::select! {
+                _ = tokio::time::sleep(delay) => {}
+                _ = term.recv() => tracing::info!("second SIGTERM: closing now"),
+                _ = int.recv() => tracing::info!("second SIGINT: closing now"),
+            }
         }
         token.cancel();
     });
@@ -149,7 +171,7 @@ pub async fn serve(
     .await?;
     // Handlers before the line scripts wait for: a SIGTERM sent the moment the gateway says it
     // listens must drain it, not kill it.
-    cancel_on_signals(gw.cancel_token())?;
+    cancel_on_signals(gw.cancel_token(), Some(gw.state.clone()))?;
     crate::say!("autohedge listening on http://{}", gw.addr);
     crate::say!(
         "config: {}; audit: {}",
@@ -179,7 +201,7 @@ pub async fn mock_upstream(
         .with_context(|| format!("cannot listen on {listen}"))?;
     let addr = listener.local_addr()?;
     let token = CancellationToken::new();
-    cancel_on_signals(token.clone())?;
+    cancel_on_signals(token.clone(), None)?;
     crate::say!("mock-upstream ({flavor:?}) listening on http://{addr}");
     mock::serve(listener, Mock::new(flavor, script), token).await;
     Ok(ExitCode::SUCCESS)

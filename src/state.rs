@@ -35,6 +35,10 @@ pub struct AppState {
     /// Cancelled when `shutdown_grace` is over: requests still running are cut (and recorded
     /// with class `shutdown`) so the audit trail is complete before the process exits.
     pub hard_stop: CancellationToken,
+    /// Cancelled when SIGTERM starts the drain: `/health` answers 503 `draining`, HTTP/1
+    /// responses carry `Connection: close`, HTTP/2 connections get GOAWAY; accepting goes on
+    /// for `server.drain_delay`.
+    pub draining: CancellationToken,
     /// Requests being served (handler running or stream body alive).
     inflight: Arc<AtomicUsize>,
     /// Serializes config installs (file reloads, SIGHUP, discovery): each builds from the
@@ -190,6 +194,7 @@ impl AppState {
             docker: Default::default(),
             discovered: Mutex::new(Vec::new()),
             hard_stop: CancellationToken::new(),
+            draining: CancellationToken::new(),
             inflight: Arc::new(AtomicUsize::new(0)),
             install_lock: Mutex::new(()),
             hedges: Mutex::new(Default::default()),

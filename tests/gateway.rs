@@ -2,7 +2,10 @@
 
 mod common;
 
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
 
 use common::*;
 use serde_json::{Value, json};
@@ -1841,4 +1844,147 @@ async fn a_closed_stdout_does_not_panic_the_cli() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!err.contains("panicked"), "{err}");
     assert!(out.status.success(), "{:?} {err}", out.status);
+}
+
+/// A drain that drops nothing: on SIGTERM a gateway answers `/health` 503 `draining` at once,
+/// keeps serving for `server.drain_delay` with `Connection: close` on every answer, then stops
+/// accepting and finishes what is in flight. Two gateways behind a balancer that follows
+/// `/health` (every 100 ms, as a load balancer or Swarm's mesh does) and a client that retries a
+/// refused connection twice (the OpenAI SDK's default), each gateway restarted in turn under
+/// load: not one request fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateways_restarted_in_turn_under_load_drop_nothing() {
+    use std::sync::{Arc, Mutex};
+    let up = MockUp::openai("name: a").await;
+    let cfg = format!(
+        "server: {{ drain_delay: 2s }}\nmodels:\n  a: {{ type: openai, base_url: \"{}\" }}\nhealth: {{ probe_interval: 1h }}\n",
+        up.base()
+    );
+    let mut gws = [Gw::start(&cfg), Gw::start(&cfg)];
+    for g in &gws {
+        g.ready().await;
+    }
+    // The balancer's view: each member's address and whether its last /health was 200.
+    let members: Arc<Mutex<Vec<(SocketAddr, bool)>>> =
+        Arc::new(Mutex::new(gws.iter().map(|g| (g.addr, true)).collect()));
+    let stop = CancellationToken::new();
+    let checker = {
+        let (members, stop) = (members.clone(), stop.clone());
+        tokio::spawn(async move {
+            let c = reqwest::Client::new();
+            while !stop.is_cancelled() {
+                let list: Vec<SocketAddr> = members.lock().unwrap().iter().map(|m| m.0).collect();
+                for addr in list {
+                    let ok = c
+                        .get(format!("http://{addr}/health"))
+                        .timeout(Duration::from_millis(500))
+                        .send()
+                        .await
+                        .is_ok_and(|r| r.status() == 200);
+                    for m in members.lock().unwrap().iter_mut() {
+                        if m.0 == addr {
+                            m.1 = ok;
+                        }
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let failed = Arc::new(Mutex::new(Vec::new()));
+    let mut workers = Vec::new();
+    for w in 0..4usize {
+        let (members, stop, sent, failed) =
+            (members.clone(), stop.clone(), sent.clone(), failed.clone());
+        workers.push(tokio::spawn(async move {
+            let c = reqwest::Client::new();
+            let mut turn = w;
+            while !stop.is_cancelled() {
+                let mut last = String::new();
+                let mut ok = false;
+                for _attempt in 0..3 {
+                    turn += 1;
+                    let addr = {
+                        let m = members.lock().unwrap();
+                        let healthy: Vec<SocketAddr> =
+                            m.iter().filter(|m| m.1).map(|m| m.0).collect();
+                        let pool = if healthy.is_empty() {
+                            m.iter().map(|m| m.0).collect()
+                        } else {
+                            healthy
+                        };
+                        pool[turn % pool.len()]
+                    };
+                    match c
+                        .post(format!("http://{addr}/v1/chat/completions"))
+                        .json(
+                            &json!({"model": "a", "messages": [{"role": "user", "content": "x"}]}),
+                        )
+                        .send()
+                        .await
+                    {
+                        Ok(r) if r.status() == 200 => {
+                            ok = r.text().await.is_ok();
+                            if ok {
+                                break;
+                            }
+                        }
+                        // The SDK retries 408, 409, 429 and 5xx too: the count says which.
+                        Ok(r) => last = format!("{}", r.status()),
+                        Err(e) => {
+                            last = format!("{e}");
+                            // Only a connection that was never made is retried here; the SDK
+                            // retries any connection error after a short backoff.
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                    }
+                }
+                sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if !ok {
+                    failed.lock().unwrap().push(last);
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for i in 0..2 {
+        let before = sent.load(std::sync::atomic::Ordering::Relaxed);
+        gws[i].term();
+        // Draining: /health says so, and a request is still served, with `Connection: close`.
+        let health = reqwest::get(gws[i].url("/health")).await.unwrap();
+        assert_eq!(health.status(), 503);
+        assert_eq!(health.json::<Value>().await.unwrap()["status"], "draining");
+        let r = gws[i].chat("a", "still serving").await;
+        assert_eq!(r.status(), 200, "served while draining");
+        assert_eq!(header(&r, "connection"), "close");
+        let exited = tokio::task::block_in_place(|| gws[i].wait_exit(Duration::from_secs(20)));
+        assert!(exited, "gateway {i} stopped cleanly");
+        let old = gws[i].addr;
+        gws[i] = Gw::start(&cfg);
+        gws[i].ready().await;
+        for m in members.lock().unwrap().iter_mut() {
+            if m.0 == old {
+                *m = (gws[i].addr, true);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(
+            sent.load(std::sync::atomic::Ordering::Relaxed) > before + 20,
+            "traffic went on while gateway {i} restarted"
+        );
+    }
+    stop.cancel();
+    for w in workers {
+        w.await.unwrap();
+    }
+    checker.await.unwrap();
+    let failed = failed.lock().unwrap().clone();
+    let total = sent.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(total > 100, "{total} requests sent");
+    assert!(
+        failed.is_empty(),
+        "{} of {total} failed: {failed:?}",
+        failed.len()
+    );
 }

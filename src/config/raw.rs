@@ -268,6 +268,9 @@ pub struct RawServer {
     pub audit_retention: Option<Dur>,
     /// How long SIGTERM waits for in-flight requests before closing.
     pub shutdown_grace: Option<Dur>,
+    /// After SIGTERM, how long the gateway keeps accepting and serving (answering `/health` 503
+    /// `draining`, every response `Connection: close`) before it stops accepting. Default 5s.
+    pub drain_delay: Option<Dur>,
     /// A client must send its request headers within this (slowloris guard); a keep-alive
     /// connection (HTTP/1 or HTTP/2) idle this long is closed, and an HTTP/2 peer that leaves a
     /// PING unanswered this long is dropped. Default 10s.

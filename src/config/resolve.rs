@@ -685,6 +685,7 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
             None => Some(Duration::from_secs(30 * 86_400)),
         },
         shutdown_grace: or_default(raw.server.shutdown_grace, Duration::from_secs(30)),
+        drain_delay: or_default(raw.server.drain_delay, Duration::from_secs(5)),
         header_timeout: or_default(raw.server.header_timeout, Duration::from_secs(10)),
         body_timeout: or_default(raw.server.body_timeout, Duration::from_secs(30)),
         send_timeout: or_default(raw.server.send_timeout, Duration::from_secs(60)),

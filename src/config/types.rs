@@ -441,6 +441,8 @@ pub struct Config {
     /// `None`: keep the audit trail forever.
     pub audit_retention: Option<Duration>,
     pub shutdown_grace: Duration,
+    /// `server.drain_delay`.
+    pub drain_delay: Duration,
     pub header_timeout: Duration,
     pub body_timeout: Duration,
     /// `server.send_timeout`: the longest a write to a client may wait (`send_deadline`).

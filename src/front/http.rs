@@ -477,6 +477,14 @@ async fn models(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Respons
 /// Liveness for orchestrators: 200 while the gateway serves, `degraded` (still 200) when a part
 /// that does not stop serving is off, such as the audit trail.
 async fn health(State(app): State<Arc<AppState>>) -> Response {
+    // Stopping: load balancers and Swarm take it out of rotation while it still serves.
+    if app.draining.is_cancelled() {
+        return (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(json!({"status": "draining"})),
+        )
+            .into_response();
+    }
     // A new gateway that has not looked at its endpoints yet is not one to send traffic to
     // (Swarm's health check and a start-first update keep it out until then).
     if !app.startup.is_ready() {

@@ -431,6 +431,7 @@ async fn serve(
         // chunk until the client's delayed ACK (~40 ms) arrives.
         let _ = tcp.set_nodelay(true);
         let (router, state_) = (app.clone(), state.clone());
+        let draining = state.draining.clone();
         // Taken here, before the connection's task runs: a shutdown signalled from now on
         // reaches this connection too.
         let watcher = graceful.watcher();
@@ -457,9 +458,17 @@ async fn serve(
                         move |req: axum::http::Request<hyper::body::Incoming>| {
                             let (router, state_) = (router.clone(), state_.clone());
                             async move {
-                                Ok::<_, std::convert::Infallible>(
-                                    crate::front::http::dispatch(&state_, &router, req, peer).await,
-                                )
+                                let mut resp =
+                                    crate::front::http::dispatch(&state_, &router, req, peer).await;
+                                // Draining: the client's next request opens a new connection,
+                                // which the load balancer sends elsewhere.
+                                if state_.draining.is_cancelled() {
+                                    resp.headers_mut().insert(
+                                        axum::http::header::CONNECTION,
+                                        axum::http::HeaderValue::from_static("close"),
+                                    );
+                                }
+                                Ok::<_, std::convert::Infallible>(resp)
                             }
                         },
                     );
@@ -511,6 +520,11 @@ async fn serve(
                                 }
                             }
                             _ = cancel.cancelled(), if !closing => {
+                                conn.as_mut().graceful_shutdown();
+                                closing = true;
+                            }
+                            // GOAWAY: streams open finish, new ones go to a new connection.
+                            _ = draining.cancelled(), if !closing => {
                                 conn.as_mut().graceful_shutdown();
                                 closing = true;
                             }

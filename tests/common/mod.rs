@@ -321,9 +321,39 @@ impl Gw {
             .unwrap()
     }
 
-    /// SIGTERM and wait for a clean exit (the audit queue drained).
+    /// One SIGTERM: the gateway drains (`server.drain_delay`) before it stops accepting.
+    pub fn term(&self) {
+        if let Some(child) = &self.child {
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+        }
+    }
+
+    /// Waits (at most `within`) for the process to exit; true when it exited cleanly.
+    pub fn wait_exit(&mut self, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        while let Some(child) = self.child.as_mut() {
+            match child.try_wait() {
+                Ok(Some(status)) => {
+                    self.child = None;
+                    return status.success();
+                }
+                _ if Instant::now() > deadline => return false,
+                _ => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+        false
+    }
+
+    /// SIGTERM and wait for a clean exit (the audit queue drained). A second SIGTERM right
+    /// after the first skips `server.drain_delay` (tests that drain say so with [`Gw::term`]).
     pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+            std::thread::sleep(Duration::from_millis(50));
             let _ = Command::new("kill")
                 .args(["-TERM", &child.id().to_string()])
                 .status();

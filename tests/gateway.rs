@@ -1948,24 +1948,24 @@ async fn gateways_restarted_in_turn_under_load_drop_nothing() {
         }));
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    for i in 0..2 {
+    for (i, gw) in gws.iter_mut().enumerate() {
         let before = sent.load(std::sync::atomic::Ordering::Relaxed);
-        gws[i].term();
+        gw.term();
         // Draining: /health says so, and a request is still served, with `Connection: close`.
-        let health = reqwest::get(gws[i].url("/health")).await.unwrap();
+        let health = reqwest::get(gw.url("/health")).await.unwrap();
         assert_eq!(health.status(), 503);
         assert_eq!(health.json::<Value>().await.unwrap()["status"], "draining");
-        let r = gws[i].chat("a", "still serving").await;
+        let r = gw.chat("a", "still serving").await;
         assert_eq!(r.status(), 200, "served while draining");
         assert_eq!(header(&r, "connection"), "close");
-        let exited = tokio::task::block_in_place(|| gws[i].wait_exit(Duration::from_secs(20)));
+        let exited = tokio::task::block_in_place(|| gw.wait_exit(Duration::from_secs(20)));
         assert!(exited, "gateway {i} stopped cleanly");
-        let old = gws[i].addr;
-        gws[i] = Gw::start(&cfg);
-        gws[i].ready().await;
+        let old = gw.addr;
+        *gw = Gw::start(&cfg);
+        gw.ready().await;
         for m in members.lock().unwrap().iter_mut() {
             if m.0 == old {
-                *m = (gws[i].addr, true);
+                *m = (gw.addr, true);
             }
         }
         tokio::time::sleep(Duration::from_millis(500)).await;

@@ -615,6 +615,22 @@ health: {{ probe_interval: 1h }}
         calls,
         "B called none of them"
     );
+    // B's own trail says why: skipped for the cooldown and the retirement it never saw itself.
+    let skipped = eventually(Duration::from_secs(5), || async {
+        let rows = audit_rows(
+            &b,
+            "SELECT endpoint || ':' || class FROM attempts WHERE class LIKE 'skipped%' ORDER BY endpoint",
+        );
+        let got: Vec<String> = rows.iter().map(|r| r[0].as_str().unwrap_or("").to_string()).collect();
+        got.contains(&"limited:skipped_cooldown".to_string())
+            && got.iter().any(|g| g.starts_with("gone:skipped"))
+    })
+    .await;
+    assert!(
+        skipped,
+        "B's attempts: {:?}",
+        audit_rows(&b, "SELECT endpoint, class FROM attempts")
+    );
 
     // A replica started later reads them from the store (its own data dir is new).
     let c = start(&cfg, &redis.url());
@@ -646,5 +662,96 @@ health: {{ probe_interval: 1h }}
         redis.value("EXISTS facts:facts:gone").as_deref(),
         Some(":0"),
         "the stored facts went with the clear"
+    );
+}
+
+/// Routing before the 429 counts the whole fleet's calls: each replica shares the upstream's
+/// `x-ratelimit-*` answers it gets once a budget is at half or less, so three replicas against
+/// an upstream bucket of 10 requests per 5 s (refilled continuously, as OpenAI's) send it
+/// almost nothing it refuses. Returns (requests, 429s) for the run.
+async fn fleet_against_a_bucket(clustered: bool) -> (u64, u64) {
+    let redis = Redis::start();
+    let limited = MockUp::openai("name: limited\nrate_limit: { requests: 10, per: 5s }").await;
+    let spare = MockUp::openai("name: spare").await;
+    let cluster = if clustered {
+        "cluster: { redis: env:AUTOHEDGE_REDIS_URL, key_prefix: \"rl:\" }\n"
+    } else {
+        ""
+    };
+    let cfg = format!(
+        "models:\n  limited: {{ type: openai, base_url: \"{}\" }}\n  spare: {{ type: openai, base_url: \"{}\" }}\nroutes:\n  chat: [limited, spare]\nhealth: {{ probe_interval: 1h }}\n{cluster}",
+        limited.base(),
+        spare.base()
+    );
+    let gws = [
+        start(&cfg, &redis.url()),
+        start(&cfg, &redis.url()),
+        start(&cfg, &redis.url()),
+    ];
+    if clustered {
+        until_clustered(&gws.iter().collect::<Vec<_>>(), 3).await;
+    }
+    for g in &gws {
+        g.ready().await;
+    }
+    // 10 requests a second spread over the three for 8 s: five times the bucket's refill.
+    let client = reqwest::Client::new();
+    let mut sent = 0u64;
+    let start_at = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let mut pending = Vec::new();
+    while start_at.elapsed() < Duration::from_secs(8) {
+        tick.tick().await;
+        let url = gws[sent as usize % 3].url("/v1/chat/completions");
+        let c = client.clone();
+        pending.push(tokio::spawn(async move {
+            c.post(url)
+                .json(&json!({"model": "chat", "messages": [{"role": "user", "content": "x"}]}))
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+        }));
+        sent += 1;
+    }
+    for p in pending {
+        assert_eq!(p.await.unwrap().unwrap(), 200, "every request served");
+    }
+    let mut refused = 0;
+    let mut gws = gws;
+    for g in gws.iter_mut() {
+        g.stop();
+        refused += audit_rows(
+            g,
+            "SELECT count(*) FROM attempts WHERE class = 'rate_limited'",
+        )[0][0]
+            .as_u64()
+            .unwrap();
+    }
+    assert!(
+        limited.requests().await > 5,
+        "the limited endpoint served its share"
+    );
+    (sent, refused)
+}
+
+#[tokio::test]
+async fn three_replicas_route_before_the_429_together() {
+    let (sent, refused) = fleet_against_a_bucket(true).await;
+    eprintln!("clustered: {refused} 429s for {sent} requests");
+    assert!(
+        (refused as f64) < sent as f64 * 0.01,
+        "{refused} of {sent} requests met a 429"
+    );
+}
+
+/// The same fleet without `cluster:`: each replica learns the bucket only from its own calls, and
+/// the 429s show (what the test above would see if nothing were shared).
+#[tokio::test]
+async fn unshared_replicas_meet_the_429s() {
+    let (sent, refused) = fleet_against_a_bucket(false).await;
+    eprintln!("unclustered: {refused} 429s for {sent} requests");
+    assert!(
+        (refused as f64) >= sent as f64 * 0.01,
+        "{refused} of {sent}: the shared test above could not fail"
     );
 }

@@ -498,6 +498,8 @@ fn fact_field(f: &Fact) -> String {
         Fact::KeyRejected { key, .. } => format!("key:{key}"),
         Fact::Window { .. } => "window".into(),
         Fact::Cleared { .. } => String::new(),
+        // Published only: stale within seconds.
+        Fact::RateLimit { .. } => "-".into(),
     }
 }
 

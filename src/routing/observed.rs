@@ -117,6 +117,17 @@ pub enum Fact {
     },
     /// `autohedge endpoint clear`: everything above is lifted.
     Cleared { endpoint: String },
+    /// The upstream's `x-ratelimit-*` headers for one key (by its value's hash; "" without a
+    /// key), as seen at `at_unix_ms`: (limit, remaining, ms until full) per budget. Published,
+    /// not stored: it is stale within seconds.
+    RateLimit {
+        endpoint: String,
+        fingerprint: String,
+        key: String,
+        requests: Option<(Option<u64>, u64, u64)>,
+        tokens: Option<(Option<u64>, u64, u64)>,
+        at_unix_ms: u64,
+    },
 }
 
 impl Fact {
@@ -126,6 +137,7 @@ impl Fact {
             | Fact::Retired { endpoint, .. }
             | Fact::KeyRejected { endpoint, .. }
             | Fact::Window { endpoint, .. }
+            | Fact::RateLimit { endpoint, .. }
             | Fact::Cleared { endpoint } => endpoint,
         }
     }

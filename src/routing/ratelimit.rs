@@ -119,6 +119,43 @@ impl Limits {
         }
     }
 
+    /// Takes in another replica's observation made at `at` (earlier than `now`), for each budget
+    /// only when it is newer than the one held: the upstream's count then includes every
+    /// replica's calls up to it.
+    pub fn observe_shared(&mut self, o: &Observed, at: Instant, now: Instant) {
+        let newer = |b: &Option<Budget>| b.is_none_or(|b| b.observed < at);
+        let budget = |(limit, remaining, reset): (Option<u64>, u64, Duration)| Budget {
+            limit,
+            remaining,
+            observed: at,
+            reset_at: (at + reset).max(at),
+        };
+        if let Some(r) = o.requests
+            && newer(&self.requests)
+            && at + r.2 > now
+        {
+            self.requests = Some(budget(r));
+        }
+        if let Some(t) = o.tokens
+            && newer(&self.tokens)
+            && at + t.2 > now
+        {
+            self.tokens = Some(budget(t));
+        }
+    }
+
+    /// Whether another replica should hear of this observation: a budget at half its limit or
+    /// less (or with no limit stated). Far from its limits an endpoint needs no prediction, and
+    /// the fleet hears nothing on the common path.
+    pub fn worth_sharing(o: &Observed) -> bool {
+        let low = |b: Option<(Option<u64>, u64, Duration)>| {
+            b.is_some_and(|(limit, remaining, _)| {
+                limit.is_none_or(|l| remaining.saturating_mul(2) <= l)
+            })
+        };
+        low(o.requests) || low(o.tokens)
+    }
+
     /// Whether a request needing `tokens` (prompt + completion; `None`: not counted) would be
     /// refused now, and for how long: the longer of the two budgets' waits.
     pub fn wait_for(&self, tokens: Option<u64>, now: Instant) -> Option<(Duration, Short)> {

@@ -210,6 +210,12 @@ pub enum KeyPick {
     Limited(Duration, crate::routing::ratelimit::Short),
 }
 
+fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
 /// What one attempt's outcome does to the endpoint's state.
 #[derive(Debug, Clone)]
 pub enum Effect {
@@ -334,6 +340,41 @@ impl Registry {
             }
             Fact::Cleared { .. } => {
                 self.clear_from(&ep.name, false);
+            }
+            Fact::RateLimit {
+                fingerprint,
+                key,
+                requests,
+                tokens,
+                at_unix_ms,
+                ..
+            } if same(&fingerprint) => {
+                if !(key.is_empty() || ep.keys.iter().any(|k| k.hash == key)) {
+                    return;
+                }
+                // An hour at most, as every reset the gateway reads.
+                let budget = |b: Option<(Option<u64>, u64, u64)>| {
+                    b.map(|(l, r, ms)| (l, r, Duration::from_millis(ms.min(3_600_000))))
+                };
+                let seen = crate::routing::ratelimit::Observed {
+                    requests: budget(requests),
+                    tokens: budget(tokens),
+                };
+                let now = Instant::now();
+                let age =
+                    Duration::from_millis(unix_ms(SystemTime::now()).saturating_sub(at_unix_ms));
+                let Some(at) = now.checked_sub(age) else {
+                    return;
+                };
+                let mut rt = lock(&rt);
+                match rt.limits.get_mut(&key) {
+                    Some(l) => l.observe_shared(&seen, at, now),
+                    None => {
+                        let mut l = crate::routing::ratelimit::Limits::default();
+                        l.observe_shared(&seen, at, now);
+                        rt.limits.insert(key, l);
+                    }
+                }
             }
             _ => {}
         }
@@ -569,6 +610,21 @@ impl Registry {
                     l.observe(seen, now);
                     rt.limits.insert(hash.to_string(), l);
                 }
+            }
+            drop(rt);
+            if self.facts.get().is_some() && crate::routing::ratelimit::Limits::worth_sharing(seen)
+            {
+                let ms = |b: Option<(Option<u64>, u64, Duration)>| {
+                    b.map(|(l, r, reset)| (l, r, reset.as_millis() as u64))
+                };
+                self.share(Fact::RateLimit {
+                    endpoint: ep.name.clone(),
+                    fingerprint: ep.fingerprint.clone(),
+                    key: hash.to_string(),
+                    requests: ms(seen.requests),
+                    tokens: ms(seen.tokens),
+                    at_unix_ms: unix_ms(SystemTime::now()),
+                });
             }
         }
     }

@@ -59,6 +59,11 @@ const REQUEST: &str = r#"{"model":"bench","messages":[{"role":"system","content"
 /// Successful responses the gateway sent (it alone sets `x-autohedge-endpoint`): the audit trail
 /// must hold exactly this many rows when the gateway has shut down.
 static GATEWAY_SERVED: AtomicU64 = AtomicU64::new(0);
+/// The main gateway's address (`host:port`): only its answers are counted in `GATEWAY_SERVED`.
+static MAIN_GATEWAY: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+/// The client key every request presents: the gateways with `auth.keys` admit it (the others
+/// ignore the header).
+const CLIENT_KEY: &str = "bench-client-key-0123456789";
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
@@ -214,6 +219,7 @@ fn client() -> HttpClient {
 async fn one(client: &HttpClient, url: &str) -> Option<String> {
     let req = Request::post(url)
         .header("content-type", "application/json")
+        .header("authorization", format!("Bearer {CLIENT_KEY}"))
         .body(Full::new(Bytes::from_static(REQUEST.as_bytes())))
         .unwrap();
     let resp = client.request(req).await.expect("request");
@@ -226,7 +232,7 @@ async fn one(client: &HttpClient, url: &str) -> Option<String> {
     let status = resp.status();
     let _ = resp.into_body().collect().await.expect("body");
     assert!(status.is_success(), "{url}: {status}");
-    if via_gateway {
+    if via_gateway && MAIN_GATEWAY.get().is_some_and(|g| url.contains(g.as_str())) {
         GATEWAY_SERVED.fetch_add(1, Ordering::Relaxed);
     }
     served
@@ -479,15 +485,25 @@ async fn run() {
     GATEWAY_SERVED.store(0, Ordering::Relaxed);
     let (mut px, p) = spawn_role("proxy", &[format!("--target={a}")]);
     let (mut gw, g) = start_gateway(tmp.path(), &gateway_config(a, b, ["a", "b"]));
-    let mut targets = [
+    let _ = MAIN_GATEWAY.set(g.to_string());
+    let mut targets = vec![
         Target::new("direct", format!("http://{a}{path}"), up_a.id()),
         Target::new("hyper proxy (floor)", format!("http://{p}{path}"), px.id()),
         Target::new("autohedge (audit on)", format!("http://{g}{path}"), gw.id()),
     ];
+    // `cluster:` (issue #33): the same gateway with a client key whose limits live in this
+    // process, and with them shared through a local Redis (one admission script a request).
+    let clustered = cluster_targets(tmp.path(), a, b, path);
+    let mut extra_children = Vec::new();
+    if let Some((ts, children)) = clustered {
+        targets.extend(ts);
+        extra_children = children;
+    }
     let c = client();
+    let n = targets.len();
     for round in 0..ROUNDS {
-        for i in 0..targets.len() {
-            let t = &mut targets[(round + i) % 3];
+        for i in 0..n {
+            let t = &mut targets[(round + i) % n];
             t.round(&c).await;
         }
         eprintln!("round {}/{ROUNDS} done", round + 1);
@@ -495,7 +511,7 @@ async fn run() {
     for t in &mut targets {
         t.sorted();
     }
-    let [direct, floor, gateway] = &targets;
+    let (direct, floor, gateway) = (&targets[0], &targets[1], &targets[2]);
 
     println!(
         "\nLatency (ms; pooled over {ROUNDS} rounds; added = minus the direct figure of the same rounds):"
@@ -591,6 +607,14 @@ async fn run() {
         );
     }
 
+    if n == 5 {
+        cluster_report(&targets);
+    }
+    for mut ch in extra_children {
+        let _ = ch.kill();
+        let _ = ch.wait();
+    }
+
     reload_rounds(&c, tmp.path(), g, a, b).await;
 
     // Every request the gateway served has its audit row: stop it cleanly (SIGTERM drains the
@@ -614,6 +638,91 @@ async fn run() {
         let _ = c.kill();
         let _ = c.wait();
     }
+}
+
+/// The two `cluster:` targets, or `None` (said) without `redis-server` on this machine.
+fn cluster_targets(
+    dir: &std::path::Path,
+    a: SocketAddr,
+    b: SocketAddr,
+    path: &str,
+) -> Option<(Vec<Target>, Vec<Child>)> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .ok()?
+        .local_addr()
+        .ok()?
+        .port();
+    let redis = Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn();
+    let Ok(redis) = redis else {
+        println!("(no redis-server on this machine: the cluster: targets are left out)");
+        return None;
+    };
+    // Until it answers.
+    for _ in 0..100 {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let keys = format!(
+        "auth:\n  keys:\n    - {{ name: bench, key: \"{CLIENT_KEY}\", rpm: 100000000, tpm: 100000000000 }}\n"
+    );
+    let base = gateway_config(a, b, ["a", "b"]);
+    let local_dir = dir.join("keyed");
+    let shared_dir = dir.join("clustered");
+    std::fs::create_dir_all(&local_dir).unwrap();
+    std::fs::create_dir_all(&shared_dir).unwrap();
+    let (local, l) = start_gateway(&local_dir, &format!("{base}{keys}"));
+    let (shared, s) = start_gateway(
+        &shared_dir,
+        &format!(
+            "{base}{keys}cluster: {{ redis: \"redis://127.0.0.1:{port}/0\", key_prefix: \"bench:\" }}\n"
+        ),
+    );
+    let targets = vec![
+        Target::new(
+            "autohedge, client key (limits in process)",
+            format!("http://{l}{path}"),
+            local.id(),
+        ),
+        Target::new(
+            "autohedge, client key, cluster: (Redis)",
+            format!("http://{s}{path}"),
+            shared.id(),
+        ),
+    ];
+    Some((targets, vec![local, shared, redis]))
+}
+
+/// `cluster:` against the same gateway with its limits in process, beside the floor.
+fn cluster_report(targets: &[Target]) {
+    let (direct, floor, local, shared) = (&targets[0], &targets[1], &targets[3], &targets[4]);
+    println!("\ncluster: (issue #33) — a client key's limits in process against shared through Redis:");
+    println!("| target | p99 500/s | p99 added 500/s | req/s | vs floor |");
+    println!("|---|---|---|---|---|");
+    let floor_rps = median(floor.rps.clone());
+    for t in [floor, local, shared] {
+        let rps = median(t.rps.clone());
+        println!(
+            "| {} | {:.3} | {:.3} | {rps:.0} | {:.0}% |",
+            t.name,
+            pct(&t.lat[0], 99.0),
+            pct(&t.lat[0], 99.0) - pct(&direct.lat[0], 99.0),
+            100.0 * rps / floor_rps
+        );
+    }
+    let added = pct(&shared.lat[0], 99.0) - pct(&local.lat[0], 99.0);
+    let ratio = median(shared.rps.clone()) / median(local.rps.clone());
+    println!(
+        "Goals: p99 added by cluster: <= 0.3 ms at 500/s: {added:.3} ms {}; throughput >= 0.9x the gateway without it: {:.2}x {}",
+        verdict(added <= 0.3),
+        ratio,
+        verdict(ratio >= 0.9)
+    );
 }
 
 fn verdict(ok: bool) -> &'static str {
@@ -689,6 +798,7 @@ const STREAM_RUNS: usize = 200;
 async fn read_stream(client: &HttpClient, url: &str, body: &'static str) -> (f64, f64, usize) {
     let req = Request::post(url)
         .header("content-type", "application/json")
+        .header("authorization", format!("Bearer {CLIENT_KEY}"))
         .body(Full::new(Bytes::from_static(body.as_bytes())))
         .unwrap();
     let t = Instant::now();

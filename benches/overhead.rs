@@ -653,7 +653,16 @@ fn cluster_targets(
         .ok()?
         .port();
     let redis = Command::new("redis-server")
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn();
@@ -701,7 +710,9 @@ fn cluster_targets(
 /// `cluster:` against the same gateway with its limits in process, beside the floor.
 fn cluster_report(targets: &[Target]) {
     let (direct, floor, local, shared) = (&targets[0], &targets[1], &targets[3], &targets[4]);
-    println!("\ncluster: (issue #33) — a client key's limits in process against shared through Redis:");
+    println!(
+        "\ncluster: (issue #33) — a client key's limits in process against shared through Redis:"
+    );
     println!("| target | p99 500/s | p99 added 500/s | req/s | vs floor |");
     println!("|---|---|---|---|---|");
     let floor_rps = median(floor.rps.clone());

@@ -52,8 +52,9 @@ enum Command {
         /// Listen address (default: the config's server.listen).
         #[arg(long)]
         listen: Option<String>,
-        /// Where autohedge.db lives.
-        #[arg(long, default_value = "./data")]
+        /// Where autohedge.db lives (a Swarm service sets it per task with
+        /// `AUTOHEDGE_DATA_DIR=/data/slot-{{.Task.Slot}}`).
+        #[arg(long, env = "AUTOHEDGE_DATA_DIR", default_value = "./data")]
         data_dir: PathBuf,
     },
     /// Run a scriptable upstream that speaks the OpenAI, vLLM or Ollama wire format.

@@ -513,6 +513,35 @@ health: {{ probe_interval: 1h }}
         "stopped short: {spend} for {admitted} requests"
     );
     assert_eq!(up.requests().await, admitted as u64);
+
+    // The store restarted empty: rebuilt from what the replicas know (each one's month as it
+    // last saw the fleet's, plus its own costs since), never from nothing.
+    let mut redis = redis;
+    let port = redis.port;
+    redis.kill();
+    let redis = Redis::start_on(port);
+    let mut known: f64 = 0.0;
+    for g in &gws {
+        let st = g.status().await;
+        known = known.max(
+            st["auth"]["spend_this_month_usd"]["payer"]
+                .as_f64()
+                .unwrap_or(0.0),
+        );
+    }
+    assert!(known > 0.05, "the replicas know the month: {known}");
+    let rebuilt = eventually(Duration::from_secs(15), || async {
+        redis
+            .value(&format!("HGET budget:spend:payer:{month} usd"))
+            .and_then(|v| v.parse::<f64>().ok())
+            .is_some_and(|v| v >= known - 1e-9)
+    })
+    .await;
+    assert!(
+        rebuilt,
+        "the store's month after the restart: {:?} (replicas knew {known})",
+        redis.value(&format!("HGET budget:spend:payer:{month} usd"))
+    );
 }
 
 /// What one replica learns about an endpoint reaches the others through the store and applies

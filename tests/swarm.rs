@@ -1049,13 +1049,26 @@ docker:
         "every request the new gateway answered was served (no 503 while it learned its \
          endpoints): {answers:?}"
     );
-    // One connection in the new task's first second is reset below HTTP in every run here, at
-    // the same point: Docker's host-mode port for a task that just started (the bare process
-    // restarted under the same traffic on loopback resets none). Counted, so more would show.
-    let reset = answers[first..].iter().filter(|(_, s)| s.is_err()).count();
+    // Connections in the new task's first second are reset below HTTP in every run here, all
+    // at one point: Docker's host-mode port for a task that just started (the bare process
+    // restarted under the same traffic on loopback resets none). One request was caught in it
+    // while the gateway built its token encoder before listening; since it listens ~300 ms
+    // sooner, two consecutive ones (50 ms apart) are. Held to one point: resets spread over the
+    // second, or more than three, would be the gateway's.
+    let resets: Vec<Instant> = answers[first..]
+        .iter()
+        .filter(|(_, s)| s.is_err())
+        .map(|(t, _)| *t)
+        .collect();
+    let spread = match (resets.first(), resets.last()) {
+        (Some(a), Some(b)) => b.duration_since(*a),
+        _ => Duration::ZERO,
+    };
     assert!(
-        reset <= 1,
-        "{reset} requests after the new gateway's first answer got no HTTP answer: {answers:?}"
+        resets.len() <= 3 && spread <= Duration::from_millis(150),
+        "{} requests after the new gateway's first answer got no HTTP answer, over {spread:?}: \
+         {answers:?}",
+        resets.len()
     );
 
     // The audit trail inside the gateway recorded the remediation with reasons and results.

@@ -434,12 +434,16 @@ impl Cluster {
         }
     }
 
-    async fn beat(&self) -> Result<u64, String> {
+    /// Live replicas, and whether the store was empty of the fleet's state.
+    async fn beat(&self) -> Result<(u64, bool), String> {
         let mut inv = self.heartbeat.prepare_invoke();
         inv.key(self.key(&["replicas"]))
+            .key(self.key(&["fleet"]))
             .arg(&self.replica)
             .arg(ALIVE_FOR.as_millis() as u64);
-        self.call::<u64>(&inv).await
+        self.call::<(u64, u8)>(&inv)
+            .await
+            .map(|(n, fresh)| (n, fresh == 1))
     }
 
     /// Raises the shared spend of each (key, month) to what this replica knows.
@@ -629,8 +633,16 @@ pub async fn run(cluster: Arc<Cluster>, hooks: Hooks, cancel: CancellationToken)
     let mut backoff = FIRST_BACKOFF;
     loop {
         let wait = match cluster.beat().await {
-            Ok(n) => {
+            Ok((n, fresh)) => {
                 cluster.replicas.store(n.max(1), Ordering::Relaxed);
+                // Restarted empty between two heartbeats (the connection manager reconnected
+                // on its own): seeded again as after an outage.
+                if fresh && cluster.is_up() {
+                    tracing::warn!(store = %cluster.settings.display, "cluster store restarted empty: seeding it with this replica's spend");
+                    if let Err(e) = cluster.seed(&spend()).await {
+                        cluster.down(&e);
+                    }
+                }
                 if !cluster.is_up() {
                     match cluster.seed(&spend()).await {
                         Ok(()) => {

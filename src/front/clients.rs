@@ -403,11 +403,20 @@ impl Admission {
         }
         let mut spend = sh.normal.spend.lock().unwrap_or_else(|e| e.into_inner());
         spend.roll(month_of(SystemTime::now()));
-        spend.usd = if spend.month == sh.month {
-            spend.usd.max(sh.usd_seen) + usd
+        if Arc::ptr_eq(&self.state, &sh.normal) {
+            // Admitted by the store: the cost is in `spend.usd` already (above); the fleet's
+            // month is at least what was seen plus it.
+            if spend.month == sh.month {
+                spend.usd = spend.usd.max(sh.usd_seen + usd);
+            }
         } else {
-            usd
-        };
+            // Admitted on the share: counted there; the key's own state learns it here.
+            spend.usd = if spend.month == sh.month {
+                spend.usd.max(sh.usd_seen) + usd
+            } else {
+                usd
+            };
+        }
         Some((self.name.clone(), spend.month.clone(), spend.usd))
     }
 }

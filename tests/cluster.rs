@@ -197,6 +197,16 @@ async fn burst(
     (got, started.elapsed())
 }
 
+/// A gateway's `/health` answer.
+async fn health_of(gw: &Gw) -> Value {
+    reqwest::get(gw.url("/health"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 fn count(got: &[(u16, reqwest::header::HeaderMap)], status: u16) -> usize {
     got.iter().filter(|(s, _)| *s == status).count()
 }
@@ -303,12 +313,7 @@ async fn a_killed_store_splits_the_limits_and_comes_back() {
         (30..=30 + refilled).contains(&ok),
         "{ok} admitted alone in {took:?}"
     );
-    let health: Value = reqwest::get(a.url("/health"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let health = health_of(&a).await;
     assert_eq!(health["status"], "degraded", "{health}");
     assert!(
         health["reasons"]
@@ -354,12 +359,7 @@ async fn a_killed_store_splits_the_limits_and_comes_back() {
         before,
         "admitted through the store again"
     );
-    let health: Value = reqwest::get(a.url("/health"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let health = health_of(&a).await;
     assert_eq!(health["status"], "ok", "{health}");
     assert!(redis.cmd("DBSIZE").unwrap().starts_with(':'));
     tokio::time::sleep(Duration::from_millis(500)).await;

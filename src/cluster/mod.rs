@@ -480,6 +480,17 @@ impl Cluster {
         self.call::<String>(&inv).await.map(|_| ())
     }
 
+    /// Waits until the store is back (or [`MAX_BACKOFF`] passed, to look again); false when
+    /// the gateway is stopping.
+    async fn until_back(&self, cancel: &CancellationToken) -> bool {
+        let back = self.back.notified();
+        tokio::select! {
+            _ = cancel.cancelled() => false,
+            _ = back => true,
+            _ = tokio::time::sleep(MAX_BACKOFF) => true,
+        }
+    }
+
     /// Leaves the replica set (a clean shutdown): the others split by one fewer at once.
     async fn leave(&self) {
         let mut conn = self.conn.clone();
@@ -688,11 +699,8 @@ async fn sharer(cluster: Arc<Cluster>, mut rx: mpsc::Receiver<Fact>, cancel: Can
         };
         loop {
             if !cluster.is_up() {
-                let back = cluster.back.notified();
-                tokio::select! {
-                    _ = cancel.cancelled() => return,
-                    _ = back => {}
-                    _ = tokio::time::sleep(MAX_BACKOFF) => {}
+                if !cluster.until_back(&cancel).await {
+                    return;
                 }
                 continue;
             }
@@ -819,11 +827,8 @@ async fn settler(cluster: Arc<Cluster>, cancel: CancellationToken) {
             continue;
         };
         if !cluster.is_up() {
-            let back = cluster.back.notified();
-            tokio::select! {
-                _ = cancel.cancelled() => return,
-                _ = back => {}
-                _ = tokio::time::sleep(MAX_BACKOFF) => {}
+            if !cluster.until_back(&cancel).await {
+                return;
             }
             continue;
         }

@@ -434,16 +434,15 @@ impl Cluster {
         }
     }
 
-    /// Live replicas, and whether the store was empty of the fleet's state.
-    async fn beat(&self) -> Result<(u64, bool), String> {
+    /// Live replicas, and the store's epoch (it changes when the store restarts empty).
+    async fn beat(&self) -> Result<(u64, String), String> {
         let mut inv = self.heartbeat.prepare_invoke();
         inv.key(self.key(&["replicas"]))
-            .key(self.key(&["fleet"]))
+            .key(self.key(&["epoch"]))
             .arg(&self.replica)
-            .arg(ALIVE_FOR.as_millis() as u64);
-        self.call::<(u64, u8)>(&inv)
-            .await
-            .map(|(n, fresh)| (n, fresh == 1))
+            .arg(ALIVE_FOR.as_millis() as u64)
+            .arg(uuid::Uuid::new_v4().to_string());
+        self.call::<(u64, String)>(&inv).await
     }
 
     /// Raises the shared spend of each (key, month) to what this replica knows.
@@ -642,12 +641,14 @@ pub async fn run(cluster: Arc<Cluster>, hooks: Hooks, cancel: CancellationToken)
         cancel.clone(),
     ));
     let mut backoff = FIRST_BACKOFF;
+    let mut epoch = String::new();
     loop {
         let wait = match cluster.beat().await {
-            Ok((n, fresh)) => {
+            Ok((n, now_epoch)) => {
                 cluster.replicas.store(n.max(1), Ordering::Relaxed);
                 // Restarted empty between two heartbeats (the connection manager reconnected
-                // on its own): seeded again as after an outage.
+                // on its own): seeded again as after an outage, by every replica.
+                let fresh = std::mem::replace(&mut epoch, now_epoch) != epoch;
                 if fresh && cluster.is_up() {
                     tracing::warn!(store = %cluster.settings.display, "cluster store restarted empty: seeding it with this replica's spend");
                     if let Err(e) = cluster.seed(&spend()).await {

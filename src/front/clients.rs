@@ -442,7 +442,8 @@ impl std::fmt::Debug for Admission {
 /// Per-key limits and spend, kept across config reloads (by key name).
 pub struct Clients {
     map: Mutex<HashMap<String, Arc<State>>>,
-    /// Keys' shares while the shared store is away (cleared when it answers again).
+    /// Keys' shares while the shared store is away (forgotten once it has answered for a
+    /// minute).
     split: Mutex<HashMap<String, Split>>,
     split_active: std::sync::atomic::AtomicBool,
     /// Spend read from the audit database at start: (key name, month, dollars).
@@ -519,6 +520,13 @@ impl Clients {
         cluster: &Arc<crate::cluster::Cluster>,
     ) -> Result<Admission, ApiError> {
         use crate::cluster::{Admit, Verdict};
+        if key.rpm.is_none_or(|r| r == 0)
+            && key.tpm.is_none_or(|t| t == 0)
+            && key.budget_usd.is_none()
+        {
+            // Nothing to share: no round trip.
+            return self.admit(key, ask);
+        }
         let month = month_of(SystemTime::now());
         let request = uuid::Uuid::new_v4().to_string();
         let reserve = if key.budget_usd.is_some() && ask.reserve_usd.is_finite() {

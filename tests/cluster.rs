@@ -784,3 +784,58 @@ async fn unshared_replicas_meet_the_429s() {
         "{refused} of {sent}: the shared test above could not fail"
     );
 }
+
+/// A key an upstream rejects (401) on replica A is one B never tries: B's first request goes out
+/// with the other key (the upstream sees three calls, not four), and B's `/status` counts one
+/// usable key before B has sent anything.
+#[tokio::test]
+async fn a_rejected_key_is_skipped_by_every_replica() {
+    let redis = Redis::start();
+    let up = MockUp::openai(
+        "name: keyed\nrules: [{when: {key: sk-revoked-000}, status: 401, error: \"Incorrect API key provided\"}]",
+    )
+    .await;
+    let cfg = format!(
+        "models:\n  keyed: {{ type: openai, base_url: \"{}\", model: gpt-4o-mini, api_keys: [env:KEY_ONE, env:KEY_TWO] }}\ncluster: {{ redis: env:AUTOHEDGE_REDIS_URL, key_prefix: \"keys:\" }}\nhealth: {{ probe_interval: 1h }}\n",
+        up.base()
+    );
+    let env = |url: &str| {
+        Gw::start_with_env(
+            &cfg,
+            &[
+                ("KEY_ONE", "sk-revoked-000"),
+                ("KEY_TWO", "sk-valid-111"),
+                ("AUTOHEDGE_REDIS_URL", url),
+            ],
+        )
+    };
+    let a = env(&redis.url());
+    let b = env(&redis.url());
+    until_clustered(&[&a, &b], 2).await;
+    // Both have made their first probe round (it must not land between the counts below).
+    a.ready().await;
+    b.ready().await;
+    let before = up.requests().await;
+    let r = a.chat("keyed", "hi").await;
+    assert_eq!(r.status(), 200, "served with the second key");
+    assert_eq!(
+        up.requests().await,
+        before + 2,
+        "A tried the revoked key first"
+    );
+    assert_eq!(a.status().await["endpoints"]["keyed"]["keys"]["usable"], 1);
+    let known = eventually(Duration::from_secs(5), || async {
+        b.status().await["endpoints"]["keyed"]["keys"]["usable"] == 1
+    })
+    .await;
+    assert!(known, "B: {}", b.status().await["endpoints"]["keyed"]);
+    // B's round-robin would start at the first key; it is skipped.
+    for _ in 0..2 {
+        assert_eq!(b.chat("keyed", "hi").await.status(), 200);
+    }
+    assert_eq!(
+        up.requests().await,
+        before + 4,
+        "B sent each request once, with the valid key"
+    );
+}

@@ -62,25 +62,25 @@ impl Redis {
         format!("redis://127.0.0.1:{}/0", self.port)
     }
 
-    /// One command in Redis's inline protocol; the first line of the answer.
-    fn cmd(&self, line: &str) -> Option<String> {
+    /// One command in Redis's inline protocol; the answer as text.
+    fn answer(&self, line: &str) -> Option<String> {
         let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port)).ok()?;
         s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
         s.write_all(format!("{line}\r\n").as_bytes()).ok()?;
         let mut buf = [0u8; 4096];
         let n = s.read(&mut buf).ok()?;
-        let text = String::from_utf8_lossy(&buf[..n]).to_string();
+        Some(String::from_utf8_lossy(&buf[..n]).to_string())
+    }
+
+    /// The answer's first line.
+    fn cmd(&self, line: &str) -> Option<String> {
+        let text = self.answer(line)?;
         Some(text.lines().next().unwrap_or("").to_string())
     }
 
     /// A bulk-string answer's value (`None` for a nil one).
     fn value(&self, line: &str) -> Option<String> {
-        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port)).ok()?;
-        s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-        s.write_all(format!("{line}\r\n").as_bytes()).ok()?;
-        let mut buf = [0u8; 4096];
-        let n = s.read(&mut buf).ok()?;
-        let text = String::from_utf8_lossy(&buf[..n]).to_string();
+        let text = self.answer(line)?;
         let mut lines = text.lines();
         match lines.next()? {
             "$-1" => None,

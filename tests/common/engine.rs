@@ -180,15 +180,26 @@ impl FakeEngine {
                 );
                 let chunk = vec![fill; 64 * 1024];
                 let mut written = 0u64;
-                while written < CAP {
-                    if write!(c, "{:x}\r\n", chunk.len()).is_err()
-                        || c.write_all(&chunk).is_err()
-                        || c.write_all(b"\r\n").is_err()
-                    {
+                // Counts every byte the kernel took, not whole chunks: the gateway lets go in
+                // the middle of one, and that chunk's bytes up to there were read.
+                'answer: while written < CAP {
+                    if write!(c, "{:x}\r\n", chunk.len()).is_err() {
                         break;
                     }
-                    written += chunk.len() as u64;
-                    note(written);
+                    let mut rest = &chunk[..];
+                    while !rest.is_empty() {
+                        match c.write(rest) {
+                            Ok(0) | Err(_) => break 'answer,
+                            Ok(n) => {
+                                written += n as u64;
+                                note(written);
+                                rest = &rest[n..];
+                            }
+                        }
+                    }
+                    if c.write_all(b"\r\n").is_err() {
+                        break;
+                    }
                 }
                 std::thread::sleep(Duration::from_secs(60));
             }

@@ -171,7 +171,7 @@ fn main() {
     for _ in 0..3 {
         let t = Instant::now();
         let since = now - Duration::from_secs(86_400 + 60);
-        let r = autohedge::ops::report::build(dir.path(), since).expect("report");
+        let r = autohedge::ops::report::build(&[dir.path().to_path_buf()], since).expect("report");
         let md = autohedge::ops::report::markdown(&r);
         let html = autohedge::ops::report::html(&r);
         times.push(t.elapsed().as_secs_f64());

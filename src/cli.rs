@@ -325,7 +325,7 @@ pub fn count_tokens(
 
 /// `autohedge report`.
 pub fn report(
-    data_dir: &Path,
+    data_dir: &[PathBuf],
     since: &str,
     format: crate::ops::report::Format,
     out: Option<&Path>,
@@ -362,7 +362,11 @@ pub fn report(
 
 /// `autohedge stats --watch`: the table redrawn in place every 2 s (cursor home, clear to the
 /// end) until Ctrl-C.
-pub async fn stats_watch(data_dir: &Path, since: &str, by_key: bool) -> anyhow::Result<ExitCode> {
+pub async fn stats_watch(
+    data_dir: &[PathBuf],
+    since: &str,
+    by_key: bool,
+) -> anyhow::Result<ExitCode> {
     use std::io::Write as _;
     let mut tick = tokio::time::interval(Duration::from_secs(2));
     loop {
@@ -384,22 +388,26 @@ pub async fn stats_watch(data_dir: &Path, since: &str, by_key: bool) -> anyhow::
     }
 }
 
-pub fn stats(data_dir: &Path, since: &str, json: bool, by_key: bool) -> anyhow::Result<ExitCode> {
+pub fn stats(
+    data_dir: &[PathBuf],
+    since: &str,
+    json: bool,
+    by_key: bool,
+) -> anyhow::Result<ExitCode> {
     let window =
         config::duration::parse_duration(since).map_err(|e| anyhow::anyhow!("--since: {e}"))?;
-    let db = store::db_path(data_dir);
-    if !db.exists() {
-        bail!(
-            "no audit database at {} (has the gateway run with --data-dir {}?)",
-            db.display(),
-            data_dir.display()
-        );
-    }
+    let (paths, trails): (Vec<PathBuf>, Vec<rusqlite::Connection>) =
+        store::open_trails(data_dir)?.into_iter().unzip();
+    let db = paths
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
     let from = SystemTime::now()
         .checked_sub(window)
         .unwrap_or(SystemTime::UNIX_EPOCH);
     if by_key {
-        let rows = store::report_by_key(data_dir, from).context("reading the audit trail")?;
+        let rows = store::report_by_key(&trails, from).context("reading the audit trail")?;
         if json {
             let v: Vec<serde_json::Value> = rows
                 .iter()
@@ -418,10 +426,7 @@ pub fn stats(data_dir: &Path, since: &str, json: bool, by_key: bool) -> anyhow::
             crate::say!("{}", serde_json::to_string_pretty(&v)?);
             return Ok(ExitCode::SUCCESS);
         }
-        crate::say!(
-            "requests by client key since {since} ago ({}):",
-            db.display()
-        );
+        crate::say!("requests by client key since {since} ago ({db}):");
         crate::say!(
             "{:<24} {:>8} {:>8} {:>8} {:>10} {:>10} {:>10}",
             "key",
@@ -449,7 +454,7 @@ pub fn stats(data_dir: &Path, since: &str, json: bool, by_key: bool) -> anyhow::
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let rows = store::report(data_dir, from).context("reading the audit trail")?;
+    let rows = store::report(&trails, from).context("reading the audit trail")?;
     if json {
         let v: Vec<serde_json::Value> = rows
             .iter()
@@ -469,7 +474,7 @@ pub fn stats(data_dir: &Path, since: &str, json: bool, by_key: bool) -> anyhow::
         crate::say!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(ExitCode::SUCCESS);
     }
-    crate::say!("attempts since {since} ago ({}):", db.display());
+    crate::say!("attempts since {since} ago ({db}):");
     crate::say!(
         "{:<24} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9}  errors",
         "endpoint",

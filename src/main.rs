@@ -76,8 +76,10 @@ enum Command {
     },
     /// Per-endpoint figures from the audit trail.
     Stats {
+        /// Where autohedge.db lives; name it once per replica (`--data-dir a --data-dir b`) to
+        /// merge their trails.
         #[arg(long, default_value = "./data")]
-        data_dir: PathBuf,
+        data_dir: Vec<PathBuf>,
         /// How far back: 1h, 30m, 7d …
         #[arg(long, default_value = "1h")]
         since: String,
@@ -103,8 +105,10 @@ enum Command {
         /// Write here instead of stdout.
         #[arg(long)]
         out: Option<PathBuf>,
+        /// Where autohedge.db lives; name it once per replica (`--data-dir a --data-dir b`) to
+        /// merge their trails.
         #[arg(long, default_value = "./data")]
-        data_dir: PathBuf,
+        data_dir: Vec<PathBuf>,
     },
     /// Validate a config and print what it resolved (key sources, never key values).
     CheckConfig { path: Option<PathBuf> },

@@ -254,6 +254,57 @@ async fn three_replicas_admit_exactly_one_keys_limits() {
     assert_eq!(refused["x-ratelimit-remaining-requests"], "0");
     assert!(refused.contains_key("retry-after"), "{refused:?}");
 
+    // Each replica kept its own trail; `stats` and `report` given all three data dirs speak
+    // for the fleet (and one alone does not).
+    let fleet_stats = |dirs: &[&Gw]| {
+        let mut c = Command::new(BIN);
+        c.args(["stats", "--by-key", "--json", "--since", "1h"]);
+        for gw in dirs {
+            c.arg("--data-dir").arg(gw.data_dir());
+        }
+        let out = c.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        v.as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["key"] == "team")
+            .cloned()
+            .unwrap_or(json!({"requests": 0}))
+    };
+    let recorded = eventually(Duration::from_secs(10), || async {
+        fleet_stats(&gws)["requests"] == 300
+    })
+    .await;
+    let team = fleet_stats(&gws);
+    assert!(recorded, "{team}");
+    assert_eq!(team["served"], ok as u64, "{team}");
+    assert_eq!(team["refused"], 300 - ok as u64, "{team}");
+    assert!(
+        fleet_stats(&gws[..1])["requests"].as_u64().unwrap() < 300,
+        "one replica's trail alone holds part of the burst"
+    );
+    let mut c = Command::new(BIN);
+    c.args(["report", "--since", "1h"]);
+    for gw in &gws {
+        c.arg("--data-dir").arg(gw.data_dir());
+    }
+    let out = c.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let md = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        md.contains(&format!("| 300 | {ok} | 0 | {} |", 300 - ok)),
+        "{md}"
+    );
+
     // tpm: 3 estimated prompt tokens ("Hello" and "user", 4 characters a token) + 100.
     let asked = json!({"model": "a", "max_tokens": 100, "messages": [{"role": "user", "content": "Hello"}]});
     let (got, took) = burst(&gws, TOKENS, 30, asked).await;

@@ -4,16 +4,17 @@
 //! `RULES` (each stated in the report beside what it found). Markdown, or HTML with inline SVG
 //! charts (no script, no external asset).
 //!
-//! One read-only connection and three sequential scans (requests by time index, attempts by
-//! their request-row index, events), aggregated in memory in one pass each: a million requests
-//! take a few seconds (`benches/report.rs`).
+//! One read-only connection a trail (several replicas' data dirs merge into one report) and
+//! three sequential scans of each (requests by time index, attempts by their request-row index,
+//! events), aggregated in memory in one pass each: a million requests take a few seconds
+//! (`benches/report.rs`).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::path::Path;
+use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use rusqlite::{Connection, OpenFlags};
+use rusqlite::Connection;
 
 use crate::routing::stats::percentile_sorted;
 
@@ -91,22 +92,14 @@ pub struct Report {
     pub recommendations: Vec<String>,
 }
 
-/// Reads the trail since `since` and builds the report.
-pub fn build(data_dir: &Path, since: SystemTime) -> anyhow::Result<Report> {
-    let path = crate::store::db_path(data_dir);
-    if !path.exists() {
-        anyhow::bail!(
-            "no audit database at {} (has the gateway run with --data-dir {}?)",
-            path.display(),
-            data_dir.display()
-        );
-    }
-    let conn = Connection::open_with_flags(
-        &path,
-        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-    )?;
-    conn.busy_timeout(Duration::from_secs(5))?;
-    from_conn(&conn, since, SystemTime::now())
+/// Reads the trails of `data_dirs` (one a replica) since `since` and builds one report from
+/// them all.
+pub fn build(data_dirs: &[PathBuf], since: SystemTime) -> anyhow::Result<Report> {
+    let trails: Vec<Connection> = crate::store::open_trails(data_dirs)?
+        .into_iter()
+        .map(|(_, c)| c)
+        .collect();
+    from_conns(&trails, since, SystemTime::now())
 }
 
 fn ms(t: SystemTime) -> i64 {
@@ -115,8 +108,19 @@ fn ms(t: SystemTime) -> i64 {
         .unwrap_or(0)
 }
 
+/// The report from one trail.
 pub fn from_conn(
     conn: &Connection,
+    since: SystemTime,
+    until: SystemTime,
+) -> anyhow::Result<Report> {
+    from_conns(std::slice::from_ref(conn), since, until)
+}
+
+/// The report from several trails (one a replica): each read on its own (its request rows are
+/// its own), the figures summed and the percentiles taken over all latencies together.
+pub fn from_conns(
+    trails: &[Connection],
     since: SystemTime,
     until: SystemTime,
 ) -> anyhow::Result<Report> {
@@ -131,13 +135,14 @@ pub fn from_conn(
 
     // Attempts, by request row (the index's order): which requests failed over, causes, and
     // each endpoint's calls.
-    let first_row: Option<i64> =
-        conn.query_row(crate::store::sql::FIRST_ROW_SINCE, [from_ms], |r| r.get(0))?;
     let mut causes: BTreeMap<String, Cause> = BTreeMap::new();
     let mut failed_attempts = 0u64;
-    // Rows of requests that had a failed call before the end.
-    let mut failed_over: std::collections::HashSet<i64> = Default::default();
-    if let Some(first) = first_row {
+    // Rows of requests that had a failed call before the end (by trail, then row).
+    let mut failed_over: std::collections::HashSet<(usize, i64)> = Default::default();
+    for (trail, conn) in trails.iter().enumerate() {
+        let first_row: Option<i64> =
+            conn.query_row(crate::store::sql::FIRST_ROW_SINCE, [from_ms], |r| r.get(0))?;
+        let Some(first) = first_row else { continue };
         let mut stmt = conn.prepare(crate::store::sql::ATTEMPTS_FROM_ROW)?;
         let mut rows = stmt.query([first])?;
         while let Some(r) = rows.next()? {
@@ -180,7 +185,7 @@ pub fn from_conn(
                 continue;
             }
             failed_attempts += 1;
-            failed_over.insert(row);
+            failed_over.insert((trail, row));
             let c = causes.entry(class.to_string()).or_default();
             c.count += 1;
             if c.examples.len() < EXAMPLES {
@@ -193,8 +198,6 @@ pub fn from_conn(
     }
 
     // Requests, by time.
-    let mut stmt = conn.prepare(crate::store::sql::REQUESTS_BETWEEN)?;
-    let mut rows = stmt.query([from_ms, to_ms])?;
     let (
         mut requests,
         mut ok,
@@ -206,41 +209,45 @@ pub fn from_conn(
     let mut over_lat: Vec<f64> = Vec::new();
     let mut direct_lat: Vec<f64> = Vec::new();
     let mut per_bucket: Vec<Vec<f32>> = vec![Vec::new(); BUCKETS];
-    while let Some(r) = rows.next()? {
-        let id: i64 = r.get(0)?;
-        let ts: i64 = r.get(1)?;
-        let status: i64 = r.get(3)?;
-        let latency: f64 = r.get(5)?;
-        requests += 1;
-        let class = r.get_ref(4)?.as_str().ok();
-        if matches!(class, Some(c) if c.starts_with("context")) {
-            context_requests += 1;
-        }
-        match status {
-            200..=399 => {
-                ok += 1;
-                let endpoint = r.get_ref(2)?.as_str().unwrap_or("");
-                let over = failed_over.contains(&id);
-                if !endpoint.is_empty() {
-                    let e = entry(&mut endpoints, endpoint);
-                    e.served += 1;
-                    if over {
-                        e.landed += 1;
+    for (trail, conn) in trails.iter().enumerate() {
+        let mut stmt = conn.prepare(crate::store::sql::REQUESTS_BETWEEN)?;
+        let mut rows = stmt.query([from_ms, to_ms])?;
+        while let Some(r) = rows.next()? {
+            let id: i64 = r.get(0)?;
+            let ts: i64 = r.get(1)?;
+            let status: i64 = r.get(3)?;
+            let latency: f64 = r.get(5)?;
+            requests += 1;
+            let class = r.get_ref(4)?.as_str().ok();
+            if matches!(class, Some(c) if c.starts_with("context")) {
+                context_requests += 1;
+            }
+            match status {
+                200..=399 => {
+                    ok += 1;
+                    let endpoint = r.get_ref(2)?.as_str().unwrap_or("");
+                    let over = failed_over.contains(&(trail, id));
+                    if !endpoint.is_empty() {
+                        let e = entry(&mut endpoints, endpoint);
+                        e.served += 1;
+                        if over {
+                            e.landed += 1;
+                        }
                     }
+                    if over {
+                        over_lat.push(latency);
+                    } else {
+                        direct_lat.push(latency);
+                    }
+                    per_bucket[bucket_of(ts)].push(latency as f32);
                 }
-                if over {
-                    over_lat.push(latency);
-                } else {
-                    direct_lat.push(latency);
+                503 => {
+                    failed += 1;
+                    unavailable += 1;
                 }
-                per_bucket[bucket_of(ts)].push(latency as f32);
+                s if s >= 500 || s == 429 => failed += 1,
+                _ => client_errors += 1,
             }
-            503 => {
-                failed += 1;
-                unavailable += 1;
-            }
-            s if s >= 500 || s == 429 => failed += 1,
-            _ => client_errors += 1,
         }
     }
     let pcts = |mut v: Vec<f64>| {
@@ -267,21 +274,23 @@ pub fn from_conn(
         .collect();
 
     // Endpoint events.
-    let mut stmt = conn.prepare(crate::store::sql::EVENTS_BETWEEN)?;
-    let mut rows = stmt.query([from_ms, to_ms])?;
-    while let Some(r) = rows.next()? {
-        let endpoint: String = r.get(0)?;
-        let event: String = r.get(1)?;
-        let e = entry(&mut endpoints, &endpoint);
-        match event.as_str() {
-            "retired" => {
-                let reason: String = r.get(2)?;
-                e.retirements.push(reason.chars().take(200).collect());
+    for conn in trails {
+        let mut stmt = conn.prepare(crate::store::sql::EVENTS_BETWEEN)?;
+        let mut rows = stmt.query([from_ms, to_ms])?;
+        while let Some(r) = rows.next()? {
+            let endpoint: String = r.get(0)?;
+            let event: String = r.get(1)?;
+            let e = entry(&mut endpoints, &endpoint);
+            match event.as_str() {
+                "retired" => {
+                    let reason: String = r.get(2)?;
+                    e.retirements.push(reason.chars().take(200).collect());
+                }
+                "key_rejected" | "auth_failed" => e.key_failures += 1,
+                "cooldown" => e.cooldowns += 1,
+                ev if ev.starts_with("health:") => e.health_changes += 1,
+                _ => {}
             }
-            "key_rejected" | "auth_failed" => e.key_failures += 1,
-            "cooldown" => e.cooldowns += 1,
-            ev if ev.starts_with("health:") => e.health_changes += 1,
-            _ => {}
         }
     }
 

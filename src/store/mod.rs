@@ -209,6 +209,35 @@ pub fn db_path(data_dir: &Path) -> PathBuf {
     data_dir.join("autohedge.db")
 }
 
+/// The audit trails of `data_dirs` (one a replica: `autohedge stats` and `report` merge them),
+/// each opened read-only, with the path it was read from. A data dir named twice (by another
+/// spelling too) is read once; one with no trail is an error naming it.
+pub fn open_trails(data_dirs: &[PathBuf]) -> anyhow::Result<Vec<(PathBuf, Connection)>> {
+    let mut seen = std::collections::HashSet::new();
+    let mut out = Vec::new();
+    for dir in data_dirs {
+        let path = db_path(dir);
+        if !path.exists() {
+            anyhow::bail!(
+                "no audit database at {} (has the gateway run with --data-dir {}?)",
+                path.display(),
+                dir.display()
+            );
+        }
+        if !seen.insert(std::fs::canonicalize(&path).unwrap_or_else(|_| path.clone())) {
+            continue;
+        }
+        let conn = Connection::open_with_flags(
+            &path,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )
+        .map_err(|e| anyhow::anyhow!("opening {}: {e}", path.display()))?;
+        conn.busy_timeout(Duration::from_secs(5))?;
+        out.push((path, conn));
+    }
+    Ok(out)
+}
+
 fn ms(t: SystemTime) -> i64 {
     t.duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)
@@ -1061,7 +1090,7 @@ pub fn prune(conn: &Connection, before: SystemTime) -> rusqlite::Result<usize> {
 }
 
 /// One client key's line of `autohedge stats --by-key`.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct KeyReport {
     pub key: String,
     pub requests: u64,
@@ -1073,25 +1102,28 @@ pub struct KeyReport {
     pub cost_usd: f64,
 }
 
-/// Requests, tokens and spend per client key name since `from`.
-pub fn report_by_key(data_dir: &Path, from: SystemTime) -> rusqlite::Result<Vec<KeyReport>> {
-    let conn = Connection::open_with_flags(
-        db_path(data_dir),
-        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
-    )?;
-    let mut stmt = conn.prepare(sql::BY_KEY_SINCE)?;
-    let rows = stmt.query_map([ms(from)], |r| {
-        Ok(KeyReport {
-            key: r.get(0)?,
-            requests: r.get::<_, i64>(1)?.max(0) as u64,
-            served: r.get::<_, Option<i64>>(2)?.unwrap_or(0).max(0) as u64,
-            refused: r.get::<_, Option<i64>>(3)?.unwrap_or(0).max(0) as u64,
-            tokens_in: r.get::<_, i64>(4)?.max(0) as u64,
-            tokens_out: r.get::<_, i64>(5)?.max(0) as u64,
-            cost_usd: r.get(6)?,
-        })
-    })?;
-    rows.collect()
+/// Requests, tokens and spend per client key name since `from`, summed over `trails` (one a
+/// replica), by key.
+pub fn report_by_key(trails: &[Connection], from: SystemTime) -> rusqlite::Result<Vec<KeyReport>> {
+    let mut out: std::collections::BTreeMap<String, KeyReport> = Default::default();
+    for conn in trails {
+        let mut stmt = conn.prepare(sql::BY_KEY_SINCE)?;
+        let mut rows = stmt.query([ms(from)])?;
+        while let Some(r) = rows.next()? {
+            let key: String = r.get(0)?;
+            let e = out.entry(key.clone()).or_insert_with(|| KeyReport {
+                key,
+                ..Default::default()
+            });
+            e.requests += r.get::<_, i64>(1)?.max(0) as u64;
+            e.served += r.get::<_, Option<i64>>(2)?.unwrap_or(0).max(0) as u64;
+            e.refused += r.get::<_, Option<i64>>(3)?.unwrap_or(0).max(0) as u64;
+            e.tokens_in += r.get::<_, i64>(4)?.max(0) as u64;
+            e.tokens_out += r.get::<_, i64>(5)?.max(0) as u64;
+            e.cost_usd += r.get::<_, f64>(6)?;
+        }
+    }
+    Ok(out.into_values().collect())
 }
 
 fn read_standbys_up(conn: &Connection) -> rusqlite::Result<Vec<String>> {
@@ -1164,16 +1196,40 @@ pub struct EndpointReport {
     pub fallbacks_from: u64,
 }
 
-/// Aggregates the audit trail since `since` (a wall-clock time).
-pub fn report(data_dir: &Path, since: SystemTime) -> rusqlite::Result<Vec<EndpointReport>> {
-    let path = db_path(data_dir);
-    let conn = Connection::open_with_flags(
-        &path,
-        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
-    )?;
-    conn.busy_timeout(Duration::from_secs(5))?;
+/// Aggregates the audit trails since `since` (a wall-clock time): each replica's read on its
+/// own (its row ids are its own), the counts summed and the percentiles taken over all their
+/// latencies together.
+pub fn report(trails: &[Connection], since: SystemTime) -> rusqlite::Result<Vec<EndpointReport>> {
     let since = ms(since);
     let mut out: std::collections::BTreeMap<String, EndpointReport> = Default::default();
+    let mut lat: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
+    let mut errors: std::collections::BTreeMap<(String, String), u64> = Default::default();
+    for conn in trails {
+        report_one(conn, since, &mut out, &mut lat, &mut errors)?;
+    }
+    for ((ep, class), n) in errors {
+        if let Some(e) = out.get_mut(&ep) {
+            e.errors.push((class, n));
+        }
+    }
+    for (ep, mut v) in lat {
+        v.sort_by(f64::total_cmp);
+        if let Some(e) = out.get_mut(&ep) {
+            e.p50_ms = crate::routing::stats::percentile_sorted(&v, 50.0);
+            e.p95_ms = crate::routing::stats::percentile_sorted(&v, 95.0);
+        }
+    }
+    Ok(out.into_values().collect())
+}
+
+/// One trail's part of [`report`].
+fn report_one(
+    conn: &Connection,
+    since: i64,
+    out: &mut std::collections::BTreeMap<String, EndpointReport>,
+    lat: &mut std::collections::BTreeMap<String, Vec<f64>>,
+    errors: &mut std::collections::BTreeMap<(String, String), u64>,
+) -> rusqlite::Result<()> {
     // A window's attempts are found from its first request row (attempts carry their
     // request's time and have no time index of their own).
     let first_row: i64 = conn
@@ -1183,8 +1239,6 @@ pub fn report(data_dir: &Path, since: SystemTime) -> rusqlite::Result<Vec<Endpoi
         .unwrap_or(i64::MAX);
     // Real attempts (not skips) per endpoint: counts, successes, latencies.
     let mut stmt = conn.prepare(sql::CALLS_SINCE)?;
-    let mut lat: std::collections::BTreeMap<String, Vec<f64>> = Default::default();
-    let mut errors: std::collections::BTreeMap<(String, String), u64> = Default::default();
     let mut rows = stmt.query(params![since, first_row])?;
     while let Some(r) = rows.next()? {
         let ep: String = r.get(0)?;
@@ -1202,25 +1256,13 @@ pub fn report(data_dir: &Path, since: SystemTime) -> rusqlite::Result<Vec<Endpoi
             *errors.entry((ep, class)).or_default() += 1;
         }
     }
-    for ((ep, class), n) in errors {
-        if let Some(e) = out.get_mut(&ep) {
-            e.errors.push((class, n));
-        }
-    }
-    for (ep, mut v) in lat {
-        v.sort_by(f64::total_cmp);
-        if let Some(e) = out.get_mut(&ep) {
-            e.p50_ms = crate::routing::stats::percentile_sorted(&v, 50.0);
-            e.p95_ms = crate::routing::stats::percentile_sorted(&v, 95.0);
-        }
-    }
     let mut stmt = conn.prepare(sql::FALLBACKS_SERVED_SINCE)?;
     let mut rows = stmt.query([since])?;
     while let Some(r) = rows.next()? {
         let ep: String = r.get(0)?;
         let n: i64 = r.get(1)?;
         if let Some(e) = out.get_mut(&ep) {
-            e.fallbacks_served = n as u64;
+            e.fallbacks_served += n.max(0) as u64;
         }
     }
     // Failed attempts followed by another attempt of the same request.
@@ -1230,10 +1272,10 @@ pub fn report(data_dir: &Path, since: SystemTime) -> rusqlite::Result<Vec<Endpoi
         let ep: String = r.get(0)?;
         let n: i64 = r.get(1)?;
         if let Some(e) = out.get_mut(&ep) {
-            e.fallbacks_from = n as u64;
+            e.fallbacks_from += n.max(0) as u64;
         }
     }
-    Ok(out.into_values().collect())
+    Ok(())
 }
 
 #[cfg(test)]
@@ -1329,7 +1371,7 @@ mod tests {
         h.send_flag("a", Some("gone"), Some("fp"));
         drop(h);
         opened.store.close();
-        let rep = report(dir.path(), UNIX_EPOCH).unwrap();
+        let rep = report(&trails(&[dir.path()]), UNIX_EPOCH).unwrap();
         let a = rep.iter().find(|r| r.endpoint == "a").unwrap();
         let b = rep.iter().find(|r| r.endpoint == "b").unwrap();
         assert_eq!(a.requests, 10);
@@ -1349,6 +1391,104 @@ mod tests {
         let again = Store::open(dir.path(), 10).unwrap();
         assert_eq!(again.persisted[0].retired_reason, None);
         again.store.close();
+    }
+
+    fn trails(dirs: &[&Path]) -> Vec<Connection> {
+        let dirs: Vec<PathBuf> = dirs.iter().map(|d| d.to_path_buf()).collect();
+        open_trails(&dirs)
+            .unwrap()
+            .into_iter()
+            .map(|(_, c)| c)
+            .collect()
+    }
+
+    /// Writes `rows` into a new trail in `dir`.
+    fn write_trail(dir: &Path, rows: &[RequestRow]) {
+        let opened = Store::open(dir, 100).unwrap();
+        let h = opened.store.handle();
+        for r in rows {
+            h.send(Record::Request(Box::new(r.clone())));
+        }
+        drop(h);
+        opened.store.close();
+    }
+
+    /// Two replicas' trails read together give what one trail holding all their rows gives:
+    /// counts summed, percentiles over every latency, and each trail's request rows its own
+    /// (both trails number their rows from 1: replica B's direct answers are not taken for
+    /// replica A's failovers).
+    #[test]
+    fn several_trails_merge_as_one() {
+        // Replica A: five requests failed over from `a` to `b` (b answered in 1..5 ms).
+        let failed_over: Vec<RequestRow> = (1..=5)
+            .map(|i| {
+                let mut r = row(&format!("a{i}"), "b", "server_error");
+                r.attempts[1].latency_ms = i as f64;
+                r.latency_ms = i as f64 + 1.0;
+                r.client_key = Some("team-a".into());
+                r.cost_usd = Some(0.25);
+                r
+            })
+            .collect();
+        // Replica B: five served by `b` at once, in 10..50 ms.
+        let direct: Vec<RequestRow> = (1..=5)
+            .map(|i| {
+                let mut r = row(&format!("b{i}"), "b", "ok");
+                r.attempts.remove(0);
+                r.attempts[0].seq = 1;
+                r.attempts[0].latency_ms = 10.0 * i as f64;
+                r.latency_ms = 10.0 * i as f64;
+                r.client_key = Some(if i % 2 == 0 { "team-a" } else { "team-b" }.into());
+                r.cost_usd = Some(0.5);
+                r
+            })
+            .collect();
+        let (da, db, dall) = (
+            tempfile::tempdir().unwrap(),
+            tempfile::tempdir().unwrap(),
+            tempfile::tempdir().unwrap(),
+        );
+        write_trail(da.path(), &failed_over);
+        write_trail(db.path(), &direct);
+        let all: Vec<RequestRow> = failed_over.iter().chain(&direct).cloned().collect();
+        write_trail(dall.path(), &all);
+        let merged = trails(&[da.path(), db.path()]);
+        let one = trails(&[dall.path()]);
+
+        let show = |r: Vec<EndpointReport>| format!("{r:?}");
+        let m = report(&merged, UNIX_EPOCH).unwrap();
+        let b = m.iter().find(|r| r.endpoint == "b").unwrap();
+        assert_eq!((b.requests, b.ok, b.fallbacks_served), (10, 10, 5));
+        assert_eq!(
+            b.p50_ms,
+            Some(5.0),
+            "the median of 1..5 and 10..50 together"
+        );
+        assert_eq!(show(m), show(report(&one, UNIX_EPOCH).unwrap()));
+        assert_ne!(
+            show(report(&merged[..1], UNIX_EPOCH).unwrap()),
+            show(report(&one, UNIX_EPOCH).unwrap()),
+            "one trail alone is not the fleet's"
+        );
+
+        let keys = |t: &[Connection]| format!("{:?}", report_by_key(t, UNIX_EPOCH).unwrap());
+        let by_key = report_by_key(&merged, UNIX_EPOCH).unwrap();
+        assert_eq!(by_key.len(), 2);
+        assert_eq!((by_key[0].key.as_str(), by_key[0].requests), ("team-a", 7));
+        assert!((by_key[0].cost_usd - 2.25).abs() < 1e-9);
+        assert_eq!(keys(&merged), keys(&one));
+
+        // The failure report: same figures, same failovers (5 landed on `b`, not 10).
+        let (since, until) = (UNIX_EPOCH, SystemTime::now() + Duration::from_secs(1));
+        let r = crate::ops::report::from_conns(&merged, since, until).unwrap();
+        assert_eq!((r.requests, r.failed_attempts), (10, 5));
+        assert_eq!(r.endpoints["b"].landed, 5);
+        assert_eq!(
+            crate::ops::report::markdown(&r),
+            crate::ops::report::markdown(
+                &crate::ops::report::from_conns(&one, since, until).unwrap()
+            )
+        );
     }
 
     #[test]

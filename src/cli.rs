@@ -526,11 +526,13 @@ pub async fn endpoint_clear(
     url: Option<String>,
     config_path: Option<PathBuf>,
 ) -> anyhow::Result<ExitCode> {
+    let config = load_config(config_path);
     let url = match url {
         Some(u) => u,
         None => {
-            let listen = load_config(config_path)
-                .map(|(c, _)| c.listen)
+            let listen = config
+                .as_ref()
+                .map(|(c, _)| c.listen.clone())
                 .unwrap_or_else(|_| "127.0.0.1:8000".into());
             format!("http://{listen}")
         }
@@ -577,12 +579,39 @@ pub async fn endpoint_clear(
         Ok(r) => crate::say!("{name}: the gateway at {url} answered {}", r.status()),
         Err(_) => crate::say!("{name}: no gateway answering at {url}"),
     }
+    // With `cluster:`, the fleet's shared knowledge is cleared too: the other replicas apply it
+    // at once, and none (this one restarted included) reads the old facts back.
+    let mut cleared_shared = false;
+    if let Ok((cfg, _)) = &config
+        && let Some(settings) = cfg.cluster.clone()
+    {
+        let display = settings.display.clone();
+        let (alerts, _rx) = crate::ops::alerts::Alerts::channel();
+        match crate::cluster::Cluster::new(settings, alerts) {
+            Ok(c) => match c.clear_endpoint(name).await {
+                Ok(()) => {
+                    crate::say!("{name}: cleared in the cluster store at {display}");
+                    cleared_shared = true;
+                }
+                Err(e) => crate::say!("{name}: the cluster store at {display} failed: {e}"),
+            },
+            Err(e) => crate::say!("{name}: {e}"),
+        }
+        if !cleared_shared {
+            // The replicas would read the old facts back at their next start.
+            return Ok(ExitCode::FAILURE);
+        }
+    }
     if !store::db_path(data_dir).exists() {
         crate::say!(
             "{name}: no audit database at {}",
             store::db_path(data_dir).display()
         );
-        return Ok(ExitCode::FAILURE);
+        return Ok(if cleared_shared {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        });
     }
     let was_retired =
         store::clear_endpoint(data_dir, name).context("updating the audit database")?;

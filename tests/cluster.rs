@@ -743,6 +743,48 @@ health: {{ probe_interval: 1h }}
         Some(":0"),
         "the stored facts went with the clear"
     );
+
+    // `autohedge endpoint clear` with no gateway answering at its URL clears the store too:
+    // the learned window is lifted on every running replica and no longer stored.
+    assert_eq!(
+        redis.value("EXISTS facts:facts:small").as_deref(),
+        Some(":1")
+    );
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("config.yaml"), &cfg).unwrap();
+    let out = Command::new(BIN)
+        .args([
+            "endpoint",
+            "clear",
+            "small",
+            "--url",
+            "http://127.0.0.1:9",
+            "--config",
+        ])
+        .arg(dir.path().join("config.yaml"))
+        .arg("--data-dir")
+        .arg(dir.path().join("data"))
+        .env("AUTOHEDGE_REDIS_URL", redis.url())
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{said} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(said.contains("cleared in the cluster store"), "{said}");
+    for gw in [&a, &b, &c] {
+        let lifted = eventually(Duration::from_secs(5), || async {
+            gw.status().await["endpoints"]["small"]["learned_context_window"].is_null()
+        })
+        .await;
+        assert!(lifted, "{}", gw.status().await["endpoints"]["small"]);
+    }
+    assert_eq!(
+        redis.value("EXISTS facts:facts:small").as_deref(),
+        Some(":0")
+    );
 }
 
 /// Routing before the 429 counts the whole fleet's calls: each replica shares the upstream's

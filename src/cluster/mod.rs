@@ -542,6 +542,16 @@ impl Cluster {
         self.call::<i64>(&inv).await.map(|_| ())
     }
 
+    /// `autohedge endpoint clear` with no gateway answering: drops what the fleet stored about
+    /// `endpoint` and tells the replicas that run (one that starts later finds nothing to apply).
+    pub async fn clear_endpoint(&self, endpoint: &str) -> Result<(), String> {
+        self.publish(&Fact::Cleared {
+            endpoint: endpoint.to_string(),
+        })
+        .await
+        .map_err(|e| scrub(&self.settings, &e))
+    }
+
     /// Every stored fact about `endpoints` (a replica that starts or reconnects catches up).
     async fn stored_facts(&self, endpoints: &[String]) -> Result<Vec<Fact>, String> {
         let mut out = Vec::new();

@@ -3,7 +3,9 @@
 //! labelled standby at 0 replicas, and the gateway itself as a service on the overlay with the
 //! Docker socket. Shows discovery, failover with no failed client request when the primary's task
 //! dies, remediation (restart of the primary, standby scaled up) and recovery (standby scaled back
-//! down). Everything it creates is removed at the end, the swarm too if it made it.
+//! down). A second test runs the gateway at two replicas sharing a Redis service (an image of
+//! this machine's `redis-server`): a 429 one meets, the other skips. Everything they create is
+//! removed at the end, the swarm too if a test made it.
 
 use std::path::Path;
 use std::process::Command;
@@ -39,6 +41,8 @@ struct Cleanup {
     services: Vec<String>,
     network: String,
     image: String,
+    /// Other images the test built (removed after the services that ran them).
+    more_images: Vec<String>,
     leave_swarm: bool,
 }
 
@@ -108,6 +112,9 @@ impl Drop for Cleanup {
         let _ = docker(&["image", "rm", "-f", &self.image]);
         if id.starts_with("sha256:") {
             let _ = docker(&["image", "rm", "-f", &id]);
+        }
+        for image in &self.more_images {
+            let _ = docker(&["image", "rm", "-f", image]);
         }
         if self.leave_swarm {
             let _ = docker(&["swarm", "leave", "--force"]);
@@ -242,9 +249,12 @@ async fn status_when(
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn swarm_discovery_failover_remediation_and_recovery() {
-    // An engine that is still starting gets 30 s to answer.
+/// The tests here share the engine's swarm (one may init and leave it): one at a time.
+static SWARM: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// Waits for the engine (30 s for one still starting) and the image of our binary; joins swarm
+/// mode if the engine is not in it (`Cleanup` leaves it again).
+async fn engine_and_image(cleanup: &mut Cleanup) {
     let engine_deadline = Instant::now() + Duration::from_secs(30);
     let (ok, info) = loop {
         let (ok, info) = docker(&["info", "--format", "{{.Swarm.LocalNodeState}}"]);
@@ -257,19 +267,9 @@ async fn swarm_discovery_failover_remediation_and_recovery() {
         ok,
         "the Docker Engine must be running for this test (where none can run, leave it out with `cargo test -- --skip swarm_`): {info}"
     );
-    let id = std::process::id();
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let image = format!("autohedge-test:{id}");
-    let net = format!("ahtest-{id}");
-    let svc = |s: &str| format!("ahtest-{id}-{s}");
-    let mut cleanup = Cleanup {
-        services: vec![],
-        network: net.clone(),
-        image: image.clone(),
-        leave_swarm: false,
-    };
     let built = Command::new(root.join("deploy/build-image.sh"))
-        .args([BIN, &image])
+        .args([BIN, &cleanup.image])
         .output()
         .unwrap();
     assert!(
@@ -282,7 +282,271 @@ async fn swarm_discovery_failover_remediation_and_recovery() {
         assert!(ok, "this engine refused swarm mode: {out}");
         cleanup.leave_swarm = true;
     }
-    must(&["network", "create", "-d", "overlay", "--attachable", &net]);
+    must(&[
+        "network",
+        "create",
+        "-d",
+        "overlay",
+        "--attachable",
+        &cleanup.network,
+    ]);
+}
+
+/// The stack's shape at two gateway replicas sharing one Redis (an image of this machine's
+/// `redis-server`, built here), each task on its own host port: a 429 one replica met is
+/// skipped by the other, which never called the endpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn swarm_two_gateway_replicas_share_a_cooldown_through_redis() {
+    let _one_at_a_time = SWARM.lock().await;
+    let id = std::process::id();
+    let svc = |s: &str| format!("ahrep-{id}-{s}");
+    let mut cleanup = Cleanup {
+        services: vec![],
+        network: format!("ahrep-{id}"),
+        image: format!("autohedge-test-rep:{id}"),
+        more_images: vec![],
+        leave_swarm: false,
+    };
+    engine_and_image(&mut cleanup).await;
+    let net = cleanup.network.clone();
+    let image = cleanup.image.clone();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let redis_image = format!("autohedge-test-redis:{id}");
+    let built = Command::new(root.join("deploy/build-redis-image.sh"))
+        .arg(&redis_image)
+        .output()
+        .unwrap();
+    assert!(
+        built.status.success(),
+        "{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    cleanup.more_images.push(redis_image.clone());
+
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    // `limited` answers every call 429 (retry after a minute): a replica that calls it makes two
+    // attempts, one that skips it makes one.
+    std::fs::write(
+        dir.join("limited.yaml"),
+        "name: limited\nrules: [{status: 429, headers: {retry-after: \"60\"}, error: \"Rate limit reached for requests\"}]\n",
+    )
+    .unwrap();
+    std::fs::write(dir.join("spare.yaml"), "name: spare\n").unwrap();
+    let mount = format!("type=bind,src={},dst=/scripts,readonly", dir.display());
+    for name in ["limited", "spare"] {
+        let s = svc(name);
+        must(&[
+            "service",
+            "create",
+            "--no-resolve-image",
+            "-q",
+            "--detach",
+            "--name",
+            &s,
+            "--network",
+            &net,
+            "--endpoint-mode",
+            "dnsrr",
+            "--mount",
+            &mount,
+            "--no-healthcheck",
+            &image,
+            "mock-upstream",
+            "--listen",
+            "0.0.0.0:8080",
+            "--flavor",
+            "openai",
+            "--script",
+            &format!("/scripts/{name}.yaml"),
+        ]);
+        cleanup.services.push(s);
+    }
+    let redis = svc("redis");
+    must(&[
+        "service",
+        "create",
+        "--no-resolve-image",
+        "-q",
+        "--detach",
+        "--name",
+        &redis,
+        "--network",
+        &net,
+        "--endpoint-mode",
+        "dnsrr",
+        &redis_image,
+    ]);
+    cleanup.services.push(redis.clone());
+
+    let config = format!(
+        r#"
+models:
+  limited: {{ type: openai, base_url: "http://{limited}:8080/v1" }}
+  spare: {{ type: openai, base_url: "http://{spare}:8080/v1" }}
+routes:
+  chat: [limited, spare]
+auth: {{ admin_key: {ADMIN_KEY} }}
+health: {{ probe_interval: 1h }}
+cluster: {{ redis: env:AUTOHEDGE_REDIS_URL, key_prefix: "swarm:" }}
+"#,
+        limited = svc("limited"),
+        spare = svc("spare"),
+    );
+    std::fs::write(dir.join("config.yaml"), config).unwrap();
+    let gw = svc("gateway");
+    let cfg_mount = format!("type=bind,src={},dst=/cfg,readonly", dir.display());
+    let redis_url = format!("AUTOHEDGE_REDIS_URL=redis://{redis}:6379/0");
+    // Host-mode publishing with no host port: Docker gives each task its own (the sandbox's
+    // kernel has no IPVS for the ingress mesh; deploy/README.md).
+    must(&[
+        "service",
+        "create",
+        "--no-resolve-image",
+        "-q",
+        "--detach",
+        "--name",
+        &gw,
+        "--network",
+        &net,
+        "--replicas",
+        "2",
+        "--publish",
+        "mode=host,target=8000",
+        "--mount",
+        &cfg_mount,
+        "--user",
+        "0",
+        "--env",
+        &redis_url,
+        "--env",
+        "AUTOHEDGE_DATA_DIR=/tmp/data/slot-{{.Task.Slot}}",
+        &image,
+        "serve",
+        "--config",
+        "/cfg/config.yaml",
+        "--listen",
+        "0.0.0.0:8000",
+    ]);
+    cleanup.services.push(gw.clone());
+
+    // Both replicas up, each with its own host port, and each seeing the other in the store.
+    let mut urls: Vec<String> = vec![];
+    wait_for(
+        "two gateway tasks with their ports",
+        Duration::from_secs(90),
+        || {
+            let (_, out) = docker(&[
+                "ps",
+                "-q",
+                "--filter",
+                &format!("label=com.docker.swarm.service.name={gw}"),
+                "--filter",
+                "status=running",
+            ]);
+            urls = out
+                .lines()
+                .filter_map(|c| published_port(c, 8000))
+                .map(|p| format!("http://127.0.0.1:{p}"))
+                .collect();
+            urls.len() == 2
+        },
+    )
+    .await;
+    let (a, b) = (urls[0].clone(), urls[1].clone());
+    let mut replica_ids = vec![];
+    for url in [&a, &b] {
+        let st = status_when(
+            url,
+            "the replica in the cluster",
+            Duration::from_secs(60),
+            |st| st["cluster"]["state"] == "up" && st["cluster"]["replicas"] == 2,
+        )
+        .await;
+        replica_ids.push(st["cluster"]["replica"].clone());
+    }
+    assert_ne!(
+        replica_ids[0], replica_ids[1],
+        "two replicas, not one twice"
+    );
+
+    let chat = |url: String| async move {
+        reqwest::Client::new()
+            .post(format!("{url}/v1/chat/completions"))
+            .json(&json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}))
+            .timeout(Duration::from_secs(20))
+            .send()
+            .await
+            .unwrap()
+    };
+    let header = |r: &reqwest::Response, h: &str| {
+        r.headers()
+            .get(h)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string()
+    };
+    // A meets the 429 itself: two attempts, served by the spare.
+    let r = chat(a.clone()).await;
+    let learned = Instant::now();
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "spare");
+    assert_eq!(header(&r, "x-autohedge-attempts"), "2", "A called limited");
+    // B knows it without a call of its own.
+    let cooled = |st: &Value| {
+        st["endpoints"]["limited"]["cooldown_remaining_ms"]
+            .as_u64()
+            .unwrap_or(0)
+            > 30_000
+    };
+    let seen = loop {
+        let st = status(&b).await;
+        if cooled(&st) {
+            break learned.elapsed();
+        }
+        assert!(
+            learned.elapsed() < Duration::from_secs(10),
+            "B never learned the cooldown: {}",
+            st["endpoints"]["limited"]
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let r = chat(b.clone()).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "spare");
+    assert_eq!(
+        header(&r, "x-autohedge-attempts"),
+        "1",
+        "B skipped limited without calling it"
+    );
+    let st = status(&b).await;
+    eprintln!(
+        "swarm replicas: B had A's cooldown {} ms after A's answer; B's cluster view: {}",
+        seen.as_millis(),
+        st["cluster"]
+    );
+    assert!(
+        st["cluster"]["facts_applied"].as_u64().unwrap_or(0) >= 1,
+        "{}",
+        st["cluster"]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn swarm_discovery_failover_remediation_and_recovery() {
+    let _one_at_a_time = SWARM.lock().await;
+    let id = std::process::id();
+    let image = format!("autohedge-test:{id}");
+    let net = format!("ahtest-{id}");
+    let svc = |s: &str| format!("ahtest-{id}-{s}");
+    let mut cleanup = Cleanup {
+        services: vec![],
+        network: net.clone(),
+        image: image.clone(),
+        more_images: vec![],
+        leave_swarm: false,
+    };
+    engine_and_image(&mut cleanup).await;
 
     // Scripts live on the host and are bind-mounted: a restarted task reads the current one.
     let tmp = tempfile::tempdir().unwrap();

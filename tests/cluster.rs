@@ -317,10 +317,18 @@ async fn three_replicas_admit_exactly_one_keys_limits() {
     );
     let (_, refused) = got.iter().find(|(s, _)| *s == 429).unwrap();
     assert_eq!(refused["x-ratelimit-limit-tokens"], "600");
+    // Every admission was the store's, and requests that asked together went in one call
+    // (group commit): fewer calls than admissions, the counts exact all the same.
+    let (mut decided, mut calls) = (0, 0);
     for gw in &gws {
         let st = gw.status().await;
         assert_eq!(st["cluster"]["local_admissions"], 0, "{}", st["cluster"]);
+        decided += st["cluster"]["store_admissions"].as_u64().unwrap();
+        calls += st["cluster"]["admission_calls"].as_u64().unwrap();
     }
+    eprintln!("{decided} admissions in {calls} store calls");
+    assert_eq!(decided, 330);
+    assert!(calls < decided, "{decided} admissions in {calls} calls");
 }
 
 /// The store killed: no request fails for it. Each replica admits on its own with the key's

@@ -1,17 +1,19 @@
--- One request's admission for a client key, atomically for the whole fleet: the budget (what is
--- spent this month plus what running requests reserved), then `rpm`, then `tpm`; nothing is
--- taken unless everything passes. Buckets hold a minute's worth and refill continuously (the
--- in-process limits' rule), on Redis's own clock so the replicas' clocks do not matter.
+-- Admissions for one client key, atomically for the whole fleet, each as if alone and in order:
+-- the budget (what is spent this month plus what running requests reserved), then `rpm`, then
+-- `tpm`; nothing is taken for a request unless everything passes. Buckets hold a minute's worth
+-- and refill continuously (the in-process limits' rule), on Redis's own clock so the replicas'
+-- clocks do not matter. Requests that asked while the last call ran come in one call.
 -- KEYS: 1 rpm bucket, 2 tpm bucket, 3 the month's spend, 4 reservations (id -> expiry),
 --       5 reservation amounts (id -> usd), 6 the reservations' total
--- ARGV: 1 rpm (0: none), 2 tpm (0: none), 3 tokens, 4 budget (-1: none), 5 reservation usd,
---       6 request id, 7 how long a reservation is held at most (ms)
--- Returns {verdict, usd spent (text), retry after ms, reset ms, remaining (text)}.
+-- ARGV: 1 rpm (0: none), 2 tpm (0: none), 3 budget (-1: none), 4 how long a reservation is held
+--       at most (ms), then three a request: tokens, reservation usd, request id
+-- Returns five a request: verdict, usd spent (text), retry after ms, reset ms, remaining (text).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local rpm, tpm, tokens = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local budget, reserve = tonumber(ARGV[4]), tonumber(ARGV[5])
+local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
+local budget, hold = tonumber(ARGV[3]), tonumber(ARGV[4])
 local usd = tonumber(redis.call('HGET', KEYS[3], 'usd') or '0') or 0
+local reserved = 0
 if budget >= 0 then
   local expired = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', now)
   for _, id in ipairs(expired) do
@@ -22,10 +24,7 @@ if budget >= 0 then
   if #expired > 0 then
     redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
   end
-  local reserved = math.max(0, tonumber(redis.call('GET', KEYS[6]) or '0') or 0)
-  if usd + reserved >= budget then
-    return {'budget', tostring(usd), 0, 0, '0'}
-  end
+  reserved = math.max(0, tonumber(redis.call('GET', KEYS[6]) or '0') or 0)
 end
 local function level(key, cap)
   local v = redis.call('HMGET', key, 'l', 't')
@@ -41,18 +40,43 @@ end
 local rl, tl
 if rpm > 0 then
   rl = level(KEYS[1], rpm)
-  if rl < 1 then
-    return {'requests', tostring(usd), ms((1 - rl) * 60000 / rpm), ms((rpm - rl) * 60000 / rpm), '0'}
-  end
 end
-if tpm > 0 and tokens > 0 then
+if tpm > 0 then
   tl = level(KEYS[2], tpm)
-  local left = tostring(math.max(0, math.floor(tl)))
-  if tokens > tpm then
-    return {'tokens', tostring(usd), 60000, ms((tpm - tl) * 60000 / tpm), left}
+end
+local rtaken, ttaken, out = false, false, {}
+local spent = tostring(usd)
+for i = 5, #ARGV - 2, 3 do
+  local tokens, reserve, id = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), ARGV[i + 2]
+  local v
+  if budget >= 0 and usd + reserved >= budget then
+    v = {'budget', spent, 0, 0, '0'}
+  elseif rl and rl < 1 then
+    v = {'requests', spent, ms((1 - rl) * 60000 / rpm), ms((rpm - rl) * 60000 / rpm), '0'}
+  elseif tl and tokens > 0 and tokens > tpm then
+    v = {'tokens', spent, 60000, ms((tpm - tl) * 60000 / tpm), tostring(math.max(0, math.floor(tl)))}
+  elseif tl and tokens > 0 and tokens > tl then
+    v = {'tokens', spent, ms((tokens - tl) * 60000 / tpm), ms((tpm - tl) * 60000 / tpm),
+         tostring(math.max(0, math.floor(tl)))}
+  else
+    if rl then
+      rl = rl - 1
+      rtaken = true
+    end
+    if tl and tokens > 0 then
+      tl = tl - tokens
+      ttaken = true
+    end
+    if budget >= 0 and reserve > 0 then
+      redis.call('ZADD', KEYS[4], now + hold, id)
+      redis.call('HSET', KEYS[5], id, tostring(reserve))
+      redis.call('INCRBYFLOAT', KEYS[6], reserve)
+      reserved = reserved + reserve
+    end
+    v = {'ok', spent, 0, 0, '0'}
   end
-  if tokens > tl then
-    return {'tokens', tostring(usd), ms((tokens - tl) * 60000 / tpm), ms((tpm - tl) * 60000 / tpm), left}
+  for _, x in ipairs(v) do
+    out[#out + 1] = x
   end
 end
 local function put(key, cap, l)
@@ -60,15 +84,10 @@ local function put(key, cap, l)
   -- Gone once it would be full again: a missing bucket reads as full.
   redis.call('PEXPIRE', key, ms((cap - l) * 60000 / cap) + 1000)
 end
-if rl then
-  put(KEYS[1], rpm, rl - 1)
+if rtaken then
+  put(KEYS[1], rpm, rl)
 end
-if tl then
-  put(KEYS[2], tpm, tl - tokens)
+if ttaken then
+  put(KEYS[2], tpm, tl)
 end
-if budget >= 0 and reserve > 0 then
-  redis.call('ZADD', KEYS[4], now + tonumber(ARGV[7]), ARGV[6])
-  redis.call('HSET', KEYS[5], ARGV[6], tostring(reserve))
-  redis.call('INCRBYFLOAT', KEYS[6], reserve)
-end
-return {'ok', tostring(usd), 0, 0, '0'}
+return out

@@ -71,6 +71,29 @@ pub struct Admit<'a> {
     pub month: &'a str,
 }
 
+/// What admissions share to go in one call: the key, its limits and the month.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct Batch {
+    client: String,
+    rpm: u32,
+    tpm: u64,
+    /// The budget's bits (`None`: no budget).
+    budget: Option<u64>,
+    month: String,
+}
+
+/// One admission waiting for its call.
+struct Waiting {
+    tokens: u64,
+    reserve: f64,
+    request: String,
+    tx: tokio::sync::oneshot::Sender<Result<Verdict, ()>>,
+}
+
+/// Admissions of one key waiting for the next call at most; more are admitted on local state
+/// (the store is not keeping up).
+const MAX_BATCH_WAITING: usize = 4096;
+
 /// What the shared store said about one admission.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Verdict {
@@ -145,6 +168,11 @@ pub struct Cluster {
     fallbacks: AtomicU64,
     /// Requests the store did not answer within `cluster.timeout`.
     slow_answers: AtomicU64,
+    /// Admissions the store decided, and the calls that carried them.
+    store_admissions: AtomicU64,
+    admission_calls: AtomicU64,
+    /// Admissions waiting for their key's next call; an entry exists while its flusher runs.
+    batches: Mutex<std::collections::HashMap<Batch, Vec<Waiting>>>,
 }
 
 impl Cluster {
@@ -185,6 +213,9 @@ impl Cluster {
             longest_wait_us: AtomicU64::new(0),
             fallbacks: AtomicU64::new(0),
             slow_answers: AtomicU64::new(0),
+            batches: Mutex::new(Default::default()),
+            store_admissions: AtomicU64::new(0),
+            admission_calls: AtomicU64::new(0),
             settings,
         })
     }
@@ -210,83 +241,62 @@ impl Cluster {
 
     /// Asks the store to admit one request, within `cluster.timeout`. `Err` (the store away or
     /// slow) means: admit on local state.
-    pub async fn admit(&self, a: &Admit<'_>) -> Result<Verdict, ()> {
+    ///
+    /// Requests for one key (with the same limits and month) that ask while a call for that key
+    /// is on its way go together in the next call (group commit): the script takes them in
+    /// order, each as if alone, so the counts stay exact; under load a call carries many.
+    pub async fn admit(self: &Arc<Self>, a: &Admit<'_>) -> Result<Verdict, ()> {
         if !self.is_up() {
             self.fallbacks.fetch_add(1, Ordering::Relaxed);
             return Err(());
         }
-        let Admit {
-            client,
-            tokens,
-            budget,
-            reserve,
-            request,
-            month,
-            ..
-        } = *a;
-        let rpm = a.rpm.unwrap_or(0);
-        let tpm = a.tpm.unwrap_or(0);
-        let mut inv = self.admit.prepare_invoke();
-        inv.key(self.key(&["rpm", client, &rpm.to_string()]))
-            .key(self.key(&["tpm", client, &tpm.to_string()]))
-            .key(self.key(&["spend", client, month]))
-            .key(self.key(&["resv", client]))
-            .key(self.key(&["resvamt", client]))
-            .key(self.key(&["resvtot", client]))
-            .arg(rpm)
-            .arg(tpm)
-            .arg(tokens)
-            .arg(budget.filter(|b| b.is_finite()).unwrap_or(-1.0))
-            .arg(if reserve.is_finite() {
-                reserve.max(0.0)
+        let key = Batch {
+            client: a.client.to_string(),
+            rpm: a.rpm.unwrap_or(0),
+            tpm: a.tpm.unwrap_or(0),
+            budget: a.budget.filter(|b| b.is_finite()).map(f64::to_bits),
+            month: a.month.to_string(),
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let waiting = Waiting {
+            tokens: a.tokens,
+            reserve: if a.reserve.is_finite() {
+                a.reserve.max(0.0)
             } else {
                 0.0
-            })
-            .arg(request)
-            .arg(HOLD.as_millis() as u64);
-        let mut conn = self.conn.clone();
+            },
+            request: a.request.to_string(),
+            tx,
+        };
         let started = std::time::Instant::now();
-        let answer = tokio::time::timeout(
-            self.settings.timeout,
-            inv.invoke_async::<(String, String, u64, u64, String)>(&mut conn),
-        )
-        .await;
-        let verdict = match answer {
-            Ok(Ok((v, usd, retry, reset, remaining))) => {
-                let usd = usd
-                    .parse::<f64>()
-                    .ok()
-                    .filter(|u| u.is_finite())
-                    .unwrap_or(0.0);
-                let remaining = remaining.parse::<f64>().unwrap_or(0.0).max(0.0) as u64;
-                let limited = |kind| Verdict::Limited {
-                    kind,
-                    remaining,
-                    retry_after: Duration::from_millis(retry),
-                    reset: Duration::from_millis(reset),
-                };
-                match v.as_str() {
-                    "ok" => Verdict::Admitted { usd },
-                    "budget" => Verdict::Budget { usd },
-                    "requests" => limited("requests"),
-                    "tokens" => limited("tokens"),
-                    other => {
-                        self.fallbacks.fetch_add(1, Ordering::Relaxed);
-                        self.down(&format!(
-                            "unexpected answer from the admission script: {other:.40}"
-                        ));
-                        return Err(());
-                    }
+        {
+            let mut batches = self.batches.lock().unwrap_or_else(|e| e.into_inner());
+            match batches.get_mut(&key) {
+                // A call for this key is on its way: this request goes in the next.
+                Some(q) if q.len() < MAX_BATCH_WAITING => q.push(waiting),
+                Some(_) => {
+                    drop(batches);
+                    self.fallbacks.fetch_add(1, Ordering::Relaxed);
+                    self.slow_answers.fetch_add(1, Ordering::Relaxed);
+                    self.wake.notify_one();
+                    return Err(());
+                }
+                None => {
+                    batches.insert(key.clone(), vec![waiting]);
+                    tokio::spawn(self.clone().flush(key));
                 }
             }
-            Ok(Err(e)) => {
+        }
+        let verdict = match tokio::time::timeout(self.settings.timeout, rx).await {
+            Ok(Ok(Ok(v))) => v,
+            Ok(Ok(Err(()))) | Ok(Err(_)) => {
                 self.fallbacks.fetch_add(1, Ordering::Relaxed);
-                self.down(&e.to_string());
                 return Err(());
             }
             Err(_) => {
-                // Slow is not down: this request is admitted alone, and the keeper asks the
-                // store at once (with its own, longer timeout) whether it is away.
+                // Slow is not down: this request is admitted alone (its place in the batch is
+                // given up if the call has not left yet), and the keeper asks the store at once
+                // (with its own, longer timeout) whether it is away.
                 self.fallbacks.fetch_add(1, Ordering::Relaxed);
                 self.slow_answers.fetch_add(1, Ordering::Relaxed);
                 self.note_error(&format!(
@@ -300,6 +310,112 @@ impl Cluster {
         let waited = started.elapsed().as_micros() as u64;
         self.longest_wait_us.fetch_max(waited, Ordering::Relaxed);
         Ok(verdict)
+    }
+
+    /// Sends the admissions waiting for `key`, call after call, until none is left.
+    async fn flush(self: Arc<Self>, key: Batch) {
+        loop {
+            let batch: Vec<Waiting> = {
+                let mut batches = self.batches.lock().unwrap_or_else(|e| e.into_inner());
+                let Some(q) = batches.get_mut(&key) else {
+                    return;
+                };
+                // A request that stopped waiting (past `cluster.timeout`) was admitted on its
+                // own: it takes nothing from the store.
+                q.retain(|w| !w.tx.is_closed());
+                if q.is_empty() {
+                    batches.remove(&key);
+                    return;
+                }
+                std::mem::take(q)
+            };
+            let verdicts = self.admit_batch(&key, &batch).await;
+            match verdicts {
+                Ok(vs) => {
+                    self.admission_calls.fetch_add(1, Ordering::Relaxed);
+                    self.store_admissions
+                        .fetch_add(batch.len() as u64, Ordering::Relaxed);
+                    for (w, v) in batch.into_iter().zip(vs) {
+                        let _ = w.tx.send(v);
+                    }
+                }
+                Err(e) => {
+                    self.down(&e);
+                    for w in batch {
+                        let _ = w.tx.send(Err(()));
+                    }
+                }
+            }
+        }
+    }
+
+    /// One call of the admission script for `batch`; a verdict for each, in order.
+    async fn admit_batch(
+        &self,
+        key: &Batch,
+        batch: &[Waiting],
+    ) -> Result<Vec<Result<Verdict, ()>>, String> {
+        let client = key.client.as_str();
+        let mut inv = self.admit.prepare_invoke();
+        inv.key(self.key(&["rpm", client, &key.rpm.to_string()]))
+            .key(self.key(&["tpm", client, &key.tpm.to_string()]))
+            .key(self.key(&["spend", client, &key.month]))
+            .key(self.key(&["resv", client]))
+            .key(self.key(&["resvamt", client]))
+            .key(self.key(&["resvtot", client]))
+            .arg(key.rpm)
+            .arg(key.tpm)
+            .arg(key.budget.map(f64::from_bits).unwrap_or(-1.0))
+            .arg(HOLD.as_millis() as u64);
+        for w in batch {
+            inv.arg(w.tokens).arg(w.reserve).arg(&w.request);
+        }
+        let mut conn = self.conn.clone();
+        let answer = tokio::time::timeout(
+            BACKGROUND_TIMEOUT,
+            inv.invoke_async::<Vec<redis::Value>>(&mut conn),
+        )
+        .await
+        .map_err(|_| format!("no answer within {} ms", BACKGROUND_TIMEOUT.as_millis()))?
+        .map_err(|e| e.to_string())?;
+        if answer.len() != batch.len() * 5 {
+            return Err(format!(
+                "the admission script answered {} values for {} requests",
+                answer.len(),
+                batch.len()
+            ));
+        }
+        answer
+            .chunks(5)
+            .map(|c| {
+                let (v, usd, retry, reset, remaining): (String, String, u64, u64, String) =
+                    redis::from_redis_value(redis::Value::Array(c.to_vec()))
+                        .map_err(|e| e.to_string())?;
+                let usd = usd
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|u| u.is_finite())
+                    .unwrap_or(0.0);
+                let remaining = remaining.parse::<f64>().unwrap_or(0.0).max(0.0) as u64;
+                let limited = |kind| Verdict::Limited {
+                    kind,
+                    remaining,
+                    retry_after: Duration::from_millis(retry),
+                    reset: Duration::from_millis(reset),
+                };
+                Ok(Ok(match v.as_str() {
+                    "ok" => Verdict::Admitted { usd },
+                    "budget" => Verdict::Budget { usd },
+                    "requests" => limited("requests"),
+                    "tokens" => limited("tokens"),
+                    other => {
+                        return Err(format!(
+                            "unexpected answer from the admission script: {other:.40}"
+                        ));
+                    }
+                }))
+            })
+            .collect()
     }
 
     /// Queues a request's end for the store (never waits).
@@ -405,6 +521,8 @@ impl Cluster {
             "down_since_ms": ms(st.down_since),
             "outages": st.outages,
             "local_admissions": self.fallbacks.load(Ordering::Relaxed),
+            "store_admissions": self.store_admissions.load(Ordering::Relaxed),
+            "admission_calls": self.admission_calls.load(Ordering::Relaxed),
             "slow_answers": self.slow_answers.load(Ordering::Relaxed),
             "longest_wait_ms": self.longest_wait_us.load(Ordering::Relaxed) as f64 / 1000.0,
             "settles_queued": SETTLE_QUEUE - self.settles.capacity(),
@@ -460,23 +578,26 @@ impl Cluster {
         Ok(())
     }
 
-    async fn apply(&self, s: &Settle) -> Result<(), String> {
+    /// Applies `settles` in one call.
+    async fn apply(&self, settles: &[Settle]) -> Result<(), String> {
         let mut inv = self.settle.prepare_invoke();
-        inv.key(self.key(&["spend", &s.client, &s.month]))
-            .key(self.key(&["resv", &s.client]))
-            .key(self.key(&["resvamt", &s.client]))
-            .key(self.key(&["resvtot", &s.client]))
-            .key(self.key(&["tpm", &s.client, &s.tpm.to_string()]))
-            .arg(s.request.as_deref().unwrap_or(""))
-            .arg(if s.usd.is_finite() {
-                s.usd.max(0.0)
-            } else {
-                0.0
-            })
-            .arg(s.completion_tokens)
-            .arg(s.tpm)
-            .arg(SPEND_TTL.as_secs());
-        self.call::<String>(&inv).await.map(|_| ())
+        inv.arg(SPEND_TTL.as_secs());
+        for s in settles {
+            inv.key(self.key(&["spend", &s.client, &s.month]))
+                .key(self.key(&["resv", &s.client]))
+                .key(self.key(&["resvamt", &s.client]))
+                .key(self.key(&["resvtot", &s.client]))
+                .key(self.key(&["tpm", &s.client, &s.tpm.to_string()]))
+                .arg(s.request.as_deref().unwrap_or(""))
+                .arg(if s.usd.is_finite() {
+                    s.usd.max(0.0)
+                } else {
+                    0.0
+                })
+                .arg(s.completion_tokens)
+                .arg(s.tpm);
+        }
+        self.call::<i64>(&inv).await.map(|_| ())
     }
 
     /// Waits until the store is back (or [`MAX_BACKOFF`] passed, to look again); false when
@@ -811,6 +932,9 @@ async fn listener(
 }
 
 /// Applies settles in order; while the store is away they wait (in the queue) for it.
+/// Settles sent in one call at most.
+const SETTLE_BATCH: usize = 128;
+
 async fn settler(cluster: Arc<Cluster>, cancel: CancellationToken) {
     let Some(mut rx) = cluster
         .settles_rx
@@ -834,18 +958,21 @@ async fn settler(cluster: Arc<Cluster>, cancel: CancellationToken) {
         while let Ok(s) = rx.try_recv() {
             pending.push_back(s);
         }
-        let Some(s) = pending.front() else {
+        if pending.is_empty() {
             continue;
-        };
+        }
         if !cluster.is_up() {
             if !cluster.until_back(&cancel).await {
                 return;
             }
             continue;
         }
-        match cluster.apply(s).await {
+        // What queued while the last call ran goes in the next: one call, in order.
+        let n = pending.len().min(SETTLE_BATCH);
+        let batch = &pending.make_contiguous()[..n];
+        match cluster.apply(batch).await {
             Ok(()) => {
-                pending.pop_front();
+                pending.drain(..n);
             }
             Err(e) => cluster.down(&e),
         }

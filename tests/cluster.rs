@@ -482,6 +482,54 @@ async fn a_frozen_store_costs_a_request_at_most_the_timeout() {
     assert!(ok, "back after SIGCONT");
 }
 
+/// A request whose client leaves while it waits on the store (its call to the store dropped
+/// with it) does not leave its key waiting: the requests after it are decided by the store
+/// again, none admitted on its own for want of a call.
+#[tokio::test]
+async fn a_client_gone_mid_call_leaves_its_key_served_by_the_store() {
+    let redis = Redis::start();
+    let up = MockUp::openai("name: a").await;
+    // A timeout long enough that the request is still waiting when its client leaves.
+    let cfg = config(&up, "gone:", "3s", "");
+    let a = start(&cfg, &redis.url());
+    until_clustered(&[&a], 1).await;
+    let hello = json!({"model": "a", "messages": [{"role": "user", "content": "Hello"}]});
+
+    redis.signal("-STOP");
+    let left = reqwest::Client::new()
+        .post(a.url("/v1/chat/completions"))
+        .bearer_auth(TEAM)
+        .json(&hello)
+        .timeout(Duration::from_millis(300))
+        .send()
+        .await;
+    assert!(
+        left.is_err(),
+        "the client gave up while the store was frozen"
+    );
+    // The gateway saw it go (its request dropped with the call).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    redis.signal("-CONT");
+    let ok = eventually(Duration::from_secs(15), || async {
+        a.status().await["cluster"]["state"] == "up"
+    })
+    .await;
+    assert!(ok, "back after SIGCONT");
+    let before = a.status().await["cluster"].clone();
+    let (got, _) = burst(&[&a], TEAM, 5, hello).await;
+    assert_eq!(count(&got, 200), 5);
+    let after = a.status().await["cluster"].clone();
+    assert_eq!(
+        after["local_admissions"], before["local_admissions"],
+        "admitted on their own: {after}"
+    );
+    assert_eq!(
+        after["store_admissions"].as_u64().unwrap(),
+        before["store_admissions"].as_u64().unwrap() + 5,
+        "{after}"
+    );
+}
+
 /// A key's `budget_usd` across three replicas: reservations live in the store, so concurrent
 /// requests on all three overshoot the budget by at most one request's reservation, and every
 /// admitted request's cost is in the shared spend once its settle is applied.

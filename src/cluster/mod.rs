@@ -84,10 +84,30 @@ struct Batch {
 
 /// One admission waiting for its call.
 struct Waiting {
+    ask: Ask,
+    tx: tokio::sync::oneshot::Sender<Result<Verdict, ()>>,
+}
+
+/// What one admission takes: tokens, a reservation, and the reservation's name.
+struct Ask {
     tokens: u64,
     reserve: f64,
     request: String,
-    tx: tokio::sync::oneshot::Sender<Result<Verdict, ()>>,
+}
+
+/// The first asker's call for a key: when it ends (or is dropped), those who queued meanwhile
+/// are handed to a flusher.
+struct Lead<'a> {
+    cluster: &'a Arc<Cluster>,
+    key: Option<Batch>,
+}
+
+impl Drop for Lead<'_> {
+    fn drop(&mut self) {
+        if let Some(key) = self.key.take() {
+            self.cluster.hand_over(key);
+        }
+    }
 }
 
 /// Admissions of one key waiting for the next call at most; more are admitted on local state
@@ -257,8 +277,7 @@ impl Cluster {
             budget: a.budget.filter(|b| b.is_finite()).map(f64::to_bits),
             month: a.month.to_string(),
         };
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let waiting = Waiting {
+        let ask = Ask {
             tokens: a.tokens,
             reserve: if a.reserve.is_finite() {
                 a.reserve.max(0.0)
@@ -266,14 +285,19 @@ impl Cluster {
                 0.0
             },
             request: a.request.to_string(),
-            tx,
         };
         let started = std::time::Instant::now();
-        {
+        // The first to ask for a key calls at once, for itself alone (no hop through another
+        // task when the key is quiet); those who ask while that call is out wait together for
+        // the next, which a flusher makes for them.
+        let (ask, rx) = {
             let mut batches = self.batches.lock().unwrap_or_else(|e| e.into_inner());
             match batches.get_mut(&key) {
-                // A call for this key is on its way: this request goes in the next.
-                Some(q) if q.len() < MAX_BATCH_WAITING => q.push(waiting),
+                Some(q) if q.len() < MAX_BATCH_WAITING => {
+                    let (tx, rx) = tokio::sync::oneshot::channel();
+                    q.push(Waiting { ask, tx });
+                    (None, Some(rx))
+                }
                 Some(_) => {
                     drop(batches);
                     self.fallbacks.fetch_add(1, Ordering::Relaxed);
@@ -282,12 +306,36 @@ impl Cluster {
                     return Err(());
                 }
                 None => {
-                    batches.insert(key.clone(), vec![waiting]);
-                    tokio::spawn(self.clone().flush(key));
+                    batches.insert(key.clone(), Vec::new());
+                    (Some(ask), None)
                 }
             }
-        }
-        let verdict = match tokio::time::timeout(self.settings.timeout, rx).await {
+        };
+        let answer = match (ask, rx) {
+            (Some(ask), _) => {
+                // Whoever queues meanwhile goes in the next call, or the key is quiet again —
+                // also when this request is dropped mid-call (its client gone).
+                let lead = Lead {
+                    cluster: self,
+                    key: Some(key.clone()),
+                };
+                let answer =
+                    tokio::time::timeout(self.settings.timeout, self.admit_batch(&key, &[&ask]))
+                        .await;
+                drop(lead);
+                match answer {
+                    Ok(Ok(mut v)) => Ok(Ok(v.pop().unwrap_or(Err(())))),
+                    Ok(Err(e)) => {
+                        self.down(&e);
+                        Ok(Ok(Err(())))
+                    }
+                    Err(elapsed) => Err(elapsed),
+                }
+            }
+            (None, Some(rx)) => tokio::time::timeout(self.settings.timeout, rx).await,
+            (None, None) => unreachable!("an admission either calls or waits"),
+        };
+        let verdict = match answer {
             Ok(Ok(Ok(v))) => v,
             Ok(Ok(Err(()))) | Ok(Err(_)) => {
                 self.fallbacks.fetch_add(1, Ordering::Relaxed);
@@ -312,6 +360,24 @@ impl Cluster {
         Ok(verdict)
     }
 
+    /// After a call for `key`: the admissions that queued meanwhile get a flusher, or the key is
+    /// quiet again (the next to ask calls at once).
+    fn hand_over(self: &Arc<Self>, key: Batch) {
+        let mut batches = self.batches.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(q) = batches.get_mut(&key) {
+            q.retain(|w| !w.tx.is_closed());
+            if q.is_empty() {
+                batches.remove(&key);
+            } else if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                drop(batches);
+                rt.spawn(self.clone().flush(key));
+            } else {
+                // No runtime (shutting down): the waiting give up at their timeout.
+                batches.remove(&key);
+            }
+        }
+    }
+
     /// Sends the admissions waiting for `key`, call after call, until none is left.
     async fn flush(self: Arc<Self>, key: Batch) {
         loop {
@@ -329,12 +395,10 @@ impl Cluster {
                 }
                 std::mem::take(q)
             };
-            let verdicts = self.admit_batch(&key, &batch).await;
+            let asks: Vec<&Ask> = batch.iter().map(|w| &w.ask).collect();
+            let verdicts = self.admit_batch(&key, &asks).await;
             match verdicts {
                 Ok(vs) => {
-                    self.admission_calls.fetch_add(1, Ordering::Relaxed);
-                    self.store_admissions
-                        .fetch_add(batch.len() as u64, Ordering::Relaxed);
                     for (w, v) in batch.into_iter().zip(vs) {
                         let _ = w.tx.send(v);
                     }
@@ -353,7 +417,7 @@ impl Cluster {
     async fn admit_batch(
         &self,
         key: &Batch,
-        batch: &[Waiting],
+        batch: &[&Ask],
     ) -> Result<Vec<Result<Verdict, ()>>, String> {
         let client = key.client.as_str();
         let mut inv = self.admit.prepare_invoke();
@@ -378,6 +442,9 @@ impl Cluster {
         .await
         .map_err(|_| format!("no answer within {} ms", BACKGROUND_TIMEOUT.as_millis()))?
         .map_err(|e| e.to_string())?;
+        self.admission_calls.fetch_add(1, Ordering::Relaxed);
+        self.store_admissions
+            .fetch_add(batch.len() as u64, Ordering::Relaxed);
         if answer.len() != batch.len() * 5 {
             return Err(format!(
                 "the admission script answered {} values for {} requests",

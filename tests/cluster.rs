@@ -606,6 +606,13 @@ health: {{ probe_interval: 1h }}
         .unwrap()
         .parse()
         .unwrap();
+    let mut carried = 0;
+    for gw in &gws {
+        carried += gw.status().await["cluster"]["settles_carried"]
+            .as_u64()
+            .unwrap();
+    }
+    eprintln!("{admitted} admitted, {carried} settles carried by admission calls");
     let per_request = spend / admitted as f64;
     assert!(
         per_request > 0.0 && per_request <= 0.013 + 1e-9,

@@ -5,13 +5,34 @@
 -- clocks do not matter. Requests that asked while the last call ran come in one call.
 -- KEYS: 1 rpm bucket, 2 tpm bucket, 3 the month's spend, 4 reservations (id -> expiry),
 --       5 reservation amounts (id -> usd), 6 the reservations' total
+-- Requests of the key that ended meanwhile ride along (settled first, as settle.lua would).
 -- ARGV: 1 rpm (0: none), 2 tpm (0: none), 3 budget (-1: none), 4 how long a reservation is held
---       at most (ms), then three a request: tokens, reservation usd, request id
+--       at most (ms), 5 settles, 6 the spend's lifetime (s), then three a settle: request id
+--       ('' : no reservation), usd, completion tokens; then three a request: tokens,
+--       reservation usd, request id
 -- Returns five a request: verdict, usd spent (text), retry after ms, reset ms, remaining (text).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
 local budget, hold = tonumber(ARGV[3]), tonumber(ARGV[4])
+local settles, ttl = tonumber(ARGV[5]), tonumber(ARGV[6])
+local first = 7 + settles * 3
+local charged = 0
+for i = 7, first - 1, 3 do
+  local id, spent_usd, tokens = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  if id ~= '' and redis.call('ZREM', KEYS[4], id) == 1 then
+    local held = tonumber(redis.call('HGET', KEYS[5], id) or '0') or 0
+    redis.call('HDEL', KEYS[5], id)
+    redis.call('INCRBYFLOAT', KEYS[6], -held)
+  end
+  if spent_usd > 0 then
+    redis.call('HINCRBYFLOAT', KEYS[3], 'usd', ARGV[i + 1])
+    redis.call('EXPIRE', KEYS[3], ttl)
+  end
+  if tokens > 0 then
+    charged = charged + tokens
+  end
+end
 local usd = tonumber(redis.call('HGET', KEYS[3], 'usd') or '0') or 0
 local reserved = 0
 if budget >= 0 then
@@ -41,12 +62,17 @@ local rl, tl
 if rpm > 0 then
   rl = level(KEYS[1], rpm)
 end
+local rtaken, ttaken, out = false, false, {}
 if tpm > 0 then
   tl = level(KEYS[2], tpm)
+  if charged > 0 then
+    -- Completion tokens of ended requests: below zero if need be (a day's tokens at most).
+    tl = math.max(tl - charged, -tpm * 1440)
+    ttaken = true
+  end
 end
-local rtaken, ttaken, out = false, false, {}
 local spent = tostring(usd)
-for i = 5, #ARGV - 2, 3 do
+for i = first, #ARGV - 2, 3 do
   local tokens, reserve, id = tonumber(ARGV[i]), tonumber(ARGV[i + 1]), ARGV[i + 2]
   local v
   if budget >= 0 and usd + reserved >= budget then

@@ -82,6 +82,13 @@ struct Batch {
     month: String,
 }
 
+/// What waits for a key's next call: admissions, and settles of the key that ride along.
+#[derive(Default)]
+struct Group {
+    waiting: Vec<Waiting>,
+    settles: Vec<Settle>,
+}
+
 /// One admission waiting for its call.
 struct Waiting {
     ask: Ask,
@@ -143,6 +150,22 @@ pub struct Settle {
     pub usd: f64,
     pub completion_tokens: u64,
     pub tpm: u64,
+    /// The key's `rpm` (0: none) and budget: with `tpm` and the month, the admissions a settle
+    /// can ride along with.
+    pub rpm: u32,
+    pub budget: Option<f64>,
+}
+
+impl Settle {
+    fn batch(&self) -> Batch {
+        Batch {
+            client: self.client.clone(),
+            rpm: self.rpm,
+            tpm: self.tpm,
+            budget: self.budget.filter(|b| b.is_finite()).map(f64::to_bits),
+            month: self.month.clone(),
+        }
+    }
 }
 
 /// The store's state as `/status` shows it.
@@ -191,8 +214,10 @@ pub struct Cluster {
     /// Admissions the store decided, and the calls that carried them.
     store_admissions: AtomicU64,
     admission_calls: AtomicU64,
+    /// Settles that went with their key's admissions (no call of their own).
+    settles_carried: AtomicU64,
     /// Admissions waiting for their key's next call; an entry exists while its flusher runs.
-    batches: Mutex<std::collections::HashMap<Batch, Vec<Waiting>>>,
+    batches: Mutex<std::collections::HashMap<Batch, Group>>,
 }
 
 impl Cluster {
@@ -236,6 +261,7 @@ impl Cluster {
             batches: Mutex::new(Default::default()),
             store_admissions: AtomicU64::new(0),
             admission_calls: AtomicU64::new(0),
+            settles_carried: AtomicU64::new(0),
             settings,
         })
     }
@@ -293,9 +319,9 @@ impl Cluster {
         let (ask, rx) = {
             let mut batches = self.batches.lock().unwrap_or_else(|e| e.into_inner());
             match batches.get_mut(&key) {
-                Some(q) if q.len() < MAX_BATCH_WAITING => {
+                Some(g) if g.waiting.len() < MAX_BATCH_WAITING => {
                     let (tx, rx) = tokio::sync::oneshot::channel();
-                    q.push(Waiting { ask, tx });
+                    g.waiting.push(Waiting { ask, tx });
                     (None, Some(rx))
                 }
                 Some(_) => {
@@ -306,7 +332,7 @@ impl Cluster {
                     return Err(());
                 }
                 None => {
-                    batches.insert(key.clone(), Vec::new());
+                    batches.insert(key.clone(), Group::default());
                     (Some(ask), None)
                 }
             }
@@ -319,9 +345,11 @@ impl Cluster {
                     cluster: self,
                     key: Some(key.clone()),
                 };
-                let answer =
-                    tokio::time::timeout(self.settings.timeout, self.admit_batch(&key, &[&ask]))
-                        .await;
+                let answer = tokio::time::timeout(
+                    self.settings.timeout,
+                    self.admit_batch(&key, &[&ask], &[]),
+                )
+                .await;
                 drop(lead);
                 match answer {
                     Ok(Ok(mut v)) => Ok(Ok(v.pop().unwrap_or(Err(())))),
@@ -364,16 +392,21 @@ impl Cluster {
     /// quiet again (the next to ask calls at once).
     fn hand_over(self: &Arc<Self>, key: Batch) {
         let mut batches = self.batches.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(q) = batches.get_mut(&key) {
-            q.retain(|w| !w.tx.is_closed());
-            if q.is_empty() {
-                batches.remove(&key);
+        if let Some(g) = batches.get_mut(&key) {
+            g.waiting.retain(|w| !w.tx.is_closed());
+            if g.waiting.is_empty() {
+                // Settles that waited for admissions that did not come go the settler's way.
+                let settles = batches.remove(&key).map(|g| g.settles).unwrap_or_default();
+                drop(batches);
+                self.to_settler(settles);
             } else if let Ok(rt) = tokio::runtime::Handle::try_current() {
                 drop(batches);
                 rt.spawn(self.clone().flush(key));
             } else {
                 // No runtime (shutting down): the waiting give up at their timeout.
-                batches.remove(&key);
+                let settles = batches.remove(&key).map(|g| g.settles).unwrap_or_default();
+                drop(batches);
+                self.to_settler(settles);
             }
         }
     }
@@ -381,30 +414,39 @@ impl Cluster {
     /// Sends the admissions waiting for `key`, call after call, until none is left.
     async fn flush(self: Arc<Self>, key: Batch) {
         loop {
-            let batch: Vec<Waiting> = {
+            let (batch, settles) = {
                 let mut batches = self.batches.lock().unwrap_or_else(|e| e.into_inner());
-                let Some(q) = batches.get_mut(&key) else {
+                let Some(g) = batches.get_mut(&key) else {
                     return;
                 };
                 // A request that stopped waiting (past `cluster.timeout`) was admitted on its
                 // own: it takes nothing from the store.
-                q.retain(|w| !w.tx.is_closed());
-                if q.is_empty() {
-                    batches.remove(&key);
+                g.waiting.retain(|w| !w.tx.is_closed());
+                if g.waiting.is_empty() {
+                    let settles = batches.remove(&key).map(|g| g.settles).unwrap_or_default();
+                    drop(batches);
+                    self.to_settler(settles);
                     return;
                 }
-                std::mem::take(q)
+                (
+                    std::mem::take(&mut g.waiting),
+                    std::mem::take(&mut g.settles),
+                )
             };
             let asks: Vec<&Ask> = batch.iter().map(|w| &w.ask).collect();
-            let verdicts = self.admit_batch(&key, &asks).await;
+            let verdicts = self.admit_batch(&key, &asks, &settles).await;
             match verdicts {
                 Ok(vs) => {
+                    self.settles_carried
+                        .fetch_add(settles.len() as u64, Ordering::Relaxed);
                     for (w, v) in batch.into_iter().zip(vs) {
                         let _ = w.tx.send(v);
                     }
                 }
                 Err(e) => {
                     self.down(&e);
+                    // Not known to be applied: the settler sends them when the store is back.
+                    self.to_settler(settles);
                     for w in batch {
                         let _ = w.tx.send(Err(()));
                     }
@@ -418,6 +460,7 @@ impl Cluster {
         &self,
         key: &Batch,
         batch: &[&Ask],
+        settles: &[Settle],
     ) -> Result<Vec<Result<Verdict, ()>>, String> {
         let client = key.client.as_str();
         let mut inv = self.admit.prepare_invoke();
@@ -430,7 +473,18 @@ impl Cluster {
             .arg(key.rpm)
             .arg(key.tpm)
             .arg(key.budget.map(f64::from_bits).unwrap_or(-1.0))
-            .arg(HOLD.as_millis() as u64);
+            .arg(HOLD.as_millis() as u64)
+            .arg(settles.len())
+            .arg(SPEND_TTL.as_secs());
+        for s in settles {
+            inv.arg(s.request.as_deref().unwrap_or(""))
+                .arg(if s.usd.is_finite() {
+                    s.usd.max(0.0)
+                } else {
+                    0.0
+                })
+                .arg(s.completion_tokens);
+        }
         for w in batch {
             inv.arg(w.tokens).arg(w.reserve).arg(&w.request);
         }
@@ -490,6 +544,29 @@ impl Cluster {
         if s.request.is_none() && s.usd <= 0.0 && s.completion_tokens == 0 {
             return;
         }
+        // While a call for the key is out, the settle goes in the key's next call (the same
+        // keys, one call instead of two under load).
+        let s = {
+            let mut batches = self.batches.lock().unwrap_or_else(|e| e.into_inner());
+            match batches.get_mut(&s.batch()) {
+                Some(g) if g.settles.len() < MAX_BATCH_WAITING => {
+                    g.settles.push(s);
+                    return;
+                }
+                _ => s,
+            }
+        };
+        self.to_settler(std::iter::once(s));
+    }
+
+    /// Queues settles for the settler (never waits; a full queue drops and counts).
+    fn to_settler(&self, settles: impl IntoIterator<Item = Settle>) {
+        for s in settles {
+            self.queue_settle(s);
+        }
+    }
+
+    fn queue_settle(&self, s: Settle) {
         if self.settles.try_send(s).is_err() {
             let n = self.settles_dropped.fetch_add(1, Ordering::Relaxed) + 1;
             if n == 1 || n.is_multiple_of(1000) {
@@ -590,6 +667,7 @@ impl Cluster {
             "local_admissions": self.fallbacks.load(Ordering::Relaxed),
             "store_admissions": self.store_admissions.load(Ordering::Relaxed),
             "admission_calls": self.admission_calls.load(Ordering::Relaxed),
+            "settles_carried": self.settles_carried.load(Ordering::Relaxed),
             "slow_answers": self.slow_answers.load(Ordering::Relaxed),
             "longest_wait_ms": self.longest_wait_us.load(Ordering::Relaxed) as f64 / 1000.0,
             "settles_queued": SETTLE_QUEUE - self.settles.capacity(),

@@ -217,6 +217,10 @@ struct Shared {
     usd_seen: f64,
     /// The key's `tpm` (the bucket to charge completion tokens to), 0 without one.
     tpm: u64,
+    /// The key's `rpm` (0 without one) and budget: with `tpm` and the month, what its
+    /// admissions share in the store's calls (a settle rides along with them).
+    rpm: u32,
+    budget: Option<f64>,
     /// Completion tokens are charged when the request ends.
     charge_completion: bool,
 }
@@ -397,6 +401,8 @@ impl Admission {
                 0
             },
             tpm: sh.tpm,
+            rpm: sh.rpm,
+            budget: sh.budget,
         });
         if usd <= 0.0 {
             return total;
@@ -543,6 +549,8 @@ impl Clients {
             month: month.clone(),
             usd_seen,
             tpm: tpm.unwrap_or(0),
+            rpm: key.rpm.unwrap_or(0),
+            budget: key.budget_usd,
             charge_completion: ask.charge_completion && tpm.is_some(),
         };
         let asked = Admit {
@@ -574,7 +582,8 @@ impl Clients {
                     reserved: 0.0,
                     charge_completion: false,
                     settled: false,
-                    shared: Some(shared(Some(request.clone()), usd)),
+                    // A reservation to let go at the end only where one was made.
+                    shared: Some(shared((reserve > 0.0).then(|| request.clone()), usd)),
                 })
             }
             Ok(Verdict::Budget { usd }) => {

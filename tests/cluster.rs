@@ -530,6 +530,77 @@ async fn a_client_gone_mid_call_leaves_its_key_served_by_the_store() {
     );
 }
 
+/// A store restarted empty is filled again from what the replicas know: a retirement replica A
+/// learned before the restart is read by a replica started after it, which never calls the
+/// endpoint.
+#[tokio::test]
+async fn a_store_restarted_empty_is_filled_with_what_the_replicas_know() {
+    let mut redis = Redis::start();
+    let port = redis.port;
+    let gone = MockUp::openai(
+        "rules: [{status: 410, error: \"The model gpt-4-0314 has been deprecated\"}]",
+    )
+    .await;
+    let spare = MockUp::openai("name: spare").await;
+    let cfg = format!(
+        r#"models:
+  gone: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
+  spare: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
+routes:
+  retire: [gone, spare]
+cluster: {{ redis: env:AUTOHEDGE_REDIS_URL, key_prefix: "refill:" }}
+health: {{ probe_interval: 1h }}
+"#,
+        gone.base(),
+        spare.base()
+    );
+    let a = start(&cfg, &redis.url());
+    until_clustered(&[&a], 1).await;
+    assert_eq!(
+        header(&a.chat("retire", "hi").await, "x-autohedge-endpoint"),
+        "spare"
+    );
+    assert_eq!(a.status().await["endpoints"]["gone"]["state"], "retired");
+    let stored = eventually(Duration::from_secs(5), || async {
+        redis.value("EXISTS refill:facts:gone").as_deref() == Some(":1")
+    })
+    .await;
+    assert!(stored, "A stored the retirement");
+
+    redis.kill();
+    let redis = Redis::start_on(port);
+    assert_eq!(
+        redis.value("EXISTS refill:facts:gone").as_deref(),
+        Some(":0")
+    );
+    let refilled = eventually(Duration::from_secs(15), || async {
+        redis.value("EXISTS refill:facts:gone").as_deref() == Some(":1")
+    })
+    .await;
+    assert!(
+        refilled,
+        "A filled the empty store: {}",
+        a.status().await["cluster"]
+    );
+
+    let c = start(&cfg, &redis.url());
+    until_clustered(&[&c], 2).await;
+    let read = eventually(Duration::from_secs(5), || async {
+        c.status().await["endpoints"]["gone"]["state"] == "retired"
+    })
+    .await;
+    assert!(read, "C: {}", c.status().await["endpoints"]["gone"]);
+    assert_eq!(
+        header(&c.chat("retire", "hi").await, "x-autohedge-endpoint"),
+        "spare"
+    );
+    assert_eq!(
+        gone.requests().await,
+        1,
+        "only A ever called the retired endpoint"
+    );
+}
+
 /// A key's `budget_usd` across three replicas: reservations live in the store, so concurrent
 /// requests on all three overshoot the budget by at most one request's reservation, and every
 /// admitted request's cost is in the shared spend once its settle is applied.

@@ -792,6 +792,11 @@ struct Message {
 
 impl Cluster {
     async fn publish(&self, fact: &Fact) -> Result<(), String> {
+        self.share_fact(fact, true).await
+    }
+
+    /// Stores `fact`, and publishes it when `publish` (the running replicas apply it at once).
+    async fn share_fact(&self, fact: &Fact, publish: bool) -> Result<(), String> {
         let body = serde_json::to_string(fact).map_err(|e| e.to_string())?;
         let msg = serde_json::to_string(&Message {
             origin: self.replica.clone(),
@@ -803,7 +808,11 @@ impl Cluster {
             .arg(fact_field(fact))
             .arg(body)
             .arg(msg)
-            .arg(self.key(&["facts"]))
+            .arg(if publish {
+                self.key(&["facts"])
+            } else {
+                String::new()
+            })
             .arg(FACTS_TTL.as_secs());
         self.call::<i64>(&inv).await.map(|_| ())
     }
@@ -854,6 +863,8 @@ pub struct Hooks {
     pub endpoints: Box<dyn Fn() -> Vec<String> + Send + Sync>,
     /// Applies a fact another replica learned.
     pub apply: Box<dyn Fn(Fact) + Send + Sync>,
+    /// What this replica knows that the fleet shares (a store restarted empty is filled again).
+    pub known: Box<dyn Fn() -> Vec<Fact> + Send + Sync>,
     /// What this replica learns (the registry's queue).
     pub facts: mpsc::Receiver<Fact>,
 }
@@ -905,8 +916,22 @@ pub async fn run(cluster: Arc<Cluster>, hooks: Hooks, cancel: CancellationToken)
         spend,
         endpoints,
         apply,
+        known,
         facts,
     } = hooks;
+    // What the store learns from this replica when it comes back (or back empty): the month's
+    // spend, and what this replica knows of the endpoints (stored, not published: the running
+    // replicas know it or learned it themselves).
+    let refill = |cluster: Arc<Cluster>| {
+        let (spend, known) = (spend(), known());
+        async move {
+            cluster.seed(&spend).await?;
+            for f in &known {
+                cluster.share_fact(f, false).await?;
+            }
+            Ok::<(), String>(())
+        }
+    };
     let apply: Arc<dyn Fn(Fact) + Send + Sync> = Arc::from(apply);
     let settler = tokio::spawn(settler(cluster.clone(), cancel.clone()));
     let sharer = tokio::spawn(sharer(cluster.clone(), facts, cancel.clone()));
@@ -926,13 +951,13 @@ pub async fn run(cluster: Arc<Cluster>, hooks: Hooks, cancel: CancellationToken)
                 // on its own): seeded again as after an outage, by every replica.
                 let fresh = std::mem::replace(&mut epoch, now_epoch) != epoch;
                 if fresh && cluster.is_up() {
-                    tracing::warn!(store = %cluster.settings.display, "cluster store restarted empty: seeding it with this replica's spend");
-                    if let Err(e) = cluster.seed(&spend()).await {
+                    tracing::warn!(store = %cluster.settings.display, "cluster store restarted empty: filling it with this replica's spend and endpoint knowledge");
+                    if let Err(e) = refill(cluster.clone()).await {
                         cluster.down(&e);
                     }
                 }
                 if !cluster.is_up() {
-                    match cluster.seed(&spend()).await {
+                    match refill(cluster.clone()).await {
                         Ok(()) => {
                             cluster.back_up();
                             backoff = FIRST_BACKOFF;

@@ -263,7 +263,7 @@ impl Gateway {
             let _ = state.cluster.set(cluster.clone());
             let (tx, facts) = tokio::sync::mpsc::channel(crate::cluster::FACT_QUEUE);
             state.registry.share_with(tx);
-            let (a, b, c) = (state.clone(), state.clone(), state.clone());
+            let (a, b, c, d) = (state.clone(), state.clone(), state.clone(), state.clone());
             let hooks = crate::cluster::Hooks {
                 spend: Box::new(move || a.clients.spend_snapshot()),
                 endpoints: Box::new(move || b.config.load().endpoints.keys().cloned().collect()),
@@ -272,6 +272,11 @@ impl Gateway {
                     if let Some(ep) = cfg.endpoints.get(fact.endpoint()) {
                         c.registry.apply_fact(ep, fact);
                     }
+                }),
+                known: Box::new(move || {
+                    let cfg = d.config.load();
+                    d.registry
+                        .known_facts(cfg.endpoints.values().map(|e| e.as_ref()))
                 }),
                 facts,
             };

@@ -256,6 +256,60 @@ impl Registry {
         }
     }
 
+    /// What this replica knows about `endpoints` that the fleet shares (a cooldown still
+    /// running, a retirement, rejected keys, a learned window), as facts: a store restarted
+    /// empty is filled again from them.
+    pub fn known_facts<'a>(&self, endpoints: impl IntoIterator<Item = &'a Endpoint>) -> Vec<Fact> {
+        let now = Instant::now();
+        let mut out = Vec::new();
+        for ep in endpoints {
+            let Some(rt) = self.get(&ep.name) else {
+                continue;
+            };
+            let rt = lock(&rt);
+            let (endpoint, fingerprint) = (ep.name.clone(), ep.fingerprint.clone());
+            if let Some(until) = rt.cooldown_until.filter(|u| *u > now) {
+                out.push(Fact::Cooldown {
+                    endpoint: endpoint.clone(),
+                    fingerprint: fingerprint.clone(),
+                    until_unix_ms: (SystemTime::now() + (until - now))
+                        .duration_since(SystemTime::UNIX_EPOCH)
+                        .map(|d| d.as_millis() as u64)
+                        .unwrap_or(0),
+                    detail: rt.cooldown_reason.clone().unwrap_or_default(),
+                });
+            }
+            if let Some(r) = rt
+                .retired
+                .as_ref()
+                .filter(|r| r.fingerprint == ep.fingerprint)
+            {
+                out.push(Fact::Retired {
+                    endpoint: endpoint.clone(),
+                    fingerprint: fingerprint.clone(),
+                    detail: r.reason.clone(),
+                });
+            }
+            for key in &rt.dead_keys {
+                out.push(Fact::KeyRejected {
+                    endpoint: endpoint.clone(),
+                    fingerprint: fingerprint.clone(),
+                    key: key.clone(),
+                    detail: "rejected (as this replica knew it when the store restarted)".into(),
+                });
+            }
+            if let Some(w) = &rt.learned_window {
+                out.push(Fact::Window {
+                    endpoint: endpoint.clone(),
+                    fingerprint: fingerprint.clone(),
+                    tokens: w.tokens,
+                    request_id: w.request_id.clone(),
+                });
+            }
+        }
+        out
+    }
+
     /// Applies what another replica learned, when this replica's endpoint of that name has the
     /// same definition. Nothing is shared back. Values are bounded as if from an upstream: a
     /// cooldown of at most an hour, a window no smaller than [`MIN_LEARNED_WINDOW`] nor than

@@ -615,6 +615,10 @@ impl Mock {
                 self.completion(&body, &model, &reply, &rule, stream, chunk_delay, kill)
             }
             ("POST", "/v1/embeddings", _) => self.embeddings(&body, &model, &rule),
+            // OpenAI's Responses API (vLLM serves it too); Ollama does not.
+            ("POST", "/v1/responses", Flavor::Openai | Flavor::Vllm) => {
+                self.responses(&body, &model, &reply, &rule, stream, chunk_delay, kill)
+            }
             ("POST", "/api/chat", Flavor::Ollama) => {
                 self.ollama_native(&body, &model, &reply, &rule, stream, chunk_delay, kill, true)
             }
@@ -709,6 +713,184 @@ impl Mock {
             events.push(json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": usage}));
         }
         self.sse(events, rule, chunk_delay, kill)
+    }
+
+    /// `POST /v1/responses`: a Response object, or its event stream — `response.created`,
+    /// `response.in_progress`, the output item and its part added, the text deltas (or the
+    /// function call's argument deltas), each done, `response.completed` — every event named
+    /// (`event:`) and numbered (`sequence_number`), no `[DONE]`, as OpenAI streams them.
+    #[allow(clippy::too_many_arguments)]
+    fn responses(
+        &self,
+        body: &Value,
+        model: &str,
+        reply: &str,
+        rule: &Rule,
+        stream: bool,
+        chunk_delay: Duration,
+        kill: Arc<Notify>,
+    ) -> Response<RespBody> {
+        let id = format!("resp_{:032x}", fastrand::u128(..));
+        let created = now_secs();
+        let input_tokens = crate::wire::estimate_tokens(response_input_chars(body)).max(1);
+        let item_id = format!(
+            "{}_{:032x}",
+            if rule.tool_call.is_some() {
+                "fc"
+            } else {
+                "msg"
+            },
+            fastrand::u128(..)
+        );
+        let call_id = format!("call_{:016x}", fastrand::u64(..));
+        let arguments = "{\"city\":\"Paris\"}";
+        let output_tokens = match &rule.tool_call {
+            Some(_) => words(arguments),
+            None => words(reply),
+        };
+        let usage = json!({
+            "input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": input_tokens + output_tokens,
+        });
+        let item = |done: bool| -> Value {
+            let status = if done { "completed" } else { "in_progress" };
+            match &rule.tool_call {
+                Some(name) => {
+                    json!({"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
+                    "arguments": if done { arguments } else { "" }, "status": status})
+                }
+                None => {
+                    json!({"type": "message", "id": item_id, "status": status, "role": "assistant",
+                    "content": if done { json!([{"type": "output_text", "text": reply, "annotations": []}]) } else { json!([]) }})
+                }
+            }
+        };
+        let response = |status: &str, output: Vec<Value>, usage: Value| -> Value {
+            json!({
+                "id": id, "object": "response", "created_at": created, "status": status,
+                "error": null, "incomplete_details": null,
+                "instructions": body.get("instructions").cloned().unwrap_or(Value::Null),
+                "max_output_tokens": body.get("max_output_tokens").cloned().unwrap_or(Value::Null),
+                "model": model, "output": output, "parallel_tool_calls": true,
+                "previous_response_id": body.get("previous_response_id").cloned().unwrap_or(Value::Null),
+                "reasoning": {"effort": null, "summary": null},
+                "store": body.get("store").cloned().unwrap_or(json!(true)),
+                "temperature": body.get("temperature").cloned().unwrap_or(json!(1.0)),
+                "text": body.get("text").cloned().unwrap_or(json!({"format": {"type": "text"}})),
+                "tool_choice": body.get("tool_choice").cloned().unwrap_or(json!("auto")),
+                "tools": body.get("tools").cloned().unwrap_or(json!([])),
+                "top_p": body.get("top_p").cloned().unwrap_or(json!(1.0)),
+                "truncation": "disabled", "usage": usage, "user": null, "metadata": {},
+            })
+        };
+        if !stream {
+            let mut v = response("completed", vec![item(true)], usage);
+            if rule.no_usage {
+                v["usage"] = Value::Null;
+            }
+            return self.json_response(200, &v, &rule.headers);
+        }
+        // (type, event, whether it carries output): the misbehaviours count output events.
+        let mut events: Vec<(&'static str, Value, bool)> = vec![
+            (
+                "response.created",
+                json!({"response": response("in_progress", vec![], Value::Null)}),
+                false,
+            ),
+            (
+                "response.in_progress",
+                json!({"response": response("in_progress", vec![], Value::Null)}),
+                false,
+            ),
+            (
+                "response.output_item.added",
+                json!({"output_index": 0, "item": item(false)}),
+                false,
+            ),
+        ];
+        match &rule.tool_call {
+            Some(_) => {
+                for piece in split_words(arguments) {
+                    events.push((
+                        "response.function_call_arguments.delta",
+                        json!({"item_id": item_id, "output_index": 0, "delta": piece}),
+                        true,
+                    ));
+                }
+                events.push((
+                    "response.function_call_arguments.done",
+                    json!({"item_id": item_id, "output_index": 0, "arguments": arguments}),
+                    false,
+                ));
+            }
+            None => {
+                let part =
+                    |text: &str| json!({"type": "output_text", "text": text, "annotations": []});
+                events.push(("response.content_part.added", json!({"item_id": item_id, "output_index": 0, "content_index": 0, "part": part("")}), false));
+                for piece in split_words(reply) {
+                    events.push(("response.output_text.delta", json!({"item_id": item_id, "output_index": 0, "content_index": 0, "delta": piece, "logprobs": []}), true));
+                }
+                events.push(("response.output_text.done", json!({"item_id": item_id, "output_index": 0, "content_index": 0, "text": reply, "logprobs": []}), false));
+                events.push(("response.content_part.done", json!({"item_id": item_id, "output_index": 0, "content_index": 0, "part": part(reply)}), false));
+            }
+        }
+        events.push((
+            "response.output_item.done",
+            json!({"output_index": 0, "item": item(true)}),
+            false,
+        ));
+        let final_usage = if rule.no_usage { Value::Null } else { usage };
+        events.push((
+            "response.completed",
+            json!({"response": response("completed", vec![item(true)], final_usage)}),
+            false,
+        ));
+        let failed = response("failed", vec![], Value::Null);
+        let (tx, rx) = mpsc::channel::<Bytes>(16);
+        let extra_headers = rule.headers.clone();
+        let rule = rule.clone();
+        tokio::spawn(async move {
+            // Events after `response.created`: where the misbehaviours strike.
+            let mut sent = 0usize;
+            for (seq, (kind, mut ev, output)) in events.into_iter().enumerate() {
+                if seq > 0 {
+                    let mut f = failed.clone();
+                    f["error"] = json!({"code": "server_error", "message": rule.error.as_deref().unwrap_or("mock in-band error")});
+                    let err =
+                        json!({"type": "response.failed", "sequence_number": seq, "response": f});
+                    let err = Bytes::from(format!("event: response.failed\ndata: {err}\n\n"));
+                    if misbehave(&rule, sent, &tx, &kill, err).await {
+                        return;
+                    }
+                    if output && !chunk_delay.is_zero() {
+                        tokio::time::sleep(chunk_delay).await;
+                    }
+                    sent += 1;
+                }
+                ev["type"] = json!(kind);
+                ev["sequence_number"] = json!(seq);
+                if tx
+                    .send(Bytes::from(format!("event: {kind}\ndata: {ev}\n\n")))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            if rule.hold_after_done {
+                let _ = tokio::time::timeout(Duration::from_secs(600), tx.closed()).await;
+            }
+        });
+        let stream = tokio_stream::wrappers::ReceiverStream::new(rx)
+            .map(|b| Ok::<_, Infallible>(Frame::data(b)));
+        let mut b = Response::builder()
+            .status(200)
+            .header("content-type", "text/event-stream; charset=utf-8")
+            .header("cache-control", "no-cache");
+        b = self.standard_headers(b, 200, &extra_headers);
+        b.body(BodyExt::boxed(StreamBody::new(stream)))
+            .unwrap_or_else(|_| Response::new(full("")))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -966,6 +1148,24 @@ async fn misbehave(
         return true;
     }
     false
+}
+
+/// The characters of a Responses request's text: `instructions`, and `input` as a string or as
+/// items (messages with text parts or a string, function call outputs).
+fn response_input_chars(body: &Value) -> usize {
+    fn text(v: &Value) -> usize {
+        match v {
+            Value::String(s) => s.chars().count(),
+            Value::Array(a) => a.iter().map(text).sum(),
+            Value::Object(o) => ["text", "content", "output", "arguments"]
+                .iter()
+                .filter_map(|k| o.get(*k))
+                .map(text)
+                .sum(),
+            _ => 0,
+        }
+    }
+    body.get("instructions").map(text).unwrap_or(0) + body.get("input").map(text).unwrap_or(0)
 }
 
 /// vLLM continues a final assistant message when asked (`continue_final_message: true` with

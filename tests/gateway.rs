@@ -1951,10 +1951,19 @@ async fn gateways_restarted_in_turn_under_load_drop_nothing() {
     for (i, gw) in gws.iter_mut().enumerate() {
         let before = sent.load(std::sync::atomic::Ordering::Relaxed);
         gw.term();
-        // Draining: /health says so, and a request is still served, with `Connection: close`.
-        let health = reqwest::get(gw.url("/health")).await.unwrap();
-        assert_eq!(health.status(), 503);
-        assert_eq!(health.json::<Value>().await.unwrap()["status"], "draining");
+        // Draining: /health says so as soon as the signal is handled (the signal arrives on
+        // its own time: polled), and a request is still served, with `Connection: close`.
+        let draining = eventually(Duration::from_secs(5), || async {
+            match reqwest::get(gw.url("/health")).await {
+                Ok(h) if h.status() == 503 => h
+                    .json::<Value>()
+                    .await
+                    .is_ok_and(|v| v["status"] == "draining"),
+                _ => false,
+            }
+        })
+        .await;
+        assert!(draining, "gateway {i}: /health never said draining");
         let r = gw.chat("a", "still serving").await;
         assert_eq!(r.status(), 200, "served while draining");
         assert_eq!(header(&r, "connection"), "close");

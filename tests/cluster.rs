@@ -359,6 +359,10 @@ async fn a_killed_store_splits_the_limits_and_comes_back() {
     assert_eq!(got[0].0, 200);
     assert_eq!(a.status().await["cluster"]["local_admissions"], 0);
 
+    let killed_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
     redis.kill();
     let (got, took) = burst(&[&a], TEAM, 100, hello.clone()).await;
     assert_eq!(
@@ -385,6 +389,11 @@ async fn a_killed_store_splits_the_limits_and_comes_back() {
     assert_eq!(st["cluster"]["state"], "down", "{}", st["cluster"]);
     assert!(st["cluster"]["local_admissions"].as_u64().unwrap() >= 100);
     assert!(st["cluster"]["last_error"].is_string());
+    assert!(
+        st["cluster"]["last_error_ms"].as_u64().unwrap() >= killed_ms,
+        "the error is dated after the kill: {}",
+        st["cluster"]
+    );
     let alerted = eventually(Duration::from_secs(10), || async {
         hooked
             .lock()

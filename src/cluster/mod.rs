@@ -172,6 +172,8 @@ impl Settle {
 #[derive(Debug, Default)]
 struct Status {
     last_error: Option<String>,
+    /// When `last_error` happened (it stays after the store is back).
+    last_error_at: Option<SystemTime>,
     down_since: Option<SystemTime>,
     last_ok: Option<SystemTime>,
     /// Up without a break since.
@@ -580,10 +582,9 @@ impl Cluster {
 
     fn note_error(&self, error: &str) {
         let error = scrub(&self.settings, error);
-        self.status
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .last_error = Some(error);
+        let mut st = self.status.lock().unwrap_or_else(|e| e.into_inner());
+        st.last_error = Some(error);
+        st.last_error_at = Some(SystemTime::now());
     }
 
     /// Up without a break for a minute (a bucket's whole refill): a key's shares from an outage
@@ -605,6 +606,7 @@ impl Cluster {
         {
             let mut st = self.status.lock().unwrap_or_else(|e| e.into_inner());
             st.last_error = Some(error.clone());
+            st.last_error_at = Some(SystemTime::now());
             st.up_since = None;
             if was_up || st.down_since.is_none() {
                 st.down_since.get_or_insert_with(SystemTime::now);
@@ -662,6 +664,7 @@ impl Cluster {
             "replica": self.replica,
             "replicas": self.replicas(),
             "last_error": st.last_error,
+            "last_error_ms": ms(st.last_error_at),
             "down_since_ms": ms(st.down_since),
             "outages": st.outages,
             "local_admissions": self.fallbacks.load(Ordering::Relaxed),

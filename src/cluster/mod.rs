@@ -102,6 +102,12 @@ struct Ask {
     request: String,
 }
 
+/// An admission's part: the call for its quiet key, or a place in the key's next call.
+enum Turn {
+    Call(Ask),
+    Wait(tokio::sync::oneshot::Receiver<Result<Verdict, ()>>),
+}
+
 /// The first asker's call for a key: when it ends (or is dropped), those who queued meanwhile
 /// are handed to a flusher.
 struct Lead<'a> {
@@ -318,13 +324,13 @@ impl Cluster {
         // The first to ask for a key calls at once, for itself alone (no hop through another
         // task when the key is quiet); those who ask while that call is out wait together for
         // the next, which a flusher makes for them.
-        let (ask, rx) = {
+        let turn = {
             let mut batches = self.batches.lock().unwrap_or_else(|e| e.into_inner());
             match batches.get_mut(&key) {
                 Some(g) if g.waiting.len() < MAX_BATCH_WAITING => {
                     let (tx, rx) = tokio::sync::oneshot::channel();
                     g.waiting.push(Waiting { ask, tx });
-                    (None, Some(rx))
+                    Turn::Wait(rx)
                 }
                 Some(_) => {
                     drop(batches);
@@ -335,12 +341,12 @@ impl Cluster {
                 }
                 None => {
                     batches.insert(key.clone(), Group::default());
-                    (Some(ask), None)
+                    Turn::Call(ask)
                 }
             }
         };
-        let answer = match (ask, rx) {
-            (Some(ask), _) => {
+        let answer = match turn {
+            Turn::Call(ask) => {
                 // Whoever queues meanwhile goes in the next call, or the key is quiet again —
                 // also when this request is dropped mid-call (its client gone).
                 let lead = Lead {
@@ -362,8 +368,7 @@ impl Cluster {
                     Err(elapsed) => Err(elapsed),
                 }
             }
-            (None, Some(rx)) => tokio::time::timeout(self.settings.timeout, rx).await,
-            (None, None) => unreachable!("an admission either calls or waits"),
+            Turn::Wait(rx) => tokio::time::timeout(self.settings.timeout, rx).await,
         };
         let verdict = match answer {
             Ok(Ok(Ok(v))) => v,

@@ -882,15 +882,7 @@ impl Mock {
                 let _ = tokio::time::timeout(Duration::from_secs(600), tx.closed()).await;
             }
         });
-        let stream = tokio_stream::wrappers::ReceiverStream::new(rx)
-            .map(|b| Ok::<_, Infallible>(Frame::data(b)));
-        let mut b = Response::builder()
-            .status(200)
-            .header("content-type", "text/event-stream; charset=utf-8")
-            .header("cache-control", "no-cache");
-        b = self.standard_headers(b, 200, &extra_headers);
-        b.body(BodyExt::boxed(StreamBody::new(stream)))
-            .unwrap_or_else(|_| Response::new(full("")))
+        self.event_stream(rx, &extra_headers)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1003,13 +995,22 @@ impl Mock {
                 let _ = tokio::time::timeout(Duration::from_secs(600), tx.closed()).await;
             }
         });
+        self.event_stream(rx, &extra_headers)
+    }
+
+    /// A `text/event-stream` answer whose body is what `rx` yields, with the flavor's headers.
+    fn event_stream(
+        &self,
+        rx: mpsc::Receiver<Bytes>,
+        extra_headers: &BTreeMap<String, String>,
+    ) -> Response<RespBody> {
         let stream = tokio_stream::wrappers::ReceiverStream::new(rx)
             .map(|b| Ok::<_, Infallible>(Frame::data(b)));
         let mut b = Response::builder()
             .status(200)
             .header("content-type", "text/event-stream; charset=utf-8")
             .header("cache-control", "no-cache");
-        b = self.standard_headers(b, 200, &extra_headers);
+        b = self.standard_headers(b, 200, extra_headers);
         b.body(BodyExt::boxed(StreamBody::new(stream)))
             .unwrap_or_else(|_| Response::new(full("")))
     }

@@ -153,6 +153,15 @@ fn start(cfg: &str, redis_url: &str) -> Gw {
     )
 }
 
+/// Waits until `gw` says the store is `up` again.
+async fn until_up(gw: &Gw, what: &str) {
+    let ok = eventually(Duration::from_secs(15), || async {
+        gw.status().await["cluster"]["state"] == "up"
+    })
+    .await;
+    assert!(ok, "{what}: {}", gw.status().await["cluster"]);
+}
+
 /// Waits until every gateway says the store is `up` and sees `n` replicas.
 async fn until_clustered(gws: &[&Gw], n: u64) {
     for gw in gws {
@@ -484,11 +493,7 @@ async fn a_frozen_store_costs_a_request_at_most_the_timeout() {
             .contains("cluster.timeout"),
         "{st}"
     );
-    let ok = eventually(Duration::from_secs(15), || async {
-        a.status().await["cluster"]["state"] == "up"
-    })
-    .await;
-    assert!(ok, "back after SIGCONT");
+    until_up(&a, "back after SIGCONT").await;
 }
 
 /// A request whose client leaves while it waits on the store (its call to the store dropped
@@ -519,11 +524,7 @@ async fn a_client_gone_mid_call_leaves_its_key_served_by_the_store() {
     // The gateway saw it go (its request dropped with the call).
     tokio::time::sleep(Duration::from_millis(200)).await;
     redis.signal("-CONT");
-    let ok = eventually(Duration::from_secs(15), || async {
-        a.status().await["cluster"]["state"] == "up"
-    })
-    .await;
-    assert!(ok, "back after SIGCONT");
+    until_up(&a, "back after SIGCONT").await;
     let before = a.status().await["cluster"].clone();
     let (got, _) = burst(&[&a], TEAM, 5, hello).await;
     assert_eq!(count(&got, 200), 5);

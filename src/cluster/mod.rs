@@ -555,6 +555,12 @@ impl Cluster {
         // keys, one call instead of two under load).
         let s = {
             let mut batches = self.batches.lock().unwrap_or_else(|e| e.into_inner());
+            // No call out (the quiet case): no key to build.
+            if batches.is_empty() {
+                drop(batches);
+                self.queue_settle(s);
+                return;
+            }
             match batches.get_mut(&s.batch()) {
                 Some(g) if g.settles.len() < MAX_BATCH_WAITING => {
                     g.settles.push(s);

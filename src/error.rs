@@ -82,6 +82,17 @@ pub enum ApiError {
     VaultUnavailable,
     /// 500: a bug; the message is safe to show.
     Internal(String),
+    /// 404: `previous_response_id` names no response this client key may continue (unknown,
+    /// expired, made with `store: false`, or another key's).
+    PreviousResponseNotFound(String),
+    /// 503: the conversation lives on an endpoint that could not serve, and no history was kept
+    /// to replay it on another.
+    PreviousResponseUnavailable {
+        endpoint: String,
+        attempts: Vec<AttemptReport>,
+    },
+    /// 404: `GET`/`DELETE /v1/responses/{id}` for an id this client key does not own.
+    ResponseNotFound(String),
 }
 
 /// Which limit a client key hit, with OpenAI's own headers for it.
@@ -110,7 +121,11 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             ApiError::InvalidRequest { .. } => StatusCode::BAD_REQUEST,
-            ApiError::ModelNotFound(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::ModelNotFound(_)
+            | ApiError::NotFound(_)
+            | ApiError::PreviousResponseNotFound(_)
+            | ApiError::ResponseNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::PreviousResponseUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -154,6 +169,9 @@ impl ApiError {
             ApiError::QuotaExceeded { .. } => "insufficient_quota",
             ApiError::InvalidEncryptedKey => "invalid_encrypted_key",
             ApiError::VaultUnavailable => "vault_unavailable",
+            ApiError::PreviousResponseNotFound(_) => "previous_response_not_found",
+            ApiError::PreviousResponseUnavailable { .. } => "previous_response_unavailable",
+            ApiError::ResponseNotFound(_) => "response_not_found",
         }
     }
 
@@ -174,7 +192,7 @@ impl ApiError {
             ),
             ApiError::NotFound(path) => (
                 format!(
-                    "Unknown request URL: {path}. Supported: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models."
+                    "Unknown request URL: {path}. Supported: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/responses, /v1/models."
                 ),
                 "invalid_request_error",
                 None,
@@ -284,6 +302,26 @@ impl ApiError {
                 None,
                 Some("vault_unavailable"),
             ),
+            ApiError::PreviousResponseNotFound(id) => (
+                format!("Previous response with id '{id}' not found."),
+                "invalid_request_error",
+                Some("previous_response_id"),
+                Some("previous_response_not_found"),
+            ),
+            ApiError::PreviousResponseUnavailable { endpoint, .. } => (
+                format!(
+                    "The conversation (previous_response_id) lives on endpoint `{endpoint}`, which could not serve this request, and the gateway kept no history to replay it on another (responses.history: keep); see attempts."
+                ),
+                "server_error",
+                Some("previous_response_id"),
+                Some("previous_response_unavailable"),
+            ),
+            ApiError::ResponseNotFound(id) => (
+                format!("Response with id '{id}' not found."),
+                "invalid_request_error",
+                None,
+                Some("response_not_found"),
+            ),
         };
         let mut err = json!({
             "message": message,
@@ -291,8 +329,9 @@ impl ApiError {
             "param": param,
             "code": code,
         });
-        if let ApiError::AllFailed { attempts, .. } | ApiError::RequestTimeout { attempts, .. } =
-            self
+        if let ApiError::AllFailed { attempts, .. }
+        | ApiError::RequestTimeout { attempts, .. }
+        | ApiError::PreviousResponseUnavailable { attempts, .. } = self
         {
             err["attempts"] = serde_json::to_value(attempts).unwrap_or(Value::Null);
         }

@@ -154,6 +154,9 @@ pub struct Mock {
     counters: Mutex<Counters>,
     /// `rate_limit:`'s bucket: units left, and when they were counted.
     bucket: Mutex<Option<(f64, std::time::Instant)>>,
+    /// The Responses API's stored responses (not those of `store: false`), by id: a
+    /// `previous_response_id` must name one, and `GET`/`DELETE /v1/responses/{id}` read them.
+    stored: Mutex<std::collections::HashMap<String, Value>>,
 }
 
 type RespBody = BoxBody<Bytes, Infallible>;
@@ -180,6 +183,7 @@ impl Mock {
             script: Mutex::new(script),
             counters: Mutex::new(Counters::default()),
             bucket: Mutex::new(None),
+            stored: Mutex::new(Default::default()),
         })
     }
 
@@ -617,7 +621,31 @@ impl Mock {
             ("POST", "/v1/embeddings", _) => self.embeddings(&body, &model, &rule),
             // OpenAI's Responses API (vLLM serves it too); Ollama does not.
             ("POST", "/v1/responses", Flavor::Openai | Flavor::Vllm) => {
+                // A conversation continues only from a response this server stored.
+                if let Some(prev) = body.get("previous_response_id").and_then(Value::as_str)
+                    && !self.stored.lock().unwrap_or_else(|e| e.into_inner()).contains_key(prev)
+                {
+                    return self.error(
+                        &path,
+                        404,
+                        &format!("Previous response with id '{prev}' not found."),
+                        Some("invalid_request_error"),
+                        Some("previous_response_not_found"),
+                        &BTreeMap::new(),
+                    );
+                }
                 self.responses(&body, &model, &reply, &rule, stream, chunk_delay, kill)
+            }
+            ("GET" | "DELETE", p, Flavor::Openai | Flavor::Vllm) if p.starts_with("/v1/responses/") => {
+                let id = &p["/v1/responses/".len()..];
+                let mut stored = self.stored.lock().unwrap_or_else(|e| e.into_inner());
+                let found = if method == "DELETE" { stored.remove(id) } else { stored.get(id).cloned() };
+                drop(stored);
+                match found {
+                    Some(_) if method == "DELETE" => self.json_response(200, &json!({"id": id, "object": "response", "deleted": true}), &rule.headers),
+                    Some(v) => self.json_response(200, &v, &rule.headers),
+                    None => self.error(&path, 404, &format!("Response with id '{id}' not found."), Some("invalid_request_error"), None, &BTreeMap::new()),
+                }
             }
             ("POST", "/api/chat", Flavor::Ollama) => {
                 self.ollama_native(&body, &model, &reply, &rule, stream, chunk_delay, kill, true)
@@ -784,6 +812,17 @@ impl Mock {
                 "truncation": "disabled", "usage": usage, "user": null, "metadata": {},
             })
         };
+        let store = body.get("store").and_then(Value::as_bool) != Some(false);
+        if store && rule.status.is_none() {
+            let mut done = response("completed", vec![item(true)], usage.clone());
+            if rule.no_usage {
+                done["usage"] = Value::Null;
+            }
+            self.stored
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(id.clone(), done);
+        }
         if !stream {
             let mut v = response("completed", vec![item(true)], usage);
             if rule.no_usage {
@@ -863,10 +902,12 @@ impl Mock {
                     if misbehave(&rule, sent, &tx, &kill, err).await {
                         return;
                     }
-                    if output && !chunk_delay.is_zero() {
-                        tokio::time::sleep(chunk_delay).await;
+                    if output {
+                        if !chunk_delay.is_zero() {
+                            tokio::time::sleep(chunk_delay).await;
+                        }
+                        sent += 1;
                     }
-                    sent += 1;
                 }
                 ev["type"] = json!(kind);
                 ev["sequence_number"] = json!(seq);

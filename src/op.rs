@@ -1,4 +1,4 @@
-//! The three operations the gateway serves. A leaf: every layer (config, tokens, wire, upstream)
+//! The four operations the gateway serves. A leaf: every layer (config, tokens, wire, upstream)
 //! speaks of operations, so the type lives below all of them and depends on nothing.
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -6,16 +6,20 @@ pub enum Op {
     Chat = 0,
     Completions = 1,
     Embeddings = 2,
+    /// OpenAI's Responses API (`/v1/responses`): passed through to endpoints that speak it,
+    /// translated to chat for the others.
+    Responses = 3,
 }
 
 impl Op {
-    pub const ALL: [Op; 3] = [Op::Chat, Op::Completions, Op::Embeddings];
+    pub const ALL: [Op; 4] = [Op::Chat, Op::Completions, Op::Embeddings, Op::Responses];
 
     pub fn name(self) -> &'static str {
         match self {
             Op::Chat => "chat",
             Op::Completions => "completions",
             Op::Embeddings => "embeddings",
+            Op::Responses => "responses",
         }
     }
 
@@ -25,15 +29,18 @@ impl Op {
             Op::Chat => "/chat/completions",
             Op::Completions => "/completions",
             Op::Embeddings => "/embeddings",
+            Op::Responses => "/responses",
         }
     }
 
-    /// Path of Ollama's native API.
+    /// Path of Ollama's native API (Responses: its OpenAI-compatible one; the gateway translates
+    /// Responses requests to `/api/chat` for Ollama).
     pub fn ollama_path(self) -> &'static str {
         match self {
             Op::Chat => "/api/chat",
             Op::Completions => "/api/generate",
             Op::Embeddings => "/api/embed",
+            Op::Responses => "/v1/responses",
         }
     }
 }

@@ -71,6 +71,8 @@ pub struct AppState {
     /// The shared store of `cluster:` (set once at start; `cluster:` changes take effect at the
     /// next start).
     pub cluster: std::sync::OnceLock<Arc<crate::cluster::Cluster>>,
+    /// `/v1/responses`: which endpoint produced each response id, and the kept history.
+    pub conversations: crate::routing::conversations::Conversations,
 }
 
 /// A new gateway's first moments: it must not turn requests away (503: "no running task
@@ -207,6 +209,7 @@ impl AppState {
             listen_loopback: std::sync::atomic::AtomicBool::new(true),
             startup: Startup::default(),
             cluster: std::sync::OnceLock::new(),
+            conversations: Default::default(),
             standbys_up: Mutex::new(Default::default()),
         })
     }

@@ -26,6 +26,74 @@ pub struct RawConfig {
     #[serde(default)]
     pub limits: RawLimits,
     pub cluster: Option<RawCluster>,
+    #[serde(default)]
+    pub responses: RawResponses,
+}
+
+/// `responses:`: what the gateway keeps of the answers it gives on `/v1/responses`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawResponses {
+    /// `keep`: keep every response's input and output items (not those of `store: false`
+    /// requests), so a conversation outlives its endpoint; `off` (default): keep only the
+    /// conversations the gateway itself answered by translation.
+    pub history: Option<HistoryMode>,
+    /// How long a kept response (and its pin) is remembered (default 1h).
+    pub history_ttl: Option<Dur>,
+    /// The most kept responses may take together, bytes or `256MiB` (default 256MiB): the oldest
+    /// go first.
+    pub history_max_bytes: Option<ByteSize>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HistoryMode {
+    Keep,
+    Off,
+}
+
+/// A size in bytes: a number, or a string such as `64KiB`, `256MiB`, `1GiB` (or `KB`, `MB`,
+/// `GB`, powers of 1,000).
+#[derive(Debug, Clone, Copy)]
+pub struct ByteSize(pub u64);
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Either {
+            N(u64),
+            S(String),
+        }
+        match Either::deserialize(d)? {
+            Either::N(n) => Ok(ByteSize(n)),
+            Either::S(s) => parse_bytes(&s)
+                .map(ByteSize)
+                .map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// Parses `1024`, `64KiB`, `256MiB`, `1GiB`, `10MB`.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| "a size: bytes, or e.g. 64KiB, 256MiB, 1GiB".to_string())?;
+    let scale: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "KB" | "kB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        _ => return Err("a size unit: B, KiB, MiB, GiB, KB, MB or GB".into()),
+    };
+    n.checked_mul(scale)
+        .ok_or_else(|| "size out of range".to_string())
 }
 
 /// `cluster:`: the store replicas share client limits through (Redis).

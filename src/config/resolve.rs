@@ -78,7 +78,11 @@ fn timed_connector(tls: &rustls::ClientConfig, connect: Duration) -> TimedConnec
 
 /// The plain-`http` endpoint's own connections, when its requests can use them: an `http` URL
 /// without credentials in it, and the direct client in use (no proxy configured).
-fn plain(connector: TimedConnector, direct: bool, uris: &[http::Uri; 3]) -> Option<Plain> {
+fn plain(
+    connector: TimedConnector,
+    direct: bool,
+    uris: &[http::Uri; Op::ALL.len()],
+) -> Option<Plain> {
     let first = &uris[0];
     let authority = first.authority()?;
     if !direct || first.scheme_str() != Some("http") || authority.as_str().contains('@') {
@@ -98,7 +102,12 @@ fn plain(connector: TimedConnector, direct: bool, uris: &[http::Uri; 3]) -> Opti
         .ok()?;
     Some(Plain {
         pool: crate::h1pool::H1Pool::new(connector, target, POOL_IDLE, POOL_MAX_IDLE),
-        paths: [path(&uris[0])?, path(&uris[1])?, path(&uris[2])?],
+        paths: [
+            path(&uris[0])?,
+            path(&uris[1])?,
+            path(&uris[2])?,
+            path(&uris[3])?,
+        ],
         // Without credentials (refused above), the authority is `host[:port]`.
         host: http::HeaderValue::from_str(authority.as_str()).ok()?,
     })
@@ -179,9 +188,9 @@ fn default_timeouts(kind: EndpointKind) -> Timeouts {
 fn default_capabilities(kind: EndpointKind) -> BTreeSet<Capability> {
     use Capability::*;
     match kind {
-        EndpointKind::Openai => [Chat, Completions, Embeddings, Tools, Vision].into(),
+        EndpointKind::Openai => [Chat, Completions, Embeddings, Tools, Vision, Responses].into(),
         // Vision depends on the model a local server runs: opt in with `capabilities:`.
-        EndpointKind::Vllm => [Chat, Completions, Embeddings, Tools, Continue].into(),
+        EndpointKind::Vllm => [Chat, Completions, Embeddings, Tools, Continue, Responses].into(),
         EndpointKind::Ollama => [Chat, Completions, Embeddings, Tools].into(),
     }
 }
@@ -402,7 +411,7 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
                 None => crate::tokens::Counter::Estimate,
             },
         };
-        let mut urls = Vec::with_capacity(3);
+        let mut urls = Vec::with_capacity(Op::ALL.len());
         for op in Op::ALL {
             let u = url_for(ep.kind, &base_url, op);
             urls.push(
@@ -415,10 +424,10 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
             .map(|u| u.as_str().parse::<http::Uri>())
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| ConfigError(format!("at `{at}.base_url`: invalid URL: {e}")))?;
-        let urls: [reqwest::Url; 3] = urls
+        let urls: [reqwest::Url; Op::ALL.len()] = urls
             .try_into()
             .map_err(|_| ConfigError(format!("at `{at}`: internal URL table error")))?;
-        let uris: [http::Uri; 3] = uris
+        let uris: [http::Uri; Op::ALL.len()] = uris
             .try_into()
             .map_err(|_| ConfigError(format!("at `{at}`: internal URL table error")))?;
         let capabilities: BTreeSet<Capability> = ep
@@ -670,7 +679,19 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
             Some(names)
         }
     };
+    let responses = {
+        let d = ResponsesSettings::default();
+        ResponsesSettings {
+            keep_history: raw.responses.history == Some(super::raw::HistoryMode::Keep),
+            history_ttl: raw.responses.history_ttl.map_or(d.history_ttl, |t| t.0),
+            history_max_bytes: raw
+                .responses
+                .history_max_bytes
+                .map_or(d.history_max_bytes, |b| b.0),
+        }
+    };
     let mut cfg = Config {
+        responses,
         listen,
         max_body_bytes: raw.server.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY),
         max_response_bytes: raw

@@ -96,6 +96,9 @@ pub enum Capability {
     /// Continues a final assistant message (vLLM's `continue_final_message`; llama.cpp's
     /// server continues one by itself): a broken stream may be carried on here.
     Continue,
+    /// Speaks OpenAI's Responses API (`/responses`): `/v1/responses` passes through. Without it
+    /// (or once the endpoint answered 404 for `/responses`) the gateway translates to chat.
+    Responses,
 }
 
 impl Capability {
@@ -105,6 +108,8 @@ impl Capability {
             Op::Chat => Capability::Chat,
             Op::Completions => Capability::Completions,
             Op::Embeddings => Capability::Embeddings,
+            // Any endpoint that chats can answer a Responses request (by translation).
+            Op::Responses => Capability::Chat,
         }
     }
 
@@ -133,6 +138,25 @@ impl FromIterator<Capability> for Caps {
             caps.insert(c);
         }
         caps
+    }
+}
+
+/// `responses:` resolved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ResponsesSettings {
+    /// `history: keep`: every response's items are kept (not `store: false` ones).
+    pub keep_history: bool,
+    pub history_ttl: Duration,
+    pub history_max_bytes: u64,
+}
+
+impl Default for ResponsesSettings {
+    fn default() -> Self {
+        ResponsesSettings {
+            keep_history: false,
+            history_ttl: Duration::from_secs(3600),
+            history_max_bytes: 256 << 20,
+        }
     }
 }
 
@@ -247,7 +271,7 @@ pub struct Timeouts {
 #[derive(Debug)]
 pub struct Plain {
     pub pool: PlainPool,
-    pub paths: [http::Uri; 3],
+    pub paths: [http::Uri; Op::ALL.len()],
     pub host: http::HeaderValue,
 }
 
@@ -355,9 +379,9 @@ pub struct Endpoint {
     /// `hedge:`: hedging for requests that try this endpoint first (unless their route has one).
     pub hedge: Option<crate::routing::hedge::Spec>,
     /// Upstream URL per operation (indexed by `Op as usize`), parsed once per load.
-    pub urls: [reqwest::Url; 3],
+    pub urls: [reqwest::Url; Op::ALL.len()],
     /// The same as `http::Uri`s, for the direct client.
-    pub uris: [http::Uri; 3],
+    pub uris: [http::Uri; Op::ALL.len()],
 }
 
 impl Endpoint {
@@ -434,6 +458,8 @@ impl std::fmt::Debug for Source {
 #[derive(Debug)]
 pub struct Config {
     pub listen: String,
+    /// `responses:`: what is kept of `/v1/responses` answers.
+    pub responses: ResponsesSettings,
     pub max_body_bytes: usize,
     /// `server.max_response_bytes`: the most of an upstream's answer read whole.
     pub max_response_bytes: usize,

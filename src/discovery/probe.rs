@@ -245,6 +245,7 @@ async fn probe_semantic(
         secret.as_ref(),
         "autohedge-semantic-probe",
         Some(base),
+        false,
     )
     .map_err(|u| u.0)?;
     let fut = async {

@@ -16,7 +16,7 @@ use crate::routing::outcome::Outcome;
 use crate::routing::ratelimit::Observed;
 use crate::upstream::{self, Answer, Prepared, SendError, classify};
 use crate::wire::sse::SseParser;
-use crate::wire::{self, ChunkKind, Inbound, Usage};
+use crate::wire::{self, ChunkKind, Inbound, Op, Usage};
 
 /// Longest upstream error body we read before classifying it.
 const MAX_ERROR_BODY: usize = 64 * 1024;
@@ -61,6 +61,28 @@ impl Failure {
     }
 }
 
+/// Who made a `/v1/responses` answer: the endpoint in its own Responses API (with the
+/// upstream's id for it, or the tap a stream reports it through), or the gateway by
+/// translation from chat.
+pub(super) struct Produced {
+    pub translated: bool,
+    pub upstream_id: Option<String>,
+    pub tap: Option<upstream::responses::IdTap>,
+}
+
+impl Produced {
+    /// The upstream's id, once known; `None` for a translated answer (the gateway's own).
+    pub fn upstream_id(&self) -> Option<String> {
+        if self.translated {
+            return None;
+        }
+        self.upstream_id
+            .clone()
+            .or_else(|| self.tap.as_ref().and_then(|t| t.lock().ok()?.clone()))
+            .or_else(|| Some(String::new()))
+    }
+}
+
 pub(super) enum Success {
     Full {
         status: StatusCode,
@@ -70,6 +92,8 @@ pub(super) enum Success {
         /// Generated characters, for estimating usage when the upstream reported none.
         out_chars: usize,
         ratelimit: Observed,
+        /// `/v1/responses` only.
+        produced: Option<Box<Produced>>,
     },
     Stream {
         prelude: Vec<Bytes>,
@@ -81,6 +105,8 @@ pub(super) enum Success {
         out_chars: usize,
         usage_tap: Option<upstream::ollama::UsageTap>,
         ratelimit: Observed,
+        /// `/v1/responses` only.
+        produced: Option<Box<Produced>>,
     },
 }
 
@@ -126,12 +152,17 @@ pub(super) struct Attempt<'a> {
     pub own_key: bool,
     /// `limits.max_event_bytes`: one SSE event larger than this fails the attempt over.
     pub max_event: usize,
+    /// A Responses request goes to this endpoint translated to chat.
+    pub translate: bool,
+    /// The Responses request's own part (its response id, the echo its answers carry).
+    pub responses: Option<&'a super::responses::ResponsesCtx>,
 }
 
 impl<'a> Attempt<'a> {
     /// A non-2xx answer to this attempt, read (within `deadline`) and classified.
     async fn failed(&self, resp: Answer, deadline: Instant) -> Failure {
-        read_error(
+        let status = resp.status.as_u16();
+        let mut f = read_error(
             self.ep,
             self.key,
             self.own_key,
@@ -139,7 +170,14 @@ impl<'a> Attempt<'a> {
             deadline,
             self.max_cooldown,
         )
-        .await
+        .await;
+        if self.req.op == Op::Responses && !self.translate && matches!(status, 404 | 405) {
+            f.class = responses_404(&f.detail, self.req, f.class);
+            if f.class != Outcome::Client {
+                f.passthrough = None;
+            }
+        }
+        f
     }
 
     /// The upstream request (payload hygiene, adapter) and how many characters hygiene changed.
@@ -153,6 +191,7 @@ impl<'a> Attempt<'a> {
             self.key,
             self.request_id,
             self.base,
+            self.translate,
         )
         .map_err(|u| Failure::new(Outcome::Unsupported, None, u.0))
     }
@@ -206,6 +245,9 @@ impl<'a> Attempt<'a> {
             }
             Some(Ok(b)) => b,
         };
+        if self.req.op == Op::Responses {
+            return self.full_response(status, content_type, &body, ratelimit);
+        }
         if ep.kind == EndpointKind::Ollama {
             let parsed: Value = serde_json::from_slice(&body).map_err(|e| {
                 Failure::new(
@@ -241,6 +283,7 @@ impl<'a> Attempt<'a> {
                 usage,
                 out_chars,
                 ratelimit,
+                produced: None,
             });
         }
         let answer = wire::answer::read(&body).map_err(|e| {
@@ -267,6 +310,86 @@ impl<'a> Attempt<'a> {
             usage,
             out_chars,
             ratelimit,
+            produced: None,
+        })
+    }
+
+    /// A whole `/v1/responses` answer: the endpoint's Response object with the gateway's id, or
+    /// the chat answer (Ollama's translated to chat first) as a Response object.
+    fn full_response(
+        &self,
+        status: StatusCode,
+        content_type: Option<HeaderValue>,
+        body: &Bytes,
+        ratelimit: Observed,
+    ) -> Result<Success, Failure> {
+        let code = Some(status.as_u16());
+        let Some(ctx) = self.responses else {
+            return Err(Failure::new(Outcome::Malformed, code, "no response id"));
+        };
+        let v: Value = serde_json::from_slice(body).map_err(|e| {
+            Failure::new(
+                Outcome::Malformed,
+                code,
+                format!("2xx body is not JSON: {e}"),
+            )
+        })?;
+        let in_band = |m: String, usage: Option<Usage>| {
+            let class = if classify::is_context_message(&m) {
+                Outcome::ContextLength
+            } else {
+                Outcome::InBand
+            };
+            Failure::new(class, code, m).billed(usage)
+        };
+        let (answer, produced) = if self.translate {
+            let chat = if self.ep.kind == EndpointKind::Ollama {
+                upstream::ollama::response_body(Op::Chat, &self.req.model, self.req.body(), &v)
+                    .map_err(|m| in_band(m, None))?
+            } else {
+                if let ChunkKind::Error(m) = wire::classify_chunk(&v) {
+                    return Err(in_band(m, wire::usage_of(&v)));
+                }
+                v
+            };
+            let r = wire::responses::from_chat(&chat, &ctx.meta);
+            (
+                r,
+                Produced {
+                    translated: true,
+                    upstream_id: None,
+                    tap: None,
+                },
+            )
+        } else {
+            if let Some(m) = wire::responses::failed(&v) {
+                return Err(in_band(m, wire::responses::usage_of(&v)));
+            }
+            let mut v = v;
+            let up = upstream::responses::rewrite_id(&mut v, &ctx.id, ctx.previous.as_deref());
+            (
+                v,
+                Produced {
+                    translated: false,
+                    upstream_id: up,
+                    tap: None,
+                },
+            )
+        };
+        let usage = wire::responses::usage_of(&answer);
+        let out_chars = if usage.is_none() {
+            wire::responses::output_chars(&answer)
+        } else {
+            0
+        };
+        Ok(Success::Full {
+            status,
+            content_type: if self.translate { None } else { content_type },
+            body: Bytes::from(answer.to_string()),
+            usage,
+            out_chars,
+            ratelimit,
+            produced: Some(Box::new(produced)),
         })
     }
 
@@ -306,10 +429,11 @@ impl<'a> Attempt<'a> {
                 .and_then(|o| o.get("include_usage"))
                 .and_then(Value::as_bool)
                 .unwrap_or(false);
+            let responses = self.req.op == Op::Responses;
             let tr = upstream::ollama::StreamTranslator::new(
-                self.req.op,
+                if responses { Op::Chat } else { self.req.op },
                 &self.req.model,
-                include_usage,
+                include_usage || responses,
             );
             let (s, tap) = upstream::ollama::SseFromNdjson::new(resp.body, tr);
             usage_tap = Some(tap);
@@ -344,6 +468,41 @@ impl<'a> Attempt<'a> {
             }
             resp.body
         };
+        let mut produced = None;
+        if self.req.op == Op::Responses {
+            let Some(ctx) = self.responses else {
+                return Err(Failure::new(
+                    Outcome::Malformed,
+                    Some(status),
+                    "no response id",
+                ));
+            };
+            if self.translate {
+                rest = Box::pin(upstream::responses::FromChat::new(
+                    rest,
+                    ctx.meta.clone(),
+                    self.max_event,
+                ));
+                produced = Some(Box::new(Produced {
+                    translated: true,
+                    upstream_id: None,
+                    tap: None,
+                }));
+            } else {
+                let (s, tap) = upstream::responses::Rewrite::new(
+                    rest,
+                    ctx.id.clone(),
+                    ctx.previous.clone(),
+                    self.max_event,
+                );
+                rest = Box::pin(s);
+                produced = Some(Box::new(Produced {
+                    translated: false,
+                    upstream_id: None,
+                    tap: Some(tap),
+                }));
+            }
+        }
         let mut parser = SseParser::with_max_event(self.max_event);
         let mut prelude = Vec::new();
         let mut held = 0usize;
@@ -420,10 +579,23 @@ impl<'a> Attempt<'a> {
                         ));
                     }
                 };
-                if let Some(u) = wire::usage_of(&v) {
+                if produced.is_some() {
+                    // A Responses event: the response's usage comes with its end.
+                    if let Some(u) = wire::responses::usage_of(&v) {
+                        usage = Some(u);
+                    }
+                    if wire::responses::is_terminal(&v) {
+                        done_seen = true;
+                    }
+                } else if let Some(u) = wire::usage_of(&v) {
                     usage = Some(u);
                 }
-                match wire::classify_chunk(&v) {
+                let kind = if produced.is_some() {
+                    wire::responses::classify_event(&v)
+                } else {
+                    wire::classify_chunk(&v)
+                };
+                match kind {
                     ChunkKind::Error(m) => {
                         let class = if classify::is_context_message(&m) {
                             Outcome::ContextLength
@@ -433,7 +605,11 @@ impl<'a> Attempt<'a> {
                         return Err(Failure::new(class, Some(status), m).billed(usage));
                     }
                     ChunkKind::Content => {
-                        out_chars += chunk_text_chars(&v);
+                        out_chars += if produced.is_some() {
+                            wire::responses::delta_chars(&v)
+                        } else {
+                            chunk_text_chars(&v)
+                        };
                         commit = true;
                     }
                     ChunkKind::Preamble => {}
@@ -450,9 +626,28 @@ impl<'a> Attempt<'a> {
                     out_chars,
                     usage_tap,
                     ratelimit,
+                    produced,
                 });
             }
         }
+    }
+}
+
+/// What a 404 (or 405) to a `/responses` call means: the upstream lost the response a
+/// `previous_response_id` names (its message says so), the model is missing (its message names
+/// a model), or — anything else, a server with no such route — it speaks only chat.
+fn responses_404(detail: &str, req: &Inbound, class: Outcome) -> Outcome {
+    let d = detail.to_ascii_lowercase();
+    let continues = req
+        .body()
+        .get("previous_response_id")
+        .is_some_and(|v| !v.is_null());
+    if continues && (d.contains("previous") || d.contains("response")) {
+        Outcome::PreviousResponseLost
+    } else if d.contains("model") {
+        class
+    } else {
+        Outcome::ResponsesUnsupported
     }
 }
 

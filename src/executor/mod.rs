@@ -31,6 +31,7 @@ mod attempt;
 mod context;
 mod race;
 mod respond;
+pub mod responses;
 mod stream;
 mod usage;
 
@@ -74,6 +75,8 @@ pub struct Caller {
     /// The endpoints the client key's `models` allow-list covers ([`Config::covered_by`]);
     /// `None`: every endpoint.
     pub allowed: Option<std::collections::BTreeSet<String>>,
+    /// A `/v1/responses` request's id and conversation ([`responses::plan`]).
+    pub responses: Option<responses::ResponsesCtx>,
 }
 
 /// One request's journey.
@@ -142,6 +145,8 @@ struct Run {
     /// Time spent waiting on upstreams (attempts, backend counts) and deliberate waits
     /// (`max_wait`, retry backoff, the hedge delay): the rest is the gateway's own overhead.
     waited: Duration,
+    /// A `/v1/responses` request's own part: its response id, pin and replay.
+    responses: Option<Arc<responses::ResponsesCtx>>,
 }
 
 /// Every request that reached the router has exactly one `requests` row. A `Run` dropped before
@@ -241,6 +246,7 @@ pub async fn execute(
         panic_mode: HashSet::new(),
         backend_failed: HashSet::new(),
         waited: Duration::ZERO,
+        responses: caller.responses.map(Arc::new),
     };
     let client = run.client.clone().unwrap_or_default();
     for name in not_allowed {
@@ -383,7 +389,47 @@ impl Run {
         if let Some((ep, (status, headers, body))) = self.own_key_answer.take() {
             return self.respond_passthrough(&ep, status, headers, body);
         }
+        if let Some(resp) = self.responses_refusal() {
+            return resp;
+        }
         self.all_failed()
+    }
+
+    /// Why a `/v1/responses` request nothing served is not a plain 503: every endpoint that was
+    /// not skipped could not express it in chat (400 naming the field: no endpoint of the
+    /// chain could have served it), or its conversation lives on an endpoint that failed and
+    /// was not kept (503 `previous_response_unavailable`).
+    fn responses_refusal(&mut self) -> Option<Response> {
+        let ctx = self.responses.clone()?;
+        let unsupported = self
+            .attempts
+            .iter()
+            .find(|a| a.class == Outcome::Unsupported)
+            .and_then(|a| a.error.clone());
+        if let Some(detail) = unsupported
+            && self
+                .attempts
+                .iter()
+                .all(|a| a.class == Outcome::Unsupported || a.class.is_skip())
+        {
+            let err = crate::error::ApiError::InvalidRequest {
+                message: format!("This request cannot be served: {detail}."),
+                param: None,
+                code: Some("unsupported_parameter"),
+            };
+            return Some(self.gateway_error(err, Outcome::Unsupported.as_str()));
+        }
+        if let Some(pinned) = &ctx.pinned
+            && ctx.replay.is_none()
+        {
+            let err = crate::error::ApiError::PreviousResponseUnavailable {
+                endpoint: pinned.clone(),
+                attempts: self.attempts.clone(),
+            };
+            let class = err.class();
+            return Some(self.gateway_error(err, class));
+        }
+        None
     }
 
     /// Every attempt so far was refused or skipped on size (or skipped for another reason):
@@ -558,6 +604,21 @@ impl Run {
     /// prompt cannot fit it, or when a larger window is needed than it has.
     async fn admit(&mut self, name: &str) -> Option<Arc<Endpoint>> {
         let ep = self.cfg.endpoints.get(name).cloned()?;
+        if let Some(ctx) = &self.responses
+            && ctx
+                .request_for(&self.req, &ep, self.translates(&ep))
+                .is_none()
+        {
+            let pinned = ctx.pinned.clone().unwrap_or_default();
+            self.skipped(
+                name.to_string(),
+                Outcome::SkippedPinned,
+                format!(
+                    "the conversation (previous_response_id) lives on `{pinned}`, and no history was kept to replay it here (responses.history: keep)"
+                ),
+            );
+            return None;
+        }
         if ep.backend_tokenize.is_some() && self.req.op != Op::Embeddings {
             // The backend's count may also teach its window (vLLM's max_model_len).
             self.prompt_tokens(&ep).await;
@@ -687,10 +748,14 @@ impl Run {
     async fn attempt(&mut self, ep: &Endpoint, key: Option<&Secret>) -> Result<Success, Failure> {
         let t0 = Instant::now();
         let base = self.discovered_base(ep)?;
+        let translate = self.translates(ep);
+        let req = self.request_for(ep, translate);
         let attempt = Attempt {
             ep,
             key,
-            req: &self.req,
+            req: &req,
+            translate,
+            responses: self.responses.as_deref(),
             request_id: &self.request_id,
             deadline: self.deadline,
             max_cooldown: self.cfg.policy.max_cooldown,
@@ -721,10 +786,14 @@ impl Run {
         // The request's own key (x-encrypted-key) for OpenAI-type endpoints, else key `key_idx`.
         let key = self.key_for(ep, key_idx).cloned();
         let key = key.as_ref();
+        let translate = self.translates(ep);
+        let req = self.request_for(ep, translate);
         let attempt = Attempt {
             ep,
             key,
-            req: &self.req,
+            req: &req,
+            translate,
+            responses: self.responses.as_deref(),
             request_id: &self.request_id,
             deadline: self.deadline,
             max_cooldown: self.cfg.policy.max_cooldown,
@@ -738,7 +807,8 @@ impl Run {
         self.sanitized = sanitized;
         self.calls += 1;
         let own_key = self.own_key_for(ep).is_some();
-        let (ep, req, request_id) = (ep.clone(), self.req.clone(), self.request_id.clone());
+        let (ep, request_id) = (ep.clone(), self.request_id.clone());
+        let responses = self.responses.clone();
         let (deadline, max_cooldown, max_answer, max_event) = (
             self.deadline,
             self.cfg.policy.max_cooldown,
@@ -751,6 +821,8 @@ impl Run {
                 ep: &ep,
                 key: None,
                 req: &req,
+                translate,
+                responses: responses.as_deref(),
                 request_id: &request_id,
                 deadline,
                 max_cooldown,
@@ -770,6 +842,21 @@ impl Run {
             t0,
             fut: Box::pin(fut),
         })
+    }
+
+    /// Whether a Responses request goes to `ep` translated to chat.
+    fn translates(&self, ep: &Endpoint) -> bool {
+        self.req.op == Op::Responses && !self.app.registry.speaks_responses(ep)
+    }
+
+    /// The request `ep` gets: the client's, or for a conversation the pinned form or its replay.
+    fn request_for(&self, ep: &Endpoint, translate: bool) -> Arc<Inbound> {
+        match &self.responses {
+            Some(ctx) => ctx
+                .request_for(&self.req, ep, translate)
+                .unwrap_or_else(|| self.req.clone()),
+            None => self.req.clone(),
+        }
     }
 
     /// Whether this request brings its own key for `ep` (`x-encrypted-key`, OpenAI-type only).
@@ -1050,6 +1137,12 @@ impl Run {
                 })
             }
             Action::FailOver => Settled::Done(FAILED),
+            Action::SpeakChat => {
+                // The endpoint has no `/responses`: from now on it is spoken to in chat, and
+                // this request goes to it so at once.
+                self.app.registry.mark_chat_only(ep, &detail);
+                Settled::NextKey
+            }
             Action::Retire => {
                 self.app
                     .registry

@@ -12,7 +12,7 @@ use tokio::time::Instant;
 
 use super::Run;
 use super::attempt::Success;
-use super::stream::{Continuation, PassThrough, StreamGuard, pump};
+use super::stream::{Continuation, PassThrough, StreamGuard, StreamResponses, pump};
 use super::usage::fill_usage;
 use crate::config::Endpoint;
 use crate::error::{ApiError, AttemptReport};
@@ -207,8 +207,22 @@ impl Run {
                 body,
                 usage,
                 out_chars,
+                produced,
                 ..
             } => {
+                if let (Some(p), Some(ctx)) = (&produced, self.responses.clone())
+                    && let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body)
+                {
+                    super::responses::keep(
+                        &self.app,
+                        &self.cfg,
+                        &ctx,
+                        self.client.as_deref(),
+                        &ep.name,
+                        p.upstream_id(),
+                        &v,
+                    );
+                }
                 let mut resp = (status, body).into_response();
                 resp.headers_mut().insert(
                     header::CONTENT_TYPE,
@@ -251,9 +265,34 @@ impl Run {
                 usage,
                 out_chars,
                 usage_tap,
+                produced,
                 ..
             } => {
                 let mut row = self.base_row(Some(&ep.name), 200, None);
+                // A Responses stream reads its held events again: their numbering, output and
+                // (when it ended already) its Response object.
+                let (responses, out_chars) = match (produced, self.responses.clone()) {
+                    (Some(produced), Some(ctx)) => {
+                        let mut r = StreamResponses {
+                            ctx,
+                            produced,
+                            next_seq: 0,
+                            done: None,
+                        };
+                        let mut chars = 0;
+                        let mut usage = usage;
+                        let mut p = crate::wire::sse::SseParser::new();
+                        for b in &prelude {
+                            for ev in p.push(b).unwrap_or_default() {
+                                if let Ok(v) = serde_json::from_str::<serde_json::Value>(&ev.data) {
+                                    r.observe(&v, &mut usage, &mut chars);
+                                }
+                            }
+                        }
+                        (Some(Box::new(r)), chars)
+                    }
+                    _ => (None, out_chars),
+                };
                 row.ttft_ms = Some(self.started.elapsed().as_secs_f64() * 1000.0);
                 let guard = StreamGuard {
                     app: self.app.clone(),
@@ -274,6 +313,7 @@ impl Run {
                     admission: self.admission.take(),
                     // Failed attempts the upstream billed are the request's too.
                     prior: self.billed.take(),
+                    responses,
                 };
                 let cont = self.continuation(&ep, &prelude);
                 // The start of an event the first reads left unfinished waits for its end.

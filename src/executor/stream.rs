@@ -53,6 +53,34 @@ pub(super) struct StreamGuard {
     pub admission: Option<crate::front::clients::Admission>,
     /// What the broken first leg of a continued stream used and cost, added to the row.
     pub prior: Option<Leg>,
+    /// A `/v1/responses` stream's own part: its events' numbering and the turn it leaves.
+    pub responses: Option<Box<StreamResponses>>,
+}
+
+/// What a committed `/v1/responses` stream needs besides the chat path's: its response (for the
+/// `response.failed` event that ends it when the upstream cannot), the next `sequence_number`,
+/// and the Response object its last event carried (kept as the conversation's turn).
+pub(super) struct StreamResponses {
+    pub ctx: Arc<super::responses::ResponsesCtx>,
+    pub produced: Box<super::attempt::Produced>,
+    pub next_seq: u64,
+    pub done: Option<Value>,
+}
+
+impl StreamResponses {
+    /// Reads one event of the stream: its number, its output, its end.
+    pub(super) fn observe(&mut self, v: &Value, usage: &mut Option<Usage>, out_chars: &mut usize) {
+        if let Some(n) = v.get("sequence_number").and_then(Value::as_u64) {
+            self.next_seq = self.next_seq.max(n.saturating_add(1));
+        }
+        *out_chars += wire::responses::delta_chars(v);
+        if wire::responses::is_terminal(v) {
+            if let Some(u) = wire::responses::usage_of(v) {
+                *usage = Some(u);
+            }
+            self.done = v.get("response").cloned();
+        }
+    }
 }
 
 impl StreamGuard {
@@ -120,6 +148,20 @@ impl StreamGuard {
             prior.add_to(&mut row);
         }
         let ttft_ms = self.ttft.as_secs_f64() * 1000.0;
+        if failure.is_none()
+            && let Some(r) = self.responses.as_ref()
+            && let Some(done) = &r.done
+        {
+            super::responses::keep(
+                &self.app,
+                &self.cfg,
+                &r.ctx,
+                row.client_key.as_deref(),
+                &self.ep.name,
+                r.produced.upstream_id(),
+                done,
+            );
+        }
         match failure {
             None => {
                 self.app.registry.apply(
@@ -237,6 +279,9 @@ impl PassThrough {
             Ok(e) => e,
             Err(e) => return Scanned::Invalid(e.0),
         };
+        if self.guard.responses.is_some() {
+            return self.scan_responses(events);
+        }
         for (index, ev) in events.into_iter().enumerate() {
             if ev.data.trim() == "[DONE]" {
                 self.done_seen = true;
@@ -270,6 +315,47 @@ impl PassThrough {
             }
         }
         Scanned::Events
+    }
+
+    /// [`PassThrough::scan`] for a Responses stream: its end (`response.completed`) is its
+    /// `[DONE]`; an `error` or `response.failed` event ends it.
+    fn scan_responses(&mut self, events: Vec<crate::wire::sse::SseEvent>) -> Scanned {
+        let g = &mut self.guard;
+        let Some(r) = g.responses.as_mut() else {
+            return Scanned::Events;
+        };
+        for (index, ev) in events.into_iter().enumerate() {
+            let Ok(v) = serde_json::from_str::<Value>(&ev.data) else {
+                return Scanned::Invalid("an event whose data is not JSON".into());
+            };
+            r.observe(&v, &mut g.usage, &mut g.out_chars);
+            if let ChunkKind::Error(message) = wire::responses::classify_event(&v) {
+                return Scanned::InBand { message, index };
+            }
+            if wire::responses::is_terminal(&v) {
+                self.done_seen = true;
+            }
+        }
+        Scanned::Events
+    }
+
+    /// The event that ends the stream when the gateway must: OpenAI's error event, or for a
+    /// Responses stream a `response.failed` (its `error.code` the outcome) numbered after the
+    /// last event the client got.
+    fn error_event(&mut self, message: &str, code: &str) -> Bytes {
+        match self.guard.responses.as_mut() {
+            Some(r) => {
+                let seq = r.next_seq;
+                r.next_seq += 1;
+                Bytes::from(wire::responses::failed_event(
+                    &r.ctx.meta,
+                    seq,
+                    code,
+                    message,
+                ))
+            }
+            None => Bytes::from(stream_error_event(message, code)),
+        }
     }
 
     /// The whole events `b` completes, with the held start of the first of them; the start of
@@ -327,8 +413,8 @@ pub(super) async fn pump(
         _ = &mut st.stop => {
             st.finished = true;
             st.guard.finish(Some((Outcome::Shutdown, "cut by shutdown after shutdown_grace".into())));
-            let ev = stream_error_event("The gateway is shutting down.", "shutdown");
-            return Some((Ok(Bytes::from(ev)), st));
+            let ev = st.error_event("The gateway is shutting down.", "shutdown");
+            return Some((Ok(ev), st));
         }
         r = st.rest.next() => Ok(r),
         () = st.timer.as_mut() => Err(()),
@@ -367,6 +453,23 @@ pub(super) async fn pump(
                         return Some((Ok(before), st));
                     }
                 }
+                if st.guard.responses.is_some() {
+                    // The events before the upstream's error reach the client, then the
+                    // gateway's `response.failed` (the upstream's own words, redacted).
+                    let before = upto_error.slice(..start.min(upto_error.len()));
+                    st.finished = true;
+                    let secrets = st.guard.secrets(&st.guard.ep);
+                    let shown = classify::redact(&message, &secrets);
+                    let before = classify::redact_exact(before, &secrets);
+                    st.guard.finish(Some((Outcome::InBand, message)));
+                    let ev = st.error_event(
+                        &format!("The upstream failed mid-stream: {shown}"),
+                        Outcome::InBand.as_str(),
+                    );
+                    let mut out = BytesMut::from(&before[..]);
+                    out.extend_from_slice(&ev);
+                    return Some((Ok(out.freeze()), st));
+                }
                 Some((Ok(in_band_end(&mut st, message, upto_error)), st))
             }
             Scanned::Invalid(detail) => {
@@ -380,11 +483,11 @@ pub(super) async fn pump(
                 st.finished = true;
                 st.guard
                     .finish(Some((Outcome::StreamBroken, detail.clone())));
-                let ev = stream_error_event(
+                let ev = st.error_event(
                     &format!("The upstream's stream could not be passed on: {detail}."),
                     "stream_broken",
                 );
-                Some((Ok(Bytes::from(ev)), st))
+                Some((Ok(ev), st))
             }
         },
         Ok(None) => {
@@ -409,11 +512,11 @@ pub(super) async fn pump(
                     Outcome::StreamTruncated,
                     "upstream closed the stream without [DONE]".into(),
                 )));
-                let ev = stream_error_event(
+                let ev = st.error_event(
                     "The upstream closed the stream before it finished.",
                     "stream_truncated",
                 );
-                Some((Ok(Bytes::from(ev)), st))
+                Some((Ok(ev), st))
             }
         }
         Ok(Some(Err(e))) => {
@@ -424,11 +527,11 @@ pub(super) async fn pump(
             }
             st.finished = true;
             st.guard.finish(Some((Outcome::StreamBroken, detail)));
-            let ev = stream_error_event(
+            let ev = st.error_event(
                 "The upstream connection failed mid-stream.",
                 "stream_broken",
             );
-            Some((Ok(Bytes::from(ev)), st))
+            Some((Ok(ev), st))
         }
         Err(_) => {
             st.held.clear();
@@ -453,10 +556,8 @@ pub(super) async fn pump(
                 (Outcome::StreamStalled, "The upstream stalled mid-stream.")
             };
             st.guard.finish(Some((outcome, msg.into())));
-            Some((
-                Ok(Bytes::from(stream_error_event(msg, outcome.as_str()))),
-                st,
-            ))
+            let ev = st.error_event(msg, outcome.as_str());
+            Some((Ok(ev), st))
         }
     }
 }
@@ -688,6 +789,8 @@ impl PassThrough {
                 base: base.as_deref(),
                 own_key: own_key.is_some(),
                 max_event: cfg.max_event_bytes,
+                translate: false,
+                responses: None,
             };
             let t0 = Instant::now();
             let Ok((rb, _)) = attempt.prepare(true) else {

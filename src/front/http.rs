@@ -26,6 +26,11 @@ pub fn router(app: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/embeddings", post(embeddings))
+        .route("/v1/responses", post(responses))
+        .route(
+            "/v1/responses/{id}",
+            get(get_response).delete(delete_response),
+        )
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/status", get(status))
@@ -52,6 +57,7 @@ pub async fn dispatch(
         "/v1/chat/completions" => Some(Op::Chat),
         "/v1/completions" => Some(Op::Completions),
         "/v1/embeddings" => Some(Op::Embeddings),
+        "/v1/responses" => Some(Op::Responses),
         _ => None,
     };
     match op {
@@ -86,6 +92,10 @@ async fn completions(State(app): State<Arc<AppState>>, headers: HeaderMap, body:
 
 async fn embeddings(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
     proxy(app, Op::Embeddings, headers, body).await
+}
+
+async fn responses(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Body) -> Response {
+    proxy(app, Op::Responses, headers, body).await
 }
 
 /// The client's `x-request-id` when it is a sane token, else a fresh UUID.
@@ -155,7 +165,7 @@ async fn serve(
     .await
     .unwrap_or(Err(ApiError::BodyTimeout(cfg.body_timeout)));
     let inbound = read.and_then(|raw| wire::read_request(op, raw));
-    let inbound = match inbound {
+    let mut inbound = match inbound {
         Ok(i) => i,
         Err(e) => return with_request_id(e.into_response(), &id),
     };
@@ -173,6 +183,25 @@ async fn serve(
     let Some(chain) = cfg.chain_for(&inbound.model) else {
         let err = ApiError::ModelNotFound(inbound.model.clone());
         return refused(&app, &id, op, &inbound, client_name, err);
+    };
+    let allowed = client
+        .and_then(|c| c.models.as_ref())
+        .map(|m| cfg.covered_by(m));
+    // A Responses request: its id, and the conversation it continues (pinned endpoint first).
+    let (chain, responses) = if op == Op::Responses {
+        match executor::responses::plan(
+            &app,
+            &cfg,
+            &mut inbound,
+            client_name.as_deref(),
+            allowed.as_ref(),
+            chain,
+        ) {
+            Ok((chain, ctx)) => (chain, Some(ctx)),
+            Err(err) => return refused(&app, &id, op, &inbound, client_name, err),
+        }
+    } else {
+        (chain, None)
     };
     let admission = match client {
         None => None,
@@ -198,9 +227,8 @@ async fn serve(
         admission,
         key: own_key,
         arrived: Some(arrived),
-        allowed: client
-            .and_then(|c| c.models.as_ref())
-            .map(|m| cfg.covered_by(m)),
+        allowed,
+        responses,
     };
     // Nothing below reads the client's headers (see `release_read_buffer`).
     drop(headers);
@@ -248,6 +276,79 @@ async fn serve(
             _slot: slot,
         }),
     )
+}
+
+/// `GET /v1/responses/{id}`: the response as its endpoint holds it now (with the gateway's id),
+/// else as the gateway kept it. Only the client key that made it may read it.
+async fn get_response(
+    State(app): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    stored_response(app, headers, id, false).await
+}
+
+/// `DELETE /v1/responses/{id}`: forgotten by its endpoint (when it holds it) and the gateway.
+async fn delete_response(
+    State(app): State<Arc<AppState>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    stored_response(app, headers, id, true).await
+}
+
+async fn stored_response(
+    app: Arc<AppState>,
+    headers: HeaderMap,
+    id: String,
+    delete: bool,
+) -> Response {
+    let cfg = app.config.load_full();
+    let loopback = app
+        .listen_loopback
+        .load(std::sync::atomic::Ordering::Relaxed);
+    if !clients::host_allowed(cfg.allowed_hosts.as_deref(), loopback, &headers) {
+        return ApiError::HostNotAllowed.into_response();
+    }
+    let client = match clients::identify(&cfg.auth, &headers) {
+        Ok(c) => c.map(|c| c.name.clone()),
+        Err(e) => return e.into_response(),
+    };
+    let Some(found) = app
+        .conversations
+        .find(&id, client.as_deref(), cfg.responses.history_ttl)
+    else {
+        return ApiError::ResponseNotFound(id).into_response();
+    };
+    let turn = found.turn;
+    let ep = cfg.endpoints.get(&turn.endpoint);
+    let upstream = match (ep, &turn.upstream_id) {
+        (Some(ep), Some(up)) => {
+            executor::responses::upstream_call(&app, &cfg, ep, up, delete).await
+        }
+        _ => None,
+    };
+    if delete {
+        app.conversations.remove(&id, client.as_deref());
+        return axum::Json(json!({"id": id, "object": "response", "deleted": true}))
+            .into_response();
+    }
+    let asked = upstream.is_some();
+    if let Some((200, mut v)) = upstream
+        && v.is_object()
+    {
+        crate::upstream::responses::rewrite_id(&mut v, &id, turn.previous.as_deref());
+        return axum::Json(v).into_response();
+    }
+    match turn.response {
+        Some(kept) => axum::Json(kept.as_ref().clone()).into_response(),
+        None if !asked && turn.upstream_id.is_some() => ApiError::Unavailable(format!(
+            "The endpoint `{}` that holds this response could not be asked for it, and the gateway kept no copy (responses.history: keep).",
+            turn.endpoint
+        ))
+        .into_response(),
+        None => ApiError::ResponseNotFound(id).into_response(),
+    }
 }
 
 /// A request refused at the front door after it was read: its audit row, then the error.

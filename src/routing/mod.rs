@@ -2,8 +2,11 @@
 //! (`outcome`), pure ranking (`router`), the hedging and rate-limit policies (`hedge`,
 //! `ratelimit`), the health state machine (`health`), the rolling statistics (`stats`), what the
 //! watchers observed (`observed`), and the live per-endpoint state that holds them all
-//! (`registry`). Everything but the registry is pure and clock-injected.
+//! (`registry`), and the pins and kept history of `/v1/responses` conversations
+//! (`conversations`). Everything but the registry and the conversations is pure and
+//! clock-injected.
 
+pub mod conversations;
 pub mod health;
 pub mod hedge;
 pub mod observed;

@@ -51,6 +51,12 @@ pub enum Outcome {
     /// The request cannot be expressed in this endpoint's protocol (e.g. a remote image URL for
     /// Ollama): skipped, not the endpoint's fault.
     Unsupported,
+    /// The endpoint answered 404 (or 405) for `/responses`: it speaks only chat. Marked so, and
+    /// the request goes on at once by translation to chat, on the same endpoint.
+    ResponsesUnsupported,
+    /// The endpoint no longer knows the `previous_response_id` it produced (its 404 says so):
+    /// not its fault; the conversation is replayed elsewhere from the gateway's history, if kept.
+    PreviousResponseLost,
 
     // ── Not called: the router or the context check ruled the endpoint out ──
     SkippedRetired,
@@ -67,6 +73,9 @@ pub enum Outcome {
     /// neither it nor a route whose chain holds it): never called, for the request nor its
     /// hedges and continuations.
     SkippedNotAllowed,
+    /// The request continues a conversation (`previous_response_id`) that lives on another
+    /// endpoint, and the gateway kept no history to replay it here: never called.
+    SkippedPinned,
 
     // ── A committed stream that ended badly (the client already has bytes) ──
     StreamBroken,
@@ -95,7 +104,7 @@ pub enum Outcome {
 
 impl Outcome {
     /// Every variant, for tests that walk the whole table.
-    pub const ALL: [Outcome; 32] = [
+    pub const ALL: [Outcome; 35] = [
         Outcome::Ok,
         Outcome::Connect,
         Outcome::Connection,
@@ -111,6 +120,8 @@ impl Outcome {
         Outcome::InBand,
         Outcome::Malformed,
         Outcome::Unsupported,
+        Outcome::ResponsesUnsupported,
+        Outcome::PreviousResponseLost,
         Outcome::SkippedRetired,
         Outcome::SkippedAuthFailed,
         Outcome::SkippedCooldown,
@@ -119,6 +130,7 @@ impl Outcome {
         Outcome::SkippedRatelimitPredicted,
         Outcome::ContextSkip,
         Outcome::SkippedNotAllowed,
+        Outcome::SkippedPinned,
         Outcome::StreamBroken,
         Outcome::StreamStalled,
         Outcome::StreamTruncated,
@@ -148,6 +160,8 @@ impl Outcome {
             Outcome::InBand => "stream_error_event",
             Outcome::Malformed => "malformed_response",
             Outcome::Unsupported => "unsupported_request",
+            Outcome::ResponsesUnsupported => "responses_unsupported",
+            Outcome::PreviousResponseLost => "previous_response_lost",
             Outcome::SkippedRetired => "skipped_retired",
             Outcome::SkippedAuthFailed => "skipped_auth_failed",
             Outcome::SkippedCooldown => "skipped_cooldown",
@@ -157,6 +171,7 @@ impl Outcome {
             Outcome::HedgeCancelled => "hedge_cancelled",
             Outcome::ContextSkip => "context_skip",
             Outcome::SkippedNotAllowed => "skipped_not_allowed",
+            Outcome::SkippedPinned => "skipped_pinned",
             Outcome::StreamBroken => "stream_broken",
             Outcome::StreamStalled => "stream_stalled",
             Outcome::StreamTruncated => "stream_truncated",
@@ -180,6 +195,7 @@ impl Outcome {
                 | Outcome::SkippedRatelimitPredicted
                 | Outcome::ContextSkip
                 | Outcome::SkippedNotAllowed
+                | Outcome::SkippedPinned
         )
     }
 
@@ -197,6 +213,8 @@ impl Outcome {
                 | Outcome::ContextLength
                 | Outcome::RateLimited
                 | Outcome::Unsupported
+                | Outcome::ResponsesUnsupported
+                | Outcome::PreviousResponseLost
                 | Outcome::HedgeCancelled
                 | Outcome::ClientClosed
                 | Outcome::Shutdown
@@ -264,6 +282,8 @@ pub enum Action {
     ContextSkip,
     /// Not the endpoint's fault (nothing counted): fail over.
     FailOver,
+    /// The endpoint speaks only chat: mark it so and try it again at once by translation.
+    SpeakChat,
 }
 
 /// What the outcome alone does not say.
@@ -292,6 +312,7 @@ pub fn action(outcome: Outcome, hints: Hints) -> Action {
                 .unwrap_or(hints.default_cooldown),
         ),
         Outcome::Gone => Action::Retire,
+        Outcome::ResponsesUnsupported => Action::SpeakChat,
         Outcome::Auth if hints.with_key => Action::RejectKey,
         // The rest by the outcome's own properties, so each set is written once: failures that
         // count are recorded (retried on the same endpoint when that may help; never after a
@@ -337,6 +358,8 @@ mod tests {
             (Outcome::InBand, "stream_error_event"),
             (Outcome::Malformed, "malformed_response"),
             (Outcome::Unsupported, "unsupported_request"),
+            (Outcome::ResponsesUnsupported, "responses_unsupported"),
+            (Outcome::PreviousResponseLost, "previous_response_lost"),
             (Outcome::SkippedRetired, "skipped_retired"),
             (Outcome::SkippedAuthFailed, "skipped_auth_failed"),
             (Outcome::SkippedCooldown, "skipped_cooldown"),
@@ -348,6 +371,7 @@ mod tests {
             ),
             (Outcome::ContextSkip, "context_skip"),
             (Outcome::SkippedNotAllowed, "skipped_not_allowed"),
+            (Outcome::SkippedPinned, "skipped_pinned"),
             (Outcome::StreamBroken, "stream_broken"),
             (Outcome::StreamStalled, "stream_stalled"),
             (Outcome::StreamTruncated, "stream_truncated"),
@@ -379,6 +403,23 @@ mod tests {
             assert_eq!(s.parse::<Outcome>(), Ok(o));
         }
         assert!("skipped_".parse::<Outcome>().is_err());
+    }
+
+    #[test]
+    fn an_endpoint_without_responses_is_spoken_to_in_chat_and_a_lost_pin_is_not_its_fault() {
+        assert_eq!(
+            action(Outcome::ResponsesUnsupported, hints()),
+            Action::SpeakChat
+        );
+        assert_eq!(
+            action(Outcome::PreviousResponseLost, hints()),
+            Action::FailOver
+        );
+        for o in [Outcome::ResponsesUnsupported, Outcome::PreviousResponseLost] {
+            assert!(!o.counts_against_endpoint(), "{o:?}");
+            assert!(!o.is_skip(), "{o:?}: it was called");
+        }
+        assert!(Outcome::SkippedPinned.is_skip());
     }
 
     #[test]

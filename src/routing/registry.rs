@@ -54,6 +54,10 @@ pub struct EndpointRuntime {
     probe: Option<crate::routing::observed::ProbeReport>,
     /// A context limit an upstream's own error stated (smaller than configured, or none was).
     learned_window: Option<LearnedWindow>,
+    /// It answered 404 (or 405) for `/responses`: `/v1/responses` goes to it by translation
+    /// to chat from now on (until its fingerprint changes or an operator clears it). The
+    /// upstream's words, for `/status`.
+    chat_only: Option<String>,
     health: crate::routing::health::Health,
     /// Where Docker discovery says the endpoint runs now (`http://ip:port`), if it does.
     discovered: Option<crate::routing::observed::Discovered>,
@@ -136,6 +140,7 @@ impl EndpointRuntime {
             fingerprint: fingerprint.to_string(),
             probe: None,
             learned_window: None,
+            chat_only: None,
             health: crate::routing::health::Health::default(),
             discovered: None,
             last_addresses: Vec::new(),
@@ -881,6 +886,36 @@ impl Registry {
     /// its `/tokenize`), if it teaches anything new and can be true: never below
     /// [`MIN_LEARNED_WINDOW`], nor below the largest request the endpoint served in full within
     /// the stats window.
+    /// Whether `/v1/responses` passes through to `ep`: it has the `responses` capability and
+    /// has not answered 404 for `/responses`.
+    pub fn speaks_responses(&self, ep: &Endpoint) -> bool {
+        ep.caps.contains(crate::config::Capability::Responses)
+            && self
+                .get(&ep.name)
+                .is_none_or(|rt| lock(&rt).chat_only.is_none())
+    }
+
+    /// `ep` answered `/responses` with a 404 (or 405): it speaks only chat. Only this
+    /// endpoint's own answer teaches it, and it costs nothing but translation.
+    pub fn mark_chat_only(&self, ep: &Endpoint, detail: &str) {
+        let Some(rt) = self.get(&ep.name) else {
+            return;
+        };
+        let first = {
+            let mut rt = lock(&rt);
+            let first = rt.chat_only.is_none();
+            rt.chat_only = Some(detail.chars().take(300).collect());
+            first
+        };
+        if first {
+            self.event(
+                &ep.name,
+                "responses_unsupported",
+                "answered 404 for /responses: /v1/responses goes to it by translation to chat",
+            );
+        }
+    }
+
     pub fn learn_window(&self, ep: &Endpoint, tokens: u64, request_id: &str) {
         self.learn_window_from(ep, tokens, request_id, true);
     }
@@ -1094,6 +1129,7 @@ impl Registry {
             rt.cooldown_reason = None;
             rt.dead_keys.clear();
             rt.learned_window = None;
+            rt.chat_only = None;
         }
         self.store.send_flag(name, None, None);
         self.store.send(crate::store::Record::LearnedWindow {
@@ -1332,6 +1368,14 @@ impl Registry {
             "learned_context_window": rt.learned_window.as_ref().map(|l| l.tokens),
             "learned_context_window_request": rt.learned_window.as_ref().map(|l| &l.request_id),
             "tokenizer": ep.counter.method(),
+            // How `/v1/responses` reaches it: passed through, or translated to chat (and why).
+            "responses": if !ep.caps.contains(crate::config::Capability::Responses) {
+                json!({"mode": "translated", "reason": "no `responses` capability"})
+            } else if let Some(why) = &rt.chat_only {
+                json!({"mode": "translated", "reason": "chat_only", "detail": why})
+            } else {
+                json!({"mode": "native"})
+            },
             "health_reason": rt.health.reason(),
             "discovered": rt.discovered.as_ref().map(|d| json!({
                 "service": d.service,

@@ -264,10 +264,16 @@ impl Measure<'_> {
 
     fn part(&self, p: &Value) -> u64 {
         match p.get("type").and_then(Value::as_str) {
-            Some("text") | Some("input_text") => {
+            Some("text" | "input_text" | "output_text") => {
                 self.text(p.get("text").and_then(Value::as_str).unwrap_or(""))
             }
+            Some("refusal") => self.text(p.get("refusal").and_then(Value::as_str).unwrap_or("")),
             Some("image_url") => image_tokens(p),
+            // The Responses API's image part: its URL is a string, its detail beside it.
+            Some("input_image") => image_tokens(&serde_json::json!({"image_url": {
+                "url": p.get("image_url").and_then(Value::as_str).unwrap_or(""),
+                "detail": p.get("detail").and_then(Value::as_str).unwrap_or("auto"),
+            }})),
             _ => 0,
         }
     }
@@ -335,6 +341,26 @@ impl Measure<'_> {
                     .map(|m| m.iter().map(|m| self.message(m)).sum())
                     .unwrap_or(0);
                 n += REPLY_PRIMING;
+                if let Some(tools) = body.get("tools").and_then(Value::as_array) {
+                    n += self.tools(tools);
+                }
+                n
+            }
+            Op::Responses => {
+                // As its chat translation counts: `instructions` a message, `input` a user
+                // message or items (each item counted as a message: its strings and parts), the
+                // reply's priming and the tools (flat function definitions).
+                let mut n = REPLY_PRIMING;
+                if let Some(Value::String(s)) = body.get("instructions") {
+                    n += TOKENS_PER_MESSAGE + self.text(s);
+                }
+                match body.get("input") {
+                    Some(Value::String(s)) => n += TOKENS_PER_MESSAGE + self.text(s),
+                    Some(Value::Array(items)) => {
+                        n += items.iter().map(|m| self.message(m)).sum::<u64>();
+                    }
+                    _ => {}
+                }
                 if let Some(tools) = body.get("tools").and_then(Value::as_array) {
                     n += self.tools(tools);
                 }

@@ -7,6 +7,7 @@
 pub mod classify;
 pub mod metrics;
 pub mod ollama;
+pub mod responses;
 pub mod tokenize;
 
 use std::fmt;
@@ -27,15 +28,17 @@ use crate::wire::{Inbound, Op, TokenField};
 /// serialised, without copying it.
 pub fn body(ep: &Endpoint, op: Op, client: &Map<String, Value>, raw: Option<&[u8]>) -> Vec<u8> {
     let cap = match op {
-        Op::Chat | Op::Completions => ep.max_tokens,
+        Op::Chat | Op::Completions | Op::Responses => ep.max_tokens,
         Op::Embeddings => None,
     };
     let capped = cap.is_some()
-        && ["max_tokens", "max_completion_tokens"].iter().any(|k| {
-            client
-                .get(*k)
-                .is_some_and(|v| over_cap(k, v, cap).is_some())
-        });
+        && ["max_tokens", "max_completion_tokens", "max_output_tokens"]
+            .iter()
+            .any(|k| {
+                client
+                    .get(*k)
+                    .is_some_and(|v| over_cap(k, v, cap).is_some())
+            });
     if !capped
         && let Some(patched) = raw.and_then(|r| crate::wire::patch::model(r, &ep.upstream_model))
     {
@@ -55,7 +58,7 @@ pub fn body(ep: &Endpoint, op: Op, client: &Map<String, Value>, raw: Option<&[u8
 fn plain_body(ep: &Endpoint, req: &Inbound) -> Option<Vec<u8>> {
     let (raw, span) = (req.raw()?, req.model_span()?);
     let cap = match req.op {
-        Op::Chat | Op::Completions => ep.max_tokens,
+        Op::Chat | Op::Completions | Op::Responses => ep.max_tokens,
         Op::Embeddings => None,
     };
     if let Some(cap) = cap
@@ -71,7 +74,11 @@ fn plain_body(ep: &Endpoint, req: &Inbound) -> Option<Vec<u8>> {
 /// The cap to send instead of `v` when `key` asks for more tokens than the endpoint allows.
 fn over_cap(key: &str, v: &Value, cap: Option<u64>) -> Option<u64> {
     match (key, cap, v.as_u64()) {
-        ("max_tokens" | "max_completion_tokens", Some(cap), Some(n)) if n > cap => Some(cap),
+        ("max_tokens" | "max_completion_tokens" | "max_output_tokens", Some(cap), Some(n))
+            if n > cap =>
+        {
+            Some(cap)
+        }
         _ => None,
     }
 }
@@ -105,6 +112,8 @@ impl serde::Serialize for Outgoing<'_> {
 /// Builds the request for one attempt, with the endpoint's payload hygiene applied; returns it
 /// with the number of characters hygiene changed. `Err` when the request cannot be expressed in
 /// the endpoint's protocol (the executor skips the endpoint without holding it against it).
+/// `translate`: a Responses request goes as the chat request that says the same
+/// ([`crate::wire::responses::to_chat`]), to the endpoint's chat path.
 pub fn request<'a>(
     ep: &'a Endpoint,
     req: &Inbound,
@@ -112,8 +121,8 @@ pub fn request<'a>(
     key: Option<&Secret>,
     request_id: &str,
     discovered_base: Option<&str>,
+    translate: bool,
 ) -> Result<(Prepared<'a>, u64), ollama::Unsupported> {
-    let op = req.op;
     // Hygiene reads the body only when it is on; what it changed is sent as a map (the
     // client's bytes no longer say what the body holds).
     let (cleaned, sanitized) = match ep.payload_hygiene {
@@ -123,7 +132,28 @@ pub fn request<'a>(
             (std::borrow::Cow::Borrowed(_), n) => (None, n),
         },
     };
+    let (op, cleaned) = if req.op == Op::Responses && translate {
+        let mut chat =
+            crate::wire::responses::to_chat(cleaned.as_ref().unwrap_or_else(|| req.body()))
+                .map_err(|e| ollama::Unsupported(e.to_string()))?;
+        chat.insert("model".into(), Value::String(req.model.clone()));
+        if stream {
+            chat.insert("stream".into(), Value::Bool(true));
+            // The usage of the answer, which the Response object carries.
+            chat.insert(
+                "stream_options".into(),
+                serde_json::json!({"include_usage": true}),
+            );
+        }
+        (Op::Chat, Some(chat))
+    } else {
+        (req.op, cleaned)
+    };
     let payload = match (ep.kind, &cleaned) {
+        // An Ollama endpoint given the `responses` capability: its OpenAI-compatible path.
+        (EndpointKind::Ollama, _) if op == Op::Responses => {
+            body(ep, op, cleaned.as_ref().unwrap_or_else(|| req.body()), None)
+        }
         (EndpointKind::Openai | EndpointKind::Vllm, Some(m)) => body(ep, op, m, None),
         (EndpointKind::Openai | EndpointKind::Vllm, None) => {
             plain_body(ep, req).unwrap_or_else(|| body(ep, op, req.body(), req.raw()))
@@ -615,7 +645,7 @@ mod tests {
             "{\"model\": \"a\", \"messages\": [{\"role\":\"user\",\"content\":\"x\\u0007y\"}]}";
         let dirty_req = crate::wire::read_request(Op::Chat, Bytes::from(dirty)).unwrap();
         assert!(dirty_req.model_span().is_some(), "read as plain");
-        let (prepared, changed) = request(h, &dirty_req, false, None, "r", None).unwrap();
+        let (prepared, changed) = request(h, &dirty_req, false, None, "r", None, false).unwrap();
         assert_eq!(changed, 1);
         let Prepared::Pooled(_, req) = prepared else {
             panic!("a plain-http endpoint's own connections")
@@ -632,7 +662,7 @@ mod tests {
         let sent_by = |raw: &str| {
             let req = crate::wire::read_request(Op::Chat, Bytes::from(raw.to_string())).unwrap();
             assert!(req.model_span().is_some(), "read as plain: {raw}");
-            let (prepared, _) = request(a, &req, false, None, "r", None).unwrap();
+            let (prepared, _) = request(a, &req, false, None, "r", None, false).unwrap();
             let Prepared::Pooled(_, req) = prepared else {
                 panic!("a plain-http endpoint's own connections")
             };
@@ -717,7 +747,7 @@ mod tests {
             body.as_object().unwrap().clone(),
             Default::default(),
         );
-        let (prepared, _) = request(ep, &req, false, None, "r-1", None).unwrap();
+        let (prepared, _) = request(ep, &req, false, None, "r-1", None, false).unwrap();
         // A plain-http address goes over the endpoint's own connections, in origin form with
         // its `Host`; an https one over the direct client.
         let Prepared::Pooled(_, req) = &prepared else {

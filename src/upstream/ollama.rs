@@ -249,6 +249,12 @@ pub fn request_body(
                 out.insert("dimensions".into(), d.clone());
             }
         }
+        Op::Responses => {
+            // Translated to chat before it gets here (`upstream::request`).
+            return Err(Unsupported(
+                "a Responses request reaches Ollama's native API only as chat".into(),
+            ));
+        }
     }
     Ok(Value::Object(out))
 }
@@ -265,6 +271,7 @@ pub fn new_id(op: Op) -> String {
         Op::Chat => "chatcmpl",
         Op::Completions => "cmpl",
         Op::Embeddings => "embd",
+        Op::Responses => "resp",
     };
     format!("{prefix}-{:024x}", fastrand::u128(..) >> 32)
 }
@@ -333,7 +340,8 @@ pub fn response_body(
     }
     let created = now_secs();
     match op {
-        Op::Chat => {
+        // A Responses request reaches Ollama as chat (`upstream::request`).
+        Op::Chat | Op::Responses => {
             let msg = v.get("message").ok_or("Ollama answer has no `message`")?;
             let calls = msg
                 .get("tool_calls")
@@ -536,7 +544,7 @@ impl StreamTranslator {
             return out;
         }
         match self.op {
-            Op::Chat => {
+            Op::Chat | Op::Responses => {
                 if !self.sent_role {
                     self.sent_role = true;
                     out.push(self.chat_chunk(

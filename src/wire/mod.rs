@@ -7,6 +7,7 @@ pub mod chunk;
 pub mod hygiene;
 pub mod patch;
 pub mod request;
+pub mod responses;
 pub mod sse;
 
 use std::collections::BTreeSet;
@@ -125,7 +126,7 @@ impl Inbound {
                 use crate::tokens::{REPLY_PRIMING, TOKENS_PER_MESSAGE, TOKENS_PER_NAME};
                 raw + (TOKENS_PER_MESSAGE + TOKENS_PER_NAME) * plain.messages as u64 + REPLY_PRIMING
             }
-            Op::Completions | Op::Embeddings => raw,
+            Op::Completions | Op::Embeddings | Op::Responses => raw,
         })
     }
 
@@ -369,6 +370,7 @@ pub fn inspect(op: Op, value: Value) -> Result<Inbound, ApiError> {
                 });
             }
         }
+        Op::Responses => responses::inspect(&body, &mut needs)?,
         Op::Embeddings => {
             let ok = match body.get("input") {
                 Some(Value::String(_)) => true,
@@ -505,7 +507,7 @@ pub fn prompt_chars(body: &Map<String, Value>) -> usize {
             _ => 0,
         }
     }
-    ["messages", "prompt", "input"]
+    ["messages", "prompt", "input", "instructions"]
         .iter()
         .filter_map(|k| body.get(*k))
         .map(walk)

@@ -46,6 +46,10 @@ pub struct Plain {
 
 /// Reads `body` as a plain request for `op`; `None` declines it to the `Value` path.
 pub fn read(op: Op, body: &str) -> Option<Plain> {
+    if op == Op::Responses {
+        // Read as a map: its input is items, and translation and pinning walk them anyway.
+        return None;
+    }
     let body = body.as_bytes();
     let mut s = Scanner {
         b: body,
@@ -170,6 +174,7 @@ fn top(s: &mut Scanner<'_>, op: Op) -> Option<Plain> {
         Op::Chat => messages,
         Op::Completions => prompt,
         Op::Embeddings => input,
+        Op::Responses => false,
     };
     complete.then_some(Plain {
         model,

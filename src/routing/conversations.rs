@@ -1,0 +1,273 @@
+//! What the gateway keeps of the answers it gave on `/v1/responses`: for each of its own
+//! response ids, the endpoint that produced it (the pin a `previous_response_id` follows), the
+//! upstream's own id for it, the client key that owns it, and — for responses the gateway
+//! answered by translation, or every response with `responses.history: keep` — that turn's input
+//! and output items and the Response object, so a conversation can be replayed on another
+//! endpoint and `GET /v1/responses/{id}` answered without one.
+//!
+//! Each turn keeps only its own items and the id of the turn before it: a conversation costs
+//! its length once, not once per turn. Bounded by `history_ttl` (each turn from when it was
+//! made) and `history_max_bytes` (the oldest turns go first); a conversation missing any of its
+//! turns has no history. A lookup by another client key than the owner's finds nothing.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::time::Instant;
+
+/// The bytes a kept turn is charged besides its items (ids, names, the map's own overhead).
+const ENTRY_BYTES: usize = 256;
+
+/// One turn of a conversation, as kept.
+#[derive(Clone, Debug)]
+pub struct Turn {
+    /// The endpoint that produced it.
+    pub endpoint: String,
+    /// The upstream's own id for it; `None` when the gateway answered by translation (the
+    /// upstream keeps nothing of it).
+    pub upstream_id: Option<String>,
+    /// The client key that made it (`None`: the gateway has no `auth.keys`).
+    pub client: Option<String>,
+    /// The gateway's id of the turn before it.
+    pub previous: Option<String>,
+    /// This turn's input items then its output items, when kept.
+    pub items: Option<Arc<Vec<Value>>>,
+    /// The Response object as the client got it, when kept.
+    pub response: Option<Arc<Value>>,
+}
+
+impl Turn {
+    fn bytes(&self) -> usize {
+        let items = self
+            .items
+            .as_ref()
+            .map_or(0, |i| i.iter().map(json_len).sum());
+        let response = self.response.as_ref().map_or(0, |r| json_len(r));
+        ENTRY_BYTES + items + response
+    }
+}
+
+fn json_len(v: &Value) -> usize {
+    serde_json::to_vec(v).map_or(0, |b| b.len())
+}
+
+#[derive(Default)]
+struct Inner {
+    turns: HashMap<String, (Turn, Instant, usize)>,
+    /// Ids in the order they were kept: the oldest leave first.
+    order: VecDeque<String>,
+    bytes: usize,
+}
+
+/// The kept turns, behind one mutex (held for map operations only).
+#[derive(Default)]
+pub struct Conversations {
+    inner: Mutex<Inner>,
+}
+
+/// What a lookup found: the turn, and the whole conversation's items up to and including it
+/// when every turn of it is kept.
+#[derive(Clone, Debug)]
+pub struct Found {
+    pub turn: Turn,
+    pub history: Option<Vec<Value>>,
+}
+
+impl Conversations {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Keeps `turn` under `id`, then lets the oldest turns go until the rest fit `max_bytes`
+    /// and none is older than `ttl`.
+    pub fn keep(&self, id: &str, turn: Turn, ttl: Duration, max_bytes: u64) {
+        let size = turn.bytes();
+        let now = Instant::now();
+        let mut g = self.lock();
+        if let Some((_, _, old)) = g.turns.insert(id.to_string(), (turn, now, size)) {
+            g.bytes = g.bytes.saturating_sub(old);
+        } else {
+            g.order.push_back(id.to_string());
+        }
+        g.bytes = g.bytes.saturating_add(size);
+        Self::evict(&mut g, now, ttl, max_bytes);
+    }
+
+    fn evict(g: &mut Inner, now: Instant, ttl: Duration, max_bytes: u64) {
+        while let Some(oldest) = g.order.front().cloned() {
+            let expired_or_over = match g.turns.get(&oldest) {
+                None => true,
+                Some((_, at, _)) => {
+                    now.saturating_duration_since(*at) > ttl || g.bytes as u64 > max_bytes
+                }
+            };
+            if !expired_or_over {
+                break;
+            }
+            g.order.pop_front();
+            if let Some((_, _, size)) = g.turns.remove(&oldest) {
+                g.bytes = g.bytes.saturating_sub(size);
+            }
+        }
+    }
+
+    /// The turn `id` when `client` owns it and it has not expired, with its conversation's
+    /// items when every turn of it is still kept.
+    pub fn find(&self, id: &str, client: Option<&str>, ttl: Duration) -> Option<Found> {
+        let now = Instant::now();
+        let g = self.lock();
+        let live = |id: &str| {
+            g.turns
+                .get(id)
+                .filter(|(t, at, _)| {
+                    now.saturating_duration_since(*at) <= ttl && t.client.as_deref() == client
+                })
+                .map(|(t, _, _)| t)
+        };
+        let turn = live(id)?.clone();
+        // Walk back to the first turn; bounded by the number of turns kept (a cycle, which
+        // ids made here cannot form, ends it too).
+        let mut chain: Vec<Arc<Vec<Value>>> = Vec::new();
+        let mut at = Some(id.to_string());
+        let mut complete = true;
+        let mut steps = 0usize;
+        while let Some(cur) = at {
+            steps += 1;
+            match live(&cur) {
+                Some(t) if steps <= g.turns.len() => match &t.items {
+                    Some(items) => {
+                        chain.push(items.clone());
+                        at = t.previous.clone();
+                    }
+                    None => {
+                        complete = false;
+                        break;
+                    }
+                },
+                _ => {
+                    complete = false;
+                    break;
+                }
+            }
+        }
+        let history = complete.then(|| {
+            chain
+                .iter()
+                .rev()
+                .flat_map(|items| items.iter().cloned())
+                .collect()
+        });
+        Some(Found { turn, history })
+    }
+
+    /// Forgets `id` when `client` owns it; the turn it was.
+    pub fn remove(&self, id: &str, client: Option<&str>) -> Option<Turn> {
+        let mut g = self.lock();
+        if g.turns.get(id)?.0.client.as_deref() != client {
+            return None;
+        }
+        let (turn, _, size) = g.turns.remove(id)?;
+        g.bytes = g.bytes.saturating_sub(size);
+        g.order.retain(|i| i != id);
+        Some(turn)
+    }
+
+    /// How many turns and bytes are kept (for `/status`).
+    pub fn usage(&self) -> (usize, usize) {
+        let g = self.lock();
+        (g.turns.len(), g.bytes)
+    }
+}
+
+/// A new response id of the gateway's own, in OpenAI's form.
+pub fn new_id() -> String {
+    format!("resp_{:032x}{:016x}", fastrand::u128(..), fastrand::u64(..))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const HOUR: Duration = Duration::from_secs(3600);
+
+    fn turn(prev: Option<&str>, text: &str, client: Option<&str>) -> Turn {
+        Turn {
+            endpoint: "a".into(),
+            upstream_id: None,
+            client: client.map(str::to_string),
+            previous: prev.map(str::to_string),
+            items: Some(Arc::new(vec![
+                json!({"role": "user", "content": text}),
+                json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": format!("re: {text}")}]}),
+            ])),
+            response: None,
+        }
+    }
+
+    #[test]
+    fn a_conversation_is_its_turns_in_order_and_only_its_owner_finds_it() {
+        let c = Conversations::default();
+        c.keep("r1", turn(None, "one", Some("team-a")), HOUR, 1 << 20);
+        c.keep("r2", turn(Some("r1"), "two", Some("team-a")), HOUR, 1 << 20);
+        let found = c.find("r2", Some("team-a"), HOUR).unwrap();
+        let texts: Vec<String> = found
+            .history
+            .unwrap()
+            .iter()
+            .map(|i| i["content"].to_string())
+            .collect();
+        assert_eq!(texts.len(), 4);
+        assert!(
+            texts[0].contains("one") && texts[2].contains("two"),
+            "{texts:?}"
+        );
+        assert!(
+            c.find("r2", Some("team-b"), HOUR).is_none(),
+            "another key's"
+        );
+        assert!(c.find("r2", None, HOUR).is_none());
+        assert!(c.remove("r2", Some("team-b")).is_none());
+        assert!(c.remove("r2", Some("team-a")).is_some());
+        assert!(c.find("r2", Some("team-a"), HOUR).is_none());
+    }
+
+    #[test]
+    fn the_oldest_turns_leave_first_and_a_conversation_missing_one_has_no_history() {
+        let c = Conversations::default();
+        let one = turn(None, "one", None).bytes() as u64;
+        c.keep("r1", turn(None, "one", None), HOUR, one * 2);
+        c.keep("r2", turn(Some("r1"), "two", None), HOUR, one * 2);
+        assert!(c.find("r2", None, HOUR).unwrap().history.is_some());
+        c.keep("r3", turn(Some("r2"), "three", None), HOUR, one * 2);
+        assert!(
+            c.find("r1", None, HOUR).is_none(),
+            "over the bytes: the oldest left"
+        );
+        let found = c.find("r3", None, HOUR).unwrap();
+        assert!(
+            found.history.is_none(),
+            "r1 is gone: the conversation is not whole"
+        );
+        assert!(c.usage().1 as u64 <= one * 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_turn_past_its_ttl_is_gone() {
+        let c = Conversations::default();
+        c.keep("r1", turn(None, "one", None), HOUR, 1 << 20);
+        tokio::time::advance(HOUR + Duration::from_secs(1)).await;
+        assert!(c.find("r1", None, HOUR).is_none());
+        c.keep("r2", turn(None, "two", None), HOUR, 1 << 20);
+        assert_eq!(c.usage().0, 1, "the expired turn left when the next came");
+    }
+
+    #[test]
+    fn ids_look_like_openais() {
+        let id = new_id();
+        assert!(id.starts_with("resp_") && id.len() == 53, "{id}");
+        assert_ne!(new_id(), new_id());
+    }
+}

@@ -1,0 +1,332 @@
+"""`/v1/responses` through the gateway, driven by the official OpenAI Python SDK's
+`responses.create` and `responses.stream`: passed through to an endpoint that speaks the
+Responses API (the mock's `openai` flavor), translated to chat for one that does not (the
+`ollama` flavor), failover before the first output delta, `response.failed` after it, and
+conversations (`previous_response_id`) pinned to their endpoint, replayed from the gateway's
+history when it dies, refused with `previous_response_unavailable` when none was kept."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import tempfile
+import textwrap
+import time
+import urllib.request
+
+import openai
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BIN = os.environ.get("AUTOHEDGE_BIN", str(ROOT / "target" / "debug" / "autohedge"))
+
+TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city.",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+
+
+class Stack:
+    """Mock upstreams and one gateway in front of them, all on 127.0.0.1 port 0."""
+
+    def __init__(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.dir = pathlib.Path(self.tmp.name)
+        self.log = open(self.dir / "log.txt", "w")
+        self.procs = []
+        self.mocks = {}
+        self.gw = None
+
+    def mock(self, name, flavor, script):
+        path = self.dir / f"{name}.yaml"
+        path.write_text(textwrap.dedent(script))
+        p = subprocess.Popen([BIN, "mock-upstream", "--listen", "127.0.0.1:0", "--flavor", flavor, "--script", str(path)],
+                             stdout=subprocess.PIPE, stderr=self.log, text=True)
+        line = p.stdout.readline()
+        assert "listening on http://" in line, line
+        self.procs.append(p)
+        self.mocks[name] = (p, line.strip().rsplit("http://", 1)[1])
+        return self.mocks[name][1]
+
+    def stats(self, name):
+        with urllib.request.urlopen(f"http://{self.mocks[name][1]}/__mock/stats", timeout=5) as r:
+            return json.load(r)
+
+    def kill(self, name):
+        p = self.mocks[name][0]
+        p.kill()
+        p.wait()
+
+    def serve(self, config, key="unused", env=None):
+        cfg = self.dir / "config.yaml"
+        cfg.write_text(textwrap.dedent(config))
+        self.gw = subprocess.Popen([BIN, "serve", "--config", str(cfg), "--listen", "127.0.0.1:0", "--data-dir", str(self.dir / "data")],
+                                   stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        line = self.gw.stdout.readline()
+        assert "listening on http://" in line, line
+        self.procs.append(self.gw)
+        self.addr = line.strip().rsplit("http://", 1)[1]
+        return self.client(key)
+
+    def client(self, key="unused"):
+        return openai.OpenAI(base_url=f"http://{self.addr}/v1", api_key=key, max_retries=0, timeout=20)
+
+    def status(self):
+        with urllib.request.urlopen(f"http://{self.addr}/status", timeout=5) as r:
+            return json.load(r)
+
+    def close(self):
+        # Killed: a gateway drains for `server.drain_delay` on SIGTERM, which these tests do not
+        # need to wait out (tests/gateway.rs covers the drain).
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        self.log.close()
+        self.tmp.cleanup()
+
+
+@pytest.fixture
+def stack():
+    s = Stack()
+    yield s
+    s.close()
+
+
+# The same four cases against an endpoint that speaks the Responses API and one that does not.
+FLAVORS = [("openai", "native"), ("ollama", "translated")]
+
+
+def one_endpoint(stack, flavor, script):
+    addr = stack.mock("up", flavor, script)
+    base = f"http://{addr}/v1" if flavor == "openai" else f"http://{addr}"
+    return stack.serve(f"""
+        models:
+          up: {{ type: {flavor}, base_url: "{base}", model: served-model }}
+    """)
+
+
+@pytest.mark.parametrize("flavor,mode", FLAVORS)
+def test_plain_text(stack, flavor, mode):
+    client = one_endpoint(stack, flavor, 'name: up\nreply: "Hello there"\n')
+    raw = client.responses.with_raw_response.create(model="up", instructions="Be brief.", input="Say hello")
+    r = raw.parse()
+    assert r.output_text == "Hello there"
+    assert r.status == "completed"
+    assert r.id.startswith("resp_") and len(r.id) == 53, r.id
+    assert r.model in ("up", "served-model")
+    assert r.usage.input_tokens > 0 and r.usage.output_tokens > 0
+    assert raw.headers["x-autohedge-endpoint"] == "up"
+    sent = stack.stats("up")["last_body"]
+    if mode == "native":
+        assert sent["model"] == "served-model" and sent["input"] == "Say hello" and sent["instructions"] == "Be brief."
+    else:
+        # Ollama's chat API: instructions became a system message.
+        assert sent["messages"][0] == {"role": "system", "content": "Be brief."}, sent
+        assert sent["messages"][-1]["content"] == "Say hello"
+    status = stack.status()["endpoints"]["up"]["responses"]
+    assert status["mode"] == mode, status
+
+
+@pytest.mark.parametrize("flavor,mode", FLAVORS)
+def test_stream_events(stack, flavor, mode):
+    client = one_endpoint(stack, flavor, 'name: up\nreply: "Hello there friend"\n')
+    with client.responses.stream(model="up", input=[{"role": "user", "content": "hi"}]) as s:
+        events = list(s)
+        final = s.get_final_response()
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"], types
+    assert types.count("response.created") == 1
+    for t in ["response.output_item.added", "response.content_part.added", "response.output_text.delta",
+              "response.output_text.done", "response.content_part.done", "response.output_item.done"]:
+        assert t in types, (t, types)
+    assert types[-1] == "response.completed", types
+    assert types.index("response.output_text.delta") < types.index("response.output_text.done")
+    seqs = [e.sequence_number for e in events]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs), seqs
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Hello there friend"
+    assert final.output_text == "Hello there friend"
+    assert events[0].response.id == final.id and final.id.startswith("resp_")
+    assert final.usage is not None and final.usage.output_tokens > 0
+
+
+@pytest.mark.parametrize("flavor,mode", FLAVORS)
+def test_function_call_round_trip(stack, flavor, mode):
+    client = one_endpoint(stack, flavor, """
+        name: up
+        reply: "It is sunny in Paris."
+        rules: [{times: 1, tool_call: get_weather}]
+    """)
+    first = client.responses.create(model="up", input="Weather in Paris?", tools=TOOLS)
+    call = next(o for o in first.output if o.type == "function_call")
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    second = client.responses.create(
+        model="up", previous_response_id=first.id, tools=TOOLS,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": json.dumps({"sky": "sunny"})}])
+    assert second.output_text == "It is sunny in Paris."
+    sent = stack.stats("up")["last_body"]
+    if mode == "native":
+        # The upstream's own id for the first turn, not the gateway's.
+        assert sent["previous_response_id"].startswith("resp_") and sent["previous_response_id"] != first.id
+    else:
+        roles = [m["role"] for m in sent["messages"]]
+        assert roles == ["user", "assistant", "tool"], sent["messages"]
+        assert sent["messages"][1]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+@pytest.mark.parametrize("flavor,mode", FLAVORS)
+def test_two_turn_conversation(stack, flavor, mode):
+    client = one_endpoint(stack, flavor, 'name: up\nreply: "Noted."\n')
+    first = client.responses.create(model="up", input="My name is Ada.", store=True)
+    second = client.responses.create(model="up", input="What is my name?", previous_response_id=first.id)
+    assert second.output_text == "Noted." and second.id != first.id
+    assert second.previous_response_id == first.id, "the client's own id, echoed"
+    sent = stack.stats("up")["last_body"]
+    if mode == "translated":
+        texts = [m["content"] for m in sent["messages"]]
+        assert texts == ["My name is Ada.", "Noted.", "What is my name?"], sent
+    # Read back, by the gateway's id.
+    got = client.responses.retrieve(second.id)
+    assert got.id == second.id and got.output_text == "Noted."
+    client.responses.delete(second.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(second.id)
+    # An id the gateway never gave.
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model="up", input="x", previous_response_id="resp_" + "0" * 48)
+    assert e.value.body["code"] == "previous_response_not_found"
+
+
+def test_a_failure_right_after_created_fails_over_and_the_client_sees_one_created(stack):
+    a = stack.mock("a", "openai", 'name: a\nreply: "from a"\nrules: [{stream_error_after: 0, error: "You exceeded your current quota"}]\n')
+    b = stack.mock("b", "openai", 'name: b\nreply: "from b"\n')
+    client = stack.serve(f"""
+        models:
+          a: {{ type: openai, base_url: "http://{a}/v1" }}
+          b: {{ type: openai, base_url: "http://{b}/v1" }}
+        routes:
+          r: [a, b]
+    """)
+    with client.responses.stream(model="r", input="hi") as s:
+        events = list(s)
+        final = s.get_final_response()
+    assert stack.stats("a")["requests"] == 1, "a was tried first and its stream began"
+    types = [e.type for e in events]
+    assert types.count("response.created") == 1, types
+    assert "response.failed" not in types, types
+    assert final.output_text == "from b"
+    assert events[0].response.id == final.id
+
+
+def test_a_close_after_deltas_ends_with_response_failed_and_the_sdk_raises(stack):
+    a = stack.mock("a", "openai", 'name: a\nreply: "one two three four five"\nrules: [{reset_after: 2}]\n')
+    b = stack.mock("b", "openai", 'name: b\nreply: "from b"\n')
+    client = stack.serve(f"""
+        models:
+          a: {{ type: openai, base_url: "http://{a}/v1" }}
+          b: {{ type: openai, base_url: "http://{b}/v1" }}
+        routes:
+          r: [a, b]
+    """)
+    with client.responses.stream(model="r", input="hi") as s:
+        events = list(s)
+        with pytest.raises(RuntimeError):
+            s.get_final_response()
+    types = [e.type for e in events]
+    assert types.count("response.output_text.delta") == 2, types
+    assert types[-1] == "response.failed", types
+    failed = events[-1]
+    assert failed.response.status == "failed"
+    assert failed.response.error.code == "stream_broken", failed.response.error
+    assert failed.response.id == events[0].response.id
+    assert failed.sequence_number > events[-2].sequence_number
+    assert stack.stats("b")["requests"] == 0, "after the first delta nothing fails over"
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_conversation_whose_endpoint_died(stack, keep):
+    a = stack.mock("a", "openai", 'name: a\nreply: "Hi Ada."\n')
+    b = stack.mock("b", "openai", 'name: b\nreply: "You are Ada."\n')
+    history = "responses: { history: keep, history_ttl: 1h, history_max_bytes: 64MiB }" if keep else ""
+    client = stack.serve(f"""
+        models:
+          a: {{ type: openai, base_url: "http://{a}/v1" }}
+          b: {{ type: openai, base_url: "http://{b}/v1" }}
+        routes:
+          r: [a, b]
+        {history}
+    """)
+    first = client.responses.create(model="r", input="My name is Ada.")
+    assert first.output_text == "Hi Ada."
+    stack.kill("a")
+    if keep:
+        raw = client.responses.with_raw_response.create(model="r", input="Who am I?", previous_response_id=first.id)
+        second = raw.parse()
+        assert second.output_text == "You are Ada."
+        assert raw.headers["x-autohedge-endpoint"] == "b"
+        sent = stack.stats("b")["last_body"]
+        assert "previous_response_id" not in sent, "b never saw the conversation: it gets all of it"
+        texts = [json.dumps(i) for i in sent["input"]]
+        assert len(sent["input"]) == 3, sent["input"]
+        assert "My name is Ada." in texts[0] and "Hi Ada." in texts[1] and "Who am I?" in texts[2], texts
+    else:
+        with pytest.raises(openai.APIStatusError) as e:
+            client.responses.create(model="r", input="Who am I?", previous_response_id=first.id)
+        assert e.value.status_code == 503
+        assert e.value.body["code"] == "previous_response_unavailable"
+        assert "`a`" in e.value.body["message"]
+        classes = [t["class"] for t in e.value.body["attempts"]]
+        assert "skipped_pinned" in classes, classes
+        assert stack.stats("b")["requests"] == 0
+
+
+def test_a_hedge_race_on_responses(stack):
+    slow = stack.mock("slow", "openai", 'name: slow\nreply: "slow"\nrules: [{delay: 3s}]\n')
+    fast = stack.mock("fast", "openai", 'name: fast\nreply: "fast"\n')
+    client = stack.serve(f"""
+        models:
+          slow: {{ type: openai, base_url: "http://{slow}/v1" }}
+          fast: {{ type: openai, base_url: "http://{fast}/v1" }}
+        routes:
+          r:
+            chain: [slow, fast]
+            hedge: {{ after: 100ms, max_extra: 100% }}
+    """)
+    t0 = time.monotonic()
+    raw = client.responses.with_raw_response.create(model="r", input="hi")
+    assert time.monotonic() - t0 < 2.5
+    assert raw.parse().output_text == "fast"
+    assert raw.headers["x-autohedge-hedged"] == "true"
+    assert raw.headers["x-autohedge-endpoint"] == "fast"
+    assert stack.stats("slow")["requests"] == 1, "the slow one was called first"
+
+
+def test_a_key_may_not_follow_a_conversation_to_an_endpoint_it_may_no_longer_use(stack):
+    a = stack.mock("a", "openai", 'name: a\nreply: "on a"\n')
+    b = stack.mock("b", "openai", 'name: b\nreply: "on b"\n')
+    template = """
+        models:
+          a: {{ type: openai, base_url: "http://{a}/v1" }}
+          b: {{ type: openai, base_url: "http://{b}/v1" }}
+        routes:
+          r: [a, b]
+        responses: {{ history: keep }}
+        auth:
+          keys:
+            - {{ name: team, key: env:AH_TEAM_KEY, models: [{models}] }}
+    """
+    env = dict(os.environ, AH_TEAM_KEY="sk-team-key-0001")
+    client = stack.serve(template.format(a=a, b=b, models="r"), key="sk-team-key-0001", env=env)
+    first = client.responses.create(model="r", input="hi")
+    assert first.output_text == "on a"
+    # The operator narrows the key to `b` alone.
+    (stack.dir / "config.yaml").write_text(textwrap.dedent(template.format(a=a, b=b, models="b")))
+    reloads = stack.status()["config"]["reloads"]
+    stack.gw.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while stack.status()["config"]["reloads"] == reloads and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stack.status()["config"]["reloads"] > reloads
+    with pytest.raises(openai.PermissionDeniedError) as e:
+        client.responses.create(model="b", input="again", previous_response_id=first.id)
+    assert e.value.body["code"] == "model_not_allowed"
+    assert stack.stats("a")["requests"] == 1

@@ -94,17 +94,16 @@ impl Rewrite {
         for ev in events {
             let mut data = ev.data;
             // Only the events that carry the response object are rebuilt.
-            if data.contains("\"response\"") || data.contains("\"object\"") {
-                if let Ok(mut v) = serde_json::from_str::<Value>(&data)
-                    && let Some(old) = rewrite_id(&mut v, &self.id, self.previous.as_deref())
+            if (data.contains("\"response\"") || data.contains("\"object\""))
+                && let Ok(mut v) = serde_json::from_str::<Value>(&data)
+                && let Some(old) = rewrite_id(&mut v, &self.id, self.previous.as_deref())
+            {
+                if let Ok(mut t) = self.tap.lock()
+                    && t.is_none()
                 {
-                    if let Ok(mut t) = self.tap.lock()
-                        && t.is_none()
-                    {
-                        *t = Some(old);
-                    }
-                    data = v.to_string();
+                    *t = Some(old);
                 }
+                data = v.to_string();
             }
             if let Some(name) = &ev.event {
                 out.push_str("event: ");

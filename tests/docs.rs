@@ -96,6 +96,7 @@ const PATHS: &[(&str, &str)] = &[
     ("RawClientKey", "auth.keys[]."),
     ("RawVault", "vault."),
     ("RawCluster", "cluster."),
+    ("RawResponses", "responses."),
     ("RawApprole", "vault.approle."),
     ("RawAlerts", "alerts."),
     ("RawWebhook", "alerts.webhooks[]."),

@@ -119,6 +119,8 @@ impl Run {
             hedge_won: self.hedge_won,
             continued_from: None,
             client_key: self.client.clone(),
+            response_id: self.responses.as_ref().map(|r| r.id.to_string()),
+            previous_response_id: self.responses.as_ref().and_then(|r| r.previous.clone()),
             attempts,
         }
     }

@@ -1370,7 +1370,7 @@ impl Registry {
             "tokenizer": ep.counter.method(),
             // How `/v1/responses` reaches it: passed through, or translated to chat (and why).
             "responses": if !ep.caps.contains(crate::config::Capability::Responses) {
-                json!({"mode": "translated", "reason": "no `responses` capability"})
+                json!({"mode": "translated", "reason": "no_capability"})
             } else if let Some(why) = &rt.chat_only {
                 json!({"mode": "translated", "reason": "chat_only", "detail": why})
             } else {

@@ -129,6 +129,13 @@ const MIGRATIONS: &[&str] = &[
     DROP INDEX IF EXISTS endpoint_events_endpoint;
     CREATE INDEX endpoint_events_ts ON endpoint_events(ts_ms);
     "#,
+    // 9: `/v1/responses`: the gateway's id for the response a request made, and the one it
+    // continued (`previous_response_id`: that row's `endpoint` is where the conversation was
+    // pinned).
+    r#"
+    ALTER TABLE requests ADD COLUMN response_id TEXT;
+    ALTER TABLE requests ADD COLUMN previous_response_id TEXT;
+    "#,
 ];
 
 /// Every query the readers (`stats`, `report`, budgets at start) and the retention sweep run,
@@ -289,6 +296,10 @@ pub struct RequestRow {
     pub continued_from: Option<String>,
     /// The client key's name (`auth.keys[].name`; never the key).
     pub client_key: Option<String>,
+    /// `/v1/responses`: the gateway's id for the response.
+    pub response_id: Option<String>,
+    /// `/v1/responses`: the response this request continued (the gateway's id).
+    pub previous_response_id: Option<String>,
 }
 
 impl RequestRow {
@@ -319,6 +330,8 @@ impl RequestRow {
             hedge_won: false,
             continued_from: None,
             client_key: None,
+            response_id: None,
+            previous_response_id: None,
         }
     }
 }
@@ -665,7 +678,7 @@ fn writer(
 
 /// The `requests` columns the writer fills, `id` first: ids are given explicitly so that a
 /// batch's attempts can name their request row without reading it back row by row.
-const REQUEST_COLUMNS: [&str; 24] = [
+const REQUEST_COLUMNS: [&str; 26] = [
     "id",
     "request_id",
     "ts_ms",
@@ -690,6 +703,8 @@ const REQUEST_COLUMNS: [&str; 24] = [
     "hedge_won",
     "continued_from",
     "client_key",
+    "response_id",
+    "previous_response_id",
 ];
 
 const ATTEMPT_COLUMNS: [&str; 11] = [
@@ -739,6 +754,8 @@ fn plain_request(row: &RequestRow) -> bool {
         && row.hedges == 0
         && !row.hedge_won
         && row.continued_from.is_none()
+        && row.response_id.is_none()
+        && row.previous_response_id.is_none()
 }
 
 fn plain_attempt(a: &AttemptRow) -> bool {
@@ -836,6 +853,8 @@ fn bind_request(
         &row.hedge_won,
         &row.continued_from,
         &row.client_key,
+        &row.response_id,
+        &row.previous_response_id,
     ];
     bind_all(stmt, at, &values, shape)
 }
@@ -1640,6 +1659,10 @@ mod tests {
             7 => r.hedges = 1,
             8 => r.hedge_won = true,
             9 => r.continued_from = Some("e2".into()),
+            10 => {
+                r.response_id = Some("resp_b".into());
+                r.previous_response_id = Some("resp_a".into());
+            }
             _ => {}
         }
         r

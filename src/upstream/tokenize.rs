@@ -27,6 +27,14 @@ pub async fn backend_count(
 ) -> Option<BackendCount> {
     use std::hash::{Hash, Hasher};
     let (kind, timeout) = ep.backend_tokenize?;
+    // A Responses request is counted as the chat request it translates to.
+    let chat;
+    let (op, body) = if op == Op::Responses {
+        chat = crate::wire::responses::to_chat(body).ok()?;
+        (Op::Chat, &chat)
+    } else {
+        (op, body)
+    };
     let text_of = |v: &Value| -> String {
         match v {
             Value::String(s) => s.clone(),

@@ -192,6 +192,11 @@ impl Inbound {
         match (&self.plain, field) {
             (Some(p), TokenField::MaxTokens) => p.max_tokens,
             (Some(p), TokenField::MaxCompletionTokens) => p.max_completion_tokens,
+            // The Responses API's one limit, `max_output_tokens`, reads as `max_tokens`.
+            (None, TokenField::MaxTokens) if self.op == Op::Responses => {
+                self.body().get("max_output_tokens").map(Value::as_u64)
+            }
+            (None, TokenField::MaxCompletionTokens) if self.op == Op::Responses => None,
             (None, f) => self.body().get(f.key()).map(Value::as_u64),
         }
     }

@@ -1092,4 +1092,108 @@ mod tests {
         );
         assert_eq!(failed(&json!({"status": "completed", "error": null})), None);
     }
+
+    mod props {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// JSON with the Responses API's keys in arbitrary places and shapes.
+        fn values() -> impl Strategy<Value = Value> {
+            let leaf = prop_oneof![
+                Just(Value::Null),
+                any::<bool>().prop_map(Value::Bool),
+                any::<i64>().prop_map(Value::from),
+                (-1e6f64..1e6).prop_map(Value::from),
+                "[a-z_.é😀]{0,10}".prop_map(Value::String),
+                prop::sample::select(vec![
+                    "message",
+                    "function_call",
+                    "function_call_output",
+                    "input_text",
+                    "input_image",
+                    "output_text",
+                    "function",
+                    "user",
+                    "assistant",
+                    "developer",
+                    "json_schema",
+                    "response.completed",
+                    "response.failed",
+                    "error",
+                    "response.output_text.delta",
+                ])
+                .prop_map(|s| Value::String(s.into())),
+            ];
+            leaf.prop_recursive(4, 40, 6, |inner| {
+                prop_oneof![
+                    proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                    proptest::collection::vec(
+                        (
+                            prop::sample::select(vec![
+                                "type",
+                                "role",
+                                "content",
+                                "input",
+                                "instructions",
+                                "tools",
+                                "tool_choice",
+                                "text",
+                                "format",
+                                "name",
+                                "arguments",
+                                "call_id",
+                                "output",
+                                "image_url",
+                                "choices",
+                                "delta",
+                                "tool_calls",
+                                "index",
+                                "function",
+                                "usage",
+                                "error",
+                                "message",
+                                "response",
+                                "sequence_number",
+                                "finish_reason",
+                                "max_output_tokens",
+                                "previous_response_id",
+                                "background",
+                                "x",
+                            ]),
+                            inner
+                        ),
+                        0..6
+                    )
+                    .prop_map(|kv| Value::Object(
+                        kv.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+                    )),
+                ]
+            })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2000))]
+
+            /// Arbitrary requests, answers and chunks give a value or an error, never a panic.
+            #[test]
+            fn arbitrary_input_never_panics(v in values(), w in values()) {
+                let body = match &v { Value::Object(m) => m.clone(), _ => Map::new() };
+                let mut needs = BTreeSet::new();
+                let _ = inspect(&body, &mut needs);
+                let _ = to_chat(&body);
+                let _ = input_items(&body);
+                let meta = Meta::new("resp_x", "m", &body);
+                let r = from_chat(&w, &meta);
+                prop_assert_eq!(r["id"].as_str(), Some("resp_x"));
+                let _ = (classify_event(&w), usage_of(&w), failed(&w), output_chars(&w), delta_chars(&w), is_terminal(&w));
+                let mut tr = ChatToEvents::new(meta);
+                let out = tr.chunk(&w) + &tr.chunk(&v) + &tr.finish();
+                // Whatever came in, what goes out is events whose data is JSON.
+                for ev in out.split("\n\n").filter(|e| !e.is_empty()) {
+                    let data = ev.lines().find_map(|l| l.strip_prefix("data: "));
+                    prop_assert!(data.is_some_and(|d| serde_json::from_str::<Value>(d).is_ok()), "{}", ev);
+                }
+            }
+        }
+    }
 }

@@ -92,6 +92,19 @@ def stack():
     s.close()
 
 
+def audit_rows(stack, n):
+    """The gateway's audit rows (written off the request path: polled for, 5 s at most)."""
+    import sqlite3
+    deadline = time.monotonic() + 5
+    while True:
+        con = sqlite3.connect(f"file:{stack.dir / 'data' / 'autohedge.db'}?mode=ro", uri=True)
+        con.row_factory = sqlite3.Row
+        rows = [dict(r) for r in con.execute("SELECT * FROM requests ORDER BY id")]
+        con.close()
+        if len(rows) >= n or time.monotonic() > deadline:
+            return rows
+
+
 # The same four cases against an endpoint that speaks the Responses API and one that does not.
 FLAVORS = [("openai", "native"), ("ollama", "translated")]
 
@@ -184,6 +197,12 @@ def test_two_turn_conversation(stack, flavor, mode):
     if mode == "translated":
         texts = [m["content"] for m in sent["messages"]]
         assert texts == ["My name is Ada.", "Noted.", "What is my name?"], sent
+    # The audit trail links the turns: the second row names the first, whose row names its
+    # endpoint.
+    rows = audit_rows(stack, 2)
+    assert [r["response_id"] for r in rows] == [first.id, second.id]
+    assert rows[1]["previous_response_id"] == first.id and rows[0]["endpoint"] == "up"
+    assert all(r["operation"] == "responses" and r["status"] == 200 for r in rows)
     # Read back, by the gateway's id.
     got = client.responses.retrieve(second.id)
     assert got.id == second.id and got.output_text == "Noted."

@@ -147,6 +147,8 @@ struct Run {
     waited: Duration,
     /// A `/v1/responses` request's own part: its response id, pin and replay.
     responses: Option<Arc<responses::ResponsesCtx>>,
+    /// The pinned endpoint said it no longer holds the conversation: it gets the replay too.
+    pin_lost: bool,
 }
 
 /// Every request that reached the router has exactly one `requests` row. A `Run` dropped before
@@ -247,6 +249,7 @@ pub async fn execute(
         backend_failed: HashSet::new(),
         waited: Duration::ZERO,
         responses: caller.responses.map(Arc::new),
+        pin_lost: false,
     };
     let client = run.client.clone().unwrap_or_default();
     for name in not_allowed {
@@ -606,7 +609,7 @@ impl Run {
         let ep = self.cfg.endpoints.get(name).cloned()?;
         if let Some(ctx) = &self.responses
             && ctx
-                .request_for(&self.req, &ep, self.translates(&ep))
+                .request_for(&self.req, &ep, self.translates(&ep), self.pin_lost)
                 .is_none()
         {
             let pinned = ctx.pinned.clone().unwrap_or_default();
@@ -853,7 +856,7 @@ impl Run {
     fn request_for(&self, ep: &Endpoint, translate: bool) -> Arc<Inbound> {
         match &self.responses {
             Some(ctx) => ctx
-                .request_for(&self.req, ep, translate)
+                .request_for(&self.req, ep, translate, self.pin_lost)
                 .unwrap_or_else(|| self.req.clone()),
             None => self.req.clone(),
         }
@@ -1137,6 +1140,17 @@ impl Run {
                 })
             }
             Action::FailOver => Settled::Done(FAILED),
+            Action::Replay => {
+                // The pinned endpoint lost the conversation (a restart, a server that keeps
+                // none): it gets the whole of it at once, when the gateway kept it.
+                let replay = self.responses.as_ref().is_some_and(|c| c.replay.is_some());
+                if replay && !self.pin_lost {
+                    self.pin_lost = true;
+                    Settled::NextKey
+                } else {
+                    Settled::Done(FAILED)
+                }
+            }
             Action::SpeakChat => {
                 // The endpoint has no `/responses`: from now on it is spoken to in chat, and
                 // this request goes to it so at once.

@@ -118,18 +118,19 @@ pub fn plan(
 
 impl ResponsesCtx {
     /// The request `ep` gets: the pinned form for the endpoint that holds the conversation
-    /// (when it is spoken to natively), else the replay; `None` when neither exists (the
-    /// conversation lives on another endpoint and was not kept).
+    /// (when it is spoken to natively and has not said it lost it: `lost`), else the replay;
+    /// `None` when neither exists (the conversation lives on another endpoint and was not kept).
     pub fn request_for(
         &self,
         req: &Arc<Inbound>,
         ep: &Endpoint,
         translate: bool,
+        lost: bool,
     ) -> Option<Arc<Inbound>> {
         let Some(pinned) = &self.pinned else {
             return Some(req.clone());
         };
-        if self.native_pin && ep.name == *pinned && !translate {
+        if self.native_pin && ep.name == *pinned && !translate && !lost {
             return Some(req.clone());
         }
         self.replay.clone()

@@ -284,6 +284,9 @@ pub enum Action {
     FailOver,
     /// The endpoint speaks only chat: mark it so and try it again at once by translation.
     SpeakChat,
+    /// The endpoint no longer holds the conversation the request continues: send it the whole
+    /// conversation at once (when the gateway kept it), else fail over. Nothing counted.
+    Replay,
 }
 
 /// What the outcome alone does not say.
@@ -313,6 +316,7 @@ pub fn action(outcome: Outcome, hints: Hints) -> Action {
         ),
         Outcome::Gone => Action::Retire,
         Outcome::ResponsesUnsupported => Action::SpeakChat,
+        Outcome::PreviousResponseLost => Action::Replay,
         Outcome::Auth if hints.with_key => Action::RejectKey,
         // The rest by the outcome's own properties, so each set is written once: failures that
         // count are recorded (retried on the same endpoint when that may help; never after a
@@ -413,7 +417,7 @@ mod tests {
         );
         assert_eq!(
             action(Outcome::PreviousResponseLost, hints()),
-            Action::FailOver
+            Action::Replay
         );
         for o in [Outcome::ResponsesUnsupported, Outcome::PreviousResponseLost] {
             assert!(!o.counts_against_endpoint(), "{o:?}");

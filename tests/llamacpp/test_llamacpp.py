@@ -135,6 +135,48 @@ def test_prompt_over_the_context_goes_to_a_larger_endpoint(stack, stream):
     assert raw.headers["x-autohedge-attempts"] == "1"
 
 
+def test_responses_reach_llamacpp_by_translation(stack):
+    """`/v1/responses` against a server that speaks only chat: its 404 for `/responses` marks it
+    chat-only, and the request (and every later one) goes to it translated; the four cases of
+    the Responses API as the SDK drives them."""
+    import json
+    client, _, addr = stack
+    raw = client.responses.with_raw_response.create(model="llamacpp", instructions="Be brief.",
+                                                    input="hello world", max_output_tokens=6, temperature=0)
+    assert raw.headers["x-autohedge-endpoint"] == "llamacpp"
+    r = raw.parse()
+    assert r.id.startswith("resp_") and r.status in ("completed", "incomplete")
+    assert r.output[0].type == "message" and isinstance(r.output_text, str)
+    assert r.usage.input_tokens > 0 and r.usage.output_tokens > 0
+    mode = json.load(urllib.request.urlopen(f"http://{addr}/status"))["endpoints"]["llamacpp"]["responses"]
+    assert mode["mode"] == "translated" and mode["reason"] == "chat_only", mode
+    # Streamed: the Responses event sequence, made by the gateway from llama.cpp's chat chunks.
+    # (Cut at max_output_tokens it ends `response.incomplete`, as OpenAI's does; the SDK's
+    # `get_final_response` wants `response.completed`, so the last event is read instead.)
+    with client.responses.stream(model="llamacpp", input="hello world", max_output_tokens=6, temperature=0) as s:
+        events = list(s)
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"], types
+    assert types[-1] in ("response.completed", "response.incomplete"), types
+    final = events[-1].response
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == final.output[0].content[0].text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    # A function call's second half: the call and its output, replayed as chat tool messages.
+    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    r = client.responses.create(model="llamacpp", tools=tools, max_output_tokens=6, temperature=0, input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ])
+    assert r.status in ("completed", "incomplete") and r.usage.input_tokens > 0
+    # Two turns: the second is the whole conversation, replayed from what the gateway kept.
+    first = client.responses.create(model="llamacpp", input="My name is Ada.", max_output_tokens=4, temperature=0)
+    second = client.responses.create(model="llamacpp", input="Who am I?", previous_response_id=first.id,
+                                     max_output_tokens=4, temperature=0)
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens > first.usage.input_tokens, "the first turn was sent again"
+
+
 def test_failover_when_the_server_is_stopped(stack):
     client, llama, _ = stack
     llama.send_signal(signal.SIGTERM)

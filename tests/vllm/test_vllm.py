@@ -47,8 +47,11 @@ def stack():
     # The CPU engine's OpenMP threads on core 0 only: left to take both cores, it starved vLLM's
     # own API server (and the gateway), which then fed requests to the engine slower than it
     # finished them — no queue ever formed in about half the runs of the queue test below.
+    # VLLM_ENABLE_RESPONSES_API_STORE: vLLM keeps its responses, so a `previous_response_id`
+    # passed through continues on it (without it vLLM answers 404 for every previous id).
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_LOGGING_LEVEL="INFO",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="0")
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="0",
+               VLLM_ENABLE_RESPONSES_API_STORE="1")
     # Port 0: vLLM binds a free port itself; we read it back.
     vllm = subprocess.Popen(
         [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
@@ -243,6 +246,52 @@ def test_a_request_quoting_a_context_error_teaches_the_endpoint_nothing(stack):
     raw = stack["client"].chat.completions.with_raw_response.create(
         model="chat", messages=MSG, max_tokens=4, extra_body=GEN)
     assert raw.headers["x-autohedge-endpoint"] == "vllm"
+
+
+def test_responses_are_passed_through_to_vllm(stack):
+    """`/v1/responses` against vLLM's own Responses API: passed through with `model` rewritten
+    and the gateway's response id in place of vLLM's, streamed events in vLLM's order, a
+    function call's output sent back, and a second turn continued on vLLM under vLLM's own id."""
+    client = stack["client"]
+    raw = client.responses.with_raw_response.create(model="vllm", instructions="Be brief.", input="hello world",
+                                                    max_output_tokens=6, extra_body=GEN)
+    assert raw.headers["x-autohedge-endpoint"] == "vllm"
+    r = raw.parse()
+    assert r.id.startswith("resp_") and len(r.id) == 53, r.id
+    assert r.usage.output_tokens == 6 and r.usage.input_tokens > 0
+    assert r.output[0].type == "message"
+    assert _status(stack["addr"])["endpoints"]["vllm"]["responses"]["mode"] == "native"
+    # Streamed.
+    with client.responses.with_streaming_response.create(model="vllm", input="hello world", max_output_tokens=4,
+                                                          stream=True, extra_body=GEN) as resp:
+        assert resp.headers["x-autohedge-endpoint"] == "vllm"
+        events = list(resp.parse())
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"], types
+    assert types[-1] == "response.completed", types
+    assert types.count("response.output_text.delta") >= 1
+    assert {e.response.id for e in events if hasattr(e, "response")} == {events[0].response.id}
+    assert events[0].response.id.startswith("resp_") and len(events[0].response.id) == 53
+    assert events[-1].response.usage.output_tokens == 4
+    # A function call's output, sent back as vLLM's Responses API takes it.
+    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    r = client.responses.create(model="vllm", tools=tools, max_output_tokens=3, extra_body=GEN, input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+    ])
+    assert r.usage.output_tokens == 3
+    # Two turns: the second goes to vLLM naming vLLM's own id for the first (vLLM would 404 the
+    # gateway's), and comes back with the gateway's ids.
+    first = client.responses.create(model="vllm", input="My name is Ada.", max_output_tokens=3, extra_body=GEN)
+    raw = client.responses.with_raw_response.create(model="vllm", input="Who am I?", previous_response_id=first.id,
+                                                    max_output_tokens=3, extra_body=GEN)
+    second = raw.parse()
+    assert raw.headers["x-autohedge-endpoint"] == "vllm" and raw.headers["x-autohedge-attempts"] == "1"
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens > first.usage.input_tokens, "vLLM read the first turn from its store"
+    got = client.responses.retrieve(second.id)
+    assert got.id == second.id and got.usage.output_tokens == 3
 
 
 def test_a_queue_turns_the_endpoint_degraded(stack):

@@ -238,3 +238,27 @@ pub async fn upstream_call(
     let v = serde_json::from_slice(&body).unwrap_or(Value::Null);
     Some((status, v))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_plain_upstream_id_goes_into_a_url() {
+        assert!(plain_id("resp_955031acc59e3a4c"));
+        assert!(plain_id("resp-ABC_09"));
+        for hostile in [
+            "",
+            "../admin",
+            "resp/../../x",
+            "resp?x=1",
+            "resp#x",
+            "resp x",
+            "resp%2F",
+            "résp",
+            &"a".repeat(257),
+        ] {
+            assert!(!plain_id(hostile), "{hostile:?}");
+        }
+    }
+}

@@ -349,3 +349,61 @@ def test_a_key_may_not_follow_a_conversation_to_an_endpoint_it_may_no_longer_use
         client.responses.create(model="b", input="again", previous_response_id=first.id)
     assert e.value.body["code"] == "model_not_allowed"
     assert stack.stats("a")["requests"] == 1
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_pinned_endpoint_that_lost_the_conversation(stack, keep):
+    # Every second call: the 404 OpenAI (or a vLLM that keeps no responses) gives for a
+    # previous response it no longer holds.
+    a = stack.mock("a", "openai", """
+        name: a
+        reply: "Still Ada."
+        rules: [{when: {every: 2}, status: 404, error: "Previous response with id 'resp_1' not found.", error_code: previous_response_not_found}]
+    """)
+    history = "responses: { history: keep }" if keep else ""
+    client = stack.serve(f"""
+        models:
+          a: {{ type: openai, base_url: "http://{a}/v1" }}
+        {history}
+    """)
+    first = client.responses.create(model="a", input="My name is Ada.")
+    if keep:
+        raw = client.responses.with_raw_response.create(model="a", input="Who am I?", previous_response_id=first.id)
+        assert raw.parse().output_text == "Still Ada."
+        assert raw.headers["x-autohedge-endpoint"] == "a"
+        assert raw.headers["x-autohedge-attempts"] == "2", "the pinned call, then the replay on the same endpoint"
+        sent = stack.stats("a")["last_body"]
+        assert "previous_response_id" not in sent and len(sent["input"]) == 3, sent
+        assert stack.status()["endpoints"]["a"]["state"] == "healthy", "a lost pin is not the endpoint's fault"
+    else:
+        with pytest.raises(openai.APIStatusError) as e:
+            client.responses.create(model="a", input="Who am I?", previous_response_id=first.id)
+        assert e.value.status_code == 503
+        assert e.value.body["code"] == "previous_response_unavailable"
+        assert [t["class"] for t in e.value.body["attempts"]] == ["previous_response_lost"]
+
+
+def test_one_keys_responses_are_not_anothers(stack):
+    a = stack.mock("a", "openai", 'name: a\nreply: "mine"\n')
+    env = dict(os.environ, AH_KEY_A="sk-team-a-0001", AH_KEY_B="sk-team-b-0002")
+    mine = stack.serve(f"""
+        models:
+          a: {{ type: openai, base_url: "http://{a}/v1" }}
+        responses: {{ history: keep }}
+        auth:
+          keys:
+            - {{ name: team-a, key: env:AH_KEY_A }}
+            - {{ name: team-b, key: env:AH_KEY_B }}
+    """, key="sk-team-a-0001", env=env)
+    theirs = stack.client("sk-team-b-0002")
+    r = mine.responses.create(model="a", input="a secret")
+    assert mine.responses.retrieve(r.id).output_text == "mine", "its owner reads it"
+    with pytest.raises(openai.NotFoundError) as e:
+        theirs.responses.create(model="a", input="continue theirs", previous_response_id=r.id)
+    assert e.value.body["code"] == "previous_response_not_found"
+    with pytest.raises(openai.NotFoundError):
+        theirs.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        theirs.responses.delete(r.id)
+    assert mine.responses.retrieve(r.id).output_text == "mine", "another key's delete changed nothing"
+    assert stack.stats("a")["requests"] == 1, "no refused request reached the upstream"

@@ -841,6 +841,66 @@ impl Cluster {
         .map_err(|e| scrub(&self.settings, &e))
     }
 
+    /// Stores one `/v1/responses` turn (its JSON, from `routing::conversations`) for `ttl`, so
+    /// another replica can continue the conversation. Off the request path (a task of its own);
+    /// a store away loses the share, never the request.
+    pub async fn put_turn(&self, id: &str, json: String, ttl: Duration) {
+        if !self.is_up() {
+            return;
+        }
+        let mut conn = self.conn.clone();
+        let ms = ttl.as_millis().clamp(1, u64::MAX as u128) as u64;
+        let done = tokio::time::timeout(
+            BACKGROUND_TIMEOUT,
+            redis::cmd("SET")
+                .arg(self.key(&["resp", id]))
+                .arg(json)
+                .arg("PX")
+                .arg(ms)
+                .query_async::<()>(&mut conn),
+        )
+        .await;
+        if !matches!(done, Ok(Ok(()))) {
+            tracing::debug!("a /v1/responses turn was not shared (store away or slow)");
+        }
+    }
+
+    /// The turn another replica stored under `id`, within `cluster.timeout` (`deadline`);
+    /// `None` when there is none, it is larger than `max_bytes`, or the store did not answer.
+    pub async fn get_turn(
+        &self,
+        id: &str,
+        max_bytes: u64,
+        deadline: tokio::time::Instant,
+    ) -> Option<String> {
+        if !self.is_up() {
+            return None;
+        }
+        let mut conn = self.conn.clone();
+        let got = tokio::time::timeout_at(
+            deadline,
+            redis::cmd("GET")
+                .arg(self.key(&["resp", id]))
+                .query_async::<Option<String>>(&mut conn),
+        )
+        .await
+        .ok()?
+        .ok()??;
+        (got.len() as u64 <= max_bytes).then_some(got)
+    }
+
+    /// Forgets a shared turn (`DELETE /v1/responses/{id}`).
+    pub async fn delete_turn(&self, id: &str) {
+        let mut conn = self.conn.clone();
+        let _ = tokio::time::timeout(
+            BACKGROUND_TIMEOUT,
+            redis::cmd("DEL")
+                .arg(self.key(&["resp", id]))
+                .query_async::<i64>(&mut conn),
+        )
+        .await;
+    }
+
     /// Every stored fact about `endpoints` (a replica that starts or reconnects catches up).
     async fn stored_facts(&self, endpoints: &[String]) -> Result<Vec<Fact>, String> {
         let mut out = Vec::new();

@@ -162,19 +162,64 @@ pub fn keep(
     } else {
         (None, None)
     };
+    let turn = Turn {
+        endpoint: endpoint.to_string(),
+        upstream_id,
+        client: client.map(str::to_string),
+        previous: ctx.previous.clone(),
+        items,
+        response: kept,
+    };
+    // With `cluster:`, the other replicas can continue it too (stored off the request path).
+    if let Some(cluster) = app.cluster.get()
+        && let Ok(rt) = tokio::runtime::Handle::try_current()
+    {
+        let (cluster, id, json) = (cluster.clone(), ctx.id.to_string(), turn.to_json());
+        let ttl = cfg.responses.history_ttl;
+        rt.spawn(async move { cluster.put_turn(&id, json, ttl).await });
+    }
     app.conversations.keep(
         &ctx.id,
-        Turn {
-            endpoint: endpoint.to_string(),
-            upstream_id,
-            client: client.map(str::to_string),
-            previous: ctx.previous.clone(),
-            items,
-            response: kept,
-        },
+        turn,
         cfg.responses.history_ttl,
         cfg.responses.history_max_bytes,
     );
+}
+
+/// The most turns of one conversation read from the shared store.
+const SHARED_TURNS: usize = 256;
+
+/// With `cluster:`, brings the conversation `id` ends (a turn another replica served) from the
+/// shared store into this replica's, turn by turn back to its first or to one kept here; all of
+/// it within `cluster.timeout`. What does not arrive in time is simply not there: the request
+/// then finds the pin without the history, or nothing.
+pub async fn fetch_shared(app: &AppState, cfg: &Config, id: &str) {
+    let Some(cluster) = app.cluster.get() else {
+        return;
+    };
+    let deadline = tokio::time::Instant::now() + cluster.settings().timeout;
+    let mut at = Some(id.to_string());
+    for _ in 0..SHARED_TURNS {
+        let Some(cur) = at.take().filter(|c| !app.conversations.has(c)) else {
+            return;
+        };
+        let Some(text) = cluster
+            .get_turn(&cur, cfg.responses.history_max_bytes, deadline)
+            .await
+        else {
+            return;
+        };
+        let Some(turn) = Turn::from_json(&text) else {
+            return;
+        };
+        at = turn.previous.clone();
+        app.conversations.keep(
+            &cur,
+            turn,
+            cfg.responses.history_ttl,
+            cfg.responses.history_max_bytes,
+        );
+    }
 }
 
 /// An upstream's id is put in a URL path only when it is a plain token.

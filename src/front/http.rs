@@ -187,8 +187,16 @@ async fn serve(
     let allowed = client
         .and_then(|c| c.models.as_ref())
         .map(|m| cfg.covered_by(m));
-    // A Responses request: its id, and the conversation it continues (pinned endpoint first).
+    // A Responses request: its id, and the conversation it continues (pinned endpoint first;
+    // with `cluster:`, a conversation another replica served is read from the shared store).
     let (chain, responses) = if op == Op::Responses {
+        if let Some(prev) = inbound
+            .body()
+            .get("previous_response_id")
+            .and_then(|v| v.as_str())
+        {
+            executor::responses::fetch_shared(&app, &cfg, prev).await;
+        }
         match executor::responses::plan(
             &app,
             &cfg,
@@ -314,6 +322,7 @@ async fn stored_response(
         Ok(c) => c.map(|c| c.name.clone()),
         Err(e) => return e.into_response(),
     };
+    executor::responses::fetch_shared(&app, &cfg, &id).await;
     let Some(found) = app
         .conversations
         .find(&id, client.as_deref(), cfg.responses.history_ttl)
@@ -330,6 +339,9 @@ async fn stored_response(
     };
     if delete {
         app.conversations.remove(&id, client.as_deref());
+        if let Some(cluster) = app.cluster.get() {
+            cluster.delete_turn(&id).await;
+        }
         return axum::Json(json!({"id": id, "object": "response", "deleted": true}))
             .into_response();
     }

@@ -39,6 +39,47 @@ pub struct Turn {
 }
 
 impl Turn {
+    /// The turn as JSON, for the store replicas share (`cluster:`).
+    pub fn to_json(&self) -> String {
+        serde_json::json!({
+            "endpoint": self.endpoint,
+            "upstream_id": self.upstream_id,
+            "client": self.client,
+            "previous": self.previous,
+            "items": self.items.as_deref(),
+            "response": self.response.as_deref(),
+        })
+        .to_string()
+    }
+
+    /// A turn another replica shared; `None` for anything that is not one.
+    pub fn from_json(text: &str) -> Option<Turn> {
+        let v: Value = serde_json::from_str(text).ok()?;
+        let opt_str = |k: &str| -> Option<Option<String>> {
+            match v.get(k) {
+                None | Some(Value::Null) => Some(None),
+                Some(Value::String(s)) => Some(Some(s.clone())),
+                Some(_) => None,
+            }
+        };
+        Some(Turn {
+            endpoint: v.get("endpoint")?.as_str()?.to_string(),
+            upstream_id: opt_str("upstream_id")?,
+            client: opt_str("client")?,
+            previous: opt_str("previous")?,
+            items: match v.get("items") {
+                None | Some(Value::Null) => None,
+                Some(Value::Array(a)) => Some(Arc::new(a.clone())),
+                Some(_) => return None,
+            },
+            response: match v.get("response") {
+                None | Some(Value::Null) => None,
+                Some(r @ Value::Object(_)) => Some(Arc::new(r.clone())),
+                Some(_) => return None,
+            },
+        })
+    }
+
     fn bytes(&self) -> usize {
         let items = self
             .items
@@ -162,6 +203,11 @@ impl Conversations {
         Some(Found { turn, history })
     }
 
+    /// Whether `id` is kept here (whoever owns it).
+    pub fn has(&self, id: &str) -> bool {
+        self.lock().turns.contains_key(id)
+    }
+
     /// Forgets `id` when `client` owns it; the turn it was.
     pub fn remove(&self, id: &str, client: Option<&str>) -> Option<Turn> {
         let mut g = self.lock();
@@ -262,6 +308,26 @@ mod tests {
         assert!(c.find("r1", None, HOUR).is_none());
         c.keep("r2", turn(None, "two", None), HOUR, 1 << 20);
         assert_eq!(c.usage().0, 1, "the expired turn left when the next came");
+    }
+
+    #[test]
+    fn a_shared_turn_reads_back_as_it_was_and_anything_else_is_refused() {
+        let mut t = turn(Some("r0"), "one", Some("team-a"));
+        t.upstream_id = Some("resp_up".into());
+        t.response = Some(Arc::new(json!({"id": "r1", "object": "response"})));
+        let back = Turn::from_json(&t.to_json()).unwrap();
+        assert_eq!(back.to_json(), t.to_json());
+        for hostile in [
+            "",
+            "[]",
+            "{}",
+            r#"{"endpoint": 3}"#,
+            r#"{"endpoint": "a", "client": 5}"#,
+            r#"{"endpoint": "a", "items": "x"}"#,
+            r#"{"endpoint": "a", "response": []}"#,
+        ] {
+            assert!(Turn::from_json(hostile).is_none(), "{hostile}");
+        }
     }
 
     #[test]

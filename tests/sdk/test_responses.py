@@ -215,12 +215,25 @@ def test_two_turn_conversation(stack, flavor, mode):
     assert e.value.body["code"] == "previous_response_not_found"
 
 
-def test_a_failure_right_after_created_fails_over_and_the_client_sees_one_created(stack):
-    a = stack.mock("a", "openai", 'name: a\nreply: "from a"\nrules: [{stream_error_after: 0, error: "You exceeded your current quota"}]\n')
+# Before the first output delta, each of these fails over invisibly: an in-band
+# `response.failed` right after `response.created` (the Bifrost case), a stall past
+# `timeouts.first_token`, a closed connection, an HTTP error.
+BEFORE_THE_FIRST_DELTA = {
+    "response.failed": '{stream_error_after: 0, error: "You exceeded your current quota"}',
+    "stall": "{stall_after: 0}",
+    "close": "{reset_after: 0}",
+    "http error": "{status: 503}",
+}
+
+
+@pytest.mark.parametrize("failure", list(BEFORE_THE_FIRST_DELTA))
+def test_a_failure_before_the_first_delta_fails_over_and_the_client_sees_one_created(stack, failure):
+    rule = BEFORE_THE_FIRST_DELTA[failure]
+    a = stack.mock("a", "openai", f'name: a\nreply: "from a"\nrules: [{rule}]\n')
     b = stack.mock("b", "openai", 'name: b\nreply: "from b"\n')
     client = stack.serve(f"""
         models:
-          a: {{ type: openai, base_url: "http://{a}/v1" }}
+          a: {{ type: openai, base_url: "http://{a}/v1", timeouts: {{ first_token: 500ms }} }}
           b: {{ type: openai, base_url: "http://{b}/v1" }}
         routes:
           r: [a, b]
@@ -407,3 +420,38 @@ def test_one_keys_responses_are_not_anothers(stack):
         theirs.responses.delete(r.id)
     assert mine.responses.retrieve(r.id).output_text == "mine", "another key's delete changed nothing"
     assert stack.stats("a")["requests"] == 1, "no refused request reached the upstream"
+
+
+def test_the_key_pays_what_usage_says_and_the_context_guard_counts_the_input(stack):
+    small = stack.mock("small", "openai", 'name: small\nreply: "small"\n')
+    big = stack.mock("big", "openai", 'name: big\nreply: "one two three"\n')
+    env = dict(os.environ, AH_KEY="sk-team-0001")
+    client = stack.serve(f"""
+        models:
+          small: {{ type: openai, base_url: "http://{small}/v1", context_window: 200 }}
+          big: {{ type: openai, base_url: "http://{big}/v1", context_window: 100000, cost: {{ input_per_mtok: 1000000, output_per_mtok: 2000000 }} }}
+        routes:
+          r: [small, big]
+        auth:
+          keys:
+            - {{ name: team, key: env:AH_KEY, budget_usd: 1000000 }}
+    """, key="sk-team-0001", env=env)
+    # `instructions` and `input` items count: too long for `small`'s window, never sent to it.
+    long = "word " * 400
+    raw = client.responses.with_raw_response.create(
+        model="r", instructions=long, input=[{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}])
+    r = raw.parse()
+    assert raw.headers["x-autohedge-endpoint"] == "big"
+    assert stack.stats("small")["requests"] == 0
+    row = audit_rows(stack, 1)[-1]
+    assert (row["tokens_in"], row["tokens_out"]) == (r.usage.input_tokens, r.usage.output_tokens)
+    assert row["tokens_estimated"] == 0
+    expected = r.usage.input_tokens * 1.0 + r.usage.output_tokens * 2.0
+    assert abs(row["cost_usd"] - expected) < 1e-6, (row["cost_usd"], expected)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        spent = stack.status()["auth"]["spend_this_month_usd"].get("team", 0)
+        if spent:
+            break
+        time.sleep(0.05)
+    assert abs(spent - expected) < 1e-6, (spent, expected)

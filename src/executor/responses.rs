@@ -194,7 +194,8 @@ const SHARED_TURNS: usize = 256;
 /// it within `cluster.timeout`. What does not arrive in time is simply not there: the request
 /// then finds the pin without the history, or nothing.
 pub async fn fetch_shared(app: &AppState, cfg: &Config, id: &str) {
-    let Some(cluster) = app.cluster.get() else {
+    // Ids the gateway gives are plain tokens; anything else is no key to look up.
+    let Some(cluster) = app.cluster.get().filter(|_| plain_id(id)) else {
         return;
     };
     let deadline = tokio::time::Instant::now() + cluster.settings().timeout;

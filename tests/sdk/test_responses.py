@@ -272,6 +272,8 @@ def test_a_close_after_deltas_ends_with_response_failed_and_the_sdk_raises(stack
     assert failed.response.id == events[0].response.id
     assert failed.sequence_number > events[-2].sequence_number
     assert stack.stats("b")["requests"] == 0, "after the first delta nothing fails over"
+    row = audit_rows(stack, 1)[-1]
+    assert (row["endpoint"], row["error_class"], row["status"]) == ("a", "stream_broken", 200), row
 
 
 @pytest.mark.parametrize("keep", [True, False])
@@ -455,3 +457,63 @@ def test_the_key_pays_what_usage_says_and_the_context_guard_counts_the_input(sta
             break
         time.sleep(0.05)
     assert abs(spent - expected) < 1e-6, (spent, expected)
+
+
+def test_an_endpoint_that_404s_responses_is_marked_chat_only_and_served_by_translation(stack):
+    # An OpenAI-type endpoint (the `responses` capability by default) on a server that has no
+    # `/responses`: the Ollama flavor's OpenAI-compatible chat path, 404 for the rest.
+    srv = stack.mock("srv", "ollama", 'name: srv\nreply: "Hello by chat"\n')
+    client = stack.serve(f"""
+        models:
+          srv: {{ type: openai, base_url: "http://{srv}/v1", model: qwen }}
+    """)
+    assert stack.status()["endpoints"]["srv"]["responses"]["mode"] == "native"
+    raw = client.responses.with_raw_response.create(model="srv", input="hi")
+    assert raw.parse().output_text == "Hello by chat"
+    assert raw.headers["x-autohedge-attempts"] == "2", "the 404, then the same endpoint by chat"
+    st = stack.stats("srv")
+    assert st["by_path"].get("/v1/responses") == 1 and st["by_path"].get("/v1/chat/completions") == 1, st
+    mode = stack.status()["endpoints"]["srv"]["responses"]
+    assert mode["mode"] == "translated" and mode["reason"] == "chat_only", mode
+    assert stack.status()["endpoints"]["srv"]["state"] == "healthy"
+    # Learned: the next request goes by chat at once.
+    raw = client.responses.with_raw_response.create(model="srv", input="hi")
+    assert raw.headers["x-autohedge-attempts"] == "1"
+    assert stack.stats("srv")["by_path"].get("/v1/responses") == 1
+
+
+def test_what_chat_cannot_say_is_a_400_only_when_no_endpoint_can_serve_it(stack):
+    chat = stack.mock("chat", "ollama", 'name: chat\nreply: "by chat"\n')
+    native = stack.mock("native", "openai", 'name: native\nreply: "natively"\n')
+    client = stack.serve(f"""
+        models:
+          chat: {{ type: ollama, base_url: "http://{chat}", model: qwen }}
+          native: {{ type: openai, base_url: "http://{native}/v1" }}
+        routes:
+          only_chat: [chat]
+          mixed: [chat, native]
+    """)
+    web = [{"type": "web_search"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="only_chat", input="news?", tools=web)
+    assert e.value.body["code"] == "unsupported_parameter"
+    assert "`tools[0]` of type `web_search`" in e.value.body["message"]
+    assert stack.stats("chat")["requests"] == 0, "never sent"
+    # A chain with an endpoint that speaks the Responses API serves it there: no 400, no 503.
+    raw = client.responses.with_raw_response.create(model="mixed", input="news?", tools=web)
+    assert raw.parse().output_text == "natively"
+    assert raw.headers["x-autohedge-endpoint"] == "native"
+
+
+def test_a_translated_stream_carries_function_call_argument_deltas(stack):
+    client = one_endpoint(stack, "ollama", "name: up\nrules: [{tool_call: get_weather}]\n")
+    with client.responses.stream(model="up", input="Weather in Paris?", tools=TOOLS) as s:
+        events = list(s)
+        final = s.get_final_response()
+    types = [e.type for e in events]
+    assert "response.function_call_arguments.delta" in types, types
+    assert "response.function_call_arguments.done" in types, types
+    call = next(o for o in final.output if o.type == "function_call")
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert json.loads(args) == {"city": "Paris"}

@@ -329,9 +329,12 @@ pub fn report(
     since: &str,
     format: crate::ops::report::Format,
     out: Option<&Path>,
+    config: Option<&Path>,
 ) -> anyhow::Result<ExitCode> {
     let window =
         config::duration::parse_duration(since).map_err(|e| anyhow::anyhow!("--since: {e}"))?;
+    let (data_dir, _snapshot) = trail_dirs(data_dir, config, window)?;
+    let data_dir = &data_dir[..];
     let from = SystemTime::now()
         .checked_sub(window)
         .unwrap_or(SystemTime::UNIX_EPOCH);
@@ -366,6 +369,7 @@ pub async fn stats_watch(
     data_dir: &[PathBuf],
     since: &str,
     by_key: bool,
+    config: Option<&Path>,
 ) -> anyhow::Result<ExitCode> {
     use std::io::Write as _;
     let mut tick = tokio::time::interval(Duration::from_secs(2));
@@ -378,7 +382,7 @@ pub async fn stats_watch(
         let mut out = std::io::stdout();
         let _ = write!(out, "\x1b[H\x1b[2J");
         let _ = out.flush();
-        if let Err(e) = stats(data_dir, since, false, by_key) {
+        if let Err(e) = stats(data_dir, since, false, by_key, config) {
             crate::say!("{e:#}");
         }
         crate::say!(
@@ -388,14 +392,127 @@ pub async fn stats_watch(
     }
 }
 
+/// A trail copied out of PostgreSQL for the readers; removed when dropped.
+pub struct Snapshot(PathBuf);
+
+impl Drop for Snapshot {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The data dirs the readers read: the `--data-dir`s, or, when `--config` names a config whose
+/// `audit.store` is `postgres`, the window (from `window` ago) copied into a temporary one.
+fn trail_dirs(
+    data_dir: &[PathBuf],
+    config: Option<&Path>,
+    window: Duration,
+) -> anyhow::Result<(Vec<PathBuf>, Option<Snapshot>)> {
+    let Some(path) = config else {
+        return Ok((data_dir.to_vec(), None));
+    };
+    let cfg = Config::load_file(path)?;
+    let Some(pg) = &cfg.audit_pg else {
+        return Ok((data_dir.to_vec(), None));
+    };
+    let from = SystemTime::now()
+        .checked_sub(window)
+        .unwrap_or(SystemTime::UNIX_EPOCH);
+    let dir = std::env::temp_dir().join(format!(
+        "autohedge-pg-{}-{:016x}",
+        std::process::id(),
+        fastrand::u64(..)
+    ));
+    let snap = Snapshot(dir.clone());
+    store::pg::snapshot(pg, from, &dir).context("reading the PostgreSQL audit store")?;
+    Ok((vec![dir], Some(snap)))
+}
+
+/// `autohedge audit export`: the trail from `since` ago as JSON lines.
+pub fn audit_export(
+    data_dir: &Path,
+    since: &str,
+    config: Option<&Path>,
+    out: Option<&Path>,
+) -> anyhow::Result<ExitCode> {
+    let window =
+        config::duration::parse_duration(since).map_err(|e| anyhow::anyhow!("--since: {e}"))?;
+    let (dirs, _snapshot) = trail_dirs(&[data_dir.to_path_buf()], config, window)?;
+    let (_, conn) = store::open_trails(&dirs)?
+        .into_iter()
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("no audit trail"))?;
+    let from = SystemTime::now()
+        .checked_sub(window)
+        .unwrap_or(SystemTime::UNIX_EPOCH);
+    let n = match out {
+        Some(p) => {
+            let mut f = std::io::BufWriter::new(
+                std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
+            );
+            let n = store::transfer::export(&conn, from, &mut f)?;
+            std::io::Write::flush(&mut f)?;
+            n
+        }
+        None => store::transfer::export(&conn, from, &mut std::io::stdout().lock())?,
+    };
+    eprintln!("{n} records exported");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `autohedge audit import FILE`: exported lines into the configured store (`--config` with
+/// `audit.store: postgres`, else the SQLite trail in `--data-dir`).
+pub fn audit_import(
+    file: &Path,
+    data_dir: &Path,
+    config: Option<&Path>,
+) -> anyhow::Result<ExitCode> {
+    let pg = match config {
+        Some(p) => Config::load_file(p)?.audit_pg,
+        None => None,
+    };
+    let opened = match &pg {
+        Some(pg) => {
+            let o = store::pg::open(pg, 100_000);
+            if let Some(why) = o.store.handle().off_reason() {
+                bail!("the audit store ({}) is not reachable: {why}", pg.display);
+            }
+            o
+        }
+        None => store::Store::open(data_dir, 100_000)?,
+    };
+    let handle = opened.store.handle();
+    let mut input = std::io::BufReader::new(
+        std::fs::File::open(file).with_context(|| format!("opening {}", file.display()))?,
+    );
+    let (ok, bad, why) =
+        store::transfer::import(&mut input, |r| handle.send_waiting(r)).context("reading")?;
+    drop(handle);
+    let written_before = opened.store.handle();
+    opened.store.close();
+    for w in &why {
+        eprintln!("refused: {w}");
+    }
+    let dropped = written_before.dropped();
+    eprintln!("{ok} records imported, {bad} refused, {dropped} not written");
+    Ok(if bad == 0 && dropped == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
 pub fn stats(
     data_dir: &[PathBuf],
     since: &str,
     json: bool,
     by_key: bool,
+    config: Option<&Path>,
 ) -> anyhow::Result<ExitCode> {
     let window =
         config::duration::parse_duration(since).map_err(|e| anyhow::anyhow!("--since: {e}"))?;
+    let (data_dir, _snapshot) = trail_dirs(data_dir, config, window)?;
+    let data_dir = &data_dir[..];
     let (paths, trails): (Vec<PathBuf>, Vec<rusqlite::Connection>) =
         store::open_trails(data_dir)?.into_iter().unzip();
     let db = paths

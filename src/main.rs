@@ -92,6 +92,9 @@ enum Command {
         /// Refresh in place every 2 s until interrupted.
         #[arg(long)]
         watch: bool,
+        /// Read the trail from the store this config names (`audit.store: postgres`).
+        #[arg(long)]
+        config: Option<PathBuf>,
     },
     /// The failure report from the audit trail: totals, top failure causes, failover
     /// performance, per-endpoint reliability and recommended actions (Markdown, or HTML with
@@ -109,6 +112,14 @@ enum Command {
         /// merge their trails.
         #[arg(long, default_value = "./data")]
         data_dir: Vec<PathBuf>,
+        /// Read the trail from the store this config names (`audit.store: postgres`).
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+    /// Move the audit trail between stores: export it as JSON lines, import them.
+    Audit {
+        #[command(subcommand)]
+        action: AuditAction,
     },
     /// Validate a config and print what it resolved (key sources, never key values).
     CheckConfig { path: Option<PathBuf> },
@@ -141,6 +152,34 @@ enum Command {
 }
 
 #[derive(Subcommand)]
+enum AuditAction {
+    /// Write the trail (requests with their attempts, endpoint events, client keys' spend) as
+    /// JSON lines.
+    Export {
+        /// How far back: 24h, 7d …
+        #[arg(long, default_value = "24h")]
+        since: String,
+        #[arg(long, default_value = "./data")]
+        data_dir: PathBuf,
+        /// Read from the store this config names (`audit.store: postgres`).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Write here instead of stdout.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Load exported lines into the configured store (`--config` with `audit.store:
+    /// postgres`, else the SQLite trail in `--data-dir`).
+    Import {
+        file: PathBuf,
+        #[arg(long, default_value = "./data")]
+        data_dir: PathBuf,
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
 enum EndpointAction {
     /// Lift a retirement (410 Gone), auth failure or cooldown.
     Clear {
@@ -163,6 +202,7 @@ fn main() -> ExitCode {
         Command::Demo { .. }
         | Command::Stats { .. }
         | Command::Report { .. }
+        | Command::Audit { .. }
         | Command::CheckConfig { .. }
         | Command::CountTokens { .. } => "warn",
         _ => "info",
@@ -196,11 +236,12 @@ fn main() -> ExitCode {
                 json,
                 by_key,
                 watch,
+                config,
             } => {
                 if watch {
-                    cli::stats_watch(&data_dir, &since, by_key).await
+                    cli::stats_watch(&data_dir, &since, by_key, config.as_deref()).await
                 } else {
-                    cli::stats(&data_dir, &since, json, by_key)
+                    cli::stats(&data_dir, &since, json, by_key, config.as_deref())
                 }
             }
             Command::Report {
@@ -208,7 +249,25 @@ fn main() -> ExitCode {
                 format,
                 out,
                 data_dir,
-            } => cli::report(&data_dir, &since, format, out.as_deref()),
+                config,
+            } => cli::report(&data_dir, &since, format, out.as_deref(), config.as_deref()),
+            Command::Audit {
+                action:
+                    AuditAction::Export {
+                        since,
+                        data_dir,
+                        config,
+                        out,
+                    },
+            } => cli::audit_export(&data_dir, &since, config.as_deref(), out.as_deref()),
+            Command::Audit {
+                action:
+                    AuditAction::Import {
+                        file,
+                        data_dir,
+                        config,
+                    },
+            } => cli::audit_import(&file, &data_dir, config.as_deref()),
             Command::CheckConfig { path } => cli::check_config(path),
             Command::CountTokens {
                 model,

@@ -28,6 +28,26 @@ pub struct RawConfig {
     pub cluster: Option<RawCluster>,
     #[serde(default)]
     pub responses: RawResponses,
+    pub audit: Option<RawAudit>,
+}
+
+/// `audit:`: where the audit trail is kept.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawAudit {
+    /// `sqlite` (default: `<data-dir>/autohedge.db`) or `postgres`.
+    pub store: Option<AuditStoreKind>,
+    /// `postgres://user:pass@host:5432/db`; `env:`, `file:`, `vault:` or a literal.
+    pub url: Option<String>,
+    /// The most connections the gateway opens to the store (default 8).
+    pub pool: Option<usize>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AuditStoreKind {
+    Sqlite,
+    Postgres,
 }
 
 /// `responses:`: what the gateway keeps of the answers it gives on `/v1/responses`.

@@ -202,6 +202,7 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
     let auth = auth(&raw.auth, &raw.models, &raw.routes, fetched, &mut warnings)?;
     let alerts = alerts(raw.alerts.as_ref(), fetched, &mut warnings)?;
     let cluster = cluster(raw.cluster.as_ref(), fetched)?;
+    let audit_pg = audit_pg(raw.audit.as_ref(), fetched)?;
     if raw.models.is_empty() {
         return Err(ConfigError(
             "at `models`: at least one endpoint is required".into(),
@@ -691,6 +692,7 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
         }
     };
     let mut cfg = Config {
+        audit_pg,
         responses,
         listen,
         max_body_bytes: raw.server.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY),
@@ -780,6 +782,61 @@ fn cluster(
         key_prefix,
         timeout,
     }))
+}
+
+/// `audit:` → where the trail goes: `None` for SQLite (the default), else PostgreSQL's URL
+/// (checked here: a URL tokio-postgres reads, without TLS, which is not built in) and pool.
+fn audit_pg(raw: Option<&RawAudit>, fetched: &Fetched) -> Result<Option<PgSettings>, ConfigError> {
+    let Some(raw) = raw else {
+        return Ok(None);
+    };
+    match (raw.store.unwrap_or(AuditStoreKind::Sqlite), &raw.url) {
+        (AuditStoreKind::Sqlite, None) => return Ok(None),
+        (AuditStoreKind::Sqlite, Some(_)) => {
+            return Err(ConfigError(
+                "at `audit.url`: only with `audit.store: postgres` (SQLite lives in --data-dir)"
+                    .into(),
+            ));
+        }
+        (AuditStoreKind::Postgres, None) => {
+            return Err(ConfigError(
+                "at `audit.url`: required with `audit.store: postgres`".into(),
+            ));
+        }
+        (AuditStoreKind::Postgres, Some(_)) => {}
+    }
+    let spec = raw.url.as_deref().unwrap_or_default();
+    let url = required("audit.url", spec, fetched)?;
+    let source = KeySource::parse(spec);
+    let parsed: tokio_postgres::Config = url.expose().parse().map_err(|_| {
+        ConfigError(format!(
+            "at `audit.url` ({source}): not a postgres:// URL or key=value connection string"
+        ))
+    })?;
+    if parsed.get_ssl_mode() == tokio_postgres::config::SslMode::Require {
+        return Err(ConfigError(format!(
+            "at `audit.url` ({source}): sslmode=require, but TLS to PostgreSQL is not built in (use sslmode=disable over a private network or a local socket)"
+        )));
+    }
+    let host = parsed
+        .get_hosts()
+        .first()
+        .map(|h| match h {
+            tokio_postgres::config::Host::Tcp(h) => h.clone(),
+            tokio_postgres::config::Host::Unix(p) => p.display().to_string(),
+        })
+        .unwrap_or_else(|| "localhost".into());
+    let port = parsed.get_ports().first().copied().unwrap_or(5432);
+    let display = format!(
+        "postgres://{}@{host}:{port}/{}",
+        parsed.get_user().unwrap_or(""),
+        parsed.get_dbname().unwrap_or("")
+    );
+    let pool = raw.pool.unwrap_or(8);
+    if !(1..=256).contains(&pool) {
+        return Err(ConfigError("at `audit.pool`: 1 to 256".into()));
+    }
+    Ok(Some(PgSettings { url, display, pool }))
 }
 
 /// `alerts:` → `Alerts`. A webhook whose `env:`/`file:` cannot be read is left out with a
@@ -960,6 +1017,7 @@ pub(super) fn vault_refs(raw: &RawConfig) -> Vec<crate::vault::Ref> {
     }
     specs.extend(raw.auth.admin_key.as_deref());
     specs.extend(raw.cluster.as_ref().map(|c| c.redis.as_str()));
+    specs.extend(raw.audit.as_ref().and_then(|a| a.url.as_deref()));
     specs.extend(raw.auth.keys.iter().flatten().map(|k| k.key.as_str()));
     let mut refs: Vec<crate::vault::Ref> = specs
         .into_iter()

@@ -141,6 +141,24 @@ impl FromIterator<Capability> for Caps {
     }
 }
 
+/// `audit:` with `store: postgres`, resolved.
+#[derive(Clone)]
+pub struct PgSettings {
+    pub url: Secret,
+    /// The URL without its password: what logs and `/status` show.
+    pub display: String,
+    pub pool: usize,
+}
+
+impl std::fmt::Debug for PgSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgSettings")
+            .field("store", &self.display)
+            .field("pool", &self.pool)
+            .finish()
+    }
+}
+
 /// `responses:` resolved.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ResponsesSettings {
@@ -460,6 +478,8 @@ pub struct Config {
     pub listen: String,
     /// `responses:`: what is kept of `/v1/responses` answers.
     pub responses: ResponsesSettings,
+    /// `audit: { store: postgres }`: the trail in PostgreSQL; `None`: SQLite in the data dir.
+    pub audit_pg: Option<PgSettings>,
     pub max_body_bytes: usize,
     /// `server.max_response_bytes`: the most of an upstream's answer read whole.
     pub max_response_bytes: usize,

@@ -718,6 +718,10 @@ async fn status(
         "docker": app.docker.lock().map(|d| d.to_json()).unwrap_or_default(),
         "cluster": app.cluster.get().map(|c| c.status_json()),
         "audit": {
+            "store": match &cfg.audit_pg {
+                Some(pg) => pg.display.clone(),
+                None => "sqlite".to_string(),
+            },
             "state": match app.store.off_reason() {
                 None => "ok".to_string(),
                 Some(r) => format!("off: {r}"),

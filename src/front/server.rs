@@ -193,7 +193,11 @@ pub struct Gateway {
 
 impl Gateway {
     pub async fn start(opts: GatewayOptions) -> anyhow::Result<Gateway> {
-        let opened = Store::open_or_off(&opts.data_dir, opts.config.audit_queue);
+        // `audit.store: postgres` takes effect at start (as `cluster:` does).
+        let opened = match &opts.config.audit_pg {
+            Some(pg) => crate::store::pg::open(pg, opts.config.audit_queue),
+            None => Store::open_or_off(&opts.data_dir, opts.config.audit_queue),
+        };
         for w in &opts.config.warnings {
             tracing::warn!(warning = %w, "config warning");
         }

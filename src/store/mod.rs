@@ -12,6 +12,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use rusqlite::{Connection, OptionalExtension, params};
 
+pub mod pg;
+pub mod transfer;
+
 /// Migrations, applied in order; `PRAGMA user_version` holds how many have run.
 const MIGRATIONS: &[&str] = &[
     // 1: the audit trail and endpoint state.
@@ -194,7 +197,7 @@ pub mod sql {
 
 /// Rows deleted per transaction when pruning past retention: each delete is a few milliseconds,
 /// so records queued meanwhile wait that long at most, never the whole prune.
-const PRUNE_BATCH: usize = 2000;
+pub(crate) const PRUNE_BATCH: usize = 2000;
 
 /// Pages returned to the file system after a prune (`PRAGMA incremental_vacuum`), per pass.
 const VACUUM_PAGES: usize = 4096;
@@ -396,6 +399,8 @@ pub struct StoreHandle {
     dropped: Arc<AtomicU64>,
     written: Arc<AtomicU64>,
     off_reason: Option<Arc<str>>,
+    /// Why a store that comes and goes (PostgreSQL) is away now; `None` while it writes.
+    down: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 impl StoreHandle {
@@ -406,12 +411,17 @@ impl StoreHandle {
             dropped: Arc::new(AtomicU64::new(0)),
             written: Arc::new(AtomicU64::new(0)),
             off_reason: Some(reason.into()),
+            down: Default::default(),
         }
     }
 
-    /// Why the audit trail is off, when it is.
-    pub fn off_reason(&self) -> Option<&str> {
-        self.off_reason.as_deref()
+    /// Why the audit trail is off, when it is: the database could not be opened, or the store
+    /// (PostgreSQL) is away now and records are dropped until it is back.
+    pub fn off_reason(&self) -> Option<String> {
+        if let Some(r) = &self.off_reason {
+            return Some(r.to_string());
+        }
+        self.down.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Queues a record. A full queue drops it and counts the drop.
@@ -569,6 +579,7 @@ impl Store {
             dropped: dropped.clone(),
             written: written.clone(),
             off_reason: None,
+            down: Default::default(),
         };
         let thread = std::thread::Builder::new()
             .name("autohedge-audit".into())
@@ -1890,6 +1901,7 @@ mod tests {
             dropped: Arc::new(AtomicU64::new(0)),
             written: Arc::new(AtomicU64::new(0)),
             off_reason: None,
+            down: Default::default(),
         };
         h.send(Record::Event(EndpointEvent {
             ts: SystemTime::now(),

@@ -1,0 +1,981 @@
+//! PostgreSQL as the audit store (`audit: { store: postgres, url: … }`), beside the embedded
+//! SQLite: the same tables, columns and meaning, and the same versioned migrations (version N here
+//! is version N there, each run in one transaction under an advisory lock, so replicas starting
+//! at once do not race), written the same way — one writer on its own thread behind the same
+//! bounded queue ([`super::StoreHandle`]), batches of rows in one transaction, multi-row
+//! `INSERT`s, request ids from the table's sequence.
+//!
+//! A store that is down or slow never holds a request: the writer drops (and counts) what it
+//! cannot write, says why (`/health` `degraded`, `/status.audit.state`, the `audit` alert on
+//! drops), and reconnects with backoff. The readers (`stats`, `report`, `audit export`) copy the
+//! window they read into a SQLite file and run the SQLite readers on it ([`snapshot`]): one
+//! query layer for the analytics, so both stores give the same figures by construction.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, sync_channel};
+use std::time::{Duration, Instant, SystemTime};
+
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Client, NoTls};
+
+use super::{
+    ATTEMPT_COLUMNS, BATCH, GATHER, Opened, PersistedStats, REQUEST_COLUMNS, Record, RequestRow,
+    Store, StoreHandle, ms,
+};
+use crate::config::PgSettings;
+
+/// The migrations, version for version the SQLite ones (`super::MIGRATIONS`), in PostgreSQL's
+/// dialect: the same tables and columns (integers as `BIGINT`, reals as `DOUBLE PRECISION`).
+const MIGRATIONS: &[&str] = &[
+    // 1: the audit trail and endpoint state.
+    r#"
+    CREATE TABLE requests (
+        id BIGSERIAL PRIMARY KEY,
+        request_id TEXT NOT NULL,
+        ts_ms BIGINT NOT NULL,
+        operation TEXT NOT NULL,
+        requested_model TEXT,
+        endpoint TEXT,
+        status BIGINT NOT NULL,
+        error_class TEXT,
+        stream BIGINT NOT NULL DEFAULT 0,
+        latency_ms DOUBLE PRECISION NOT NULL,
+        ttft_ms DOUBLE PRECISION,
+        tokens_in BIGINT,
+        tokens_out BIGINT,
+        tokens_estimated BIGINT NOT NULL DEFAULT 0,
+        cost_usd DOUBLE PRECISION,
+        attempts BIGINT NOT NULL DEFAULT 0
+    );
+    CREATE INDEX requests_ts ON requests(ts_ms);
+    CREATE TABLE attempts (
+        id BIGSERIAL PRIMARY KEY,
+        request_row BIGINT NOT NULL REFERENCES requests(id),
+        request_id TEXT NOT NULL,
+        seq BIGINT NOT NULL,
+        ts_ms BIGINT NOT NULL,
+        endpoint TEXT NOT NULL,
+        class TEXT NOT NULL,
+        status BIGINT,
+        error TEXT,
+        latency_ms DOUBLE PRECISION NOT NULL
+    );
+    CREATE INDEX attempts_request_row ON attempts(request_row, seq);
+    CREATE INDEX attempts_ts ON attempts(ts_ms);
+    CREATE TABLE endpoint_events (
+        id BIGSERIAL PRIMARY KEY,
+        ts_ms BIGINT NOT NULL,
+        endpoint TEXT NOT NULL,
+        event TEXT NOT NULL,
+        reason TEXT NOT NULL
+    );
+    CREATE INDEX endpoint_events_endpoint ON endpoint_events(endpoint, ts_ms);
+    CREATE TABLE endpoint_state (
+        endpoint TEXT PRIMARY KEY,
+        requests BIGINT NOT NULL DEFAULT 0,
+        successes BIGINT NOT NULL DEFAULT 0,
+        failures BIGINT NOT NULL DEFAULT 0,
+        ewma_latency_ms DOUBLE PRECISION,
+        retired_reason TEXT,
+        retired_fingerprint TEXT,
+        updated_ms BIGINT NOT NULL
+    );
+    "#,
+    // 2: the context-window guard's columns; learned windows.
+    r#"
+    ALTER TABLE requests ADD COLUMN prompt_tokens_counted BIGINT;
+    ALTER TABLE requests ADD COLUMN truncated_messages BIGINT NOT NULL DEFAULT 0;
+    ALTER TABLE requests ADD COLUMN truncated_tokens BIGINT NOT NULL DEFAULT 0;
+    ALTER TABLE requests ADD COLUMN sanitized_chars BIGINT NOT NULL DEFAULT 0;
+    ALTER TABLE endpoint_state ADD COLUMN learned_context_window BIGINT;
+    "#,
+    // 3: attempts tried although health said to skip them.
+    r#"
+    ALTER TABLE attempts ADD COLUMN panic_mode BIGINT NOT NULL DEFAULT 0;
+    "#,
+    // 4: hedges, continuations, client keys and their spend.
+    r#"
+    ALTER TABLE requests ADD COLUMN hedges BIGINT NOT NULL DEFAULT 0;
+    ALTER TABLE requests ADD COLUMN hedge_won BIGINT NOT NULL DEFAULT 0;
+    ALTER TABLE requests ADD COLUMN continued_from TEXT;
+    ALTER TABLE requests ADD COLUMN client_key TEXT;
+    CREATE TABLE client_spend (
+        client TEXT NOT NULL,
+        month TEXT NOT NULL,
+        usd DOUBLE PRECISION NOT NULL DEFAULT 0,
+        requests BIGINT NOT NULL DEFAULT 0,
+        PRIMARY KEY (client, month)
+    );
+    "#,
+    // 5: attempts lose their time index (read from their request's row).
+    r#"
+    DROP INDEX IF EXISTS attempts_ts;
+    "#,
+    // 6: a learned window's request and fingerprint; attempts with the request's own key.
+    r#"
+    ALTER TABLE endpoint_state ADD COLUMN learned_window_request TEXT;
+    ALTER TABLE endpoint_state ADD COLUMN learned_window_fingerprint TEXT;
+    UPDATE endpoint_state SET learned_context_window = NULL;
+    ALTER TABLE attempts ADD COLUMN own_key BIGINT NOT NULL DEFAULT 0;
+    "#,
+    // 7: standbys remediation scaled up.
+    r#"
+    CREATE TABLE standby_state (
+        standby TEXT PRIMARY KEY,
+        primary_endpoint TEXT NOT NULL,
+        up BIGINT NOT NULL,
+        updated_ms BIGINT NOT NULL
+    );
+    "#,
+    // 8: endpoint events indexed by time only.
+    r#"
+    DROP INDEX IF EXISTS endpoint_events_endpoint;
+    CREATE INDEX endpoint_events_ts ON endpoint_events(ts_ms);
+    "#,
+    // 9: `/v1/responses` ids.
+    r#"
+    ALTER TABLE requests ADD COLUMN response_id TEXT;
+    ALTER TABLE requests ADD COLUMN previous_response_id TEXT;
+    "#,
+];
+
+/// The advisory lock every replica's migration takes (any constant; "autohedge" in ASCII).
+const MIGRATION_LOCK: i64 = 0x6175_746f_6865_6467;
+
+/// How long a connection attempt may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// How long a batch may take to write before the store counts as slow (its records dropped).
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Reconnection backoff: from this, doubling, to [`BACKOFF_MAX`].
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// Rows one multi-row `INSERT` carries (26 columns: far below PostgreSQL's 65,535 parameters).
+const ROWS_PER_INSERT: usize = 256;
+
+/// Connects (within [`CONNECT_TIMEOUT`]) and drives the connection on `rt`.
+async fn connect(url: &str) -> Result<Client, String> {
+    let (client, conn) = tokio::time::timeout(CONNECT_TIMEOUT, tokio_postgres::connect(url, NoTls))
+        .await
+        .map_err(|_| "no answer within 3s".to_string())?
+        .map_err(|e| error_text(&e))?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "audit store connection ended");
+        }
+    });
+    Ok(client)
+}
+
+/// An error without anything of the URL (tokio-postgres never prints the password; the text
+/// is bounded).
+fn error_text(e: &tokio_postgres::Error) -> String {
+    let mut s = e.to_string();
+    if let Some(db) = e.as_db_error() {
+        s = format!("{}: {}", db.code().code(), db.message());
+    }
+    s.chars().take(300).collect()
+}
+
+/// Applies the pending migrations in one transaction, under [`MIGRATION_LOCK`]: replicas that
+/// start together wait for the first, then find nothing to do. `up_to` stops early (tests make
+/// a database at an older version with it).
+pub async fn migrate(client: &mut Client, up_to: Option<usize>) -> Result<usize, String> {
+    let target = up_to.unwrap_or(MIGRATIONS.len()).min(MIGRATIONS.len());
+    let e = |e: tokio_postgres::Error| error_text(&e);
+    let tx = client.transaction().await.map_err(e)?;
+    tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
+        .await
+        .map_err(e)?;
+    tx.batch_execute("CREATE TABLE IF NOT EXISTS autohedge_schema (version BIGINT NOT NULL)")
+        .await
+        .map_err(e)?;
+    let version: i64 = match tx
+        .query_opt("SELECT version FROM autohedge_schema", &[])
+        .await
+        .map_err(e)?
+    {
+        Some(row) => row.get(0),
+        None => {
+            tx.execute("INSERT INTO autohedge_schema (version) VALUES (0)", &[])
+                .await
+                .map_err(e)?;
+            0
+        }
+    };
+    let from = version.max(0) as usize;
+    for sql in MIGRATIONS.iter().take(target).skip(from) {
+        tx.batch_execute(sql).await.map_err(e)?;
+    }
+    if target > from {
+        tx.execute(
+            "UPDATE autohedge_schema SET version = $1",
+            &[&(target as i64)],
+        )
+        .await
+        .map_err(e)?;
+    }
+    tx.commit().await.map_err(e)?;
+    Ok(target.max(from))
+}
+
+/// What the gateway reads at start: endpoint state, this month's spend, standbys left up.
+struct Persisted {
+    stats: Vec<PersistedStats>,
+    spend: Vec<(String, String, f64)>,
+    standbys_up: Vec<String>,
+}
+
+async fn read_persisted(client: &Client) -> Result<Persisted, String> {
+    let e = |e: tokio_postgres::Error| error_text(&e);
+    let stats = client
+        .query(
+            "SELECT endpoint, requests, successes, failures, ewma_latency_ms, retired_reason, retired_fingerprint, learned_context_window, learned_window_request, learned_window_fingerprint FROM endpoint_state",
+            &[],
+        )
+        .await
+        .map_err(e)?
+        .iter()
+        .map(|r| PersistedStats {
+            endpoint: r.get(0),
+            requests: r.get::<_, i64>(1).max(0) as u64,
+            successes: r.get::<_, i64>(2).max(0) as u64,
+            failures: r.get::<_, i64>(3).max(0) as u64,
+            ewma_latency_ms: r.get(4),
+            retired_reason: r.get(5),
+            retired_fingerprint: r.get(6),
+            learned_context_window: r.get::<_, Option<i64>>(7).map(|v| v.max(0) as u64),
+            learned_window_request: r.get(8),
+            learned_window_fingerprint: r.get(9),
+        })
+        .collect();
+    let spend = client
+        .query(super::sql::SPEND, &[])
+        .await
+        .map_err(e)?
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    let standbys_up = client
+        .query("SELECT standby FROM standby_state WHERE up = 1", &[])
+        .await
+        .map_err(e)?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    Ok(Persisted {
+        stats,
+        spend,
+        standbys_up,
+    })
+}
+
+/// Connects, migrates and reads what the gateway needs at start.
+async fn start(url: &str) -> Result<(Client, Persisted), String> {
+    let mut client = connect(url).await?;
+    migrate(&mut client, None).await?;
+    let persisted = read_persisted(&client).await?;
+    Ok((client, persisted))
+}
+
+/// Opens the PostgreSQL trail and starts its writer. A store that cannot be reached does not
+/// stop the gateway: it starts with the trail down (and nothing read), and the writer keeps
+/// trying to reach it.
+pub fn open(settings: &PgSettings, capacity: usize) -> Opened {
+    let (tx, rx) = sync_channel(capacity);
+    let dropped = Arc::new(AtomicU64::new(0));
+    let written = Arc::new(AtomicU64::new(0));
+    let down: Arc<std::sync::Mutex<Option<String>>> = Default::default();
+    let handle = StoreHandle {
+        tx: Some(tx),
+        dropped: dropped.clone(),
+        written: written.clone(),
+        off_reason: None,
+        down: down.clone(),
+    };
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let url = settings.url.expose().to_string();
+    let display = settings.display.clone();
+    let thread = std::thread::Builder::new()
+        .name("autohedge-audit".into())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(format!("cannot start the audit writer: {e}")));
+                    return;
+                }
+            };
+            let first = rt.block_on(start(&url));
+            let (client, persisted) = match first {
+                Ok((c, p)) => (Some(c), Ok(p)),
+                Err(e) => (None, Err(e)),
+            };
+            let _ = ready_tx.send(persisted);
+            let w = Writer {
+                rt,
+                url,
+                display,
+                client,
+                dropped,
+                written,
+                down,
+                backoff: BACKOFF_MIN,
+                next_try: Instant::now(),
+            };
+            w.run(rx);
+        });
+    let thread = match thread {
+        Ok(t) => Some(t),
+        Err(e) => {
+            return Opened {
+                store: Store {
+                    handle: StoreHandle::off(format!("cannot start the audit writer: {e}")),
+                    thread: None,
+                },
+                persisted: Vec::new(),
+                spend: Vec::new(),
+                standbys_up: Vec::new(),
+            };
+        }
+    };
+    let persisted = match ready_rx.recv_timeout(CONNECT_TIMEOUT * 4) {
+        Ok(Ok(p)) => p,
+        Ok(Err(e)) => {
+            tracing::error!(store = %settings.display, error = %e, "audit store (PostgreSQL) unreachable at start: serving with the trail down until it is back");
+            set_down(&handle.down, Some(format!("postgres unreachable: {e}")));
+            Persisted {
+                stats: Vec::new(),
+                spend: Vec::new(),
+                standbys_up: Vec::new(),
+            }
+        }
+        Err(_) => {
+            set_down(
+                &handle.down,
+                Some("postgres: no answer at start".to_string()),
+            );
+            Persisted {
+                stats: Vec::new(),
+                spend: Vec::new(),
+                standbys_up: Vec::new(),
+            }
+        }
+    };
+    Opened {
+        store: Store { handle, thread },
+        persisted: persisted.stats,
+        spend: persisted.spend,
+        standbys_up: persisted.standbys_up,
+    }
+}
+
+fn set_down(down: &std::sync::Mutex<Option<String>>, why: Option<String>) {
+    *down.lock().unwrap_or_else(|e| e.into_inner()) = why;
+}
+
+struct Writer {
+    rt: tokio::runtime::Runtime,
+    url: String,
+    display: String,
+    client: Option<Client>,
+    dropped: Arc<AtomicU64>,
+    written: Arc<AtomicU64>,
+    down: Arc<std::sync::Mutex<Option<String>>>,
+    backoff: Duration,
+    next_try: Instant,
+}
+
+impl Writer {
+    fn run(mut self, rx: Receiver<Record>) {
+        let mut batch = Vec::with_capacity(BATCH);
+        loop {
+            // Wakes every second while idle, so a store that is down is tried again (and
+            // `/health` turns back to ok) without waiting for traffic.
+            match rx.recv_timeout(Duration::from_secs(1)) {
+                Ok(first) => batch.push(first),
+                Err(RecvTimeoutError::Timeout) => {
+                    if self.client.is_none() {
+                        self.reconnect();
+                    }
+                    continue;
+                }
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+            let deadline = Instant::now() + GATHER;
+            loop {
+                while batch.len() < BATCH {
+                    match rx.try_recv() {
+                        Ok(r) => batch.push(r),
+                        Err(_) => break,
+                    }
+                }
+                let flush = batch.iter().any(|r| matches!(r, Record::Flush(_)));
+                if flush || batch.len() >= BATCH || Instant::now() >= deadline {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            self.write(&mut batch);
+        }
+    }
+
+    /// Tries to (re)connect, no sooner than the backoff allows.
+    fn reconnect(&mut self) {
+        if Instant::now() < self.next_try {
+            return;
+        }
+        let url = self.url.clone();
+        match self.rt.block_on(async {
+            let mut c = connect(&url).await?;
+            migrate(&mut c, None).await?;
+            Ok::<_, String>(c)
+        }) {
+            Ok(c) => {
+                self.client = Some(c);
+                self.backoff = BACKOFF_MIN;
+                if self.down.lock().is_ok_and(|d| d.is_some()) {
+                    tracing::info!(store = %self.display, "audit store (PostgreSQL) reachable again: writing resumes");
+                }
+                set_down(&self.down, None);
+            }
+            Err(e) => {
+                set_down(&self.down, Some(format!("postgres unreachable: {e}")));
+                self.next_try = Instant::now() + self.backoff;
+                self.backoff = (self.backoff * 2).min(BACKOFF_MAX);
+            }
+        }
+    }
+
+    fn write(&mut self, batch: &mut Vec<Record>) {
+        let mut flushes = Vec::new();
+        let mut records = Vec::with_capacity(batch.len());
+        for r in batch.drain(..) {
+            match r {
+                Record::Flush(f) => flushes.push(f),
+                other => records.push(other),
+            }
+        }
+        let n = records
+            .iter()
+            .filter(|r| !matches!(r, Record::Prune(_)))
+            .count() as u64;
+        if self.client.as_ref().is_none_or(|c| c.is_closed()) {
+            self.client = None;
+            self.reconnect();
+        }
+        let result = match self.client.as_mut() {
+            None => Err(self
+                .down
+                .lock()
+                .ok()
+                .and_then(|d| d.clone())
+                .unwrap_or_else(|| "postgres unreachable".into())),
+            Some(client) => self.rt.block_on(async {
+                tokio::time::timeout(WRITE_TIMEOUT, write_records(client, records))
+                    .await
+                    .unwrap_or_else(|_| Err("no answer within 10s".into()))
+            }),
+        };
+        match result {
+            Ok(()) => {
+                self.written.fetch_add(n, Ordering::Relaxed);
+            }
+            Err(e) => {
+                let total = self.dropped.fetch_add(n, Ordering::Relaxed) + n;
+                tracing::warn!(store = %self.display, error = %e, dropped = n, dropped_total = total, "audit write to PostgreSQL failed; records dropped");
+                // A failed connection is made again (with backoff) for the next batch.
+                if self.client.as_ref().is_none_or(|c| c.is_closed()) {
+                    self.client = None;
+                    set_down(&self.down, Some(format!("postgres unreachable: {e}")));
+                }
+            }
+        }
+        for f in flushes {
+            let _ = f.send(());
+        }
+    }
+}
+
+type Param = Box<dyn ToSql + Sync + Send>;
+
+/// One batch of records in one transaction; old rows pruned after it, in batches of their own.
+async fn write_records(client: &mut Client, records: Vec<Record>) -> Result<(), String> {
+    let e = |e: tokio_postgres::Error| error_text(&e);
+    let now = ms(SystemTime::now());
+    let mut prunes = Vec::new();
+    let tx = client.transaction().await.map_err(e)?;
+    let mut requests: Vec<Box<RequestRow>> = Vec::new();
+    for r in records {
+        match r {
+            Record::Request(row) => requests.push(row),
+            Record::Event(ev) => {
+                tx.execute(
+                    "INSERT INTO endpoint_events (ts_ms, endpoint, event, reason) VALUES ($1, $2, $3, $4)",
+                    &[&ms(ev.ts), &ev.endpoint, &ev.event, &ev.reason],
+                )
+                .await
+                .map_err(e)?;
+            }
+            Record::Retired {
+                endpoint,
+                reason,
+                fingerprint,
+            } => {
+                tx.execute(
+                    "INSERT INTO endpoint_state (endpoint, retired_reason, retired_fingerprint, updated_ms) VALUES ($1, $2, $3, $4)
+                     ON CONFLICT (endpoint) DO UPDATE SET retired_reason = excluded.retired_reason, retired_fingerprint = excluded.retired_fingerprint, updated_ms = excluded.updated_ms",
+                    &[&endpoint, &reason, &fingerprint, &now],
+                )
+                .await
+                .map_err(e)?;
+            }
+            Record::Stats(rows) => {
+                for s in rows {
+                    tx.execute(
+                        "INSERT INTO endpoint_state (endpoint, requests, successes, failures, ewma_latency_ms, updated_ms) VALUES ($1, $2, $3, $4, $5, $6)
+                         ON CONFLICT (endpoint) DO UPDATE SET requests = excluded.requests, successes = excluded.successes, failures = excluded.failures, ewma_latency_ms = excluded.ewma_latency_ms, updated_ms = excluded.updated_ms",
+                        &[&s.endpoint, &(s.requests as i64), &(s.successes as i64), &(s.failures as i64), &s.ewma_latency_ms, &now],
+                    )
+                    .await
+                    .map_err(e)?;
+                }
+            }
+            Record::LearnedWindow { endpoint, learned } => {
+                let (tokens, request, fingerprint) = match learned {
+                    Some((t, r, f)) => (Some(t as i64), Some(r), Some(f)),
+                    None => (None, None, None),
+                };
+                tx.execute(
+                    "INSERT INTO endpoint_state (endpoint, learned_context_window, learned_window_request, learned_window_fingerprint, updated_ms) VALUES ($1, $2, $3, $4, $5)
+                     ON CONFLICT (endpoint) DO UPDATE SET learned_context_window = excluded.learned_context_window, learned_window_request = excluded.learned_window_request, learned_window_fingerprint = excluded.learned_window_fingerprint, updated_ms = excluded.updated_ms",
+                    &[&endpoint, &tokens, &request, &fingerprint, &now],
+                )
+                .await
+                .map_err(e)?;
+            }
+            Record::Spend(rows) => {
+                for (client, month, usd) in rows {
+                    if usd.is_finite() && usd >= 0.0 {
+                        // Absolute and never lowered: several replicas each write their own view
+                        // (with `cluster:`, the fleet's), and the largest stands.
+                        tx.execute(
+                            "INSERT INTO client_spend (client, month, usd, requests) VALUES ($1, $2, $3, 0)
+                             ON CONFLICT (client, month) DO UPDATE SET usd = GREATEST(client_spend.usd, excluded.usd)",
+                            &[&client, &month, &usd],
+                        )
+                        .await
+                        .map_err(e)?;
+                    }
+                }
+            }
+            Record::Standby {
+                standby,
+                primary,
+                up,
+            } => {
+                tx.execute(
+                    "INSERT INTO standby_state (standby, primary_endpoint, up, updated_ms) VALUES ($1, $2, $3, $4)
+                     ON CONFLICT (standby) DO UPDATE SET primary_endpoint = excluded.primary_endpoint, up = excluded.up, updated_ms = excluded.updated_ms",
+                    &[&standby, &primary, &i64::from(up), &now],
+                )
+                .await
+                .map_err(e)?;
+            }
+            Record::Prune(before) => prunes.push(before),
+            Record::Flush(_) => {}
+        }
+    }
+    if !requests.is_empty() {
+        insert_requests(&tx, &requests).await?;
+    }
+    tx.commit().await.map_err(e)?;
+    for before in prunes {
+        prune(client, before).await?;
+    }
+    Ok(())
+}
+
+/// The batch's requests and their attempts: ids from the sequence, then multi-row `INSERT`s.
+async fn insert_requests(
+    tx: &tokio_postgres::Transaction<'_>,
+    requests: &[Box<RequestRow>],
+) -> Result<(), String> {
+    let e = |e: tokio_postgres::Error| error_text(&e);
+    let ids: Vec<i64> = tx
+        .query(
+            "SELECT nextval('requests_id_seq') FROM generate_series(1, $1::bigint)",
+            &[&(requests.len() as i64)],
+        )
+        .await
+        .map_err(e)?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    if ids.len() != requests.len() {
+        return Err("the id sequence gave fewer ids than asked".into());
+    }
+    for row in requests {
+        if let Some(client) = &row.client_key {
+            tx.execute(
+                "INSERT INTO client_spend (client, month, usd, requests) VALUES ($1, $2, 0, 1)
+                 ON CONFLICT (client, month) DO UPDATE SET requests = client_spend.requests + 1",
+                &[client, &crate::front::clients::month_of(row.ts)],
+            )
+            .await
+            .map_err(e)?;
+        }
+    }
+    let rows: Vec<Vec<Param>> = ids
+        .iter()
+        .zip(requests)
+        .map(|(id, r)| request_params(*id, r))
+        .collect();
+    insert_rows(tx, "requests", &REQUEST_COLUMNS, rows).await?;
+    let attempts: Vec<Vec<Param>> = ids
+        .iter()
+        .zip(requests)
+        .flat_map(|(id, r)| {
+            r.attempts.iter().map(move |a| -> Vec<Param> {
+                vec![
+                    Box::new(*id),
+                    Box::new(r.request_id.clone()),
+                    Box::new(i64::from(a.seq)),
+                    Box::new(ms(r.ts)),
+                    Box::new(a.endpoint.clone()),
+                    Box::new(a.class.as_str()),
+                    Box::new(a.status.map(i64::from)),
+                    Box::new(a.error.clone()),
+                    Box::new(a.latency_ms),
+                    Box::new(i64::from(a.panic_mode)),
+                    Box::new(i64::from(a.own_key)),
+                ]
+            })
+        })
+        .collect();
+    insert_rows(tx, "attempts", &ATTEMPT_COLUMNS, attempts).await
+}
+
+/// A request's values in [`REQUEST_COLUMNS`] order, with its id first.
+fn request_params(id: i64, row: &RequestRow) -> Vec<Param> {
+    let u = |v: u64| v.min(i64::MAX as u64) as i64;
+    vec![
+        Box::new(id),
+        Box::new(row.request_id.clone()),
+        Box::new(ms(row.ts)),
+        Box::new(row.operation),
+        Box::new(row.requested_model.clone()),
+        Box::new(row.endpoint.clone()),
+        Box::new(i64::from(row.status)),
+        Box::new(row.error_class.clone()),
+        Box::new(i64::from(row.stream)),
+        Box::new(row.latency_ms),
+        Box::new(row.ttft_ms),
+        Box::new(row.tokens_in.map(u)),
+        Box::new(row.tokens_out.map(u)),
+        Box::new(i64::from(row.tokens_estimated)),
+        Box::new(row.cost_usd),
+        Box::new(row.attempts.iter().filter(|a| !a.class.is_skip()).count() as i64),
+        Box::new(row.prompt_tokens_counted.map(u)),
+        Box::new(u(row.truncated_messages)),
+        Box::new(u(row.truncated_tokens)),
+        Box::new(u(row.sanitized_chars)),
+        Box::new(i64::from(row.hedges)),
+        Box::new(i64::from(row.hedge_won)),
+        Box::new(row.continued_from.clone()),
+        Box::new(row.client_key.clone()),
+        Box::new(row.response_id.clone()),
+        Box::new(row.previous_response_id.clone()),
+    ]
+}
+
+/// Multi-row `INSERT`s of `rows` (each its values in `columns` order, the SQLite writer's),
+/// [`ROWS_PER_INSERT`] at a time.
+async fn insert_rows(
+    tx: &tokio_postgres::Transaction<'_>,
+    table: &str,
+    cols: &[&str],
+    rows: Vec<Vec<Param>>,
+) -> Result<(), String> {
+    for chunk in rows.chunks(ROWS_PER_INSERT) {
+        let mut sql = format!("INSERT INTO {table} ({}) VALUES ", cols.join(", "));
+        let mut params: Vec<&(dyn ToSql + Sync)> = Vec::with_capacity(chunk.len() * cols.len());
+        for (i, row) in chunk.iter().enumerate() {
+            if i > 0 {
+                sql.push_str(", ");
+            }
+            sql.push('(');
+            for (j, v) in row.iter().enumerate() {
+                if j > 0 {
+                    sql.push_str(", ");
+                }
+                params.push(v.as_ref() as &(dyn ToSql + Sync));
+                sql.push_str(&format!("${}", params.len()));
+            }
+            sql.push(')');
+        }
+        tx.execute(sql.as_str(), &params)
+            .await
+            .map_err(|e| error_text(&e))?;
+    }
+    Ok(())
+}
+
+/// Deletes rows older than `before`, a batch (its own transaction) at a time, as the SQLite
+/// sweep does.
+async fn prune(client: &mut Client, before: SystemTime) -> Result<(), String> {
+    let e = |e: tokio_postgres::Error| error_text(&e);
+    let t = ms(before);
+    let limit = super::PRUNE_BATCH as i64;
+    loop {
+        let tx = client.transaction().await.map_err(e)?;
+        tx.execute(
+            "DELETE FROM attempts WHERE request_row IN (SELECT id FROM requests WHERE ts_ms < $1 ORDER BY ts_ms LIMIT $2)",
+            &[&t, &limit],
+        )
+        .await
+        .map_err(e)?;
+        let n = tx
+            .execute(
+                "DELETE FROM requests WHERE id IN (SELECT id FROM requests WHERE ts_ms < $1 ORDER BY ts_ms LIMIT $2)",
+                &[&t, &limit],
+            )
+            .await
+            .map_err(e)?;
+        tx.commit().await.map_err(e)?;
+        if (n as usize) < super::PRUNE_BATCH {
+            break;
+        }
+    }
+    loop {
+        let n = client
+            .execute(
+                "DELETE FROM endpoint_events WHERE id IN (SELECT id FROM endpoint_events WHERE ts_ms < $1 LIMIT $2)",
+                &[&t, &limit],
+            )
+            .await
+            .map_err(e)?;
+        if (n as usize) < super::PRUNE_BATCH {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// A column's type, for copying rows between the stores.
+#[derive(Clone, Copy)]
+enum Ty {
+    Int,
+    Real,
+    Text,
+}
+
+/// The tables a snapshot copies, with every column of the current schema.
+fn tables() -> Vec<(&'static str, Vec<(&'static str, Ty)>)> {
+    use Ty::*;
+    let requests: Vec<(&'static str, Ty)> = REQUEST_COLUMNS
+        .iter()
+        .map(|c| {
+            let ty = match *c {
+                "request_id"
+                | "operation"
+                | "requested_model"
+                | "endpoint"
+                | "error_class"
+                | "continued_from"
+                | "client_key"
+                | "response_id"
+                | "previous_response_id" => Text,
+                "latency_ms" | "ttft_ms" | "cost_usd" => Real,
+                _ => Int,
+            };
+            (*c, ty)
+        })
+        .collect();
+    let mut attempts = vec![("id", Int)];
+    attempts.extend(ATTEMPT_COLUMNS.iter().map(|c| {
+        let ty = match *c {
+            "request_id" | "endpoint" | "class" | "error" => Text,
+            "latency_ms" => Real,
+            _ => Int,
+        };
+        (*c, ty)
+    }));
+    vec![
+        ("requests", requests),
+        ("attempts", attempts),
+        (
+            "endpoint_events",
+            vec![
+                ("id", Int),
+                ("ts_ms", Int),
+                ("endpoint", Text),
+                ("event", Text),
+                ("reason", Text),
+            ],
+        ),
+        (
+            "endpoint_state",
+            vec![
+                ("endpoint", Text),
+                ("requests", Int),
+                ("successes", Int),
+                ("failures", Int),
+                ("ewma_latency_ms", Real),
+                ("retired_reason", Text),
+                ("retired_fingerprint", Text),
+                ("updated_ms", Int),
+                ("learned_context_window", Int),
+                ("learned_window_request", Text),
+                ("learned_window_fingerprint", Text),
+            ],
+        ),
+        (
+            "client_spend",
+            vec![
+                ("client", Text),
+                ("month", Text),
+                ("usd", Real),
+                ("requests", Int),
+            ],
+        ),
+        (
+            "standby_state",
+            vec![
+                ("standby", Text),
+                ("primary_endpoint", Text),
+                ("up", Int),
+                ("updated_ms", Int),
+            ],
+        ),
+    ]
+}
+
+/// Copies the trail from `since` on (requests, their attempts, endpoint events; all endpoint
+/// state, spend and standbys) into a new SQLite database in `dir`, for the readers.
+pub fn snapshot(settings: &PgSettings, since: SystemTime, dir: &Path) -> anyhow::Result<()> {
+    own_runtime(|rt| snapshot_on(rt, settings, since, dir))
+}
+
+/// Runs `f` with a runtime of its own on a thread of its own: the CLI's callers may already be
+/// inside a runtime, where another cannot block.
+fn own_runtime<T: Send>(
+    f: impl FnOnce(&tokio::runtime::Runtime) -> anyhow::Result<T> + Send,
+) -> anyhow::Result<T> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            f(&rt)
+        })
+        .join()
+        .unwrap_or_else(|_| Err(anyhow::anyhow!("the PostgreSQL reader failed")))
+    })
+}
+
+fn snapshot_on(
+    rt: &tokio::runtime::Runtime,
+    settings: &PgSettings,
+    since: SystemTime,
+    dir: &Path,
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let mut sqlite = super::open_connection(&super::db_path(dir))?;
+    rt.block_on(async {
+        let client = connect(settings.url.expose())
+            .await
+            .map_err(|e| anyhow::anyhow!("PostgreSQL ({}): {e}", settings.display))?;
+        let from = ms(since);
+        let first: Option<i64> = client
+            .query_one("SELECT MIN(id) FROM requests WHERE ts_ms >= $1", &[&from])
+            .await
+            .map_err(|e| anyhow::anyhow!("{}", error_text(&e)))?
+            .get(0);
+        let tx = sqlite.transaction()?;
+        for (table, cols) in tables() {
+            let names: Vec<&str> = cols.iter().map(|(n, _)| *n).collect();
+            let (filter, params): (&str, Vec<&(dyn ToSql + Sync)>) = match table {
+                "requests" | "endpoint_events" => ("WHERE ts_ms >= $1", vec![&from]),
+                "attempts" => match &first {
+                    Some(f) => ("WHERE request_row >= $1", vec![f]),
+                    None => ("WHERE false", vec![]),
+                },
+                _ => ("", vec![]),
+            };
+            let sql = format!("SELECT {} FROM {table} {filter}", names.join(", "));
+            let rows = client
+                .query(sql.as_str(), &params)
+                .await
+                .map_err(|e| anyhow::anyhow!("{}", error_text(&e)))?;
+            let insert = format!(
+                "INSERT OR REPLACE INTO {table} ({}) VALUES ({})",
+                names.join(", "),
+                vec!["?"; names.len()].join(", ")
+            );
+            let mut stmt = tx.prepare(&insert)?;
+            for row in rows {
+                let values: Vec<rusqlite::types::Value> = cols
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (_, ty))| {
+                        use rusqlite::types::Value as V;
+                        match ty {
+                            Ty::Int => row.get::<_, Option<i64>>(i).map_or(V::Null, V::Integer),
+                            Ty::Real => row.get::<_, Option<f64>>(i).map_or(V::Null, V::Real),
+                            Ty::Text => row.get::<_, Option<String>>(i).map_or(V::Null, V::Text),
+                        }
+                    })
+                    .collect();
+                stmt.execute(rusqlite::params_from_iter(values))?;
+            }
+        }
+        tx.commit()?;
+        Ok::<_, anyhow::Error>(())
+    })
+}
+
+/// The schema version of the database at `url` (tests).
+pub fn version(url: &str) -> anyhow::Result<i64> {
+    own_runtime(|rt| {
+        rt.block_on(async {
+            let c = connect(url).await.map_err(|e| anyhow::anyhow!(e))?;
+            let v: i64 = c
+                .query_one("SELECT version FROM autohedge_schema", &[])
+                .await
+                .map_err(|e| anyhow::anyhow!("{}", error_text(&e)))?
+                .get(0);
+            Ok(v)
+        })
+    })
+}
+
+/// Migrates the database at `url` up to `version` only (tests make an older schema with it).
+pub fn migrate_to(url: &str, version: usize) -> anyhow::Result<usize> {
+    own_runtime(|rt| {
+        rt.block_on(async {
+            let mut c = connect(url).await.map_err(|e| anyhow::anyhow!(e))?;
+            migrate(&mut c, Some(version))
+                .await
+                .map_err(|e| anyhow::anyhow!(e))
+        })
+    })
+}
+
+/// How many migrations there are (both stores have as many).
+pub const VERSIONS: usize = MIGRATIONS.len();
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn both_stores_have_the_same_versions() {
+        assert_eq!(super::MIGRATIONS.len(), super::super::MIGRATIONS.len());
+    }
+}

@@ -1,0 +1,276 @@
+//! `autohedge audit export` and `audit import`: the trail as JSON lines, so an operator can move
+//! a SQLite trail into PostgreSQL (or back). One line a record: `{"kind": "request", …}` with
+//! every column of the request and its `attempts`, `{"kind": "event", …}` for an endpoint
+//! event, `{"kind": "spend", …}` for a client key's month. Import writes them through the
+//! configured store's own writer, so they land as the gateway's own rows would.
+
+use std::io::{BufRead, Write};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use rusqlite::Connection;
+use serde_json::{Value, json};
+
+use super::{AttemptRow, EndpointEvent, Record, RequestRow};
+use crate::op::Op;
+use crate::routing::outcome::Outcome;
+
+/// Writes the trail of `conn` from `since` on as JSON lines; returns how many lines.
+pub fn export(conn: &Connection, since: SystemTime, out: &mut dyn Write) -> anyhow::Result<u64> {
+    let from = super::ms(since);
+    let mut n = 0u64;
+    let mut attempts: std::collections::HashMap<i64, Vec<Value>> = Default::default();
+    {
+        let first: Option<i64> =
+            conn.query_row(super::sql::FIRST_ROW_SINCE, [from], |r| r.get(0))?;
+        let mut st = conn.prepare(
+            "SELECT request_row, seq, endpoint, class, status, error, latency_ms, panic_mode, own_key FROM attempts WHERE request_row >= ?1 ORDER BY request_row, seq",
+        )?;
+        let rows = st.query_map([first.unwrap_or(i64::MAX)], |r| {
+            Ok((
+                r.get::<_, i64>(0)?,
+                json!({
+                    "seq": r.get::<_, i64>(1)?,
+                    "endpoint": r.get::<_, String>(2)?,
+                    "class": r.get::<_, String>(3)?,
+                    "status": r.get::<_, Option<i64>>(4)?,
+                    "error": r.get::<_, Option<String>>(5)?,
+                    "latency_ms": r.get::<_, f64>(6)?,
+                    "panic_mode": r.get::<_, i64>(7)? != 0,
+                    "own_key": r.get::<_, i64>(8)? != 0,
+                }),
+            ))
+        })?;
+        for r in rows {
+            let (row, a) = r?;
+            attempts.entry(row).or_default().push(a);
+        }
+    }
+    let cols = super::REQUEST_COLUMNS;
+    let mut st = conn.prepare(&format!(
+        "SELECT {} FROM requests WHERE ts_ms >= ?1 ORDER BY id",
+        cols.join(", ")
+    ))?;
+    let mut rows = st.query([from])?;
+    while let Some(r) = rows.next()? {
+        let mut o = serde_json::Map::new();
+        o.insert("kind".into(), json!("request"));
+        let mut id = 0i64;
+        for (i, c) in cols.iter().enumerate() {
+            let v: rusqlite::types::Value = r.get(i)?;
+            let v = match v {
+                rusqlite::types::Value::Null => Value::Null,
+                rusqlite::types::Value::Integer(n) => json!(n),
+                rusqlite::types::Value::Real(f) => json!(f),
+                rusqlite::types::Value::Text(t) => json!(t),
+                rusqlite::types::Value::Blob(_) => Value::Null,
+            };
+            if *c == "id" {
+                id = v.as_i64().unwrap_or(0);
+                continue;
+            }
+            o.insert((*c).into(), v);
+        }
+        o.insert(
+            "attempts".into(),
+            Value::Array(attempts.remove(&id).unwrap_or_default()),
+        );
+        writeln!(out, "{}", Value::Object(o))?;
+        n += 1;
+    }
+    let mut st = conn.prepare(
+        "SELECT ts_ms, endpoint, event, reason FROM endpoint_events WHERE ts_ms >= ?1 ORDER BY id",
+    )?;
+    let mut rows = st.query([from])?;
+    while let Some(r) = rows.next()? {
+        writeln!(
+            out,
+            "{}",
+            json!({"kind": "event", "ts_ms": r.get::<_, i64>(0)?, "endpoint": r.get::<_, String>(1)?, "event": r.get::<_, String>(2)?, "reason": r.get::<_, String>(3)?})
+        )?;
+        n += 1;
+    }
+    let mut st = conn.prepare(super::sql::SPEND)?;
+    let mut rows = st.query([])?;
+    while let Some(r) = rows.next()? {
+        writeln!(
+            out,
+            "{}",
+            json!({"kind": "spend", "client": r.get::<_, String>(0)?, "month": r.get::<_, String>(1)?, "usd": r.get::<_, f64>(2)?})
+        )?;
+        n += 1;
+    }
+    Ok(n)
+}
+
+fn ts(v: &Value) -> Option<SystemTime> {
+    UNIX_EPOCH.checked_add(Duration::from_millis(u64::try_from(v.as_i64()?).ok()?))
+}
+
+fn opt_str(v: &Value, k: &str) -> Option<String> {
+    v.get(k).and_then(Value::as_str).map(str::to_string)
+}
+
+fn num(v: &Value, k: &str) -> u64 {
+    v.get(k).and_then(Value::as_u64).unwrap_or(0)
+}
+
+/// One exported line as the record it was; `Err` names what is wrong with it.
+pub fn record(line: &str) -> Result<Record, String> {
+    let v: Value = serde_json::from_str(line).map_err(|e| format!("not JSON: {e}"))?;
+    match v.get("kind").and_then(Value::as_str) {
+        Some("request") => {
+            let operation = Op::ALL
+                .into_iter()
+                .map(Op::name)
+                .find(|n| v.get("operation").and_then(Value::as_str) == Some(n))
+                .ok_or("an unknown `operation`")?;
+            let at = ts(v.get("ts_ms").unwrap_or(&Value::Null)).ok_or("no `ts_ms`")?;
+            let request_id = opt_str(&v, "request_id").ok_or("no `request_id`")?;
+            let mut attempts = Vec::new();
+            for a in v
+                .get("attempts")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+            {
+                attempts.push(AttemptRow {
+                    seq: u32::try_from(num(a, "seq")).unwrap_or(u32::MAX),
+                    endpoint: opt_str(a, "endpoint").ok_or("an attempt with no `endpoint`")?,
+                    class: a
+                        .get("class")
+                        .and_then(Value::as_str)
+                        .and_then(|c| c.parse::<Outcome>().ok())
+                        .ok_or("an attempt with an unknown `class`")?,
+                    status: a
+                        .get("status")
+                        .and_then(Value::as_u64)
+                        .and_then(|s| u16::try_from(s).ok()),
+                    error: opt_str(a, "error"),
+                    latency_ms: a.get("latency_ms").and_then(Value::as_f64).unwrap_or(0.0),
+                    panic_mode: a
+                        .get("panic_mode")
+                        .and_then(Value::as_bool)
+                        .unwrap_or(false),
+                    own_key: a.get("own_key").and_then(Value::as_bool).unwrap_or(false),
+                });
+            }
+            let flag = |k: &str| v.get(k).and_then(Value::as_i64).unwrap_or(0) != 0;
+            let opt_u = |k: &str| v.get(k).and_then(Value::as_u64);
+            Ok(Record::Request(Box::new(RequestRow {
+                requested_model: opt_str(&v, "requested_model"),
+                endpoint: opt_str(&v, "endpoint"),
+                status: u16::try_from(num(&v, "status")).unwrap_or(0),
+                error_class: opt_str(&v, "error_class"),
+                stream: flag("stream"),
+                latency_ms: v.get("latency_ms").and_then(Value::as_f64).unwrap_or(0.0),
+                ttft_ms: v.get("ttft_ms").and_then(Value::as_f64),
+                tokens_in: opt_u("tokens_in"),
+                tokens_out: opt_u("tokens_out"),
+                tokens_estimated: flag("tokens_estimated"),
+                cost_usd: v.get("cost_usd").and_then(Value::as_f64),
+                attempts,
+                prompt_tokens_counted: opt_u("prompt_tokens_counted"),
+                truncated_messages: num(&v, "truncated_messages"),
+                truncated_tokens: num(&v, "truncated_tokens"),
+                sanitized_chars: num(&v, "sanitized_chars"),
+                hedges: u32::try_from(num(&v, "hedges")).unwrap_or(u32::MAX),
+                hedge_won: flag("hedge_won"),
+                continued_from: opt_str(&v, "continued_from"),
+                client_key: opt_str(&v, "client_key"),
+                response_id: opt_str(&v, "response_id"),
+                previous_response_id: opt_str(&v, "previous_response_id"),
+                ..RequestRow::new(request_id, at, operation)
+            })))
+        }
+        Some("event") => Ok(Record::Event(EndpointEvent {
+            ts: ts(v.get("ts_ms").unwrap_or(&Value::Null)).ok_or("no `ts_ms`")?,
+            endpoint: opt_str(&v, "endpoint").ok_or("no `endpoint`")?,
+            event: opt_str(&v, "event").ok_or("no `event`")?,
+            reason: opt_str(&v, "reason").unwrap_or_default(),
+        })),
+        Some("spend") => {
+            let usd = v
+                .get("usd")
+                .and_then(Value::as_f64)
+                .filter(|u| u.is_finite() && *u >= 0.0)
+                .ok_or("no `usd`")?;
+            Ok(Record::Spend(vec![(
+                opt_str(&v, "client").ok_or("no `client`")?,
+                opt_str(&v, "month").ok_or("no `month`")?,
+                usd,
+            )]))
+        }
+        _ => Err("an unknown `kind` (request, event or spend)".into()),
+    }
+}
+
+/// Reads exported lines and hands each record to `send`; returns (records, lines refused with
+/// their line number and why — at most the first ten kept).
+pub fn import(
+    input: &mut dyn BufRead,
+    mut send: impl FnMut(Record),
+) -> anyhow::Result<(u64, u64, Vec<String>)> {
+    let (mut ok, mut bad, mut why) = (0u64, 0u64, Vec::new());
+    for (i, line) in input.lines().enumerate() {
+        let line = line?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        match record(&line) {
+            Ok(r) => {
+                send(r);
+                ok += 1;
+            }
+            Err(e) => {
+                bad += 1;
+                if why.len() < 10 {
+                    why.push(format!("line {}: {e}", i + 1));
+                }
+            }
+        }
+    }
+    Ok((ok, bad, why))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hostile_lines_are_refused_by_name_never_a_panic() {
+        for (line, why) in [
+            ("{", "not JSON"),
+            ("{}", "an unknown `kind`"),
+            (
+                r#"{"kind":"request","operation":"x"}"#,
+                "an unknown `operation`",
+            ),
+            (
+                r#"{"kind":"request","operation":"chat","ts_ms":-5}"#,
+                "no `ts_ms`",
+            ),
+            (
+                r#"{"kind":"request","operation":"chat","ts_ms":5}"#,
+                "no `request_id`",
+            ),
+            (
+                r#"{"kind":"request","operation":"chat","ts_ms":5,"request_id":"r","attempts":[{"endpoint":"a","class":"nope"}]}"#,
+                "an attempt with an unknown `class`",
+            ),
+            (
+                r#"{"kind":"spend","client":"a","month":"2026-12","usd":-1}"#,
+                "no `usd`",
+            ),
+        ] {
+            let err = match record(line) {
+                Err(e) => e,
+                Ok(_) => panic!("{line} was taken"),
+            };
+            assert!(err.starts_with(why), "{line}: {err}");
+        }
+        assert!(
+            record(r#"{"kind":"request","operation":"responses","ts_ms":5,"request_id":"r","status":99999999}"#).is_ok(),
+            "out-of-range numbers are clamped, not refused"
+        );
+    }
+}

@@ -97,6 +97,7 @@ const PATHS: &[(&str, &str)] = &[
     ("RawVault", "vault."),
     ("RawCluster", "cluster."),
     ("RawResponses", "responses."),
+    ("RawAudit", "audit."),
     ("RawApprole", "vault.approle."),
     ("RawAlerts", "alerts."),
     ("RawWebhook", "alerts.webhooks[]."),

@@ -33,6 +33,16 @@ if ! command -v redis-server >/dev/null; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
 fi
 
+# PostgreSQL 15 for tests/postgres.rs (`audit.store: postgres`): Debian's postgresql package, whose
+# initdb the test runs itself in a temp dir on a free loopback port (as the `postgres` user when
+# root); the package's own service is not used.
+if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  echo "installing postgresql (Debian's package) for tests/postgres.rs..."
+  if [ "$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq postgresql >/dev/null
+fi
+
 # The Swarm test needs the Docker Engine. The machine starts it before a session, but a CI run once
 # found none answering: start it here when it does not answer (root only), and wait for it.
 if command -v docker >/dev/null && ! docker info >/dev/null 2>&1; then

@@ -596,3 +596,63 @@ async fn a_budget_survives_a_restart_of_every_replica() {
         g.stop();
     }
 }
+
+/// The retention sweep runs against PostgreSQL too: rows older than `server.audit_retention`
+/// go (at start, then hourly), with their attempts and old events; newer ones stay.
+#[tokio::test]
+async fn the_retention_sweep_deletes_old_rows_in_postgres() {
+    let pg = Pg::start();
+    let url = pg.database("sweep").await;
+    autohedge::store::pg::migrate_to(&url, autohedge::store::pg::VERSIONS).unwrap();
+    let c = pg.client("sweep").await;
+    let old = 1_000_000i64; // 1970: far past any retention
+    c.batch_execute(&format!(
+        "INSERT INTO requests (request_id, ts_ms, operation, status, latency_ms) VALUES ('old', {old}, 'chat', 200, 1.0);
+         INSERT INTO attempts (request_row, request_id, seq, ts_ms, endpoint, class, latency_ms) SELECT id, 'old', 1, {old}, 'a', 'ok', 1.0 FROM requests;
+         INSERT INTO endpoint_events (ts_ms, endpoint, event, reason) VALUES ({old}, 'a', 'cooldown', 'old');"
+    ))
+    .await
+    .unwrap();
+    let up = MockUp::openai("name: a").await;
+    let mut gw = start(
+        &pg_config(&up, "server: { audit_retention: 1d }"),
+        &url,
+        &[],
+    );
+    gw.ready().await;
+    let r = gw
+        .chat_id(
+            "new",
+            json!({"model": "a", "messages": [{"role": "user", "content": "x"}]}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    let ok = eventually(Duration::from_secs(10), || async {
+        count(
+            &pg.client("sweep").await,
+            "SELECT COUNT(*) FROM requests WHERE request_id = 'old'",
+        )
+        .await
+            == 0
+    })
+    .await;
+    gw.stop();
+    assert!(ok, "the old row was swept");
+    let c = pg.client("sweep").await;
+    assert_eq!(
+        count(&c, "SELECT COUNT(*) FROM attempts WHERE request_id = 'old'").await,
+        0
+    );
+    assert_eq!(
+        count(
+            &c,
+            "SELECT COUNT(*) FROM endpoint_events WHERE reason = 'old'"
+        )
+        .await,
+        0
+    );
+    assert_eq!(
+        count(&c, "SELECT COUNT(*) FROM requests WHERE request_id = 'new'").await,
+        1
+    );
+}

@@ -737,14 +737,14 @@ async fn prune(client: &mut Client, before: SystemTime) -> Result<(), String> {
     loop {
         let tx = client.transaction().await.map_err(e)?;
         tx.execute(
-            "DELETE FROM attempts WHERE request_row IN (SELECT id FROM requests WHERE ts_ms < $1 ORDER BY ts_ms LIMIT $2)",
+            "DELETE FROM attempts WHERE request_row IN (SELECT id FROM requests WHERE ts_ms < $1 ORDER BY id LIMIT $2)",
             &[&t, &limit],
         )
         .await
         .map_err(e)?;
         let n = tx
             .execute(
-                "DELETE FROM requests WHERE id IN (SELECT id FROM requests WHERE ts_ms < $1 ORDER BY ts_ms LIMIT $2)",
+                "DELETE FROM requests WHERE id IN (SELECT id FROM requests WHERE ts_ms < $1 ORDER BY id LIMIT $2)",
                 &[&t, &limit],
             )
             .await

@@ -19,6 +19,25 @@ pub fn describe(cfg: &Config) -> String {
             None => "default (on a loopback listen: localhost and IP literals)".into(),
         }
     );
+    let _ = writeln!(
+        out,
+        "audit: {}",
+        match &cfg.audit_pg {
+            Some(pg) => format!("postgres {} (pool {})", pg.display, pg.pool),
+            None => "sqlite in the data dir".to_string(),
+        }
+    );
+    let _ = writeln!(
+        out,
+        "responses: history={} ttl={:?} max_bytes={}",
+        if cfg.responses.keep_history {
+            "keep"
+        } else {
+            "off"
+        },
+        cfg.responses.history_ttl,
+        cfg.responses.history_max_bytes
+    );
     let _ = writeln!(out, "fallback_chain: {}", cfg.fallback_chain.join(" -> "));
     for (name, chain) in &cfg.routes {
         let mut extra = String::new();

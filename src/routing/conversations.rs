@@ -86,7 +86,14 @@ impl Turn {
             .as_ref()
             .map_or(0, |i| i.iter().map(json_len).sum());
         let response = self.response.as_ref().map_or(0, |r| json_len(r));
-        ENTRY_BYTES + items + response
+        // The strings too: an upstream's id is its bytes, whatever their length.
+        let strings = [&self.upstream_id, &self.client, &self.previous]
+            .into_iter()
+            .flatten()
+            .map(String::len)
+            .sum::<usize>()
+            + self.endpoint.len();
+        ENTRY_BYTES + items + response + strings
     }
 }
 

@@ -784,12 +784,10 @@ impl ChatToEvents {
                     .pointer("/function/arguments")
                     .and_then(Value::as_str)
                     .filter(|a| !a.is_empty())
+                    && let Some(call) = self.calls.get_mut(pos)
                 {
-                    let (id, index) = {
-                        let call = &mut self.calls[pos];
-                        call.5.push_str(a);
-                        (call.1.clone(), call.2)
-                    };
+                    call.5.push_str(a);
+                    let (id, index) = (call.1.clone(), call.2);
                     self.emit(
                         &mut out,
                         "response.function_call_arguments.delta",

@@ -57,14 +57,57 @@ fn unreadable(e: &str) -> Bytes {
     ))
 }
 
+/// What each of the two adapters does with one read of the upstream's body: the whole events
+/// it completes, as the client is to get them (`Err`: the bytes are not SSE).
+trait Render {
+    fn render(&mut self, b: &Bytes) -> Result<Bytes, String>;
+}
+
+/// An upstream body read through a [`Render`]: its reads rendered, empty ones skipped, the
+/// first that cannot be read ending the stream with an `error` event.
+pub struct Adapted<R> {
+    inner: Inner,
+    render: R,
+    ended: bool,
+}
+
+impl<R: Render + Unpin> Stream for Adapted<R> {
+    type Item = Result<Bytes, super::BoxError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        loop {
+            if self.ended {
+                return Poll::Ready(None);
+            }
+            match self.inner.as_mut().poll_next(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(None) => {
+                    self.ended = true;
+                    return Poll::Ready(None);
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    self.ended = true;
+                    return Poll::Ready(Some(Err(e)));
+                }
+                Poll::Ready(Some(Ok(b))) => match self.render.render(&b) {
+                    Ok(out) if out.is_empty() => continue,
+                    Ok(out) => return Poll::Ready(Some(Ok(out))),
+                    Err(e) => {
+                        self.ended = true;
+                        return Poll::Ready(Some(Ok(unreadable(&e))));
+                    }
+                },
+            }
+        }
+    }
+}
+
 /// An endpoint's own Responses stream with the gateway's response id.
 pub struct Rewrite {
-    inner: Inner,
     parser: SseParser,
     id: Arc<str>,
     previous: Option<String>,
     tap: IdTap,
-    ended: bool,
 }
 
 impl Rewrite {
@@ -73,21 +116,26 @@ impl Rewrite {
         id: Arc<str>,
         previous: Option<String>,
         max_event: usize,
-    ) -> (Self, IdTap) {
+    ) -> (Adapted<Rewrite>, IdTap) {
         let tap: IdTap = Arc::new(Mutex::new(None));
+        let render = Rewrite {
+            parser: SseParser::with_max_event(max_event),
+            id,
+            previous,
+            tap: tap.clone(),
+        };
         (
-            Rewrite {
+            Adapted {
                 inner,
-                parser: SseParser::with_max_event(max_event),
-                id,
-                previous,
-                tap: tap.clone(),
+                render,
                 ended: false,
             },
             tap,
         )
     }
+}
 
+impl Render for Rewrite {
     fn render(&mut self, b: &Bytes) -> Result<Bytes, String> {
         let events = self.parser.push(b).map_err(|e| e.0)?;
         let mut out = String::new();
@@ -121,57 +169,28 @@ impl Rewrite {
     }
 }
 
-impl Stream for Rewrite {
-    type Item = Result<Bytes, super::BoxError>;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        loop {
-            if self.ended {
-                return Poll::Ready(None);
-            }
-            match self.inner.as_mut().poll_next(cx) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(None) => {
-                    self.ended = true;
-                    return Poll::Ready(None);
-                }
-                Poll::Ready(Some(Err(e))) => {
-                    self.ended = true;
-                    return Poll::Ready(Some(Err(e)));
-                }
-                Poll::Ready(Some(Ok(b))) => match self.render(&b) {
-                    Ok(out) if out.is_empty() => continue,
-                    Ok(out) => return Poll::Ready(Some(Ok(out))),
-                    Err(e) => {
-                        self.ended = true;
-                        return Poll::Ready(Some(Ok(unreadable(&e))));
-                    }
-                },
-            }
-        }
-    }
-}
-
 /// A chat completion stream (an OpenAI-compatible server's SSE, or Ollama's translated to it) as
 /// the Responses event sequence. A stream that ends without chat's `[DONE]` simply ends: no
 /// `response.completed`, which the executor treats as the truncation it is.
 pub struct FromChat {
-    inner: Inner,
     parser: SseParser,
     tr: ChatToEvents,
-    ended: bool,
 }
 
 impl FromChat {
-    pub fn new(inner: Inner, meta: Meta, max_event: usize) -> Self {
-        FromChat {
+    pub fn new(inner: Inner, meta: Meta, max_event: usize) -> Adapted<FromChat> {
+        Adapted {
             inner,
-            parser: SseParser::with_max_event(max_event),
-            tr: ChatToEvents::new(meta),
+            render: FromChat {
+                parser: SseParser::with_max_event(max_event),
+                tr: ChatToEvents::new(meta),
+            },
             ended: false,
         }
     }
+}
 
+impl Render for FromChat {
     fn render(&mut self, b: &Bytes) -> Result<Bytes, String> {
         let events = self.parser.push(b).map_err(|e| e.0)?;
         let mut out = String::new();
@@ -189,37 +208,6 @@ impl FromChat {
             }
         }
         Ok(Bytes::from(out))
-    }
-}
-
-impl Stream for FromChat {
-    type Item = Result<Bytes, super::BoxError>;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        loop {
-            if self.ended {
-                return Poll::Ready(None);
-            }
-            match self.inner.as_mut().poll_next(cx) {
-                Poll::Pending => return Poll::Pending,
-                Poll::Ready(None) => {
-                    self.ended = true;
-                    return Poll::Ready(None);
-                }
-                Poll::Ready(Some(Err(e))) => {
-                    self.ended = true;
-                    return Poll::Ready(Some(Err(e)));
-                }
-                Poll::Ready(Some(Ok(b))) => match self.render(&b) {
-                    Ok(out) if out.is_empty() => continue,
-                    Ok(out) => return Poll::Ready(Some(Ok(out))),
-                    Err(e) => {
-                        self.ended = true;
-                        return Poll::Ready(Some(Ok(unreadable(&e))));
-                    }
-                },
-            }
-        }
     }
 }
 

@@ -752,11 +752,16 @@ impl Run {
         let t0 = Instant::now();
         let base = self.discovered_base(ep)?;
         let translate = self.translates(ep);
-        let req = self.request_for(ep, translate);
+        // Only a Responses request may go as another (its pinned form or replay): the others'
+        // attempts borrow the request, without a reference count taken and given back.
+        let other = self
+            .responses
+            .is_some()
+            .then(|| self.request_for(ep, translate));
         let attempt = Attempt {
             ep,
             key,
-            req: &req,
+            req: other.as_deref().unwrap_or(&self.req),
             translate,
             responses: self.responses.as_deref(),
             request_id: &self.request_id,

@@ -736,9 +736,10 @@ models:
   backup: {{ type: openai, discover: docker, timeouts: {{ connect: 1s, first_token: 2s, total: 5s }} }}
   sick: {{ type: openai, discover: docker }}
 # slow_start off: the time from Docker's healthy event to traffic on the primary is what this
-# test measures (discovery and health); slow start's gradual share would add a random wait of
-# its own (10% of requests at first: at 20 requests a second, 2.5 s without one is a 1-in-200
-# draw, met once in CI) and is tested by itself (tests/tail.rs, routing::router).
+# test measures (discovery and health); slow start's share (10% of requests at first, rising
+# over 30 s) would add a random wait of its own, and is tested by itself (tests/tail.rs,
+# routing::router). One CI run took 2.7 s with the gateway's scan seeing the task 239 ms after
+# the event: the rest went after it, into routing.
 routing_policy: {{ fallback_chain: [primary, standby, backup], slow_start: 0s }}
 auth: {{ admin_key: {ADMIN_KEY} }}
 health: {{ probe_interval: 300ms, probe_timeout: 1s, flip_after: 1, warmup: 1s }}

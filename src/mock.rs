@@ -812,23 +812,21 @@ impl Mock {
                 "truncation": "disabled", "usage": usage, "user": null, "metadata": {},
             })
         };
+        // The finished response: stored (unless `store: false` or an error rule), answered whole,
+        // or the stream's last event.
+        let mut done = response("completed", vec![item(true)], usage);
+        if rule.no_usage {
+            done["usage"] = Value::Null;
+        }
         let store = body.get("store").and_then(Value::as_bool) != Some(false);
         if store && rule.status.is_none() {
-            let mut done = response("completed", vec![item(true)], usage.clone());
-            if rule.no_usage {
-                done["usage"] = Value::Null;
-            }
             self.stored
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .insert(id.clone(), done);
+                .insert(id.clone(), done.clone());
         }
         if !stream {
-            let mut v = response("completed", vec![item(true)], usage);
-            if rule.no_usage {
-                v["usage"] = Value::Null;
-            }
-            return self.json_response(200, &v, &rule.headers);
+            return self.json_response(200, &done, &rule.headers);
         }
         // (type, event, whether it carries output): the misbehaviours count output events.
         let mut events: Vec<(&'static str, Value, bool)> = vec![
@@ -879,12 +877,7 @@ impl Mock {
             json!({"output_index": 0, "item": item(true)}),
             false,
         ));
-        let final_usage = if rule.no_usage { Value::Null } else { usage };
-        events.push((
-            "response.completed",
-            json!({"response": response("completed", vec![item(true)], final_usage)}),
-            false,
-        ));
+        events.push(("response.completed", json!({"response": done}), false));
         let failed = response("failed", vec![], Value::Null);
         let (tx, rx) = mpsc::channel::<Bytes>(16);
         let extra_headers = rule.headers.clone();

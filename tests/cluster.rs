@@ -126,6 +126,7 @@ impl Drop for Redis {
 
 const TEAM: &str = "sk-team-0123456789";
 const TOKENS: &str = "sk-tokens-0123456789";
+const WIDE: &str = "sk-wide-0123456789";
 
 fn config(upstream: &MockUp, prefix: &str, timeout: &str, extra: &str) -> String {
     format!(
@@ -135,6 +136,7 @@ auth:
   keys:
     - {{ name: team, key: env:TEAM_KEY, rpm: 60 }}
     - {{ name: tokens, key: env:TOKENS_KEY, tpm: 600 }}
+    - {{ name: wide, key: env:WIDE_KEY, rpm: 600, tpm: 600000 }}
 cluster: {{ redis: env:AUTOHEDGE_REDIS_URL, key_prefix: "{prefix}", timeout: {timeout} }}
 health: {{ probe_interval: 1h }}
 {extra}"#,
@@ -148,6 +150,7 @@ fn start(cfg: &str, redis_url: &str) -> Gw {
         &[
             ("TEAM_KEY", TEAM),
             ("TOKENS_KEY", TOKENS),
+            ("WIDE_KEY", WIDE),
             ("AUTOHEDGE_REDIS_URL", redis_url),
         ],
     )
@@ -203,6 +206,41 @@ async fn burst(
         }
     });
     let got = futures_util::future::join_all(sends).await;
+    (got, started.elapsed())
+}
+
+/// As [`burst`], with at most `at_once` requests in flight.
+async fn burst_of(
+    gws: &[&Gw],
+    key: &str,
+    count: usize,
+    at_once: usize,
+    body: Value,
+) -> (Vec<(u16, reqwest::header::HeaderMap)>, Duration) {
+    use futures_util::StreamExt;
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
+    let started = Instant::now();
+    let got = futures_util::stream::iter((0..count).map(|i| {
+        let url = gws[i % gws.len()].url("/v1/chat/completions");
+        let (client, body) = (client.clone(), body.clone());
+        let key = key.to_string();
+        async move {
+            let r = client
+                .post(url)
+                .bearer_auth(key)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.headers().clone())
+        }
+    }))
+    .buffer_unordered(at_once)
+    .collect::<Vec<_>>()
+    .await;
     (got, started.elapsed())
 }
 
@@ -338,6 +376,77 @@ async fn three_replicas_admit_exactly_one_keys_limits() {
     eprintln!("{decided} admissions in {calls} store calls");
     assert_eq!(decided, 330);
     assert!(calls < decided, "{decided} admissions in {calls} calls");
+}
+
+/// A key far from its limits is admitted on leases: each replica takes a share of the key's
+/// buckets ahead (while they stay over half full) and spends it without a store call. The fleet
+/// still admits exactly the key's limit: at `rpm: 600`, a 1,200-request burst spread over three
+/// replicas gets 600 (plus what refills meanwhile), never more, and the refused carry the
+/// limit's headers. Leases left unspent go back to the store.
+#[tokio::test]
+async fn leases_spare_the_store_and_keep_the_limit_exact() {
+    let redis = Redis::start();
+    let up = MockUp::openai("name: a").await;
+    let cfg = config(&up, "lease:", "2s", "");
+    let gws = [
+        start(&cfg, &redis.url()),
+        start(&cfg, &redis.url()),
+        start(&cfg, &redis.url()),
+    ];
+    let gws: Vec<&Gw> = gws.iter().collect();
+    until_clustered(&gws, 3).await;
+    let hello = json!({"model": "a", "max_tokens": 10, "messages": [{"role": "user", "content": "Hello"}]});
+    let (got, took) = burst_of(&gws, WIDE, 1200, 150, hello).await;
+    assert_eq!(
+        count(&got, 200) + count(&got, 429),
+        1200,
+        "only 200s and 429s"
+    );
+    let ok = count(&got, 200);
+    // Ten requests a second refill.
+    let refilled = (took.as_secs_f64() * 10.0).ceil() as usize;
+    let (mut leased, mut decided, mut calls, mut granted) = (0, 0, 0, 0);
+    for gw in &gws {
+        let st = gw.status().await;
+        assert_eq!(st["cluster"]["local_admissions"], 0, "{}", st["cluster"]);
+        leased += st["cluster"]["lease_admissions"].as_u64().unwrap();
+        decided += st["cluster"]["store_admissions"].as_u64().unwrap();
+        calls += st["cluster"]["admission_calls"].as_u64().unwrap();
+        granted += st["cluster"]["leases_granted"].as_u64().unwrap();
+    }
+    eprintln!(
+        "{ok} admitted of 1200 in {took:?}: {leased} on {granted} leases, {decided} by the store in {calls} calls"
+    );
+    // The leases were there and spent, and they are why the store was asked less.
+    assert!(granted >= 3 && leased >= 8 * 3, "{leased} on {granted} leases");
+    assert_eq!(leased + decided, 1200, "every request admitted once, somewhere");
+    assert!(
+        (600..=600 + refilled).contains(&ok),
+        "{ok} admitted of 1200 in {took:?} (limit 600, {refilled} refilled)"
+    );
+    assert_eq!(up.requests().await, ok as u64, "each admitted reached the upstream");
+    let (_, refused) = got.iter().find(|(s, _)| *s == 429).unwrap();
+    assert_eq!(refused["x-ratelimit-limit-requests"], "600");
+    assert_eq!(refused["x-ratelimit-remaining-requests"], "0");
+
+    // Past their time the leases end in the store: nothing stays outstanding.
+    // (An answer holds the two totals, or nothing once the key has expired.)
+    let outstanding = || {
+        redis
+            .answer("HMGET lease:leaseamt:wide:600:600000 _r _t")
+            .unwrap_or_default()
+    };
+    let values = |a: &str| -> Vec<String> {
+        a.lines()
+            .filter(|l| !l.starts_with('*') && !l.starts_with('$'))
+            .map(str::to_string)
+            .collect()
+    };
+    let ended = eventually(Duration::from_secs(5), || async {
+        values(&outstanding()).iter().all(|v| v == "0")
+    })
+    .await;
+    assert!(ended, "leases still outstanding: {}", outstanding());
 }
 
 /// The store killed: no request fails for it. Each replica admits on its own with the key's
@@ -498,7 +607,7 @@ async fn a_frozen_store_costs_a_request_at_most_the_timeout() {
 
 /// A request whose client leaves while it waits on the store (its call to the store dropped
 /// with it) does not leave its key waiting: the requests after it are decided by the store
-/// again, none admitted on its own for want of a call.
+/// again (in a call, or on the lease it brought), none admitted on its own for want of a call.
 #[tokio::test]
 async fn a_client_gone_mid_call_leaves_its_key_served_by_the_store() {
     let redis = Redis::start();
@@ -533,10 +642,15 @@ async fn a_client_gone_mid_call_leaves_its_key_served_by_the_store() {
         after["local_admissions"], before["local_admissions"],
         "admitted on their own: {after}"
     );
-    assert_eq!(
-        after["store_admissions"].as_u64().unwrap(),
-        before["store_admissions"].as_u64().unwrap() + 5,
-        "{after}"
+    // Decided by the store: in a call, or on the lease a call brought (one replica: `rpm: 60`
+    // leases 15).
+    let by_store = |st: &Value| {
+        st["store_admissions"].as_u64().unwrap() + st["lease_admissions"].as_u64().unwrap()
+    };
+    assert_eq!(by_store(&after), by_store(&before) + 5, "{after}");
+    assert!(
+        after["store_admissions"].as_u64().unwrap() > before["store_admissions"].as_u64().unwrap(),
+        "a call was made: {after}"
     );
 }
 
@@ -1169,4 +1283,57 @@ health: {{ probe_interval: 1h }}
         (s, v["error"]["code"].as_str()),
         (404, Some("previous_response_not_found"))
     );
+}
+
+/// `admit.lua` itself, against a real Redis: a bucket and the leases taken from it never hold
+/// more than the limit. A full `rpm: 600` bucket leases 16 and keeps refilling for a second while
+/// the lease is out; the fleet can then admit 584 more (the bucket stays at 600 minus what is
+/// leased, not 600 on top of the lease), and the 16 come back when the lease is given back
+/// unspent.
+#[tokio::test]
+async fn a_bucket_and_its_leases_never_hold_more_than_the_limit() {
+    let redis = Redis::start();
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let script = redis::Script::new(include_str!("../src/cluster/admit.lua"));
+    // One call: `requests` requests of no tokens, a lease of 16 asked when `lease` names one,
+    // `back` given back (its id, requests left). Returns (admitted, granted requests).
+    async fn call(
+        script: &redis::Script,
+        conn: &mut redis::aio::MultiplexedConnection,
+        requests: usize,
+        lease: &str,
+        back: (&str, u64),
+    ) -> (usize, u64) {
+        let mut inv = script.prepare_invoke();
+        for k in ["rpm", "tpm", "spend", "resv", "resvamt", "resvtot", "lease", "leaseamt"] {
+            inv.key(format!("t:{k}"));
+        }
+        let asked = if lease.is_empty() { 0 } else { 16 };
+        inv.arg(600).arg(0).arg(-1).arg(3_600_000).arg(0).arg(86_400);
+        inv.arg(asked).arg(0).arg(1).arg(8).arg(0).arg(lease).arg(1250);
+        inv.arg(back.0).arg(back.1).arg(0);
+        for i in 0..requests {
+            inv.arg(0).arg(0).arg(format!("r{i}"));
+        }
+        let out: Vec<redis::Value> = inv.invoke_async(conn).await.unwrap();
+        let admitted = out[..requests * 5]
+            .chunks(5)
+            .filter(|c| redis::from_redis_value::<String>(c[0].clone()).unwrap() == "ok")
+            .count();
+        let granted: (u64, u64, u64) =
+            redis::from_redis_value(redis::Value::Array(out[requests * 5..].to_vec())).unwrap();
+        (admitted, if granted.0 == 1 { granted.1 } else { 0 })
+    }
+    // The lease, from a full bucket.
+    assert_eq!(call(&script, &mut conn, 0, "L1", ("", 0)).await, (0, 16));
+    // A second refills 10 requests; a full bucket had nowhere to put them.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let (admitted, _) = call(&script, &mut conn, 1000, "", ("", 0)).await;
+    assert_eq!(admitted, 584, "the bucket holds 600 less the 16 leased");
+    // Given back unspent, the 16 are there again (and a little refill with them).
+    let (admitted, _) = call(&script, &mut conn, 1000, "", ("L1", 16)).await;
+    assert!((16..=17).contains(&admitted), "{admitted} after the lease came back");
+    // Near empty, no lease is granted (it would leave the bucket under half full).
+    assert_eq!(call(&script, &mut conn, 0, "L2", ("", 0)).await, (0, 0));
 }

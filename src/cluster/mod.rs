@@ -123,6 +123,68 @@ impl Drop for Lead<'_> {
     }
 }
 
+/// How long a lease may be spent; what is left after goes back to the store.
+const LEASE_FOR: Duration = Duration::from_millis(250);
+/// The requests a lease asks for: twice what the last one spent, within these.
+const LEASE_FIRST: u64 = 16;
+const LEASE_MOST: u64 = 1024;
+/// The fewest requests a lease is worth (fewer: the key is too near its limits or too small to
+/// lease, and each request asks the store).
+const LEASE_FEWEST: u64 = 8;
+/// How long the store counts a lease as outstanding when its replica does not give it back:
+/// longer than the replica spends it, whatever the call took or the clocks drift.
+const LEASE_STORE_LIFE: Duration = Duration::from_millis(1250);
+
+/// A share of a key's buckets taken from the store ahead of its requests, spent here without a
+/// call. Taken only while the key is far from its limits (`admit.lua` says how far), so the fleet
+/// never admits more than the buckets hold; what is not spent within [`LEASE_FOR`] goes back.
+#[derive(Debug, Clone)]
+struct Lease {
+    /// Its name in the store (this replica's id and a count).
+    id: String,
+    /// Requests left (keys with `rpm`).
+    requests: u64,
+    /// Tokens left (keys with `tpm`).
+    tokens: u64,
+    until: std::time::Instant,
+    /// Requests admitted on it.
+    used: u64,
+    /// The key's spend as the store last said (keys with a lease have no budget).
+    usd: f64,
+}
+
+impl Lease {
+    /// Spends one request of `tokens` on the lease, if it holds them and has not run out.
+    fn take(&mut self, key: &Batch, tokens: u64, now: std::time::Instant) -> bool {
+        if now >= self.until
+            || (key.rpm > 0 && self.requests == 0)
+            || (key.tpm > 0 && tokens > self.tokens)
+        {
+            return false;
+        }
+        if key.rpm > 0 {
+            self.requests -= 1;
+        }
+        if key.tpm > 0 {
+            self.tokens -= tokens;
+        }
+        self.used += 1;
+        true
+    }
+
+    /// What goes back to the store: the requests and tokens left.
+    fn left(&self, key: &Batch) -> (u64, u64) {
+        (
+            if key.rpm > 0 { self.requests } else { 0 },
+            if key.tpm > 0 { self.tokens } else { 0 },
+        )
+    }
+}
+
+/// What the admission script answered: a verdict a request, and the lease granted (requests,
+/// tokens), if any.
+type LeasedVerdicts = Result<(Vec<Result<Verdict, ()>>, Option<(u64, u64)>), String>;
+
 /// Admissions of one key waiting for the next call at most; more are admitted on local state
 /// (the store is not keeping up).
 const MAX_BATCH_WAITING: usize = 4096;
@@ -226,6 +288,14 @@ pub struct Cluster {
     settles_carried: AtomicU64,
     /// Admissions waiting for their key's next call; an entry exists while its flusher runs.
     batches: Mutex<std::collections::HashMap<Batch, Group>>,
+    /// Leases of keys without a budget, by key.
+    leases: Mutex<std::collections::HashMap<Batch, Lease>>,
+    /// Leases asked for so far (names them).
+    lease_count: AtomicU64,
+    /// Admissions spent on leases, leases granted, and leases that went back with units left.
+    lease_admissions: AtomicU64,
+    leases_granted: AtomicU64,
+    leases_returned: AtomicU64,
 }
 
 impl Cluster {
@@ -270,6 +340,11 @@ impl Cluster {
             store_admissions: AtomicU64::new(0),
             admission_calls: AtomicU64::new(0),
             settles_carried: AtomicU64::new(0),
+            leases: Mutex::new(Default::default()),
+            lease_count: AtomicU64::new(0),
+            lease_admissions: AtomicU64::new(0),
+            leases_granted: AtomicU64::new(0),
+            leases_returned: AtomicU64::new(0),
             settings,
         })
     }
@@ -311,6 +386,9 @@ impl Cluster {
             budget: a.budget.filter(|b| b.is_finite()).map(f64::to_bits),
             month: a.month.to_string(),
         };
+        if let Some(usd) = self.from_lease(&key, a.tokens) {
+            return Ok(Verdict::Admitted { usd });
+        }
         let ask = Ask {
             tokens: a.tokens,
             reserve: if a.reserve.is_finite() {
@@ -440,6 +518,23 @@ impl Cluster {
                     std::mem::take(&mut g.settles),
                 )
             };
+            // Those the lease the last call brought can hold take nothing from the store.
+            let batch: Vec<Waiting> = batch
+                .into_iter()
+                .filter_map(|w| match self.from_lease(&key, w.ask.tokens) {
+                    Some(usd) => {
+                        let _ = w.tx.send(Ok(Verdict::Admitted { usd }));
+                        None
+                    }
+                    None => Some(w),
+                })
+                .collect();
+            if batch.is_empty() {
+                if !settles.is_empty() {
+                    self.to_settler(settles);
+                }
+                continue;
+            }
             let asks: Vec<&Ask> = batch.iter().map(|w| &w.ask).collect();
             let verdicts = self.admit_batch(&key, &asks, &settles).await;
             match verdicts {
@@ -462,14 +557,137 @@ impl Cluster {
         }
     }
 
-    /// One call of the admission script for `batch`; a verdict for each, in order.
+    /// Admits one request of `key` on its lease, if the key has one that holds it: the key's
+    /// spend as last seen.
+    fn from_lease(&self, key: &Batch, tokens: u64) -> Option<f64> {
+        if key.budget.is_some() {
+            return None;
+        }
+        let mut leases = self.leases.lock().unwrap_or_else(|e| e.into_inner());
+        let lease = leases.get_mut(key)?;
+        if !lease.take(key, tokens, std::time::Instant::now()) {
+            return None;
+        }
+        let usd = lease.usd;
+        drop(leases);
+        self.lease_admissions.fetch_add(1, Ordering::Relaxed);
+        Some(usd)
+    }
+
+    /// One call of the admission script for `batch`; a verdict for each, in order. A key
+    /// without a budget gives back what is left of its lease and asks for a new one, sized by
+    /// what the last one spent.
     async fn admit_batch(
         &self,
         key: &Batch,
         batch: &[&Ask],
         settles: &[Settle],
     ) -> Result<Vec<Result<Verdict, ()>>, String> {
+        let leasing = key.budget.is_none() && (key.rpm > 0 || key.tpm > 0) && !batch.is_empty();
+        let (ask, back) = if leasing {
+            let old = self
+                .leases
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(key);
+            let n = old.as_ref().map_or(LEASE_FIRST, |l| {
+                l.used.saturating_mul(2).clamp(LEASE_FIRST, LEASE_MOST)
+            });
+            let per = batch.iter().map(|w| w.tokens).max().unwrap_or(0).max(1);
+            let back = old.map(|l| {
+                let left = l.left(key);
+                if left != (0, 0) {
+                    self.leases_returned.fetch_add(1, Ordering::Relaxed);
+                }
+                (l.id, left)
+            });
+            (
+                Some([
+                    n,
+                    n.saturating_mul(per),
+                    LEASE_FEWEST,
+                    LEASE_FEWEST.saturating_mul(per),
+                ]),
+                back,
+            )
+        } else {
+            (None, None)
+        };
+        let id = format!(
+            "{}:{}",
+            self.replica,
+            self.lease_count.fetch_add(1, Ordering::Relaxed)
+        );
+        // The lease's time counts from before the call: it ends here before it ends in the
+        // store, whatever the call took.
+        let asked_at = std::time::Instant::now();
+        let (verdicts, lease) = self
+            .invoke_admit(key, batch, settles, ask.map(|a| (a, id.as_str())), back)
+            .await?;
+        if let Some((requests, tokens)) = lease {
+            let usd = verdicts
+                .iter()
+                .rev()
+                .find_map(|v| match v {
+                    Ok(Verdict::Admitted { usd } | Verdict::Budget { usd }) => Some(*usd),
+                    _ => None,
+                })
+                .unwrap_or(0.0);
+            self.leases.lock().unwrap_or_else(|e| e.into_inner()).insert(
+                key.clone(),
+                Lease {
+                    id,
+                    requests,
+                    tokens,
+                    until: asked_at + LEASE_FOR,
+                    used: 0,
+                    usd,
+                },
+            );
+            self.leases_granted.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(verdicts)
+    }
+
+    /// Gives back what is left of leases that ran out of time (or all, `all`), one call a key.
+    async fn give_back(&self, all: bool) -> Result<(), String> {
+        let now = std::time::Instant::now();
+        let expired: Vec<(Batch, (String, (u64, u64)))> = {
+            let mut leases = self.leases.lock().unwrap_or_else(|e| e.into_inner());
+            let keys: Vec<Batch> = leases
+                .iter()
+                .filter(|(_, l)| all || l.until <= now)
+                .map(|(k, _)| k.clone())
+                .collect();
+            // Spent whole, a lease that ran out of time ends in the store by its expiry.
+            keys.into_iter()
+                .filter_map(|k| leases.remove(&k).map(|l| (l.left(&k), l.id, k)))
+                .filter(|(left, _, _)| *left != (0, 0))
+                .map(|(left, id, k)| (k, (id, left)))
+                .collect()
+        };
+        for (key, back) in expired {
+            self.invoke_admit(&key, &[], &[], None, Some(back)).await?;
+            self.leases_returned.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// The admission script itself: verdicts in order, and the lease granted if one was asked
+    /// (`ask`: requests, tokens, and the fewest of each worth a lease; the lease's name) and
+    /// given. `back`: a lease that ends, and what is left of it.
+    async fn invoke_admit(
+        &self,
+        key: &Batch,
+        batch: &[&Ask],
+        settles: &[Settle],
+        ask: Option<([u64; 4], &str)>,
+        back: Option<(String, (u64, u64))>,
+    ) -> LeasedVerdicts {
         let client = key.client.as_str();
+        let ([lr, lt, minr, mint], lease_id) = ask.unwrap_or(([0; 4], ""));
+        let (back_id, (backr, backt)) = back.unwrap_or_default();
+        let limits = format!("{}:{}", key.rpm, key.tpm);
         let mut inv = self.admit.prepare_invoke();
         inv.key(self.key(&["rpm", client, &key.rpm.to_string()]))
             .key(self.key(&["tpm", client, &key.tpm.to_string()]))
@@ -477,12 +695,24 @@ impl Cluster {
             .key(self.key(&["resv", client]))
             .key(self.key(&["resvamt", client]))
             .key(self.key(&["resvtot", client]))
+            .key(self.key(&["lease", client, &limits]))
+            .key(self.key(&["leaseamt", client, &limits]))
             .arg(key.rpm)
             .arg(key.tpm)
             .arg(key.budget.map(f64::from_bits).unwrap_or(-1.0))
             .arg(HOLD.as_millis() as u64)
             .arg(settles.len())
-            .arg(SPEND_TTL.as_secs());
+            .arg(SPEND_TTL.as_secs())
+            .arg(lr)
+            .arg(lt)
+            .arg(self.replicas())
+            .arg(minr)
+            .arg(mint)
+            .arg(lease_id)
+            .arg(LEASE_STORE_LIFE.as_millis() as u64)
+            .arg(back_id)
+            .arg(backr)
+            .arg(backt);
         for s in settles {
             inv.arg(s.request.as_deref().unwrap_or(""))
                 .arg(if s.usd.is_finite() {
@@ -506,14 +736,19 @@ impl Cluster {
         self.admission_calls.fetch_add(1, Ordering::Relaxed);
         self.store_admissions
             .fetch_add(batch.len() as u64, Ordering::Relaxed);
-        if answer.len() != batch.len() * 5 {
+        if answer.len() != batch.len() * 5 + 3 {
             return Err(format!(
                 "the admission script answered {} values for {} requests",
                 answer.len(),
                 batch.len()
             ));
         }
-        answer
+        let (answer, lease) = answer.split_at(batch.len() * 5);
+        let (granted, requests, tokens): (u64, u64, u64) =
+            redis::from_redis_value(redis::Value::Array(lease.to_vec()))
+                .map_err(|e| e.to_string())?;
+        let lease = (ask.is_some() && granted == 1).then_some((requests, tokens));
+        let verdicts = answer
             .chunks(5)
             .map(|c| {
                 let (v, usd, retry, reset, remaining): (String, String, u64, u64, String) =
@@ -543,7 +778,8 @@ impl Cluster {
                     }
                 }))
             })
-            .collect()
+            .collect::<Result<Vec<_>, String>>()?;
+        Ok((verdicts, lease))
     }
 
     /// Queues a request's end for the store (never waits).
@@ -614,6 +850,12 @@ impl Cluster {
     fn down(&self, error: &str) {
         let error = scrub(&self.settings, error);
         let was_up = self.up.swap(false, Ordering::AcqRel);
+        // Leases are not spent while the store is away: the shares split by the replicas are the
+        // whole allowance then (their units stay taken: never more than the limits in total).
+        self.leases
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
         {
             let mut st = self.status.lock().unwrap_or_else(|e| e.into_inner());
             st.last_error = Some(error.clone());
@@ -682,6 +924,9 @@ impl Cluster {
             "store_admissions": self.store_admissions.load(Ordering::Relaxed),
             "admission_calls": self.admission_calls.load(Ordering::Relaxed),
             "settles_carried": self.settles_carried.load(Ordering::Relaxed),
+            "lease_admissions": self.lease_admissions.load(Ordering::Relaxed),
+            "leases_granted": self.leases_granted.load(Ordering::Relaxed),
+            "leases_returned": self.leases_returned.load(Ordering::Relaxed),
             "slow_answers": self.slow_answers.load(Ordering::Relaxed),
             "longest_wait_ms": self.longest_wait_us.load(Ordering::Relaxed) as f64 / 1000.0,
             "settles_queued": SETTLE_QUEUE - self.settles.capacity(),
@@ -1008,6 +1253,7 @@ pub async fn run(cluster: Arc<Cluster>, hooks: Hooks, cancel: CancellationToken)
     };
     let apply: Arc<dyn Fn(Fact) + Send + Sync> = Arc::from(apply);
     let settler = tokio::spawn(settler(cluster.clone(), cancel.clone()));
+    let lessor = tokio::spawn(lease_keeper(cluster.clone(), cancel.clone()));
     let sharer = tokio::spawn(sharer(cluster.clone(), facts, cancel.clone()));
     let listener = tokio::spawn(listener(
         cluster.clone(),
@@ -1055,7 +1301,11 @@ pub async fn run(cluster: Arc<Cluster>, hooks: Hooks, cancel: CancellationToken)
             _ = cluster.wake.notified(), if cluster.is_up() => {}
         }
     }
+    lessor.abort();
     if cluster.is_up() {
+        if let Err(e) = cluster.give_back(true).await {
+            tracing::debug!(error = %scrub(&cluster.settings, &e), "leases not given back at shutdown");
+        }
         cluster.leave().await;
     }
     settler.abort();
@@ -1179,6 +1429,52 @@ async fn listener(
 /// Settles sent in one call at most.
 const SETTLE_BATCH: usize = 128;
 
+/// Gives back what leases left when their time ran out, so a key whose traffic stopped does not
+/// keep units from the rest of the fleet.
+async fn lease_keeper(cluster: Arc<Cluster>, cancel: CancellationToken) {
+    let mut tick = tokio::time::interval(LEASE_FOR);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        if cluster.is_up()
+            && let Err(e) = cluster.give_back(false).await
+        {
+            cluster.down(&e);
+        }
+    }
+}
+
+/// Settles that hold no reservation, merged per key, month and `tpm` (their costs and tokens
+/// add up): one entry each in the call instead of one a request. Those with a reservation stay
+/// as they are.
+fn merge_settles(batch: &[Settle]) -> Vec<Settle> {
+    let mut out: Vec<Settle> = Vec::with_capacity(batch.len());
+    let mut at: std::collections::HashMap<(&str, &str, u64), usize> = Default::default();
+    for s in batch {
+        if s.request.is_some() {
+            out.push(s.clone());
+            continue;
+        }
+        match at.get(&(s.client.as_str(), s.month.as_str(), s.tpm)) {
+            Some(&i) => {
+                let m = &mut out[i];
+                m.usd += if s.usd.is_finite() { s.usd.max(0.0) } else { 0.0 };
+                m.completion_tokens = m.completion_tokens.saturating_add(s.completion_tokens);
+            }
+            None => {
+                at.insert((s.client.as_str(), s.month.as_str(), s.tpm), out.len());
+                let mut s = s.clone();
+                s.usd = if s.usd.is_finite() { s.usd.max(0.0) } else { 0.0 };
+                out.push(s);
+            }
+        }
+    }
+    out
+}
+
 async fn settler(cluster: Arc<Cluster>, cancel: CancellationToken) {
     let Some(mut rx) = cluster
         .settles_rx
@@ -1213,8 +1509,8 @@ async fn settler(cluster: Arc<Cluster>, cancel: CancellationToken) {
         }
         // What queued while the last call ran goes in the next: one call, in order.
         let n = pending.len().min(SETTLE_BATCH);
-        let batch = &pending.make_contiguous()[..n];
-        match cluster.apply(batch).await {
+        let batch = merge_settles(&pending.make_contiguous()[..n]);
+        match cluster.apply(&batch).await {
             Ok(()) => {
                 pending.drain(..n);
             }
@@ -1235,6 +1531,105 @@ mod tests {
             key_prefix: "autohedge:".into(),
             timeout: Duration::from_millis(25),
         }
+    }
+
+    fn key(rpm: u32, tpm: u64, budget: Option<f64>) -> Batch {
+        Batch {
+            client: "k".into(),
+            rpm,
+            tpm,
+            budget: budget.map(f64::to_bits),
+            month: "2026-12".into(),
+        }
+    }
+
+    #[test]
+    fn a_lease_admits_what_it_holds_and_no_more() {
+        let now = std::time::Instant::now();
+        let k = key(100, 1000, None);
+        let mut l = Lease {
+            id: "r:0".into(),
+            requests: 3,
+            tokens: 250,
+            until: now + LEASE_FOR,
+            used: 0,
+            usd: 0.0,
+        };
+        assert!(l.take(&k, 100, now));
+        assert!(l.take(&k, 100, now));
+        // 50 tokens left: a request of 60 is not held (it asks the store), one of 50 is.
+        assert!(!l.take(&k, 60, now));
+        assert!(l.take(&k, 50, now));
+        // No request left.
+        assert!(!l.take(&k, 0, now));
+        assert_eq!((l.used, l.left(&k)), (3, (0, 0)));
+        // Out of time, whatever it holds.
+        let mut l = Lease {
+            id: "r:0".into(),
+            requests: 5,
+            tokens: 0,
+            until: now,
+            used: 0,
+            usd: 0.0,
+        };
+        assert!(!l.take(&key(100, 0, None), 0, now));
+        assert_eq!(l.left(&key(100, 0, None)), (5, 0));
+        // A key without `rpm` counts tokens only (and gives back no requests).
+        let t = key(0, 1000, None);
+        let mut l = Lease {
+            id: "r:0".into(),
+            requests: 0,
+            tokens: 10,
+            until: now + LEASE_FOR,
+            used: 0,
+            usd: 0.0,
+        };
+        assert!(l.take(&t, 10, now));
+        assert!(!l.take(&t, 1, now));
+        assert_eq!(l.left(&t), (0, 0));
+    }
+
+    #[test]
+    fn settles_without_a_reservation_merge_per_key_and_month() {
+        let s = |client: &str, month: &str, request: Option<&str>, usd: f64, tokens: u64| Settle {
+            client: client.into(),
+            month: month.into(),
+            request: request.map(str::to_string),
+            usd,
+            completion_tokens: tokens,
+            tpm: 600,
+            rpm: 0,
+            budget: None,
+        };
+        let merged = merge_settles(&[
+            s("a", "2026-12", None, 0.5, 10),
+            s("b", "2026-12", None, 1.0, 1),
+            s("a", "2026-12", Some("r1"), 0.25, 0),
+            s("a", "2026-12", None, f64::NAN, 5),
+            s("a", "2027-01", None, 2.0, 7),
+            s("a", "2026-12", None, 0.5, 10),
+        ]);
+        let got: Vec<_> = merged
+            .iter()
+            .map(|m| {
+                (
+                    m.client.as_str(),
+                    m.month.as_str(),
+                    m.request.as_deref(),
+                    m.usd,
+                    m.completion_tokens,
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("a", "2026-12", None, 1.0, 25),
+                ("b", "2026-12", None, 1.0, 1),
+                ("a", "2026-12", Some("r1"), 0.25, 0),
+                ("a", "2027-01", None, 2.0, 7),
+            ]
+        );
     }
 
     #[test]

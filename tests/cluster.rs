@@ -395,7 +395,8 @@ async fn leases_spare_the_store_and_keep_the_limit_exact() {
     ];
     let gws: Vec<&Gw> = gws.iter().collect();
     until_clustered(&gws, 3).await;
-    let hello = json!({"model": "a", "max_tokens": 10, "messages": [{"role": "user", "content": "Hello"}]});
+    let hello =
+        json!({"model": "a", "max_tokens": 10, "messages": [{"role": "user", "content": "Hello"}]});
     let (got, took) = burst_of(&gws, WIDE, 1200, 150, hello).await;
     assert_eq!(
         count(&got, 200) + count(&got, 429),
@@ -418,13 +419,24 @@ async fn leases_spare_the_store_and_keep_the_limit_exact() {
         "{ok} admitted of 1200 in {took:?}: {leased} on {granted} leases, {decided} by the store in {calls} calls"
     );
     // The leases were there and spent, and they are why the store was asked less.
-    assert!(granted >= 3 && leased >= 8 * 3, "{leased} on {granted} leases");
-    assert_eq!(leased + decided, 1200, "every request admitted once, somewhere");
+    assert!(
+        granted >= 3 && leased >= 8 * 3,
+        "{leased} on {granted} leases"
+    );
+    assert_eq!(
+        leased + decided,
+        1200,
+        "every request admitted once, somewhere"
+    );
     assert!(
         (600..=600 + refilled).contains(&ok),
         "{ok} admitted of 1200 in {took:?} (limit 600, {refilled} refilled)"
     );
-    assert_eq!(up.requests().await, ok as u64, "each admitted reached the upstream");
+    assert_eq!(
+        up.requests().await,
+        ok as u64,
+        "each admitted reached the upstream"
+    );
     let (_, refused) = got.iter().find(|(s, _)| *s == 429).unwrap();
     assert_eq!(refused["x-ratelimit-limit-requests"], "600");
     assert_eq!(refused["x-ratelimit-remaining-requests"], "0");
@@ -1306,12 +1318,25 @@ async fn a_bucket_and_its_leases_never_hold_more_than_the_limit() {
         back: (&str, u64),
     ) -> (usize, u64) {
         let mut inv = script.prepare_invoke();
-        for k in ["rpm", "tpm", "spend", "resv", "resvamt", "resvtot", "lease", "leaseamt"] {
+        for k in [
+            "rpm", "tpm", "spend", "resv", "resvamt", "resvtot", "lease", "leaseamt",
+        ] {
             inv.key(format!("t:{k}"));
         }
         let asked = if lease.is_empty() { 0 } else { 16 };
-        inv.arg(600).arg(0).arg(-1).arg(3_600_000).arg(0).arg(86_400);
-        inv.arg(asked).arg(0).arg(1).arg(8).arg(0).arg(lease).arg(1250);
+        inv.arg(600)
+            .arg(0)
+            .arg(-1)
+            .arg(3_600_000)
+            .arg(0)
+            .arg(86_400);
+        inv.arg(asked)
+            .arg(0)
+            .arg(1)
+            .arg(8)
+            .arg(0)
+            .arg(lease)
+            .arg(1250);
         inv.arg(back.0).arg(back.1).arg(0);
         for i in 0..requests {
             inv.arg(0).arg(0).arg(format!("r{i}"));
@@ -1333,7 +1358,10 @@ async fn a_bucket_and_its_leases_never_hold_more_than_the_limit() {
     assert_eq!(admitted, 584, "the bucket holds 600 less the 16 leased");
     // Given back unspent, the 16 are there again (and a little refill with them).
     let (admitted, _) = call(&script, &mut conn, 1000, "", ("L1", 16)).await;
-    assert!((16..=17).contains(&admitted), "{admitted} after the lease came back");
+    assert!(
+        (16..=17).contains(&admitted),
+        "{admitted} after the lease came back"
+    );
     // Near empty, no lease is granted (it would leave the bucket under half full).
     assert_eq!(call(&script, &mut conn, 0, "L2", ("", 0)).await, (0, 0));
 }

@@ -181,6 +181,9 @@ impl Lease {
     }
 }
 
+/// A lease that ends: its name, and the requests and tokens left of it.
+type GivenBack = (String, (u64, u64));
+
 /// What the admission script answered: a verdict a request, and the lease granted (requests,
 /// tokens), if any.
 type LeasedVerdicts = Result<(Vec<Result<Verdict, ()>>, Option<(u64, u64)>), String>;
@@ -386,7 +389,7 @@ impl Cluster {
             budget: a.budget.filter(|b| b.is_finite()).map(f64::to_bits),
             month: a.month.to_string(),
         };
-        if let Some(usd) = self.from_lease(&key, a.tokens) {
+        if let Some(usd) = self.admit_on_lease(&key, a.tokens) {
             return Ok(Verdict::Admitted { usd });
         }
         let ask = Ask {
@@ -521,7 +524,7 @@ impl Cluster {
             // Those the lease the last call brought can hold take nothing from the store.
             let batch: Vec<Waiting> = batch
                 .into_iter()
-                .filter_map(|w| match self.from_lease(&key, w.ask.tokens) {
+                .filter_map(|w| match self.admit_on_lease(&key, w.ask.tokens) {
                     Some(usd) => {
                         let _ = w.tx.send(Ok(Verdict::Admitted { usd }));
                         None
@@ -559,7 +562,7 @@ impl Cluster {
 
     /// Admits one request of `key` on its lease, if the key has one that holds it: the key's
     /// spend as last seen.
-    fn from_lease(&self, key: &Batch, tokens: u64) -> Option<f64> {
+    fn admit_on_lease(&self, key: &Batch, tokens: u64) -> Option<f64> {
         if key.budget.is_some() {
             return None;
         }
@@ -633,17 +636,20 @@ impl Cluster {
                     _ => None,
                 })
                 .unwrap_or(0.0);
-            self.leases.lock().unwrap_or_else(|e| e.into_inner()).insert(
-                key.clone(),
-                Lease {
-                    id,
-                    requests,
-                    tokens,
-                    until: asked_at + LEASE_FOR,
-                    used: 0,
-                    usd,
-                },
-            );
+            self.leases
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(
+                    key.clone(),
+                    Lease {
+                        id,
+                        requests,
+                        tokens,
+                        until: asked_at + LEASE_FOR,
+                        used: 0,
+                        usd,
+                    },
+                );
             self.leases_granted.fetch_add(1, Ordering::Relaxed);
         }
         Ok(verdicts)
@@ -652,7 +658,7 @@ impl Cluster {
     /// Gives back what is left of leases that ran out of time (or all, `all`), one call a key.
     async fn give_back(&self, all: bool) -> Result<(), String> {
         let now = std::time::Instant::now();
-        let expired: Vec<(Batch, (String, (u64, u64)))> = {
+        let expired: Vec<(Batch, GivenBack)> = {
             let mut leases = self.leases.lock().unwrap_or_else(|e| e.into_inner());
             let keys: Vec<Batch> = leases
                 .iter()
@@ -682,7 +688,7 @@ impl Cluster {
         batch: &[&Ask],
         settles: &[Settle],
         ask: Option<([u64; 4], &str)>,
-        back: Option<(String, (u64, u64))>,
+        back: Option<GivenBack>,
     ) -> LeasedVerdicts {
         let client = key.client.as_str();
         let ([lr, lt, minr, mint], lease_id) = ask.unwrap_or(([0; 4], ""));
@@ -782,8 +788,12 @@ impl Cluster {
         Ok((verdicts, lease))
     }
 
-    /// Queues a request's end for the store (never waits).
-    pub fn settle(&self, s: Settle) {
+    /// Queues a request's end for the store (never waits). Completion tokens of a key holding a
+    /// lease are charged to the lease first (its tokens are the fleet's, taken from the bucket).
+    pub fn settle(&self, mut s: Settle) {
+        if s.completion_tokens > 0 && s.tpm > 0 && s.budget.is_none() {
+            self.charge_lease(&mut s);
+        }
         if s.request.is_none() && s.usd <= 0.0 && s.completion_tokens == 0 {
             return;
         }
@@ -806,6 +816,23 @@ impl Cluster {
             }
         };
         self.to_settler(std::iter::once(s));
+    }
+
+    /// Takes `s`'s completion tokens from its key's lease, as many as it holds.
+    fn charge_lease(&self, s: &mut Settle) {
+        let mut leases = self.leases.lock().unwrap_or_else(|e| e.into_inner());
+        if leases.is_empty() {
+            return;
+        }
+        let Some(lease) = leases.get_mut(&s.batch()) else {
+            return;
+        };
+        if std::time::Instant::now() >= lease.until {
+            return;
+        }
+        let t = lease.tokens.min(s.completion_tokens);
+        lease.tokens -= t;
+        s.completion_tokens -= t;
     }
 
     /// Queues settles for the settler (never waits; a full queue drops and counts).
@@ -1428,6 +1455,8 @@ async fn listener(
 /// Applies settles in order; while the store is away they wait (in the queue) for it.
 /// Settles sent in one call at most.
 const SETTLE_BATCH: usize = 128;
+/// How long the settler lets settles gather after the first of a batch arrives.
+const SETTLE_LINGER: Duration = Duration::from_millis(2);
 
 /// Gives back what leases left when their time ran out, so a key whose traffic stopped does not
 /// keep units from the rest of the fleet.
@@ -1461,13 +1490,21 @@ fn merge_settles(batch: &[Settle]) -> Vec<Settle> {
         match at.get(&(s.client.as_str(), s.month.as_str(), s.tpm)) {
             Some(&i) => {
                 let m = &mut out[i];
-                m.usd += if s.usd.is_finite() { s.usd.max(0.0) } else { 0.0 };
+                m.usd += if s.usd.is_finite() {
+                    s.usd.max(0.0)
+                } else {
+                    0.0
+                };
                 m.completion_tokens = m.completion_tokens.saturating_add(s.completion_tokens);
             }
             None => {
                 at.insert((s.client.as_str(), s.month.as_str(), s.tpm), out.len());
                 let mut s = s.clone();
-                s.usd = if s.usd.is_finite() { s.usd.max(0.0) } else { 0.0 };
+                s.usd = if s.usd.is_finite() {
+                    s.usd.max(0.0)
+                } else {
+                    0.0
+                };
                 out.push(s);
             }
         }
@@ -1493,6 +1530,14 @@ async fn settler(cluster: Arc<Cluster>, cancel: CancellationToken) {
                     Some(s) => pending.push_back(s),
                     None => return,
                 },
+            }
+            // A moment for more to gather: under load one call carries many (a settle is off
+            // the request path; this delays a reservation's release by as much at most).
+            if rx.len() + 1 < SETTLE_BATCH {
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = tokio::time::sleep(SETTLE_LINGER) => {}
+                }
             }
         }
         while let Ok(s) = rx.try_recv() {
@@ -1587,6 +1632,45 @@ mod tests {
         assert!(l.take(&t, 10, now));
         assert!(!l.take(&t, 1, now));
         assert_eq!(l.left(&t), (0, 0));
+    }
+
+    /// A leased key's completion tokens are charged to its lease first; what the lease cannot
+    /// hold goes to the store (the settle queue), and a key without a lease sends them all.
+    #[tokio::test]
+    async fn completion_tokens_are_charged_to_the_lease_first() {
+        let (alerts, _rx) = crate::ops::alerts::Alerts::channel();
+        let c = Cluster::new(settings("redis://127.0.0.1:1/0"), alerts).unwrap();
+        let k = key(600, 6000, None);
+        c.leases.lock().unwrap().insert(
+            k.clone(),
+            Lease {
+                id: "r:0".into(),
+                requests: 10,
+                tokens: 20,
+                until: std::time::Instant::now() + LEASE_FOR,
+                used: 0,
+                usd: 0.0,
+            },
+        );
+        let settle = |tokens: u64, client: &str| Settle {
+            client: client.into(),
+            month: k.month.clone(),
+            request: None,
+            usd: 0.0,
+            completion_tokens: tokens,
+            tpm: 6000,
+            rpm: 600,
+            budget: None,
+        };
+        c.settle(settle(15, "k"));
+        c.settle(settle(15, "k"));
+        c.settle(settle(7, "other"));
+        assert_eq!(c.leases.lock().unwrap()[&k].tokens, 0);
+        let mut rx = c.settles_rx.lock().unwrap().take().unwrap();
+        let queued: Vec<(String, u64)> = std::iter::from_fn(|| rx.try_recv().ok())
+            .map(|s| (s.client, s.completion_tokens))
+            .collect();
+        assert_eq!(queued, vec![("k".into(), 10), ("other".into(), 7)]);
     }
 
     #[test]

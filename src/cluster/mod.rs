@@ -140,6 +140,8 @@ const LEASE_STORE_LIFE: Duration = Duration::from_millis(1250);
 /// never admits more than the buckets hold; what is not spent within [`LEASE_FOR`] goes back.
 #[derive(Debug, Clone)]
 struct Lease {
+    /// The key, limits and month it was taken for.
+    key: Batch,
     /// Its name in the store (this replica's id and a count).
     id: String,
     /// Requests left (keys with `rpm`).
@@ -154,18 +156,22 @@ struct Lease {
 }
 
 impl Lease {
+    /// Whether it was taken for these limits and month.
+    fn is_for(&self, rpm: u32, tpm: u64, month: &str) -> bool {
+        self.key.rpm == rpm && self.key.tpm == tpm && self.key.month == month
+    }
+
     /// Spends one request of `tokens` on the lease, if it holds them and has not run out.
-    fn take(&mut self, key: &Batch, tokens: u64, now: std::time::Instant) -> bool {
-        if now >= self.until
-            || (key.rpm > 0 && self.requests == 0)
-            || (key.tpm > 0 && tokens > self.tokens)
+    fn take(&mut self, tokens: u64, now: std::time::Instant) -> bool {
+        let (rpm, tpm) = (self.key.rpm, self.key.tpm);
+        if now >= self.until || (rpm > 0 && self.requests == 0) || (tpm > 0 && tokens > self.tokens)
         {
             return false;
         }
-        if key.rpm > 0 {
+        if rpm > 0 {
             self.requests -= 1;
         }
-        if key.tpm > 0 {
+        if tpm > 0 {
             self.tokens -= tokens;
         }
         self.used += 1;
@@ -173,10 +179,10 @@ impl Lease {
     }
 
     /// What goes back to the store: the requests and tokens left.
-    fn left(&self, key: &Batch) -> (u64, u64) {
+    fn left(&self) -> (u64, u64) {
         (
-            if key.rpm > 0 { self.requests } else { 0 },
-            if key.tpm > 0 { self.tokens } else { 0 },
+            if self.key.rpm > 0 { self.requests } else { 0 },
+            if self.key.tpm > 0 { self.tokens } else { 0 },
         )
     }
 }
@@ -291,8 +297,11 @@ pub struct Cluster {
     settles_carried: AtomicU64,
     /// Admissions waiting for their key's next call; an entry exists while its flusher runs.
     batches: Mutex<std::collections::HashMap<Batch, Group>>,
-    /// Leases of keys without a budget, by key.
-    leases: Mutex<std::collections::HashMap<Batch, Lease>>,
+    /// Leases of keys without a budget, by key name (one a key: a lease for other limits or
+    /// another month goes to `ended`).
+    leases: Mutex<std::collections::HashMap<String, Lease>>,
+    /// Leases replaced by one for other limits or month, to be given back.
+    ended: Mutex<Vec<Lease>>,
     /// Leases asked for so far (names them).
     lease_count: AtomicU64,
     /// Admissions spent on leases, leases granted, and leases that went back with units left.
@@ -344,6 +353,7 @@ impl Cluster {
             admission_calls: AtomicU64::new(0),
             settles_carried: AtomicU64::new(0),
             leases: Mutex::new(Default::default()),
+            ended: Mutex::new(Vec::new()),
             lease_count: AtomicU64::new(0),
             lease_admissions: AtomicU64::new(0),
             leases_granted: AtomicU64::new(0),
@@ -382,16 +392,25 @@ impl Cluster {
             self.fallbacks.fetch_add(1, Ordering::Relaxed);
             return Err(());
         }
+        let budget = a.budget.filter(|b| b.is_finite()).map(f64::to_bits);
+        if budget.is_none()
+            && let Some(usd) = self.admit_on_lease(
+                a.client,
+                a.rpm.unwrap_or(0),
+                a.tpm.unwrap_or(0),
+                a.month,
+                a.tokens,
+            )
+        {
+            return Ok(Verdict::Admitted { usd });
+        }
         let key = Batch {
             client: a.client.to_string(),
             rpm: a.rpm.unwrap_or(0),
             tpm: a.tpm.unwrap_or(0),
-            budget: a.budget.filter(|b| b.is_finite()).map(f64::to_bits),
+            budget,
             month: a.month.to_string(),
         };
-        if let Some(usd) = self.admit_on_lease(&key, a.tokens) {
-            return Ok(Verdict::Admitted { usd });
-        }
         let ask = Ask {
             tokens: a.tokens,
             reserve: if a.reserve.is_finite() {
@@ -524,7 +543,7 @@ impl Cluster {
             // Those the lease the last call brought can hold take nothing from the store.
             let batch: Vec<Waiting> = batch
                 .into_iter()
-                .filter_map(|w| match self.admit_on_lease(&key, w.ask.tokens) {
+                .filter_map(|w| match self.lease_for(&key, w.ask.tokens) {
                     Some(usd) => {
                         let _ = w.tx.send(Ok(Verdict::Admitted { usd }));
                         None
@@ -560,15 +579,30 @@ impl Cluster {
         }
     }
 
-    /// Admits one request of `key` on its lease, if the key has one that holds it: the key's
-    /// spend as last seen.
-    fn admit_on_lease(&self, key: &Batch, tokens: u64) -> Option<f64> {
+    /// [`Cluster::admit_on_lease`] for a queued admission of `key`.
+    fn lease_for(&self, key: &Batch, tokens: u64) -> Option<f64> {
         if key.budget.is_some() {
             return None;
         }
+        self.admit_on_lease(&key.client, key.rpm, key.tpm, &key.month, tokens)
+    }
+
+    /// Admits one request of a key without a budget on its lease, if it has one for these
+    /// limits and month that holds it: the key's spend as last seen.
+    fn admit_on_lease(
+        &self,
+        client: &str,
+        rpm: u32,
+        tpm: u64,
+        month: &str,
+        tokens: u64,
+    ) -> Option<f64> {
         let mut leases = self.leases.lock().unwrap_or_else(|e| e.into_inner());
-        let lease = leases.get_mut(key)?;
-        if !lease.take(key, tokens, std::time::Instant::now()) {
+        if leases.is_empty() {
+            return None;
+        }
+        let lease = leases.get_mut(client)?;
+        if !lease.is_for(rpm, tpm, month) || !lease.take(tokens, std::time::Instant::now()) {
             return None;
         }
         let usd = lease.usd;
@@ -592,13 +626,21 @@ impl Cluster {
                 .leases
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .remove(key);
+                .remove(&key.client);
+            // One for other limits or another month (a reload, a new month) ends by itself.
+            let old = match old {
+                Some(l) if !l.is_for(key.rpm, key.tpm, &key.month) => {
+                    self.ended.lock().unwrap_or_else(|e| e.into_inner()).push(l);
+                    None
+                }
+                old => old,
+            };
             let n = old.as_ref().map_or(LEASE_FIRST, |l| {
                 l.used.saturating_mul(2).clamp(LEASE_FIRST, LEASE_MOST)
             });
             let per = batch.iter().map(|w| w.tokens).max().unwrap_or(0).max(1);
             let back = old.map(|l| {
-                let left = l.left(key);
+                let left = l.left();
                 if left != (0, 0) {
                     self.leases_returned.fetch_add(1, Ordering::Relaxed);
                 }
@@ -640,8 +682,9 @@ impl Cluster {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .insert(
-                    key.clone(),
+                    key.client.clone(),
                     Lease {
+                        key: key.clone(),
                         id,
                         requests,
                         tokens,
@@ -658,22 +701,25 @@ impl Cluster {
     /// Gives back what is left of leases that ran out of time (or all, `all`), one call a key.
     async fn give_back(&self, all: bool) -> Result<(), String> {
         let now = std::time::Instant::now();
-        let expired: Vec<(Batch, GivenBack)> = {
+        let mut expired: Vec<Lease> =
+            std::mem::take(&mut *self.ended.lock().unwrap_or_else(|e| e.into_inner()));
+        {
             let mut leases = self.leases.lock().unwrap_or_else(|e| e.into_inner());
-            let keys: Vec<Batch> = leases
+            let names: Vec<String> = leases
                 .iter()
                 .filter(|(_, l)| all || l.until <= now)
                 .map(|(k, _)| k.clone())
                 .collect();
-            // Spent whole, a lease that ran out of time ends in the store by its expiry.
-            keys.into_iter()
-                .filter_map(|k| leases.remove(&k).map(|l| (l.left(&k), l.id, k)))
-                .filter(|(left, _, _)| *left != (0, 0))
-                .map(|(left, id, k)| (k, (id, left)))
-                .collect()
-        };
-        for (key, back) in expired {
-            self.invoke_admit(&key, &[], &[], None, Some(back)).await?;
+            expired.extend(names.into_iter().filter_map(|k| leases.remove(&k)));
+        }
+        // Spent whole, a lease that ran out of time ends in the store by its expiry.
+        for l in expired {
+            let left = l.left();
+            if left == (0, 0) {
+                continue;
+            }
+            self.invoke_admit(&l.key, &[], &[], None, Some((l.id, left)))
+                .await?;
             self.leases_returned.fetch_add(1, Ordering::Relaxed);
         }
         Ok(())
@@ -824,10 +870,10 @@ impl Cluster {
         if leases.is_empty() {
             return;
         }
-        let Some(lease) = leases.get_mut(&s.batch()) else {
+        let Some(lease) = leases.get_mut(&s.client) else {
             return;
         };
-        if std::time::Instant::now() >= lease.until {
+        if !lease.is_for(s.rpm, s.tpm, &s.month) || std::time::Instant::now() >= lease.until {
             return;
         }
         let t = lease.tokens.min(s.completion_tokens);
@@ -883,6 +929,7 @@ impl Cluster {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clear();
+        self.ended.lock().unwrap_or_else(|e| e.into_inner()).clear();
         {
             let mut st = self.status.lock().unwrap_or_else(|e| e.into_inner());
             st.last_error = Some(error.clone());
@@ -1591,47 +1638,35 @@ mod tests {
     #[test]
     fn a_lease_admits_what_it_holds_and_no_more() {
         let now = std::time::Instant::now();
-        let k = key(100, 1000, None);
-        let mut l = Lease {
+        let lease = |key: Batch, requests: u64, tokens: u64, until| Lease {
+            key,
             id: "r:0".into(),
-            requests: 3,
-            tokens: 250,
-            until: now + LEASE_FOR,
+            requests,
+            tokens,
+            until,
             used: 0,
             usd: 0.0,
         };
-        assert!(l.take(&k, 100, now));
-        assert!(l.take(&k, 100, now));
+        let mut l = lease(key(100, 1000, None), 3, 250, now + LEASE_FOR);
+        assert!(l.is_for(100, 1000, "2026-12"));
+        assert!(!l.is_for(100, 1000, "2027-01") && !l.is_for(60, 1000, "2026-12"));
+        assert!(l.take(100, now));
+        assert!(l.take(100, now));
         // 50 tokens left: a request of 60 is not held (it asks the store), one of 50 is.
-        assert!(!l.take(&k, 60, now));
-        assert!(l.take(&k, 50, now));
+        assert!(!l.take(60, now));
+        assert!(l.take(50, now));
         // No request left.
-        assert!(!l.take(&k, 0, now));
-        assert_eq!((l.used, l.left(&k)), (3, (0, 0)));
+        assert!(!l.take(0, now));
+        assert_eq!((l.used, l.left()), (3, (0, 0)));
         // Out of time, whatever it holds.
-        let mut l = Lease {
-            id: "r:0".into(),
-            requests: 5,
-            tokens: 0,
-            until: now,
-            used: 0,
-            usd: 0.0,
-        };
-        assert!(!l.take(&key(100, 0, None), 0, now));
-        assert_eq!(l.left(&key(100, 0, None)), (5, 0));
+        let mut l = lease(key(100, 0, None), 5, 0, now);
+        assert!(!l.take(0, now));
+        assert_eq!(l.left(), (5, 0));
         // A key without `rpm` counts tokens only (and gives back no requests).
-        let t = key(0, 1000, None);
-        let mut l = Lease {
-            id: "r:0".into(),
-            requests: 0,
-            tokens: 10,
-            until: now + LEASE_FOR,
-            used: 0,
-            usd: 0.0,
-        };
-        assert!(l.take(&t, 10, now));
-        assert!(!l.take(&t, 1, now));
-        assert_eq!(l.left(&t), (0, 0));
+        let mut l = lease(key(0, 1000, None), 0, 10, now + LEASE_FOR);
+        assert!(l.take(10, now));
+        assert!(!l.take(1, now));
+        assert_eq!(l.left(), (0, 0));
     }
 
     /// A leased key's completion tokens are charged to its lease first; what the lease cannot
@@ -1642,8 +1677,9 @@ mod tests {
         let c = Cluster::new(settings("redis://127.0.0.1:1/0"), alerts).unwrap();
         let k = key(600, 6000, None);
         c.leases.lock().unwrap().insert(
-            k.clone(),
+            k.client.clone(),
             Lease {
+                key: k.clone(),
                 id: "r:0".into(),
                 requests: 10,
                 tokens: 20,
@@ -1665,7 +1701,7 @@ mod tests {
         c.settle(settle(15, "k"));
         c.settle(settle(15, "k"));
         c.settle(settle(7, "other"));
-        assert_eq!(c.leases.lock().unwrap()[&k].tokens, 0);
+        assert_eq!(c.leases.lock().unwrap()["k"].tokens, 0);
         let mut rx = c.settles_rx.lock().unwrap().take().unwrap();
         let queued: Vec<(String, u64)> = std::iter::from_fn(|| rx.try_recv().ok())
             .map(|s| (s.client, s.completion_tokens))

@@ -534,7 +534,12 @@ impl Clients {
             return self.admit(key, ask);
         }
         let month = month_of(SystemTime::now());
-        let request = uuid::Uuid::new_v4().to_string();
+        // The reservation's name: only a budget reserves.
+        let request = if key.budget_usd.is_some() {
+            uuid::Uuid::new_v4().to_string()
+        } else {
+            String::new()
+        };
         let reserve = if key.budget_usd.is_some() && ask.reserve_usd.is_finite() {
             ask.reserve_usd.max(0.0)
         } else {

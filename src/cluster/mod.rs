@@ -799,7 +799,8 @@ impl Cluster {
         let (granted, requests, tokens): (u64, u64, u64) =
             redis::from_redis_value(redis::Value::Array(lease.to_vec()))
                 .map_err(|e| e.to_string())?;
-        let lease = (ask.is_some() && granted == 1).then_some((requests, tokens));
+        // Never more than was asked, whatever the store says.
+        let lease = (ask.is_some() && granted == 1).then_some((requests.min(lr), tokens.min(lt)));
         let verdicts = answer
             .chunks(5)
             .map(|c| {

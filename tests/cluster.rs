@@ -185,28 +185,7 @@ async fn burst(
     count: usize,
     body: Value,
 ) -> (Vec<(u16, reqwest::header::HeaderMap)>, Duration) {
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(0)
-        .build()
-        .unwrap();
-    let started = Instant::now();
-    let sends = (0..count).map(|i| {
-        let url = gws[i % gws.len()].url("/v1/chat/completions");
-        let (client, body) = (client.clone(), body.clone());
-        let key = key.to_string();
-        async move {
-            let r = client
-                .post(url)
-                .bearer_auth(key)
-                .json(&body)
-                .send()
-                .await
-                .unwrap();
-            (r.status().as_u16(), r.headers().clone())
-        }
-    });
-    let got = futures_util::future::join_all(sends).await;
-    (got, started.elapsed())
+    burst_of(gws, key, count, count.max(1), body).await
 }
 
 /// As [`burst`], with at most `at_once` requests in flight.

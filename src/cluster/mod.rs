@@ -658,18 +658,20 @@ impl Cluster {
         } else {
             (None, None)
         };
-        let id = format!(
-            "{}:{}",
-            self.replica,
-            self.lease_count.fetch_add(1, Ordering::Relaxed)
-        );
+        let id = ask.map(|_| {
+            format!(
+                "{}:{}",
+                self.replica,
+                self.lease_count.fetch_add(1, Ordering::Relaxed)
+            )
+        });
         // The lease's time counts from before the call: it ends here before it ends in the
         // store, whatever the call took.
         let asked_at = std::time::Instant::now();
         let (verdicts, lease) = self
-            .invoke_admit(key, batch, settles, ask.map(|a| (a, id.as_str())), back)
+            .invoke_admit(key, batch, settles, ask.zip(id.as_deref()), back)
             .await?;
-        if let Some((requests, tokens)) = lease {
+        if let (Some((requests, tokens)), Some(id)) = (lease, id) {
             let usd = verdicts
                 .iter()
                 .rev()

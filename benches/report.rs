@@ -42,7 +42,7 @@ fn main() {
                 .prepare("INSERT INTO requests (request_id, ts_ms, operation, requested_model, endpoint, status, error_class, stream, latency_ms, ttft_ms, tokens_in, tokens_out, attempts) VALUES (?1, ?2, 'chat', 'chat', ?3, ?4, ?5, 0, ?6, NULL, 20, 30, ?7)")
                 .expect("prepare");
             let mut att = tx
-                .prepare("INSERT INTO attempts (request_row, request_id, seq, ts_ms, endpoint, class, status, error, latency_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)")
+                .prepare("INSERT INTO attempt_rows (request_row, request_id, seq, ts_ms, endpoint, class, status, error, latency_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)")
                 .expect("prepare");
             let mut ev = tx
                 .prepare("INSERT INTO endpoint_events (ts_ms, endpoint, event, reason) VALUES (?1, ?2, ?3, ?4)")

@@ -31,7 +31,7 @@ fn main() {
         row.tokens_out = Some(12);
         row.cost_usd = Some(0.000_008_55);
         row.attempts.push(AttemptRow {
-            seq: 0,
+            seq: 1,
             endpoint: "a".into(),
             class: Outcome::Ok,
             status: Some(200),

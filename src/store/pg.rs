@@ -139,6 +139,12 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE requests ADD COLUMN response_id TEXT;
     ALTER TABLE requests ADD COLUMN previous_response_id TEXT;
     "#,
+    // 10: SQLite keeps a request's one plain attempt in its row (its writer's cost); this
+    // writer keeps every attempt a row of `attempts`, as before. The version moves with
+    // SQLite's so both say the same schema generation.
+    r#"
+    SELECT 1;
+    "#,
 ];
 
 /// The advisory lock every replica's migration takes (any constant; "autohedge" in ASCII).
@@ -915,8 +921,14 @@ fn snapshot_on(
                 .query(sql.as_str(), &params)
                 .await
                 .map_err(|e| anyhow::anyhow!("{}", error_text(&e)))?;
+            // SQLite's attempts made as rows are in `attempt_rows` (`attempts` is a view).
+            let into = if table == "attempts" {
+                "attempt_rows"
+            } else {
+                table
+            };
             let insert = format!(
-                "INSERT OR REPLACE INTO {table} ({}) VALUES ({})",
+                "INSERT OR REPLACE INTO {into} ({}) VALUES ({})",
                 names.join(", "),
                 vec!["?"; names.len()].join(", ")
             );

@@ -156,6 +156,15 @@ fn start(cfg: &str, redis_url: &str) -> Gw {
     )
 }
 
+/// Three replicas of one config on one store.
+fn start_three(cfg: &str, redis_url: &str) -> [Gw; 3] {
+    [
+        start(cfg, redis_url),
+        start(cfg, redis_url),
+        start(cfg, redis_url),
+    ]
+}
+
 /// Waits until `gw` says the store is `up` again.
 async fn until_up(gw: &Gw, what: &str) {
     let ok = eventually(Duration::from_secs(15), || async {
@@ -248,11 +257,7 @@ async fn three_replicas_admit_exactly_one_keys_limits() {
     // request the store does not answer in time is admitted on the replica's share, which this
     // test is not about (the other two are).
     let cfg = config(&up, "exact:", "2s", "");
-    let gws = [
-        start(&cfg, &redis.url()),
-        start(&cfg, &redis.url()),
-        start(&cfg, &redis.url()),
-    ];
+    let gws = start_three(&cfg, &redis.url());
     let gws: Vec<&Gw> = gws.iter().collect();
     until_clustered(&gws, 3).await;
 
@@ -367,11 +372,7 @@ async fn leases_spare_the_store_and_keep_the_limit_exact() {
     let redis = Redis::start();
     let up = MockUp::openai("name: a").await;
     let cfg = config(&up, "lease:", "2s", "");
-    let gws = [
-        start(&cfg, &redis.url()),
-        start(&cfg, &redis.url()),
-        start(&cfg, &redis.url()),
-    ];
+    let gws = start_three(&cfg, &redis.url());
     let gws: Vec<&Gw> = gws.iter().collect();
     until_clustered(&gws, 3).await;
     let hello =
@@ -734,11 +735,7 @@ health: {{ probe_interval: 1h }}
 "#,
         up.base()
     );
-    let gws = [
-        start(&cfg, &redis.url()),
-        start(&cfg, &redis.url()),
-        start(&cfg, &redis.url()),
-    ];
+    let gws = start_three(&cfg, &redis.url());
     let gws: Vec<&Gw> = gws.iter().collect();
     until_clustered(&gws, 3).await;
     // Reserved: (3 prompt tokens estimated + 10) at $1,000 a million = $0.013 a request.
@@ -1054,11 +1051,7 @@ async fn fleet_against_a_bucket(clustered: bool) -> (u64, u64) {
         limited.base(),
         spare.base()
     );
-    let gws = [
-        start(&cfg, &redis.url()),
-        start(&cfg, &redis.url()),
-        start(&cfg, &redis.url()),
-    ];
+    let gws = start_three(&cfg, &redis.url());
     if clustered {
         until_clustered(&gws.iter().collect::<Vec<_>>(), 3).await;
     }

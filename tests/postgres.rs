@@ -191,14 +191,14 @@ async fn migrations_from_empty_from_the_previous_version_and_at_once() {
     let mut gw = start(&cfg, &empty, &[]);
     gw.ready().await;
     assert_eq!(autohedge::store::pg::version(&empty).unwrap(), versions);
-    // The version before: the last migration's columns appear, rows then use them.
+    // The version before: the last migration's columns appear, and rows are written after it.
     let older = pg.database("older").await;
     assert_eq!(
         autohedge::store::pg::migrate_to(&older, versions as usize - 1).unwrap(),
         versions as usize - 1
     );
     let c = pg.client("older").await;
-    const HAS_COLUMN: &str = "SELECT COUNT(*) FROM information_schema.columns WHERE table_name = 'requests' AND column_name = 'response_id'";
+    const HAS_COLUMN: &str = "SELECT COUNT(*) FROM information_schema.columns WHERE table_name = 'requests' AND column_name = 'attempt_class'";
     assert_eq!(count(&c, HAS_COLUMN).await, 0);
     let mut old_gw = start(&cfg, &older, &[]);
     old_gw.ready().await;
@@ -214,7 +214,7 @@ async fn migrations_from_empty_from_the_previous_version_and_at_once() {
         "SELECT COUNT(*) FROM requests WHERE response_id LIKE 'resp_%'",
     )
     .await;
-    assert_eq!(ids, 1, "the new column written");
+    assert_eq!(ids, 1, "a row written after the upgrade");
     // Three at once on an empty database.
     let together = pg.database("together").await;
     let mut gws: Vec<Gw> = (0..3).map(|_| start(&cfg, &together, &[])).collect();

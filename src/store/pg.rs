@@ -139,11 +139,13 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE requests ADD COLUMN response_id TEXT;
     ALTER TABLE requests ADD COLUMN previous_response_id TEXT;
     "#,
-    // 10: SQLite keeps a request's one plain attempt in its row (its writer's cost); this
-    // writer keeps every attempt a row of `attempts`, as before. The version moves with
-    // SQLite's so both say the same schema generation.
+    // 10: SQLite keeps a request's one plain attempt in its row (its writer's cost); the same
+    // columns here keep the tables alike, but this writer leaves them empty and keeps every
+    // attempt a row of `attempts`, as before.
     r#"
-    SELECT 1;
+    ALTER TABLE requests ADD COLUMN attempt_class TEXT;
+    ALTER TABLE requests ADD COLUMN attempt_status BIGINT;
+    ALTER TABLE requests ADD COLUMN attempt_latency_ms DOUBLE PRECISION;
     "#,
 ];
 

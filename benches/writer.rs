@@ -11,6 +11,11 @@ use std::time::{Duration, SystemTime};
 use autohedge::routing::outcome::Outcome;
 use autohedge::store::{AttemptRow, Record, RequestRow, Store};
 
+/// The gateway's allocator (src/main.rs): the writer frees each row it wrote, at the price the
+/// gateway pays for it.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     let n: usize = std::env::args()
         .nth(1)

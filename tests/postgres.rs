@@ -191,14 +191,15 @@ async fn migrations_from_empty_from_the_previous_version_and_at_once() {
     let mut gw = start(&cfg, &empty, &[]);
     gw.ready().await;
     assert_eq!(autohedge::store::pg::version(&empty).unwrap(), versions);
-    // The version before: the last migration's columns appear, and rows are written after it.
+    // The version before: the last migration's table appears, and rows are written after it.
     let older = pg.database("older").await;
     assert_eq!(
         autohedge::store::pg::migrate_to(&older, versions as usize - 1).unwrap(),
         versions as usize - 1
     );
     let c = pg.client("older").await;
-    const HAS_COLUMN: &str = "SELECT COUNT(*) FROM information_schema.columns WHERE table_name = 'requests' AND column_name = 'attempt_class'";
+    const HAS_COLUMN: &str =
+        "SELECT COUNT(*) FROM information_schema.tables WHERE table_name = 'request_marks'";
     assert_eq!(count(&c, HAS_COLUMN).await, 0);
     let mut old_gw = start(&cfg, &older, &[]);
     old_gw.ready().await;

@@ -140,9 +140,8 @@ pub fn from_conns(
     // Rows of requests that had a failed call before the end (by trail, then row).
     let mut failed_over: std::collections::HashSet<(usize, i64)> = Default::default();
     for (trail, conn) in trails.iter().enumerate() {
-        let first_row: Option<i64> =
+        let first: i64 =
             conn.query_row(crate::store::sql::FIRST_ROW_SINCE, [from_ms], |r| r.get(0))?;
-        let Some(first) = first_row else { continue };
         let mut stmt = conn.prepare(crate::store::sql::ATTEMPTS_FROM_ROW)?;
         let mut rows = stmt.query([first])?;
         while let Some(r) = rows.next()? {

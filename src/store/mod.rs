@@ -13,7 +13,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use rusqlite::{Connection, OptionalExtension, params};
 
 pub mod pg;
+mod raw;
 pub mod transfer;
+
+use raw::Val;
 
 /// Migrations, applied in order; `PRAGMA user_version` holds how many have run.
 const MIGRATIONS: &[&str] = &[
@@ -159,32 +162,71 @@ const MIGRATIONS: &[&str] = &[
                attempt_latency_ms, 0, 0
         FROM requests WHERE attempt_class IS NOT NULL;
     "#,
+    // 11: the time index of `requests` (2.3k of the writer's instructions a request) gives way
+    // to marks: `(before_ms, first_id)` says every request row numbered below `first_id`
+    // started before `before_ms`. A reader of a window takes the first id of the latest mark
+    // at or before the window's start and reads the rowids from there, filtering `ts_ms`;
+    // the sweep deletes below the latest mark at or before its cutoff. The writer adds a mark
+    // at most once a second of request time ([`MarkState`]). Marks for an existing trail: the
+    // running maximum of `ts_ms` in id order, one a second.
+    r#"
+    CREATE TABLE request_marks (
+        before_ms INTEGER PRIMARY KEY,
+        first_id INTEGER NOT NULL
+    );
+    INSERT INTO request_marks (before_ms, first_id)
+        SELECT min(before_ms), min(id) FROM (
+            SELECT id, max(ts_ms) OVER (ORDER BY id ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) + 1
+                AS before_ms
+            FROM requests)
+        WHERE before_ms IS NOT NULL
+        GROUP BY before_ms / 1000;
+    DROP INDEX IF EXISTS requests_ts;
+    "#,
 ];
+
+/// The first request row a window starting at `?1` (ms) can hold: the `first_id` of the latest
+/// mark at or before it (rows below it all started earlier), or 0 when there is none. A scalar
+/// subquery, evaluated once, so a query can read `id >= first_row!()` as a rowid range.
+macro_rules! first_row {
+    () => {
+        "(SELECT coalesce((SELECT first_id FROM request_marks WHERE before_ms <= ?1 ORDER BY before_ms DESC LIMIT 1), 0))"
+    };
+}
 
 /// Every query the readers (`stats`, `report`, budgets at start) and the retention sweep run,
 /// in one place, so that a test can show each one's plan uses an index (`EXPLAIN QUERY PLAN`).
 pub mod sql {
-    /// The first request row of a window: attempts have no time index of their own and are
-    /// found from it (their request-row index). Through the time index: left to itself SQLite
-    /// walked the rowids from the oldest row until one matched, reading every row older than
-    /// the window.
-    pub const FIRST_ROW_SINCE: &str =
-        "SELECT MIN(id) FROM requests INDEXED BY requests_ts WHERE ts_ms >= ?1";
+    /// The first request row of a window starting at `?1`: attempts have no time index of their
+    /// own and are found from it (their request-row index), requests by their rowid.
+    pub const FIRST_ROW_SINCE: &str = concat!("SELECT ", first_row!());
     /// `report`: a window's attempts, in the index's order.
     pub const ATTEMPTS_FROM_ROW: &str = "SELECT request_row, request_id, ts_ms, endpoint, class FROM attempts WHERE request_row >= ?1 ORDER BY request_row, seq";
     /// `report`: a window's requests.
-    pub const REQUESTS_BETWEEN: &str = "SELECT id, ts_ms, endpoint, status, error_class, latency_ms FROM requests WHERE ts_ms >= ?1 AND ts_ms <= ?2";
+    pub const REQUESTS_BETWEEN: &str = concat!(
+        "SELECT id, ts_ms, endpoint, status, error_class, latency_ms FROM requests WHERE id >= ",
+        first_row!(),
+        " AND ts_ms >= ?1 AND ts_ms <= ?2"
+    );
     /// `report`: a window's endpoint events.
     pub const EVENTS_BETWEEN: &str = "SELECT endpoint, event, reason FROM endpoint_events WHERE ts_ms >= ?1 AND ts_ms <= ?2 ORDER BY ts_ms";
     /// `stats --by-key`.
-    pub const BY_KEY_SINCE: &str = "SELECT client_key, COUNT(*), SUM(status BETWEEN 200 AND 299), SUM(status NOT BETWEEN 200 AND 299),
+    pub const BY_KEY_SINCE: &str = concat!(
+        "SELECT client_key, COUNT(*), SUM(status BETWEEN 200 AND 299), SUM(status NOT BETWEEN 200 AND 299),
                 COALESCE(SUM(tokens_in), 0), COALESCE(SUM(tokens_out), 0), COALESCE(SUM(cost_usd), 0)
-         FROM requests WHERE client_key IS NOT NULL AND ts_ms >= ?1
-         GROUP BY client_key ORDER BY client_key";
+         FROM requests WHERE id >= ",
+        first_row!(),
+        " AND client_key IS NOT NULL AND ts_ms >= ?1
+         GROUP BY client_key ORDER BY client_key"
+    );
     /// `stats`: real attempts (not skips) per endpoint.
     pub const CALLS_SINCE: &str = "SELECT endpoint, class, latency_ms FROM attempts WHERE request_row >= ?2 AND ts_ms >= ?1 AND class NOT LIKE 'skipped_%' AND class <> 'context_skip'";
     /// `stats`: requests an endpoint served after another had failed.
-    pub const FALLBACKS_SERVED_SINCE: &str = "SELECT endpoint, COUNT(*) FROM requests WHERE ts_ms >= ?1 AND endpoint IS NOT NULL AND attempts > 1 AND status < 400 GROUP BY endpoint";
+    pub const FALLBACKS_SERVED_SINCE: &str = concat!(
+        "SELECT endpoint, COUNT(*) FROM requests WHERE id >= ",
+        first_row!(),
+        " AND ts_ms >= ?1 AND endpoint IS NOT NULL AND attempts > 1 AND status < 400 GROUP BY endpoint"
+    );
     /// `stats`: failed attempts followed by another endpoint's attempt in the same request.
     /// Only requests with more than one attempt can have one: their attempts are all rows of
     /// `attempt_rows` (a request's row holds its attempt only when it made one).
@@ -194,14 +236,27 @@ pub mod sql {
     /// Budgets at start: every key's spend (the whole table, by design: one row a key and month).
     pub const SPEND: &str = "SELECT client, month, usd FROM client_spend";
     /// Retention: a batch of old requests' attempts, then the requests (the same `LIMIT` over
-    /// the time index picks the same rows in both), then old events; `?2` is the batch size.
-    pub const PRUNE_ATTEMPTS: &str = "DELETE FROM attempt_rows WHERE request_row IN (SELECT id FROM requests WHERE ts_ms < ?1 LIMIT ?2)";
-    pub const PRUNE_REQUESTS: &str =
-        "DELETE FROM requests WHERE id IN (SELECT id FROM requests WHERE ts_ms < ?1 LIMIT ?2)";
+    /// the rowids picks the same rows in both), then old events; `?2` is the batch size. Old
+    /// requests are those below the latest mark at or before the cutoff `?1`: every one of them
+    /// started before it. A row that started before the cutoff but was written after that mark
+    /// (a long stream, or a row written within the mark's second) goes with a later sweep.
+    pub const PRUNE_ATTEMPTS: &str = concat!(
+        "DELETE FROM attempt_rows WHERE request_row IN (SELECT id FROM requests WHERE id < ",
+        first_row!(),
+        " LIMIT ?2)"
+    );
+    pub const PRUNE_REQUESTS: &str = concat!(
+        "DELETE FROM requests WHERE id IN (SELECT id FROM requests WHERE id < ",
+        first_row!(),
+        " LIMIT ?2)"
+    );
     pub const PRUNE_EVENTS: &str = "DELETE FROM endpoint_events WHERE id IN (SELECT id FROM endpoint_events WHERE ts_ms < ?1 LIMIT ?2)";
+    /// Retention: marks older than the latest one at or before the cutoff `?1` (that one still
+    /// bounds what is left).
+    pub const PRUNE_MARKS: &str = "DELETE FROM request_marks WHERE before_ms < (SELECT max(before_ms) FROM request_marks WHERE before_ms <= ?1)";
 
     /// Every query above, named, for the plan test.
-    pub const ALL: [(&str, &str); 12] = [
+    pub const ALL: [(&str, &str); 13] = [
         ("FIRST_ROW_SINCE", FIRST_ROW_SINCE),
         ("ATTEMPTS_FROM_ROW", ATTEMPTS_FROM_ROW),
         ("REQUESTS_BETWEEN", REQUESTS_BETWEEN),
@@ -214,6 +269,7 @@ pub mod sql {
         ("PRUNE_ATTEMPTS", PRUNE_ATTEMPTS),
         ("PRUNE_REQUESTS", PRUNE_REQUESTS),
         ("PRUNE_EVENTS", PRUNE_EVENTS),
+        ("PRUNE_MARKS", PRUNE_MARKS),
     ];
 }
 
@@ -844,112 +900,83 @@ fn insert_sql(table: &str, columns: &[&str], rows: usize) -> String {
     )
 }
 
-/// Inserts `rows` with as few statements as [`ROWS_PER_INSERT`] allows (`sql[i]` carries
-/// `ROWS_PER_INSERT[i]` rows); `bind` binds one row's values from the given parameter offset.
-/// The statements come from rusqlite's cache, which hands them back with their bindings (the
-/// rows' text, copied) cleared; held for the writer's whole life instead, the six of them kept
-/// SQLite's per-connection lookaside memory so full that a large batch paid 2.7k instructions
-/// a row more in `malloc` and its mutex.
-fn insert_rows<T>(
-    conn: &Connection,
-    sql: &[String; ROWS_PER_INSERT.len()],
-    columns: usize,
-    mut rows: &[T],
-    mut bind: impl FnMut(&mut rusqlite::Statement<'_>, usize, &T) -> rusqlite::Result<()>,
+/// Inserts `rows` with as few statements as [`ROWS_PER_INSERT`] allows (`inserts[i]` carries
+/// `ROWS_PER_INSERT[i]` rows); `push` appends one row's values in the statement's column order.
+fn insert_rows<'a, T>(
+    inserts: &mut [raw::Insert<'_>; ROWS_PER_INSERT.len()],
+    mut rows: &'a [T],
+    mut push: impl FnMut(&'a T, &mut Vec<Val<'a>>),
 ) -> rusqlite::Result<()> {
-    for (n, sql) in ROWS_PER_INSERT.into_iter().zip(sql) {
-        if rows.len() < n {
-            continue;
-        }
-        let mut stmt = conn.prepare_cached(sql)?;
+    let mut values = Vec::new();
+    for (n, insert) in ROWS_PER_INSERT.into_iter().zip(inserts.iter_mut()) {
         while rows.len() >= n {
-            for (i, row) in rows[..n].iter().enumerate() {
-                bind(&mut stmt, i * columns, row)?;
+            values.clear();
+            for row in &rows[..n] {
+                push(row, &mut values);
             }
-            stmt.raw_execute()?;
+            insert.execute(&values)?;
             rows = &rows[n..];
         }
     }
     Ok(())
 }
 
-/// Binds the `values` that `shape` picks (indices, in the INSERT's column order) as parameters
-/// `at + 1 ..`.
-fn bind_all(
-    stmt: &mut rusqlite::Statement<'_>,
-    at: usize,
-    values: &[&dyn rusqlite::ToSql],
-    shape: &[usize],
-) -> rusqlite::Result<()> {
-    for (k, &c) in shape.iter().enumerate() {
-        stmt.raw_bind_parameter(at + k + 1, values[c])?;
-    }
-    Ok(())
-}
-
-/// A request's values in [`SQLITE_REQUEST_COLUMNS`] order, those of `shape` bound.
-fn bind_request(
-    stmt: &mut rusqlite::Statement<'_>,
-    at: usize,
-    (id, row): &(i64, &RequestRow),
-    shape: &[usize],
-) -> rusqlite::Result<()> {
+/// A request's values in [`SQLITE_REQUEST_COLUMNS`] order.
+fn request_values(id: i64, row: &RequestRow) -> [Val<'_>; SQLITE_REQUEST_COLUMNS.len()] {
     let one = inline_attempt(row);
-    let values: [&dyn rusqlite::ToSql; SQLITE_REQUEST_COLUMNS.len()] = [
-        id,
-        &row.request_id,
-        &ms(row.ts),
-        &row.operation,
-        &row.requested_model,
-        &row.endpoint,
-        &row.status,
-        &row.error_class,
-        &row.stream,
-        &row.latency_ms,
-        &row.ttft_ms,
-        &row.tokens_in.map(|v| v as i64),
-        &row.tokens_out.map(|v| v as i64),
-        &row.tokens_estimated,
-        &row.cost_usd,
-        &(row.attempts.iter().filter(|a| !a.class.is_skip()).count() as i64),
-        &row.prompt_tokens_counted.map(|v| v as i64),
-        &(row.truncated_messages as i64),
-        &(row.truncated_tokens as i64),
-        &(row.sanitized_chars as i64),
-        &row.hedges,
-        &row.hedge_won,
-        &row.continued_from,
-        &row.client_key,
-        &row.response_id,
-        &row.previous_response_id,
-        &one.map(|a| a.class.as_str()),
-        &one.and_then(|a| a.status),
-        &one.map(|a| a.latency_ms),
-    ];
-    bind_all(stmt, at, &values, shape)
+    let int = |v: u64| Val::Int(v.min(i64::MAX as u64) as i64);
+    [
+        Val::Int(id),
+        Val::Text(&row.request_id),
+        Val::Int(ms(row.ts)),
+        Val::Text(row.operation),
+        Val::text(row.requested_model.as_deref()),
+        Val::text(row.endpoint.as_deref()),
+        Val::Int(i64::from(row.status)),
+        Val::text(row.error_class.as_deref()),
+        Val::Int(i64::from(row.stream)),
+        Val::Real(row.latency_ms),
+        Val::real(row.ttft_ms),
+        row.tokens_in.map_or(Val::Null, int),
+        row.tokens_out.map_or(Val::Null, int),
+        Val::Int(i64::from(row.tokens_estimated)),
+        Val::real(row.cost_usd),
+        Val::Int(row.attempts.iter().filter(|a| !a.class.is_skip()).count() as i64),
+        row.prompt_tokens_counted.map_or(Val::Null, int),
+        int(row.truncated_messages),
+        int(row.truncated_tokens),
+        int(row.sanitized_chars),
+        Val::Int(i64::from(row.hedges)),
+        Val::Int(i64::from(row.hedge_won)),
+        Val::text(row.continued_from.as_deref()),
+        Val::text(row.client_key.as_deref()),
+        Val::text(row.response_id.as_deref()),
+        Val::text(row.previous_response_id.as_deref()),
+        Val::text(one.map(|a| a.class.as_str())),
+        Val::int(one.and_then(|a| a.status).map(i64::from)),
+        Val::real(one.map(|a| a.latency_ms)),
+    ]
 }
 
-/// An attempt's values in [`ATTEMPT_COLUMNS`] order, those of `shape` bound.
-fn bind_attempt(
-    stmt: &mut rusqlite::Statement<'_>,
-    at: usize,
-    (request_row, row, a): &(i64, &RequestRow, &AttemptRow),
-    shape: &[usize],
-) -> rusqlite::Result<()> {
-    let values: [&dyn rusqlite::ToSql; ATTEMPT_COLUMNS.len()] = [
-        request_row,
-        &row.request_id,
-        &a.seq,
-        &ms(row.ts),
-        &a.endpoint,
-        &a.class.as_str(),
-        &a.status,
-        &a.error,
-        &a.latency_ms,
-        &a.panic_mode,
-        &a.own_key,
-    ];
-    bind_all(stmt, at, &values, shape)
+/// An attempt's values in [`ATTEMPT_COLUMNS`] order.
+fn attempt_values<'a>(
+    request_row: i64,
+    row: &'a RequestRow,
+    a: &'a AttemptRow,
+) -> [Val<'a>; ATTEMPT_COLUMNS.len()] {
+    [
+        Val::Int(request_row),
+        Val::Text(&row.request_id),
+        Val::Int(i64::from(a.seq)),
+        Val::Int(ms(row.ts)),
+        Val::Text(&a.endpoint),
+        Val::Text(a.class.as_str()),
+        Val::int(a.status.map(i64::from)),
+        Val::text(a.error.as_deref()),
+        Val::Real(a.latency_ms),
+        Val::Int(i64::from(a.panic_mode)),
+        Val::Int(i64::from(a.own_key)),
+    ]
 }
 
 /// The writer's statements: the small ones prepared once for its connection's life, the
@@ -964,28 +991,98 @@ struct Statements<'c> {
     spend: rusqlite::Statement<'c>,
     spend_total: rusqlite::Statement<'c>,
     event: rusqlite::Statement<'c>,
-    /// The multi-row INSERTs' text, built once: `requests[i]` inserts `ROWS_PER_INSERT[i]` rows.
-    requests: [String; ROWS_PER_INSERT.len()],
-    attempts: [String; ROWS_PER_INSERT.len()],
+    /// The multi-row INSERTs, prepared once: `requests[i]` inserts `ROWS_PER_INSERT[i]` rows.
+    requests: [raw::Insert<'c>; ROWS_PER_INSERT.len()],
+    attempts: [raw::Insert<'c>; ROWS_PER_INSERT.len()],
     /// The same for plain rows ([`plain_request`], [`plain_attempt`]).
-    requests_plain: [String; ROWS_PER_INSERT.len()],
-    attempts_plain: [String; ROWS_PER_INSERT.len()],
+    requests_plain: [raw::Insert<'c>; ROWS_PER_INSERT.len()],
+    attempts_plain: [raw::Insert<'c>; ROWS_PER_INSERT.len()],
     /// Plain rows get their shorter INSERTs; false only in the test that holds the two shapes
     /// to the same rows.
     plain_shapes: bool,
+    mark: rusqlite::Statement<'c>,
+    last_mark: rusqlite::Statement<'c>,
+    max_ts_from: rusqlite::Statement<'c>,
+    /// Where the marks stand as of the last committed batch.
+    marks: MarkState,
+}
+
+/// Request time between two marks at least (migration 11): a window's reader reads about this
+/// much of the rows before its start, and the sweep keeps rows this much past the cutoff.
+const MARK_EVERY_MS: i64 = 1000;
+
+/// The writer's side of the marks (migration 11): a pure type, so the rule is unit-tested.
+/// A mark `(before_ms, first_id)` is true when every request row numbered below `first_id`
+/// started before `before_ms`; the writer keeps the latest start among the rows below the next
+/// id and writes a mark before a row once that is a second or more past the last mark.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct MarkState {
+    /// `before_ms` of the latest mark.
+    last: Option<i64>,
+    /// The latest `ts_ms` of the rows below `next_id` (of those written since the latest mark at
+    /// least: older rows started before it).
+    max_ts: Option<i64>,
+    /// The id the next row gets if nobody else writes; `None` before the trail was read. Another
+    /// id under the write lock means another process wrote rows, whose times are read then.
+    next_id: Option<i64>,
+}
+
+impl MarkState {
+    /// Row `id`, started at `ts`, is about to be written: the mark to write before it, if one
+    /// is due.
+    fn before_row(&mut self, id: i64, ts: i64) -> Option<(i64, i64)> {
+        let due = match (self.max_ts, self.last) {
+            (Some(m), None) => Some(m.saturating_add(1)),
+            (Some(m), Some(last))
+                if m.saturating_add(1) > last
+                    && m.saturating_add(1) >= last.saturating_add(MARK_EVERY_MS) =>
+            {
+                Some(m.saturating_add(1))
+            }
+            _ => None,
+        };
+        if let Some(before) = due {
+            self.last = Some(before);
+        }
+        self.max_ts = Some(self.max_ts.map_or(ts, |m| m.max(ts)));
+        self.next_id = Some(id + 1);
+        due.map(|before| (before, id))
+    }
+
+    /// Takes in rows written by someone else from `from` on (the latest start among them) and
+    /// the latest mark as it stands in the trail.
+    fn others_wrote(&mut self, max_ts: Option<i64>, last: Option<i64>) {
+        self.max_ts = match (self.max_ts, max_ts) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+        self.last = match (self.last, last) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+    }
 }
 
 impl<'c> Statements<'c> {
     fn prepare(conn: &'c Connection) -> rusqlite::Result<Self> {
-        let inserts =
-            |table: &str, columns: &[&str]| ROWS_PER_INSERT.map(|n| insert_sql(table, columns, n));
+        let inserts = |table: &str,
+                       columns: &[&str]|
+         -> rusqlite::Result<[raw::Insert<'c>; ROWS_PER_INSERT.len()]> {
+            let [a, b, c] = ROWS_PER_INSERT;
+            let one = |n| raw::Insert::prepare(conn, &insert_sql(table, columns, n));
+            Ok([one(a)?, one(b)?, one(c)?])
+        };
         Ok(Statements {
             conn,
             // IMMEDIATE: the write lock from the start, so the ids read under it are still free
             // when the rows go in, even with a second gateway writing to the same data dir.
             begin: conn.prepare("BEGIN IMMEDIATE")?,
             commit: conn.prepare("COMMIT")?,
-            next_id: conn.prepare("SELECT coalesce(max(id), 0) + 1 FROM requests")?,
+            // Never below the latest mark's first id, even if every row after it were deleted.
+            next_id: conn.prepare(
+                "SELECT max(coalesce((SELECT max(id) FROM requests), 0) + 1,
+                            coalesce((SELECT first_id FROM request_marks ORDER BY before_ms DESC LIMIT 1), 0))",
+            )?,
             spend: conn.prepare(
                 "INSERT INTO client_spend (client, month, usd, requests) VALUES (?1, ?2, 0, 1)
                  ON CONFLICT (client, month) DO UPDATE SET requests = requests + 1",
@@ -999,14 +1096,24 @@ impl<'c> Statements<'c> {
             event: conn.prepare(
                 "INSERT INTO endpoint_events (ts_ms, endpoint, event, reason) VALUES (?1, ?2, ?3, ?4)",
             )?,
-            requests: inserts("requests", &SQLITE_REQUEST_COLUMNS),
-            attempts: inserts("attempt_rows", &ATTEMPT_COLUMNS),
+            requests: inserts("requests", &SQLITE_REQUEST_COLUMNS)?,
+            attempts: inserts("attempt_rows", &ATTEMPT_COLUMNS)?,
             requests_plain: inserts(
                 "requests",
                 &REQUEST_PLAIN.map(|c| SQLITE_REQUEST_COLUMNS[c]),
-            ),
-            attempts_plain: inserts("attempt_rows", &ATTEMPT_PLAIN.map(|c| ATTEMPT_COLUMNS[c])),
+            )?,
+            attempts_plain: inserts("attempt_rows", &ATTEMPT_PLAIN.map(|c| ATTEMPT_COLUMNS[c]))?,
             plain_shapes: true,
+            // OR IGNORE: a mark is a bound readers use, never needed for a row to be found; a
+            // clash with one another process wrote loses nothing.
+            mark: conn.prepare(
+                "INSERT OR IGNORE INTO request_marks (before_ms, first_id) VALUES (?1, ?2)",
+            )?,
+            last_mark: conn.prepare(
+                "SELECT before_ms, first_id FROM request_marks ORDER BY before_ms DESC LIMIT 1",
+            )?,
+            max_ts_from: conn.prepare("SELECT max(ts_ms) FROM requests WHERE id >= ?1")?,
+            marks: MarkState::default(),
         })
     }
 
@@ -1020,8 +1127,9 @@ impl<'c> Statements<'c> {
     ) -> rusqlite::Result<()> {
         let mut prunes = Vec::new();
         self.begin.raw_execute()?;
+        let mut marks = self.marks;
         let written = self
-            .write_records(batch, flushes, &mut prunes)
+            .write_records(batch, flushes, &mut prunes, &mut marks)
             .and_then(|()| self.commit.raw_execute());
         if let Err(e) = written {
             // A failed COMMIT (SQLITE_BUSY, say) leaves the transaction open.
@@ -1030,6 +1138,7 @@ impl<'c> Statements<'c> {
             }
             return Err(e);
         }
+        self.marks = marks;
         for before in prunes {
             prune(self.conn, before)?;
         }
@@ -1041,9 +1150,25 @@ impl<'c> Statements<'c> {
         batch: &mut Vec<Record>,
         flushes: &mut Vec<std::sync::mpsc::Sender<()>>,
         prunes: &mut Vec<SystemTime>,
+        marks: &mut MarkState,
     ) -> rusqlite::Result<()> {
         let conn = self.conn;
         let mut next_id: i64 = self.next_id.query_row([], |r| r.get(0))?;
+        if marks.next_id != Some(next_id) {
+            // The trail's first batch here, or another process wrote since: the rows this
+            // writer has not seen start at the id it expected next (or, at first, at the latest
+            // mark; every row below it started before the mark).
+            let last: Option<(i64, i64)> = self
+                .last_mark
+                .query_row([], |r| Ok((r.get(0)?, r.get(1)?)))
+                .optional()?;
+            let from = marks
+                .next_id
+                .unwrap_or_else(|| last.map_or(0, |(_, first)| first));
+            let max_ts: Option<i64> = self.max_ts_from.query_row([from], |r| r.get(0))?;
+            marks.others_wrote(max_ts, last.map(|(before, _)| before));
+            marks.next_id = Some(next_id);
+        }
         let mut requests: Vec<(i64, Box<RequestRow>)> = Vec::new();
         for r in batch.drain(..) {
             match r {
@@ -1053,6 +1178,9 @@ impl<'c> Statements<'c> {
                     if let Some(client) = &row.client_key {
                         self.spend
                             .execute(params![client, crate::front::clients::month_of(row.ts)])?;
+                    }
+                    if let Some((before, first)) = marks.before_row(next_id, ms(row.ts)) {
+                        self.mark.execute(params![before, first])?;
                     }
                     requests.push((next_id, row));
                     next_id += 1;
@@ -1130,20 +1258,30 @@ impl<'c> Statements<'c> {
                 .partition(|(_, _, a)| plain && plain_attempt(a));
         let all_requests = every::<{ SQLITE_REQUEST_COLUMNS.len() }>();
         let all_attempts = every::<{ ATTEMPT_COLUMNS.len() }>();
-        for (sql, shape, rows) in [
-            (&self.requests_plain, &REQUEST_PLAIN[..], &plain_requests),
-            (&self.requests, &all_requests[..], &other_requests),
+        for (inserts, shape, rows) in [
+            (
+                &mut self.requests_plain,
+                &REQUEST_PLAIN[..],
+                &plain_requests,
+            ),
+            (&mut self.requests, &all_requests[..], &other_requests),
         ] {
-            insert_rows(conn, sql, shape.len(), rows, |st, at, r| {
-                bind_request(st, at, r, shape)
+            insert_rows(inserts, rows, |&(id, row), values| {
+                let all = request_values(id, row);
+                values.extend(shape.iter().map(|&c| all[c]));
             })?;
         }
-        for (sql, shape, rows) in [
-            (&self.attempts_plain, &ATTEMPT_PLAIN[..], &plain_attempts),
-            (&self.attempts, &all_attempts[..], &other_attempts),
+        for (inserts, shape, rows) in [
+            (
+                &mut self.attempts_plain,
+                &ATTEMPT_PLAIN[..],
+                &plain_attempts,
+            ),
+            (&mut self.attempts, &all_attempts[..], &other_attempts),
         ] {
-            insert_rows(conn, sql, shape.len(), rows, |st, at, r| {
-                bind_attempt(st, at, r, shape)
+            insert_rows(inserts, rows, |&(id, row, a), values| {
+                let all = attempt_values(id, row, a);
+                values.extend(shape.iter().map(|&c| all[c]));
             })?;
         }
         Ok(())
@@ -1175,6 +1313,7 @@ pub fn prune(conn: &Connection, before: SystemTime) -> rusqlite::Result<usize> {
             break;
         }
     }
+    conn.execute(sql::PRUNE_MARKS, [t])?;
     if total > 0 {
         tracing::info!(rows = total, "audit rows past retention deleted");
         // A no-op on databases created before auto_vacuum was set.
@@ -1326,11 +1465,7 @@ fn report_one(
 ) -> rusqlite::Result<()> {
     // A window's attempts are found from its first request row (attempts carry their
     // request's time and have no time index of their own).
-    let first_row: i64 = conn
-        .query_row(sql::FIRST_ROW_SINCE, [since], |r| {
-            r.get::<_, Option<i64>>(0)
-        })?
-        .unwrap_or(i64::MAX);
+    let first_row: i64 = conn.query_row(sql::FIRST_ROW_SINCE, [since], |r| r.get(0))?;
     // Real attempts (not skips) per endpoint: counts, successes, latencies.
     let mut stmt = conn.prepare(sql::CALLS_SINCE)?;
     let mut rows = stmt.query(params![since, first_row])?;
@@ -1443,6 +1578,8 @@ mod tests {
                 .iter()
                 .filter(|d| d.starts_with("SCAN") || d.starts_with("SEARCH"))
                 .filter(|d| !coroutines.contains(d))
+                // A scalar subquery's one computed row (the first row of a window).
+                .filter(|d| d.as_str() != "SCAN CONSTANT ROW")
                 .collect();
             assert!(!reads.is_empty(), "{name}: no table read in {plan:?}");
             for d in reads {
@@ -1962,6 +2099,241 @@ mod tests {
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .unwrap();
         assert_eq!(version as usize, MIGRATIONS.len());
+    }
+
+    #[test]
+    fn a_mark_comes_once_a_second_of_request_time_and_bounds_every_row_below_it() {
+        let mut m = MarkState::default();
+        assert_eq!(m.before_row(1, 5_000), None, "nothing below the first row");
+        assert_eq!(m.before_row(2, 5_400), Some((5_001, 2)), "the first mark");
+        assert_eq!(m.before_row(3, 5_900), None, "within the second");
+        // A request that started long before (a stream) moves nothing.
+        assert_eq!(m.before_row(4, 1_000), None);
+        assert_eq!(
+            m.before_row(5, 6_200),
+            None,
+            "5,901 is not a second past 5,001"
+        );
+        assert_eq!(m.before_row(6, 6_300), Some((6_201, 6)));
+        assert_eq!(m.before_row(7, 6_400), None);
+        assert_eq!(m.next_id, Some(8));
+        // Another process's rows count once read.
+        m.others_wrote(Some(9_000), Some(8_000));
+        assert_eq!(m.last, Some(8_000));
+        assert_eq!(m.before_row(9, 9_100), Some((9_001, 9)));
+        // Hostile clocks: no overflow.
+        let mut m = MarkState::default();
+        m.before_row(1, i64::MAX);
+        assert_eq!(m.before_row(2, 0), Some((i64::MAX, 2)));
+        assert_eq!(m.before_row(3, 0), None);
+    }
+
+    /// Whether every mark in the trail is true: no row below its first id started at or after
+    /// its time.
+    fn marks_hold(conn: &Connection) {
+        let broken: Vec<(i64, i64)> = conn
+            .prepare(
+                "SELECT m.before_ms, m.first_id FROM request_marks m
+                 WHERE EXISTS (SELECT 1 FROM requests r WHERE r.id < m.first_id AND r.ts_ms >= m.before_ms)",
+            )
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        assert!(
+            broken.is_empty(),
+            "marks with an older row at or after them: {broken:?}"
+        );
+    }
+
+    /// The requests a window from `since` holds, read as the readers read them (from the
+    /// marks), and as they are (every row).
+    fn window_both_ways(conn: &Connection, since: i64) -> (Vec<i64>, Vec<i64>) {
+        let read = |q: &str| -> Vec<i64> {
+            conn.prepare(q)
+                .unwrap()
+                .query_map([since, i64::MAX], |r| r.get(0))
+                .unwrap()
+                .map(Result::unwrap)
+                .collect()
+        };
+        let mut marked = read(sql::REQUESTS_BETWEEN);
+        marked.sort_unstable();
+        let all = read("SELECT id FROM requests WHERE ts_ms >= ?1 AND ts_ms <= ?2 ORDER BY id");
+        (marked, all)
+    }
+
+    /// Rows written by two writers in batches, starting out of order (long requests written
+    /// late, clocks a little apart): every mark stays true, a window read from the marks holds
+    /// exactly the rows that started in it, and the sweep deletes only rows that started
+    /// before its cutoff — rows that started long before it but were written after its mark
+    /// go with a later sweep.
+    #[test]
+    fn marks_stay_true_and_windows_read_from_them_are_exact() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = db_path(dir.path());
+        let conn = open_connection(&path).unwrap();
+        let other = open_connection(&path).unwrap();
+        let (mut mine, mut theirs) = (
+            Statements::prepare(&conn).unwrap(),
+            Statements::prepare(&other).unwrap(),
+        );
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut draw = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let start = 1_700_000_000_000i64;
+        let mut clock = start;
+        let mut written = 0;
+        for batch_no in 0..120 {
+            let size = 1 + draw(40) as usize;
+            let theirs_now = batch_no % 7 == 3;
+            let mut batch: Vec<Record> = (0..size)
+                .map(|i| {
+                    clock += draw(120) as i64;
+                    // One in ten started up to a minute before (a stream written at its end);
+                    // the other process's clock runs 5 s ahead.
+                    let ts = if draw(10) == 0 {
+                        clock - draw(60_000) as i64
+                    } else {
+                        clock
+                    } + if theirs_now { 5_000 } else { 0 };
+                    let mut row = numbered(written + i, (i % 3) as usize);
+                    row.ts = UNIX_EPOCH + Duration::from_millis(ts as u64);
+                    Record::Request(Box::new(row))
+                })
+                .collect();
+            written += size;
+            let w = if theirs_now { &mut theirs } else { &mut mine };
+            w.write_batch(&mut batch, &mut Vec::new()).unwrap();
+        }
+        let marks: i64 = conn
+            .query_row("SELECT count(*) FROM request_marks", [], |r| r.get(0))
+            .unwrap();
+        let span_s = (clock - start) / 1000;
+        // At most one a second of request time; fewer while the other clock's lead is caught
+        // up.
+        assert!(
+            marks >= span_s / 4 && marks <= span_s + 7,
+            "about a mark a second of request time: {marks} over {span_s} s"
+        );
+        marks_hold(&conn);
+        for _ in 0..200 {
+            let since = start - 60_000 + draw((clock - start + 120_000) as u64) as i64;
+            let (marked, all) = window_both_ways(&conn, since);
+            assert_eq!(marked, all, "window from {since}");
+        }
+        // The sweep: nothing that started at or after the cutoff, all that started before the
+        // latest mark at or before it.
+        let cutoff = start + (clock - start) / 2;
+        let (_, kept_before) = window_both_ways(&conn, cutoff);
+        let bound: i64 = conn
+            .query_row(sql::FIRST_ROW_SINCE, [cutoff], |r| r.get(0))
+            .unwrap();
+        assert!(bound > 1, "a mark at or before the cutoff");
+        assert!(prune(&conn, UNIX_EPOCH + Duration::from_millis(cutoff as u64)).unwrap() > 0);
+        let (_, kept_after) = window_both_ways(&conn, cutoff);
+        assert_eq!(
+            kept_after, kept_before,
+            "every row that started after the cutoff"
+        );
+        let below: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM requests WHERE id < ?1",
+                [bound],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(below, 0, "every row below the cutoff's mark is gone");
+        let orphans: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM attempt_rows WHERE request_row NOT IN (SELECT id FROM requests)",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(orphans, 0, "attempts went with their requests");
+        let older_marks: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM request_marks WHERE first_id < ?1",
+                [bound],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(
+            older_marks, 0,
+            "marks before the cutoff's went with the rows"
+        );
+        marks_hold(&conn);
+        // Windows still read exactly after the sweep, and new rows keep ids above every mark.
+        let mut batch = vec![Record::Request(Box::new(numbered(written, 1)))];
+        mine.write_batch(&mut batch, &mut Vec::new()).unwrap();
+        marks_hold(&conn);
+        for since in [cutoff, cutoff + 1, clock - 1000, clock] {
+            let (marked, all) = window_both_ways(&conn, since);
+            assert_eq!(marked, all, "window from {since} after the sweep");
+        }
+    }
+
+    /// A trail written before the marks (version 10) gets marks from its rows at the upgrade:
+    /// true ones, about a second apart, and windows read from them hold what they should.
+    #[test]
+    fn a_trail_from_before_the_marks_gets_true_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = db_path(dir.path());
+        {
+            let conn = Connection::open(&path).unwrap();
+            for m in &MIGRATIONS[..10] {
+                conn.execute_batch(m).unwrap();
+            }
+            conn.pragma_update(None, "user_version", 10).unwrap();
+            let mut st = conn
+                .prepare(
+                    "INSERT INTO requests (id, request_id, ts_ms, operation, status, latency_ms)
+                     VALUES (?1, 'r', ?2, 'chat', 200, 1.0)",
+                )
+                .unwrap();
+            for i in 0..5_000i64 {
+                // 10 a second; every 50th started 30 s before it was written.
+                let ts = 1_000_000 + i * 100 - if i % 50 == 49 { 30_000 } else { 0 };
+                st.execute([i + 1, ts]).unwrap();
+            }
+        }
+        let conn = open_connection(&path).unwrap();
+        let marks: i64 = conn
+            .query_row("SELECT count(*) FROM request_marks", [], |r| r.get(0))
+            .unwrap();
+        assert!((490..=501).contains(&marks), "a mark a second: {marks}");
+        let index: i64 = conn
+            .query_row(
+                "SELECT count(*) FROM sqlite_master WHERE name = 'requests_ts'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(index, 0, "the time index is gone");
+        marks_hold(&conn);
+        for since in [
+            0, 999_999, 1_000_000, 1_012_345, 1_250_050, 1_499_900, 1_600_000,
+        ] {
+            let (marked, all) = window_both_ways(&conn, since);
+            assert_eq!(marked, all, "window from {since}");
+        }
+        // The writer carries on from them.
+        let mut st = Statements::prepare(&conn).unwrap();
+        let mut row = numbered(0, 1);
+        row.ts = UNIX_EPOCH + Duration::from_millis(1_600_000);
+        st.write_batch(&mut vec![Record::Request(Box::new(row))], &mut Vec::new())
+            .unwrap();
+        let id: i64 = conn
+            .query_row("SELECT max(id) FROM requests", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(id, 5_001);
+        marks_hold(&conn);
     }
 
     /// Every row of batches of every size the multi-row INSERTs split (32 + 8 + 1 rows, and

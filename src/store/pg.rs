@@ -147,6 +147,15 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE requests ADD COLUMN attempt_status BIGINT;
     ALTER TABLE requests ADD COLUMN attempt_latency_ms DOUBLE PRECISION;
     "#,
+    // 11: SQLite's writer replaced its time index on `requests` by marks (its writer's cost);
+    // the table here keeps the schemas alike, empty: PostgreSQL keeps `requests_ts`, and its
+    // readers use it.
+    r#"
+    CREATE TABLE request_marks (
+        before_ms BIGINT PRIMARY KEY,
+        first_id BIGINT NOT NULL
+    );
+    "#,
 ];
 
 /// The advisory lock every replica's migration takes (any constant; "autohedge" in ASCII).

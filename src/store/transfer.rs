@@ -19,13 +19,14 @@ pub fn export(conn: &Connection, since: SystemTime, out: &mut dyn Write) -> anyh
     let from = super::ms(since);
     let mut n = 0u64;
     let mut attempts: std::collections::HashMap<i64, Vec<Value>> = Default::default();
+    // Requests and their attempts are read from the window's first row on (the rowid and the
+    // attempts' request-row index), filtered by time.
+    let first_row: i64 = conn.query_row(super::sql::FIRST_ROW_SINCE, [from], |r| r.get(0))?;
     {
-        let first: Option<i64> =
-            conn.query_row(super::sql::FIRST_ROW_SINCE, [from], |r| r.get(0))?;
         let mut st = conn.prepare(
             "SELECT request_row, seq, endpoint, class, status, error, latency_ms, panic_mode, own_key FROM attempts WHERE request_row >= ?1 ORDER BY request_row, seq",
         )?;
-        let rows = st.query_map([first.unwrap_or(i64::MAX)], |r| {
+        let rows = st.query_map([first_row], |r| {
             Ok((
                 r.get::<_, i64>(0)?,
                 json!({
@@ -47,10 +48,10 @@ pub fn export(conn: &Connection, since: SystemTime, out: &mut dyn Write) -> anyh
     }
     let cols = super::REQUEST_COLUMNS;
     let mut st = conn.prepare(&format!(
-        "SELECT {} FROM requests WHERE ts_ms >= ?1 ORDER BY id",
+        "SELECT {} FROM requests WHERE id >= ?2 AND ts_ms >= ?1 ORDER BY id",
         cols.join(", ")
     ))?;
-    let mut rows = st.query([from])?;
+    let mut rows = st.query([from, first_row])?;
     while let Some(r) = rows.next()? {
         let mut o = serde_json::Map::new();
         o.insert("kind".into(), json!("request"));

@@ -134,6 +134,10 @@ macro_rules! within {
     };
 }
 
+/// The upstream call (`Prepared::send`, 3 KB of state through the connection pool and
+/// hyper's) is boxed where `full` and `stream` await it, so it does not size every future that
+/// awaits an attempt (`docs/benchmarks.md`).
+///
 /// Everything one attempt needs, borrowed from the request.
 pub(super) struct Attempt<'a> {
     pub ep: &'a Endpoint,
@@ -203,7 +207,7 @@ impl<'a> Attempt<'a> {
         let deadline = (super::after(Instant::now(), ep.timeouts.total)).min(self.deadline);
         let timer = sleep_until(deadline);
         tokio::pin!(timer);
-        let resp = match within!(timer, rb.send()) {
+        let resp = match within!(timer, Box::pin(rb.send())) {
             None => {
                 return Err(Failure::new(
                     Outcome::Timeout,
@@ -403,7 +407,7 @@ impl<'a> Attempt<'a> {
         // One timer for every wait up to the first content chunk.
         let timer = sleep_until(first_deadline);
         tokio::pin!(timer);
-        let resp = match within!(timer, rb.send()) {
+        let resp = match within!(timer, Box::pin(rb.send())) {
             None => {
                 return Err(Failure::new(
                     Outcome::FirstTokenTimeout,

@@ -2202,7 +2202,7 @@ mod tests {
                     } else {
                         clock
                     } + if theirs_now { 5_000 } else { 0 };
-                    let mut row = numbered(written + i, (i % 3) as usize);
+                    let mut row = numbered(written + i, i % 3);
                     row.ts = UNIX_EPOCH + Duration::from_millis(ts as u64);
                     Record::Request(Box::new(row))
                 })

@@ -979,10 +979,11 @@ fn attempt_values<'a>(
     ]
 }
 
-/// The writer's statements: the small ones prepared once for its connection's life, the
-/// multi-row INSERTs' text built once. Preparing `BEGIN` and `COMMIT` (rusqlite prepares them
-/// for every transaction) and building each INSERT's text every transaction cost more than a
-/// small batch's rows (when the gateway is not busy and a transaction holds a row or two).
+/// The writer's statements, all prepared once for its connection's life: preparing `BEGIN` and
+/// `COMMIT` (rusqlite prepares them for every transaction) and building each INSERT's text every
+/// transaction cost more than a small batch's rows (when the gateway is not busy and a
+/// transaction holds a row or two). The multi-row INSERTs are [`raw::Insert`]s: persistent, so
+/// kept out of the connection's lookaside memory, and holding no row's text between calls.
 struct Statements<'c> {
     conn: &'c Connection,
     begin: rusqlite::Statement<'c>,

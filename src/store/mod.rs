@@ -1050,6 +1050,19 @@ impl MarkState {
         due.map(|before| (before, id))
     }
 
+    /// A mark covering every row written so far (below the next id), if one is due at all: the
+    /// sweep writes it before it deletes, so a trail that went quiet loses its last rows to
+    /// retention too, not only once a later request is written.
+    fn closing(&mut self) -> Option<(i64, i64)> {
+        let (m, next) = (self.max_ts?, self.next_id?);
+        let before = m.saturating_add(1);
+        if self.last.is_some_and(|last| before <= last) {
+            return None;
+        }
+        self.last = Some(before);
+        Some((before, next))
+    }
+
     /// Takes in rows written by someone else from `from` on (the latest start among them) and
     /// the latest mark as it stands in the trail.
     fn others_wrote(&mut self, max_ts: Option<i64>, last: Option<i64>) {
@@ -1242,6 +1255,11 @@ impl<'c> Statements<'c> {
                 Record::Prune(before) => prunes.push(before),
                 Record::Flush(f) => flushes.push(f),
             }
+        }
+        if !prunes.is_empty()
+            && let Some((before, first)) = marks.closing()
+        {
+            self.mark.execute(params![before, first])?;
         }
         // Plain rows and the rest in statements of their own (ids are explicit, so the order
         // they go in does not matter).
@@ -2122,6 +2140,10 @@ mod tests {
         m.others_wrote(Some(9_000), Some(8_000));
         assert_eq!(m.last, Some(8_000));
         assert_eq!(m.before_row(9, 9_100), Some((9_001, 9)));
+        // The sweep's mark covers every row written, and is not written twice.
+        assert_eq!(m.closing(), Some((9_101, 10)));
+        assert_eq!(m.closing(), None);
+        assert_eq!(MarkState::default().closing(), None, "nothing written");
         // Hostile clocks: no overflow.
         let mut m = MarkState::default();
         m.before_row(1, i64::MAX);
@@ -2278,6 +2300,17 @@ mod tests {
             let (marked, all) = window_both_ways(&conn, since);
             assert_eq!(marked, all, "window from {since} after the sweep");
         }
+        // The writer's sweep marks every row it has written first: a trail that went quiet
+        // loses its last rows to retention too (here every row started before the cutoff).
+        let after_all = UNIX_EPOCH + Duration::from_millis((clock + 70_000) as u64);
+        theirs
+            .write_batch(&mut vec![Record::Prune(after_all)], &mut Vec::new())
+            .unwrap();
+        let left: i64 = conn
+            .query_row("SELECT count(*) FROM requests", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(left, 0, "every row, the last ones too");
+        marks_hold(&conn);
     }
 
     /// A trail written before the marks (version 10) gets marks from its rows at the upgrade:

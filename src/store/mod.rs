@@ -2063,6 +2063,17 @@ mod tests {
         assert_eq!(stored, vec![2, 3, 4, 5], "inline: requests 1 and 7");
     }
 
+    /// A trail at `path` as the first `version` migrations left it.
+    fn trail_at(path: &Path, version: usize) -> Connection {
+        let conn = Connection::open(path).unwrap();
+        for m in &MIGRATIONS[..version] {
+            conn.execute_batch(m).unwrap();
+        }
+        conn.pragma_update(None, "user_version", version as i64)
+            .unwrap();
+        conn
+    }
+
     /// A trail from before the attempts view (version 9) keeps every attempt readable through
     /// `attempts` after the upgrade, and new rows join them there.
     #[test]
@@ -2070,11 +2081,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = db_path(dir.path());
         {
-            let conn = Connection::open(&path).unwrap();
-            for m in &MIGRATIONS[..9] {
-                conn.execute_batch(m).unwrap();
-            }
-            conn.pragma_update(None, "user_version", 9).unwrap();
+            let conn = trail_at(&path, 9);
             conn.execute_batch(
                 "INSERT INTO requests (id, request_id, ts_ms, operation, endpoint, status, latency_ms, attempts)
                      VALUES (1, 'old', 1000, 'chat', 'a', 200, 2.0, 1);
@@ -2149,6 +2156,14 @@ mod tests {
         m.before_row(1, i64::MAX);
         assert_eq!(m.before_row(2, 0), Some((i64::MAX, 2)));
         assert_eq!(m.before_row(3, 0), None);
+    }
+
+    fn count(conn: &Connection, sql: &str) -> i64 {
+        conn.query_row(sql, [], |r| r.get(0)).unwrap()
+    }
+
+    fn count_with(conn: &Connection, sql: &str, arg: i64) -> i64 {
+        conn.query_row(sql, [arg], |r| r.get(0)).unwrap()
     }
 
     /// Whether every mark in the trail is true: no row below its first id started at or after
@@ -2234,9 +2249,7 @@ mod tests {
             let w = if theirs_now { &mut theirs } else { &mut mine };
             w.write_batch(&mut batch, &mut Vec::new()).unwrap();
         }
-        let marks: i64 = conn
-            .query_row("SELECT count(*) FROM request_marks", [], |r| r.get(0))
-            .unwrap();
+        let marks: i64 = count(&conn, "SELECT count(*) FROM request_marks");
         let span_s = (clock - start) / 1000;
         // At most one a second of request time; fewer while the other clock's lead is caught
         // up.
@@ -2264,29 +2277,18 @@ mod tests {
             kept_after, kept_before,
             "every row that started after the cutoff"
         );
-        let below: i64 = conn
-            .query_row(
-                "SELECT count(*) FROM requests WHERE id < ?1",
-                [bound],
-                |r| r.get(0),
-            )
-            .unwrap();
+        let below: i64 = count_with(&conn, "SELECT count(*) FROM requests WHERE id < ?1", bound);
         assert_eq!(below, 0, "every row below the cutoff's mark is gone");
-        let orphans: i64 = conn
-            .query_row(
-                "SELECT count(*) FROM attempt_rows WHERE request_row NOT IN (SELECT id FROM requests)",
-                [],
-                |r| r.get(0),
-            )
-            .unwrap();
+        let orphans: i64 = count(
+            &conn,
+            "SELECT count(*) FROM attempt_rows WHERE request_row NOT IN (SELECT id FROM requests)",
+        );
         assert_eq!(orphans, 0, "attempts went with their requests");
-        let older_marks: i64 = conn
-            .query_row(
-                "SELECT count(*) FROM request_marks WHERE first_id < ?1",
-                [bound],
-                |r| r.get(0),
-            )
-            .unwrap();
+        let older_marks: i64 = count_with(
+            &conn,
+            "SELECT count(*) FROM request_marks WHERE first_id < ?1",
+            bound,
+        );
         assert_eq!(
             older_marks, 0,
             "marks before the cutoff's went with the rows"
@@ -2306,9 +2308,7 @@ mod tests {
         theirs
             .write_batch(&mut vec![Record::Prune(after_all)], &mut Vec::new())
             .unwrap();
-        let left: i64 = conn
-            .query_row("SELECT count(*) FROM requests", [], |r| r.get(0))
-            .unwrap();
+        let left: i64 = count(&conn, "SELECT count(*) FROM requests");
         assert_eq!(left, 0, "every row, the last ones too");
         marks_hold(&conn);
     }
@@ -2320,11 +2320,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = db_path(dir.path());
         {
-            let conn = Connection::open(&path).unwrap();
-            for m in &MIGRATIONS[..10] {
-                conn.execute_batch(m).unwrap();
-            }
-            conn.pragma_update(None, "user_version", 10).unwrap();
+            let conn = trail_at(&path, 10);
             let mut st = conn
                 .prepare(
                     "INSERT INTO requests (id, request_id, ts_ms, operation, status, latency_ms)
@@ -2338,17 +2334,12 @@ mod tests {
             }
         }
         let conn = open_connection(&path).unwrap();
-        let marks: i64 = conn
-            .query_row("SELECT count(*) FROM request_marks", [], |r| r.get(0))
-            .unwrap();
+        let marks: i64 = count(&conn, "SELECT count(*) FROM request_marks");
         assert!((490..=501).contains(&marks), "a mark a second: {marks}");
-        let index: i64 = conn
-            .query_row(
-                "SELECT count(*) FROM sqlite_master WHERE name = 'requests_ts'",
-                [],
-                |r| r.get(0),
-            )
-            .unwrap();
+        let index: i64 = count(
+            &conn,
+            "SELECT count(*) FROM sqlite_master WHERE name = 'requests_ts'",
+        );
         assert_eq!(index, 0, "the time index is gone");
         marks_hold(&conn);
         for since in [

@@ -2202,6 +2202,16 @@ mod tests {
         (marked, all)
     }
 
+    /// Two connections to one new trail (as two processes writing one data dir), and the
+    /// directory that holds it.
+    fn two_connections() -> (tempfile::TempDir, Connection, Connection) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = db_path(dir.path());
+        let conn = open_connection(&path).unwrap();
+        let other = open_connection(&path).unwrap();
+        (dir, conn, other)
+    }
+
     /// Rows written by two writers in batches, starting out of order (long requests written
     /// late, clocks a little apart): every mark stays true, a window read from the marks holds
     /// exactly the rows that started in it, and the sweep deletes only rows that started
@@ -2209,10 +2219,7 @@ mod tests {
     /// go with a later sweep.
     #[test]
     fn marks_stay_true_and_windows_read_from_them_are_exact() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = db_path(dir.path());
-        let conn = open_connection(&path).unwrap();
-        let other = open_connection(&path).unwrap();
+        let (_dir, conn, other) = two_connections();
         let (mut mine, mut theirs) = (
             Statements::prepare(&conn).unwrap(),
             Statements::prepare(&other).unwrap(),
@@ -2367,10 +2374,7 @@ mod tests {
     /// database between two batches.
     #[test]
     fn multi_row_inserts_keep_every_row_and_its_attempts() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = db_path(dir.path());
-        let conn = open_connection(&path).unwrap();
-        let other = open_connection(&path).unwrap();
+        let (_dir, conn, other) = two_connections();
         let (mut mine, mut theirs) = (
             Statements::prepare(&conn).unwrap(),
             Statements::prepare(&other).unwrap(),

@@ -14,7 +14,7 @@ use autohedge::store::{AttemptRow, Record, RequestRow, Store};
 /// The gateway's allocator (src/main.rs): the writer frees each row it wrote, at the price the
 /// gateway pays for it.
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: autohedge::alloc::Allocator = autohedge::alloc::Allocator;
 
 fn main() {
     let n: usize = std::env::args()

@@ -11,6 +11,7 @@ macro_rules! say {
     }};
 }
 
+pub mod alloc;
 pub mod cli;
 pub mod cluster;
 pub mod config;

@@ -9,9 +9,10 @@ use autohedge::cli;
 use autohedge::mock::Flavor;
 
 /// The request path allocates many small JSON maps and buffers; mimalloc's thread-local free
-/// lists cut the allocator's share of CPU that glibc malloc showed in profiles.
+/// lists cut the allocator's share of CPU that glibc malloc showed in profiles (`alloc` says how
+/// it is called).
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: autohedge::alloc::Allocator = autohedge::alloc::Allocator;
 
 /// Transparent huge pages off for this process, unless the operator set `MIMALLOC_ALLOW_THP`
 /// (mimalloc's own switch) in the environment.

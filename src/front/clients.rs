@@ -144,8 +144,16 @@ fn local_host(headers: &HeaderMap) -> bool {
         }
         None => host.rsplit_once(':').map_or(host, |(n, _)| n),
     };
-    let name = name.trim_end_matches('.').to_ascii_lowercase();
-    name == "localhost" || name.ends_with(".localhost") || name.parse::<std::net::IpAddr>().is_ok()
+    // Compared without a lower-cased copy: this runs on every request to a loopback listener.
+    let name = name.trim_end_matches('.');
+    let suffix = |s: &str| {
+        name.len() >= s.len()
+            && name.is_char_boundary(name.len() - s.len())
+            && name[name.len() - s.len()..].eq_ignore_ascii_case(s)
+    };
+    name.eq_ignore_ascii_case("localhost")
+        || suffix(".localhost")
+        || name.parse::<std::net::IpAddr>().is_ok()
 }
 
 /// `/v1/*` against DNS rebinding (`server.allowed_hosts`): whether the request's `Host` may be
@@ -861,6 +869,7 @@ mod tests {
             "localhost:8080",
             "LOCALHOST",
             "app.localhost:3000",
+            "App.LocalHost:3000",
             "10.0.0.5:8080",
             "localhost.",
         ] {
@@ -870,6 +879,8 @@ mod tests {
             "evil.example:8080",
             "evil.example",
             "localhost.evil.example",
+            "evillocalhost",
+            "evillocalhost:80",
             "[evil]:80",
             "::1",
         ] {

@@ -42,6 +42,7 @@ mod layering {
     /// with it (`routing::health`), as its imports are.
     const LAYERS: &[(&str, &[&str], &[&str])] = &[
         ("op", &[include_str!("op.rs")], &[]),
+        ("alloc", &[include_str!("alloc.rs")], &[]),
         (
             "routing::outcome",
             &[include_str!("routing/outcome.rs")],

@@ -313,23 +313,19 @@ impl Telemetry {
             });
         }
         let now = Instant::now();
-        let mut answers = Vec::new();
+        let answered = |a: &&crate::store::AttemptRow| !a.class.is_skip() && a.status.is_some();
         for a in &row.attempts {
             self.handles
                 .endpoint(&a.endpoint, |h| h.attempt(&a.endpoint, a.class));
-            if !a.class.is_skip() && a.status.is_some() {
-                answers.push((
-                    a.endpoint.as_str(),
-                    a.status.is_some_and(|s| (400..500).contains(&s)),
-                ));
-            }
         }
-        if !answers.is_empty() {
+        // Read twice rather than gathered into a `Vec`: no allocation a request.
+        if row.attempts.iter().any(|a| answered(&a)) {
             let mut map = self.answers.lock().unwrap_or_else(|e| e.into_inner());
-            for (ep, is_4xx) in answers {
-                let q = match map.get_mut(ep) {
+            for a in row.attempts.iter().filter(answered) {
+                let is_4xx = a.status.is_some_and(|s| (400..500).contains(&s));
+                let q = match map.get_mut(a.endpoint.as_str()) {
                     Some(q) => q,
-                    None => map.entry(ep.to_string()).or_default(),
+                    None => map.entry(a.endpoint.clone()).or_default(),
                 };
                 q.push_back((now, is_4xx));
                 while q.len() > RATE_SAMPLES {
@@ -487,6 +483,14 @@ fn status_label(s: u16) -> &'static str {
 /// after it (a retry on the same endpoint is no move; skips are not calls). A last failure with
 /// nothing after it moves to `None`.
 fn failovers(row: &RequestRow) -> Vec<Failover> {
+    // Most requests: nothing failed, nothing to gather.
+    if row
+        .attempts
+        .iter()
+        .all(|a| a.class == crate::routing::outcome::Outcome::Ok)
+    {
+        return Vec::new();
+    }
     let called: Vec<_> = row
         .attempts
         .iter()
@@ -595,19 +599,43 @@ fn round1(x: f64) -> f64 {
 pub(crate) fn rfc3339(buf: &mut Vec<u8>, t: SystemTime) {
     let d = t.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
     let secs = d.as_secs();
+    // The date and time to the second, kept a thread's second: most lines of a busy second
+    // write only their microseconds.
+    thread_local! {
+        static SECOND: std::cell::Cell<Option<(u64, [u8; 19])>> = const { std::cell::Cell::new(None) };
+    }
+    if let Some((at, text)) = SECOND.get()
+        && at == secs
+    {
+        buf.extend_from_slice(&text);
+    } else {
+        let start = buf.len();
+        date_time(buf, secs);
+        if let Ok(text) = <[u8; 19]>::try_from(&buf[start..]) {
+            SECOND.set(Some((secs, text)));
+        }
+    }
+    buf.push(b'.');
+    digits(buf, u64::from(d.subsec_micros()), 6);
+    buf.push(b'Z');
+}
+
+/// Digits pushed by hand, zero-padded to `width` (at most 6): `write!` with seven padded fields
+/// cost more than the rest of the access line.
+fn digits(buf: &mut Vec<u8>, mut n: u64, width: usize) {
+    let mut d = [b'0'; 6];
+    for slot in d[..width].iter_mut().rev() {
+        *slot = b'0' + (n % 10) as u8;
+        n /= 10;
+    }
+    buf.extend_from_slice(&d[..width]);
+}
+
+/// `2026-12-01T05:32:07` for `secs` after the epoch (19 bytes: the year is clamped to 4 digits).
+fn date_time(buf: &mut Vec<u8>, secs: u64) {
     let days = (secs / 86_400) as i64;
     let rem = secs % 86_400;
     let (year, month, day) = crate::front::clients::civil_from_days(days);
-    // Digits pushed by hand: `write!` with seven padded fields cost more than the rest of the
-    // line.
-    fn digits(buf: &mut Vec<u8>, mut n: u64, width: usize) {
-        let mut d = [b'0'; 6];
-        for slot in d[..width].iter_mut().rev() {
-            *slot = b'0' + (n % 10) as u8;
-            n /= 10;
-        }
-        buf.extend_from_slice(&d[..width]);
-    }
     digits(buf, year.clamp(0, 9999) as u64, 4);
     buf.push(b'-');
     digits(buf, month as u64, 2);
@@ -619,9 +647,6 @@ pub(crate) fn rfc3339(buf: &mut Vec<u8>, t: SystemTime) {
     digits(buf, rem % 3600 / 60, 2);
     buf.push(b':');
     digits(buf, rem % 60, 2);
-    buf.push(b'.');
-    digits(buf, u64::from(d.subsec_micros()), 6);
-    buf.push(b'Z');
 }
 
 fn json_str(buf: &mut Vec<u8>, s: &str) {
@@ -638,6 +663,25 @@ fn json_str(buf: &mut Vec<u8>, s: &str) {
         // A `&str` always serialises.
         let _ = serde_json::to_writer(&mut *buf, s);
     }
+}
+
+/// `v` as `{}` prints it when it is a whole number of tenths (what [`round1`] gives), by
+/// integer digits: `12.3`, `-0.5`. False, writing nothing, for any other value (the caller
+/// formats it with ryu).
+fn tenths(buf: &mut Vec<u8>, v: f64) -> bool {
+    let n = (v * 10.0).round();
+    if !(n.abs() < 1e15) || n / 10.0 != v || n % 10.0 == 0.0 {
+        return false;
+    }
+    let n = n as i64;
+    if n < 0 {
+        buf.push(b'-');
+    }
+    let n = n.unsigned_abs();
+    buf.extend_from_slice(itoa::Buffer::new().format(n / 10).as_bytes());
+    buf.push(b'.');
+    buf.push(b'0' + (n % 10) as u8);
+    true
 }
 
 fn json_uint(buf: &mut Vec<u8>, name: &str, n: u64) {
@@ -679,7 +723,7 @@ fn json_line(buf: &mut Vec<u8>, row: &RequestRow, route: &str, now: SystemTime) 
             buf.extend_from_slice(b"\":");
             if v.fract() == 0.0 && v.abs() < 1e15 {
                 buf.extend_from_slice(itoa::Buffer::new().format(v as i64).as_bytes());
-            } else {
+            } else if !tenths(buf, v) {
                 buf.extend_from_slice(ryu::Buffer::new().format_finite(v).as_bytes());
             }
         }
@@ -861,6 +905,69 @@ mod tests {
             let t = Duration::from_secs(secs) + Duration::from_micros(micros);
             rfc3339(&mut b, SystemTime::UNIX_EPOCH + t);
             assert_eq!(String::from_utf8(b).unwrap(), text);
+        }
+    }
+
+    /// The thread's cached second is used only for that second: times within one second, the
+    /// next, and back again each print their own date and time.
+    #[test]
+    fn timestamps_stay_true_across_seconds_in_any_order() {
+        let at = |secs: u64, micros: u64| {
+            let mut b = Vec::new();
+            let t = Duration::from_secs(secs) + Duration::from_micros(micros);
+            rfc3339(&mut b, SystemTime::UNIX_EPOCH + t);
+            String::from_utf8(b).unwrap()
+        };
+        let mut rng = fastrand::Rng::with_seed(7);
+        for _ in 0..2000 {
+            let secs = 1_764_547_199 + rng.u64(0..3);
+            let micros = rng.u64(0..1_000_000);
+            let mut fresh = Vec::new();
+            date_time(&mut fresh, secs);
+            let want = format!("{}.{micros:06}Z", String::from_utf8(fresh).unwrap());
+            assert_eq!(at(secs, micros), want);
+        }
+        assert_eq!(at(1_764_547_199, 1), "2025-11-30T23:59:59.000001Z");
+        assert_eq!(at(1_764_547_200, 2), "2025-12-01T00:00:00.000002Z");
+        assert_eq!(at(1_764_547_199, 3), "2025-11-30T23:59:59.000003Z");
+    }
+
+    /// Tenths print as `{}` prints them; anything else is left to ryu.
+    #[test]
+    fn tenths_print_as_display_does() {
+        let mut rng = fastrand::Rng::with_seed(11);
+        let mut values: Vec<f64> = (0..20_000)
+            .map(|i| match i % 4 {
+                0 => rng.f64() * 10.0,
+                1 => rng.f64() * 100_000.0,
+                2 => -rng.f64() * 1_000.0,
+                _ => rng.f64() * 1e16,
+            })
+            .map(round1)
+            .collect();
+        values.extend([
+            0.1,
+            0.3,
+            0.7,
+            1.5,
+            99.9,
+            -0.5,
+            1e14 + 0.5,
+            123_456_789_012.3,
+        ]);
+        let mut printed = 0;
+        for v in values {
+            let mut b = Vec::new();
+            if tenths(&mut b, v) {
+                printed += 1;
+                assert_eq!(String::from_utf8(b).unwrap(), format!("{v}"), "{v:?}");
+            } else {
+                assert!(b.is_empty());
+            }
+        }
+        assert!(printed > 10_000, "the fast path took {printed}");
+        for v in [1.0, 0.0, 0.25, 1.0 / 3.0, f64::NAN, f64::INFINITY, 1e300] {
+            assert!(!tenths(&mut Vec::new(), v), "{v}");
         }
     }
 

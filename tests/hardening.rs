@@ -1080,12 +1080,26 @@ async fn an_unopenable_audit_database_degrades_instead_of_stopping() {
 
 #[tokio::test]
 async fn shutdown_cuts_requests_at_the_grace_and_records_them() {
+    cut_at_the_grace(reqwest::Client::new()).await;
+}
+
+/// HTTP/2 streams run in tasks of their own, not inside their connection's task: the hard stop
+/// reaches them by another path (`front::stop`).
+#[tokio::test]
+async fn shutdown_cuts_http2_requests_at_the_grace_too() {
+    let c = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    cut_at_the_grace(c).await;
+}
+
+async fn cut_at_the_grace(c: reqwest::Client) {
     let a = MockUp::openai("name: a\nrules: [{when: {stream: false}, delay: 30s}, {when: {stream: true}, stall_after: 1}]").await;
     let mut gw = Gw::start(&format!(
         "server: {{ shutdown_grace: 500ms }}\nmodels:\n  a: {{ type: openai, base_url: \"{}\", timeouts: {{ first_token: 60s, total: 60s }} }}\n",
         a.base()
     ));
-    let c = reqwest::Client::new();
     let slow = tokio::spawn({
         let req = c
             .post(gw.url("/v1/chat/completions"))

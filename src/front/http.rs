@@ -260,24 +260,24 @@ async fn serve(
         caller,
     )))
     .catch_unwind();
-    let resp = tokio::select! {
-        r = run => match r {
-            Ok(resp) => resp,
-            Err(_) => {
-                tracing::error!(request_id = %id, "request handler panicked; answered 500");
-                with_request_id(
-                    ApiError::Internal(
-                        "The gateway hit an internal error while serving this request; it has been recorded.".into(),
-                    )
-                    .into_response(),
-                    &id,
+    // Cut at the end of `shutdown_grace`: the dropped run records itself as `shutdown`.
+    let resp = match crate::front::stop::until_stopped(&app.hard_stop, run).await {
+        Some(Ok(resp)) => resp,
+        Some(Err(_)) => {
+            tracing::error!(request_id = %id, "request handler panicked; answered 500");
+            with_request_id(
+                ApiError::Internal(
+                    "The gateway hit an internal error while serving this request; it has been recorded.".into(),
                 )
-            }
-        },
-        // Cut at the end of `shutdown_grace`: the dropped run records itself as `shutdown`.
-        _ = app.hard_stop.cancelled() => with_request_id(
-            ApiError::Unavailable("The gateway is shutting down; retry on another instance.".into())
                 .into_response(),
+                &id,
+            )
+        }
+        None => with_request_id(
+            ApiError::Unavailable(
+                "The gateway is shutting down; retry on another instance.".into(),
+            )
+            .into_response(),
             &id,
         ),
     };

@@ -1,9 +1,10 @@
 //! The front door: the accept loop and connections (`server`), the routes and thin handlers
-//! (`http`), who may call and what their keys may spend (`clients`), and the write deadline every
-//! client connection is served through (`send_deadline`). A request enters here and leaves for
-//! the executor.
+//! (`http`), who may call and what their keys may spend (`clients`), the write deadline every
+//! client connection is served through (`send_deadline`), and the hard stop reaching the requests
+//! still running (`stop`). A request enters here and leaves for the executor.
 
 pub mod clients;
 pub mod http;
 pub mod send_deadline;
 pub mod server;
+pub mod stop;

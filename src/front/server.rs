@@ -441,6 +441,7 @@ async fn serve(
         let _ = tcp.set_nodelay(true);
         let (router, state_) = (app.clone(), state.clone());
         let draining = state.draining.clone();
+        let hard_stop = state.hard_stop.clone();
         // Taken here, before the connection's task runs: a shutdown signalled from now on
         // reaches this connection too.
         let watcher = graceful.watcher();
@@ -481,7 +482,12 @@ async fn serve(
                             }
                         },
                     );
-                    watcher.watch(builders.0.serve_connection(io, svc)).await
+                    // The hard stop waited for once a connection (`front::stop`).
+                    crate::front::stop::Watched::new(
+                        &hard_stop,
+                        watcher.watch(builders.0.serve_connection(io, svc)),
+                    )
+                    .await
                 }
                 Proto::Http2 => {
                     let (open, idle) = Streams::new();

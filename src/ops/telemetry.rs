@@ -670,7 +670,8 @@ fn json_str(buf: &mut Vec<u8>, s: &str) {
 /// formats it with ryu).
 fn tenths(buf: &mut Vec<u8>, v: f64) -> bool {
     let n = (v * 10.0).round();
-    if !(n.abs() < 1e15) || n / 10.0 != v || n % 10.0 == 0.0 {
+    // NaN and infinities are left to ryu.
+    if !n.is_finite() || n.abs() >= 1e15 || n / 10.0 != v || n % 10.0 == 0.0 {
         return false;
     }
     let n = n as i64;

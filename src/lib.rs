@@ -57,6 +57,7 @@ mod layering {
             &[include_str!("front/send_deadline.rs")],
             &[],
         ),
+        ("front::stop", &[include_str!("front/stop.rs")], &[]),
         (
             "routing::ratelimit",
             &[include_str!("routing/ratelimit.rs")],

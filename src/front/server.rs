@@ -482,10 +482,15 @@ async fn serve(
                             }
                         },
                     );
-                    // The hard stop waited for once a connection (`front::stop`).
+                    // The graceful drain and the hard stop, each waited for once a
+                    // connection (`front::stop`). `cancel` is set just before the drain
+                    // begins; the watcher is held until the connection ends so the drain
+                    // waits for it.
+                    let _drain_waits = watcher;
                     crate::front::stop::Watched::new(
                         &hard_stop,
-                        watcher.watch(builders.0.serve_connection(io, svc)),
+                        &cancel,
+                        builders.0.serve_connection(io, svc),
                     )
                     .await
                 }

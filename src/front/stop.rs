@@ -1,16 +1,18 @@
-//! `AppState::hard_stop` (the end of `shutdown_grace`) reaching the requests still running,
-//! waited for once a connection rather than once a request.
+//! The two shutdown signals reaching an HTTP/1 connection and the requests it is running, each
+//! waited for once a connection rather than once a request or once a poll.
 //!
-//! Each request must end with a 503 when the hard stop comes. Waiting for a `CancellationToken`
-//! from every request put a waiter on the token's list and took the token's lock on each of the
-//! request's polls and again at its end: 0.7k instructions a request. An HTTP/1 connection polls
-//! its requests inside its own task, so [`Watched`] waits for the stop once for the connection
-//! (with a waker of its own, so the connection's later polls take no lock) and, while it polls
-//! the connection, tells the requests whether the stop came ([`until_stopped`] reads a
-//! thread-local cell).
-//! When the stop comes the connection task is woken, polls its request, and the request sees the
-//! flag. Requests polled anywhere else (HTTP/2 streams run in tasks of their own; the library
-//! embedded) wait for the token themselves, as before.
+//! Each request must end with a 503 when the hard stop (`AppState::hard_stop`, the end of
+//! `shutdown_grace`) comes, and each connection must finish its request in flight and close
+//! when the graceful drain begins. Waiting for a `CancellationToken` from every request put a
+//! waiter on the token's list and took the token's lock on each of the request's polls and at
+//! its end, and hyper-util's drain watcher took its channel's lock on every poll of the
+//! connection: about 1k instructions a request. An HTTP/1 connection polls its requests inside
+//! its own task, so [`Watched`] waits for both signals once for the connection, with a waker of
+//! its own (so the connection's other polls take no lock), drains the connection when the drain
+//! begins, and while it polls the connection tells its requests whether the stop came
+//! ([`until_stopped`] reads a thread-local cell). When the stop comes the connection's task is
+//! woken, polls its request, and the request sees it. Requests polled anywhere else (HTTP/2
+//! streams run in tasks of their own; the library embedded) wait for the token themselves.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -19,6 +21,19 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll, Wake, Waker};
 
 use futures_util::task::AtomicWaker;
+use hyper_util::server::graceful::GracefulConnection;
+
+/// A connection that can be asked to finish what it is doing and close (hyper's, through
+/// hyper-util's `GracefulConnection`).
+pub trait Drains: Future {
+    fn drain(self: Pin<&mut Self>);
+}
+
+impl<T: GracefulConnection> Drains for T {
+    fn drain(self: Pin<&mut Self>) {
+        self.graceful_shutdown();
+    }
+}
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 /// What the connection being polled on this thread knows of the stop: nothing (no watched
@@ -45,10 +60,11 @@ impl Drop for Restore {
     }
 }
 
-/// Set once the stop came; wakes the connection's task.
+/// The waker [`Watched`] gives its two waiters: notes that one of them may be ready and wakes
+/// the connection's task.
 #[derive(Default)]
 struct Flag {
-    stopped: AtomicBool,
+    woken: AtomicBool,
     task: AtomicWaker,
 }
 
@@ -58,54 +74,67 @@ impl Wake for Flag {
     }
 
     fn wake_by_ref(self: &Arc<Self>) {
-        self.stopped.store(true, Ordering::Release);
+        self.woken.store(true, Ordering::Release);
         self.task.wake();
     }
 }
 
-/// A connection's future (HTTP/1: its requests are polled within it), with the stop waited for
-/// once and its flag visible to the requests it polls.
+type Waiter = Pin<Box<WaitForCancellationFutureOwned>>;
+
+/// An HTTP/1 connection (its requests are polled within it) under the two shutdown signals,
+/// each waited for once a connection: `drain` (the graceful drain: the connection finishes the
+/// request in flight and closes, as hyper-util's `GracefulShutdown` watcher did) and `stop` (the
+/// hard stop, which its requests see through [`until_stopped`]). Their waiters are polled with
+/// a waker of their own, on the first poll and after it woke, never on the connection's other
+/// polls: a `CancellationToken`'s waiter takes the token's lock on every poll, and so did the
+/// watcher's channel.
 pub struct Watched<F> {
     conn: Pin<Box<F>>,
     flag: Arc<Flag>,
-    /// The token's waiter, polled with `flag` as its waker: on the first poll and once the flag
-    /// is set, never on the connection's other polls. `None` once the stop came.
-    wait: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
-    registered: bool,
+    /// `None` once fired.
+    stop: Option<Waiter>,
+    drain: Option<Waiter>,
+    stopped: bool,
+    polled: bool,
 }
 
-impl<F: Future> Watched<F> {
-    pub fn new(stop: &CancellationToken, conn: F) -> Self {
+impl<F: Drains> Watched<F> {
+    pub fn new(stop: &CancellationToken, drain: &CancellationToken, conn: F) -> Self {
         Watched {
             conn: Box::pin(conn),
             flag: Arc::default(),
-            wait: Some(Box::pin(stop.clone().cancelled_owned())),
-            registered: false,
+            stop: Some(Box::pin(stop.clone().cancelled_owned())),
+            drain: Some(Box::pin(drain.clone().cancelled_owned())),
+            stopped: false,
+            polled: false,
         }
     }
 }
 
-impl<F: Future> Future for Watched<F> {
+impl<F: Drains> Future for Watched<F> {
     type Output = F::Output;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
         let this = self.get_mut();
         this.flag.task.register(cx.waker());
-        if let Some(wait) = &mut this.wait
-            && (!this.registered || this.flag.stopped.load(Ordering::Acquire))
-        {
-            this.registered = true;
+        if !this.polled || this.flag.woken.swap(false, Ordering::AcqRel) {
+            this.polled = true;
             let waker = Waker::from(this.flag.clone());
-            if wait
-                .as_mut()
-                .poll(&mut Context::from_waker(&waker))
-                .is_ready()
+            let mut wcx = Context::from_waker(&waker);
+            if let Some(w) = &mut this.drain
+                && w.as_mut().poll(&mut wcx).is_ready()
             {
-                this.flag.stopped.store(true, Ordering::Release);
-                this.wait = None;
+                this.drain = None;
+                this.conn.as_mut().drain();
+            }
+            if let Some(w) = &mut this.stop
+                && w.as_mut().poll(&mut wcx).is_ready()
+            {
+                this.stop = None;
+                this.stopped = true;
             }
         }
-        let seen = if this.flag.stopped.load(Ordering::Acquire) {
+        let seen = if this.stopped {
             Seen::Stopped
         } else {
             Seen::Running
@@ -145,41 +174,82 @@ mod tests {
     use std::sync::atomic::AtomicUsize;
     use std::time::Duration;
 
-    /// A request that never finishes, polled inside a watched "connection" (as hyper's HTTP/1
-    /// dispatcher polls its in-flight request): the stop ends it, and only through the
-    /// connection's flag — the request registered no waiter of its own.
+    /// A connection for the tests: `inner`, counting the drains asked of it.
+    struct Conn<F> {
+        inner: Pin<Box<F>>,
+        drains: Arc<AtomicUsize>,
+    }
+
+    impl<F: Future> Future for Conn<F> {
+        type Output = F::Output;
+        fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+            self.inner.as_mut().poll(cx)
+        }
+    }
+
+    impl<F: Future> Drains for Conn<F> {
+        fn drain(self: Pin<&mut Self>) {
+            self.drains.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn conn<F: Future>(f: F) -> (Conn<F>, Arc<AtomicUsize>) {
+        let drains = Arc::new(AtomicUsize::new(0));
+        let c = Conn {
+            inner: Box::pin(f),
+            drains: drains.clone(),
+        };
+        (c, drains)
+    }
+
+    async fn until(what: impl Fn() -> bool) {
+        for _ in 0..2000 {
+            if what() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("not within 10 s");
+    }
+
+    /// A request that never finishes, polled inside a watched connection (as hyper's HTTP/1
+    /// dispatcher polls its in-flight request): the drain is passed to the connection once,
+    /// and the hard stop ends the request — through the connection's flag: the request waits
+    /// on no token of its own.
     #[tokio::test]
-    async fn a_watched_connection_ends_its_request_at_the_stop() {
-        let stop = CancellationToken::new();
+    async fn a_watched_connection_drains_once_and_ends_its_request_at_the_stop() {
+        let (stop, drain) = (CancellationToken::new(), CancellationToken::new());
         let polls = Arc::new(AtomicUsize::new(0));
         let p = polls.clone();
         let s = stop.clone();
-        let conn = async move {
+        let (c, drains) = conn(async move {
             let counted = std::future::poll_fn(|_| {
                 p.fetch_add(1, Ordering::Relaxed);
                 Poll::<()>::Pending
             });
             until_stopped(&s, counted).await
-        };
-        let task = tokio::spawn(Watched::new(&stop, conn));
-        for _ in 0..100 {
-            if polls.load(Ordering::Relaxed) > 0 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        });
+        let task = tokio::spawn(Watched::new(&stop, &drain, c));
+        until(|| polls.load(Ordering::Relaxed) > 0).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
         assert_eq!(
             polls.load(Ordering::Relaxed),
             1,
             "polled once, then waiting"
         );
-        assert!(!task.is_finished());
+        drain.cancel();
+        until(|| drains.load(Ordering::Relaxed) == 1).await;
+        assert!(
+            !task.is_finished(),
+            "a drained connection finishes its request"
+        );
         stop.cancel();
         let out = tokio::time::timeout(Duration::from_secs(10), task)
             .await
             .expect("the stop reached the request")
             .unwrap();
         assert_eq!(out, None);
+        assert_eq!(drains.load(Ordering::Relaxed), 1, "drained once");
     }
 
     /// Outside a watched connection (an HTTP/2 stream's own task) the request waits for the
@@ -200,24 +270,36 @@ mod tests {
         assert_eq!(out, None);
     }
 
-    /// What finishes first is returned, watched or not; a stop that came before the first poll
-    /// wins at once.
+    /// What finishes first is returned, watched or not; signals that came before the first
+    /// poll act at once.
     #[tokio::test]
-    async fn a_finished_request_returns_its_output_and_an_early_stop_wins() {
-        let stop = CancellationToken::new();
+    async fn a_finished_request_returns_its_output_and_early_signals_act_at_once() {
+        let (stop, drain) = (CancellationToken::new(), CancellationToken::new());
         assert_eq!(until_stopped(&stop, async { 7 }).await, Some(7));
         let s = stop.clone();
-        let watched = Watched::new(&stop, async move { until_stopped(&s, async { 8 }).await });
-        assert_eq!(watched.await, Some(8));
+        let (c, _) = conn(async move { until_stopped(&s, async { 8 }).await });
+        assert_eq!(Watched::new(&stop, &drain, c).await, Some(8));
         stop.cancel();
+        drain.cancel();
         let s = stop.clone();
-        let watched = Watched::new(&stop, async move {
-            until_stopped(&s, std::future::pending::<()>()).await
-        });
-        assert_eq!(watched.await, None);
+        let (c, drains) =
+            conn(async move { until_stopped(&s, std::future::pending::<()>()).await });
+        assert_eq!(Watched::new(&stop, &drain, c).await, None);
+        assert_eq!(drains.load(Ordering::Relaxed), 1);
         assert_eq!(
             until_stopped(&stop, std::future::pending::<()>()).await,
             None
         );
+    }
+
+    /// The cell is put back after each poll: a future polled after a watched connection's
+    /// poll on the same thread is unwatched again.
+    #[tokio::test]
+    async fn the_cell_is_put_back_after_the_connection_poll() {
+        let (stop, drain) = (CancellationToken::new(), CancellationToken::new());
+        stop.cancel();
+        let (c, _) = conn(async { SEEN.get() });
+        assert_eq!(Watched::new(&stop, &drain, c).await, Seen::Stopped);
+        assert_eq!(SEEN.get(), Seen::Unwatched);
     }
 }

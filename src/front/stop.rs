@@ -202,6 +202,19 @@ mod tests {
         (c, drains)
     }
 
+    /// Cancels `stop` and waits for `task`, a request, to end as cut.
+    async fn cut_by<T: std::fmt::Debug + PartialEq>(
+        stop: &CancellationToken,
+        task: tokio::task::JoinHandle<Option<T>>,
+    ) {
+        stop.cancel();
+        let out = tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .expect("the stop reached the request")
+            .unwrap();
+        assert_eq!(out, None);
+    }
+
     async fn until(what: impl Fn() -> bool) {
         for _ in 0..2000 {
             if what() {
@@ -243,12 +256,7 @@ mod tests {
             !task.is_finished(),
             "a drained connection finishes its request"
         );
-        stop.cancel();
-        let out = tokio::time::timeout(Duration::from_secs(10), task)
-            .await
-            .expect("the stop reached the request")
-            .unwrap();
-        assert_eq!(out, None);
+        cut_by(&stop, task).await;
         assert_eq!(drains.load(Ordering::Relaxed), 1, "drained once");
     }
 
@@ -262,12 +270,7 @@ mod tests {
             tokio::spawn(async move { until_stopped(&s, std::future::pending::<()>()).await });
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(!task.is_finished());
-        stop.cancel();
-        let out = tokio::time::timeout(Duration::from_secs(10), task)
-            .await
-            .expect("the stop reached the request")
-            .unwrap();
-        assert_eq!(out, None);
+        cut_by(&stop, task).await;
     }
 
     /// What finishes first is returned, watched or not; signals that came before the first

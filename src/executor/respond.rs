@@ -225,7 +225,10 @@ impl Run {
                         &v,
                     );
                 }
-                let mut resp = (status, body).into_response();
+                // Built as it is sent: `into_response` would set a content type only to have it
+                // replaced.
+                let mut resp = Response::new(Body::from(body));
+                *resp.status_mut() = status;
                 resp.headers_mut().insert(
                     header::CONTENT_TYPE,
                     content_type.unwrap_or(HeaderValue::from_static("application/json")),

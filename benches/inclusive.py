@@ -3,10 +3,10 @@
 target/callgrind (one file a thread, a SMALL and a LARGE run): the difference between the runs
 divided by the requests between them, so startup and shutdown cancel out.
 
-  python3 benches/inclusive.py 1000 5000 'wire::|upstream::' 30          # inclusive
-  python3 benches/inclusive.py 1000 5000 . 40 self                       # self (exclusive)
-  python3 benches/inclusive.py 1000 5000 'Run::settle' 20 callees        # what one function calls
-  python3 benches/inclusive.py 1000 5000 'String as .*Clone' 20 callers  # who calls one function
+  python3 benches/inclusive.py 1000 9000 'wire::|upstream::' 30          # inclusive
+  python3 benches/inclusive.py 1000 9000 . 40 self                       # self (exclusive)
+  python3 benches/inclusive.py 1000 9000 'Run::settle' 20 callees        # what one function calls
+  python3 benches/inclusive.py 1000 9000 'String as .*Clone' 20 callers  # who calls one function
 
 Inclusive figures take, per thread file, the largest `*` entry callgrind_annotate's call tree
 gives a function (its other entries are the same function seen from recursion or inlining).

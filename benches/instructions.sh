@@ -2,15 +2,16 @@
 # Instructions a request, counted by valgrind's callgrind (repeatable whatever else the machine
 # is doing, unlike seconds): the release gateway under callgrind in front of the mock upstream,
 # N keep-alive requests from a Python client; startup and shutdown cancel out in the difference
-# between a 1,000- and a 5,000-request run (SMALL and LARGE; startup alone varies by a few
-# million instructions from run to run, so the runs must differ by thousands of requests). Prints
+# between a 1,000- and a 9,000-request run (SMALL and LARGE; startup alone varies by several
+# million instructions from run to run — ±1.5k a request over 4,000 requests, half that over
+# 8,000 — so the runs must differ by thousands of requests). Prints
 # the figure, split into the request path, the audit writer and the log writer (one callgrind file
 # a thread), and the inclusive cost of the functions named in $FOCUS (a grep pattern) per request.
 #
 #   cargo build --release --bin autohedge && bash benches/instructions.sh
 #   cargo build --profile dist --bin autohedge && BIN=target/dist/autohedge bash benches/instructions.sh
 #   SMALL=300 LARGE=1300 bash benches/instructions.sh   # quicker, noisier
-#   python3 benches/inclusive.py 1000 5000 'wire::' 30   # then: by function, from the same files
+#   python3 benches/inclusive.py 1000 9000 'wire::' 30   # then: by function, from the same files
 #   STREAM=1 bash benches/instructions.sh   # streamed answers: 32 content chunks 1 ms apart
 #                                           # (defaults SMALL=100 LARGE=400)
 #   CONC=16 FLOOR=0 bash benches/instructions.sh  # 16 connections at once: the audit
@@ -94,7 +95,7 @@ if [ -n "$STREAM" ]; then
   LARGE=${LARGE:-400}
 fi
 SMALL=${SMALL:-1000}
-LARGE=${LARGE:-5000}
+LARGE=${LARGE:-9000}
 mkdir -p target/callgrind
 rm -f target/callgrind/cg.small* target/callgrind/cg.large*
 run "$SMALL" target/callgrind/cg.small

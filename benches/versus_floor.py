@@ -5,7 +5,7 @@ for the floor, each a SMALL and a LARGE run in front of the same mock upstream, 
 client): self instructions grouped by component, so what the gateway spends beyond the floor can
 be read off by part, and beside it what a ratio to the floor allows.
 
-  python3 benches/versus_floor.py 1000 5000 [RATIO]   # RATIO default 1.3
+  python3 benches/versus_floor.py 1000 9000 [RATIO]   # RATIO default 1.3
 
 Components are read from the function's name: the crate its path starts with for Rust, and for
 C functions the library (SQLite and mimalloc are built into the gateway, glibc's malloc serves

@@ -249,8 +249,8 @@ async fn serve(
     drop(headers);
     // Belt and braces: a panic anywhere below becomes a 500 in OpenAI's shape (the executor's
     // drop guard writes its audit row), never a reset connection.
-    // Boxed where it is made: the executor's future is large, and `catch_unwind` and `select!`
-    // would otherwise move it by value.
+    // Boxed where it is made: the executor's future is large, and `catch_unwind` and
+    // `until_stopped` would otherwise move it by value.
     let run = std::panic::AssertUnwindSafe(Box::pin(executor::execute(
         app.clone(),
         cfg,

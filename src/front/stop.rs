@@ -22,6 +22,7 @@ use std::task::{Context, Poll, Wake, Waker};
 
 use futures_util::task::AtomicWaker;
 use hyper_util::server::graceful::GracefulConnection;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 /// A connection that can be asked to finish what it is doing and close (hyper's, through
 /// hyper-util's `GracefulConnection`).
@@ -34,7 +35,6 @@ impl<T: GracefulConnection> Drains for T {
         self.graceful_shutdown();
     }
 }
-use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 /// What the connection being polled on this thread knows of the stop: nothing (no watched
 /// connection is being polled), not yet, or it came. Set by [`Watched`] around each poll of its
@@ -148,7 +148,7 @@ impl<F: Drains> Future for Watched<F> {
 /// reads the connection's flag; anywhere else it waits for `stop` itself.
 pub async fn until_stopped<F: Future>(stop: &CancellationToken, run: F) -> Option<F::Output> {
     let mut run = std::pin::pin!(run);
-    let mut own: Option<Pin<Box<WaitForCancellationFutureOwned>>> = None;
+    let mut own: Option<Waiter> = None;
     std::future::poll_fn(|cx| {
         let seen = SEEN.get();
         if seen == Seen::Stopped {

@@ -670,6 +670,71 @@ async fn a_client_that_connects_and_sends_nothing_is_cut_off_at_the_header_timeo
     assert_no_panic(&gw);
 }
 
+/// Reads one HTTP/1.1 response with a `content-length` body from `s`: its head and body.
+fn read_response(s: &mut std::net::TcpStream) -> String {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&got).to_string();
+        if let Some(end) = text.find("\r\n\r\n") {
+            let len: usize = text[..end]
+                .lines()
+                .find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    k.eq_ignore_ascii_case("content-length")
+                        .then(|| v.trim().parse().ok())?
+                })
+                .expect("a content-length");
+            if got.len() >= end + 4 + len {
+                return text;
+            }
+        }
+        match s.read(&mut buf) {
+            Ok(0) => panic!("closed before a whole response: {text}"),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) => panic!("no whole response within the read timeout ({e}): {text}"),
+        }
+    }
+}
+
+/// Each HTTP/1 connection's header-read timer is made once and moved on from request to request
+/// (`front::timer`): the timer armed while the connection waited for its second request fires
+/// while it waits for its third, and must not cut it then, only at the third's own deadline.
+#[tokio::test]
+async fn a_keep_alive_connection_gets_the_whole_header_timeout_for_each_request() {
+    let a = MockUp::openai("name: a").await;
+    let gw = Gw::start(&format!(
+        "server: {{ header_timeout: 2s }}\nmodels:\n  a: {{ type: openai, base_url: \"{}\" }}\n",
+        a.base()
+    ));
+    gw.ready().await;
+    let mut s = std::net::TcpStream::connect(gw.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let get = b"GET /health HTTP/1.1\r\nhost: localhost\r\n\r\n";
+    s.write_all(get).unwrap();
+    assert!(read_response(&mut s).starts_with("HTTP/1.1 200"));
+    // The connection now waits for its second request, its timer armed 2 s on; the second
+    // comes half-way (a second of margin either way).
+    std::thread::sleep(Duration::from_secs(1));
+    s.write_all(get).unwrap();
+    assert!(
+        read_response(&mut s).starts_with("HTTP/1.1 200"),
+        "the second request, within its timeout, is served"
+    );
+    let answered = std::time::Instant::now();
+    // A third head begun and never finished: the timer armed for the second request fires
+    // about a second from now; the connection may be closed only at the third's deadline.
+    s.write_all(b"GET /health HTTP/1.1\r\nhost: loc").unwrap();
+    let closed = wait_closed(s).expect("the unfinished head is cut off at the header timeout");
+    let took = closed - answered;
+    assert!(
+        took >= Duration::from_millis(1800),
+        "closed {took:?} after the second answer: before the third head's own 2 s"
+    );
+    assert_eq!(gw.chat("a", "x").await.status(), 200, "others are served");
+    assert_no_panic(&gw);
+}
+
 #[tokio::test]
 async fn a_silent_connection_does_not_hold_up_shutdown() {
     let a = MockUp::openai("name: a").await;

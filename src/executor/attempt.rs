@@ -124,12 +124,15 @@ impl Success {
 /// tokio timer registered and removed costs about as much as reading an answer's headers). A
 /// macro, not an `async fn`: a function's future would hold `$f` twice (its argument and the
 /// `select!` inside), and the executor's future, moved into its box on every request, with it.
+///
+/// `$request` is the request's deadline, which caps `$timer`'s: while `$timer` is pending it
+/// covers it, and the request's own timer is not made ([`super::deadline`]).
 macro_rules! within {
-    ($timer:expr, $f:expr) => {
+    ($timer:expr, $request:expr, $f:expr) => {
         tokio::select! {
             biased;
             v = $f => Some(v),
-            () = $timer.as_mut() => None,
+            () = super::deadline::Covering { timer: $timer.as_mut(), request: $request } => None,
         }
     };
 }
@@ -208,7 +211,7 @@ impl<'a> Attempt<'a> {
         let deadline = (super::after(Instant::now(), ep.timeouts.total)).min(self.deadline);
         let timer = sleep_until(deadline);
         tokio::pin!(timer);
-        let resp = match within!(timer, Box::pin(rb.send())) {
+        let resp = match within!(timer, self.deadline, Box::pin(rb.send())) {
             None => {
                 return Err(Failure::new(
                     Outcome::Timeout,
@@ -225,7 +228,7 @@ impl<'a> Attempt<'a> {
         let ratelimit = classify::ratelimit_headers(&resp.headers, self.max_cooldown);
         let status = resp.status;
         let content_type = resp.headers.get(header::CONTENT_TYPE).cloned();
-        let body = match within!(timer, resp.bytes(self.max_answer)) {
+        let body = match within!(timer, self.deadline, resp.bytes(self.max_answer)) {
             None => {
                 return Err(Failure::new(
                     Outcome::Timeout,
@@ -408,7 +411,7 @@ impl<'a> Attempt<'a> {
         // One timer for every wait up to the first content chunk.
         let timer = sleep_until(first_deadline);
         tokio::pin!(timer);
-        let resp = match within!(timer, Box::pin(rb.send())) {
+        let resp = match within!(timer, self.deadline, Box::pin(rb.send())) {
             None => {
                 return Err(Failure::new(
                     Outcome::FirstTokenTimeout,
@@ -452,7 +455,7 @@ impl<'a> Attempt<'a> {
             if !is_sse {
                 // A JSON body on a stream request is an error some servers send with 200.
                 // Only an error's message is wanted from it: read no more than an error body.
-                let body = within!(timer, resp.bytes(MAX_ERROR_BODY));
+                let body = within!(timer, self.deadline, resp.bytes(MAX_ERROR_BODY));
                 let detail = match body {
                     Some(Ok(b)) => match serde_json::from_slice::<Value>(&b) {
                         Ok(v) => match wire::classify_chunk(&v) {
@@ -514,7 +517,7 @@ impl<'a> Attempt<'a> {
         let mut usage = None;
         let mut out_chars = 0usize;
         loop {
-            let next = match within!(timer, rest.next()) {
+            let next = match within!(timer, self.deadline, rest.next()) {
                 None => {
                     return Err(Failure::new(
                         Outcome::FirstTokenTimeout,

@@ -66,7 +66,7 @@ impl Run {
                     t0: Instant::now(),
                     result: Err(f),
                 };
-                return (a.clone(), self.try_endpoint(a, Some(done)).await);
+                return (a.clone(), self.try_endpoint(a, Some(Box::new(done))).await);
             }
         };
         self.current = Some((a.clone(), first.t0));
@@ -79,7 +79,7 @@ impl Run {
                 self.waited += t.elapsed();
                 self.current = None;
                 let done = first.finish(result);
-                return (a.clone(), self.try_endpoint(a, Some(done)).await);
+                return (a.clone(), self.try_endpoint(a, Some(Box::new(done))).await);
             }
             _ = tokio::time::sleep(delay) => {}
         }
@@ -90,7 +90,7 @@ impl Run {
             self.waited += t.elapsed();
             self.current = None;
             let done = first.finish(result);
-            return (a.clone(), self.try_endpoint(a, Some(done)).await);
+            return (a.clone(), self.try_endpoint(a, Some(Box::new(done))).await);
         };
         self.current_hedge = Some((b.clone(), hedge.t0));
         // Both run now. The first to finish decides: a success wins outright; a failure is
@@ -118,7 +118,7 @@ impl Run {
             }
             return (
                 done_ep.clone(),
-                self.try_endpoint(&done_ep, Some(done)).await,
+                self.try_endpoint(&done_ep, Some(Box::new(done))).await,
             );
         }
         match self.settle(&done_ep, done) {
@@ -145,7 +145,7 @@ impl Run {
         self.current = None;
         self.current_hedge = None;
         let done = survivor.finish(result);
-        let outcome = self.try_endpoint(&other_ep, Some(done)).await;
+        let outcome = self.try_endpoint(&other_ep, Some(Box::new(done))).await;
         (other_ep, outcome)
     }
 

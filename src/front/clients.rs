@@ -131,9 +131,32 @@ fn local_host(headers: &HeaderMap) -> bool {
     let Some(host) = headers.get(http::header::HOST) else {
         return true;
     };
-    let Ok(host) = host.to_str() else {
-        return false;
-    };
+    // A client sends the same `Host` on every request: the last value found local on this
+    // thread is remembered (its bytes, not a handle on the request's buffer), so the common
+    // request compares bytes instead of parsing an address.
+    thread_local! {
+        static LAST_LOCAL: std::cell::Cell<(u8, [u8; 63])> = const { std::cell::Cell::new((0, [0; 63])) };
+    }
+    let bytes = host.as_bytes();
+    let (len, last) = LAST_LOCAL.get();
+    if len != 0 && bytes == &last[..usize::from(len)] {
+        return true;
+    }
+    let local = host.to_str().is_ok_and(local_host_name);
+    if local
+        && let Ok(len) = u8::try_from(bytes.len())
+        && len > 0
+        && bytes.len() <= 63
+    {
+        let mut copy = [0; 63];
+        copy[..bytes.len()].copy_from_slice(bytes);
+        LAST_LOCAL.set((len, copy));
+    }
+    local
+}
+
+/// [`local_host`] for a `Host` value's text.
+fn local_host_name(host: &str) -> bool {
     // `[::1]:8080`, `127.0.0.1:8080`, `localhost:8080`, `localhost`.
     let name = match host.strip_prefix('[') {
         Some(rest) => {
@@ -887,6 +910,33 @@ mod tests {
             assert!(!with(bad), "{bad}");
         }
         assert!(local_host(&HeaderMap::new()), "no Host at all");
+    }
+
+    #[test]
+    fn the_remembered_local_host_answers_only_for_the_same_bytes() {
+        let with = |h: &str| {
+            let mut m = HeaderMap::new();
+            m.insert(http::header::HOST, h.parse().unwrap());
+            local_host(&m)
+        };
+        // Each a local name remembered, then names that differ from it by a byte, a prefix or a
+        // suffix: every answer is the parse's, whatever was remembered before it.
+        for (ok, bad) in [
+            ("127.0.0.1:8080", "127.0.0.1x:8080"),
+            ("localhost:8080", "localhostx:8080"),
+            ("localhost", "localhost.evil.example"),
+            ("[::1]:8080", "[::1x]:8080"),
+            ("app.localhost", "app.localhos"),
+        ] {
+            assert!(with(ok), "{ok}");
+            assert!(with(ok), "{ok}, remembered");
+            assert!(!with(bad), "{bad} after {ok}");
+            assert!(with(ok), "{ok} again");
+        }
+        // Longer than what is remembered: parsed every time, and right.
+        let long = format!("{}.localhost", "a".repeat(70));
+        assert!(with(&long) && with(&long));
+        assert!(!with(&format!("{}.example", "a".repeat(70))));
     }
 
     fn key(name: &str, rpm: Option<u32>, tpm: Option<u64>, budget: Option<f64>) -> ClientKey {

@@ -1,10 +1,11 @@
 //! The front door: the accept loop and connections (`server`), the routes and thin handlers
 //! (`http`), who may call and what their keys may spend (`clients`), the write deadline every
-//! client connection is served through (`send_deadline`), and the hard stop reaching the requests
-//! still running (`stop`). A request enters here and leaves for the executor.
+//! client connection is served through (`send_deadline`), the hard stop reaching the requests
+//! still running (`stop`), and each HTTP/1 connection's header-read timer (`timer`). A request enters here and leaves for the executor.
 
 pub mod clients;
 pub mod http;
 pub mod send_deadline;
 pub mod server;
 pub mod stop;
+pub mod timer;

@@ -408,10 +408,9 @@ async fn serve(
     header_timeout: Duration,
     send_timeout: Duration,
 ) {
+    // Each connection gets its own timer for the header-read timeout (`front::timer`).
     let mut http1 = hyper::server::conn::http1::Builder::new();
-    http1
-        .timer(TokioTimer::new())
-        .header_read_timeout(header_timeout);
+    http1.header_read_timeout(header_timeout);
     let mut http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
     // A peer that stops answering PINGs (its host gone, a middlebox that dropped the flow) is
     // let go: without this an HTTP/2 connection has no deadline at all once the preface is in.
@@ -487,10 +486,12 @@ async fn serve(
                     // begins; the watcher is held until the connection ends so the drain
                     // waits for it.
                     let _drain_waits = watcher;
+                    let mut http1 = builders.0.clone();
+                    http1.timer(crate::front::timer::ConnTimer::new());
                     crate::front::stop::Watched::new(
                         &hard_stop,
                         &cancel,
-                        builders.0.serve_connection(io, svc),
+                        http1.serve_connection(io, svc),
                     )
                     .await
                 }

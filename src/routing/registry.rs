@@ -8,6 +8,7 @@ use std::collections::BTreeSet;
 /// Maps looked up by endpoint name on every request: foldhash, several times cheaper than
 /// SipHash for short keys (the names come from the operator's config, not from clients).
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime};
 
@@ -194,6 +195,10 @@ impl EndpointRuntime {
 /// All endpoints' live state.
 pub struct Registry {
     map: RwLock<HashMap<String, Arc<Mutex<EndpointRuntime>>>>,
+    /// Which map [`Registry::get`]'s per-thread memo may answer for: unique to this registry
+    /// and changed by every [`Registry::sync`] (a process-wide count, so two registries never
+    /// share one).
+    generation: AtomicU64,
     store: StoreHandle,
     /// Endpoint events an operator must hear about become alerts.
     alerts: Option<crate::ops::alerts::Alerts>,
@@ -213,6 +218,33 @@ pub enum KeyPick {
     /// Usable keys exist, but every one's rate-limit budget is predicted too small for this
     /// request for at least this long.
     Limited(Duration, crate::routing::ratelimit::Short),
+}
+
+/// Longest endpoint name [`Registry::get`] remembers (longer ones are looked up every time).
+const MEMO_NAME: usize = 48;
+
+/// The endpoint [`Registry::get`] found last on this thread.
+struct Got {
+    generation: u64,
+    len: usize,
+    bytes: [u8; MEMO_NAME],
+    runtime: Arc<Mutex<EndpointRuntime>>,
+}
+
+impl Got {
+    fn name(&self) -> Option<&[u8]> {
+        self.bytes.get(..self.len)
+    }
+}
+
+thread_local! {
+    static LAST_GOT: std::cell::RefCell<Option<Got>> = const { std::cell::RefCell::new(None) };
+}
+
+/// A generation no registry has had: registries start with one and every sync takes a new one.
+fn next_generation() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -243,6 +275,7 @@ impl Registry {
     pub fn new(store: StoreHandle) -> Self {
         Registry {
             map: RwLock::new(HashMap::default()),
+            generation: AtomicU64::new(next_generation()),
             store,
             alerts: None,
             facts: std::sync::OnceLock::new(),
@@ -444,8 +477,32 @@ impl Registry {
         self
     }
 
+    /// An endpoint's runtime state. A request asks for the same endpoint's several times (its
+    /// view, key pick, rate-limit reading, outcome, tokens): the last one found is remembered
+    /// per thread, with the name (as bytes, when short) and the generation of the map it came
+    /// from, and given again without the lock and the hash while both still match.
     pub fn get(&self, name: &str) -> Option<Arc<Mutex<EndpointRuntime>>> {
-        self.map.read().ok()?.get(name).cloned()
+        let generation = self.generation.load(Ordering::Acquire);
+        let hit = LAST_GOT.with_borrow(|last| {
+            last.as_ref()
+                .filter(|l| l.generation == generation && l.name() == Some(name.as_bytes()))
+                .map(|l| l.runtime.clone())
+        });
+        if hit.is_some() {
+            return hit;
+        }
+        let runtime = self.map.read().ok()?.get(name).cloned()?;
+        if name.len() <= MEMO_NAME {
+            let mut bytes = [0; MEMO_NAME];
+            bytes[..name.len()].copy_from_slice(name.as_bytes());
+            LAST_GOT.set(Some(Got {
+                generation,
+                len: name.len(),
+                bytes,
+                runtime: runtime.clone(),
+            }));
+        }
+        Some(runtime)
     }
 
     /// Brings the registry in line with a new config: new endpoints get fresh state, removed
@@ -456,6 +513,8 @@ impl Registry {
         let Ok(mut map) = self.map.write() else {
             return;
         };
+        // What any thread remembers of the map before this sync is not given again.
+        self.generation.store(next_generation(), Ordering::Release);
         map.retain(|name, _| cfg.endpoints.contains_key(name));
         for (name, ep) in &cfg.endpoints {
             let fresh = |persisted: &[PersistedStats]| {
@@ -1521,5 +1580,54 @@ docker: { enabled: true }
         // A replacement at another address starts with no record.
         reg.observe_docker("d", found("http://10.0.0.9:8000", None));
         assert_eq!(rate(), None);
+    }
+
+    #[test]
+    fn the_remembered_runtime_is_given_only_for_its_name_registry_and_generation() {
+        let load = |names: &[&str]| {
+            let mut yaml = String::from("models:\n");
+            for n in names {
+                yaml.push_str(&format!(
+                    "  {n}: {{ type: openai, base_url: \"http://127.0.0.1:9/v1\" }}\n"
+                ));
+            }
+            Config::load(&yaml).unwrap()
+        };
+        let long = "l".repeat(MEMO_NAME + 5);
+        let cfg = load(&["a", "ab", &long]);
+        let (one, two) = (
+            Registry::new(StoreHandle::off("test".into())),
+            Registry::new(StoreHandle::off("test".into())),
+        );
+        one.sync(&cfg, &[]);
+        two.sync(&cfg, &[]);
+        let a = one.get("a").expect("a is there");
+        // Asked again (remembered): the same state; a name that shares its first bytes, another
+        // registry's endpoint of the same name, a long name: each its own.
+        assert!(Arc::ptr_eq(&one.get("a").unwrap(), &a));
+        let ab = one.get("ab").unwrap();
+        assert!(!Arc::ptr_eq(&ab, &a));
+        assert!(Arc::ptr_eq(&one.get("a").unwrap(), &a));
+        assert!(
+            !Arc::ptr_eq(&two.get("a").unwrap(), &a),
+            "two registries, two states"
+        );
+        assert!(Arc::ptr_eq(&one.get("a").unwrap(), &a));
+        let l = one.get(&long).unwrap();
+        assert!(Arc::ptr_eq(&one.get(&long).unwrap(), &l));
+        assert!(one.get("b").is_none());
+        // A reload without `a`: its state is gone, remembered or not.
+        assert!(Arc::ptr_eq(&one.get("a").unwrap(), &a));
+        one.sync(&load(&["ab"]), &[]);
+        assert!(one.get("a").is_none(), "removed by the reload");
+        assert!(
+            Arc::ptr_eq(&one.get("ab").unwrap(), &ab),
+            "kept by the reload"
+        );
+        // Put back: fresh state, not the state remembered from before.
+        one.sync(&load(&["a", "ab"]), &[]);
+        let again = one.get("a").unwrap();
+        assert!(!Arc::ptr_eq(&again, &a));
+        assert!(Arc::ptr_eq(&one.get("a").unwrap(), &again));
     }
 }

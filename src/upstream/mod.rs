@@ -118,8 +118,8 @@ pub fn request<'a>(
     ep: &'a Endpoint,
     req: &Inbound,
     stream: bool,
-    key: Option<&Secret>,
-    request_id: &str,
+    key: Option<&'a Secret>,
+    request_id: &'a str,
     discovered_base: Option<&str>,
     translate: bool,
 ) -> Result<(Prepared<'a>, u64), ollama::Unsupported> {
@@ -180,21 +180,23 @@ pub fn request<'a>(
         None => None,
     };
     // The configured address of a plain-`http` endpoint: its own connections.
-    if let (Some(plain), None) = (&ep.plain, &url)
-        && let Some(mut req) = direct_request(
+    if let (Some(plain), None) = (&ep.plain, &url) {
+        let again = Again {
             ep,
-            plain.paths[op as usize].clone(),
+            op,
             key,
             request_id,
-            payload.clone(),
-        )
-    {
-        // hyper writes the request as it is: the `Host` hyper-util's client would have added
-        // (unless the endpoint's own headers set one).
-        req.headers_mut()
-            .entry(http::header::HOST)
-            .or_insert_with(|| plain.host.clone());
-        return Ok((Prepared::Pooled(plain.pool.clone(), req), sanitized));
+            payload,
+            uri: None,
+        };
+        if let Some(req) = again.pooled(plain) {
+            return Ok((Prepared::Pooled(plain.pool.clone(), req, again), sanitized));
+        }
+        // A header the `http` crate refuses: reqwest reports it as it always did.
+        return Ok((
+            reqwest_request(ep, op, key, request_id, again.payload),
+            sanitized,
+        ));
     }
     if let Some(direct) = &ep.direct {
         let uri = match &url {
@@ -202,13 +204,53 @@ pub fn request<'a>(
             // Parsed once per config load.
             None => Some(ep.uris[op as usize].clone()),
         };
-        if let Some(req) =
-            uri.and_then(|uri| direct_request(ep, uri, key, request_id, payload.clone()))
-        {
-            return Ok((Prepared::Direct(direct, req), sanitized));
+        if let Some(uri) = uri {
+            let again = Again {
+                ep,
+                op,
+                key,
+                request_id,
+                payload,
+                // A discovered task's address is kept for the copy; a configured one is the
+                // endpoint's.
+                uri: url.is_some().then(|| uri.clone()),
+            };
+            if let Some(req) = direct_request(ep, uri, key, request_id, again.payload.clone()) {
+                return Ok((Prepared::Direct(direct, req, again), sanitized));
+            }
+            // A header the `http` crate refuses: reqwest reports it as it always did.
+            return Ok((
+                reqwest_request_to(ep, url, op, key, request_id, again.payload),
+                sanitized,
+            ));
         }
-        // A header the `http` crate refuses: reqwest reports it as it always did.
     }
+    Ok((
+        reqwest_request_to(ep, url, op, key, request_id, payload),
+        sanitized,
+    ))
+}
+
+/// The request through reqwest, to the endpoint's configured URL.
+fn reqwest_request(
+    ep: &Endpoint,
+    op: Op,
+    key: Option<&Secret>,
+    request_id: &str,
+    payload: Bytes,
+) -> Prepared<'static> {
+    reqwest_request_to(ep, None, op, key, request_id, payload)
+}
+
+/// The request through reqwest, to `url` (a discovered task's) or the endpoint's configured URL.
+fn reqwest_request_to(
+    ep: &Endpoint,
+    url: Option<reqwest::Url>,
+    op: Op,
+    key: Option<&Secret>,
+    request_id: &str,
+    payload: Bytes,
+) -> Prepared<'static> {
     // Parsed once per config load; cloning a `Url` skips reqwest's parse (and IDNA) per call.
     let url = url.unwrap_or_else(|| ep.urls[op as usize].clone());
     let mut rb = ep
@@ -223,7 +265,55 @@ pub fn request<'a>(
     for (k, v) in &ep.headers {
         rb = rb.header(k.as_str(), v.expose());
     }
-    Ok((Prepared::Reqwest(rb), sanitized))
+    Prepared::Reqwest(rb)
+}
+
+/// What an attempt's request was built from, to build it once more should the upstream close
+/// the connection without answering it ([`send_resending`]). Only then: building the copy up
+/// front, as `http::Request` has no cheap clone, cost a request's headers copied and dropped
+/// on every attempt.
+pub struct Again<'a> {
+    ep: &'a Endpoint,
+    op: Op,
+    key: Option<&'a Secret>,
+    request_id: &'a str,
+    payload: Bytes,
+    /// A discovered task's address; `None`: the endpoint's configured one.
+    uri: Option<http::Uri>,
+}
+
+impl Again<'_> {
+    /// The request for a plain-`http` endpoint's own connections, with the `Host` hyper-util's
+    /// client would have added (hyper writes the request as it is), unless the endpoint's own
+    /// headers set one.
+    fn pooled(&self, plain: &crate::config::Plain) -> Option<http::Request<Full<Bytes>>> {
+        let mut req = direct_request(
+            self.ep,
+            plain.paths[self.op as usize].clone(),
+            self.key,
+            self.request_id,
+            self.payload.clone(),
+        )?;
+        req.headers_mut()
+            .entry(http::header::HOST)
+            .or_insert_with(|| plain.host.clone());
+        Some(req)
+    }
+
+    /// The request for the direct client.
+    fn direct(&self) -> Option<http::Request<Full<Bytes>>> {
+        let uri = match &self.uri {
+            Some(u) => u.clone(),
+            None => self.ep.uris[self.op as usize].clone(),
+        };
+        direct_request(
+            self.ep,
+            uri,
+            self.key,
+            self.request_id,
+            self.payload.clone(),
+        )
+    }
 }
 
 /// The same request for the direct client, with the headers reqwest sent (`accept: */*`
@@ -271,11 +361,13 @@ pub type ByteStream = Pin<Box<dyn Stream<Item = Result<Bytes, BoxError>> + Send>
 /// A request ready to go: on the endpoint's direct client, or through reqwest (a proxy is
 /// configured, or a header only reqwest would report).
 pub enum Prepared<'a> {
-    Direct(&'a DirectClient, http::Request<Full<Bytes>>),
+    Direct(&'a DirectClient, http::Request<Full<Bytes>>, Again<'a>),
     /// The same with its own handle on the client (a hedged attempt outlives the borrow).
     DirectOwned(Box<DirectClient>, http::Request<Full<Bytes>>),
     /// On a plain-`http` endpoint's own connections (the handle is a reference count).
-    Pooled(PlainPool, http::Request<Full<Bytes>>),
+    Pooled(PlainPool, http::Request<Full<Bytes>>, Again<'a>),
+    /// The same, outliving the borrow (a hedged attempt).
+    PooledOwned(PlainPool, http::Request<Full<Bytes>>),
     Reqwest(reqwest::RequestBuilder),
 }
 
@@ -402,11 +494,13 @@ pub struct SendError {
 async fn send_direct(
     client: &DirectClient,
     req: http::Request<Full<Bytes>>,
+    again: impl FnOnce() -> Option<http::Request<Full<Bytes>>>,
 ) -> Result<Answer, SendError> {
     // Kept for the error's audit detail (a reference count).
     let uri = req.uri().clone();
     send_resending(
         req,
+        again,
         |r| client.request(r),
         closed_unanswered,
         |e| e.is_connect(),
@@ -419,9 +513,11 @@ async fn send_direct(
 async fn send_pooled(
     pool: &PlainPool,
     req: http::Request<Full<Bytes>>,
+    again: impl FnOnce() -> Option<http::Request<Full<Bytes>>>,
 ) -> Result<Answer, SendError> {
     send_resending(
         req,
+        again,
         |r| pool.send(r),
         crate::h1pool::Error::closed_unanswered,
         crate::h1pool::Error::is_connect,
@@ -430,11 +526,12 @@ async fn send_pooled(
     .await
 }
 
-/// Sends `req` with `send`, once more when the upstream closed the connection unanswered, and
-/// gives the response as an [`Answer`] or the failure as a [`SendError`] (`url` only in its
-/// audit text).
+/// Sends `req` with `send`, once more (`again` builds the copy) when the upstream closed the
+/// connection unanswered, and gives the response as an [`Answer`] or the failure as a
+/// [`SendError`] (`url` only in its audit text).
 async fn send_resending<B, E, Fut>(
     req: http::Request<Full<Bytes>>,
+    again: impl FnOnce() -> Option<http::Request<Full<Bytes>>>,
     send: impl Fn(http::Request<Full<Bytes>>) -> Fut,
     closed_unanswered: impl Fn(&E) -> bool,
     is_connect: impl Fn(&E) -> bool,
@@ -446,18 +543,18 @@ where
     B: hyper::body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
-    // A copy to send again if the server closes the connection without a word (below): the
-    // body is `Bytes` (a reference count); the head is a few small allocations.
-    let again = replay(&req);
     let result = match send(req).await {
-        Err(e) if closed_unanswered(&e) => {
+        Err(e) if closed_unanswered(&e) => match again() {
             // A server closing a keep-alive connection just as the pool reuses it (uvicorn's
             // `timeout_keep_alive`, a proxy's idle timeout) answers nothing: the request is sent
             // once more on a fresh connection, as Go's net/http and Envoy's `reset` retry do,
             // instead of failing over from a healthy endpoint (and ejecting it after five).
-            tracing::debug!(error = %error_chain(&e), "upstream closed the connection unanswered; sent again");
-            send(again).await
-        }
+            Some(copy) => {
+                tracing::debug!(error = %error_chain(&e), "upstream closed the connection unanswered; sent again");
+                send(copy).await
+            }
+            None => Err(e),
+        },
         other => other,
     };
     match result {
@@ -508,18 +605,32 @@ impl Prepared<'_> {
     /// The request with no borrow left (the client handle is cloned: a few reference counts).
     pub fn into_owned(self) -> Prepared<'static> {
         match self {
-            Prepared::Direct(c, r) => Prepared::DirectOwned(Box::new(c.clone()), r),
+            Prepared::Direct(c, r, _) => Prepared::DirectOwned(Box::new(c.clone()), r),
             Prepared::DirectOwned(c, r) => Prepared::DirectOwned(c, r),
-            Prepared::Pooled(p, r) => Prepared::Pooled(p, r),
+            Prepared::Pooled(p, r, _) => Prepared::PooledOwned(p, r),
+            Prepared::PooledOwned(p, r) => Prepared::PooledOwned(p, r),
             Prepared::Reqwest(rb) => Prepared::Reqwest(rb),
         }
     }
 
     pub async fn send(self) -> Result<Answer, SendError> {
         match self {
-            Prepared::Direct(client, req) => send_direct(client, req).await,
-            Prepared::DirectOwned(client, req) => send_direct(&client, req).await,
-            Prepared::Pooled(pool, req) => send_pooled(&pool, req).await,
+            Prepared::Direct(client, req, again) => {
+                send_direct(client, req, move || again.direct()).await
+            }
+            Prepared::DirectOwned(client, req) => {
+                // Nothing left to build it from: the copy is taken now.
+                let copy = replay(&req);
+                send_direct(&client, req, move || Some(copy)).await
+            }
+            Prepared::Pooled(pool, req, again) => {
+                let plain = again.ep.plain.as_ref();
+                send_pooled(&pool, req, move || plain.and_then(|p| again.pooled(p))).await
+            }
+            Prepared::PooledOwned(pool, req) => {
+                let copy = replay(&req);
+                send_pooled(&pool, req, move || Some(copy)).await
+            }
             Prepared::Reqwest(rb) => match rb.send().await {
                 Ok(resp) => Ok(Answer::from(resp)),
                 Err(e) => {
@@ -647,7 +758,7 @@ mod tests {
         assert!(dirty_req.model_span().is_some(), "read as plain");
         let (prepared, changed) = request(h, &dirty_req, false, None, "r", None, false).unwrap();
         assert_eq!(changed, 1);
-        let Prepared::Pooled(_, req) = prepared else {
+        let Prepared::Pooled(_, req, _) = prepared else {
             panic!("a plain-http endpoint's own connections")
         };
         let sent = req.body().clone();
@@ -663,7 +774,7 @@ mod tests {
             let req = crate::wire::read_request(Op::Chat, Bytes::from(raw.to_string())).unwrap();
             assert!(req.model_span().is_some(), "read as plain: {raw}");
             let (prepared, _) = request(a, &req, false, None, "r", None, false).unwrap();
-            let Prepared::Pooled(_, req) = prepared else {
+            let Prepared::Pooled(_, req, _) = prepared else {
                 panic!("a plain-http endpoint's own connections")
             };
             futures_util::FutureExt::now_or_never(http_body_util::BodyExt::collect(
@@ -750,7 +861,7 @@ mod tests {
         let (prepared, _) = request(ep, &req, false, None, "r-1", None, false).unwrap();
         // A plain-http address goes over the endpoint's own connections, in origin form with
         // its `Host`; an https one over the direct client.
-        let Prepared::Pooled(_, req) = &prepared else {
+        let Prepared::Pooled(_, req, _) = &prepared else {
             panic!("a plain-http endpoint's own connections")
         };
         assert_eq!(req.uri(), "/v1/chat/completions");

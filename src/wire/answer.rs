@@ -896,6 +896,19 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(2000))]
 
         #[test]
+        fn plain_string_content_ends_where_a_byte_at_a_time_says(
+            body in proptest::collection::vec(
+                prop_oneof![8 => 0x20u8..0x7f, 1 => Just(b'"'), 1 => Just(b'\\'), 1 => 0u8..0x20, 1 => 0x7fu8..=0xff],
+                0..80,
+            ),
+            from in 0usize..80,
+        ) {
+            let s = &body[from.min(body.len())..];
+            let naive = s.iter().position(|b| matches!(b, b'"' | b'\\' | 0..=0x1f)).unwrap_or(s.len());
+            prop_assert_eq!(skip_plain(s), naive);
+        }
+
+        #[test]
         fn arbitrary_bytes_agree_with_serde_json(body in proptest::collection::vec(any::<u8>(), 0..64)) {
             agrees(&body)?;
         }

@@ -211,7 +211,7 @@ impl<'a> Attempt<'a> {
         let deadline = (super::after(Instant::now(), ep.timeouts.total)).min(self.deadline);
         let timer = sleep_until(deadline);
         tokio::pin!(timer);
-        let resp = match within!(timer, self.deadline, Box::pin(rb.send())) {
+        let resp = match within!(timer, self.deadline, rb.send()) {
             None => {
                 return Err(Failure::new(
                     Outcome::Timeout,
@@ -411,7 +411,7 @@ impl<'a> Attempt<'a> {
         // One timer for every wait up to the first content chunk.
         let timer = sleep_until(first_deadline);
         tokio::pin!(timer);
-        let resp = match within!(timer, self.deadline, Box::pin(rb.send())) {
+        let resp = match within!(timer, self.deadline, rb.send()) {
             None => {
                 return Err(Failure::new(
                     Outcome::FirstTokenTimeout,

@@ -190,7 +190,7 @@ pub fn request<'a>(
             uri: None,
         };
         if let Some(req) = again.pooled(plain) {
-            return Ok((Prepared::Pooled(plain.pool.clone(), req, again), sanitized));
+            return Ok((Prepared::Pooled(&plain.pool, req, again), sanitized));
         }
         // A header the `http` crate refuses: reqwest reports it as it always did.
         return Ok((
@@ -364,8 +364,8 @@ pub enum Prepared<'a> {
     Direct(&'a DirectClient, http::Request<Full<Bytes>>, Again<'a>),
     /// The same with its own handle on the client (a hedged attempt outlives the borrow).
     DirectOwned(Box<DirectClient>, http::Request<Full<Bytes>>),
-    /// On a plain-`http` endpoint's own connections (the handle is a reference count).
-    Pooled(PlainPool, http::Request<Full<Bytes>>, Again<'a>),
+    /// On a plain-`http` endpoint's own connections.
+    Pooled(&'a PlainPool, http::Request<Full<Bytes>>, Again<'a>),
     /// The same, outliving the borrow (a hedged attempt).
     PooledOwned(PlainPool, http::Request<Full<Bytes>>),
     Reqwest(reqwest::RequestBuilder),
@@ -491,39 +491,40 @@ pub struct SendError {
     pub internal: String,
 }
 
-async fn send_direct(
-    client: &DirectClient,
+/// [`send_resending`] on the direct client. Not an `async fn`: it only builds
+/// `send_resending`'s future, so the future the attempt boxes has one level fewer to be moved
+/// through (`docs/benchmarks.md`).
+fn send_direct<'c>(
+    client: &'c DirectClient,
     req: http::Request<Full<Bytes>>,
-    again: impl FnOnce() -> Option<http::Request<Full<Bytes>>>,
-) -> Result<Answer, SendError> {
+    again: impl FnOnce() -> Option<http::Request<Full<Bytes>>> + 'c,
+) -> impl Future<Output = Result<Answer, SendError>> + 'c {
     // Kept for the error's audit detail (a reference count).
     let uri = req.uri().clone();
     send_resending(
         req,
         again,
-        |r| client.request(r),
+        move |r| client.request(r),
         closed_unanswered,
         |e| e.is_connect(),
-        &uri,
+        uri,
     )
-    .await
 }
 
 /// [`send_direct`] on a plain-`http` endpoint's own connections.
-async fn send_pooled(
-    pool: &PlainPool,
+fn send_pooled<'c>(
+    pool: &'c PlainPool,
     req: http::Request<Full<Bytes>>,
-    again: impl FnOnce() -> Option<http::Request<Full<Bytes>>>,
-) -> Result<Answer, SendError> {
+    again: impl FnOnce() -> Option<http::Request<Full<Bytes>>> + 'c,
+) -> impl Future<Output = Result<Answer, SendError>> + 'c {
     send_resending(
         req,
         again,
-        |r| pool.send(r),
+        move |r| pool.send(r),
         crate::h1pool::Error::closed_unanswered,
         crate::h1pool::Error::is_connect,
         pool.target(),
     )
-    .await
 }
 
 /// Sends `req` with `send`, once more (`again` builds the copy) when the upstream closed the
@@ -535,7 +536,7 @@ async fn send_resending<B, E, Fut>(
     send: impl Fn(http::Request<Full<Bytes>>) -> Fut,
     closed_unanswered: impl Fn(&E) -> bool,
     is_connect: impl Fn(&E) -> bool,
-    url: &http::Uri,
+    url: impl fmt::Display,
 ) -> Result<Answer, SendError>
 where
     Fut: Future<Output = Result<http::Response<B>, E>>,
@@ -601,57 +602,67 @@ fn replay(req: &http::Request<Full<Bytes>>) -> http::Request<Full<Bytes>> {
     r
 }
 
-impl Prepared<'_> {
+impl<'a> Prepared<'a> {
     /// The request with no borrow left (the client handle is cloned: a few reference counts).
     pub fn into_owned(self) -> Prepared<'static> {
         match self {
             Prepared::Direct(c, r, _) => Prepared::DirectOwned(Box::new(c.clone()), r),
             Prepared::DirectOwned(c, r) => Prepared::DirectOwned(c, r),
-            Prepared::Pooled(p, r, _) => Prepared::PooledOwned(p, r),
+            Prepared::Pooled(p, r, _) => Prepared::PooledOwned(p.clone(), r),
             Prepared::PooledOwned(p, r) => Prepared::PooledOwned(p, r),
             Prepared::Reqwest(rb) => Prepared::Reqwest(rb),
         }
     }
 
-    pub async fn send(self) -> Result<Answer, SendError> {
+    /// The request sent, as a boxed future: each kind of request boxes its own (the pooled
+    /// one is the upstream call's state itself, not that state inside a future that matches on
+    /// the kind), so the future an attempt awaits is one small box (`docs/benchmarks.md`).
+    pub fn send(self) -> Sending<'a> {
         match self {
             Prepared::Direct(client, req, again) => {
-                send_direct(client, req, move || again.direct()).await
+                Box::pin(send_direct(client, req, move || again.direct()))
             }
             Prepared::DirectOwned(client, req) => {
                 // Nothing left to build it from: the copy is taken now.
                 let copy = replay(&req);
-                send_direct(&client, req, move || Some(copy)).await
+                Box::pin(async move { send_direct(&client, req, move || Some(copy)).await })
             }
             Prepared::Pooled(pool, req, again) => {
                 let plain = again.ep.plain.as_ref();
-                send_pooled(&pool, req, move || plain.and_then(|p| again.pooled(p))).await
+                Box::pin(send_pooled(pool, req, move || {
+                    plain.and_then(|p| again.pooled(p))
+                }))
             }
             Prepared::PooledOwned(pool, req) => {
                 let copy = replay(&req);
-                send_pooled(&pool, req, move || Some(copy)).await
+                Box::pin(async move { send_pooled(&pool, req, move || Some(copy)).await })
             }
-            Prepared::Reqwest(rb) => match rb.send().await {
-                Ok(resp) => Ok(Answer::from(resp)),
-                Err(e) => {
-                    // reqwest's Display includes the URL: a discovered task's internal address,
-                    // which belongs in the audit row, not in a client's 503 body.
-                    let full = error_chain(&e);
-                    let shown = match e.url() {
-                        Some(u) => full.replace(&format!(" for url ({u})"), ""),
-                        None => full.clone(),
-                    };
-                    Err(SendError {
-                        connect: e.is_connect(),
-                        out_of_files: out_of_files(&e),
-                        shown,
-                        internal: full,
-                    })
+            Prepared::Reqwest(rb) => Box::pin(async move {
+                match rb.send().await {
+                    Ok(resp) => Ok(Answer::from(resp)),
+                    Err(e) => {
+                        // reqwest's Display includes the URL: a discovered task's internal address,
+                        // which belongs in the audit row, not in a client's 503 body.
+                        let full = error_chain(&e);
+                        let shown = match e.url() {
+                            Some(u) => full.replace(&format!(" for url ({u})"), ""),
+                            None => full.clone(),
+                        };
+                        Err(SendError {
+                            connect: e.is_connect(),
+                            out_of_files: out_of_files(&e),
+                            shown,
+                            internal: full,
+                        })
+                    }
                 }
-            },
+            }),
         }
     }
 }
+
+/// An upstream request on its way: [`Prepared::send`].
+pub type Sending<'a> = Pin<Box<dyn Future<Output = Result<Answer, SendError>> + Send + 'a>>;
 
 /// An error and its sources, each once.
 pub fn error_chain(e: &dyn std::error::Error) -> String {

@@ -58,6 +58,7 @@ mod layering {
             &[],
         ),
         ("front::stop", &[include_str!("front/stop.rs")], &[]),
+        ("front::timer", &[include_str!("front/timer.rs")], &[]),
         (
             "routing::ratelimit",
             &[include_str!("routing/ratelimit.rs")],

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Instructions a request, counted by valgrind's callgrind (repeatable whatever else the machine
 # is doing, unlike seconds): the release gateway under callgrind in front of the mock upstream,
-# N keep-alive requests from a Python client; startup and shutdown cancel out in the difference
-# between a 1,000- and a 9,000-request run (SMALL and LARGE; startup alone varies by several
-# million instructions from run to run — ±1.5k a request over 4,000 requests, half that over
-# 8,000 — so the runs must differ by thousands of requests). Prints
+# N keep-alive requests from a Python client. Start-up and shutdown are not counted (the
+# counters are zeroed after $WARM requests and dumped before shutdown); what each run still
+# pays once (the measured client's connection, the idle pause before the dump) cancels out in the
+# difference between a 1,000- and a 9,000-request run (SMALL and LARGE). Prints
 # the figure, split into the request path, the audit writer and the log writer (one callgrind file
 # a thread), and the inclusive cost of the functions named in $FOCUS (a grep pattern) per request.
 #
@@ -55,19 +55,9 @@ routing_policy: { fallback_chain: [a] }
 health: { probe_interval: 1h }
 EOF
 
-run() { # requests, callgrind file, then the command to count (the gateway unless given)
-  local n=$1 out=$2
-  local log
-  log="$work/$(basename "$(dirname "$out")")-$(basename "$out")"
-  shift 2
-  [ $# -gt 0 ] || set -- "$BIN" serve --listen 127.0.0.1:0 --config "$work/conf/config.yaml" --data-dir "$work/data-$n"
-  RUST_LOG=${RUST_LOG:-info} AUTOHEDGE_LOG_FORMAT=${LOG_FORMAT:-json} valgrind --tool=callgrind \
-    --separate-threads=yes --callgrind-out-file="$out" "$@" > "$log.out" 2> "$log.err" &
-  local pid=$!
-  for _ in $(seq 600); do grep -q "listening on" "$log.out" 2>/dev/null && break; sleep 0.1; done
-  local addr
-  addr=$(sed -n 's/.*listening on \(http:\/\/\)\{0,1\}//p' "$log.out" | head -1)
-  python3 - "$addr" "$n" "$STREAM" "$CONC" <<'PY'
+# The client: $2 requests to $1 on $CONC connections (each sends its share one after another).
+client() {
+  python3 - "$1" "$2" "$STREAM" "$CONC" <<'PY'
 import http.client, json, sys, threading
 addr, n, stream, conc = sys.argv[1], int(sys.argv[2]), bool(sys.argv[3]), int(sys.argv[4])
 host, port = addr.rsplit(":", 1)
@@ -86,10 +76,50 @@ threads = [threading.Thread(target=client, args=(n // conc + (i < n % conc),)) f
 for t in threads: t.start()
 for t in threads: t.join()
 PY
-  kill -TERM "$pid"
-  wait "$pid" || true
 }
 
+# Counts $1 requests into callgrind file $2 (one file a thread: $2.1-NN), of the command given
+# after them (the gateway unless given). Start-up is not counted: after $WARM requests (the
+# lazily built state, the pools' connections) the counters are zeroed (`callgrind_control -z`),
+# and they are dumped once the requests are answered and the audit and log writers have written
+# them (a pause longer than their gathers), before shutdown.
+run() {
+  local n=$1 out=$2
+  local log
+  log="$work/$(basename "$(dirname "$out")")-$(basename "$out")"
+  shift 2
+  [ $# -gt 0 ] || set -- "$BIN" serve --listen 127.0.0.1:0 --config "$work/conf/config.yaml" --data-dir "$work/data-$n"
+  RUST_LOG=${RUST_LOG:-info} AUTOHEDGE_LOG_FORMAT=${LOG_FORMAT:-json} valgrind --tool=callgrind \
+    --separate-threads=yes --callgrind-out-file="$out" "$@" > "$log.out" 2> "$log.err" &
+  local pid=$!
+  for _ in $(seq 600); do grep -q "listening on" "$log.out" 2>/dev/null && break; sleep 0.1; done
+  local addr
+  addr=$(sed -n 's/.*listening on \(http:\/\/\)\{0,1\}//p' "$log.out" | head -1)
+  client "$addr" "$WARM"
+  callgrind_control -z "$pid" > /dev/null
+  client "$addr" "$n"
+  sleep 0.5
+  callgrind_control --dump=measured "$pid" > /dev/null
+  kill -TERM "$pid"
+  wait "$pid" || true
+  # The dump at exit (start-up and shutdown included) is not the measurement.
+  rm -f "$out"-[0-9]*
+  # A dump made while calls are under way (the workers' loops, parked) records each such call
+  # with a count of 0 and its cost so far, which callgrind_annotate adds to the callee's own
+  # cost: those calls' costs are set to 0 (the callees' own costs are in their own records).
+  python3 - "$out".[0-9]*-[0-9]* <<'PY'
+import sys
+for path in sys.argv[1:]:
+    lines = open(path, errors="replace").read().split("\n")
+    for i, line in enumerate(lines[:-1]):
+        if line.startswith("calls=0 "):
+            fields = lines[i + 1].split()
+            lines[i + 1] = " ".join(fields[:1] + ["0"] * (len(fields) - 1))
+    open(path, "w").write("\n".join(lines))
+PY
+}
+
+WARM=${WARM:-300}
 if [ -n "$STREAM" ]; then
   SMALL=${SMALL:-100}
   LARGE=${LARGE:-400}

@@ -808,6 +808,63 @@ mod tests {
         );
     }
 
+    /// The copy sent again after an unanswered close (`Again`) is the request sent the first
+    /// time: method, URI, every header (the key's among them, still marked sensitive) and body.
+    #[tokio::test]
+    async fn the_copy_sent_again_is_the_first_request() {
+        let cfg = crate::config::Config::load(
+            "models:\n  plain: { type: openai, base_url: \"http://127.0.0.1:9/v1\", model: up, api_key: sk-plain, headers: { x-team: blue } }\n  tls: { type: openai, base_url: \"https://127.0.0.1:9/v1\", model: up, api_key: sk-tls }\n",
+        )
+        .unwrap();
+        let same = |a: &http::Request<Full<Bytes>>, b: &http::Request<Full<Bytes>>| {
+            let body = |r: &http::Request<Full<Bytes>>| {
+                futures_util::FutureExt::now_or_never(BodyExt::collect(r.body().clone()))
+                    .unwrap()
+                    .unwrap()
+                    .to_bytes()
+            };
+            assert_eq!(a.method(), b.method());
+            assert_eq!(a.uri(), b.uri());
+            assert_eq!(a.headers(), b.headers());
+            let auth = |r: &http::Request<Full<Bytes>>| {
+                r.headers()
+                    .get(http::header::AUTHORIZATION)
+                    .map(|v| (v.as_bytes().to_vec(), v.is_sensitive()))
+            };
+            assert_eq!(auth(a), auth(b));
+            assert!(auth(a).is_some_and(|(_, sensitive)| sensitive));
+            assert_eq!(body(a), body(b));
+            assert!(!body(a).is_empty());
+        };
+        let req = crate::wire::read_request(
+            Op::Chat,
+            Bytes::from(r#"{"model": "m", "messages": [{"role":"user","content":"hi"}]}"#),
+        )
+        .unwrap();
+        let plain = &cfg.endpoints["plain"];
+        let key = plain.keys[0].value.as_ref();
+        let (prepared, _) = request(plain, &req, false, key, "req-1", None, false).unwrap();
+        let Prepared::Pooled(_, first, again) = prepared else {
+            panic!("a plain-http endpoint's own connections")
+        };
+        let copy = again.pooled(plain.plain.as_ref().unwrap()).unwrap();
+        same(&first, &copy);
+        assert_eq!(first.headers()["x-team"], "blue");
+        assert!(first.headers().contains_key(http::header::HOST));
+        let tls = &cfg.endpoints["tls"];
+        let key = tls.keys[0].value.as_ref();
+        for base in [None, Some("http://10.0.0.7:8000")] {
+            let (prepared, _) = request(tls, &req, false, key, "req-2", base, false).unwrap();
+            let Prepared::Direct(_, first, again) = prepared else {
+                panic!("the direct client ({base:?})")
+            };
+            same(&first, &again.direct().unwrap());
+            if let Some(b) = base {
+                assert!(first.uri().to_string().starts_with(b), "{}", first.uri());
+            }
+        }
+    }
+
     #[tokio::test]
     async fn a_body_is_whole_however_it_is_split() {
         assert_eq!(answer(vec![]).bytes(10).await.unwrap(), Bytes::new());

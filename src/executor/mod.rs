@@ -7,7 +7,10 @@
 //! chunk within `first_token` — fails over invisibly. After the commit, bytes pass straight
 //! through; a failure then ends the stream with an OpenAI-style error event.
 
-use std::collections::{HashMap, HashSet};
+/// Sets and maps of endpoint names (config names, a handful a request): foldhash, several times
+/// cheaper than the standard library's SipHash for a short name, looked up a few times a request.
+type HashSet<T> = std::collections::HashSet<T, foldhash::fast::RandomState>;
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -229,9 +232,10 @@ pub fn execute(
         request_id,
         started: Instant::now(),
         started_wall: SystemTime::now(),
-        attempts: Vec::new(),
+        // Every request records at least one attempt (or skip).
+        attempts: Vec::with_capacity(1),
         calls: 0,
-        counts: HashMap::new(),
+        counts: HashMap::default(),
         counted_prompt: None,
         prompt_bound: None,
         context_skipped: Vec::new(),
@@ -248,13 +252,13 @@ pub fn execute(
         hedges_sent: 0,
         hedge_won: false,
         pass: PassState::default(),
-        forced: HashSet::new(),
+        forced: HashSet::default(),
         continue_chain,
         client: caller.client,
         admission: caller.admission,
         own_key: caller.key,
-        panic_mode: HashSet::new(),
-        backend_failed: HashSet::new(),
+        panic_mode: HashSet::default(),
+        backend_failed: HashSet::default(),
         waited: Duration::ZERO,
         responses: caller.responses.map(Arc::new),
         pin_lost: false,

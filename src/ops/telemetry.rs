@@ -302,6 +302,11 @@ impl Telemetry {
                 h.ttft.record(t / 1000.0);
             }
         });
+        // The common request, one attempt at the endpoint that served it: one lookup for both.
+        let (first, rest) = match (&row.endpoint, row.attempts.split_first()) {
+            (Some(ep), Some((a, rest))) if a.endpoint == *ep => (Some(a), rest),
+            _ => (None, &row.attempts[..]),
+        };
         if let Some(ep) = &row.endpoint {
             self.handles.endpoint(ep, |h| {
                 if let Some(n) = row.tokens_in {
@@ -310,11 +315,14 @@ impl Telemetry {
                 if let Some(n) = row.tokens_out {
                     h.tokens_out.increment(n);
                 }
+                if let Some(a) = first {
+                    h.attempt(&a.endpoint, a.class);
+                }
             });
         }
         let now = Instant::now();
         let answered = |a: &&crate::store::AttemptRow| !a.class.is_skip() && a.status.is_some();
-        for a in &row.attempts {
+        for a in rest {
             self.handles
                 .endpoint(&a.endpoint, |h| h.attempt(&a.endpoint, a.class));
         }

@@ -194,56 +194,43 @@ pub fn request<'a>(
         }
         // A header the `http` crate refuses: reqwest reports it as it always did.
         return Ok((
-            reqwest_request(ep, op, key, request_id, again.payload),
+            reqwest_request(ep, None, op, key, request_id, again.payload),
             sanitized,
         ));
     }
     if let Some(direct) = &ep.direct {
-        let uri = match &url {
-            Some(u) => u.as_str().parse::<http::Uri>().ok(),
-            // Parsed once per config load.
-            None => Some(ep.uris[op as usize].clone()),
+        // A discovered task's address (kept for the copy), else the endpoint's configured one.
+        let discovered = match &url {
+            Some(u) => u.as_str().parse::<http::Uri>().ok().map(Some),
+            None => Some(None),
         };
-        if let Some(uri) = uri {
+        if let Some(uri) = discovered {
             let again = Again {
                 ep,
                 op,
                 key,
                 request_id,
                 payload,
-                // A discovered task's address is kept for the copy; a configured one is the
-                // endpoint's.
-                uri: url.is_some().then(|| uri.clone()),
+                uri,
             };
-            if let Some(req) = direct_request(ep, uri, key, request_id, again.payload.clone()) {
+            if let Some(req) = again.direct() {
                 return Ok((Prepared::Direct(direct, req, again), sanitized));
             }
             // A header the `http` crate refuses: reqwest reports it as it always did.
             return Ok((
-                reqwest_request_to(ep, url, op, key, request_id, again.payload),
+                reqwest_request(ep, url, op, key, request_id, again.payload),
                 sanitized,
             ));
         }
     }
     Ok((
-        reqwest_request_to(ep, url, op, key, request_id, payload),
+        reqwest_request(ep, url, op, key, request_id, payload),
         sanitized,
     ))
 }
 
-/// The request through reqwest, to the endpoint's configured URL.
-fn reqwest_request(
-    ep: &Endpoint,
-    op: Op,
-    key: Option<&Secret>,
-    request_id: &str,
-    payload: Bytes,
-) -> Prepared<'static> {
-    reqwest_request_to(ep, None, op, key, request_id, payload)
-}
-
 /// The request through reqwest, to `url` (a discovered task's) or the endpoint's configured URL.
-fn reqwest_request_to(
+fn reqwest_request(
     ep: &Endpoint,
     url: Option<reqwest::Url>,
     op: Op,

@@ -26,6 +26,7 @@ pub mod op;
 pub mod ops;
 pub mod reload;
 pub mod routing;
+pub mod selfwake;
 pub mod state;
 pub mod store;
 pub mod tokens;
@@ -57,7 +58,12 @@ mod layering {
             &[include_str!("front/send_deadline.rs")],
             &[],
         ),
-        ("front::stop", &[include_str!("front/stop.rs")], &[]),
+        ("selfwake", &[include_str!("selfwake.rs")], &[]),
+        (
+            "front::stop",
+            &[include_str!("front/stop.rs")],
+            &["selfwake"],
+        ),
         ("front::timer", &[include_str!("front/timer.rs")], &[]),
         (
             "routing::ratelimit",

@@ -24,6 +24,8 @@ use futures_util::task::AtomicWaker;
 use hyper_util::server::graceful::GracefulConnection;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
+use crate::selfwake::Rewake;
+
 /// A connection that can be asked to finish what it is doing and close (hyper's, through
 /// hyper-util's `GracefulConnection`).
 pub trait Drains: Future {
@@ -96,6 +98,8 @@ pub struct Watched<F> {
     drain: Option<Waiter>,
     stopped: bool,
     polled: bool,
+    /// The connection's polls, again at once when it woke itself (`selfwake`).
+    rewake: Rewake,
 }
 
 impl<F: Drains> Watched<F> {
@@ -107,6 +111,7 @@ impl<F: Drains> Watched<F> {
             drain: Some(Box::pin(drain.clone().cancelled_owned())),
             stopped: false,
             polled: false,
+            rewake: Rewake::default(),
         }
     }
 }
@@ -140,7 +145,8 @@ impl<F: Drains> Future for Watched<F> {
             Seen::Running
         };
         let _restore = Restore(SEEN.replace(seen));
-        this.conn.as_mut().poll(cx)
+        let conn = &mut this.conn;
+        this.rewake.poll(cx, |cx| conn.as_mut().poll(cx))
     }
 }
 
@@ -304,5 +310,82 @@ mod tests {
         let (c, _) = conn(async { SEEN.get() });
         assert_eq!(Watched::new(&stop, &drain, c).await, Seen::Stopped);
         assert_eq!(SEEN.get(), Seen::Unwatched);
+    }
+
+    /// hyper's HTTP/1 connection wakes its own task when its service reads the request's body
+    /// within the connection's poll (the body channel's sender waits for room with the
+    /// connection's waker): tokio would queue the task again and wake another worker. A watched
+    /// connection is polled again at once instead, and its task is not woken.
+    #[tokio::test]
+    async fn a_watched_connection_reading_a_body_does_not_wake_its_own_task() {
+        use futures_util::FutureExt;
+        use http_body_util::BodyExt;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+        struct Count(AtomicUsize);
+        impl Wake for Count {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+
+        /// A keep-alive connection that has been sent one POST with a body, the service
+        /// answering with the body's length; polled once, with a waker counting its wakes.
+        /// Returns the wakes and what the client read.
+        async fn one_poll(watched: bool) -> (usize, String) {
+            let (mut client, server) = tokio::io::duplex(64 * 1024);
+            let svc = hyper::service::service_fn(
+                |req: hyper::Request<hyper::body::Incoming>| async move {
+                    let body = req.into_body().collect().await?.to_bytes();
+                    Ok::<_, hyper::Error>(hyper::Response::new(http_body_util::Full::new(
+                        bytes::Bytes::from(body.len().to_string()),
+                    )))
+                },
+            );
+            let conn = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(server), svc);
+            client
+                .write_all(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n\r\nhello")
+                .await
+                .unwrap();
+            let count = Arc::new(Count(AtomicUsize::new(0)));
+            let waker = Waker::from(count.clone());
+            let mut cx = Context::from_waker(&waker);
+            let (stop, drain) = (CancellationToken::new(), CancellationToken::new());
+            let polled = if watched {
+                Box::pin(Watched::new(&stop, &drain, conn))
+                    .as_mut()
+                    .poll(&mut cx)
+            } else {
+                Box::pin(conn).as_mut().poll(&mut cx)
+            };
+            assert!(polled.is_pending(), "a keep-alive connection stays open");
+            let mut buf = vec![0; 4096];
+            let n = client
+                .read(&mut buf)
+                .now_or_never()
+                .expect("answered within the one poll")
+                .unwrap();
+            (
+                count.0.load(Ordering::Relaxed),
+                String::from_utf8_lossy(&buf[..n]).into_owned(),
+            )
+        }
+
+        let (wakes, answer) = one_poll(false).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(
+            wakes >= 1,
+            "hyper's connection wakes its own task as it reads a body (else this test shows nothing)"
+        );
+        let (wakes, answer) = one_poll(true).await;
+        assert!(
+            answer.starts_with("HTTP/1.1 200") && answer.ends_with("\r\n\r\n5"),
+            "{answer}"
+        );
+        assert_eq!(
+            wakes, 0,
+            "the watched connection's task was woken by itself"
+        );
     }
 }

@@ -205,10 +205,11 @@ impl<'a> Attempt<'a> {
     }
 
     /// A non-stream attempt: the whole answer under `timeouts.total`.
-    pub(super) async fn full(&self, rb: Prepared<'_>) -> Result<Success, Failure> {
+    /// The attempt without streaming, sent `now` (its `timeouts.total` runs from then).
+    pub(super) async fn full(&self, rb: Prepared<'_>, now: Instant) -> Result<Success, Failure> {
         let ep = self.ep;
         // Each attempt's timeouts are capped by what is left of the request's own deadline.
-        let deadline = (super::after(Instant::now(), ep.timeouts.total)).min(self.deadline);
+        let deadline = (super::after(now, ep.timeouts.total)).min(self.deadline);
         let timer = sleep_until(deadline);
         tokio::pin!(timer);
         let resp = match within!(timer, self.deadline, rb.send()) {

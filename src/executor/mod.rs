@@ -225,12 +225,13 @@ pub fn execute(
         && cfg.route_continue.contains(&req.model)
         && !req.has_tools_key())
     .then(|| chain.clone());
+    let started = Instant::now();
     let mut run = Box::new(Run {
         app,
         cfg,
         req: Arc::new(req),
         request_id,
-        started: Instant::now(),
+        started,
         started_wall: SystemTime::now(),
         // Every request records at least one attempt (or skip).
         attempts: Vec::with_capacity(1),
@@ -244,7 +245,8 @@ pub fn execute(
         billed: None,
         truncation: None,
         sanitized: 0,
-        deadline: Instant::now(),
+        // Set below, from the request's arrival.
+        deadline: started,
         row_written: false,
         current: None,
         current_hedge: None,
@@ -794,7 +796,7 @@ impl Run {
         let result = if self.req.stream {
             attempt.stream(rb, t0).await
         } else {
-            attempt.full(rb).await
+            attempt.full(rb, sent).await
         };
         self.waited += sent.elapsed();
         result
@@ -856,7 +858,7 @@ impl Run {
             if req.stream {
                 attempt.stream(rb, t0).await
             } else {
-                attempt.full(rb).await
+                attempt.full(rb, Instant::now()).await
             }
         };
         Ok(Racing {

@@ -163,12 +163,16 @@ async fn serve(
             &id,
         );
     };
-    let read = tokio::time::timeout(
-        cfg.body_timeout,
-        read_json(&headers, body, cfg.max_body_bytes),
-    )
-    .await
-    .unwrap_or(Err(ApiError::BodyTimeout(cfg.body_timeout)));
+    // The body has usually come with the head: its timer is made only when it has not.
+    let read = {
+        let mut read = std::pin::pin!(read_json(&headers, body, cfg.max_body_bytes));
+        match futures_util::poll!(read.as_mut()) {
+            std::task::Poll::Ready(r) => r,
+            std::task::Poll::Pending => tokio::time::timeout(cfg.body_timeout, read)
+                .await
+                .unwrap_or(Err(ApiError::BodyTimeout(cfg.body_timeout))),
+        }
+    };
     let inbound = read.and_then(|raw| wire::read_request(op, raw));
     let mut inbound = match inbound {
         Ok(i) => i,

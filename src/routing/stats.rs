@@ -40,7 +40,26 @@ impl Counts {
 pub struct RollingWindow {
     window: Duration,
     width: Duration,
-    buckets: VecDeque<(Instant, Counts)>,
+    buckets: VecDeque<Bucket>,
+}
+
+/// A bucket's times kept as the instants its tests compare with (`now >= closes`), not as a
+/// start that each test subtracts from `now`: every request records into the window twice.
+#[derive(Clone, Copy, Debug)]
+struct Bucket {
+    start: Instant,
+    /// `start + width`: from then on outcomes go to a new bucket.
+    closes: Instant,
+    /// `start + window`: from then on the bucket is out of the window.
+    expires: Instant,
+    counts: Counts,
+}
+
+/// `t + d`; never panics (windows are capped at load, so the fallbacks are not reached).
+fn plus(t: Instant, d: Duration) -> Instant {
+    t.checked_add(d)
+        .or_else(|| t.checked_add(Duration::from_secs(86_400)))
+        .unwrap_or(t)
 }
 
 impl RollingWindow {
@@ -63,13 +82,17 @@ impl RollingWindow {
             let old = std::mem::take(&mut self.buckets);
             *self = RollingWindow::new(window);
             self.buckets = old;
+            for b in &mut self.buckets {
+                b.closes = plus(b.start, self.width);
+                b.expires = plus(b.start, self.window);
+            }
             self.prune(now);
         }
     }
 
     fn prune(&mut self, now: Instant) {
-        while let Some((start, _)) = self.buckets.front() {
-            if now.saturating_duration_since(*start) >= self.window {
+        while let Some(b) = self.buckets.front() {
+            if now >= b.expires {
                 self.buckets.pop_front();
             } else {
                 break;
@@ -81,14 +104,19 @@ impl RollingWindow {
     fn current(&mut self, now: Instant) -> &mut Counts {
         self.prune(now);
         let fresh = match self.buckets.back() {
-            Some((start, _)) => now.saturating_duration_since(*start) >= self.width,
+            Some(b) => now >= b.closes,
             None => true,
         };
         if fresh {
-            self.buckets.push_back((now, Counts::default()));
+            self.buckets.push_back(Bucket {
+                start: now,
+                closes: plus(now, self.width),
+                expires: plus(now, self.window),
+                counts: Counts::default(),
+            });
         }
         let last = self.buckets.len() - 1;
-        &mut self.buckets[last].1
+        &mut self.buckets[last].counts
     }
 
     pub fn record(&mut self, now: Instant, ok: bool) {
@@ -108,8 +136,11 @@ impl RollingWindow {
 
     pub fn counts(&self, now: Instant) -> Counts {
         let mut sum = Counts::default();
-        for (start, c) in &self.buckets {
-            if now.saturating_duration_since(*start) < self.window {
+        for Bucket {
+            expires, counts: c, ..
+        } in &self.buckets
+        {
+            if now < *expires {
                 sum.ok += c.ok;
                 sum.failed += c.failed;
                 sum.served_max = sum.served_max.max(c.served_max);
@@ -210,6 +241,39 @@ mod tests {
         assert_eq!((c.ok, c.failed), (5, 0));
         tokio::time::advance(Duration::from_secs(60)).await;
         assert_eq!(w.counts(Instant::now()).total(), 0);
+    }
+
+    /// A reload that shortens the window forgets what fell out of the new one, by the new
+    /// length, and what is still inside stays counted.
+    #[tokio::test(start_paused = true)]
+    async fn a_resized_window_keeps_what_fits_and_forgets_by_its_new_length() {
+        let mut w = RollingWindow::new(Duration::from_secs(60));
+        for _ in 0..5 {
+            w.record(Instant::now(), false);
+        }
+        tokio::time::advance(Duration::from_secs(30)).await;
+        w.record(Instant::now(), true);
+        w.resize(Duration::from_secs(40), Instant::now());
+        let c = w.counts(Instant::now());
+        assert_eq!((c.ok, c.failed), (1, 5), "30 s old: inside 40 s");
+        tokio::time::advance(Duration::from_secs(11)).await;
+        let c = w.counts(Instant::now());
+        assert_eq!(
+            (c.ok, c.failed),
+            (1, 0),
+            "41 s old: out of 40 s (it had 60)"
+        );
+        // Buckets are as wide as the new window makes them: 40 s / 12.
+        w.record(Instant::now(), true);
+        tokio::time::advance(Duration::from_millis(3_400)).await;
+        w.record(Instant::now(), false);
+        tokio::time::advance(Duration::from_millis(36_700)).await;
+        let c = w.counts(Instant::now());
+        assert_eq!(
+            (c.ok, c.failed),
+            (0, 1),
+            "the 3.4 s later outcome is in a bucket of its own"
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -21,8 +21,6 @@
 //! Imports nothing of the crate (below `front` and `h1pool`).
 
 use std::cell::Cell;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll, Wake, Waker};
@@ -109,37 +107,36 @@ impl Rewake {
     }
 }
 
-pin_project_lite::pin_project! {
-    /// A future polled through a [`Rewake`].
-    pub struct SelfWake<F> {
-        #[pin]
-        fut: F,
-        rewake: Rewake,
-    }
-}
-
-impl<F> SelfWake<F> {
-    pub fn new(fut: F) -> Self {
-        SelfWake {
-            fut,
-            rewake: Rewake::default(),
-        }
-    }
-}
-
-impl<F: Future> Future for SelfWake<F> {
-    type Output = F::Output;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        let mut this = self.project();
-        this.rewake.poll(cx, |cx| this.fut.as_mut().poll(cx))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::future::Future;
+    use std::pin::Pin;
     use std::sync::atomic::AtomicUsize;
+
+    /// `fut` polled through a [`Rewake`], as `front::stop::Watched` polls its connection.
+    struct SelfWake<F> {
+        fut: Pin<Box<F>>,
+        rewake: Rewake,
+    }
+
+    impl<F> SelfWake<F> {
+        fn new(fut: F) -> Self {
+            SelfWake {
+                fut: Box::pin(fut),
+                rewake: Rewake::default(),
+            }
+        }
+    }
+
+    impl<F: Future> Future for SelfWake<F> {
+        type Output = F::Output;
+        fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+            let this = self.get_mut();
+            let fut = &mut this.fut;
+            this.rewake.poll(cx, |cx| fut.as_mut().poll(cx))
+        }
+    }
 
     /// A waker counting its wakes.
     struct Count(AtomicUsize);

@@ -204,8 +204,7 @@ impl<'a> Attempt<'a> {
         .map_err(|u| Failure::new(Outcome::Unsupported, None, u.0))
     }
 
-    /// A non-stream attempt: the whole answer under `timeouts.total`.
-    /// The attempt without streaming, sent `now` (its `timeouts.total` runs from then).
+    /// A non-stream attempt sent `now`: the whole answer under `timeouts.total` from then.
     pub(super) async fn full(&self, rb: Prepared<'_>, now: Instant) -> Result<Success, Failure> {
         let ep = self.ep;
         // Each attempt's timeouts are capped by what is left of the request's own deadline.

@@ -473,7 +473,7 @@ pub fn audit_import(
     };
     let opened = match &pg {
         Some(pg) => {
-            let o = store::pg::open(pg, 100_000);
+            let o = store::pg::open(pg, 100_000, None);
             if let Some(why) = o.store.handle().off_reason() {
                 bail!("the audit store ({}) is not reachable: {why}", pg.display);
             }

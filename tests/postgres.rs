@@ -6,156 +6,12 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::pg_server::Pg;
 use common::*;
 use serde_json::{Value, json};
-
-/// A PostgreSQL cluster of our own; stopped and removed when dropped.
-struct Pg {
-    dir: tempfile::TempDir,
-    port: u16,
-    bin: std::path::PathBuf,
-}
-
-/// Runs `program args` as the `postgres` user when this process is root (PostgreSQL refuses
-/// to run as root), else as ourselves.
-fn as_pg_user(program: &std::path::Path, args: &[&str]) -> Command {
-    let root = std::env::var("USER").as_deref() == Ok("root")
-        || Command::new("id")
-            .arg("-u")
-            .output()
-            .is_ok_and(|o| o.stdout.starts_with(b"0\n"));
-    if root {
-        let mut c = Command::new("runuser");
-        c.args(["-u", "postgres", "--"]).arg(program).args(args);
-        c
-    } else {
-        let mut c = Command::new(program);
-        c.args(args);
-        c
-    }
-}
-
-impl Pg {
-    fn start() -> Pg {
-        let bin = ["/usr/lib/postgresql/15/bin", "/usr/lib/postgresql/16/bin"]
-            .iter()
-            .map(std::path::PathBuf::from)
-            .find(|p| p.join("initdb").exists())
-            .expect(
-                "PostgreSQL's initdb (Debian's postgresql package; tests/run-all.sh installs it)",
-            );
-        let dir = tempfile::Builder::new().prefix("ah-pg").tempdir().unwrap();
-        // The postgres user must own its directory.
-        let _ = Command::new("chown")
-            .args(["-R", "postgres:postgres"])
-            .arg(dir.path())
-            .status();
-        let data = dir.path().join("data");
-        let ok = as_pg_user(
-            &bin.join("initdb"),
-            &[
-                "-D",
-                data.to_str().unwrap(),
-                "-U",
-                "postgres",
-                "--auth=trust",
-                "-E",
-                "UTF8",
-            ],
-        )
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .unwrap();
-        assert!(ok.success(), "initdb failed");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let pg = Pg { dir, port, bin };
-        pg.ctl_start();
-        pg
-    }
-
-    fn ctl_start(&self) {
-        let data = self.dir.path().join("data");
-        let opts = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=100",
-            self.port,
-            self.dir.path().display()
-        );
-        let log = self.dir.path().join("pg.log");
-        let ok = as_pg_user(
-            &self.bin.join("pg_ctl"),
-            &[
-                "-D",
-                data.to_str().unwrap(),
-                "-o",
-                &opts,
-                "-l",
-                log.to_str().unwrap(),
-                "-w",
-                "-t",
-                "30",
-                "start",
-            ],
-        )
-        .stdout(Stdio::null())
-        .status()
-        .unwrap();
-        assert!(ok.success(), "pg_ctl start failed");
-    }
-
-    fn ctl_stop(&self) {
-        let data = self.dir.path().join("data");
-        let _ = as_pg_user(
-            &self.bin.join("pg_ctl"),
-            &[
-                "-D",
-                data.to_str().unwrap(),
-                "-m",
-                "immediate",
-                "-w",
-                "stop",
-            ],
-        )
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
-    }
-
-    /// A new database of its own; its URL.
-    async fn database(&self, name: &str) -> String {
-        let admin = self.client("postgres").await;
-        admin
-            .batch_execute(&format!("CREATE DATABASE {name}"))
-            .await
-            .unwrap();
-        self.url(name)
-    }
-
-    fn url(&self, db: &str) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
-    }
-
-    async fn client(&self, db: &str) -> tokio_postgres::Client {
-        let (c, conn) = tokio_postgres::connect(&self.url(db), tokio_postgres::NoTls)
-            .await
-            .unwrap();
-        tokio::spawn(conn);
-        c
-    }
-}
-
-impl Drop for Pg {
-    fn drop(&mut self) {
-        self.ctl_stop();
-    }
-}
 
 fn pg_config(upstream: &MockUp, extra: &str) -> String {
     format!(
@@ -433,9 +289,10 @@ health: {{ probe_interval: 1h }}
 }
 
 /// PostgreSQL stopped in the middle of a run: every request is still served, `/health` says
-/// `degraded`, the dropped rows are counted, and once it is back writing resumes on its own.
+/// `degraded`, its records wait in the spool (none dropped), and once it is back the spool is
+/// written, once and in order, before what came after.
 #[tokio::test]
-async fn the_store_stopped_mid_run_never_stops_serving() {
+async fn the_store_stopped_mid_run_never_stops_serving_nor_loses_a_row() {
     let pg = Pg::start();
     let url = pg.database("flaky").await;
     let up = MockUp::openai("name: a").await;
@@ -493,11 +350,15 @@ async fn the_store_stopped_mid_run_never_stops_serving() {
         "{}",
         status["audit"]
     );
-    assert!(
-        status["audit"]["dropped"].as_u64().unwrap() > 0,
-        "{}",
-        status["audit"]
-    );
+    // Nothing is lost while the store is away: the records wait in the spool.
+    let spooled = eventually(Duration::from_secs(10), || async {
+        gw.status().await["audit"]["spooled"].as_u64().unwrap_or(0) >= 20
+    })
+    .await;
+    let status = gw.status().await;
+    assert!(spooled, "20 requests spooled: {}", status["audit"]);
+    assert_eq!(status["audit"]["dropped"], 0, "{}", status["audit"]);
+    assert!(gw.data_dir().join("audit-spool.jsonl").exists());
     assert!(
         !status["audit"]["state"]
             .as_str()
@@ -526,6 +387,25 @@ async fn the_store_stopped_mid_run_never_stops_serving() {
     )
     .await;
     assert_eq!(after, 10, "writing resumed");
+    // The spool was written once, in order, and removed.
+    let during = count(
+        &c,
+        "SELECT COUNT(*) FROM requests WHERE request_id LIKE 'during-%'",
+    )
+    .await;
+    assert_eq!(during, 20, "every request of the outage has its row, once");
+    let first_after: i64 = count(
+        &c,
+        "SELECT MIN(id) FROM requests WHERE request_id LIKE 'after-%'",
+    )
+    .await;
+    let last_during: i64 = count(
+        &c,
+        "SELECT MAX(id) FROM requests WHERE request_id LIKE 'during-%'",
+    )
+    .await;
+    assert!(last_during < first_after, "in order");
+    assert!(!gw.data_dir().join("audit-spool.jsonl").exists());
     let before = count(
         &c,
         "SELECT COUNT(*) FROM requests WHERE request_id LIKE 'before-%'",

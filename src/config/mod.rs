@@ -350,6 +350,36 @@ routes:
         );
     }
 
+    /// Every byte-size key reads a number or a size string alike.
+    #[test]
+    fn byte_sizes_read_alike() {
+        let m = "models:\n  a: {type: openai, base_url: 'http://127.0.0.1:1/v1', model: x}\n";
+        let cfg = Config::load(&format!(
+            "{m}server: {{ max_body_bytes: 2MiB, max_response_bytes: 16MiB }}\nlimits: {{ max_event_bytes: 64KiB }}\nresponses: {{ history_max_bytes: 1GiB }}\naudit: {{ store: postgres, url: 'postgres://u@127.0.0.1:5/d', spool_max_bytes: 512MiB }}\n"
+        ))
+        .unwrap();
+        assert_eq!(cfg.max_body_bytes, 2 << 20);
+        assert_eq!(cfg.max_response_bytes, 16 << 20);
+        assert_eq!(cfg.max_event_bytes, 64 << 10);
+        assert_eq!(cfg.responses.history_max_bytes, 1 << 30);
+        assert_eq!(cfg.audit_pg.as_ref().unwrap().spool_max_bytes, 512 << 20);
+        let plain = Config::load(&format!(
+            "{m}server: {{ max_body_bytes: 1000, max_response_bytes: 2000 }}\nlimits: {{ max_event_bytes: 3000 }}\n"
+        ))
+        .unwrap();
+        assert_eq!(
+            (
+                plain.max_body_bytes,
+                plain.max_response_bytes,
+                plain.max_event_bytes
+            ),
+            (1000, 2000, 3000)
+        );
+        let bad =
+            Config::load(&format!("{m}server: {{ max_response_bytes: lots }}\n")).unwrap_err();
+        assert!(bad.0.contains("max_response_bytes"), "{}", bad.0);
+    }
+
     #[test]
     fn unknown_key_names_its_path() {
         let bad = SEED.replace("model: qwen2.5:7b", "model: qwen2.5:7b\n    bogus_key: 1");

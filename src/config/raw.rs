@@ -41,6 +41,9 @@ pub struct RawAudit {
     pub url: Option<String>,
     /// The most connections the gateway opens to the store (default 8).
     pub pool: Option<usize>,
+    /// While PostgreSQL is away, records wait in a spool in the data dir, at most this many
+    /// bytes (default 1GiB); past it records are dropped (counted).
+    pub spool_max_bytes: Option<ByteSize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -134,7 +137,7 @@ pub struct RawCluster {
 pub struct RawLimits {
     /// The most one SSE event of an upstream stream may take (default 4 MiB): before the first
     /// content chunk a larger one fails over; after it the stream ends with `stream_broken`.
-    pub max_event_bytes: Option<usize>,
+    pub max_event_bytes: Option<ByteSize>,
 }
 
 /// `alerts:`: webhooks told about what an operator must act on.
@@ -345,11 +348,11 @@ pub struct RawHealth {
 #[serde(deny_unknown_fields)]
 pub struct RawServer {
     pub listen: Option<String>,
-    pub max_body_bytes: Option<usize>,
+    pub max_body_bytes: Option<ByteSize>,
     /// An upstream's whole answer (a non-stream 2xx body) larger than this is refused as
     /// `malformed_response` and the request fails over, instead of being held in memory however
     /// large it grows. Default 128 MiB.
-    pub max_response_bytes: Option<usize>,
+    pub max_response_bytes: Option<ByteSize>,
     /// Capacity of the audit queue in records; a full queue drops records (counted), never stalls.
     pub audit_queue: Option<usize>,
     /// Audit rows older than this are deleted (hourly). Default 30d; 0 keeps everything.

@@ -655,7 +655,7 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
             "server.listen is {listen}, not loopback, and `auth.keys` is not set: anyone who reaches this address can spend the upstream keys"
         ));
     }
-    let max_event_bytes = match raw.limits.max_event_bytes {
+    let max_event_bytes = match raw.limits.max_event_bytes.map(|b| byte_count(b.0)) {
         None => DEFAULT_MAX_EVENT_BYTES,
         Some(n) if n >= 1024 => n,
         Some(_) => {
@@ -695,11 +695,14 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
         audit_pg,
         responses,
         listen,
-        max_body_bytes: raw.server.max_body_bytes.unwrap_or(DEFAULT_MAX_BODY),
+        max_body_bytes: raw
+            .server
+            .max_body_bytes
+            .map_or(DEFAULT_MAX_BODY, |b| byte_count(b.0)),
         max_response_bytes: raw
             .server
             .max_response_bytes
-            .unwrap_or(DEFAULT_MAX_RESPONSE)
+            .map_or(DEFAULT_MAX_RESPONSE, |b| byte_count(b.0))
             .max(1),
         audit_queue: raw.server.audit_queue.unwrap_or(10_000).max(1),
         audit_retention: match raw.server.audit_retention {
@@ -836,7 +839,13 @@ fn audit_pg(raw: Option<&RawAudit>, fetched: &Fetched) -> Result<Option<PgSettin
     if !(1..=256).contains(&pool) {
         return Err(ConfigError("at `audit.pool`: 1 to 256".into()));
     }
-    Ok(Some(PgSettings { url, display, pool }))
+    let spool_max_bytes = raw.spool_max_bytes.map_or(DEFAULT_SPOOL_MAX_BYTES, |b| b.0);
+    Ok(Some(PgSettings {
+        url,
+        display,
+        pool,
+        spool_max_bytes,
+    }))
 }
 
 /// `alerts:` → `Alerts`. A webhook whose `env:`/`file:` cannot be read is left out with a
@@ -989,6 +998,15 @@ fn hedge_spec(at: &str, h: &RawHedge) -> Result<crate::routing::hedge::Spec, Con
         min_after: or_default(h.min_after, Duration::from_millis(50)),
         tools: h.tools.unwrap_or(false),
     })
+}
+
+/// `audit.spool_max_bytes`' default: what waits in the data dir while PostgreSQL is away.
+pub const DEFAULT_SPOOL_MAX_BYTES: u64 = 1 << 30;
+
+/// A configured size as a count of bytes this machine can hold (a larger one is all of them:
+/// a limit nobody reaches).
+fn byte_count(b: u64) -> usize {
+    usize::try_from(b).unwrap_or(usize::MAX)
 }
 
 /// `limits.max_event_bytes`' default: a chunk of an LLM stream is a few hundred bytes; a whole

@@ -148,6 +148,8 @@ pub struct PgSettings {
     /// The URL without its password: what logs and `/status` show.
     pub display: String,
     pub pool: usize,
+    /// The most the spool in the data dir holds while the store is away (bytes).
+    pub spool_max_bytes: u64,
 }
 
 impl std::fmt::Debug for PgSettings {

@@ -739,6 +739,9 @@ async fn status(
             },
             "written": app.store.written(),
             "dropped": app.store.dropped(),
+            "spooled": app.store.held().0,
+            "spooled_bytes": app.store.held().1,
+            "set_aside": app.store.held().2,
         },
         "config": {
             "path": app.config_path.as_ref().map(|p| p.display().to_string()),

@@ -195,7 +195,7 @@ impl Gateway {
     pub async fn start(opts: GatewayOptions) -> anyhow::Result<Gateway> {
         // `audit.store: postgres` takes effect at start (as `cluster:` does).
         let opened = match &opts.config.audit_pg {
-            Some(pg) => crate::store::pg::open(pg, opts.config.audit_queue),
+            Some(pg) => crate::store::pg::open(pg, opts.config.audit_queue, Some(&opts.data_dir)),
             None => Store::open_or_off(&opts.data_dir, opts.config.audit_queue),
         };
         for w in &opts.config.warnings {

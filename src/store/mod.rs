@@ -326,7 +326,7 @@ pub fn open_trails(data_dirs: &[PathBuf]) -> anyhow::Result<Vec<(PathBuf, Connec
     Ok(out)
 }
 
-fn ms(t: SystemTime) -> i64 {
+pub(crate) fn ms(t: SystemTime) -> i64 {
     t.duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)
         .unwrap_or(0)
@@ -417,6 +417,113 @@ impl RequestRow {
     }
 }
 
+/// The most characters of `requested_model` a row keeps: the name is the client's, and a
+/// client may send a megabyte of it.
+pub const MAX_REQUESTED_MODEL_CHARS: usize = 256;
+
+/// Makes `s` safe for every store: a NUL (which PostgreSQL refuses in `TEXT`, failing the
+/// whole batch it is in, and which SQLite's string functions stop at) becomes U+FFFD, as
+/// invalid UTF-8 already did where the text was read (`String` holds none). Returns whether
+/// anything changed.
+pub fn safe_text(s: &mut String) -> bool {
+    if !s.as_bytes().contains(&0) {
+        return false;
+    }
+    *s = s.replace('\0', "\u{FFFD}");
+    true
+}
+
+fn safe_opt(s: &mut Option<String>) {
+    if let Some(s) = s {
+        safe_text(s);
+    }
+}
+
+impl RequestRow {
+    /// Every text of the row (and of its attempts) made safe ([`safe_text`]), and
+    /// `requested_model` cut to [`MAX_REQUESTED_MODEL_CHARS`]: one client's bytes never cost
+    /// another's rows. Both writers call it, so both stores hold the same text.
+    pub fn make_safe(&mut self) {
+        safe_text(&mut self.request_id);
+        if let Some(m) = &mut self.requested_model {
+            safe_text(m);
+            if let Some((cut, _)) = m.char_indices().nth(MAX_REQUESTED_MODEL_CHARS) {
+                m.truncate(cut);
+            }
+        }
+        for s in [
+            &mut self.endpoint,
+            &mut self.error_class,
+            &mut self.continued_from,
+            &mut self.client_key,
+            &mut self.response_id,
+            &mut self.previous_response_id,
+        ] {
+            safe_opt(s);
+        }
+        for a in &mut self.attempts {
+            safe_text(&mut a.endpoint);
+            safe_opt(&mut a.error);
+        }
+    }
+}
+
+impl Record {
+    /// The record's text made safe for every store (see [`RequestRow::make_safe`]).
+    pub fn make_safe(&mut self) {
+        match self {
+            Record::Request(row) => row.make_safe(),
+            Record::Event(ev) => {
+                safe_text(&mut ev.endpoint);
+                safe_text(&mut ev.event);
+                safe_text(&mut ev.reason);
+            }
+            Record::Retired {
+                endpoint,
+                reason,
+                fingerprint,
+            } => {
+                safe_text(endpoint);
+                safe_opt(reason);
+                safe_opt(fingerprint);
+            }
+            Record::Stats(rows) => {
+                for r in rows {
+                    safe_text(&mut r.endpoint);
+                }
+            }
+            Record::LearnedWindow { endpoint, learned } => {
+                safe_text(endpoint);
+                if let Some((_, request, fingerprint)) = learned {
+                    safe_text(request);
+                    safe_text(fingerprint);
+                }
+            }
+            Record::Spend(rows) => {
+                for (client, month, _) in rows {
+                    safe_text(client);
+                    safe_text(month);
+                }
+            }
+            Record::Standby {
+                standby, primary, ..
+            } => {
+                safe_text(standby);
+                safe_text(primary);
+            }
+            Record::Prune(_) | Record::Flush(_) => {}
+        }
+    }
+
+    /// The request id a record carries, for logs about it.
+    pub fn request_id(&self) -> Option<&str> {
+        match self {
+            Record::Request(row) => Some(&row.request_id),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct EndpointEvent {
     pub ts: SystemTime,
@@ -439,6 +546,7 @@ pub struct PersistedStats {
     pub learned_window_fingerprint: Option<String>,
 }
 
+#[derive(Debug)]
 pub enum Record {
     Request(Box<RequestRow>),
     Event(EndpointEvent),
@@ -479,6 +587,17 @@ pub struct StoreHandle {
     off_reason: Option<Arc<str>>,
     /// Why a store that comes and goes (PostgreSQL) is away now; `None` while it writes.
     down: Arc<std::sync::Mutex<Option<String>>>,
+    /// What waits in the spool, and what the store refused (PostgreSQL's writer).
+    pub(crate) held: Arc<Held>,
+}
+
+/// The PostgreSQL writer's counts of what it holds back: records waiting in its spool while
+/// the store is away, and records the store refused one by one (set aside).
+#[derive(Debug, Default)]
+pub struct Held {
+    pub spooled_records: AtomicU64,
+    pub spooled_bytes: AtomicU64,
+    pub set_aside: AtomicU64,
 }
 
 impl StoreHandle {
@@ -490,6 +609,7 @@ impl StoreHandle {
             written: Arc::new(AtomicU64::new(0)),
             off_reason: Some(reason.into()),
             down: Default::default(),
+            held: Default::default(),
         }
     }
 
@@ -538,6 +658,16 @@ impl StoreHandle {
 
     pub fn written(&self) -> u64 {
         self.written.load(Ordering::Relaxed)
+    }
+
+    /// What the writer holds back (`/status.audit`): records waiting in the spool and their
+    /// bytes, and records the store refused one by one.
+    pub fn held(&self) -> (u64, u64, u64) {
+        (
+            self.held.spooled_records.load(Ordering::Relaxed),
+            self.held.spooled_bytes.load(Ordering::Relaxed),
+            self.held.set_aside.load(Ordering::Relaxed),
+        )
     }
 
     /// Queues `r`, waiting (blocking) for room instead of dropping it: for the last records of a
@@ -658,6 +788,7 @@ impl Store {
             written: written.clone(),
             off_reason: None,
             down: Default::default(),
+            held: Default::default(),
         };
         let thread = std::thread::Builder::new()
             .name("autohedge-audit".into())
@@ -1184,7 +1315,8 @@ impl<'c> Statements<'c> {
             marks.next_id = Some(next_id);
         }
         let mut requests: Vec<(i64, Box<RequestRow>)> = Vec::new();
-        for r in batch.drain(..) {
+        for mut r in batch.drain(..) {
+            r.make_safe();
             match r {
                 Record::Request(row) => {
                     // The row counts the request; its cost reaches `usd` through
@@ -2529,6 +2661,39 @@ mod tests {
     }
 
     #[test]
+    fn audit_text_is_safe_for_every_store() {
+        let mut row = RequestRow::new("r\0id".into(), SystemTime::now(), "chat");
+        // Multi-byte characters around the cut: it falls between characters, never in one.
+        row.requested_model = Some(format!("x\0y{}", "é".repeat(400)));
+        row.client_key = Some("k\0".into());
+        row.attempts.push(AttemptRow {
+            seq: 1,
+            endpoint: "e\0".into(),
+            class: crate::routing::outcome::Outcome::Server,
+            status: Some(500),
+            error: Some("bad\0thing".into()),
+            latency_ms: 1.0,
+            panic_mode: false,
+            own_key: false,
+        });
+        let mut r = Record::Request(Box::new(row));
+        r.make_safe();
+        let text = format!("{r:?}");
+        assert!(!text.contains("\\0"), "{text}");
+        let Record::Request(row) = r else {
+            unreachable!()
+        };
+        let model = row.requested_model.unwrap();
+        assert!(model.starts_with("x\u{FFFD}y"));
+        assert_eq!(model.chars().count(), MAX_REQUESTED_MODEL_CHARS);
+        assert_eq!(row.request_id, "r\u{FFFD}id");
+        assert_eq!(row.attempts[0].error.as_deref(), Some("bad\u{FFFD}thing"));
+        // Clean text is left as it is.
+        let mut clean = String::from("plain");
+        assert!(!safe_text(&mut clean));
+    }
+
+    #[test]
     fn full_queue_drops_and_counts() {
         let (tx, _rx) = sync_channel(1);
         let h = StoreHandle {
@@ -2537,6 +2702,7 @@ mod tests {
             written: Arc::new(AtomicU64::new(0)),
             off_reason: None,
             down: Default::default(),
+            held: Default::default(),
         };
         h.send(Record::Event(EndpointEvent {
             ts: SystemTime::now(),

@@ -11,6 +11,7 @@
 //! window they read into a SQLite file and run the SQLite readers on it ([`snapshot`]): one
 //! query layer for the analytics, so both stores give the same figures by construction.
 
+use std::collections::VecDeque;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -302,18 +303,25 @@ async fn start(url: &str) -> Result<(Client, Persisted), String> {
 /// Opens the PostgreSQL trail and starts its writer. A store that cannot be reached does not
 /// stop the gateway: it starts with the trail down (and nothing read), and the writer keeps
 /// trying to reach it.
-pub fn open(settings: &PgSettings, capacity: usize) -> Opened {
+///
+/// `spool_dir` (the data dir) holds the spool, `audit-spool.jsonl`: records that wait there
+/// while the store is away, written in order, each once, when it is back (also after a
+/// restart). `None` (`audit import`): nothing is spooled.
+pub fn open(settings: &PgSettings, capacity: usize, spool_dir: Option<&Path>) -> Opened {
     let (tx, rx) = sync_channel(capacity);
     let dropped = Arc::new(AtomicU64::new(0));
     let written = Arc::new(AtomicU64::new(0));
     let down: Arc<std::sync::Mutex<Option<String>>> = Default::default();
+    let held: Arc<super::Held> = Default::default();
     let handle = StoreHandle {
         tx: Some(tx),
         dropped: dropped.clone(),
         written: written.clone(),
         off_reason: None,
         down: down.clone(),
+        held: held.clone(),
     };
+    let spool = spool_dir.map(|d| Spool::open(d, settings.spool_max_bytes, held.clone()));
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let url = settings.url.expose().to_string();
     let display = settings.display.clone();
@@ -346,6 +354,9 @@ pub fn open(settings: &PgSettings, capacity: usize) -> Opened {
                 down,
                 backoff: BACKOFF_MIN,
                 next_try: Instant::now(),
+                spool,
+                state: VecDeque::new(),
+                held,
             };
             w.run(rx);
         });
@@ -408,6 +419,25 @@ struct Writer {
     down: Arc<std::sync::Mutex<Option<String>>>,
     backoff: Duration,
     next_try: Instant,
+    /// Trail records (requests, events, spend) waiting for the store, in order.
+    spool: Option<Spool>,
+    /// Endpoint state records (retirements, learned windows, standbys, stats) waiting for the
+    /// store: kept in memory, the newest [`STATE_HELD`].
+    state: VecDeque<Record>,
+    held: Arc<super::Held>,
+}
+
+/// Endpoint state records held in memory while the store is away (each replaces what it
+/// says; the oldest go first).
+const STATE_HELD: usize = 10_000;
+
+/// Why a batch was not written.
+enum WriteError {
+    /// The store refused what it was sent (a value, a constraint): the connection is fine,
+    /// and the same records sent again would be refused again.
+    Refused(String),
+    /// The store is away or did not answer: nothing is known to be written.
+    Away(String),
 }
 
 impl Writer {
@@ -415,16 +445,21 @@ impl Writer {
         let mut batch = Vec::with_capacity(BATCH);
         loop {
             // Wakes every second while idle, so a store that is down is tried again (and
-            // `/health` turns back to ok) without waiting for traffic.
+            // `/health` turns back to ok, the spool drains) without waiting for traffic.
             match rx.recv_timeout(Duration::from_secs(1)) {
                 Ok(first) => batch.push(first),
                 Err(RecvTimeoutError::Timeout) => {
                     if self.client.is_none() {
                         self.reconnect();
                     }
+                    self.catch_up();
                     continue;
                 }
-                Err(RecvTimeoutError::Disconnected) => return,
+                Err(RecvTimeoutError::Disconnected) => {
+                    // Shutting down: what the spool holds stays on disk for the next start.
+                    self.catch_up();
+                    return;
+                }
             }
             let deadline = Instant::now() + GATHER;
             loop {
@@ -471,65 +506,396 @@ impl Writer {
         }
     }
 
-    fn write(&mut self, batch: &mut Vec<Record>) {
-        let mut flushes = Vec::new();
-        let mut records = Vec::with_capacity(batch.len());
-        for r in batch.drain(..) {
-            match r {
-                Record::Flush(f) => flushes.push(f),
-                other => records.push(other),
-            }
-        }
-        let n = records
-            .iter()
-            .filter(|r| !matches!(r, Record::Prune(_)))
-            .count() as u64;
+    /// The connection, made again (with backoff) when it is gone.
+    fn connected(&mut self) -> bool {
         if self.client.as_ref().is_none_or(|c| c.is_closed()) {
             self.client = None;
             self.reconnect();
         }
-        let result = match self.client.as_mut() {
-            None => Err(self
-                .down
-                .lock()
-                .ok()
-                .and_then(|d| d.clone())
-                .unwrap_or_else(|| "postgres unreachable".into())),
-            Some(client) => self.rt.block_on(async {
-                tokio::time::timeout(WRITE_TIMEOUT, write_records(client, records))
-                    .await
-                    .unwrap_or_else(|_| Err("no answer within 10s".into()))
-            }),
+        self.client.is_some()
+    }
+
+    /// Sends `records` in one transaction.
+    fn send(&mut self, records: &[Record]) -> Result<(), WriteError> {
+        let Some(client) = self.client.as_mut() else {
+            return Err(WriteError::Away(
+                self.down
+                    .lock()
+                    .ok()
+                    .and_then(|d| d.clone())
+                    .unwrap_or_else(|| "postgres unreachable".into()),
+            ));
         };
-        match result {
-            Ok(()) => {
-                self.written.fetch_add(n, Ordering::Relaxed);
-            }
-            Err(e) => {
-                let total = self.dropped.fetch_add(n, Ordering::Relaxed) + n;
-                tracing::warn!(store = %self.display, error = %e, dropped = n, dropped_total = total, "audit write to PostgreSQL failed; records dropped");
-                // A failed connection is made again (with backoff) for the next batch.
-                if self.client.as_ref().is_none_or(|c| c.is_closed()) {
-                    self.client = None;
-                    set_down(&self.down, Some(format!("postgres unreachable: {e}")));
+        let result = self.rt.block_on(async {
+            let prunes = tokio::time::timeout(WRITE_TIMEOUT, write_records(client, records))
+                .await
+                .unwrap_or_else(|_| Err(WriteError::Away("no answer within 10s".into())))?;
+            for before in prunes {
+                if let Err(e) = prune(client, before).await {
+                    tracing::warn!(error = %e, "audit retention (PostgreSQL) failed; tried again at the next sweep");
                 }
+            }
+            Ok(())
+        });
+        if let Err(WriteError::Away(e)) = &result {
+            // A failed connection is made again (with backoff) for the next batch; one that
+            // did not answer in time is not trusted with the next.
+            self.client = None;
+            set_down(&self.down, Some(format!("postgres unreachable: {e}")));
+        }
+        result
+    }
+
+    fn write(&mut self, batch: &mut Vec<Record>) {
+        let mut flushes = Vec::new();
+        let mut records = Vec::with_capacity(batch.len());
+        for mut r in batch.drain(..) {
+            match r {
+                Record::Flush(f) => flushes.push(f),
+                _ => {
+                    r.make_safe();
+                    records.push(r);
+                }
+            }
+        }
+        // What waits already goes first: the trail is written in order.
+        let behind = self.spool.as_ref().is_some_and(|s| !s.is_empty()) || !self.state.is_empty();
+        if behind || !self.connected() {
+            self.hold(records);
+            self.catch_up();
+        } else {
+            match self.send(&records) {
+                Ok(()) => self.counted_written(&records),
+                Err(WriteError::Refused(e)) => self.one_by_one(records, &e),
+                Err(WriteError::Away(_)) => self.hold(records),
             }
         }
         for f in flushes {
             let _ = f.send(());
         }
     }
+
+    fn counted_written(&self, records: &[Record]) {
+        let n = records
+            .iter()
+            .filter(|r| !matches!(r, Record::Prune(_)))
+            .count() as u64;
+        self.written.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// A batch the store refused: each record again in a transaction of its own, so one bad
+    /// record costs no other; a record refused alone is set aside (logged with its request id,
+    /// counted).
+    fn one_by_one(&mut self, records: Vec<Record>, why: &str) {
+        tracing::warn!(store = %self.display, error = %why, records = records.len(), "audit batch refused by PostgreSQL: writing its records one by one");
+        let mut rest = records.into_iter();
+        while let Some(r) = rest.next() {
+            match self.send(std::slice::from_ref(&r)) {
+                Ok(()) => self.counted_written(std::slice::from_ref(&r)),
+                Err(WriteError::Refused(e)) => {
+                    let total = self.held.set_aside.fetch_add(1, Ordering::Relaxed) + 1;
+                    self.dropped.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(store = %self.display, request_id = r.request_id().unwrap_or(""), error = %e, set_aside_total = total, "audit record refused by PostgreSQL: set aside");
+                }
+                Err(WriteError::Away(_)) => {
+                    // The store went away meanwhile: this record and the rest wait.
+                    let mut left = vec![r];
+                    left.extend(rest);
+                    self.hold(left);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Records that cannot be written now: the trail's to the spool (in order), endpoint state
+    /// in memory; without a spool (or past its limit) they are dropped and counted.
+    fn hold(&mut self, records: Vec<Record>) {
+        let mut lost = 0u64;
+        for r in records {
+            match r {
+                Record::Prune(_) | Record::Flush(_) => {}
+                Record::Request(_) | Record::Event(_) | Record::Spend(_) => match &mut self.spool {
+                    Some(spool) => {
+                        if !spool.push(&r) {
+                            lost += 1;
+                        }
+                    }
+                    None => lost += 1,
+                },
+                state => {
+                    if self.state.len() >= STATE_HELD {
+                        self.state.pop_front();
+                        lost += 1;
+                    }
+                    self.state.push_back(state);
+                }
+            }
+        }
+        if let Some(spool) = &mut self.spool {
+            spool.sync();
+        }
+        if lost > 0 {
+            let total = self.dropped.fetch_add(lost, Ordering::Relaxed) + lost;
+            tracing::warn!(store = %self.display, dropped = lost, dropped_total = total, "audit store (PostgreSQL) away and its spool full (audit.spool_max_bytes): records dropped");
+        }
+    }
+
+    /// Writes what waits (the spool, then endpoint state), in order, while the store takes it.
+    fn catch_up(&mut self) {
+        loop {
+            let waiting = self.spool.as_ref().is_some_and(|s| !s.is_empty());
+            if !waiting && self.state.is_empty() {
+                return;
+            }
+            if !self.connected() {
+                return;
+            }
+            if waiting {
+                let Some(spool) = self.spool.as_mut() else {
+                    return;
+                };
+                let (records, bad) = match spool.peek(BATCH) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        tracing::error!(store = %self.display, error = %e, "the audit spool cannot be read: its records are set aside");
+                        spool.discard();
+                        continue;
+                    }
+                };
+                if bad > 0 {
+                    self.held.set_aside.fetch_add(bad, Ordering::Relaxed);
+                    tracing::error!(store = %self.display, lines = bad, "audit spool lines that do not read as records: set aside");
+                }
+                match self.send(&records) {
+                    Ok(()) => self.counted_written(&records),
+                    Err(WriteError::Refused(e)) => {
+                        // Written or set aside one by one; what a new outage leaves goes back
+                        // to the spool's end (after what is left of this batch's lines).
+                        self.spool_consumed();
+                        self.one_by_one(records, &e);
+                        continue;
+                    }
+                    Err(WriteError::Away(_)) => return,
+                }
+                self.spool_consumed();
+            } else {
+                let records: Vec<Record> = self.state.drain(..).collect();
+                match self.send(&records) {
+                    Ok(()) => self.counted_written(&records),
+                    Err(WriteError::Refused(e)) => self.one_by_one(records, &e),
+                    Err(WriteError::Away(_)) => {
+                        for r in records.into_iter().rev() {
+                            self.state.push_front(r);
+                        }
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The lines the last [`Spool::peek`] gave are written: the spool moves past them.
+    fn spool_consumed(&mut self) {
+        if let Some(spool) = self.spool.as_mut()
+            && let Err(e) = spool.consume()
+        {
+            tracing::error!(store = %self.display, error = %e, "the audit spool's progress cannot be saved");
+        }
+    }
+}
+
+/// The spool: trail records waiting for PostgreSQL, as the lines `audit export` writes
+/// (`audit-spool.jsonl` in the data dir), appended while the store is away and read from the
+/// front when it is back. How far it was written is kept beside it (`audit-spool.done`, the
+/// byte offset, replaced atomically after each written batch), so a restart resumes where the
+/// last run stopped instead of writing a line twice. Empty, both files are removed.
+struct Spool {
+    path: std::path::PathBuf,
+    done_path: std::path::PathBuf,
+    max_bytes: u64,
+    /// The file's length, and how far its lines are written.
+    len: u64,
+    done: u64,
+    /// Where the last `peek` stopped (its lines end there), and how many lines it read.
+    peeked_to: u64,
+    peeked_lines: u64,
+    file: Option<std::fs::File>,
+    held: Arc<super::Held>,
+    /// A line being made (reused).
+    line: String,
+}
+
+impl Spool {
+    fn open(dir: &Path, max_bytes: u64, held: Arc<super::Held>) -> Spool {
+        // The data dir of a gateway whose trail is in PostgreSQL may not exist yet.
+        if let Err(e) = std::fs::create_dir_all(dir) {
+            tracing::warn!(dir = %dir.display(), error = %e, "the audit spool's directory cannot be made: records are dropped while PostgreSQL is away");
+        }
+        let path = dir.join("audit-spool.jsonl");
+        let done_path = dir.join("audit-spool.done");
+        let len = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        let done = std::fs::read_to_string(&done_path)
+            .ok()
+            .and_then(|t| t.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+            .min(len);
+        let s = Spool {
+            path,
+            done_path,
+            max_bytes,
+            len,
+            done,
+            peeked_to: done,
+            peeked_lines: 0,
+            file: None,
+            held,
+            line: String::new(),
+        };
+        if s.len > 0 {
+            // Records a run before this one left: counted as waiting (lines, not parsed).
+            let lines = std::fs::read(&s.path)
+                .map(|b| {
+                    b.get(usize::try_from(s.done).unwrap_or(usize::MAX)..)
+                        .map_or(0, |rest| rest.iter().filter(|c| **c == b'\n').count())
+                })
+                .unwrap_or(0) as u64;
+            s.held.spooled_records.store(lines, Ordering::Relaxed);
+            tracing::info!(spool = %s.path.display(), records = lines, "audit spool from an earlier run: written once PostgreSQL answers");
+        }
+        s.publish();
+        s
+    }
+
+    fn is_empty(&self) -> bool {
+        self.done >= self.len
+    }
+
+    fn publish(&self) {
+        self.held
+            .spooled_bytes
+            .store(self.len.saturating_sub(self.done), Ordering::Relaxed);
+    }
+
+    /// Appends `r` (its lines); `false` when it would pass the limit (nothing appended).
+    fn push(&mut self, r: &Record) -> bool {
+        use std::io::Write;
+        self.line.clear();
+        if !super::transfer::lines(r, &mut self.line) {
+            return true;
+        }
+        let n = self.line.len() as u64;
+        if self.len.saturating_sub(self.done) + n > self.max_bytes {
+            return false;
+        }
+        if self.file.is_none() {
+            self.file = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&self.path)
+                .ok();
+        }
+        let Some(f) = self.file.as_mut() else {
+            return false;
+        };
+        if f.write_all(self.line.as_bytes()).is_err() {
+            // A partial line is cut back off, so the file stays whole lines.
+            let _ = f.set_len(self.len);
+            return false;
+        }
+        self.len += n;
+        let lines = self.line.matches('\n').count() as u64;
+        self.held
+            .spooled_records
+            .fetch_add(lines, Ordering::Relaxed);
+        self.publish();
+        true
+    }
+
+    /// What was appended reaches the disk (once a batch).
+    fn sync(&mut self) {
+        if let Some(f) = &self.file {
+            let _ = f.sync_data();
+        }
+    }
+
+    /// Up to `most` records from the front, and how many lines did not read as one.
+    fn peek(&mut self, most: usize) -> std::io::Result<(Vec<Record>, u64)> {
+        use std::io::{BufRead, Seek, SeekFrom};
+        let mut f = std::io::BufReader::new(std::fs::File::open(&self.path)?);
+        f.seek(SeekFrom::Start(self.done))?;
+        let (mut records, mut bad, mut at) = (Vec::new(), 0u64, self.done);
+        let mut line = String::new();
+        while records.len() < most {
+            line.clear();
+            let n = f.read_line(&mut line)? as u64;
+            if n == 0 || !line.ends_with('\n') {
+                break;
+            }
+            at += n;
+            match super::transfer::record(line.trim_end()) {
+                Ok(r) => records.push(r),
+                Err(_) => bad += 1,
+            }
+        }
+        if records.is_empty() && bad == 0 && at < self.len {
+            // A line without its end (a write cut short): nothing after it can be trusted.
+            at = self.len;
+            bad += 1;
+        }
+        self.peeked_to = at;
+        self.peeked_lines = records.len() as u64 + bad;
+        Ok((records, bad))
+    }
+
+    /// The last peek's lines are written: saved, and the files removed once all are.
+    fn consume(&mut self) -> std::io::Result<()> {
+        let taken = self.peeked_lines;
+        self.done = self.peeked_to;
+        let left = self
+            .held
+            .spooled_records
+            .load(Ordering::Relaxed)
+            .saturating_sub(taken);
+        self.held.spooled_records.store(left, Ordering::Relaxed);
+        if self.done >= self.len {
+            self.discard();
+            return Ok(());
+        }
+        let tmp = self.done_path.with_extension("done.tmp");
+        std::fs::write(&tmp, self.done.to_string())?;
+        std::fs::rename(&tmp, &self.done_path)?;
+        self.publish();
+        Ok(())
+    }
+
+    /// Everything written (or unreadable): both files go.
+    fn discard(&mut self) {
+        self.file = None;
+        let _ = std::fs::remove_file(&self.path);
+        let _ = std::fs::remove_file(&self.done_path);
+        self.len = 0;
+        self.done = 0;
+        self.peeked_to = 0;
+        self.peeked_lines = 0;
+        self.held.spooled_records.store(0, Ordering::Relaxed);
+        self.publish();
+    }
 }
 
 type Param = Box<dyn ToSql + Sync + Send>;
 
-/// One batch of records in one transaction; old rows pruned after it, in batches of their own.
-async fn write_records(client: &mut Client, records: Vec<Record>) -> Result<(), String> {
-    let e = |e: tokio_postgres::Error| error_text(&e);
+/// One batch of records in one transaction; the prunes it asked for come back, to be run after
+/// it (in batches of their own: a slow prune never makes written records count as unwritten).
+async fn write_records(
+    client: &mut Client,
+    records: &[Record],
+) -> Result<Vec<SystemTime>, WriteError> {
+    let e = write_error;
     let now = ms(SystemTime::now());
     let mut prunes = Vec::new();
     let tx = client.transaction().await.map_err(e)?;
-    let mut requests: Vec<Box<RequestRow>> = Vec::new();
+    let mut requests: Vec<&RequestRow> = Vec::new();
     for r in records {
         match r {
             Record::Request(row) => requests.push(row),
@@ -567,7 +933,7 @@ async fn write_records(client: &mut Client, records: Vec<Record>) -> Result<(), 
             }
             Record::LearnedWindow { endpoint, learned } => {
                 let (tokens, request, fingerprint) = match learned {
-                    Some((t, r, f)) => (Some(t as i64), Some(r), Some(f)),
+                    Some((t, r, f)) => (Some(*t as i64), Some(r), Some(f)),
                     None => (None, None, None),
                 };
                 tx.execute(
@@ -580,7 +946,7 @@ async fn write_records(client: &mut Client, records: Vec<Record>) -> Result<(), 
             }
             Record::Spend(rows) => {
                 for (client, month, usd) in rows {
-                    if usd.is_finite() && usd >= 0.0 {
+                    if usd.is_finite() && *usd >= 0.0 {
                         // Absolute and never lowered: several replicas each write their own view
                         // (with `cluster:`, the fleet's), and the largest stands.
                         tx.execute(
@@ -601,12 +967,12 @@ async fn write_records(client: &mut Client, records: Vec<Record>) -> Result<(), 
                 tx.execute(
                     "INSERT INTO standby_state (standby, primary_endpoint, up, updated_ms) VALUES ($1, $2, $3, $4)
                      ON CONFLICT (standby) DO UPDATE SET primary_endpoint = excluded.primary_endpoint, up = excluded.up, updated_ms = excluded.updated_ms",
-                    &[&standby, &primary, &i64::from(up), &now],
+                    &[&standby, &primary, &i64::from(*up), &now],
                 )
                 .await
                 .map_err(e)?;
             }
-            Record::Prune(before) => prunes.push(before),
+            Record::Prune(before) => prunes.push(*before),
             Record::Flush(_) => {}
         }
     }
@@ -614,18 +980,34 @@ async fn write_records(client: &mut Client, records: Vec<Record>) -> Result<(), 
         insert_requests(&tx, &requests).await?;
     }
     tx.commit().await.map_err(e)?;
-    for before in prunes {
-        prune(client, before).await?;
+    Ok(prunes)
+}
+
+/// A failed statement: refused by the store (its answer names the record's fault), or the
+/// store away (no answer, the connection gone, the server shutting down or starting).
+fn write_error(e: tokio_postgres::Error) -> WriteError {
+    let text = error_text(&e);
+    match e.as_db_error() {
+        // Class 08 (connection), 57 (operator intervention: shutdown, starting), 53
+        // (insufficient resources), 40 (a transaction rolled back: serialization, deadlock):
+        // the same records may go through later.
+        Some(db)
+            if !["08", "57", "53", "40"]
+                .iter()
+                .any(|c| db.code().code().starts_with(c)) =>
+        {
+            WriteError::Refused(text)
+        }
+        _ => WriteError::Away(text),
     }
-    Ok(())
 }
 
 /// The batch's requests and their attempts: ids from the sequence, then multi-row `INSERT`s.
 async fn insert_requests(
     tx: &tokio_postgres::Transaction<'_>,
-    requests: &[Box<RequestRow>],
-) -> Result<(), String> {
-    let e = |e: tokio_postgres::Error| error_text(&e);
+    requests: &[&RequestRow],
+) -> Result<(), WriteError> {
+    let e = write_error;
     let ids: Vec<i64> = tx
         .query(
             "SELECT nextval('requests_id_seq') FROM generate_series(1, $1::bigint)",
@@ -637,7 +1019,9 @@ async fn insert_requests(
         .map(|r| r.get(0))
         .collect();
     if ids.len() != requests.len() {
-        return Err("the id sequence gave fewer ids than asked".into());
+        return Err(WriteError::Away(
+            "the id sequence gave fewer ids than asked".into(),
+        ));
     }
     for row in requests {
         if let Some(client) = &row.client_key {
@@ -720,7 +1104,7 @@ async fn insert_rows(
     table: &str,
     cols: &[&str],
     rows: Vec<Vec<Param>>,
-) -> Result<(), String> {
+) -> Result<(), WriteError> {
     for chunk in rows.chunks(ROWS_PER_INSERT) {
         let mut sql = format!("INSERT INTO {table} ({}) VALUES ", cols.join(", "));
         let mut params: Vec<&(dyn ToSql + Sync)> = Vec::with_capacity(chunk.len() * cols.len());
@@ -740,7 +1124,7 @@ async fn insert_rows(
         }
         tx.execute(sql.as_str(), &params)
             .await
-            .map_err(|e| error_text(&e))?;
+            .map_err(write_error)?;
     }
     Ok(())
 }
@@ -997,8 +1381,68 @@ pub const VERSIONS: usize = MIGRATIONS.len();
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use crate::store::EndpointEvent;
+
     #[test]
     fn both_stores_have_the_same_versions() {
         assert_eq!(super::MIGRATIONS.len(), super::super::MIGRATIONS.len());
+    }
+
+    fn event(i: u32) -> Record {
+        Record::Event(EndpointEvent {
+            ts: SystemTime::UNIX_EPOCH + Duration::from_millis(u64::from(i)),
+            endpoint: format!("e{i}"),
+            event: "x".into(),
+            reason: String::new(),
+        })
+    }
+
+    fn names(records: &[Record]) -> Vec<String> {
+        records
+            .iter()
+            .map(|r| match r {
+                Record::Event(e) => e.endpoint.clone(),
+                _ => "?".into(),
+            })
+            .collect()
+    }
+
+    /// The spool gives its records back in order, each once, across a restart (its progress
+    /// is kept beside it), refuses what would pass its limit, and is gone once written.
+    #[test]
+    fn the_spool_gives_back_each_record_once_in_order_across_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let held: Arc<crate::store::Held> = Default::default();
+        let mut spool = Spool::open(dir.path(), 1 << 20, held.clone());
+        assert!(spool.is_empty());
+        for i in 0..5 {
+            assert!(spool.push(&event(i)));
+        }
+        spool.sync();
+        assert_eq!(held.spooled_records.load(Ordering::Relaxed), 5);
+        let (got, bad) = spool.peek(2).unwrap();
+        assert_eq!((names(&got), bad), (vec!["e0".into(), "e1".into()], 0));
+        spool.consume().unwrap();
+        // Peeked but not consumed (the write failed): given again.
+        let (got, _) = spool.peek(2).unwrap();
+        assert_eq!(names(&got), vec!["e2", "e3"]);
+        drop(spool);
+        // A restart: from where the last run stopped.
+        let held: Arc<crate::store::Held> = Default::default();
+        let mut spool = Spool::open(dir.path(), 1 << 20, held.clone());
+        assert_eq!(held.spooled_records.load(Ordering::Relaxed), 3);
+        let (got, _) = spool.peek(10).unwrap();
+        assert_eq!(names(&got), vec!["e2", "e3", "e4"]);
+        spool.consume().unwrap();
+        assert!(spool.is_empty());
+        assert!(!dir.path().join("audit-spool.jsonl").exists());
+        assert_eq!(held.spooled_bytes.load(Ordering::Relaxed), 0);
+        // Its limit: a record that would pass it is refused, nothing written.
+        let mut small = Spool::open(dir.path(), 100, held);
+        assert!(small.push(&event(1)));
+        assert!(!small.push(&event(2)));
+        let (got, _) = small.peek(10).unwrap();
+        assert_eq!(names(&got), vec!["e1"]);
     }
 }

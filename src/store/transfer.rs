@@ -205,6 +205,77 @@ pub fn record(line: &str) -> Result<Record, String> {
     }
 }
 
+/// A record as the exported lines [`record`] reads back (what the PostgreSQL writer's spool
+/// holds while the store is away): one line a request, event or key's month, each ending in
+/// `\n`. `false` for a record the format has no line for (endpoint state, prunes, flushes).
+pub fn lines(r: &Record, out: &mut String) -> bool {
+    use std::fmt::Write as _;
+    let flag = |b: bool| i64::from(b);
+    match r {
+        Record::Request(row) => {
+            let attempts: Vec<Value> = row
+                .attempts
+                .iter()
+                .map(|a| {
+                    json!({
+                        "seq": a.seq,
+                        "endpoint": a.endpoint,
+                        "class": a.class.as_str(),
+                        "status": a.status,
+                        "error": a.error,
+                        "latency_ms": a.latency_ms,
+                        "panic_mode": a.panic_mode,
+                        "own_key": a.own_key,
+                    })
+                })
+                .collect();
+            let v = json!({
+                "kind": "request",
+                "request_id": row.request_id,
+                "ts_ms": super::ms(row.ts),
+                "operation": row.operation,
+                "requested_model": row.requested_model,
+                "endpoint": row.endpoint,
+                "status": row.status,
+                "error_class": row.error_class,
+                "stream": flag(row.stream),
+                "latency_ms": row.latency_ms,
+                "ttft_ms": row.ttft_ms,
+                "tokens_in": row.tokens_in,
+                "tokens_out": row.tokens_out,
+                "tokens_estimated": flag(row.tokens_estimated),
+                "cost_usd": row.cost_usd,
+                "prompt_tokens_counted": row.prompt_tokens_counted,
+                "truncated_messages": row.truncated_messages,
+                "truncated_tokens": row.truncated_tokens,
+                "sanitized_chars": row.sanitized_chars,
+                "hedges": row.hedges,
+                "hedge_won": flag(row.hedge_won),
+                "continued_from": row.continued_from,
+                "client_key": row.client_key,
+                "response_id": row.response_id,
+                "previous_response_id": row.previous_response_id,
+                "attempts": attempts,
+            });
+            let _ = writeln!(out, "{v}");
+            true
+        }
+        Record::Event(ev) => {
+            let v = json!({"kind": "event", "ts_ms": super::ms(ev.ts), "endpoint": ev.endpoint, "event": ev.event, "reason": ev.reason});
+            let _ = writeln!(out, "{v}");
+            true
+        }
+        Record::Spend(rows) => {
+            for (client, month, usd) in rows {
+                let v = json!({"kind": "spend", "client": client, "month": month, "usd": usd});
+                let _ = writeln!(out, "{v}");
+            }
+            true
+        }
+        _ => false,
+    }
+}
+
 /// Reads exported lines and hands each record to `send`; returns (records, lines refused with
 /// their line number and why — at most the first ten kept).
 pub fn import(
@@ -236,6 +307,55 @@ pub fn import(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_record_survives_its_line() {
+        use crate::routing::outcome::Outcome;
+        let mut row = RequestRow::new(
+            "req-1".into(),
+            UNIX_EPOCH + Duration::from_millis(1_700_000_000_123),
+            "chat",
+        );
+        row.requested_model = Some("m \u{fffd} \"quoted\"".into());
+        row.endpoint = Some("a".into());
+        row.status = 200;
+        row.stream = true;
+        row.latency_ms = 12.5;
+        row.ttft_ms = Some(3.25);
+        row.tokens_in = Some(10);
+        row.tokens_out = Some(u64::MAX);
+        row.cost_usd = Some(0.001);
+        row.hedges = 2;
+        row.hedge_won = true;
+        row.client_key = Some("team".into());
+        row.attempts.push(AttemptRow {
+            seq: 1,
+            endpoint: "a".into(),
+            class: Outcome::Server,
+            status: Some(503),
+            error: Some("down\nhard".into()),
+            latency_ms: 1.5,
+            panic_mode: true,
+            own_key: false,
+        });
+        for r in [
+            Record::Request(Box::new(row)),
+            Record::Event(EndpointEvent {
+                ts: UNIX_EPOCH + Duration::from_millis(5),
+                endpoint: "a".into(),
+                event: "ejected".into(),
+                reason: "x".into(),
+            }),
+            Record::Spend(vec![("team".into(), "2026-12".into(), 1.5)]),
+        ] {
+            let mut text = String::new();
+            assert!(lines(&r, &mut text));
+            assert_eq!(text.matches('\n').count(), 1, "{text}");
+            let back = record(text.trim_end()).unwrap();
+            assert_eq!(format!("{r:?}"), format!("{back:?}"));
+        }
+        assert!(!lines(&Record::Prune(UNIX_EPOCH), &mut String::new()));
+    }
 
     #[test]
     fn hostile_lines_are_refused_by_name_never_a_panic() {

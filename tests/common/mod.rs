@@ -4,6 +4,8 @@
 #![allow(dead_code)]
 
 pub mod engine;
+pub mod pg_server;
+pub mod redis_server;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;

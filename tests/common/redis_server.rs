@@ -1,0 +1,118 @@
+//! A `redis-server` of our own (Debian's package; tests/run-all.sh installs it) for the suites
+//! that share one: loopback, a free port, persistence off, killed when dropped.
+
+use std::io::{Read, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A `redis-server` of our own: loopback, a free port, no persistence. Killed when dropped.
+pub struct Redis {
+    pub port: u16,
+    child: Option<Child>,
+}
+
+impl Redis {
+    pub fn start() -> Redis {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        Redis::start_on(port)
+    }
+
+    pub fn start_on(port: u16) -> Redis {
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "yes",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server (Debian's redis-server package; tests/run-all.sh installs it)");
+        let r = Redis {
+            port,
+            child: Some(child),
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while r.ping().as_deref() != Some("+PONG") {
+            assert!(Instant::now() < deadline, "redis-server did not answer");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        r
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    /// One command in Redis's inline protocol; the answer as text.
+    pub fn answer(&self, line: &str) -> Option<String> {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port)).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+        s.write_all(format!("{line}\r\n").as_bytes()).ok()?;
+        let mut buf = [0u8; 4096];
+        let n = s.read(&mut buf).ok()?;
+        Some(String::from_utf8_lossy(&buf[..n]).to_string())
+    }
+
+    /// The answer's first line.
+    pub fn cmd(&self, line: &str) -> Option<String> {
+        let text = self.answer(line)?;
+        Some(text.lines().next().unwrap_or("").to_string())
+    }
+
+    /// A bulk-string answer's value (`None` for a nil one).
+    pub fn value(&self, line: &str) -> Option<String> {
+        let text = self.answer(line)?;
+        let mut lines = text.lines();
+        match lines.next()? {
+            "$-1" => None,
+            l if l.starts_with('$') => lines.next().map(str::to_string),
+            l => Some(l.to_string()),
+        }
+    }
+
+    pub fn ping(&self) -> Option<String> {
+        self.cmd("PING")
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let pid = self.child.as_ref().unwrap().id().to_string();
+        assert!(
+            Command::new("kill")
+                .args([sig, &pid])
+                .status()
+                .unwrap()
+                .success()
+        );
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        if let Some(c) = &self.child {
+            // A frozen server would not die of SIGKILL's sibling signals; SIGKILL always works.
+            let _ = Command::new("kill")
+                .args(["-CONT", &c.id().to_string()])
+                .status();
+        }
+        self.kill();
+    }
+}

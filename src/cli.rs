@@ -704,7 +704,7 @@ pub async fn endpoint_clear(
     {
         let display = settings.display.clone();
         let (alerts, _rx) = crate::ops::alerts::Alerts::channel();
-        match crate::cluster::Cluster::new(settings, alerts) {
+        match crate::cluster::Cluster::new(settings, alerts, None) {
             Ok(c) => match c.clear_endpoint(name).await {
                 Ok(()) => {
                     crate::say!("{name}: cleared in the cluster store at {display}");

@@ -642,22 +642,7 @@ health: {{ probe_interval: 1h }}
         let st = gws[0].status().await;
         let spend = &st["auth"]["spend_this_month_usd"];
         assert!(spend["payer"].as_f64().unwrap() > 0.0, "{st}");
-        // The month as the gateway names it (UTC), from its own clock.
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_secs() as i64;
-        let days = now / 86_400;
-        // Howard Hinnant's civil_from_days.
-        let z = days + 719_468;
-        let era = z.div_euclid(146_097);
-        let doe = z - era * 146_097;
-        let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-        let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-        let mp = (5 * doy + 2) / 153;
-        let m = if mp < 10 { mp + 3 } else { mp - 9 };
-        let y = yoe + era * 400 + i64::from(m <= 2);
-        format!("{y:04}-{m:02}")
+        month_now()
     };
     // Every settle applied: no reservation left, the spend is every admitted request's cost.
     let settled = eventually(Duration::from_secs(10), || async {
@@ -1179,7 +1164,7 @@ async fn a_bucket_and_its_leases_never_hold_more_than_the_limit() {
     ) -> (usize, u64) {
         let mut inv = script.prepare_invoke();
         for k in [
-            "rpm", "tpm", "spend", "resv", "resvamt", "resvtot", "lease", "leaseamt",
+            "rpm", "tpm", "spend", "resv", "resvamt", "resvtot", "lease", "leaseamt", "settled",
         ] {
             inv.key(format!("t:{k}"));
         }
@@ -1197,7 +1182,7 @@ async fn a_bucket_and_its_leases_never_hold_more_than_the_limit() {
             .arg(0)
             .arg(lease)
             .arg(1250);
-        inv.arg(back.0).arg(back.1).arg(0);
+        inv.arg(back.0).arg(back.1).arg(0).arg(900_000);
         for i in 0..requests {
             inv.arg(0).arg(0).arg(format!("r{i}"));
         }

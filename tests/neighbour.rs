@@ -202,3 +202,232 @@ health: {{ probe_interval: 1h }}
         40
     );
 }
+
+// ── A store that pauses: Redis (`cluster:`) ─────────────────────────────────────────────────
+
+use common::redis_server::Redis;
+
+/// One gateway on `redis`, key B (`victim`) with a budget, every token at $0.001.
+fn budget_gateway(up: &MockUp, redis: &Redis, prefix: &str, budget: f64) -> Gw {
+    let cfg = format!(
+        r#"models:
+  a: {{ type: openai, base_url: "{}", model: gpt-4o-mini, cost: {{ input_per_mtok: 1000, output_per_mtok: 1000 }} }}
+auth:
+  keys:
+    - {{ name: hostile, key: env:KEY_A }}
+    - {{ name: victim, key: env:KEY_B, budget_usd: {budget} }}
+cluster: {{ redis: env:AUTOHEDGE_REDIS_URL, key_prefix: "{prefix}", timeout: 20ms }}
+health: {{ probe_interval: 1h }}
+"#,
+        up.base()
+    );
+    let url = redis.url();
+    Gw::start_with_env(&cfg, &keys_env(&[("AUTOHEDGE_REDIS_URL", &url)]))
+}
+
+async fn until_store_up(gw: &Gw) {
+    let up = eventually(Duration::from_secs(15), || async {
+        gw.status().await["cluster"]["state"] == "up"
+    })
+    .await;
+    assert!(up, "{}", gw.status().await["cluster"]);
+}
+
+/// A priced request of the victim's: `max_tokens` 95, so it reserves about $0.10.
+async fn priced(gw: &Gw, id: String) -> u16 {
+    let r = reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .bearer_auth(KEY_B)
+        .header("x-request-id", id)
+        .json(&json!({"model": "a", "max_tokens": 95, "messages": [{"role": "user", "content": "Hello"}]}))
+        .send()
+        .await
+        .unwrap();
+    r.status().as_u16()
+}
+
+/// The victim's spend and reservations in the store, and the sum of its rows' costs.
+async fn store_and_rows(gw: &Gw, redis: &Redis, prefix: &str) -> (f64, f64, f64) {
+    let num = |v: Option<String>| v.and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    let spend = num(redis.value(&format!("HGET {prefix}spend:victim:{} usd", month_now())));
+    let reserved = num(redis.value(&format!("GET {prefix}resvtot:victim")));
+    let rows = audit_rows(
+        gw,
+        "SELECT COALESCE(SUM(cost_usd), 0) FROM requests WHERE client_key = 'victim'",
+    );
+    (spend, reserved, rows[0][0].as_f64().unwrap_or(0.0))
+}
+
+/// #45 item 2: a 400 ms Redis pause locks no budgeted key out. Requests during the pause are
+/// admitted locally after `cluster.timeout`; the admission scripts already written run when
+/// Redis resumes and reserve for requests that ended meanwhile — their settles let those
+/// reservations go by name, so the key's next requests are admitted as its real spend allows.
+/// (Before: the late reservations held the whole $1 budget for an hour; every later request
+/// got 429 `insufficient_quota` with $0.02 spent.)
+#[tokio::test]
+async fn a_short_store_pause_locks_no_budgeted_key_out() {
+    let redis = Redis::start();
+    let up = MockUp::openai("name: a").await;
+    let mut gw = budget_gateway(&up, &redis, "pause:", 1.0);
+    gw.ready().await;
+    until_store_up(&gw).await;
+    assert_eq!(priced(&gw, "b-first".into()).await, 200);
+    assert_eq!(redis.cmd("CLIENT PAUSE 400").as_deref(), Some("+OK"));
+    let paused = std::time::Instant::now();
+    let mut during = 0;
+    while paused.elapsed() < Duration::from_millis(350) {
+        assert_eq!(priced(&gw, format!("b-pause-{during}")).await, 200);
+        during += 1;
+    }
+    // The pause was met: requests admitted on their own after the store's silence.
+    let st = gw.status().await["cluster"].clone();
+    assert!(during >= 3, "{during} requests during the pause");
+    assert!(st["slow_answers"].as_u64().unwrap() >= 1, "{st}");
+    // Once the store answers, the reservations go and the key is served as its spend allows.
+    let free = eventually(Duration::from_secs(10), || async {
+        store_and_rows(&gw, &redis, "pause:").await.1.abs() < 1e-9
+    })
+    .await;
+    assert!(
+        free,
+        "reservations left: {:?}",
+        store_and_rows(&gw, &redis, "pause:").await
+    );
+    for i in 0..5 {
+        assert_eq!(priced(&gw, format!("b-after-{i}")).await, 200, "after {i}");
+    }
+    gw.stop();
+    let (spend, reserved, rows) = store_and_rows(&gw, &redis, "pause:").await;
+    assert!(rows > 0.0 && rows < 1.0, "{rows}");
+    assert!(reserved.abs() < 1e-9, "{reserved}");
+    assert!(
+        (spend - rows).abs() < 1e-9,
+        "store {spend} against rows {rows}"
+    );
+}
+
+/// #45 item 5: a Redis pause longer than a settle call's timeout charges nothing twice. The
+/// settles of requests that ended during a 1.5 s pause time out and run when Redis resumes;
+/// the settler sends them again, and the store applies each name once: the spend is exactly
+/// the sum of the rows' costs. (Before: a $1 request charged $3 after two.)
+#[tokio::test]
+async fn a_slow_store_charges_nothing_twice() {
+    let redis = Redis::start();
+    let up = MockUp::openai("name: a").await;
+    let mut gw = budget_gateway(&up, &redis, "twice:", 1000.0);
+    gw.ready().await;
+    until_store_up(&gw).await;
+    assert_eq!(priced(&gw, "b-first".into()).await, 200);
+    assert_eq!(redis.cmd("CLIENT PAUSE 1500").as_deref(), Some("+OK"));
+    for i in 0..5 {
+        assert_eq!(priced(&gw, format!("b-pause-{i}")).await, 200);
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    // The pause was met: the store counted away for a while.
+    let outage = eventually(Duration::from_secs(5), || async {
+        gw.status().await["cluster"]["outages"]
+            .as_u64()
+            .unwrap_or(0)
+            >= 1
+    })
+    .await;
+    assert!(outage, "{}", gw.status().await["cluster"]);
+    until_store_up(&gw).await;
+    for i in 0..3 {
+        assert_eq!(priced(&gw, format!("b-after-{i}")).await, 200);
+    }
+    let settled = eventually(Duration::from_secs(10), || async {
+        let st = gw.status().await["cluster"].clone();
+        st["settles_queued"] == 0 && store_and_rows(&gw, &redis, "twice:").await.1.abs() < 1e-9
+    })
+    .await;
+    assert!(settled, "{}", gw.status().await["cluster"]);
+    gw.stop();
+    let (spend, _, rows) = store_and_rows(&gw, &redis, "twice:").await;
+    assert!(rows > 0.0, "{rows}");
+    assert!(
+        (spend - rows).abs() < 1e-9,
+        "store {spend} against rows {rows}"
+    );
+}
+
+/// #45 item 6: three replicas saw each other; Redis dies and each restarts while it is away.
+/// Each still splits `rpm: 60` by three (the count it kept in its data dir): 200 requests over
+/// the three pass at most the key's 60 (and a refill's worth of slack), not 180. A fourth
+/// replica that never saw the store splits by `cluster.replicas`.
+#[tokio::test]
+async fn a_replica_restarted_while_the_store_is_away_remembers_the_fleet() {
+    let mut redis = Redis::start();
+    let up = MockUp::openai("name: a").await;
+    let cfg = |url: &str| {
+        format!(
+            r#"models:
+  a: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
+auth:
+  keys:
+    - {{ name: victim, key: env:KEY_B, rpm: 60 }}
+cluster: {{ redis: "{url}", key_prefix: "fleet:", timeout: 50ms }}
+health: {{ probe_interval: 1h }}
+"#,
+            up.base()
+        )
+    };
+    let dirs: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let env = keys_env(&[]);
+    let mut gws: Vec<Gw> = dirs
+        .iter()
+        .map(|d| Gw::start_in(d.path(), &cfg(&redis.url()), &env))
+        .collect();
+    for g in &gws {
+        let seen = eventually(Duration::from_secs(15), || async {
+            let st = g.status().await;
+            st["cluster"]["state"] == "up" && st["cluster"]["replicas"] == 3
+        })
+        .await;
+        assert!(seen, "{}", g.status().await["cluster"]);
+    }
+    redis.kill();
+    for g in gws.iter_mut() {
+        g.stop();
+    }
+    let gws: Vec<Gw> = dirs
+        .iter()
+        .map(|d| Gw::start_in(d.path(), &cfg(&redis.url()), &env))
+        .collect();
+    for g in &gws {
+        g.ready().await;
+        let st = g.status().await["cluster"].clone();
+        assert_ne!(st["state"], "up", "{st}");
+        assert_eq!(st["replicas"], 3, "{st}");
+    }
+    let client = reqwest::Client::new();
+    let mut passed = 0;
+    let started = std::time::Instant::now();
+    for i in 0..200 {
+        let r = client
+            .post(gws[i % 3].url("/v1/chat/completions"))
+            .bearer_auth(KEY_B)
+            .json(&json!({"model": "a", "messages": [{"role": "user", "content": "hi"}]}))
+            .send()
+            .await
+            .unwrap();
+        match r.status().as_u16() {
+            200 => passed += 1,
+            429 => {}
+            s => panic!("{s}"),
+        }
+    }
+    // Each share is a third of a minute's 60 and refills a third of a request a second: the
+    // three together never pass more than 60 and one a second since they started.
+    let refilled = started.elapsed().as_secs_f64().ceil() as usize + 1;
+    assert!(
+        passed >= 60 && passed <= 60 + refilled,
+        "{passed} of 200 passed rpm: 60 ({refilled} refilled)"
+    );
+    // One that never saw the store: `cluster.replicas`.
+    let fresh = tempfile::tempdir().unwrap();
+    let told = cfg(&redis.url()).replace("timeout: 50ms", "timeout: 50ms, replicas: 4");
+    let g = Gw::start_in(fresh.path(), &told, &env);
+    g.ready().await;
+    assert_eq!(g.status().await["cluster"]["replicas"], 4);
+}

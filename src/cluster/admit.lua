@@ -20,9 +20,11 @@
 --       at most (ms), 5 settles, 6 the spend's lifetime (s), 7 lease requests asked (0: no
 --       lease), 8 lease tokens asked, 9 live replicas, 10 the fewest requests and 11 the fewest
 --       tokens worth a lease, 12 the new lease's id, 13 its lifetime (ms), 14 a lease given back
---       ('': none), 15 its requests and 16 its tokens left; then three a settle: request id
---       ('' : no reservation), usd, completion tokens; then three a request: tokens,
---       reservation usd, request id
+--       ('': none), 15 its requests and 16 its tokens left, 17 how long settles' names are
+--       remembered (ms); then four a settle: reservation id ('' : none), usd, completion
+--       tokens, the settle's name (applied once: see settle.lua); then three a request:
+--       tokens, reservation usd, request id
+-- KEYS: 9 the settles' names applied (name -> when)
 -- Returns five a request: verdict, usd spent (text), retry after ms, reset ms, remaining (text);
 -- then the lease: granted (1/0), requests, tokens.
 local t = redis.call('TIME')
@@ -34,7 +36,8 @@ local lr, lt, nrep = tonumber(ARGV[7]), tonumber(ARGV[8]), math.max(1, tonumber(
 local minr, mint = tonumber(ARGV[10]), tonumber(ARGV[11])
 local lease_id, life = ARGV[12], tonumber(ARGV[13])
 local back_id, backr, backt = ARGV[14], tonumber(ARGV[15]), tonumber(ARGV[16])
-local first = 17 + settles * 3
+local keep = tonumber(ARGV[17])
+local first = 18 + settles * 4
 -- Leases outstanding: those past their expiry end (their replica did not give them back).
 local o = redis.call('HMGET', KEYS[8], '_r', '_t')
 local or_, ot = tonumber(o[1]) or 0, tonumber(o[2]) or 0
@@ -62,12 +65,22 @@ if back_id ~= '' and redis.call('ZREM', KEYS[7], back_id) == 1 then
   lease_ends(back_id)
 end
 local charged = 0
-for i = 17, first - 1, 3 do
+if settles > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[9], '-inf', now - keep)
+end
+for i = 18, first - 1, 4 do
   local id, spent_usd, tokens = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+  local name = ARGV[i + 3]
   if id ~= '' and redis.call('ZREM', KEYS[4], id) == 1 then
     local held = tonumber(redis.call('HGET', KEYS[5], id) or '0') or 0
     redis.call('HDEL', KEYS[5], id)
     redis.call('INCRBYFLOAT', KEYS[6], -held)
+  end
+  if name ~= '' and redis.call('ZADD', KEYS[9], 'NX', now, name) == 0 then
+    -- Applied already (a call that timed out but ran): nothing twice.
+    spent_usd, tokens = 0, 0
+  elseif name ~= '' then
+    redis.call('PEXPIRE', KEYS[9], keep)
   end
   if spent_usd > 0 then
     redis.call('HINCRBYFLOAT', KEYS[3], 'usd', ARGV[i + 1])

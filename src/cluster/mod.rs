@@ -42,6 +42,9 @@ const MAX_BACKOFF: Duration = Duration::from_secs(2);
 const SETTLE_QUEUE: usize = 100_000;
 /// A reservation of a replica that died before settling is let go after this.
 const HOLD: Duration = Duration::from_secs(3600);
+/// How long the store remembers a settle's name (so one sent again is applied once): far
+/// longer than a call is retried within while the store answers.
+const SETTLED_FOR: Duration = Duration::from_secs(15 * 60);
 /// A month's spend outlives its month by this.
 const SPEND_TTL: Duration = Duration::from_secs(40 * 86_400);
 /// An endpoint's shared facts outlive their last change by this.
@@ -222,8 +225,17 @@ pub enum Verdict {
 pub struct Settle {
     pub client: String,
     pub month: String,
-    /// The reservation to let go (`None`: the request held none in the store).
+    /// The reservation to let go (`None`: the request held none in the store). A request
+    /// admitted on its own while the store was slow still names the reservation it asked for:
+    /// the store's late run of that admission is rolled back by it.
     pub request: Option<String>,
+    /// The settle's own name (unique: the gateway makes it, never the client): the store
+    /// applies a settle of a name once, so one sent again after a call that timed out (and ran)
+    /// charges nothing twice.
+    pub id: String,
+    /// Sent once already in a call whose answer was lost: kept apart (never merged into a new
+    /// name) so the store can tell it was applied.
+    pub sent: bool,
     pub usd: f64,
     pub completion_tokens: u64,
     pub tpm: u64,
@@ -269,6 +281,8 @@ pub struct Cluster {
     /// Connected once at least: until then requests admit on their own, split by one.
     ever_up: AtomicBool,
     replicas: AtomicU64,
+    /// Where the count last seen is kept (the data dir), if anywhere.
+    replicas_file: Option<std::path::PathBuf>,
     status: Mutex<Status>,
     settles: mpsc::Sender<Settle>,
     settles_rx: Mutex<Option<mpsc::Receiver<Settle>>>,
@@ -295,6 +309,11 @@ pub struct Cluster {
     admission_calls: AtomicU64,
     /// Settles that went with their key's admissions (no call of their own).
     settles_carried: AtomicU64,
+    /// Costs of settles not yet known to be in the store, by key and month: what this
+    /// replica's own view of a month holds beyond the store's. Seeding after an outage raises
+    /// the store to that view less these (the settles bring them, each once), so a month is
+    /// never counted twice.
+    unsettled_usd: Mutex<std::collections::HashMap<(String, String), f64>>,
     /// Admissions waiting for their key's next call; an entry exists while its flusher runs.
     batches: Mutex<std::collections::HashMap<Batch, Group>>,
     /// Leases of keys without a budget, by key name (one a key: a lease for other limits or
@@ -313,7 +332,20 @@ pub struct Cluster {
 impl Cluster {
     /// Builds the client; nothing is connected until the keeper's first heartbeat (a store
     /// away at start is an outage like any other: the gateway starts and serves).
-    pub fn new(settings: Settings, alerts: crate::ops::alerts::Alerts) -> anyhow::Result<Cluster> {
+    /// `data_dir` keeps the replica count last seen (`cluster-replicas`), so a replica
+    /// restarted while the store is away still splits limits by the fleet, not by one.
+    pub fn new(
+        settings: Settings,
+        alerts: crate::ops::alerts::Alerts,
+        data_dir: Option<&std::path::Path>,
+    ) -> anyhow::Result<Cluster> {
+        let replicas_file = data_dir.map(|d| d.join("cluster-replicas"));
+        let kept = replicas_file
+            .as_deref()
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .and_then(|t| t.trim().parse::<u64>().ok())
+            .filter(|n| (1..=10_000).contains(n));
+        let replicas = kept.unwrap_or(1).max(settings.replicas.unwrap_or(1));
         let client = redis::Client::open(settings.url.expose().trim())
             .map_err(|_| anyhow::anyhow!("cluster.redis: not a redis URL"))?;
         let config = ConnectionManagerConfig::new()
@@ -330,7 +362,8 @@ impl Cluster {
             conn,
             up: AtomicBool::new(false),
             ever_up: AtomicBool::new(false),
-            replicas: AtomicU64::new(1),
+            replicas: AtomicU64::new(replicas),
+            replicas_file,
             status: Mutex::new(Status::default()),
             settles: tx,
             settles_rx: Mutex::new(Some(rx)),
@@ -349,6 +382,7 @@ impl Cluster {
             fallbacks: AtomicU64::new(0),
             slow_answers: AtomicU64::new(0),
             batches: Mutex::new(Default::default()),
+            unsettled_usd: Mutex::new(Default::default()),
             store_admissions: AtomicU64::new(0),
             admission_calls: AtomicU64::new(0),
             settles_carried: AtomicU64::new(0),
@@ -370,9 +404,27 @@ impl Cluster {
         self.up.load(Ordering::Acquire)
     }
 
-    /// Live replicas as last seen (at least 1): what limits are split by while the store is away.
+    /// Live replicas as last seen (at least 1, at least `cluster.replicas` before the store
+    /// was ever seen): what limits are split by while the store is away.
     pub fn replicas(&self) -> u64 {
         self.replicas.load(Ordering::Relaxed).max(1)
+    }
+
+    /// The store counted `n` live replicas: remembered, and kept in the data dir when it
+    /// changed (written whole, then renamed over the old).
+    fn saw_replicas(&self, n: u64) {
+        let n = n.clamp(1, 10_000);
+        if self.replicas.swap(n, Ordering::Relaxed) == n && self.ever_up.load(Ordering::Acquire) {
+            return;
+        }
+        if let Some(path) = &self.replicas_file {
+            let tmp = path.with_extension("tmp");
+            let kept =
+                std::fs::write(&tmp, n.to_string()).and_then(|()| std::fs::rename(&tmp, path));
+            if let Err(e) = kept {
+                tracing::debug!(error = %e, "the replica count could not be kept in the data dir");
+            }
+        }
     }
 
     fn key(&self, parts: &[&str]) -> String {
@@ -561,6 +613,7 @@ impl Cluster {
             let verdicts = self.admit_batch(&key, &asks, &settles).await;
             match verdicts {
                 Ok(vs) => {
+                    self.unsettled(&settles, -1.0);
                     self.settles_carried
                         .fetch_add(settles.len() as u64, Ordering::Relaxed);
                     for (w, v) in batch.into_iter().zip(vs) {
@@ -569,8 +622,13 @@ impl Cluster {
                 }
                 Err(e) => {
                     self.down(&e);
-                    // Not known to be applied: the settler sends them when the store is back.
-                    self.to_settler(settles);
+                    // Not known to be applied (the call may have run): the settler sends them
+                    // again when the store is back, each under its own name, so the store
+                    // applies each once.
+                    self.to_settler(settles.into_iter().map(|mut s| {
+                        s.sent = true;
+                        s
+                    }));
                     for w in batch {
                         let _ = w.tx.send(Err(()));
                     }
@@ -751,6 +809,7 @@ impl Cluster {
             .key(self.key(&["resvtot", client]))
             .key(self.key(&["lease", client, &limits]))
             .key(self.key(&["leaseamt", client, &limits]))
+            .key(self.key(&["settled", client]))
             .arg(key.rpm)
             .arg(key.tpm)
             .arg(key.budget.map(f64::from_bits).unwrap_or(-1.0))
@@ -766,7 +825,8 @@ impl Cluster {
             .arg(LEASE_STORE_LIFE.as_millis() as u64)
             .arg(back_id)
             .arg(backr)
-            .arg(backt);
+            .arg(backt)
+            .arg(SETTLED_FOR.as_millis() as u64);
         for s in settles {
             inv.arg(s.request.as_deref().unwrap_or(""))
                 .arg(if s.usd.is_finite() {
@@ -774,7 +834,8 @@ impl Cluster {
                 } else {
                     0.0
                 })
-                .arg(s.completion_tokens);
+                .arg(s.completion_tokens)
+                .arg(&s.id);
         }
         for w in batch {
             inv.arg(w.tokens).arg(w.reserve).arg(&w.request);
@@ -846,6 +907,7 @@ impl Cluster {
         if s.request.is_none() && s.usd <= 0.0 && s.completion_tokens == 0 {
             return;
         }
+        self.unsettled(std::slice::from_ref(&s), 1.0);
         // While a call for the key is out, the settle goes in the key's next call (the same
         // keys, one call instead of two under load).
         let s = {
@@ -884,6 +946,22 @@ impl Cluster {
         s.completion_tokens -= t;
     }
 
+    /// Counts `settles`' costs as not yet in the store (`sign` 1) or as applied (-1).
+    fn unsettled(&self, settles: &[Settle], sign: f64) {
+        let mut map = self.unsettled_usd.lock().unwrap_or_else(|e| e.into_inner());
+        for s in settles {
+            if !(s.usd.is_finite() && s.usd > 0.0) {
+                continue;
+            }
+            let k = (s.client.clone(), s.month.clone());
+            let v = map.entry(k.clone()).or_insert(0.0);
+            *v += sign * s.usd;
+            if *v <= 1e-12 {
+                map.remove(&k);
+            }
+        }
+    }
+
     /// Queues settles for the settler (never waits; a full queue drops and counts).
     fn to_settler(&self, settles: impl IntoIterator<Item = Settle>) {
         for s in settles {
@@ -892,7 +970,11 @@ impl Cluster {
     }
 
     fn queue_settle(&self, s: Settle) {
-        if self.settles.try_send(s).is_err() {
+        if let Err(e) = self.settles.try_send(s) {
+            // Lost: the next seeding carries its cost instead.
+            let (tokio::sync::mpsc::error::TrySendError::Full(s)
+            | tokio::sync::mpsc::error::TrySendError::Closed(s)) = e;
+            self.unsettled(std::slice::from_ref(&s), -1.0);
             let n = self.settles_dropped.fetch_add(1, Ordering::Relaxed) + 1;
             if n == 1 || n.is_multiple_of(1000) {
                 tracing::warn!(
@@ -1047,6 +1129,15 @@ impl Cluster {
     /// Raises the shared spend of each (key, month) to what this replica knows.
     async fn seed(&self, spend: &[(String, String, f64)]) -> Result<(), String> {
         for (client, month, usd) in spend {
+            // What the settles still on their way bring themselves is left out.
+            let coming = self
+                .unsettled_usd
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&(client.clone(), month.clone()))
+                .copied()
+                .unwrap_or(0.0);
+            let usd = &(usd - coming);
             if !usd.is_finite() || *usd <= 0.0 {
                 continue;
             }
@@ -1062,13 +1153,16 @@ impl Cluster {
     /// Applies `settles` in one call.
     async fn apply(&self, settles: &[Settle]) -> Result<(), String> {
         let mut inv = self.settle.prepare_invoke();
-        inv.arg(SPEND_TTL.as_secs());
+        inv.arg(SPEND_TTL.as_secs())
+            .arg(SETTLED_FOR.as_millis() as u64);
         for s in settles {
             inv.key(self.key(&["spend", &s.client, &s.month]))
                 .key(self.key(&["resv", &s.client]))
                 .key(self.key(&["resvamt", &s.client]))
                 .key(self.key(&["resvtot", &s.client]))
                 .key(self.key(&["tpm", &s.client, &s.tpm.to_string()]))
+                .key(self.key(&["settled", &s.client]))
+                .arg(&s.id)
                 .arg(s.request.as_deref().unwrap_or(""))
                 .arg(if s.usd.is_finite() {
                     s.usd.max(0.0)
@@ -1343,7 +1437,7 @@ pub async fn run(cluster: Arc<Cluster>, hooks: Hooks, cancel: CancellationToken)
     loop {
         let wait = match cluster.beat().await {
             Ok((n, now_epoch)) => {
-                cluster.replicas.store(n.max(1), Ordering::Relaxed);
+                cluster.saw_replicas(n);
                 // Restarted empty between two heartbeats (the connection manager reconnected
                 // on its own): seeded again as after an outage, by every replica.
                 let fresh = std::mem::replace(&mut epoch, now_epoch) != epoch;
@@ -1533,13 +1627,17 @@ fn merge_settles(batch: &[Settle]) -> Vec<Settle> {
     let mut out: Vec<Settle> = Vec::with_capacity(batch.len());
     let mut at: std::collections::HashMap<(&str, &str, u64), usize> = Default::default();
     for s in batch {
-        if s.request.is_some() {
+        // A settle that may have been applied keeps its own name (a merged one takes a new).
+        if s.request.is_some() || s.sent {
             out.push(s.clone());
             continue;
         }
         match at.get(&(s.client.as_str(), s.month.as_str(), s.tpm)) {
             Some(&i) => {
                 let m = &mut out[i];
+                if !m.id.starts_with("m:") {
+                    m.id = format!("m:{}", uuid::Uuid::new_v4());
+                }
                 m.usd += if s.usd.is_finite() {
                     s.usd.max(0.0)
                 } else {
@@ -1572,6 +1670,9 @@ async fn settler(cluster: Arc<Cluster>, cancel: CancellationToken) {
         return;
     };
     let mut pending: VecDeque<Settle> = VecDeque::new();
+    // A call that failed is sent again as it was (the same merged settles under the same
+    // names): it may have run, and the store tells a name it applied.
+    let mut unanswered: Option<(Vec<Settle>, usize)> = None;
     loop {
         if pending.is_empty() {
             tokio::select! {
@@ -1603,13 +1704,19 @@ async fn settler(cluster: Arc<Cluster>, cancel: CancellationToken) {
             continue;
         }
         // What queued while the last call ran goes in the next: one call, in order.
-        let n = pending.len().min(SETTLE_BATCH);
-        let batch = merge_settles(&pending.make_contiguous()[..n]);
+        let (batch, n) = unanswered.take().unwrap_or_else(|| {
+            let n = pending.len().min(SETTLE_BATCH);
+            (merge_settles(&pending.make_contiguous()[..n]), n)
+        });
         match cluster.apply(&batch).await {
             Ok(()) => {
-                pending.drain(..n);
+                let done: Vec<Settle> = pending.drain(..n).collect();
+                cluster.unsettled(&done, -1.0);
             }
-            Err(e) => cluster.down(&e),
+            Err(e) => {
+                cluster.down(&e);
+                unanswered = Some((batch, n));
+            }
         }
     }
 }
@@ -1625,7 +1732,49 @@ mod tests {
             display: display_url(url).unwrap_or_default(),
             key_prefix: "autohedge:".into(),
             timeout: Duration::from_millis(25),
+            replicas: None,
         }
+    }
+
+    /// The replica count outlives a restart (the data dir), and `cluster.replicas` covers a
+    /// replica that never saw the store.
+    #[tokio::test]
+    async fn the_fleet_size_is_kept_across_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let (alerts, _rx) = crate::ops::alerts::Alerts::channel();
+        let c = Cluster::new(settings("redis://127.0.0.1:1/0"), alerts, Some(dir.path())).unwrap();
+        assert_eq!(c.replicas(), 1);
+        c.saw_replicas(3);
+        drop(c);
+        let (alerts, _rx) = crate::ops::alerts::Alerts::channel();
+        let c = Cluster::new(settings("redis://127.0.0.1:1/0"), alerts, Some(dir.path())).unwrap();
+        assert_eq!(c.replicas(), 3, "read back after a restart");
+        let (alerts, _rx) = crate::ops::alerts::Alerts::channel();
+        let fresh = tempfile::tempdir().unwrap();
+        let c = Cluster::new(
+            Settings {
+                replicas: Some(4),
+                ..settings("redis://127.0.0.1:1/0")
+            },
+            alerts,
+            Some(fresh.path()),
+        )
+        .unwrap();
+        assert_eq!(
+            c.replicas(),
+            4,
+            "cluster.replicas for one that never saw the store"
+        );
+        // A hostile file is ignored.
+        std::fs::write(fresh.path().join("cluster-replicas"), "99999999999").unwrap();
+        let (alerts, _rx) = crate::ops::alerts::Alerts::channel();
+        let c = Cluster::new(
+            settings("redis://127.0.0.1:1/0"),
+            alerts,
+            Some(fresh.path()),
+        )
+        .unwrap();
+        assert_eq!(c.replicas(), 1);
     }
 
     fn key(rpm: u32, tpm: u64, budget: Option<f64>) -> Batch {
@@ -1677,7 +1826,7 @@ mod tests {
     #[tokio::test]
     async fn completion_tokens_are_charged_to_the_lease_first() {
         let (alerts, _rx) = crate::ops::alerts::Alerts::channel();
-        let c = Cluster::new(settings("redis://127.0.0.1:1/0"), alerts).unwrap();
+        let c = Cluster::new(settings("redis://127.0.0.1:1/0"), alerts, None).unwrap();
         let k = key(600, 6000, None);
         c.leases.lock().unwrap().insert(
             k.client.clone(),
@@ -1695,6 +1844,8 @@ mod tests {
             client: client.into(),
             month: k.month.clone(),
             request: None,
+            id: uuid::Uuid::new_v4().to_string(),
+            sent: false,
             usd: 0.0,
             completion_tokens: tokens,
             tpm: 6000,
@@ -1718,6 +1869,8 @@ mod tests {
             client: client.into(),
             month: month.into(),
             request: request.map(str::to_string),
+            id: uuid::Uuid::new_v4().to_string(),
+            sent: false,
             usd,
             completion_tokens: tokens,
             tpm: 600,

@@ -129,6 +129,10 @@ pub struct RawCluster {
     pub key_prefix: Option<String>,
     /// The most a request ever waits on the store (default 25ms).
     pub timeout: Option<Dur>,
+    /// The fleet's replica count for a replica that never saw the store (the stack file sets
+    /// it): while the store is away, limits are split by the larger of this and the count last
+    /// seen (kept in the data dir across restarts).
+    pub replicas: Option<u64>,
 }
 
 /// `limits:`: how much of an upstream's bytes the gateway holds at once.

@@ -779,11 +779,18 @@ fn cluster(
             "at `cluster.timeout`: more than 0 and at most 10s".into(),
         ));
     }
+    let replicas = match raw.replicas {
+        Some(n) if !(1..=10_000).contains(&n) => {
+            return Err(ConfigError("at `cluster.replicas`: 1 to 10000".into()));
+        }
+        n => n,
+    };
     Ok(Some(ClusterSettings {
         url,
         display,
         key_prefix,
         timeout,
+        replicas,
     }))
 }
 

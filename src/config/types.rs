@@ -652,6 +652,8 @@ pub struct ClusterSettings {
     pub display: String,
     pub key_prefix: String,
     pub timeout: Duration,
+    /// `cluster.replicas`: the fleet's size for a replica that never saw the store.
+    pub replicas: Option<u64>,
 }
 
 impl std::fmt::Debug for ClusterSettings {

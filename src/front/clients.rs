@@ -241,8 +241,11 @@ struct Shared {
     cluster: Arc<crate::cluster::Cluster>,
     /// The key's own state (its spend as this replica last saw the fleet's).
     normal: Arc<State>,
-    /// The reservation's name in the store; `None` when admitted locally.
+    /// The reservation's name in the store (also when admitted locally after the store was
+    /// slow: its late run of the admission is rolled back by it); `None` without one.
     request: Option<String>,
+    /// The settle's name: the store applies it once.
+    id: String,
     month: String,
     /// The fleet's spend this month when admitted.
     usd_seen: f64,
@@ -425,6 +428,8 @@ impl Admission {
             client: self.name.clone(),
             month: sh.month.clone(),
             request: sh.request.clone(),
+            id: sh.id.clone(),
+            sent: false,
             usd,
             completion_tokens: if sh.charge_completion {
                 completion_tokens
@@ -565,9 +570,11 @@ impl Clients {
             return self.admit(key, ask);
         }
         let month = month_of(SystemTime::now());
-        // The reservation's name: only a budget reserves.
+        // The request's name in the store: its settle's, and (only a budget reserves) its
+        // reservation's.
+        let id = uuid::Uuid::new_v4().to_string();
         let request = if key.budget_usd.is_some() {
-            uuid::Uuid::new_v4().to_string()
+            id.clone()
         } else {
             String::new()
         };
@@ -582,6 +589,7 @@ impl Clients {
             cluster: cluster.clone(),
             normal: normal.clone(),
             request,
+            id: id.clone(),
             month: month.clone(),
             usd_seen,
             tpm: tpm.unwrap_or(0),
@@ -654,7 +662,9 @@ impl Clients {
                     // Its completion tokens are charged here (the share's bucket) and in the
                     // store when it is back.
                     charge_completion: a.charge_completion,
-                    ..shared(None, usd_seen)
+                    // The admission asked of the store may still run there (a call that timed
+                    // out was written): its reservation is let go by name when this settles.
+                    ..shared((reserve > 0.0).then(|| request.clone()), usd_seen)
                 });
                 Ok(a)
             }

@@ -263,6 +263,7 @@ impl Gateway {
             let cluster = Arc::new(crate::cluster::Cluster::new(
                 settings,
                 state.alerts.clone(),
+                Some(&opts.data_dir),
             )?);
             let _ = state.cluster.set(cluster.clone());
             let (tx, facts) = tokio::sync::mpsc::channel(crate::cluster::FACT_QUEUE);

@@ -621,6 +621,17 @@ impl Mock {
             ("POST", "/v1/embeddings", _) => self.embeddings(&body, &model, &rule),
             // OpenAI's Responses API (vLLM serves it too); Ollama does not.
             ("POST", "/v1/responses", Flavor::Openai | Flavor::Vllm) => {
+                // OpenAI refuses a body without `model` (vLLM's validation too).
+                if body.get("model").is_none_or(|m| !m.is_string()) {
+                    return self.error(
+                        &path,
+                        400,
+                        "Missing required parameter: 'model'.",
+                        Some("invalid_request_error"),
+                        Some("missing_required_parameter"),
+                        &BTreeMap::new(),
+                    );
+                }
                 // A conversation continues only from a response this server stored.
                 if let Some(prev) = body.get("previous_response_id").and_then(Value::as_str)
                     && !self.stored.lock().unwrap_or_else(|e| e.into_inner()).contains_key(prev)

@@ -431,3 +431,110 @@ health: {{ probe_interval: 1h }}
     g.ready().await;
     assert_eq!(g.status().await["cluster"]["replicas"], 4);
 }
+
+// ── Shared facts a client's request can provoke: the Responses API ──────────────────────────
+
+/// The victim's Responses call with a tool only a native `/responses` serves (translation to
+/// chat refuses it with 400 `unsupported_parameter`).
+async fn native_only(gw: &Gw, id: &str) -> (u16, serde_json::Value) {
+    let r = reqwest::Client::new()
+        .post(gw.url("/v1/responses"))
+        .bearer_auth(KEY_B)
+        .header("x-request-id", id)
+        .json(&json!({"model": "a", "input": "news today?", "tools": [{"type": "web_search"}]}))
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or_default())
+}
+
+/// #45 item 1: a client's own 404 never makes an endpoint chat-only for everyone. Key A's
+/// `conversation: conv_x` gets the upstream's 404 naming it (the client's business, returned to
+/// it); A's next call gets a 404 that names nothing (a hostile or confused upstream answer) and
+/// goes on translated, alone. The gateway's own probe (no client content) finds the route, so
+/// the endpoint stays native: key B's `web_search` call is served by the upstream. An endpoint
+/// that has no `/responses` for anyone (its probe answers 404 too) is marked chat-only, and its
+/// calls are translated. (Before: A's first 404 marked the endpoint chat-only, and B got 400.)
+#[tokio::test]
+async fn a_clients_own_404_never_makes_an_endpoint_chat_only() {
+    let up = MockUp::openai(
+        "name: a\nrules:\n  - {when: {path: /v1/responses}, times: 1, status: 404, error: \"Conversation with id 'conv_x' not found.\"}\n  - {when: {path: /v1/responses}, times: 1, status: 404, error: \"Not found.\"}\n",
+    )
+    .await;
+    let chatty = MockUp::openai(
+        "name: c\nrules: [{when: {path: /v1/responses}, status: 404, error: \"Not found.\"}]",
+    )
+    .await;
+    let cfg = format!(
+        r#"models:
+  a: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
+  c: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
+auth:
+  keys:
+    - {{ name: hostile, key: env:KEY_A }}
+    - {{ name: victim, key: env:KEY_B }}
+health: {{ probe_interval: 1h }}
+"#,
+        up.base(),
+        chatty.base()
+    );
+    let mut gw = Gw::start_with_env(&cfg, &keys_env(&[]));
+    gw.ready().await;
+    let client = reqwest::Client::new();
+    let ask = |body: serde_json::Value| {
+        client
+            .post(gw.url("/v1/responses"))
+            .bearer_auth(KEY_A)
+            .json(&body)
+            .send()
+    };
+    // A's conversation is unknown upstream: A gets that 404, as the upstream said it.
+    let r = ask(json!({"model": "a", "conversation": "conv_x", "input": "hi"}))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("conv_x"),
+        "{body}"
+    );
+    // A 404 naming nothing A sent: A's call goes on, translated, on the same endpoint.
+    let r = ask(json!({"model": "a", "input": "hi"})).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "a");
+    // Both 404s reached the upstream, and the gateway's probe (a body with no model) after.
+    let probed = eventually(Duration::from_secs(10), || async {
+        let st = up.stats().await;
+        st["by_path"]["/v1/responses"].as_u64().unwrap_or(0) >= 3
+    })
+    .await;
+    assert!(probed, "{}", up.stats().await);
+    // The endpoint still speaks Responses natively to everyone else.
+    let (status, body) = native_only(&gw, "b-native").await;
+    assert_eq!(status, 200, "{body}");
+    let st = gw.status().await;
+    assert_ne!(
+        st["endpoints"]["a"]["responses"]["mode"], "translated",
+        "{}",
+        st["endpoints"]["a"]
+    );
+    // An endpoint with no `/responses` at all: its probe says so, and it is marked.
+    let r = client
+        .post(gw.url("/v1/responses"))
+        .bearer_auth(KEY_B)
+        .json(&json!({"model": "c", "input": "hi"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let marked = eventually(Duration::from_secs(10), || async {
+        gw.status().await["endpoints"]["c"]["responses"]["mode"] == "translated"
+    })
+    .await;
+    assert!(marked, "{}", gw.status().await["endpoints"]["c"]);
+    gw.stop();
+}

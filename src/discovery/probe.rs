@@ -440,6 +440,42 @@ pub async fn probe(
     }
 }
 
+/// Whether `ep` has no `/responses` route, asked with a request of the gateway's own that
+/// carries nothing of any client's: `POST {base}/responses` with `{}`. A server with the route
+/// refuses that body (400, or 401/422 and the like); one without it answers 404 or 405. `Ok(true)`
+/// only for those; `Err` (no answer, no key) says nothing. A client's 404 can be about its own
+/// request (an id it named): only this answer marks the endpoint chat-only for everyone.
+pub async fn responses_route_missing(
+    state: &AppState,
+    ep: &Endpoint,
+    timeout: Duration,
+) -> Result<bool, String> {
+    let base = if ep.discover {
+        state
+            .registry
+            .discovered_base(&ep.name)
+            .ok_or("no discovered address")?
+    } else {
+        ep.base_url.clone()
+    };
+    let mut rb = with_headers(
+        ep,
+        ep.client
+            .post(format!("{}/responses", base.trim_end_matches('/')))
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body("{}"),
+    );
+    if let crate::routing::registry::KeyPick::Use(i) = state.registry.current_key(ep)
+        && let Some(k) = ep.keys[i].value.as_ref()
+    {
+        rb = rb.bearer_auth(k.expose());
+    } else if ep.needs_key() {
+        return Err("no usable key".into());
+    }
+    let (status, _, _) = get_with(rb, timeout).await?;
+    Ok(matches!(status, 404 | 405))
+}
+
 /// Probes every endpoint of the live config every `health.probe_interval` until cancelled.
 pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
     let memory: std::sync::Mutex<std::collections::HashMap<String, Memory>> = Default::default();

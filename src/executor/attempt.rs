@@ -650,13 +650,46 @@ fn responses_404(detail: &str, req: &Inbound, class: Outcome) -> Outcome {
         .body()
         .get("previous_response_id")
         .is_some_and(|v| !v.is_null());
+    // An id the request carried, named in the answer: the 404 is about the request (its
+    // conversation, a stored item, a file), the client's own business.
+    let names_own_id = request_ids(req.body()).any(|id| id.len() >= 3 && detail.contains(id));
     if continues && (d.contains("previous") || d.contains("response")) {
         Outcome::PreviousResponseLost
+    } else if names_own_id {
+        Outcome::Client
     } else if d.contains("model") {
         class
     } else {
         Outcome::ResponsesUnsupported
     }
+}
+
+/// The ids a Responses request names: `conversation` (a string, or an object's `id`),
+/// `previous_response_id`, and the `id`s and `file_id`s of its input items and tools (one level
+/// down, where the API puts them).
+fn request_ids(body: &serde_json::Map<String, Value>) -> impl Iterator<Item = &str> {
+    let conv = match body.get("conversation") {
+        Some(Value::String(s)) => Some(s.as_str()),
+        Some(Value::Object(o)) => o.get("id").and_then(Value::as_str),
+        _ => None,
+    };
+    let prev = body.get("previous_response_id").and_then(Value::as_str);
+    let items = ["input", "tools"]
+        .into_iter()
+        .filter_map(|k| body.get(k).and_then(Value::as_array))
+        .flatten()
+        .filter_map(Value::as_object)
+        .flat_map(|o| {
+            ["id", "file_id", "vector_store_ids"]
+                .into_iter()
+                .filter_map(|k| o.get(k))
+                .flat_map(|v| match v {
+                    Value::String(s) => vec![s.as_str()],
+                    Value::Array(a) => a.iter().filter_map(Value::as_str).collect(),
+                    _ => Vec::new(),
+                })
+        });
+    conv.into_iter().chain(prev).chain(items)
 }
 
 /// A non-2xx answer: its class, the upstream's hint, and for client errors its own response.

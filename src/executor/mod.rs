@@ -153,6 +153,9 @@ struct Run {
     responses: Option<Arc<responses::ResponsesCtx>>,
     /// The pinned endpoint said it no longer holds the conversation: it gets the replay too.
     pin_lost: bool,
+    /// Endpoints that answered this request's `/responses` with a 404 that may be about the
+    /// request alone: this request goes to them translated, the others as the endpoint speaks.
+    chat_here: Vec<String>,
 }
 
 /// Every request that reached the router has exactly one `requests` row. A `Run` dropped before
@@ -264,6 +267,7 @@ pub fn execute(
         waited: Duration::ZERO,
         responses: caller.responses.map(Arc::new),
         pin_lost: false,
+        chat_here: Vec::new(),
     });
     let client = run.client.clone().unwrap_or_default();
     for name in not_allowed {
@@ -870,7 +874,9 @@ impl Run {
 
     /// Whether a Responses request goes to `ep` translated to chat.
     fn translates(&self, ep: &Endpoint) -> bool {
-        self.req.op == Op::Responses && !self.app.registry.speaks_responses(ep)
+        self.req.op == Op::Responses
+            && (!self.app.registry.speaks_responses(ep)
+                || self.chat_here.iter().any(|n| *n == ep.name))
     }
 
     /// The request `ep` gets: the client's, or for a conversation the pinned form or its replay.
@@ -1174,9 +1180,29 @@ impl Run {
                 }
             }
             Action::SpeakChat => {
-                // The endpoint has no `/responses`: from now on it is spoken to in chat, and
-                // this request goes to it so at once.
-                self.app.registry.mark_chat_only(ep, &detail);
+                // A 404 (or 405) for `/responses` that names nothing the request carried: this
+                // request goes on to the endpoint in chat at once. Whether the endpoint has no
+                // such route for anyone is for a request of the gateway's own to say — a
+                // client's answer can be about its own content — made in the background.
+                if self.chat_here.iter().any(|n| *n == ep.name) {
+                    return Settled::Done(FAILED);
+                }
+                self.chat_here.push(ep.name.clone());
+                if self.app.registry.responses_probe_due(ep)
+                    && let Ok(rt) = tokio::runtime::Handle::try_current()
+                {
+                    let (app, ep) = (self.app.clone(), ep.clone());
+                    let timeout = self.cfg.health.probe_timeout;
+                    rt.spawn(async move {
+                        match crate::discovery::probe::responses_route_missing(&app, &ep, timeout)
+                            .await
+                        {
+                            Ok(true) => app.registry.mark_chat_only(&ep, &detail),
+                            Ok(false) => tracing::info!(endpoint = %ep.name, "a 404 for /responses was about the request: the endpoint serves the route"),
+                            Err(e) => tracing::debug!(endpoint = %ep.name, error = %e, "the /responses route probe had no answer"),
+                        }
+                    });
+                }
                 Settled::NextKey
             }
             Action::Retire => {

@@ -55,10 +55,13 @@ pub struct EndpointRuntime {
     probe: Option<crate::routing::observed::ProbeReport>,
     /// A context limit an upstream's own error stated (smaller than configured, or none was).
     learned_window: Option<LearnedWindow>,
-    /// It answered 404 (or 405) for `/responses`: `/v1/responses` goes to it by translation
-    /// to chat from now on (until its fingerprint changes or an operator clears it). The
-    /// upstream's words, for `/status`.
+    /// A probe of the gateway's own (`POST /responses` with no client content) answered 404
+    /// (or 405): `/v1/responses` goes to it by translation to chat from now on (until its
+    /// fingerprint changes or an operator clears it). The client answer that raised the
+    /// question, for `/status`.
     chat_only: Option<String>,
+    /// When the last probe of its `/responses` route started (at most one a minute).
+    responses_probed: Option<Instant>,
     health: crate::routing::health::Health,
     /// Where Docker discovery says the endpoint runs now (`http://ip:port`), if it does.
     discovered: Option<crate::routing::observed::Discovered>,
@@ -142,6 +145,7 @@ impl EndpointRuntime {
             probe: None,
             learned_window: None,
             chat_only: None,
+            responses_probed: None,
             health: crate::routing::health::Health::default(),
             discovered: None,
             last_addresses: Vec::new(),
@@ -954,8 +958,30 @@ impl Registry {
                 .is_none_or(|rt| lock(&rt).chat_only.is_none())
     }
 
-    /// `ep` answered `/responses` with a 404 (or 405): it speaks only chat. Only this
-    /// endpoint's own answer teaches it, and it costs nothing but translation.
+    /// Whether a probe of `ep`'s `/responses` route may start now: at most one a minute an
+    /// endpoint, however many clients' requests answer 404 (the caller makes it).
+    pub fn responses_probe_due(&self, ep: &Endpoint) -> bool {
+        const EVERY: Duration = Duration::from_secs(60);
+        let Some(rt) = self.get(&ep.name) else {
+            return false;
+        };
+        let mut rt = lock(&rt);
+        if rt.chat_only.is_some() {
+            return false;
+        }
+        let now = Instant::now();
+        if rt
+            .responses_probed
+            .is_some_and(|t| now.saturating_duration_since(t) < EVERY)
+        {
+            return false;
+        }
+        rt.responses_probed = Some(now);
+        true
+    }
+
+    /// `ep` has no `/responses` route (a probe of the gateway's own said so, never a client's
+    /// answer alone): it speaks only chat, which costs nothing but translation.
     pub fn mark_chat_only(&self, ep: &Endpoint, detail: &str) {
         let Some(rt) = self.get(&ep.name) else {
             return;
@@ -970,7 +996,7 @@ impl Registry {
             self.event(
                 &ep.name,
                 "responses_unsupported",
-                "answered 404 for /responses: /v1/responses goes to it by translation to chat",
+                "a probe with no client content answered 404/405 for /responses: /v1/responses goes to it by translation to chat",
             );
         }
     }
@@ -1189,6 +1215,7 @@ impl Registry {
             rt.dead_keys.clear();
             rt.learned_window = None;
             rt.chat_only = None;
+            rt.responses_probed = None;
         }
         self.store.send_flag(name, None, None);
         self.store.send(crate::store::Record::LearnedWindow {

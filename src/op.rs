@@ -11,6 +11,10 @@ pub enum Op {
     Responses = 3,
 }
 
+/// The calls of a key that are not an [`Op`] (nothing is routed or generated) but count
+/// against its `rpm`, take a concurrency slot and write an audit row: their `operation` names.
+pub const SIDE_CALLS: [&str; 3] = ["models", "responses_get", "responses_delete"];
+
 impl Op {
     pub const ALL: [Op; 4] = [Op::Chat, Op::Completions, Op::Embeddings, Op::Responses];
 

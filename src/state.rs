@@ -347,7 +347,8 @@ impl AppState {
         admission: Option<crate::front::clients::Admission>,
     ) {
         if let Some(mut a) = admission
-            && let Some(total) = a.settle(row.cost_usd, row.tokens_out.unwrap_or(0))
+            && let Some(total) =
+                a.settle_usage(row.cost_usd, row.tokens_in, row.tokens_out.unwrap_or(0))
         {
             self.store.send(crate::store::Record::Spend(vec![total]));
         }

@@ -538,3 +538,204 @@ health: {{ probe_interval: 1h }}
     assert!(marked, "{}", gw.status().await["endpoints"]["c"]);
     gw.stop();
 }
+
+/// #45 items 3 and 10: every call of a key counts. Key A at `rpm: 5` floods `GET
+/// /v1/responses/{id}` of its own response, `DELETE`s, `/v1/models`, unknown models and
+/// bodies the gateway cannot read: each call takes from A's `rpm` (past it, 429 with no
+/// upstream call) and has its audit row naming its `operation`; key B, beside it, is served
+/// every time. (Before: 30 GETs at `rpm: 5` were all answered, 30 upstream calls with the
+/// endpoint's shared key, and none had a row; refusals took nothing from `rpm`.)
+#[tokio::test]
+async fn every_call_of_a_key_counts_against_its_limits() {
+    let up = MockUp::openai("name: a").await;
+    let cfg = format!(
+        r#"models:
+  a: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
+auth:
+  keys:
+    - {{ name: hostile, key: env:KEY_A, rpm: 5 }}
+    - {{ name: victim, key: env:KEY_B, rpm: 600 }}
+health: {{ probe_interval: 1h }}
+"#,
+        up.base()
+    );
+    let mut gw = Gw::start_with_env(&cfg, &keys_env(&[]));
+    gw.ready().await;
+    let client = reqwest::Client::new();
+    // A's one response (natively stored upstream): the first of its five.
+    let r = client
+        .post(gw.url("/v1/responses"))
+        .bearer_auth(KEY_A)
+        .json(&json!({"model": "a", "input": "hi"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let rid = r.json::<serde_json::Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let gets_before = up.stats().await["requests"].as_u64().unwrap();
+    let mut statuses = Vec::new();
+    for i in 0..30 {
+        let r = client
+            .get(gw.url(&format!("/v1/responses/{rid}")))
+            .bearer_auth(KEY_A)
+            .header("x-request-id", format!("a-get-{i}"))
+            .send()
+            .await
+            .unwrap();
+        statuses.push(r.status().as_u16());
+        // B beside it, every time.
+        let (s, _) = chat_as(&gw, KEY_B, format!("b-{i}"), "a").await;
+        assert_eq!(s, 200);
+    }
+    let served = statuses.iter().filter(|s| **s == 200).count();
+    assert!(served >= 1, "A's own response was read: {statuses:?}");
+    assert!(served <= 5, "{served} of 30 GETs at rpm: 5: {statuses:?}");
+    assert!(
+        statuses.iter().all(|s| *s == 200 || *s == 429),
+        "{statuses:?}"
+    );
+    // What was refused asked nothing upstream (B's 30 chats and A's reads only).
+    let upstream_calls = up.stats().await["requests"].as_u64().unwrap() - gets_before;
+    assert!(upstream_calls <= 30 + served as u64, "{upstream_calls}");
+    // The other calls A can make count too, and are refused past the limit.
+    let r = client
+        .get(gw.url("/v1/models"))
+        .bearer_auth(KEY_A)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    let (s, body) = chat_as(&gw, KEY_A, "a-unknown", "no-such-model").await;
+    assert_eq!(s, 429, "{body}");
+    let r = client
+        .post(gw.url("/v1/chat/completions"))
+        .bearer_auth(KEY_A)
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    let r = client
+        .get(gw.url("/v1/models"))
+        .bearer_auth(KEY_B)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    gw.stop();
+    // Every call has its row, named.
+    let rows = audit_rows(
+        &gw,
+        "SELECT operation, status, COUNT(*) FROM requests WHERE client_key = 'hostile' GROUP BY operation, status ORDER BY operation, status",
+    );
+    let count = |op: &str, status: i64| {
+        rows.iter()
+            .find(|r| r[0] == op && r[1] == status)
+            .map_or(0, |r| r[2].as_i64().unwrap())
+    };
+    assert_eq!(
+        count("responses_get", 200) + count("responses_get", 429),
+        30,
+        "{rows:?}"
+    );
+    assert_eq!(count("models", 429), 1, "{rows:?}");
+    assert_eq!(count("chat", 429), 2, "{rows:?}");
+    let b_rows = audit_rows(
+        &gw,
+        "SELECT COUNT(*) FROM requests WHERE client_key = 'victim' AND status = 200",
+    );
+    assert_eq!(b_rows[0][0], 31);
+}
+
+/// Before a key's limits, unknown models count: at `rpm: 5` the sixth call naming a model the
+/// gateway does not have gets 429, not another 404 (a key cannot probe names past its limit).
+#[tokio::test]
+async fn refused_calls_count_against_rpm() {
+    let up = MockUp::openai("name: a").await;
+    let cfg = format!(
+        r#"models:
+  a: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
+auth:
+  keys:
+    - {{ name: hostile, key: env:KEY_A, rpm: 5, models: [a] }}
+health: {{ probe_interval: 1h }}
+"#,
+        up.base()
+    );
+    let gw = Gw::start_with_env(&cfg, &keys_env(&[]));
+    gw.ready().await;
+    let mut got = Vec::new();
+    for (i, model) in ["x", "y", "z", "gpt-4o", "b", "w", "v"].iter().enumerate() {
+        let (s, _) = chat_as(&gw, KEY_A, format!("a-{i}"), model).await;
+        got.push(s);
+    }
+    // Not allowed (403) or not found (404) for five, then the limit.
+    assert!(got[..5].iter().all(|s| *s == 403 || *s == 404), "{got:?}");
+    assert_eq!(&got[5..], &[429, 429], "{got:?}");
+    assert_eq!(up.requests().await, 0);
+}
+
+/// #45 item 4: `tpm` counts the billed prompt, not only the messages. At `tpm: 1000`, 20 KB in
+/// a function tool's description, a `response_format` schema or a Responses `text.format` is
+/// refused as the same text in a message is (about 5,000 tokens, more than a minute's), and
+/// never reaches the upstream; a short request of the same key passes. (Before: all five
+/// requests with the 20 KB tool passed.)
+#[tokio::test]
+async fn tpm_counts_tools_and_schemas_as_the_upstream_bills_them() {
+    let up = MockUp::openai("name: a").await;
+    let cfg = format!(
+        r#"models:
+  a: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
+auth:
+  keys:
+    - {{ name: hostile, key: env:KEY_A, tpm: 1000 }}
+health: {{ probe_interval: 1h }}
+"#,
+        up.base()
+    );
+    let gw = Gw::start_with_env(&cfg, &keys_env(&[]));
+    gw.ready().await;
+    let text = "word ".repeat(4_000);
+    let msg = json!([{"role": "user", "content": "hi"}]);
+    let client = reqwest::Client::new();
+    let send = |path: &'static str, body: serde_json::Value| {
+        client
+            .post(gw.url(path))
+            .bearer_auth(KEY_A)
+            .json(&body)
+            .send()
+    };
+    let tool = json!({"model": "a", "max_tokens": 5, "messages": msg, "tools": [{"type": "function", "function": {"name": "f", "description": text, "parameters": {"type": "object"}}}]});
+    let format = json!({"model": "a", "max_tokens": 5, "messages": msg, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object", "description": text}}}});
+    let text_format = json!({"model": "a", "max_output_tokens": 5, "input": "hi", "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "object", "description": text}}}});
+    let in_message =
+        json!({"model": "a", "max_tokens": 5, "messages": [{"role": "user", "content": text}]});
+    for (path, body) in [
+        ("/v1/chat/completions", in_message),
+        ("/v1/chat/completions", tool.clone()),
+        ("/v1/chat/completions", tool),
+        ("/v1/chat/completions", format),
+        ("/v1/responses", text_format),
+    ] {
+        let r = send(path, body).await.unwrap();
+        let status = r.status().as_u16();
+        let err: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(status, 429, "{err}");
+        assert!(
+            err["error"]["message"].as_str().unwrap().contains("token"),
+            "{err}"
+        );
+    }
+    assert_eq!(up.requests().await, 0, "none reached the upstream");
+    let r = send(
+        "/v1/chat/completions",
+        json!({"model": "a", "max_tokens": 5, "messages": msg}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status(), 200);
+}

@@ -203,10 +203,19 @@ async fn a_redefined_endpoint_forgets_what_was_learned_about_the_old_server() {
         st["endpoints"]["e"]["learned_context_window"].is_null()
     })
     .await;
-    // The new server gets a prompt the old one's window would have sent elsewhere.
+    // The new server gets a prompt the old one's window would have sent elsewhere. (The
+    // endpoint's state is made fresh just before the new table is swapped in: a request in
+    // that instant still goes by the old table, so the first to reach the new server is
+    // awaited, each served by `e`.)
     let long = "word ".repeat(400);
-    let r = chat_with(&gw, "long", "chat", &long).await;
-    assert_eq!(header(&r, "x-autohedge-endpoint"), "e");
+    for i in 0..20 {
+        let r = chat_with(&gw, &format!("long-{i}"), "chat", &long).await;
+        assert_eq!(header(&r, "x-autohedge-endpoint"), "e");
+        if new.requests() > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert_eq!(new.requests(), 1);
     gw.status().await;
     let mut gw = gw;

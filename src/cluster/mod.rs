@@ -296,6 +296,7 @@ pub struct Cluster {
     seed: redis::Script,
     heartbeat: redis::Script,
     share: redis::Script,
+    turn: redis::Script,
     facts_shared: AtomicU64,
     facts_applied: AtomicU64,
     alerts: crate::ops::alerts::Alerts,
@@ -375,6 +376,7 @@ impl Cluster {
             seed: redis::Script::new(include_str!("seed.lua")),
             heartbeat: redis::Script::new(include_str!("heartbeat.lua")),
             share: redis::Script::new(include_str!("share.lua")),
+            turn: redis::Script::new(include_str!("turn.lua")),
             facts_shared: AtomicU64::new(0),
             facts_applied: AtomicU64::new(0),
             alerts,
@@ -1260,23 +1262,35 @@ impl Cluster {
     /// Stores one `/v1/responses` turn (its JSON, from `routing::conversations`) for `ttl`, so
     /// another replica can continue the conversation. Off the request path (a task of its own);
     /// a store away loses the share, never the request.
-    pub async fn put_turn(&self, id: &str, json: String, ttl: Duration) {
+    /// Keeps a turn for the other replicas (`turn.lua`), bounded in the store as in each
+    /// replica: `bounds.max_bytes` in all, `max_bytes_per_key` for `client`'s turns (its own
+    /// oldest go first), each for `bounds.ttl`.
+    pub async fn put_turn(
+        &self,
+        id: &str,
+        client: Option<&str>,
+        json: String,
+        bounds: crate::routing::conversations::Bounds,
+    ) {
         if !self.is_up() {
             return;
         }
-        let mut conn = self.conn.clone();
-        let ms = ttl.as_millis().clamp(1, u64::MAX as u128) as u64;
-        let done = tokio::time::timeout(
-            BACKGROUND_TIMEOUT,
-            redis::cmd("SET")
-                .arg(self.key(&["resp", id]))
-                .arg(json)
-                .arg("PX")
-                .arg(ms)
-                .query_async::<()>(&mut conn),
-        )
-        .await;
-        if !matches!(done, Ok(Ok(()))) {
+        let ms = bounds.ttl.as_millis().clamp(1, u64::MAX as u128) as u64;
+        let who = client.unwrap_or("");
+        let mut inv = self.turn.prepare_invoke();
+        inv.key(self.key(&["turns"]))
+            .key(self.key(&["turns", "k", who]))
+            .key(self.key(&["turnsize"]))
+            .key(self.key(&["turnbytes"]))
+            .arg(id)
+            .arg(json)
+            .arg(ms)
+            .arg(bounds.max_bytes)
+            .arg(bounds.max_bytes_per_key)
+            .arg(who)
+            .arg(self.key(&["resp", ""]))
+            .arg(self.key(&["turns", "k", ""]));
+        if self.call::<i64>(&inv).await.is_err() {
             tracing::debug!("a /v1/responses turn was not shared (store away or slow)");
         }
     }

@@ -66,6 +66,9 @@ pub struct RawResponses {
     /// The most kept responses may take together, bytes or `256MiB` (default 256MiB): the oldest
     /// go first.
     pub history_max_bytes: Option<ByteSize>,
+    /// One client key's share of `history_max_bytes` (default a quarter of it): a key over it
+    /// loses its own oldest turns, never another key's.
+    pub history_max_bytes_per_key: Option<ByteSize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]

@@ -682,13 +682,19 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
     };
     let responses = {
         let d = ResponsesSettings::default();
+        let total = raw
+            .responses
+            .history_max_bytes
+            .map_or(d.history_max_bytes, |b| b.0);
         ResponsesSettings {
             keep_history: raw.responses.history == Some(super::raw::HistoryMode::Keep),
             history_ttl: raw.responses.history_ttl.map_or(d.history_ttl, |t| t.0),
-            history_max_bytes: raw
+            history_max_bytes: total,
+            history_max_bytes_per_key: raw
                 .responses
-                .history_max_bytes
-                .map_or(d.history_max_bytes, |b| b.0),
+                .history_max_bytes_per_key
+                .map_or(total / 4, |b| b.0)
+                .min(total),
         }
     };
     let mut cfg = Config {

@@ -168,6 +168,28 @@ pub struct ResponsesSettings {
     pub keep_history: bool,
     pub history_ttl: Duration,
     pub history_max_bytes: u64,
+    /// One client key's share of `history_max_bytes` (default a quarter of it).
+    pub history_max_bytes_per_key: u64,
+}
+
+/// What the kept `/v1/responses` turns may take: for how long, in all, and one client key's
+/// share of it (in memory and in the shared store alike).
+#[derive(Clone, Copy, Debug)]
+pub struct HistoryBounds {
+    pub ttl: Duration,
+    pub max_bytes: u64,
+    pub max_bytes_per_key: u64,
+}
+
+impl ResponsesSettings {
+    /// The bounds of what is kept, in memory and in the shared store alike.
+    pub fn bounds(&self) -> HistoryBounds {
+        HistoryBounds {
+            ttl: self.history_ttl,
+            max_bytes: self.history_max_bytes,
+            max_bytes_per_key: self.history_max_bytes_per_key,
+        }
+    }
 }
 
 impl Default for ResponsesSettings {
@@ -176,6 +198,7 @@ impl Default for ResponsesSettings {
             keep_history: false,
             history_ttl: Duration::from_secs(3600),
             history_max_bytes: 256 << 20,
+            history_max_bytes_per_key: 64 << 20,
         }
     }
 }

@@ -175,15 +175,11 @@ pub fn keep(
         && let Ok(rt) = tokio::runtime::Handle::try_current()
     {
         let (cluster, id, json) = (cluster.clone(), ctx.id.to_string(), turn.to_json());
-        let ttl = cfg.responses.history_ttl;
-        rt.spawn(async move { cluster.put_turn(&id, json, ttl).await });
+        let (bounds, client) = (cfg.responses.bounds(), client.map(str::to_string));
+        rt.spawn(async move { cluster.put_turn(&id, client.as_deref(), json, bounds).await });
     }
-    app.conversations.keep(
-        &ctx.id,
-        turn,
-        cfg.responses.history_ttl,
-        cfg.responses.history_max_bytes,
-    );
+    app.conversations
+        .keep(&ctx.id, turn, cfg.responses.bounds());
 }
 
 /// The most turns of one conversation read from the shared store.
@@ -214,12 +210,7 @@ pub async fn fetch_shared(app: &AppState, cfg: &Config, id: &str) {
             return;
         };
         at = turn.previous.clone();
-        app.conversations.keep(
-            &cur,
-            turn,
-            cfg.responses.history_ttl,
-            cfg.responses.history_max_bytes,
-        );
+        app.conversations.keep(&cur, turn, cfg.responses.bounds());
     }
 }
 

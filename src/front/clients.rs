@@ -368,6 +368,9 @@ pub struct Ask {
     /// Tokens taken from `tpm` at once: the prompt, plus `max_tokens` when the request gives one
     /// (OpenAI's own rule).
     pub tokens: u64,
+    /// The prompt's part of `tokens` (the gateway's estimate): the upstream's `usage` beyond
+    /// it is taken from `tpm` when the request ends.
+    pub prompt_tokens: u64,
     /// The request gave no `max_tokens`: its completion tokens are taken from `tpm` when it
     /// ends.
     pub charge_completion: bool,
@@ -382,6 +385,8 @@ pub struct Admission {
     state: Arc<State>,
     name: String,
     reserved: f64,
+    /// The prompt tokens asked at admission: the upstream's count beyond them is charged.
+    prompt_asked: u64,
     charge_completion: bool,
     settled: bool,
     shared: Option<Shared>,
@@ -396,9 +401,22 @@ impl Admission {
         usd: Option<f64>,
         completion_tokens: u64,
     ) -> Option<(String, String, f64)> {
+        self.settle_usage(usd, None, completion_tokens)
+    }
+
+    /// [`Admission::settle`] with the upstream's prompt tokens (`usage`): what it counted
+    /// beyond the admission's estimate is taken from `tpm` too, so a key is charged the prompt
+    /// it was billed, not the gateway's guess.
+    pub fn settle_usage(
+        &mut self,
+        usd: Option<f64>,
+        prompt_tokens: Option<u64>,
+        completion_tokens: u64,
+    ) -> Option<(String, String, f64)> {
         if std::mem::replace(&mut self.settled, true) {
             return None;
         }
+        let prompt_over = prompt_tokens.map_or(0, |p| p.saturating_sub(self.prompt_asked));
         let total = {
             let mut spend = self.state.spend.lock().unwrap_or_else(|e| e.into_inner());
             spend.reserved = (spend.reserved - self.reserved).max(0.0);
@@ -408,14 +426,25 @@ impl Admission {
                 (self.name.clone(), spend.month.clone(), spend.usd)
             })
         };
-        if self.charge_completion
-            && completion_tokens > 0
+        // Here, what this replica's own buckets admitted (the store's admissions are charged
+        // in the store).
+        let charged = if self.charge_completion {
+            completion_tokens
+        } else {
+            0
+        }
+        .saturating_add(if self.shared.is_none() {
+            prompt_over
+        } else {
+            0
+        });
+        if charged > 0
             && let Some((_, bucket)) = &self.state.tpm
         {
             bucket
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .charge(completion_tokens, Instant::now());
+                .charge(charged, Instant::now());
         }
         let Some(sh) = &self.shared else {
             return total;
@@ -435,7 +464,8 @@ impl Admission {
                 completion_tokens
             } else {
                 0
-            },
+            }
+            .saturating_add(if sh.tpm > 0 { prompt_over } else { 0 }),
             tpm: sh.tpm,
             rpm: sh.rpm,
             budget: sh.budget,
@@ -624,6 +654,7 @@ impl Clients {
                     state: normal.clone(),
                     name: key.name.clone(),
                     reserved: 0.0,
+                    prompt_asked: ask.prompt_tokens,
                     charge_completion: false,
                     settled: false,
                     // A reservation to let go at the end only where one was made.
@@ -796,6 +827,7 @@ impl Clients {
             state: s,
             name: key.name.clone(),
             reserved,
+            prompt_asked: ask.prompt_tokens,
             charge_completion,
             settled: false,
             shared: None,
@@ -1081,6 +1113,7 @@ mod tests {
             tokens: 10,
             charge_completion: true,
             reserve_usd: 0.0,
+            ..Ask::default()
         };
         let mut a = c.admit(&k, open).unwrap();
         // Its completion was 500 tokens: the key owes 410 and waits for them.
@@ -1101,9 +1134,36 @@ mod tests {
             tokens: 60,
             charge_completion: false,
             reserve_usd: 0.0,
+            ..Ask::default()
         };
         c.admit(&k, counted).unwrap().settle(None, 500);
         assert!(c.admit(&k, ask(40)).is_ok());
+    }
+
+    /// The upstream's prompt count beyond the admission's estimate is charged when the request
+    /// ends: a key pays the prompt it was billed.
+    #[tokio::test(start_paused = true)]
+    async fn the_billed_prompt_beyond_the_estimate_is_charged() {
+        let c = Clients::new(vec![]);
+        let k = key("a", None, Some(1000), None);
+        let asked = Ask {
+            tokens: 110,
+            prompt_tokens: 10,
+            charge_completion: false,
+            reserve_usd: 0.0,
+        };
+        // The upstream counted 900 prompt tokens: 890 more than asked are owed.
+        c.admit(&k, asked)
+            .unwrap()
+            .settle_usage(None, Some(900), 100);
+        match c.admit(&k, ask(1)) {
+            Err(ApiError::ClientRateLimited(l)) => assert_eq!(l.remaining, 0),
+            other => panic!("{other:?}"),
+        }
+        // Fewer than asked: nothing given back, nothing more taken.
+        let k = key("b", None, Some(1000), None);
+        c.admit(&k, asked).unwrap().settle_usage(None, Some(5), 100);
+        assert!(c.admit(&k, ask(890)).is_ok());
     }
 
     #[test]
@@ -1114,6 +1174,7 @@ mod tests {
             tokens: 0,
             charge_completion: false,
             reserve_usd: 0.3,
+            ..Ask::default()
         };
         // Four at once: each reserves 0.30; the fourth finds 0.90 held and is still admitted
         // (0.90 < 1.00); the fifth finds 1.20 and is refused.

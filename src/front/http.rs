@@ -14,6 +14,7 @@ use serde_json::json;
 
 use futures_util::FutureExt;
 
+use crate::config::ClientKey;
 use crate::error::ApiError;
 use crate::executor;
 use crate::front::clients;
@@ -174,11 +175,24 @@ async fn serve(
         }
     };
     let inbound = read.and_then(|raw| wire::read_request(op, raw));
+    let client_name = client.map(|c| c.name.clone());
     let mut inbound = match inbound {
         Ok(i) => i,
-        Err(e) => return with_request_id(e.into_response(), &id),
+        Err(e) => {
+            // A body the gateway cannot read is a call of the key all the same: it counts.
+            let e = counted(&app, client, e).await;
+            app.record_request(
+                RequestRow {
+                    status: e.status().as_u16(),
+                    error_class: Some(e.class().into()),
+                    client_key: client_name,
+                    ..RequestRow::new(id.clone(), std::time::SystemTime::now(), op.name())
+                },
+                None,
+            );
+            return with_request_id(e.into_response(), &id);
+        }
     };
-    let client_name = client.map(|c| c.name.clone());
     if let Some(c) = client
         && let Some(allowed) = &c.models
         && !allowed.contains(&inbound.model)
@@ -187,10 +201,12 @@ async fn serve(
             model: inbound.model.clone(),
             client: c.name.clone(),
         };
+        let err = counted(&app, client, err).await;
         return refused(&app, &id, op, &inbound, client_name, err);
     }
     let Some(chain) = cfg.chain_for(&inbound.model) else {
         let err = ApiError::ModelNotFound(inbound.model.clone());
+        let err = counted(&app, client, err).await;
         return refused(&app, &id, op, &inbound, client_name, err);
     };
     let allowed = client
@@ -215,7 +231,10 @@ async fn serve(
             chain,
         ) {
             Ok((chain, ctx)) => (chain, Some(ctx)),
-            Err(err) => return refused(&app, &id, op, &inbound, client_name, err),
+            Err(err) => {
+                let err = counted(&app, client, err).await;
+                return refused(&app, &id, op, &inbound, client_name, err);
+            }
         }
     } else {
         (chain, None)
@@ -223,7 +242,7 @@ async fn serve(
     let admission = match client {
         None => None,
         Some(c) => {
-            let ask = ask_of(&cfg, &chain, &inbound);
+            let ask = ask_of(&cfg, &chain, &inbound, responses.as_ref());
             let admitted = match app.cluster.get() {
                 // Boxed: its 1.7 KB would size every request's future, and each move of
                 // that future copies all of it.
@@ -323,47 +342,58 @@ async fn stored_response(
     delete: bool,
 ) -> Response {
     let cfg = app.config.load_full();
-    let loopback = app
-        .listen_loopback
-        .load(std::sync::atomic::Ordering::Relaxed);
-    if !clients::host_allowed(cfg.allowed_hosts.as_deref(), loopback, &headers) {
-        return ApiError::HostNotAllowed.into_response();
-    }
-    let client = match clients::identify(&cfg.auth, &headers) {
-        Ok(c) => c.map(|c| c.name.clone()),
-        Err(e) => return e.into_response(),
+    let operation = if delete {
+        "responses_delete"
+    } else {
+        "responses_get"
     };
-    executor::responses::fetch_shared(&app, &cfg, &id).await;
+    let (call, client) = match SideCall::start(&app, &cfg, &headers, operation).await {
+        Ok(c) => c,
+        Err(refused) => return refused,
+    };
+    let client = client.map(|c| c.name);
+    let (endpoint, resp) = stored_response_of(&app, &cfg, id, client, delete).await;
+    call.finish(&app, endpoint, resp)
+}
+
+/// What `GET`/`DELETE /v1/responses/{id}` answer `client`, and the endpoint asked (if any).
+async fn stored_response_of(
+    app: &Arc<AppState>,
+    cfg: &Arc<crate::config::Config>,
+    id: String,
+    client: Option<String>,
+    delete: bool,
+) -> (Option<String>, Response) {
+    executor::responses::fetch_shared(app, cfg, &id).await;
     let Some(found) = app
         .conversations
         .find(&id, client.as_deref(), cfg.responses.history_ttl)
     else {
-        return ApiError::ResponseNotFound(id).into_response();
+        return (None, ApiError::ResponseNotFound(id).into_response());
     };
     let turn = found.turn;
     let ep = cfg.endpoints.get(&turn.endpoint);
     let upstream = match (ep, &turn.upstream_id) {
-        (Some(ep), Some(up)) => {
-            executor::responses::upstream_call(&app, &cfg, ep, up, delete).await
-        }
+        (Some(ep), Some(up)) => executor::responses::upstream_call(app, cfg, ep, up, delete).await,
         _ => None,
     };
+    let asked = upstream.is_some();
+    let endpoint = asked.then(|| turn.endpoint.clone());
     if delete {
         app.conversations.remove(&id, client.as_deref());
         if let Some(cluster) = app.cluster.get() {
             cluster.delete_turn(&id).await;
         }
-        return axum::Json(json!({"id": id, "object": "response", "deleted": true}))
-            .into_response();
+        let resp = axum::Json(json!({"id": id, "object": "response", "deleted": true}));
+        return (endpoint, resp.into_response());
     }
-    let asked = upstream.is_some();
     if let Some((200, mut v)) = upstream
         && v.is_object()
     {
         crate::upstream::responses::rewrite_id(&mut v, &id, turn.previous.as_deref());
-        return axum::Json(v).into_response();
+        return (endpoint, axum::Json(v).into_response());
     }
-    match turn.response {
+    let resp = match turn.response {
         Some(kept) => axum::Json(kept.as_ref().clone()).into_response(),
         None if !asked && turn.upstream_id.is_some() => ApiError::Unavailable(format!(
             "The endpoint `{}` that holds this response could not be asked for it, and the gateway kept no copy (responses.history: keep).",
@@ -371,7 +401,8 @@ async fn stored_response(
         ))
         .into_response(),
         None => ApiError::ResponseNotFound(id).into_response(),
-    }
+    };
+    (endpoint, resp)
 }
 
 /// A request refused at the front door after it was read: its audit row, then the error.
@@ -397,6 +428,123 @@ fn refused(
         None,
     );
     with_request_id(err.into_response(), id)
+}
+
+/// A call of `client`'s that is refused before its admission still counts against its `rpm`
+/// (a key cannot probe model names, or send bodies the gateway refuses, past its limit): one
+/// request of no tokens is admitted. The refusal stands, unless the key is out of requests (or
+/// budget): then that is what it gets.
+async fn counted(app: &AppState, client: Option<&ClientKey>, err: ApiError) -> ApiError {
+    let Some(c) = client else {
+        return err;
+    };
+    match admit_call(app, c).await {
+        Ok(admission) => {
+            drop(admission);
+            err
+        }
+        Err(limited) => limited,
+    }
+}
+
+/// Admits one call of `c` that asks for no tokens and reserves nothing: its `rpm` (and a budget
+/// already spent) decide.
+async fn admit_call(app: &AppState, c: &ClientKey) -> Result<clients::Admission, ApiError> {
+    let ask = clients::Ask::default();
+    match app.cluster.get() {
+        Some(cluster) => Box::pin(app.clients.admit_shared(c, ask, cluster)).await,
+        None => app.clients.admit(c, ask),
+    }
+}
+
+/// A call of a key that is not an operation (`GET /v1/models`, `GET`/`DELETE
+/// /v1/responses/{id}`): identified, given a concurrency slot, admitted against its `rpm`, and
+/// recorded (`operation`: one of [`crate::op::SIDE_CALLS`]) with its status — like every call.
+struct SideCall {
+    id: String,
+    operation: &'static str,
+    client: Option<String>,
+    started: std::time::Instant,
+    _slot: crate::state::Slot,
+    admission: Option<clients::Admission>,
+}
+
+impl SideCall {
+    /// `Err`: the refusal (host, key, overload, limits), recorded when the key was known.
+    async fn start(
+        app: &Arc<AppState>,
+        cfg: &crate::config::Config,
+        headers: &HeaderMap,
+        operation: &'static str,
+    ) -> Result<(SideCall, Option<ClientKey>), Response> {
+        let id = request_id(headers);
+        let loopback = app
+            .listen_loopback
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if !clients::host_allowed(cfg.allowed_hosts.as_deref(), loopback, headers) {
+            return Err(with_request_id(
+                ApiError::HostNotAllowed.into_response(),
+                &id,
+            ));
+        }
+        let client = match clients::identify(&cfg.auth, headers) {
+            Ok(c) => c.cloned(),
+            Err(e) => return Err(with_request_id(e.into_response(), &id)),
+        };
+        let refuse = |err: ApiError| {
+            app.record_request(
+                RequestRow {
+                    status: err.status().as_u16(),
+                    error_class: Some(err.class().into()),
+                    client_key: client.as_ref().map(|c| c.name.clone()),
+                    ..RequestRow::new(id.clone(), std::time::SystemTime::now(), operation)
+                },
+                None,
+            );
+            with_request_id(err.into_response(), &id)
+        };
+        let Some(slot) = app.admit(cfg.max_concurrent_requests) else {
+            return Err(refuse(ApiError::Overloaded(cfg.max_concurrent_requests)));
+        };
+        let admission = match &client {
+            None => None,
+            Some(c) => match admit_call(app, c).await {
+                Ok(a) => Some(a),
+                Err(e) => return Err(refuse(e)),
+            },
+        };
+        Ok((
+            SideCall {
+                id,
+                operation,
+                client: client.as_ref().map(|c| c.name.clone()),
+                started: std::time::Instant::now(),
+                _slot: slot,
+                admission,
+            },
+            client,
+        ))
+    }
+
+    /// The call's answer, recorded (`endpoint`: the upstream it asked, if any).
+    fn finish(self, app: &AppState, endpoint: Option<String>, resp: Response) -> Response {
+        let status = resp.status().as_u16();
+        app.record_request(
+            RequestRow {
+                status,
+                endpoint,
+                latency_ms: self.started.elapsed().as_secs_f64() * 1000.0,
+                client_key: self.client,
+                ..RequestRow::new(
+                    self.id.clone(),
+                    std::time::SystemTime::now(),
+                    self.operation,
+                )
+            },
+            self.admission,
+        );
+        with_request_id(resp, &self.id)
+    }
 }
 
 /// A response body that holds its request's slot until it is dropped, and is polled and dropped
@@ -543,14 +691,27 @@ async fn own_key(
 /// plus `max_tokens` at once; without `max_tokens`, the completion is charged when it ends), and
 /// the most it can cost on the dearest endpoint of its chain (`max_tokens`, else that endpoint's
 /// own cap), reserved against the budget while it runs.
-fn ask_of(cfg: &crate::config::Config, chain: &[String], inbound: &wire::Inbound) -> clients::Ask {
+/// What admitting `inbound` asks of its key: the billed prompt ([`wire::Inbound::billed_chars`]:
+/// tools, schemas and formats with the prompt; for a continued conversation the whole of it as
+/// the gateway kept it, which the upstream reads again) plus `max_tokens`, and the worst cost.
+fn ask_of(
+    cfg: &crate::config::Config,
+    chain: &[String],
+    inbound: &wire::Inbound,
+    responses: Option<&executor::responses::ResponsesCtx>,
+) -> clients::Ask {
     let max_tokens = [
         wire::TokenField::MaxCompletionTokens,
         wire::TokenField::MaxTokens,
     ]
     .into_iter()
     .find_map(|f| inbound.token_field(f).flatten());
-    let prompt = wire::estimate_tokens(inbound.prompt_chars());
+    let chars = inbound.billed_chars().max(
+        responses
+            .and_then(|r| r.replay.as_ref())
+            .map_or(0, |r| r.billed_chars()),
+    );
+    let prompt = wire::estimate_tokens(chars);
     let reserve_usd = chain
         .iter()
         .filter_map(|n| cfg.endpoints.get(n))
@@ -561,6 +722,7 @@ fn ask_of(cfg: &crate::config::Config, chain: &[String], inbound: &wire::Inbound
         .fold(0.0, f64::max);
     clients::Ask {
         tokens: prompt.saturating_add(max_tokens.unwrap_or(0)),
+        prompt_tokens: prompt,
         charge_completion: max_tokens.is_none(),
         reserve_usd,
     }
@@ -569,17 +731,16 @@ fn ask_of(cfg: &crate::config::Config, chain: &[String], inbound: &wire::Inbound
 /// The model list. With `auth.keys` set it needs a client key, and lists only what that key may
 /// ask for (a route's chain only as far as the key covers it).
 async fn models(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    let cfg = app.config.load();
-    let loopback = app
-        .listen_loopback
-        .load(std::sync::atomic::Ordering::Relaxed);
-    if !clients::host_allowed(cfg.allowed_hosts.as_deref(), loopback, &headers) {
-        return ApiError::HostNotAllowed.into_response();
-    }
-    let client = match clients::identify(&cfg.auth, &headers) {
+    let cfg = app.config.load_full();
+    let (call, client) = match SideCall::start(&app, &cfg, &headers, "models").await {
         Ok(c) => c,
-        Err(e) => return e.into_response(),
+        Err(refused) => return refused,
     };
+    let resp = model_list(&cfg, client.as_ref());
+    call.finish(&app, None, resp)
+}
+
+fn model_list(cfg: &crate::config::Config, client: Option<&ClientKey>) -> Response {
     let allowed = client.and_then(|c| c.models.as_ref());
     let covered = allowed.map(|m| cfg.covered_by(m));
     let may_ask = |name: &str| allowed.is_none_or(|m| m.contains(name));

@@ -104,9 +104,48 @@ fn json_len(v: &Value) -> usize {
 #[derive(Default)]
 struct Inner {
     turns: HashMap<String, (Turn, Instant, usize)>,
-    /// Ids in the order they were kept: the oldest leave first.
+    /// Ids in the order they were kept: the oldest leave first (ids no longer kept are
+    /// skipped when they come up).
     order: VecDeque<String>,
     bytes: usize,
+    /// Each client key's turns (oldest first) and bytes: a key over its share loses its own
+    /// oldest turns, never another's.
+    by_key: HashMap<Option<String>, (VecDeque<String>, usize)>,
+}
+
+/// What the kept turns may take: in all, and one client key's share of it.
+pub use crate::config::HistoryBounds as Bounds;
+
+impl Inner {
+    /// Forgets `id` (wherever it stands in the orders: they skip it later).
+    fn forget(&mut self, id: &str) -> Option<Turn> {
+        let (turn, _, size) = self.turns.remove(id)?;
+        self.bytes = self.bytes.saturating_sub(size);
+        if let Some((_, b)) = self.by_key.get_mut(&turn.client) {
+            *b = b.saturating_sub(size);
+        }
+        Some(turn)
+    }
+
+    /// The oldest turn still kept of `client`'s.
+    fn oldest_of(&mut self, client: &Option<String>) -> Option<String> {
+        let (order, _) = self.by_key.get_mut(client)?;
+        while let Some(id) = order.front() {
+            if self
+                .turns
+                .get(id)
+                .is_some_and(|(t, _, _)| t.client == *client)
+            {
+                return Some(id.clone());
+            }
+            order.pop_front();
+        }
+        None
+    }
+
+    fn key_bytes(&self, client: &Option<String>) -> u64 {
+        self.by_key.get(client).map_or(0, |(_, b)| *b as u64)
+    }
 }
 
 /// The kept turns, behind one mutex (held for map operations only).
@@ -128,37 +167,75 @@ impl Conversations {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Keeps `turn` under `id`, then lets the oldest turns go until the rest fit `max_bytes`
-    /// and none is older than `ttl`.
-    pub fn keep(&self, id: &str, turn: Turn, ttl: Duration, max_bytes: u64) {
+    /// Keeps `turn` under `id`. Its key's oldest turns go until the key fits its share
+    /// (`max_bytes_per_key`: one key's turns never push out another's); then turns past `ttl`,
+    /// and while the whole is over `max_bytes`, the oldest of a key over its share first, else
+    /// the oldest of all. A turn larger than a key's share is not kept.
+    pub fn keep(&self, id: &str, turn: Turn, b: Bounds) {
         let size = turn.bytes();
+        if size as u64 > b.max_bytes_per_key.min(b.max_bytes) {
+            return;
+        }
+        let client = turn.client.clone();
         let now = Instant::now();
         let mut g = self.lock();
-        if let Some((_, _, old)) = g.turns.insert(id.to_string(), (turn, now, size)) {
-            g.bytes = g.bytes.saturating_sub(old);
-        } else {
-            g.order.push_back(id.to_string());
-        }
+        g.forget(id);
+        g.turns.insert(id.to_string(), (turn, now, size));
+        g.order.push_back(id.to_string());
         g.bytes = g.bytes.saturating_add(size);
-        Self::evict(&mut g, now, ttl, max_bytes);
+        let (order, bytes) = g.by_key.entry(client.clone()).or_default();
+        order.push_back(id.to_string());
+        *bytes = bytes.saturating_add(size);
+        while g.key_bytes(&client) > b.max_bytes_per_key {
+            match g.oldest_of(&client) {
+                Some(old) => {
+                    g.forget(&old);
+                }
+                None => break,
+            }
+        }
+        Self::evict(&mut g, now, b);
     }
 
-    fn evict(g: &mut Inner, now: Instant, ttl: Duration, max_bytes: u64) {
+    fn evict(g: &mut Inner, now: Instant, b: Bounds) {
+        // Expired first, from the front (the order is the order of keeping).
         while let Some(oldest) = g.order.front().cloned() {
-            let expired_or_over = match g.turns.get(&oldest) {
+            let expired = match g.turns.get(&oldest) {
                 None => true,
-                Some((_, at, _)) => {
-                    now.saturating_duration_since(*at) > ttl || g.bytes as u64 > max_bytes
-                }
+                Some((_, at, _)) => now.saturating_duration_since(*at) > b.ttl,
             };
-            if !expired_or_over {
+            if !expired {
                 break;
             }
             g.order.pop_front();
-            if let Some((_, _, size)) = g.turns.remove(&oldest) {
-                g.bytes = g.bytes.saturating_sub(size);
+            g.forget(&oldest);
+        }
+        while g.bytes as u64 > b.max_bytes {
+            // A key over its share (the share was lowered by a reload) gives first.
+            let over = g
+                .by_key
+                .iter()
+                .find(|(_, (_, bytes))| *bytes as u64 > b.max_bytes_per_key)
+                .map(|(k, _)| k.clone());
+            let victim = match over {
+                Some(k) => g.oldest_of(&k),
+                None => loop {
+                    match g.order.pop_front() {
+                        Some(id) if g.turns.contains_key(&id) => break Some(id),
+                        Some(_) => continue,
+                        None => break None,
+                    }
+                },
+            };
+            match victim {
+                Some(id) => {
+                    g.forget(&id);
+                }
+                None => break,
             }
         }
+        g.by_key
+            .retain(|_, (order, bytes)| *bytes > 0 || !order.is_empty());
     }
 
     /// The turn `id` when `client` owns it and it has not expired, with its conversation's
@@ -200,6 +277,9 @@ impl Conversations {
                 }
             }
         }
+        // The items are copied with the lock let go: a long conversation's copy holds up no
+        // other key's lookup.
+        drop(g);
         let history = complete.then(|| {
             chain
                 .iter()
@@ -221,10 +301,7 @@ impl Conversations {
         if g.turns.get(id)?.0.client.as_deref() != client {
             return None;
         }
-        let (turn, _, size) = g.turns.remove(id)?;
-        g.bytes = g.bytes.saturating_sub(size);
-        g.order.retain(|i| i != id);
-        Some(turn)
+        g.forget(id)
     }
 
     /// How many turns and bytes are kept (for `/status`).
@@ -246,6 +323,14 @@ mod tests {
 
     const HOUR: Duration = Duration::from_secs(3600);
 
+    fn b(max: u64) -> Bounds {
+        Bounds {
+            ttl: HOUR,
+            max_bytes: max,
+            max_bytes_per_key: max,
+        }
+    }
+
     fn turn(prev: Option<&str>, text: &str, client: Option<&str>) -> Turn {
         Turn {
             endpoint: "a".into(),
@@ -263,8 +348,8 @@ mod tests {
     #[test]
     fn a_conversation_is_its_turns_in_order_and_only_its_owner_finds_it() {
         let c = Conversations::default();
-        c.keep("r1", turn(None, "one", Some("team-a")), HOUR, 1 << 20);
-        c.keep("r2", turn(Some("r1"), "two", Some("team-a")), HOUR, 1 << 20);
+        c.keep("r1", turn(None, "one", Some("team-a")), b(1 << 20));
+        c.keep("r2", turn(Some("r1"), "two", Some("team-a")), b(1 << 20));
         let found = c.find("r2", Some("team-a"), HOUR).unwrap();
         let texts: Vec<String> = found
             .history
@@ -293,10 +378,10 @@ mod tests {
         let one = turn(None, "one", None).bytes() as u64;
         // Room for two turns (a later one is a few bytes longer: its text, the id before it).
         let room = one * 2 + 16;
-        c.keep("r1", turn(None, "one", None), HOUR, room);
-        c.keep("r2", turn(Some("r1"), "two", None), HOUR, room);
+        c.keep("r1", turn(None, "one", None), b(room));
+        c.keep("r2", turn(Some("r1"), "two", None), b(room));
         assert!(c.find("r2", None, HOUR).unwrap().history.is_some());
-        c.keep("r3", turn(Some("r2"), "three", None), HOUR, room);
+        c.keep("r3", turn(Some("r2"), "three", None), b(room));
         assert!(
             c.find("r1", None, HOUR).is_none(),
             "over the bytes: the oldest left"
@@ -309,13 +394,48 @@ mod tests {
         assert!(c.usage().1 as u64 <= room);
     }
 
+    /// One key's turns never push out another's: a key past its share loses its own oldest
+    /// turns; the whole over its bound loses a key-over-its-share's first.
+    #[test]
+    fn each_keys_history_is_its_own() {
+        let c = Conversations::default();
+        let one = turn(None, "x", Some("a")).bytes() as u64;
+        let bounds = Bounds {
+            ttl: HOUR,
+            max_bytes: one * 6,
+            max_bytes_per_key: one * 3 + 8,
+        };
+        c.keep("a1", turn(None, "x", Some("a")), bounds);
+        c.keep("a2", turn(Some("a1"), "x", Some("a")), bounds);
+        // B keeps twenty turns: only B's own oldest go.
+        let mut prev: Option<String> = None;
+        for i in 0..20 {
+            let id = format!("b{i}");
+            c.keep(&id, turn(prev.as_deref(), "x", Some("b")), bounds);
+            prev = Some(id);
+        }
+        assert!(
+            c.find("a2", Some("a"), HOUR).unwrap().history.is_some(),
+            "A's whole"
+        );
+        assert!(c.find("b19", Some("b"), HOUR).is_some());
+        assert!(c.find("b0", Some("b"), HOUR).is_none());
+        assert!(c.usage().1 as u64 <= bounds.max_bytes);
+        // A turn larger than a key's share is not kept at all.
+        let mut big = turn(None, &"y".repeat(10 * one as usize), Some("b"));
+        big.previous = None;
+        c.keep("huge", big, bounds);
+        assert!(c.find("huge", Some("b"), HOUR).is_none());
+        assert!(c.find("a2", Some("a"), HOUR).is_some());
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_turn_past_its_ttl_is_gone() {
         let c = Conversations::default();
-        c.keep("r1", turn(None, "one", None), HOUR, 1 << 20);
+        c.keep("r1", turn(None, "one", None), b(1 << 20));
         tokio::time::advance(HOUR + Duration::from_secs(1)).await;
         assert!(c.find("r1", None, HOUR).is_none());
-        c.keep("r2", turn(None, "two", None), HOUR, 1 << 20);
+        c.keep("r2", turn(None, "two", None), b(1 << 20));
         assert_eq!(c.usage().0, 1, "the expired turn left when the next came");
     }
 

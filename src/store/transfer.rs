@@ -123,6 +123,7 @@ pub fn record(line: &str) -> Result<Record, String> {
             let operation = Op::ALL
                 .into_iter()
                 .map(Op::name)
+                .chain(crate::op::SIDE_CALLS)
                 .find(|n| v.get("operation").and_then(Value::as_str) == Some(n))
                 .ok_or("an unknown `operation`")?;
             let at = ts(v.get("ts_ms").unwrap_or(&Value::Null)).ok_or("no `ts_ms`")?;

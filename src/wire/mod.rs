@@ -178,6 +178,35 @@ impl Inbound {
         self.prompt_chars().saturating_add(tools)
     }
 
+    /// The characters the upstream reads into the model's context, and bills as prompt: the
+    /// prompt's ([`Inbound::prompt_chars`]) and every other field it tokenizes — `tools` (and
+    /// the legacy `functions`: names, descriptions, JSON schemas), `response_format`, and the
+    /// Responses API's `text.format` — with keys. What a key's `tpm` and budget are asked for.
+    pub fn billed_chars(&self) -> usize {
+        let prompt = self.prompt_chars();
+        // A plain request's top-level keys have no escapes: when its bytes name none of these
+        // fields, it has none (the common request pays a scan of its bytes, not a parse).
+        if self.plain.is_some()
+            && !self.has_tools_key()
+            && let Some(raw) = self.raw.as_deref()
+            && memchr::memmem::find(raw, b"\"functions\"").is_none()
+            && memchr::memmem::find(raw, b"\"response_format\"").is_none()
+        {
+            return prompt;
+        }
+        let b = self.body();
+        let fields: usize = ["tools", "functions", "response_format"]
+            .iter()
+            .filter_map(|k| b.get(*k))
+            .map(schema_chars)
+            .sum();
+        let text_format = b
+            .get("text")
+            .and_then(|t| t.get("format"))
+            .map_or(0, schema_chars);
+        prompt.saturating_add(fields).saturating_add(text_format)
+    }
+
     /// Whether the body has a `tools` key.
     pub fn has_tools_key(&self) -> bool {
         match &self.plain {
@@ -492,6 +521,17 @@ pub fn estimate_tokens(text_len: usize) -> u64 {
     (text_len as u64).div_ceil(4)
 }
 
+/// The characters of a schema-like value (tools, response formats): its keys and strings, and
+/// one a scalar.
+fn schema_chars(v: &Value) -> usize {
+    match v {
+        Value::String(s) => s.len(),
+        Value::Array(a) => a.iter().map(schema_chars).sum(),
+        Value::Object(o) => o.iter().map(|(k, v)| k.len() + schema_chars(v)).sum(),
+        _ => 1,
+    }
+}
+
 /// A number in a prompt is a token id (`"prompt": [1, 2, …]`, lists of them, `input` of ids):
 /// one token, counted as the characters [`estimate_tokens`] makes one of.
 pub const TOKEN_ID_CHARS: usize = 4;
@@ -538,6 +578,51 @@ mod tests {
         let ids = json!({"model": "m", "prompt": [[1, 2, 3], [4, 5]]});
         let req = read_request(Op::Completions, Bytes::from(ids.to_string())).unwrap();
         assert_eq!(estimate_tokens(req.prompt_chars()), 5);
+    }
+
+    /// What a key's limits are asked for counts every field the upstream tokenizes: the same
+    /// 20 KB in a tool's description, a response format's schema or a message counts alike,
+    /// on the plain path and the map path.
+    #[test]
+    fn the_billed_prompt_counts_tools_and_formats() {
+        let text = "x".repeat(20_000);
+        let msg = json!([{"role": "user", "content": "hi"}]);
+        let cases = [
+            (
+                Op::Chat,
+                json!({"model": "m", "messages": msg, "tools": [{"type": "function", "function": {"name": "f", "description": text}}]}),
+            ),
+            (
+                Op::Chat,
+                json!({"model": "m", "messages": msg, "functions": [{"name": "f", "description": text}]}),
+            ),
+            (
+                Op::Chat,
+                json!({"model": "m", "messages": msg, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"description": text}}}}),
+            ),
+            (
+                Op::Responses,
+                json!({"model": "m", "input": "hi", "text": {"format": {"type": "json_schema", "schema": {"description": text}}}}),
+            ),
+            (
+                Op::Responses,
+                json!({"model": "m", "input": "hi", "tools": [{"type": "function", "name": "f", "description": text}]}),
+            ),
+        ];
+        for (op, body) in cases {
+            let req = read_request(op, Bytes::from(body.to_string())).unwrap();
+            assert!(req.prompt_chars() < 100, "{body}");
+            assert!(
+                req.billed_chars() > 20_000,
+                "{}: {body}",
+                req.billed_chars()
+            );
+        }
+        // Nothing but the prompt: the same figure, on the plain path.
+        let plain = json!({"model": "m", "messages": [{"role": "user", "content": text}]});
+        let req = read_request(Op::Chat, Bytes::from(plain.to_string())).unwrap();
+        assert_eq!(req.billed_chars(), req.prompt_chars());
+        assert!(req.billed_chars() >= 20_000);
     }
 
     #[test]

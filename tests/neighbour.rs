@@ -739,3 +739,89 @@ health: {{ probe_interval: 1h }}
     .unwrap();
     assert_eq!(r.status(), 200);
 }
+
+/// #45 items 7 and 8: each key's kept conversations are its own, in memory and in Redis. Key
+/// B keeps twenty turns of 100 KB (`history_max_bytes: 1MiB`, a key's share a quarter of it):
+/// only B's own oldest turns go, key A's conversation continues, Redis holds no more than the
+/// bound (its memory grows by less than the bound plus its own overhead) and still holds A's
+/// turns. (Before: one LRU for all keys — A got 404 `previous_response_not_found` — and Redis
+/// kept every turn: 60 turns of 200 KB grew it by 13.8 MB with a 2 MiB bound.)
+#[tokio::test]
+async fn one_keys_history_never_evicts_anothers() {
+    let redis = Redis::start();
+    let up = MockUp::openai("name: a").await;
+    let cfg = format!(
+        r#"models:
+  a: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
+auth:
+  keys:
+    - {{ name: victim, key: env:KEY_A }}
+    - {{ name: hostile, key: env:KEY_B }}
+responses: {{ history: keep, history_max_bytes: 1MiB }}
+cluster: {{ redis: env:AUTOHEDGE_REDIS_URL, key_prefix: "hist:", timeout: 1s }}
+health: {{ probe_interval: 1h }}
+"#,
+        up.base()
+    );
+    let url = redis.url();
+    let gw = Gw::start_with_env(&cfg, &keys_env(&[("AUTOHEDGE_REDIS_URL", &url)]));
+    gw.ready().await;
+    until_store_up(&gw).await;
+    let used = || {
+        redis
+            .answer("INFO memory")
+            .and_then(|t| {
+                t.lines()
+                    .find_map(|l| l.strip_prefix("used_memory:").map(|v| v.trim().to_string()))
+            })
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap()
+    };
+    let before = used();
+    let client = reqwest::Client::new();
+    let turn = |key: &'static str, input: String, prev: Option<String>| {
+        let mut body = json!({"model": "a", "input": input});
+        if let Some(p) = prev {
+            body["previous_response_id"] = json!(p);
+        }
+        let req = client
+            .post(gw.url("/v1/responses"))
+            .bearer_auth(key)
+            .json(&body)
+            .send();
+        async move {
+            let r = req.await.unwrap();
+            let status = r.status().as_u16();
+            let v: serde_json::Value = r.json().await.unwrap();
+            (status, v["id"].as_str().unwrap_or_default().to_string(), v)
+        }
+    };
+    // A's conversation: two turns.
+    let (s, a1, _) = turn(KEY_A, "Hello".into(), None).await;
+    assert_eq!(s, 200);
+    let (s, a2, v) = turn(KEY_A, "And then?".into(), Some(a1.clone())).await;
+    assert_eq!(s, 200, "{v}");
+    // B floods: twenty turns of 100 KB, each continuing the last.
+    let mut prev: Option<String> = None;
+    for _ in 0..20 {
+        let (s, id, v) = turn(KEY_B, "b".repeat(100_000), prev.take()).await;
+        assert!(s == 200 || s == 404, "{v}");
+        prev = (s == 200).then_some(id);
+    }
+    // A's conversation goes on, as A left it.
+    let (s, _, v) = turn(KEY_A, "Still there?".into(), Some(a2.clone())).await;
+    assert_eq!(s, 200, "{v}");
+    // The store: A's turns still there, and bounded whatever B sent (2 MB of it).
+    let kept = eventually(Duration::from_secs(5), || async {
+        redis.cmd(&format!("EXISTS hist:resp:{a2}")).as_deref() == Some(":1")
+    })
+    .await;
+    assert!(kept, "A's turn in the shared store");
+    let bytes: u64 = redis
+        .value("HGET hist:turnbytes _all")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    assert!(bytes > 100_000 && bytes <= 1 << 20, "{bytes} bytes kept");
+    let grown = used().saturating_sub(before);
+    assert!(grown < 3 << 20, "Redis grew by {grown} bytes");
+}

@@ -825,3 +825,79 @@ health: {{ probe_interval: 1h }}
     let grown = used().saturating_sub(before);
     assert!(grown < 3 << 20, "Redis grew by {grown} bytes");
 }
+
+/// The gateway's peak resident memory (`VmHWM`), in KB.
+fn peak_kb(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// #45 item 9: a translated stream is bounded. A chat-only upstream streams 120 MB of deltas
+/// to a `/v1/responses` stream: the translator keeps at most `server.max_response_bytes`
+/// (16 MiB here), the stream ends with `response.failed` (`response_too_large`), the upstream
+/// is read no further, the attempt's row says why, and the gateway's peak memory grows by
+/// less than 100 MB. (Before: its memory grew by 1.5 GB.)
+#[tokio::test]
+async fn a_translated_stream_is_bounded_whatever_the_upstream_sends() {
+    let word = format!("{} ", "w".repeat(1 << 20));
+    let reply = word.repeat(120);
+    let script = serde_json::to_string(&json!({
+        "name": "chatonly",
+        "reply": reply,
+        "rules": [{"when": {"path": "/v1/responses"}, "status": 404, "error": "Not found."}],
+    }))
+    .unwrap();
+    drop(reply);
+    let up = MockUp::openai(&script).await;
+    drop(script);
+    let cfg = format!(
+        r#"models:
+  a: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
+server: {{ max_response_bytes: 16MiB }}
+health: {{ probe_interval: 1h }}
+"#,
+        up.base()
+    );
+    let mut gw = Gw::start(&cfg);
+    gw.ready().await;
+    let idle = peak_kb(gw.pid());
+    let r = reqwest::Client::new()
+        .post(gw.url("/v1/responses"))
+        .header("x-request-id", "too-large")
+        .json(&json!({"model": "a", "input": "talk", "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let events = sse_events(r).await;
+    let last = events.last().cloned().unwrap_or_default();
+    assert!(last.contains("response.failed"), "{last:.300}");
+    assert!(last.contains("response_too_large"), "{last:.300}");
+    assert!(
+        events
+            .iter()
+            .filter(|e| e.contains("output_text.delta"))
+            .count()
+            <= 17,
+        "{} deltas",
+        events.len()
+    );
+    let grown_mb = peak_kb(gw.pid()).saturating_sub(idle) / 1024;
+    assert!(grown_mb < 100, "peak memory grew by {grown_mb} MB");
+    gw.stop();
+    let rows = audit_rows(
+        &gw,
+        "SELECT a.error FROM attempts a WHERE a.request_id = 'too-large'",
+    );
+    assert!(
+        rows.iter().any(|r| r[0]
+            .as_str()
+            .is_some_and(|e| e.contains("max_response_bytes"))),
+        "{rows:?}"
+    );
+}

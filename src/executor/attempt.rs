@@ -490,6 +490,7 @@ impl<'a> Attempt<'a> {
                     rest,
                     ctx.meta.clone(),
                     self.max_event,
+                    self.max_answer,
                 ));
                 produced = Some(Box::new(Produced {
                     translated: true,

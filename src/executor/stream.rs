@@ -461,11 +461,15 @@ pub(super) async fn pump(
                     let secrets = st.guard.secrets(&st.guard.ep);
                     let shown = classify::redact(&message, &secrets);
                     let before = classify::redact_exact(before, &secrets);
+                    // The translator's own end of a response too large keeps its code.
+                    let code = if message.starts_with(wire::responses::TOO_LARGE_MESSAGE) {
+                        wire::responses::TOO_LARGE
+                    } else {
+                        Outcome::InBand.as_str()
+                    };
                     st.guard.finish(Some((Outcome::InBand, message)));
-                    let ev = st.error_event(
-                        &format!("The upstream failed mid-stream: {shown}"),
-                        Outcome::InBand.as_str(),
-                    );
+                    let ev =
+                        st.error_event(&format!("The upstream failed mid-stream: {shown}"), code);
                     let mut out = BytesMut::from(&before[..]);
                     out.extend_from_slice(&ev);
                     return Some((Ok(out.freeze()), st));

@@ -61,6 +61,11 @@ fn unreadable(e: &str) -> Bytes {
 /// it completes, as the client is to get them (`Err`: the bytes are not SSE).
 trait Render {
     fn render(&mut self, b: &Bytes) -> Result<Bytes, String>;
+
+    /// Nothing more is to come of the stream (the upstream is read no further).
+    fn finished(&self) -> bool {
+        false
+    }
 }
 
 /// An upstream body read through a [`Render`]: its reads rendered, empty ones skipped, the
@@ -90,8 +95,17 @@ impl<R: Render + Unpin> Stream for Adapted<R> {
                     return Poll::Ready(Some(Err(e)));
                 }
                 Poll::Ready(Some(Ok(b))) => match self.render.render(&b) {
-                    Ok(out) if out.is_empty() => continue,
-                    Ok(out) => return Poll::Ready(Some(Ok(out))),
+                    Ok(out) => {
+                        if self.render.finished() {
+                            // Ended (a response too large, say): the upstream's connection is
+                            // let go instead of read to its end.
+                            self.ended = true;
+                        }
+                        if out.is_empty() {
+                            continue;
+                        }
+                        return Poll::Ready(Some(Ok(out)));
+                    }
                     Err(e) => {
                         self.ended = true;
                         return Poll::Ready(Some(Ok(unreadable(&e))));
@@ -178,12 +192,14 @@ pub struct FromChat {
 }
 
 impl FromChat {
-    pub fn new(inner: Inner, meta: Meta, max_event: usize) -> Adapted<FromChat> {
+    /// `max_kept`: the most output the translator keeps for `response.completed`
+    /// (`server.max_response_bytes`); past it the response ends `response.failed`.
+    pub fn new(inner: Inner, meta: Meta, max_event: usize, max_kept: usize) -> Adapted<FromChat> {
         Adapted {
             inner,
             render: FromChat {
                 parser: SseParser::with_max_event(max_event),
-                tr: ChatToEvents::new(meta),
+                tr: ChatToEvents::bounded(meta, max_kept),
             },
             ended: false,
         }
@@ -191,10 +207,17 @@ impl FromChat {
 }
 
 impl Render for FromChat {
+    fn finished(&self) -> bool {
+        self.tr.is_done()
+    }
+
     fn render(&mut self, b: &Bytes) -> Result<Bytes, String> {
         let events = self.parser.push(b).map_err(|e| e.0)?;
         let mut out = String::new();
         for ev in events {
+            if self.tr.is_done() {
+                break;
+            }
             if ev.data.trim() == "[DONE]" {
                 out.push_str(&self.tr.finish());
                 continue;
@@ -261,6 +284,7 @@ mod tests {
             ]),
             Meta::new("resp_gw", "m", &Default::default()),
             1 << 20,
+            1 << 20,
         );
         let out = text(s).await;
         assert!(out.starts_with("event: response.created\n"), "{out}");
@@ -278,11 +302,41 @@ mod tests {
             body(&["data: {nope\n\n"]),
             Meta::new("r", "m", &Default::default()),
             1 << 20,
+            1 << 20,
         );
         let out = text(s).await;
         assert!(
             out.starts_with("event: error\n") && out.contains("malformed_stream"),
             "{out}"
         );
+    }
+
+    /// What the translator keeps is bounded: a stream whose text passes `max_kept` ends with
+    /// `response.failed` (`response_too_large`), and what the upstream sends after is not read.
+    #[tokio::test]
+    async fn a_translated_stream_past_its_bound_ends_failed_and_reads_no_more() {
+        let chunk = "data: {\"choices\":[{\"delta\":{\"content\":\"0123456789\"}}]}\n\n";
+        let read = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let r = read.clone();
+        let endless = futures_util::stream::iter(0..1_000_000).map(move |_| {
+            r.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Ok::<_, super::super::BoxError>(Bytes::from_static(chunk.as_bytes()))
+        });
+        let s = FromChat::new(
+            Box::pin(endless),
+            Meta::new("resp_gw", "m", &Default::default()),
+            1 << 20,
+            100,
+        );
+        let out = text(s).await;
+        assert_eq!(
+            out.matches("event: response.output_text.delta\n").count(),
+            10,
+            "{out}"
+        );
+        assert!(out.contains("event: response.failed\n"), "{out}");
+        assert!(out.contains(crate::wire::responses::TOO_LARGE), "{out}");
+        assert!(!out.contains("response.completed"), "{out}");
+        assert_eq!(read.load(std::sync::atomic::Ordering::Relaxed), 11);
     }
 }

@@ -666,10 +666,27 @@ pub struct ChatToEvents {
     usage: Option<Usage>,
     finish: Option<String>,
     done: bool,
+    /// The most text and arguments kept for the closing events (`server.max_response_bytes`),
+    /// and how much is kept: past it the response ends `response.failed`
+    /// (`response_too_large`), whatever more the upstream sends.
+    max_kept: usize,
+    kept: usize,
 }
+
+/// The `code` of the `response.failed` that ends a translated response larger than
+/// `server.max_response_bytes`.
+pub const TOO_LARGE: &str = "response_too_large";
+
+/// How that `response.failed`'s message begins (the executor passes its code on to the client).
+pub const TOO_LARGE_MESSAGE: &str = "The upstream's answer grew past server.max_response_bytes";
 
 impl ChatToEvents {
     pub fn new(meta: Meta) -> Self {
+        Self::bounded(meta, usize::MAX)
+    }
+
+    /// A translator that keeps at most `max_kept` bytes of output for its closing events.
+    pub fn bounded(meta: Meta, max_kept: usize) -> Self {
         ChatToEvents {
             meta,
             seq: 0,
@@ -680,7 +697,34 @@ impl ChatToEvents {
             usage: None,
             finish: None,
             done: false,
+            max_kept,
+            kept: 0,
         }
+    }
+
+    /// The response has ended (completed, failed, or an error): nothing more comes of it.
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+
+    /// Takes `n` more bytes of output to keep; past the bound, ends the response with
+    /// `response.failed` (its items as they stand are not repeated: the deltas had them).
+    fn keep(&mut self, out: &mut String, n: usize) -> bool {
+        if self.kept.saturating_add(n) <= self.max_kept {
+            self.kept += n;
+            return true;
+        }
+        self.done = true;
+        self.text = None;
+        self.calls.clear();
+        let usage = self.usage.map_or(Value::Null, usage_json);
+        let mut r = self.meta.response("failed", Vec::new(), usage);
+        r["error"] = json!({
+            "code": TOO_LARGE,
+            "message": format!("{TOO_LARGE_MESSAGE} ({} bytes): the response ends here.", self.max_kept),
+        });
+        self.emit(out, "response.failed", json!({"response": r}));
+        false
     }
 
     fn emit(&mut self, out: &mut String, kind: &str, body: Value) {
@@ -743,6 +787,9 @@ impl ChatToEvents {
                 );
                 self.text = Some((id, index, String::new()));
             }
+            if !self.keep(&mut out, t.len()) {
+                return out;
+            }
             if let Some((id, index, text)) = self.text.as_mut() {
                 text.push_str(t);
                 let body = json!({"item_id": id, "output_index": *index, "content_index": 0, "delta": t, "logprobs": []});
@@ -784,8 +831,13 @@ impl ChatToEvents {
                     .pointer("/function/arguments")
                     .and_then(Value::as_str)
                     .filter(|a| !a.is_empty())
-                    && let Some(call) = self.calls.get_mut(pos)
                 {
+                    if !self.keep(&mut out, a.len()) {
+                        return out;
+                    }
+                    let Some(call) = self.calls.get_mut(pos) else {
+                        continue;
+                    };
                     call.5.push_str(a);
                     let (id, index) = (call.1.clone(), call.2);
                     self.emit(

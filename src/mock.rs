@@ -81,6 +81,8 @@ pub struct When {
     pub key: Option<String>,
     /// Matches the request body's `model`.
     pub model: Option<String>,
+    /// Matches the request body's `conversation` (a Responses call's id, or its object's `id`).
+    pub conversation: Option<String>,
     /// Matches every Nth request that meets the other conditions (1-based: 3 → 3rd, 6th, …).
     pub every: Option<u64>,
     /// Matches with this probability (0..1), drawn per request: heavy tails, random faults.
@@ -202,6 +204,7 @@ impl Mock {
         stream: bool,
         key: Option<&str>,
         model: Option<&str>,
+        conversation: Option<&str>,
     ) -> Option<Rule> {
         let script = self.script();
         let mut c = self.counters.lock().unwrap_or_else(|e| e.into_inner());
@@ -215,6 +218,9 @@ impl Mock {
                 || w.stream.is_some_and(|s| s != stream)
                 || w.key.as_deref().is_some_and(|k| Some(k) != key)
                 || w.model.as_deref().is_some_and(|m| Some(m) != model)
+                || w.conversation
+                    .as_deref()
+                    .is_some_and(|c| Some(c) != conversation)
                 || w.chance.is_some_and(|p| fastrand::f64() >= p)
             {
                 continue;
@@ -481,6 +487,8 @@ impl Mock {
                 stream,
                 key.as_deref(),
                 model.as_deref(),
+                body.get("conversation")
+                    .and_then(|c| c.as_str().or_else(|| c.get("id").and_then(Value::as_str))),
             )
             .unwrap_or_default();
         let mut rule = rule;

@@ -901,3 +901,296 @@ health: {{ probe_interval: 1h }}
         "{rows:?}"
     );
 }
+
+// ── The victim alone, and beside a hostile key and a store that stumbles ────────────────────
+
+/// What the victim got from one run of its workload: each call's label, status and answer
+/// text; its spend as the gateway and the store hold it; its rows in the trail.
+#[derive(Debug, PartialEq)]
+struct Service {
+    answers: Vec<(String, u16, String)>,
+    spend_store: String,
+    rows: Vec<(String, i64, i64)>,
+    /// The rows' costs, summed (the bill as the trail has it).
+    spend_rows: f64,
+}
+
+/// The victim's workload, `rounds` times: a plain chat, a stream, a Responses conversation of
+/// two turns (kept by the gateway), a priced request with `max_tokens`.
+async fn victim_workload(gw: &Gw, rounds: usize) -> Vec<(String, u16, String)> {
+    let client = reqwest::Client::new();
+    let mut out = Vec::new();
+    for round in 0..rounds {
+        let post = |path: &str, body: serde_json::Value, tag: String| {
+            client
+                .post(gw.url(path))
+                .bearer_auth(KEY_B)
+                .header("x-request-id", tag)
+                .json(&body)
+                .send()
+        };
+        let r = post(
+            "/v1/chat/completions",
+            json!({"model": "a", "messages": [{"role": "user", "content": "plain"}]}),
+            format!("b-plain-{round}"),
+        )
+        .await
+        .unwrap();
+        let s = r.status().as_u16();
+        let v: serde_json::Value = r.json().await.unwrap_or_default();
+        let text = v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
+        out.push(("plain".to_string(), s, text));
+        let r = post(
+            "/v1/chat/completions",
+            json!({"model": "a", "stream": true, "messages": [{"role": "user", "content": "stream"}]}),
+            format!("b-stream-{round}"),
+        )
+        .await
+        .unwrap();
+        let s = r.status().as_u16();
+        out.push(("stream".to_string(), s, stream_text(&sse_events(r).await)));
+        let r = post(
+            "/v1/responses",
+            json!({"model": "a", "input": "first turn"}),
+            format!("b-resp1-{round}"),
+        )
+        .await
+        .unwrap();
+        let s = r.status().as_u16();
+        let v: serde_json::Value = r.json().await.unwrap_or_default();
+        let first = v["id"].as_str().unwrap_or("").to_string();
+        out.push((
+            "turn1".to_string(),
+            s,
+            v["output"][0]["content"][0]["text"]
+                .as_str()
+                .unwrap_or("")
+                .to_string(),
+        ));
+        let r = post(
+            "/v1/responses",
+            json!({"model": "a", "input": "second turn", "previous_response_id": first}),
+            format!("b-resp2-{round}"),
+        )
+        .await
+        .unwrap();
+        let s = r.status().as_u16();
+        let v: serde_json::Value = r.json().await.unwrap_or_default();
+        out.push((
+            "turn2".to_string(),
+            s,
+            v["output"][0]["content"][0]["text"]
+                .as_str()
+                .unwrap_or("")
+                .to_string(),
+        ));
+        let r = post(
+            "/v1/chat/completions",
+            json!({"model": "a", "max_tokens": 20, "messages": [{"role": "user", "content": "priced"}]}),
+            format!("b-priced-{round}"),
+        )
+        .await
+        .unwrap();
+        let s = r.status().as_u16();
+        let v: serde_json::Value = r.json().await.unwrap_or_default();
+        let text = v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
+        out.push(("priced".to_string(), s, text));
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    out
+}
+
+/// Key A's hostile traffic until `stop`: crafted ids and conversations, NULs, 20 KB tools,
+/// large turns, unknown models, GET floods.
+async fn hostile_workload(gw: &Gw, stop: &std::sync::atomic::AtomicBool) -> usize {
+    let client = reqwest::Client::new();
+    let big = "t".repeat(20_000);
+    let mut sent = 0;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let bodies = [
+            (
+                "/v1/chat/completions",
+                json!({"model": "x\u{0}y", "messages": [{"role": "user", "content": "n"}]}),
+            ),
+            (
+                "/v1/chat/completions",
+                json!({"model": "a", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f", "description": big}}]}),
+            ),
+            (
+                "/v1/responses",
+                json!({"model": "a", "conversation": "conv_x", "input": "hi"}),
+            ),
+            (
+                "/v1/responses",
+                json!({"model": "a", "input": "hi", "previous_response_id": "resp_not_mine"}),
+            ),
+            ("/v1/responses", json!({"model": "a", "input": big})),
+            (
+                "/v1/chat/completions",
+                json!({"model": "no-such-model", "messages": [{"role": "user", "content": "?"}]}),
+            ),
+        ];
+        for (path, body) in bodies {
+            let _ = client
+                .post(gw.url(path))
+                .bearer_auth(KEY_A)
+                .json(&body)
+                .send()
+                .await;
+            sent += 1;
+        }
+        for _ in 0..5 {
+            let _ = client
+                .get(gw.url("/v1/responses/resp_0123456789"))
+                .bearer_auth(KEY_A)
+                .send()
+                .await;
+            sent += 1;
+        }
+    }
+    sent
+}
+
+/// One fresh stack (its own database and key prefix) on `redis` and `pg`; the victim's service
+/// from a run of its workload, alone or beside key A and the stores' faults.
+async fn one_run(redis: &Redis, pg: &Pg, name: &str, hostile: bool) -> Service {
+    let up = MockUp::openai(
+        "name: a\nrules:\n  - {when: {path: /v1/responses, conversation: conv_x}, status: 404, error: \"Conversation with id 'conv_x' not found.\"}\n",
+    )
+    .await;
+    let db = pg.database(name).await;
+    let prefix = format!("{name}:");
+    let cfg = format!(
+        r#"models:
+  a: {{ type: openai, base_url: "{}", model: gpt-4o-mini, cost: {{ input_per_mtok: 1000, output_per_mtok: 1000 }} }}
+auth:
+  keys:
+    - {{ name: hostile, key: env:KEY_A, rpm: 20, tpm: 2000 }}
+    - {{ name: victim, key: env:KEY_B, rpm: 600, tpm: 600000, budget_usd: 100 }}
+responses: {{ history: keep, history_max_bytes: 1MiB }}
+audit: {{ store: postgres, url: env:AUTOHEDGE_PG_URL }}
+cluster: {{ redis: env:AUTOHEDGE_REDIS_URL, key_prefix: "{prefix}", timeout: 50ms }}
+health: {{ probe_interval: 1h }}
+"#,
+        up.base()
+    );
+    let url = redis.url();
+    let mut gw = Gw::start_with_env(
+        &cfg,
+        &keys_env(&[("AUTOHEDGE_REDIS_URL", &url), ("AUTOHEDGE_PG_URL", &db)]),
+    );
+    gw.ready().await;
+    until_store_up(&gw).await;
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let answers = if hostile {
+        let faults = async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            assert_eq!(redis.cmd("CLIENT PAUSE 400").as_deref(), Some("+OK"));
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            pg.ctl_stop();
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            pg.ctl_start();
+        };
+        let victim = async {
+            let a = victim_workload(&gw, 12).await;
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            a
+        };
+        let (answers, sent, ()) = tokio::join!(victim, hostile_workload(&gw, &stop), faults);
+        assert!(sent > 20, "the hostile key was busy: {sent} calls");
+        // The faults were met: the store paused, the trail was away.
+        let st = gw.status().await;
+        assert!(
+            st["cluster"]["slow_answers"].as_u64().unwrap() >= 1,
+            "{}",
+            st["cluster"]
+        );
+        answers
+    } else {
+        victim_workload(&gw, 12).await
+    };
+    // Everything written: the spool drained, the settles applied.
+    let drained = eventually(Duration::from_secs(30), || async {
+        let st = gw.status().await;
+        st["audit"]["spooled"] == 0
+            && st["audit"]["state"] == "ok"
+            && st["cluster"]["settles_queued"] == 0
+            && redis
+                .value(&format!("GET {prefix}resvtot:victim"))
+                .and_then(|v| v.parse::<f64>().ok())
+                .is_none_or(|v| v.abs() < 1e-9)
+    })
+    .await;
+    assert!(drained, "{}", gw.status().await);
+    gw.stop();
+    let spend_store = redis
+        .value(&format!("HGET {prefix}spend:victim:{} usd", month_now()))
+        .unwrap_or_default();
+    let c = pg.client(name).await;
+    let rows = c
+        .query(
+            "SELECT operation, status, COUNT(*) FROM requests WHERE client_key = 'victim' GROUP BY operation, status ORDER BY operation, status",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    let spend_rows: f64 = c
+        .query_one(
+            "SELECT COALESCE(SUM(cost_usd), 0) FROM requests WHERE client_key = 'victim'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    Service {
+        answers,
+        spend_store,
+        rows,
+        spend_rows,
+    }
+}
+
+/// The rule, whole: the victim's statuses, answers, spend (in the store) and audit rows are
+/// the same alone and beside a hostile key A (NULs, 20 KB tools, crafted conversations, large
+/// turns, unknown models, GET floods) while Redis pauses for 400 ms and PostgreSQL is stopped
+/// for 3 s. Each part of A's traffic is a case above that failed on the code before #45.
+#[tokio::test]
+async fn the_victims_service_bill_and_records_are_the_same_beside_a_hostile_neighbour() {
+    let redis = Redis::start();
+    let pg = Pg::start();
+    let alone = one_run(&redis, &pg, "alone", false).await;
+    assert!(
+        alone
+            .answers
+            .iter()
+            .all(|(_, s, t)| *s == 200 && !t.is_empty()),
+        "{alone:?}"
+    );
+    assert!(!alone.spend_store.is_empty());
+    let beside = one_run(&redis, &pg, "beside", true).await;
+    assert_eq!(alone.answers, beside.answers);
+    assert_eq!(alone.rows, beside.rows);
+    let (a, b): (f64, f64) = (
+        alone.spend_store.parse().unwrap(),
+        beside.spend_store.parse().unwrap(),
+    );
+    assert!(
+        (alone.spend_rows - beside.spend_rows).abs() < 1e-9,
+        "{alone:?} {beside:?}"
+    );
+    assert!(
+        (a - alone.spend_rows).abs() < 1e-9,
+        "store {a}, rows {}",
+        alone.spend_rows
+    );
+    assert!((a - b).abs() < 1e-9, "spend alone {a}, beside {b}");
+}

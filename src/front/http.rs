@@ -212,6 +212,25 @@ async fn serve(
     let allowed = client
         .and_then(|c| c.models.as_ref())
         .map(|m| cfg.covered_by(m));
+    // The key's limits before anything else is done for the request (a conversation is looked
+    // up only for a key its `rpm` admitted). The conversation a Responses request continues is
+    // read again by the upstream: its tokens are charged from the answer's `usage`.
+    let admission = match client {
+        None => None,
+        Some(c) => {
+            let ask = ask_of(&cfg, &chain, &inbound);
+            let admitted = match app.cluster.get() {
+                // Boxed: its 1.7 KB would size every request's future, and each move of
+                // that future copies all of it.
+                Some(cluster) => Box::pin(app.clients.admit_shared(c, ask, cluster)).await,
+                None => app.clients.admit(c, ask),
+            };
+            match admitted {
+                Ok(a) => Some(a),
+                Err(err) => return refused(&app, &id, op, &inbound, client_name, err),
+            }
+        }
+    };
     // A Responses request: its id, and the conversation it continues (pinned endpoint first;
     // with `cluster:`, a conversation another replica served is read from the shared store).
     let (chain, responses) = if op == Op::Responses {
@@ -231,29 +250,10 @@ async fn serve(
             chain,
         ) {
             Ok((chain, ctx)) => (chain, Some(ctx)),
-            Err(err) => {
-                let err = counted(&app, client, err).await;
-                return refused(&app, &id, op, &inbound, client_name, err);
-            }
+            Err(err) => return refused(&app, &id, op, &inbound, client_name, err),
         }
     } else {
         (chain, None)
-    };
-    let admission = match client {
-        None => None,
-        Some(c) => {
-            let ask = ask_of(&cfg, &chain, &inbound, responses.as_ref());
-            let admitted = match app.cluster.get() {
-                // Boxed: its 1.7 KB would size every request's future, and each move of
-                // that future copies all of it.
-                Some(cluster) => Box::pin(app.clients.admit_shared(c, ask, cluster)).await,
-                None => app.clients.admit(c, ask),
-            };
-            match admitted {
-                Ok(a) => Some(a),
-                Err(err) => return refused(&app, &id, op, &inbound, client_name, err),
-            }
-        }
     };
     // A per-request upstream key, encrypted with Vault's transit engine.
     let own_key = match own_key(&app, &cfg, &headers, arrived, &id).await {
@@ -692,26 +692,17 @@ async fn own_key(
 /// the most it can cost on the dearest endpoint of its chain (`max_tokens`, else that endpoint's
 /// own cap), reserved against the budget while it runs.
 /// What admitting `inbound` asks of its key: the billed prompt ([`wire::Inbound::billed_chars`]:
-/// tools, schemas and formats with the prompt; for a continued conversation the whole of it as
-/// the gateway kept it, which the upstream reads again) plus `max_tokens`, and the worst cost.
-fn ask_of(
-    cfg: &crate::config::Config,
-    chain: &[String],
-    inbound: &wire::Inbound,
-    responses: Option<&executor::responses::ResponsesCtx>,
-) -> clients::Ask {
+/// tools, schemas and formats with the prompt) plus `max_tokens`, and the worst cost. What the
+/// upstream counts beyond it (a continued conversation it reads again) is charged from its
+/// `usage` when the request ends.
+fn ask_of(cfg: &crate::config::Config, chain: &[String], inbound: &wire::Inbound) -> clients::Ask {
     let max_tokens = [
         wire::TokenField::MaxCompletionTokens,
         wire::TokenField::MaxTokens,
     ]
     .into_iter()
     .find_map(|f| inbound.token_field(f).flatten());
-    let chars = inbound.billed_chars().max(
-        responses
-            .and_then(|r| r.replay.as_ref())
-            .map_or(0, |r| r.billed_chars()),
-    );
-    let prompt = wire::estimate_tokens(chars);
+    let prompt = wire::estimate_tokens(inbound.billed_chars());
     let reserve_usd = chain
         .iter()
         .filter_map(|n| cfg.endpoints.get(n))

@@ -875,8 +875,7 @@ impl Run {
     /// Whether a Responses request goes to `ep` translated to chat.
     fn translates(&self, ep: &Endpoint) -> bool {
         self.req.op == Op::Responses
-            && (!self.app.registry.speaks_responses(ep)
-                || self.chat_here.iter().any(|n| *n == ep.name))
+            && (!self.app.registry.speaks_responses(ep) || self.chat_here.contains(&ep.name))
     }
 
     /// The request `ep` gets: the client's, or for a conversation the pinned form or its replay.
@@ -1184,7 +1183,7 @@ impl Run {
                 // request goes on to the endpoint in chat at once. Whether the endpoint has no
                 // such route for anyone is for a request of the gateway's own to say — a
                 // client's answer can be about its own content — made in the background.
-                if self.chat_here.iter().any(|n| *n == ep.name) {
+                if self.chat_here.contains(&ep.name) {
                     return Settled::Done(FAILED);
                 }
                 self.chat_here.push(ep.name.clone());

@@ -55,7 +55,7 @@ async fn migrations_from_empty_from_the_previous_version_and_at_once() {
     );
     let c = pg.client("older").await;
     const HAS_COLUMN: &str =
-        "SELECT COUNT(*) FROM information_schema.tables WHERE table_name = 'request_marks'";
+        "SELECT COUNT(*) FROM information_schema.tables WHERE table_name = 'audit_batches'";
     assert_eq!(count(&c, HAS_COLUMN).await, 0);
     let mut old_gw = start(&cfg, &older, &[]);
     old_gw.ready().await;
@@ -536,4 +536,70 @@ async fn the_retention_sweep_deletes_old_rows_in_postgres() {
         count(&c, "SELECT COUNT(*) FROM requests WHERE request_id = 'new'").await,
         1
     );
+}
+
+/// A write that timed out may still have committed: the batch sent again (from the spool,
+/// under the token it was first sent with) is written once. A deferred trigger of the store's
+/// own holds one commit for 11 s, past the writer's 10 s: the writer counts the store away and
+/// holds the batch; the commit lands meanwhile; every request of the batch has one row, not two.
+#[tokio::test]
+async fn a_batch_whose_commit_answer_was_lost_is_written_once() {
+    let pg = Pg::start();
+    let url = pg.database("doubt").await;
+    let up = MockUp::openai("name: a").await;
+    let mut gw = start(&pg_config(&up, ""), &url, &[]);
+    gw.ready().await;
+    let c = pg.client("doubt").await;
+    c.batch_execute(
+        "CREATE TABLE slept (once INT);
+         CREATE FUNCTION slow_commit() RETURNS trigger AS $$
+         BEGIN
+           IF NEW.request_id = 'doubt-0' AND NOT EXISTS (SELECT 1 FROM slept) THEN
+             INSERT INTO slept VALUES (1);
+             PERFORM pg_sleep(11);
+           END IF;
+           RETURN NULL;
+         END $$ LANGUAGE plpgsql;
+         CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON requests
+           DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow_commit();",
+    )
+    .await
+    .unwrap();
+    for i in 0..5 {
+        let r = gw
+            .chat_id(
+                &format!("doubt-{i}"),
+                json!({"model": "a", "messages": [{"role": "user", "content": "x"}]}),
+            )
+            .await;
+        assert_eq!(r.status(), 200);
+    }
+    // The writer gave up on the commit's answer ...
+    let doubted = eventually(Duration::from_secs(20), || async {
+        gw.status().await["audit"]["state"]
+            .as_str()
+            .is_some_and(|s| s.contains("no answer within 10s"))
+    })
+    .await;
+    assert!(doubted, "{}", gw.status().await["audit"]);
+    // ... and once the store answers again, what it held is written (or known written).
+    let settled = eventually(Duration::from_secs(30), || async {
+        let a = gw.status().await["audit"].clone();
+        a["state"] == "ok" && a["spooled"] == 0
+    })
+    .await;
+    assert!(settled, "{}", gw.status().await["audit"]);
+    gw.stop();
+    let rows: Vec<(String, i64)> = c
+        .query(
+            "SELECT request_id, COUNT(*) FROM requests WHERE request_id LIKE 'doubt-%' GROUP BY request_id ORDER BY request_id",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let want: Vec<(String, i64)> = (0..5).map(|i| (format!("doubt-{i}"), 1)).collect();
+    assert_eq!(rows, want);
 }

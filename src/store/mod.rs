@@ -183,6 +183,15 @@ const MIGRATIONS: &[&str] = &[
         GROUP BY before_ms / 1000;
     DROP INDEX IF EXISTS requests_ts;
     "#,
+    // 12: the batches PostgreSQL's writer committed, by the token it gave each, so a batch sent
+    // again after a call that timed out (and may have committed) is written once. SQLite's
+    // writer does not use it (its commits are not in doubt): the table keeps the schemas alike.
+    r#"
+    CREATE TABLE audit_batches (
+        token TEXT PRIMARY KEY,
+        ts_ms INTEGER NOT NULL
+    );
+    "#,
 ];
 
 /// The first request row a window starting at `?1` (ms) can hold: the `first_id` of the latest

@@ -157,6 +157,15 @@ const MIGRATIONS: &[&str] = &[
         first_id BIGINT NOT NULL
     );
     "#,
+    // 12: the batches this writer committed, by the token it gave each: a batch sent again
+    // after a call that timed out (and may have committed) is written once.
+    r#"
+    CREATE TABLE audit_batches (
+        token TEXT PRIMARY KEY,
+        ts_ms BIGINT NOT NULL
+    );
+    CREATE INDEX audit_batches_ts ON audit_batches(ts_ms);
+    "#,
 ];
 
 /// The advisory lock every replica's migration takes (any constant; "autohedge" in ASCII).
@@ -515,8 +524,9 @@ impl Writer {
         self.client.is_some()
     }
 
-    /// Sends `records` in one transaction.
-    fn send(&mut self, records: &[Record]) -> Result<(), WriteError> {
+    /// Sends `records` in one transaction under `token` (the same token for the same records
+    /// whenever they are sent again).
+    fn send(&mut self, records: &[Record], token: &str) -> Result<(), WriteError> {
         let Some(client) = self.client.as_mut() else {
             return Err(WriteError::Away(
                 self.down
@@ -527,7 +537,7 @@ impl Writer {
             ));
         };
         let result = self.rt.block_on(async {
-            let prunes = tokio::time::timeout(WRITE_TIMEOUT, write_records(client, records))
+            let prunes = tokio::time::timeout(WRITE_TIMEOUT, write_records(client, records, token))
                 .await
                 .unwrap_or_else(|_| Err(WriteError::Away("no answer within 10s".into())))?;
             for before in prunes {
@@ -560,14 +570,17 @@ impl Writer {
         }
         // What waits already goes first: the trail is written in order.
         let behind = self.spool.as_ref().is_some_and(|s| !s.is_empty()) || !self.state.is_empty();
+        let token = new_token();
         if behind || !self.connected() {
-            self.hold(records);
+            self.hold(records, &token);
             self.catch_up();
         } else {
-            match self.send(&records) {
+            match self.send(&records, &token) {
                 Ok(()) => self.counted_written(&records),
                 Err(WriteError::Refused(e)) => self.one_by_one(records, &e),
-                Err(WriteError::Away(_)) => self.hold(records),
+                // Perhaps committed: it waits under the same token, which the store knows
+                // if it was.
+                Err(WriteError::Away(_)) => self.hold(records, &token),
             }
         }
         for f in flushes {
@@ -590,7 +603,8 @@ impl Writer {
         tracing::warn!(store = %self.display, error = %why, records = records.len(), "audit batch refused by PostgreSQL: writing its records one by one");
         let mut rest = records.into_iter();
         while let Some(r) = rest.next() {
-            match self.send(std::slice::from_ref(&r)) {
+            let token = new_token();
+            match self.send(std::slice::from_ref(&r), &token) {
                 Ok(()) => self.counted_written(std::slice::from_ref(&r)),
                 Err(WriteError::Refused(e)) => {
                     let total = self.held.set_aside.fetch_add(1, Ordering::Relaxed) + 1;
@@ -598,10 +612,10 @@ impl Writer {
                     tracing::error!(store = %self.display, request_id = r.request_id().unwrap_or(""), error = %e, set_aside_total = total, "audit record refused by PostgreSQL: set aside");
                 }
                 Err(WriteError::Away(_)) => {
-                    // The store went away meanwhile: this record and the rest wait.
-                    let mut left = vec![r];
-                    left.extend(rest);
-                    self.hold(left);
+                    // The store went away meanwhile: this record (under its token: it may
+                    // have been written) and the rest wait.
+                    self.hold(vec![r], &token);
+                    self.hold(rest.collect(), &new_token());
                     return;
                 }
             }
@@ -610,8 +624,11 @@ impl Writer {
 
     /// Records that cannot be written now: the trail's to the spool (in order), endpoint state
     /// in memory; without a spool (or past its limit) they are dropped and counted.
-    fn hold(&mut self, records: Vec<Record>) {
+    fn hold(&mut self, records: Vec<Record>, token: &str) {
         let mut lost = 0u64;
+        if let Some(spool) = &mut self.spool {
+            spool.mark(token);
+        }
         for r in records {
             match r {
                 Record::Prune(_) | Record::Flush(_) => {}
@@ -655,7 +672,7 @@ impl Writer {
                 let Some(spool) = self.spool.as_mut() else {
                     return;
                 };
-                let (records, bad) = match spool.peek(BATCH) {
+                let (token, records, bad) = match spool.peek(BATCH) {
                     Ok(x) => x,
                     Err(e) => {
                         tracing::error!(store = %self.display, error = %e, "the audit spool cannot be read: its records are set aside");
@@ -667,7 +684,7 @@ impl Writer {
                     self.held.set_aside.fetch_add(bad, Ordering::Relaxed);
                     tracing::error!(store = %self.display, lines = bad, "audit spool lines that do not read as records: set aside");
                 }
-                match self.send(&records) {
+                match self.send(&records, &token) {
                     Ok(()) => self.counted_written(&records),
                     Err(WriteError::Refused(e)) => {
                         // Written or set aside one by one; what a new outage leaves goes back
@@ -681,7 +698,7 @@ impl Writer {
                 self.spool_consumed();
             } else {
                 let records: Vec<Record> = self.state.drain(..).collect();
-                match self.send(&records) {
+                match self.send(&records, &new_token()) {
                     Ok(()) => self.counted_written(&records),
                     Err(WriteError::Refused(e)) => self.one_by_one(records, &e),
                     Err(WriteError::Away(_)) => {
@@ -705,11 +722,28 @@ impl Writer {
     }
 }
 
+/// The token a spool line names, when it is a batch line.
+fn batch_token(line: &str) -> Option<String> {
+    if !line.starts_with("{\"batch\"") {
+        return None;
+    }
+    let v: serde_json::Value = serde_json::from_str(line.trim_end()).ok()?;
+    v.get("batch")?.as_str().map(str::to_string)
+}
+
+/// A batch's token: unique among every replica's (a v4 UUID).
+fn new_token() -> String {
+    uuid::Uuid::new_v4().to_string()
+}
+
 /// The spool: trail records waiting for PostgreSQL, as the lines `audit export` writes
 /// (`audit-spool.jsonl` in the data dir), appended while the store is away and read from the
 /// front when it is back. How far it was written is kept beside it (`audit-spool.done`, the
 /// byte offset, replaced atomically after each written batch), so a restart resumes where the
-/// last run stopped instead of writing a line twice. Empty, both files are removed.
+/// last run stopped instead of writing a line twice. Each group of records held together is
+/// preceded by a line naming its batch token (`{"batch": "…"}`): read back as the same batch
+/// under the same token, it is written once even if its first sending had committed. Empty,
+/// both files are removed.
 struct Spool {
     path: std::path::PathBuf,
     done_path: std::path::PathBuf,
@@ -757,7 +791,11 @@ impl Spool {
             let lines = std::fs::read(&s.path)
                 .map(|b| {
                     b.get(usize::try_from(s.done).unwrap_or(usize::MAX)..)
-                        .map_or(0, |rest| rest.iter().filter(|c| **c == b'\n').count())
+                        .map_or(0, |rest| {
+                            rest.split(|c| *c == b'\n')
+                                .filter(|l| !l.is_empty() && !l.starts_with(b"{\"batch\""))
+                                .count()
+                        })
                 })
                 .unwrap_or(0) as u64;
             s.held.spooled_records.store(lines, Ordering::Relaxed);
@@ -775,6 +813,27 @@ impl Spool {
         self.held
             .spooled_bytes
             .store(self.len.saturating_sub(self.done), Ordering::Relaxed);
+    }
+
+    /// Starts a batch: the records pushed next are read back together under `token`.
+    fn mark(&mut self, token: &str) {
+        use std::io::Write;
+        let line = format!("{}\n", serde_json::json!({ "batch": token }));
+        if self.file.is_none() {
+            self.file = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&self.path)
+                .ok();
+        }
+        if let Some(f) = self.file.as_mut() {
+            if f.write_all(line.as_bytes()).is_ok() {
+                self.len += line.len() as u64;
+                self.publish();
+            } else {
+                let _ = f.set_len(self.len);
+            }
+        }
     }
 
     /// Appends `r` (its lines); `false` when it would pass the limit (nothing appended).
@@ -819,12 +878,15 @@ impl Spool {
         }
     }
 
-    /// Up to `most` records from the front, and how many lines did not read as one.
-    fn peek(&mut self, most: usize) -> std::io::Result<(Vec<Record>, u64)> {
+    /// The next batch from the front (at most `most` records): its token, its records, and
+    /// how many lines did not read as one. Records before any batch line (or past `most`) get
+    /// a token made of the spool's place, the same on every reading.
+    fn peek(&mut self, most: usize) -> std::io::Result<(String, Vec<Record>, u64)> {
         use std::io::{BufRead, Seek, SeekFrom};
         let mut f = std::io::BufReader::new(std::fs::File::open(&self.path)?);
         f.seek(SeekFrom::Start(self.done))?;
         let (mut records, mut bad, mut at) = (Vec::new(), 0u64, self.done);
+        let mut token: Option<String> = None;
         let mut line = String::new();
         while records.len() < most {
             line.clear();
@@ -832,12 +894,22 @@ impl Spool {
             if n == 0 || !line.ends_with('\n') {
                 break;
             }
+            if let Some(t) = batch_token(&line) {
+                if !records.is_empty() || bad > 0 || token.is_some() {
+                    // The next batch begins: this one ends before its line.
+                    break;
+                }
+                token = Some(t);
+                at += n;
+                continue;
+            }
             at += n;
             match super::transfer::record(line.trim_end()) {
                 Ok(r) => records.push(r),
                 Err(_) => bad += 1,
             }
         }
+        let token = token.unwrap_or_else(|| format!("spool:{}:{}", self.path.display(), self.done));
         if records.is_empty() && bad == 0 && at < self.len {
             // A line without its end (a write cut short): nothing after it can be trusted.
             at = self.len;
@@ -845,7 +917,7 @@ impl Spool {
         }
         self.peeked_to = at;
         self.peeked_lines = records.len() as u64 + bad;
-        Ok((records, bad))
+        Ok((token, records, bad))
     }
 
     /// The last peek's lines are written: saved, and the files removed once all are.
@@ -885,16 +957,31 @@ impl Spool {
 
 type Param = Box<dyn ToSql + Sync + Send>;
 
-/// One batch of records in one transaction; the prunes it asked for come back, to be run after
+/// One batch of records in one transaction under `token` (written once, whatever the number of
+/// times it is sent); the prunes it asked for come back, to be run after
 /// it (in batches of their own: a slow prune never makes written records count as unwritten).
 async fn write_records(
     client: &mut Client,
     records: &[Record],
+    token: &str,
 ) -> Result<Vec<SystemTime>, WriteError> {
     let e = write_error;
     let now = ms(SystemTime::now());
     let mut prunes = Vec::new();
     let tx = client.transaction().await.map_err(e)?;
+    // The batch's token first: a batch this store committed already (its last call timed out
+    // after the commit) is not written again.
+    let fresh = tx
+        .execute(
+            "INSERT INTO audit_batches (token, ts_ms) VALUES ($1, $2) ON CONFLICT (token) DO NOTHING",
+            &[&token, &now],
+        )
+        .await
+        .map_err(e)?;
+    if fresh == 0 {
+        tx.rollback().await.map_err(e)?;
+        return Ok(Vec::new());
+    }
     let mut requests: Vec<&RequestRow> = Vec::new();
     for r in records {
         match r {
@@ -1167,6 +1254,12 @@ async fn prune(client: &mut Client, before: SystemTime) -> Result<(), String> {
             break;
         }
     }
+    // A batch's token is needed only while it may be sent again (seconds to the spool's
+    // drain): kept as long as the rows.
+    client
+        .execute("DELETE FROM audit_batches WHERE ts_ms < $1", &[&t])
+        .await
+        .map_err(e)?;
     Ok(())
 }
 
@@ -1421,18 +1514,18 @@ mod tests {
         }
         spool.sync();
         assert_eq!(held.spooled_records.load(Ordering::Relaxed), 5);
-        let (got, bad) = spool.peek(2).unwrap();
+        let (_, got, bad) = spool.peek(2).unwrap();
         assert_eq!((names(&got), bad), (vec!["e0".into(), "e1".into()], 0));
         spool.consume().unwrap();
         // Peeked but not consumed (the write failed): given again.
-        let (got, _) = spool.peek(2).unwrap();
+        let (_, got, _) = spool.peek(2).unwrap();
         assert_eq!(names(&got), vec!["e2", "e3"]);
         drop(spool);
         // A restart: from where the last run stopped.
         let held: Arc<crate::store::Held> = Default::default();
         let mut spool = Spool::open(dir.path(), 1 << 20, held.clone());
         assert_eq!(held.spooled_records.load(Ordering::Relaxed), 3);
-        let (got, _) = spool.peek(10).unwrap();
+        let (_, got, _) = spool.peek(10).unwrap();
         assert_eq!(names(&got), vec!["e2", "e3", "e4"]);
         spool.consume().unwrap();
         assert!(spool.is_empty());
@@ -1442,7 +1535,38 @@ mod tests {
         let mut small = Spool::open(dir.path(), 100, held);
         assert!(small.push(&event(1)));
         assert!(!small.push(&event(2)));
-        let (got, _) = small.peek(10).unwrap();
+        let (_, got, _) = small.peek(10).unwrap();
         assert_eq!(names(&got), vec!["e1"]);
+    }
+
+    /// Records held together come back together under the token they were held with (the
+    /// same on every reading), one batch at a time.
+    #[test]
+    fn the_spool_gives_back_each_batch_under_its_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let held: Arc<crate::store::Held> = Default::default();
+        let mut spool = Spool::open(dir.path(), 1 << 20, held.clone());
+        spool.mark("t1");
+        assert!(spool.push(&event(1)) && spool.push(&event(2)));
+        spool.mark("t2");
+        assert!(spool.push(&event(3)));
+        assert_eq!(held.spooled_records.load(Ordering::Relaxed), 3);
+        let (t, got, _) = spool.peek(100).unwrap();
+        assert_eq!(
+            (t.as_str(), names(&got)),
+            ("t1", vec!["e1".into(), "e2".into()])
+        );
+        // Not written (the store went away): the same batch, the same token.
+        let (t, got, _) = spool.peek(100).unwrap();
+        assert_eq!((t.as_str(), got.len()), ("t1", 2));
+        spool.consume().unwrap();
+        drop(spool);
+        let held: Arc<crate::store::Held> = Default::default();
+        let mut spool = Spool::open(dir.path(), 1 << 20, held.clone());
+        assert_eq!(held.spooled_records.load(Ordering::Relaxed), 1);
+        let (t, got, _) = spool.peek(100).unwrap();
+        assert_eq!((t.as_str(), names(&got)), ("t2", vec!["e3".into()]));
+        spool.consume().unwrap();
+        assert!(spool.is_empty());
     }
 }

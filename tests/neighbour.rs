@@ -853,6 +853,27 @@ health: {{ probe_interval: 1h }}
     tokio::time::sleep(Duration::from_millis(500)).await;
     let grown = used().saturating_sub(before);
     assert!(grown < 4 << 20, "Redis grew by {grown} bytes");
+    // A deleted turn takes its bytes with it.
+    let a_bytes = || {
+        redis
+            .value("HGET hist:turnbytes k:victim")
+            .and_then(|v| v.parse::<i64>().ok())
+            .unwrap_or(0)
+    };
+    let held = a_bytes();
+    assert!(held > 0);
+    let r = reqwest::Client::new()
+        .delete(gw.url(&format!("/v1/responses/{a2}")))
+        .bearer_auth(KEY_A)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(a_bytes() < held, "{} of {held}", a_bytes());
+    assert_eq!(
+        redis.cmd(&format!("EXISTS hist:resp:{a2}")).as_deref(),
+        Some(":0")
+    );
 }
 
 /// The gateway's peak resident memory (`VmHWM`), in KB.

@@ -42,9 +42,9 @@ const MAX_BACKOFF: Duration = Duration::from_secs(2);
 const SETTLE_QUEUE: usize = 100_000;
 /// A reservation of a replica that died before settling is let go after this.
 const HOLD: Duration = Duration::from_secs(3600);
-/// How long the store remembers a settle's name (so one sent again is applied once): far
-/// longer than a call is retried within while the store answers.
-const SETTLED_FOR: Duration = Duration::from_secs(15 * 60);
+/// How long the store remembers a settle's name (so one sent again is applied once): as long
+/// as a reservation is held (a settle sent again after a longer outage would count twice).
+const SETTLED_FOR: Duration = Duration::from_secs(3600);
 /// A month's spend outlives its month by this.
 const SPEND_TTL: Duration = Duration::from_secs(40 * 86_400);
 /// An endpoint's shared facts outlive their last change by this.
@@ -1289,7 +1289,8 @@ impl Cluster {
             .arg(bounds.max_bytes_per_key)
             .arg(who)
             .arg(self.key(&["resp", ""]))
-            .arg(self.key(&["turns", "k", ""]));
+            .arg(self.key(&["turns", "k", ""]))
+            .arg("put");
         if self.call::<i64>(&inv).await.is_err() {
             tracing::debug!("a /v1/responses turn was not shared (store away or slow)");
         }
@@ -1319,16 +1320,24 @@ impl Cluster {
         (got.len() as u64 <= max_bytes).then_some(got)
     }
 
-    /// Forgets a shared turn (`DELETE /v1/responses/{id}`).
-    pub async fn delete_turn(&self, id: &str) {
-        let mut conn = self.conn.clone();
-        let _ = tokio::time::timeout(
-            BACKGROUND_TIMEOUT,
-            redis::cmd("DEL")
-                .arg(self.key(&["resp", id]))
-                .query_async::<i64>(&mut conn),
-        )
-        .await;
+    /// Forgets a shared turn (`DELETE /v1/responses/{id}`), its bytes with it.
+    pub async fn delete_turn(&self, id: &str, client: Option<&str>) {
+        let who = client.unwrap_or("");
+        let mut inv = self.turn.prepare_invoke();
+        inv.key(self.key(&["turns"]))
+            .key(self.key(&["turns", "k", who]))
+            .key(self.key(&["turnsize"]))
+            .key(self.key(&["turnbytes"]))
+            .arg(id)
+            .arg("")
+            .arg(1)
+            .arg(0)
+            .arg(0)
+            .arg(who)
+            .arg(self.key(&["resp", ""]))
+            .arg(self.key(&["turns", "k", ""]))
+            .arg("delete");
+        let _ = self.call::<i64>(&inv).await;
     }
 
     /// Every stored fact about `endpoints` (a replica that starts or reconnects catches up).

@@ -5,17 +5,15 @@
 -- KEYS: 1 the turns by time (id -> when kept), 2 this key's turns by time, 3 each turn's size
 --       and key (id -> 'bytes key'), 4 the bytes kept (field '_all', and 'k:' .. key)
 -- ARGV: 1 the turn's id, 2 its JSON, 3 its lifetime (ms), 4 the most bytes in all, 5 the most
---       a key's, 6 the key ('' : none), 7 the prefix of turn keys, 8 the prefix of key sets
--- Returns 1 when kept, 0 when not.
+--       a key's, 6 the key ('' : none), 7 the prefix of turn keys, 8 the prefix of key sets,
+--       9 `delete` to forget the turn (its bytes with it) instead of keeping one
+-- Returns 1 when kept (or forgotten), 0 when not.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local id, json, life = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local most, share, who = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
 local turn_prefix, key_prefix = ARGV[7], ARGV[8]
 local size = string.len(json)
-if size > share or size > most then
-  return 0
-end
 local function drop(old)
   local v = redis.call('HGET', KEYS[3], old)
   redis.call('DEL', turn_prefix .. old)
@@ -29,6 +27,13 @@ local function drop(old)
     redis.call('HINCRBY', KEYS[4], '_all', -bytes)
     redis.call('HINCRBY', KEYS[4], 'k:' .. owner, -bytes)
   end
+end
+if ARGV[9] == 'delete' then
+  drop(id)
+  return 1
+end
+if size > share or size > most then
+  return 0
 end
 -- Kept again under the same id: the old one's bytes go first.
 if redis.call('HEXISTS', KEYS[3], id) == 1 then
@@ -50,6 +55,8 @@ while bytes_of('k:' .. who) > share do
   local oldest = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
   if not oldest then break end
   drop(oldest)
+  -- Gone from the key's set whatever its size entry said (one missing must not loop).
+  redis.call('ZREM', KEYS[2], oldest)
 end
 while bytes_of('_all') > most do
   local oldest = redis.call('ZRANGE', KEYS[1], 0, 0)[1]

@@ -382,7 +382,7 @@ async fn stored_response_of(
     if delete {
         app.conversations.remove(&id, client.as_deref());
         if let Some(cluster) = app.cluster.get() {
-            cluster.delete_turn(&id).await;
+            cluster.delete_turn(&id, client.as_deref()).await;
         }
         let resp = axum::Json(json!({"id": id, "object": "response", "deleted": true}));
         return (endpoint, resp.into_response());

@@ -101,16 +101,22 @@ fn json_len(v: &Value) -> usize {
     serde_json::to_vec(v).map_or(0, |b| b.len())
 }
 
+/// Ids in the order they were kept, each with its keeping's number.
+type Queue = VecDeque<(String, u64)>;
+
 #[derive(Default)]
 struct Inner {
-    turns: HashMap<String, (Turn, Instant, usize)>,
-    /// Ids in the order they were kept: the oldest leave first (ids no longer kept are
-    /// skipped when they come up).
-    order: VecDeque<String>,
+    /// Each turn, when it was kept, its bytes, and its keeping's number (unique: it tells an
+    /// order's entry for this keeping from one for an earlier keeping of the same id).
+    turns: HashMap<String, (Turn, Instant, usize, u64)>,
+    kept: u64,
+    /// Ids in the order they were kept, with their keeping's number: the oldest leave first (an entry whose id is
+    /// no longer kept, or kept again since, is skipped when it comes up).
+    order: Queue,
     bytes: usize,
-    /// Each client key's turns (oldest first) and bytes: a key over its share loses its own
-    /// oldest turns, never another's.
-    by_key: HashMap<Option<String>, (VecDeque<String>, usize)>,
+    /// Each client key's turns (oldest first, with their keepings' numbers) and bytes: a key over its share loses
+    /// its own oldest turns, never another's.
+    by_key: HashMap<Option<String>, (Queue, usize)>,
 }
 
 /// What the kept turns may take: in all, and one client key's share of it.
@@ -119,7 +125,7 @@ pub use crate::config::HistoryBounds as Bounds;
 impl Inner {
     /// Forgets `id` (wherever it stands in the orders: they skip it later).
     fn forget(&mut self, id: &str) -> Option<Turn> {
-        let (turn, _, size) = self.turns.remove(id)?;
+        let (turn, _, size, _) = self.turns.remove(id)?;
         self.bytes = self.bytes.saturating_sub(size);
         if let Some((_, b)) = self.by_key.get_mut(&turn.client) {
             *b = b.saturating_sub(size);
@@ -127,20 +133,23 @@ impl Inner {
         Some(turn)
     }
 
-    /// The oldest turn still kept of `client`'s.
+    /// Whether an order's entry still stands for the turn kept under its id.
+    fn current(&self, id: &str, n: u64) -> bool {
+        self.turns.get(id).is_some_and(|(_, _, _, k)| *k == n)
+    }
+
+    /// The oldest turn still kept of `client`'s (entries that stand for nothing are let go).
     fn oldest_of(&mut self, client: &Option<String>) -> Option<String> {
-        let (order, _) = self.by_key.get_mut(client)?;
-        while let Some(id) = order.front() {
-            if self
-                .turns
-                .get(id)
-                .is_some_and(|(t, _, _)| t.client == *client)
-            {
-                return Some(id.clone());
+        loop {
+            let (order, _) = self.by_key.get_mut(client)?;
+            let (id, n) = order.front()?.clone();
+            if self.current(&id, n) {
+                return Some(id);
             }
-            order.pop_front();
+            if let Some((order, _)) = self.by_key.get_mut(client) {
+                order.pop_front();
+            }
         }
-        None
     }
 
     fn key_bytes(&self, client: &Option<String>) -> u64 {
@@ -180,11 +189,13 @@ impl Conversations {
         let now = Instant::now();
         let mut g = self.lock();
         g.forget(id);
-        g.turns.insert(id.to_string(), (turn, now, size));
-        g.order.push_back(id.to_string());
+        g.kept += 1;
+        let n = g.kept;
+        g.turns.insert(id.to_string(), (turn, now, size, n));
+        g.order.push_back((id.to_string(), n));
         g.bytes = g.bytes.saturating_add(size);
         let (order, bytes) = g.by_key.entry(client.clone()).or_default();
-        order.push_back(id.to_string());
+        order.push_back((id.to_string(), n));
         *bytes = bytes.saturating_add(size);
         while g.key_bytes(&client) > b.max_bytes_per_key {
             match g.oldest_of(&client) {
@@ -199,16 +210,21 @@ impl Conversations {
 
     fn evict(g: &mut Inner, now: Instant, b: Bounds) {
         // Expired first, from the front (the order is the order of keeping).
-        while let Some(oldest) = g.order.front().cloned() {
-            let expired = match g.turns.get(&oldest) {
-                None => true,
-                Some((_, at, _)) => now.saturating_duration_since(*at) > b.ttl,
-            };
-            if !expired {
+        while let Some((oldest, n)) = g.order.front().cloned() {
+            let stands = g.current(&oldest, n);
+            let at = g.turns.get(&oldest).map(|(_, at, _, _)| *at);
+            if stands && at.is_some_and(|at| now.saturating_duration_since(at) <= b.ttl) {
                 break;
             }
             g.order.pop_front();
-            g.forget(&oldest);
+            if stands {
+                let client = g.turns.get(&oldest).map(|(t, _, _, _)| t.client.clone());
+                g.forget(&oldest);
+                // Its key's queue lets it go too (it was that key's oldest).
+                if let Some(client) = client {
+                    let _ = g.oldest_of(&client);
+                }
+            }
         }
         while g.bytes as u64 > b.max_bytes {
             // A key over its share (the share was lowered by a reload) gives first.
@@ -221,7 +237,7 @@ impl Conversations {
                 Some(k) => g.oldest_of(&k),
                 None => loop {
                     match g.order.pop_front() {
-                        Some(id) if g.turns.contains_key(&id) => break Some(id),
+                        Some((id, n)) if g.current(&id, n) => break Some(id),
                         Some(_) => continue,
                         None => break None,
                     }
@@ -246,10 +262,10 @@ impl Conversations {
         let live = |id: &str| {
             g.turns
                 .get(id)
-                .filter(|(t, at, _)| {
+                .filter(|(t, at, _, _)| {
                     now.saturating_duration_since(*at) <= ttl && t.client.as_deref() == client
                 })
-                .map(|(t, _, _)| t)
+                .map(|(t, _, _, _)| t)
         };
         let turn = live(id)?.clone();
         // Walk back to the first turn; bounded by the number of turns kept (a cycle, which
@@ -301,7 +317,10 @@ impl Conversations {
         if g.turns.get(id)?.0.client.as_deref() != client {
             return None;
         }
-        g.forget(id)
+        let turn = g.forget(id);
+        // Its key's queue lets go what stands for nothing at its front.
+        let _ = g.oldest_of(&client.map(str::to_string));
+        turn
     }
 
     /// How many turns and bytes are kept (for `/status`).
@@ -427,6 +446,48 @@ mod tests {
         c.keep("huge", big, bounds);
         assert!(c.find("huge", Some("b"), HOUR).is_none());
         assert!(c.find("a2", Some("a"), HOUR).is_some());
+    }
+
+    /// A key's queue holds only what it keeps: expired and deleted turns leave it, and a turn
+    /// kept again under its id is the newest, not evicted in its old place.
+    #[tokio::test(start_paused = true)]
+    async fn a_keys_queue_holds_only_what_it_keeps() {
+        let c = Conversations::default();
+        let one = turn(None, "x", Some("a")).bytes() as u64;
+        let bounds = Bounds {
+            ttl: HOUR,
+            max_bytes: one * 100,
+            max_bytes_per_key: one * 2 + 8,
+        };
+        for i in 0..50 {
+            c.keep(&format!("r{i}"), turn(None, "x", Some("a")), bounds);
+            tokio::time::advance(Duration::from_secs(1)).await;
+        }
+        tokio::time::advance(HOUR).await;
+        c.keep("late", turn(None, "x", Some("a")), bounds);
+        {
+            let g = c.lock();
+            assert_eq!(
+                g.by_key[&Some("a".to_string())].0.len(),
+                1,
+                "expired entries left"
+            );
+            assert_eq!(g.order.len(), 1);
+        }
+        // Kept again: the old entry stands for nothing; the newest is kept over an older one.
+        c.keep("other", turn(None, "x", Some("a")), bounds);
+        c.keep("late", turn(None, "y", Some("a")), bounds);
+        c.keep("third", turn(None, "z", Some("a")), bounds);
+        assert!(
+            c.find("late", Some("a"), HOUR).is_some(),
+            "kept again: newest"
+        );
+        assert!(
+            c.find("other", Some("a"), HOUR).is_none(),
+            "the oldest went"
+        );
+        assert!(c.remove("late", Some("a")).is_some());
+        assert_eq!(c.lock().by_key[&Some("a".to_string())].0.len(), 1);
     }
 
     #[tokio::test(start_paused = true)]

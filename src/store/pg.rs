@@ -366,6 +366,7 @@ pub fn open(settings: &PgSettings, capacity: usize, spool_dir: Option<&Path>) ->
                 spool,
                 state: VecDeque::new(),
                 held,
+                tokens_swept: Instant::now(),
             };
             w.run(rx);
         });
@@ -434,7 +435,13 @@ struct Writer {
     /// store: kept in memory, the newest [`STATE_HELD`].
     state: VecDeque<Record>,
     held: Arc<super::Held>,
+    /// When batch tokens older than [`TOKENS_KEPT`] were last deleted.
+    tokens_swept: Instant,
 }
+
+/// How long a batch's token is kept: far longer than a batch waits to be sent again, whatever
+/// `audit_retention` says (tokens are deleted on their own, hourly).
+const TOKENS_KEPT: Duration = Duration::from_secs(86_400);
 
 /// Endpoint state records held in memory while the store is away (each replaces what it
 /// says; the oldest go first).
@@ -547,6 +554,24 @@ impl Writer {
             }
             Ok(())
         });
+        if result.is_ok() && self.tokens_swept.elapsed() >= Duration::from_secs(3600) {
+            self.tokens_swept = Instant::now();
+            let before = ms(SystemTime::now()
+                .checked_sub(TOKENS_KEPT)
+                .unwrap_or(SystemTime::UNIX_EPOCH));
+            if let Some(client) = self.client.as_mut() {
+                let swept = self.rt.block_on(async {
+                    tokio::time::timeout(
+                        WRITE_TIMEOUT,
+                        client.execute("DELETE FROM audit_batches WHERE ts_ms < $1", &[&before]),
+                    )
+                    .await
+                });
+                if !matches!(swept, Ok(Ok(_))) {
+                    tracing::debug!("old audit batch tokens not deleted; tried again in an hour");
+                }
+            }
+        }
         if let Err(WriteError::Away(e)) = &result {
             // A failed connection is made again (with backoff) for the next batch; one that
             // did not answer in time is not trusted with the next.
@@ -626,15 +651,18 @@ impl Writer {
     /// in memory; without a spool (or past its limit) they are dropped and counted.
     fn hold(&mut self, records: Vec<Record>, token: &str) {
         let mut lost = 0u64;
-        if let Some(spool) = &mut self.spool {
-            spool.mark(token);
-        }
+        let mut marked = false;
         for r in records {
             match r {
                 Record::Prune(_) | Record::Flush(_) => {}
                 Record::Request(_) | Record::Event(_) | Record::Spend(_) => match &mut self.spool {
                     Some(spool) => {
-                        if !spool.push(&r) {
+                        // The batch's line goes before its first record (a batch with none has
+                        // none).
+                        if !marked {
+                            marked = spool.mark(token);
+                        }
+                        if !marked || !spool.push(&r) {
                             lost += 1;
                         }
                     }
@@ -758,6 +786,8 @@ struct Spool {
     held: Arc<super::Held>,
     /// A line being made (reused).
     line: String,
+    /// This opening's own name, for the tokens of records read without a batch line.
+    id: String,
 }
 
 impl Spool {
@@ -785,6 +815,7 @@ impl Spool {
             file: None,
             held,
             line: String::new(),
+            id: new_token(),
         };
         if s.len > 0 {
             // Records a run before this one left: counted as waiting (lines, not parsed).
@@ -815,10 +846,14 @@ impl Spool {
             .store(self.len.saturating_sub(self.done), Ordering::Relaxed);
     }
 
-    /// Starts a batch: the records pushed next are read back together under `token`.
-    fn mark(&mut self, token: &str) {
+    /// Starts a batch: the records pushed next are read back together under `token`. `false`
+    /// when it cannot be written (the limit, the disk): the batch's records are not kept.
+    fn mark(&mut self, token: &str) -> bool {
         use std::io::Write;
         let line = format!("{}\n", serde_json::json!({ "batch": token }));
+        if self.len.saturating_sub(self.done) + line.len() as u64 > self.max_bytes {
+            return false;
+        }
         if self.file.is_none() {
             self.file = std::fs::OpenOptions::new()
                 .create(true)
@@ -826,14 +861,16 @@ impl Spool {
                 .open(&self.path)
                 .ok();
         }
-        if let Some(f) = self.file.as_mut() {
-            if f.write_all(line.as_bytes()).is_ok() {
-                self.len += line.len() as u64;
-                self.publish();
-            } else {
-                let _ = f.set_len(self.len);
-            }
+        let Some(f) = self.file.as_mut() else {
+            return false;
+        };
+        if f.write_all(line.as_bytes()).is_err() {
+            let _ = f.set_len(self.len);
+            return false;
         }
+        self.len += line.len() as u64;
+        self.publish();
+        true
     }
 
     /// Appends `r` (its lines); `false` when it would pass the limit (nothing appended).
@@ -878,27 +915,33 @@ impl Spool {
         }
     }
 
-    /// The next batch from the front (at most `most` records): its token, its records, and
-    /// how many lines did not read as one. Records before any batch line (or past `most`) get
-    /// a token made of the spool's place, the same on every reading.
+    /// The next batch from the front: its token, its records (a batch is read whole, as it was
+    /// held; records before any batch line, at most `most`), and how many lines did not read
+    /// as one. Records without a batch line get a token of this spool's and their place.
     fn peek(&mut self, most: usize) -> std::io::Result<(String, Vec<Record>, u64)> {
         use std::io::{BufRead, Seek, SeekFrom};
         let mut f = std::io::BufReader::new(std::fs::File::open(&self.path)?);
         f.seek(SeekFrom::Start(self.done))?;
         let (mut records, mut bad, mut at) = (Vec::new(), 0u64, self.done);
         let mut token: Option<String> = None;
+        let mut cut = false;
         let mut line = String::new();
-        while records.len() < most {
+        while token.is_some() || records.len() < most {
             line.clear();
             let n = f.read_line(&mut line)? as u64;
-            if n == 0 || !line.ends_with('\n') {
+            if n == 0 {
+                break;
+            }
+            if !line.ends_with('\n') {
+                cut = true;
                 break;
             }
             if let Some(t) = batch_token(&line) {
-                if !records.is_empty() || bad > 0 || token.is_some() {
+                if !records.is_empty() || bad > 0 {
                     // The next batch begins: this one ends before its line.
                     break;
                 }
+                // (A batch with no record before it is passed over.)
                 token = Some(t);
                 at += n;
                 continue;
@@ -909,8 +952,8 @@ impl Spool {
                 Err(_) => bad += 1,
             }
         }
-        let token = token.unwrap_or_else(|| format!("spool:{}:{}", self.path.display(), self.done));
-        if records.is_empty() && bad == 0 && at < self.len {
+        let token = token.unwrap_or_else(|| format!("spool:{}:{}", self.id, self.done));
+        if cut && records.is_empty() && bad == 0 {
             // A line without its end (a write cut short): nothing after it can be trusted.
             at = self.len;
             bad += 1;
@@ -1539,6 +1582,33 @@ mod tests {
         assert_eq!(names(&got), vec!["e1"]);
     }
 
+    /// A batch line with no record after it (written, then nothing could follow) is passed
+    /// over: the batches after it are read, not thrown away.
+    #[test]
+    fn an_empty_batch_costs_the_spool_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let held: Arc<crate::store::Held> = Default::default();
+        let mut spool = Spool::open(dir.path(), 1 << 20, held.clone());
+        assert!(spool.mark("t0"));
+        assert!(spool.mark("t1"));
+        assert!(spool.push(&event(1)));
+        assert!(spool.mark("t2"));
+        assert!(spool.push(&event(2)));
+        let (t, got, bad) = spool.peek(100).unwrap();
+        assert_eq!((t.as_str(), names(&got), bad), ("t1", vec!["e1".into()], 0));
+        spool.consume().unwrap();
+        let (t, got, _) = spool.peek(100).unwrap();
+        assert_eq!((t.as_str(), names(&got)), ("t2", vec!["e2".into()]));
+        // A batch is read whole, however many records it holds.
+        spool.consume().unwrap();
+        assert!(spool.mark("big"));
+        for i in 0..5 {
+            assert!(spool.push(&event(i)));
+        }
+        let (t, got, _) = spool.peek(2).unwrap();
+        assert_eq!((t.as_str(), got.len()), ("big", 5));
+    }
+
     /// Records held together come back together under the token they were held with (the
     /// same on every reading), one batch at a time.
     #[test]
@@ -1546,9 +1616,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let held: Arc<crate::store::Held> = Default::default();
         let mut spool = Spool::open(dir.path(), 1 << 20, held.clone());
-        spool.mark("t1");
+        assert!(spool.mark("t1"));
         assert!(spool.push(&event(1)) && spool.push(&event(2)));
-        spool.mark("t2");
+        assert!(spool.mark("t2"));
         assert!(spool.push(&event(3)));
         assert_eq!(held.spooled_records.load(Ordering::Relaxed), 3);
         let (t, got, _) = spool.peek(100).unwrap();

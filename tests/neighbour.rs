@@ -1244,3 +1244,32 @@ async fn the_victims_service_bill_and_records_are_the_same_beside_a_hostile_neig
     );
     assert!((a - b).abs() < 1e-9, "spend alone {a}, beside {b}");
 }
+
+/// #45 item 4: a continued conversation counts what the upstream reads again. At `tpm: 3000`
+/// a first turn of 8 KB (about 2,000 tokens) passes; a short call after it passes too; the
+/// same short call continuing the first turn is refused: the upstream would read the 8 KB
+/// again. (Before: only the new input was counted.)
+#[tokio::test]
+async fn a_continued_conversation_counts_what_the_upstream_reads_again() {
+    let up = MockUp::openai("name: a").await;
+    let cfg = format!(
+        r#"models:
+  a: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
+auth:
+  keys:
+    - {{ name: hostile, key: env:KEY_A, tpm: 3000 }}
+responses: {{ history: keep }}
+health: {{ probe_interval: 1h }}
+"#,
+        up.base()
+    );
+    let gw = Gw::start_with_env(&cfg, &keys_env(&[]));
+    gw.ready().await;
+    let (s, first, v) = respond(&gw, KEY_A, "word ".repeat(1600), None).await;
+    assert_eq!(s, 200, "{v}");
+    let (s, _, v) = respond(&gw, KEY_A, "short".into(), None).await;
+    assert_eq!(s, 200, "{v}");
+    let (s, _, v) = respond(&gw, KEY_A, "short".into(), Some(first)).await;
+    assert_eq!(s, 429, "{v}");
+    assert_eq!(v["error"]["code"], "rate_limit_exceeded", "{v}");
+}

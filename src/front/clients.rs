@@ -771,6 +771,71 @@ impl Clients {
         }
     }
 
+    /// Takes `tokens` more of an admitted request's key `tpm` (the conversation a Responses
+    /// request continues, which the upstream reads again: known only once the key's limits
+    /// admitted the request and its conversation was looked up). Refused like an admission;
+    /// with the shared store away, taken from this replica's share. The tokens count as asked:
+    /// the answer's `usage` beyond them is what is charged at the end.
+    pub async fn take_more(
+        &self,
+        key: &ClientKey,
+        a: &mut Admission,
+        tokens: u64,
+        cluster: Option<&Arc<crate::cluster::Cluster>>,
+    ) -> Result<(), ApiError> {
+        let Some(tpm) = key.tpm.filter(|t| *t > 0) else {
+            return Ok(());
+        };
+        if tokens == 0 {
+            return Ok(());
+        }
+        let limited = |remaining: u64, retry_after: Duration, reset: Duration| {
+            ApiError::ClientRateLimited(Box::new(ClientLimit {
+                client: key.name.clone(),
+                kind: "tokens",
+                limit: tpm,
+                remaining,
+                reset,
+                retry_after,
+            }))
+        };
+        let store_admitted = a
+            .shared
+            .as_ref()
+            .is_some_and(|sh| Arc::ptr_eq(&a.state, &sh.normal));
+        if let (Some(cluster), true) = (cluster, store_admitted) {
+            use crate::cluster::{Admit, Verdict};
+            let month = month_of(SystemTime::now());
+            let asked = Admit {
+                client: &key.name,
+                rpm: None,
+                tpm: Some(tpm),
+                tokens,
+                budget: None,
+                reserve: 0.0,
+                request: "",
+                month: &month,
+            };
+            match cluster.admit(&asked).await {
+                Ok(Verdict::Limited {
+                    remaining,
+                    retry_after,
+                    reset,
+                    ..
+                }) => return Err(limited(remaining, retry_after, reset)),
+                // Taken in the store; or the store away: charged from the answer's usage.
+                Ok(_) | Err(()) => {}
+            }
+        } else if let Some((_, bucket)) = &a.state.tpm {
+            let mut b = bucket.lock().unwrap_or_else(|e| e.into_inner());
+            if let Err(r) = b.take(tokens, Instant::now()) {
+                return Err(limited(r.remaining, r.retry_after, b.reset()));
+            }
+        }
+        a.prompt_asked = a.prompt_asked.saturating_add(tokens);
+        Ok(())
+    }
+
     /// Admits on `s` with `budget` as the line (the error names the key's configured budget).
     fn admit_on(
         s: Arc<State>,

@@ -215,7 +215,7 @@ async fn serve(
     // The key's limits before anything else is done for the request (a conversation is looked
     // up only for a key its `rpm` admitted). The conversation a Responses request continues is
     // read again by the upstream: its tokens are charged from the answer's `usage`.
-    let admission = match client {
+    let mut admission = match client {
         None => None,
         Some(c) => {
             let ask = ask_of(&cfg, &chain, &inbound);
@@ -249,7 +249,20 @@ async fn serve(
             allowed.as_ref(),
             chain,
         ) {
-            Ok((chain, ctx)) => (chain, Some(ctx)),
+            Ok((chain, ctx)) => {
+                // The conversation the upstream reads again counts against `tpm` as the
+                // prompt does (the gateway's kept copy of it, where it kept one).
+                if let (Some(c), Some(a), Some(replay)) =
+                    (client, admission.as_mut(), ctx.replay.as_ref())
+                {
+                    let tokens = wire::estimate_tokens(replay.billed_chars())
+                        .saturating_sub(wire::estimate_tokens(inbound.billed_chars()));
+                    if let Err(err) = app.clients.take_more(c, a, tokens, app.cluster.get()).await {
+                        return refused(&app, &id, op, &inbound, client_name, err);
+                    }
+                }
+                (chain, Some(ctx))
+            }
             Err(err) => return refused(&app, &id, op, &inbound, client_name, err),
         }
     } else {

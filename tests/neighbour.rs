@@ -970,7 +970,11 @@ struct Service {
 async fn victim_workload(gw: &Gw, rounds: usize) -> Vec<(String, u16, String)> {
     let client = reqwest::Client::new();
     let mut out = Vec::new();
+    let started = tokio::time::Instant::now();
     for round in 0..rounds {
+        // A round every 400 ms: the runs alone and beside the neighbour span the same time (and
+        // the stores' faults, on their own schedule, fall within it).
+        tokio::time::sleep_until(started + Duration::from_millis(400) * round as u32).await;
         let post = |path: &str, body: serde_json::Value, tag: String| {
             client
                 .post(gw.url(path))
@@ -1051,7 +1055,6 @@ async fn victim_workload(gw: &Gw, rounds: usize) -> Vec<(String, u16, String)> {
             .unwrap_or("")
             .to_string();
         out.push(("priced".to_string(), s, text));
-        tokio::time::sleep(Duration::from_millis(150)).await;
     }
     out
 }
@@ -1107,9 +1110,12 @@ async fn hostile_workload(gw: &Gw, stop: &std::sync::atomic::AtomicBool) -> usiz
     sent
 }
 
+/// Rounds of the victim's workload a run: 8 s of it, at a round every 400 ms.
+const ROUNDS: usize = 20;
+
 /// One fresh stack (its own database and key prefix) on `redis` and `pg`; the victim's service
 /// from a run of its workload, alone or beside key A and the stores' faults.
-async fn one_run(redis: &Redis, pg: &Pg, name: &str, hostile: bool) -> Service {
+async fn one_run(redis: &mut Redis, pg: &Pg, name: &str, hostile: bool) -> Service {
     let up = MockUp::openai(
         "name: a\nrules:\n  - {when: {path: /v1/responses, conversation: conv_x}, status: 404, error: \"Conversation with id 'conv_x' not found.\"}\n",
     )
@@ -1146,24 +1152,32 @@ health: {{ probe_interval: 1h }}
             pg.ctl_stop();
             tokio::time::sleep(Duration::from_secs(3)).await;
             pg.ctl_start();
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            assert_eq!(redis.cmd("CLIENT PAUSE 1500").as_deref(), Some("+OK"));
+            tokio::time::sleep(Duration::from_millis(2000)).await;
+            // Redis restarted, empty, on its port.
+            let port = redis.port;
+            redis.kill();
+            *redis = Redis::start_on(port);
         };
         let victim = async {
-            let a = victim_workload(&gw, 12).await;
+            let a = victim_workload(&gw, ROUNDS).await;
             stop.store(true, std::sync::atomic::Ordering::Relaxed);
             a
         };
         let (answers, sent, ()) = tokio::join!(victim, hostile_workload(&gw, &stop), faults);
         assert!(sent > 20, "the hostile key was busy: {sent} calls");
-        // The faults were met: the store paused, the trail was away.
+        // The faults were met: the store paused, went away (the restart), the trail was away.
         let st = gw.status().await;
         assert!(
-            st["cluster"]["slow_answers"].as_u64().unwrap() >= 1,
+            st["cluster"]["slow_answers"].as_u64().unwrap() >= 1
+                && st["cluster"]["outages"].as_u64().unwrap() >= 1,
             "{}",
             st["cluster"]
         );
         answers
     } else {
-        victim_workload(&gw, 12).await
+        victim_workload(&gw, ROUNDS).await
     };
     // Everything written: the spool drained, the settles applied.
     let drained = eventually(Duration::from_secs(30), || async {
@@ -1211,13 +1225,13 @@ health: {{ probe_interval: 1h }}
 
 /// The rule, whole: the victim's statuses, answers, spend (in the store) and audit rows are
 /// the same alone and beside a hostile key A (NULs, 20 KB tools, crafted conversations, large
-/// turns, unknown models, GET floods) while Redis pauses for 400 ms and PostgreSQL is stopped
-/// for 3 s. Each part of A's traffic is a case above that failed on the code before #45.
+/// turns, unknown models, GET floods) while Redis pauses for 400 ms, PostgreSQL is stopped for
+/// 3 s, Redis pauses for 1.5 s and is restarted empty. Each part of A's traffic is a case above that failed on the code before #45.
 #[tokio::test]
 async fn the_victims_service_bill_and_records_are_the_same_beside_a_hostile_neighbour() {
-    let redis = Redis::start();
+    let mut redis = Redis::start();
     let pg = Pg::start();
-    let alone = one_run(&redis, &pg, "alone", false).await;
+    let alone = one_run(&mut redis, &pg, "alone", false).await;
     assert!(
         alone
             .answers
@@ -1226,7 +1240,7 @@ async fn the_victims_service_bill_and_records_are_the_same_beside_a_hostile_neig
         "{alone:?}"
     );
     assert!(!alone.spend_store.is_empty());
-    let beside = one_run(&redis, &pg, "beside", true).await;
+    let beside = one_run(&mut redis, &pg, "beside", true).await;
     assert_eq!(alone.answers, beside.answers);
     assert_eq!(alone.rows, beside.rows);
     let (a, b): (f64, f64) = (

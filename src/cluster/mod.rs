@@ -1276,21 +1276,7 @@ impl Cluster {
             return;
         }
         let ms = bounds.ttl.as_millis().clamp(1, u64::MAX as u128) as u64;
-        let who = client.unwrap_or("");
-        let mut inv = self.turn.prepare_invoke();
-        inv.key(self.key(&["turns"]))
-            .key(self.key(&["turns", "k", who]))
-            .key(self.key(&["turnsize"]))
-            .key(self.key(&["turnbytes"]))
-            .arg(id)
-            .arg(json)
-            .arg(ms)
-            .arg(bounds.max_bytes)
-            .arg(bounds.max_bytes_per_key)
-            .arg(who)
-            .arg(self.key(&["resp", ""]))
-            .arg(self.key(&["turns", "k", ""]))
-            .arg("put");
+        let inv = self.turn_call(id, client, &json, ms, bounds, "put");
         if self.call::<i64>(&inv).await.is_err() {
             tracing::debug!("a /v1/responses turn was not shared (store away or slow)");
         }
@@ -1320,8 +1306,17 @@ impl Cluster {
         (got.len() as u64 <= max_bytes).then_some(got)
     }
 
-    /// Forgets a shared turn (`DELETE /v1/responses/{id}`), its bytes with it.
-    pub async fn delete_turn(&self, id: &str, client: Option<&str>) {
+    /// `turn.lua` for `id` of `client`'s: `put` keeps `json` for `ms`, within `bounds`;
+    /// `delete` forgets it.
+    fn turn_call(
+        &self,
+        id: &str,
+        client: Option<&str>,
+        json: &str,
+        ms: u64,
+        bounds: crate::routing::conversations::Bounds,
+        mode: &str,
+    ) -> redis::ScriptInvocation<'_> {
         let who = client.unwrap_or("");
         let mut inv = self.turn.prepare_invoke();
         inv.key(self.key(&["turns"]))
@@ -1329,14 +1324,25 @@ impl Cluster {
             .key(self.key(&["turnsize"]))
             .key(self.key(&["turnbytes"]))
             .arg(id)
-            .arg("")
-            .arg(1)
-            .arg(0)
-            .arg(0)
+            .arg(json)
+            .arg(ms)
+            .arg(bounds.max_bytes)
+            .arg(bounds.max_bytes_per_key)
             .arg(who)
             .arg(self.key(&["resp", ""]))
             .arg(self.key(&["turns", "k", ""]))
-            .arg("delete");
+            .arg(mode);
+        inv
+    }
+
+    /// Forgets a shared turn (`DELETE /v1/responses/{id}`), its bytes with it.
+    pub async fn delete_turn(&self, id: &str, client: Option<&str>) {
+        let none = crate::config::HistoryBounds {
+            ttl: Duration::from_millis(1),
+            max_bytes: 0,
+            max_bytes_per_key: 0,
+        };
+        let inv = self.turn_call(id, client, "", 1, none, "delete");
         let _ = self.call::<i64>(&inv).await;
     }
 

@@ -816,15 +816,16 @@ impl Clients {
                 request: "",
                 month: &month,
             };
-            match cluster.admit(&asked).await {
-                Ok(Verdict::Limited {
-                    remaining,
-                    retry_after,
-                    reset,
-                    ..
-                }) => return Err(limited(remaining, retry_after, reset)),
-                // Taken in the store; or the store away: charged from the answer's usage.
-                Ok(_) | Err(()) => {}
+            // Taken in the store, or refused there; with the store away, charged from the
+            // answer's usage.
+            if let Ok(Verdict::Limited {
+                remaining,
+                retry_after,
+                reset,
+                ..
+            }) = cluster.admit(&asked).await
+            {
+                return Err(limited(remaining, retry_after, reset));
             }
         } else if let Some((_, bucket)) = &a.state.tpm {
             let mut b = bucket.lock().unwrap_or_else(|e| e.into_inner());

@@ -849,37 +849,14 @@ impl Spool {
     /// Starts a batch: the records pushed next are read back together under `token`. `false`
     /// when it cannot be written (the limit, the disk): the batch's records are not kept.
     fn mark(&mut self, token: &str) -> bool {
-        use std::io::Write;
-        let line = format!("{}\n", serde_json::json!({ "batch": token }));
-        if self.len.saturating_sub(self.done) + line.len() as u64 > self.max_bytes {
-            return false;
-        }
-        if self.file.is_none() {
-            self.file = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(&self.path)
-                .ok();
-        }
-        let Some(f) = self.file.as_mut() else {
-            return false;
-        };
-        if f.write_all(line.as_bytes()).is_err() {
-            let _ = f.set_len(self.len);
-            return false;
-        }
-        self.len += line.len() as u64;
-        self.publish();
-        true
+        self.line = format!("{}\n", serde_json::json!({ "batch": token }));
+        self.append()
     }
 
-    /// Appends `r` (its lines); `false` when it would pass the limit (nothing appended).
-    fn push(&mut self, r: &Record) -> bool {
+    /// Appends `self.line` within the limit; `false` (nothing appended) when it would pass it
+    /// or cannot be written (a partial write is cut back off: the file stays whole lines).
+    fn append(&mut self) -> bool {
         use std::io::Write;
-        self.line.clear();
-        if !super::transfer::lines(r, &mut self.line) {
-            return true;
-        }
         let n = self.line.len() as u64;
         if self.len.saturating_sub(self.done) + n > self.max_bytes {
             return false;
@@ -895,16 +872,27 @@ impl Spool {
             return false;
         };
         if f.write_all(self.line.as_bytes()).is_err() {
-            // A partial line is cut back off, so the file stays whole lines.
             let _ = f.set_len(self.len);
             return false;
         }
         self.len += n;
+        self.publish();
+        true
+    }
+
+    /// Appends `r` (its lines); `false` when it would pass the limit (nothing appended).
+    fn push(&mut self, r: &Record) -> bool {
+        self.line.clear();
+        if !super::transfer::lines(r, &mut self.line) {
+            return true;
+        }
+        if !self.append() {
+            return false;
+        }
         let lines = self.line.matches('\n').count() as u64;
         self.held
             .spooled_records
             .fetch_add(lines, Ordering::Relaxed);
-        self.publish();
         true
     }
 

@@ -162,16 +162,8 @@ impl Inbound {
     /// tools' (names, descriptions, JSON schemas). What decides whether counting runs on the
     /// blocking pool: a request whose size is all in its tools must not hold an async worker.
     pub fn tokenized_chars(&self) -> usize {
-        fn walk(v: &Value) -> usize {
-            match v {
-                Value::String(s) => s.len(),
-                Value::Array(a) => a.iter().map(walk).sum(),
-                Value::Object(o) => o.iter().map(|(k, v)| k.len() + walk(v)).sum(),
-                _ => 1,
-            }
-        }
         let tools = if self.has_tools_key() {
-            self.body().get("tools").map_or(0, walk)
+            self.body().get("tools").map_or(0, schema_chars)
         } else {
             0
         };

@@ -442,10 +442,20 @@ pub fn one<T: rusqlite::types::FromSql>(conn: &rusqlite::Connection, sql: &str) 
 
 /// A process's resident memory in kB (0 when it cannot be read).
 pub fn rss_kb(pid: u32) -> u64 {
+    status_kb(pid, "VmRSS:")
+}
+
+/// The peak resident memory of process `pid` (`VmHWM`), in KB.
+pub fn peak_kb(pid: u32) -> u64 {
+    status_kb(pid, "VmHWM:")
+}
+
+/// A KB figure of `/proc/PID/status`.
+fn status_kb(pid: u32, field: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .unwrap_or_default()
         .lines()
-        .find(|l| l.starts_with("VmRSS:"))
+        .find(|l| l.starts_with(field))
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)

@@ -1276,3 +1276,59 @@ health: {{ probe_interval: 1h }}
     assert_eq!(s, 429, "{v}");
     assert_eq!(v["error"]["code"], "rate_limit_exceeded", "{v}");
 }
+
+/// A 429 about one request's size cools no endpoint for the others. Key A's request gets
+/// OpenAI's "Request too large … on tokens per min" from endpoint `a` and goes on to `b`; key
+/// B's next request is still served by `a`. (Before: A's 429 cooled `a` for every key.)
+#[tokio::test]
+async fn a_429_about_one_requests_size_cools_no_endpoint() {
+    let a = MockUp::openai(
+        "name: a\nrules: [{times: 1, status: 429, headers: {retry-after: \"30\"}, error: \"Request too large for gpt-4o in organization org-x on tokens per min (TPM): Limit 30000, Requested 50000. The input or output tokens must be reduced in order to run successfully.\"}]",
+    )
+    .await;
+    let b = MockUp::openai("name: b").await;
+    let cfg = format!(
+        r#"models:
+  a: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
+  b: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
+routes:
+  chat: [a, b]
+auth:
+  keys:
+    - {{ name: hostile, key: env:KEY_A }}
+    - {{ name: victim, key: env:KEY_B }}
+health: {{ probe_interval: 1h }}
+"#,
+        a.base(),
+        b.base()
+    );
+    let gw = Gw::start_with_env(&cfg, &keys_env(&[]));
+    gw.ready().await;
+    let r = reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .bearer_auth(KEY_A)
+        .json(&json!({"model": "chat", "messages": [{"role": "user", "content": "big"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    assert_eq!(a.requests().await, 1, "A's request met a's 429");
+    let st = gw.status().await;
+    assert!(
+        st["endpoints"]["a"]["cooldown_remaining_ms"]
+            .as_u64()
+            .unwrap_or(0)
+            == 0,
+        "{}",
+        st["endpoints"]["a"]
+    );
+    let r = reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .bearer_auth(KEY_B)
+        .json(&json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "a");
+}

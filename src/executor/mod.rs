@@ -1158,9 +1158,17 @@ impl Run {
                 })
             }
             Action::CoolDown(for_) => {
-                self.app
-                    .registry
-                    .apply(ep, &self.cfg.policy, Effect::Cooldown { for_, detail });
+                // A 429 that says this one request is larger than the key's whole per-minute
+                // allowance (OpenAI's "Request too large … on tokens per min") is about the
+                // request, not the endpoint's load: it fails over without cooling the endpoint
+                // for everyone else.
+                if !classify::request_too_large(&detail) {
+                    self.app.registry.apply(
+                        ep,
+                        &self.cfg.policy,
+                        Effect::Cooldown { for_, detail },
+                    );
+                }
                 Settled::Done(EndpointOutcome::Failed {
                     context: false,
                     rate_limited: true,

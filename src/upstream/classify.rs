@@ -70,6 +70,14 @@ pub fn stated_limit(body: &str) -> Option<(u64, &str)> {
 /// How long a 429 asks us to stay away: `retry-after-ms`, then `Retry-After` (seconds or an
 /// HTTP date), then OpenAI's `x-ratelimit-reset-*` for whichever budget is exhausted.
 ///
+/// Whether a 429's message says the request alone is larger than the per-minute allowance
+/// (OpenAI: "Request too large for gpt-4o in organization … on tokens per min (TPM): Limit
+/// 30000, Requested 50000"): a fact about the request, which cools no endpoint.
+pub fn request_too_large(detail: &str) -> bool {
+    let d = detail.to_ascii_lowercase();
+    d.contains("request too large") && d.contains("requested")
+}
+
 /// Every value is hostile input: a number too large for a `Duration`, or a date years ahead, is
 /// clamped to `max` (`routing_policy.max_cooldown`) so one odd header cannot take an endpoint out
 /// for a year; a malformed value is ignored (`None`: the configured cooldown applies).
@@ -706,5 +714,21 @@ mod tests {
         let long = "€".repeat(400);
         let cut = redact(&long, &[]);
         assert_eq!(cut, format!("{}…", "€".repeat(166)));
+    }
+}
+
+#[cfg(test)]
+mod request_too_large_tests {
+    use super::request_too_large;
+
+    #[test]
+    fn a_request_larger_than_a_minute_is_told_from_load() {
+        assert!(request_too_large(
+            "Request too large for gpt-4o in organization org-x on tokens per min (TPM): Limit 30000, Requested 50000."
+        ));
+        assert!(!request_too_large(
+            "Rate limit reached for gpt-4o in organization org-x on tokens per min (TPM): Limit 30000, Used 29000, Requested 2000."
+        ));
+        assert!(!request_too_large("Too Many Requests"));
     }
 }

@@ -490,7 +490,7 @@ impl<'a> Attempt<'a> {
                     rest,
                     ctx.meta.clone(),
                     self.max_event,
-                    self.max_answer,
+                    self.max_answer.min(crate::wire::responses::TRANSLATED_MAX),
                 ));
                 produced = Some(Box::new(Produced {
                     translated: true,

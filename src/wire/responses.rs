@@ -678,7 +678,14 @@ pub struct ChatToEvents {
 pub const TOO_LARGE: &str = "response_too_large";
 
 /// How that `response.failed`'s message begins (the executor passes its code on to the client).
-pub const TOO_LARGE_MESSAGE: &str = "The upstream's answer grew past server.max_response_bytes";
+pub const TOO_LARGE_MESSAGE: &str =
+    "The upstream's answer grew past what a translated response keeps (server.max_response_bytes";
+
+/// The most a translated response keeps for its closing events whatever
+/// `server.max_response_bytes` allows: those events repeat the whole output about five times
+/// (the text's done, its part's, its item's, `response.completed`), so one such stream stays
+/// within 100 MB of the gateway's idle memory.
+pub const TRANSLATED_MAX: usize = 16 << 20;
 
 impl ChatToEvents {
     pub fn new(meta: Meta) -> Self {
@@ -721,7 +728,7 @@ impl ChatToEvents {
         let mut r = self.meta.response("failed", Vec::new(), usage);
         r["error"] = json!({
             "code": TOO_LARGE,
-            "message": format!("{TOO_LARGE_MESSAGE} ({} bytes): the response ends here.", self.max_kept),
+            "message": format!("{TOO_LARGE_MESSAGE}, at most 16 MiB: {} bytes): the response ends here.", self.max_kept),
         });
         self.emit(out, "response.failed", json!({"response": r}));
         false

@@ -13,6 +13,7 @@ macro_rules! say {
 
 pub mod alloc;
 pub mod cli;
+pub mod clients;
 pub mod cluster;
 pub mod config;
 pub mod demo;

@@ -47,7 +47,7 @@ pub struct AppState {
     /// Hedge budgets by `route:NAME` / `endpoint:NAME` (kept across reloads).
     pub hedges: Mutex<std::collections::BTreeMap<String, crate::routing::hedge::Budget>>,
     /// Client keys' limits and spend (kept across reloads, by key name).
-    pub clients: crate::front::clients::Clients,
+    pub clients: crate::clients::Clients,
     /// Vault transit for `x-encrypted-key`, for the current `vault:` settings.
     transit: Mutex<Option<(String, Arc<crate::vault::Transit>)>>,
     /// The last Vault refresh that failed, for `/status` (the last good values stay in use).
@@ -200,7 +200,7 @@ impl AppState {
             inflight: Arc::new(AtomicUsize::new(0)),
             install_lock: Mutex::new(()),
             hedges: Mutex::new(Default::default()),
-            clients: crate::front::clients::Clients::new(spend),
+            clients: crate::clients::Clients::new(spend),
             transit: Mutex::new(None),
             vault_error: Mutex::new(None),
             alerts,
@@ -344,7 +344,7 @@ impl AppState {
     pub fn record_request(
         &self,
         row: crate::store::RequestRow,
-        admission: Option<crate::front::clients::Admission>,
+        admission: Option<crate::clients::Admission>,
     ) {
         if let Some(mut a) = admission
             && let Some(total) =

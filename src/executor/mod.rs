@@ -70,7 +70,7 @@ pub struct Caller {
     /// The client key's name (`auth.keys[].name`), for the audit row and the key's spend.
     pub client: Option<String>,
     /// The key's hold on its limits, settled with the request's audit row.
-    pub admission: Option<crate::front::clients::Admission>,
+    pub admission: Option<crate::clients::Admission>,
     /// The plaintext of a valid `x-encrypted-key`: the upstream key of OpenAI-type endpoints
     /// for this request only.
     pub key: Option<Secret>,
@@ -139,7 +139,7 @@ struct Run {
     client: Option<String>,
     /// The client key's hold on its limits: settled with the audit row (or by a committed
     /// stream's guard, which takes it).
-    admission: Option<crate::front::clients::Admission>,
+    admission: Option<crate::clients::Admission>,
     /// The request's own upstream key (`x-encrypted-key`), for OpenAI-type endpoints.
     own_key: Option<Secret>,
     /// Endpoints tried although health said to skip them (healthy panic, last resort).

@@ -50,7 +50,7 @@ pub(super) struct StreamGuard {
     /// The request's own key (`x-encrypted-key`), redacted like the endpoints' own.
     pub own_key: Option<crate::config::Secret>,
     /// The client key's hold on its limits, settled when the stream ends.
-    pub admission: Option<crate::front::clients::Admission>,
+    pub admission: Option<crate::clients::Admission>,
     /// What the broken first leg of a continued stream used and cost, added to the row.
     pub prior: Option<Leg>,
     /// A `/v1/responses` stream's own part: its events' numbering and the turn it leaves.

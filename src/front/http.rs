@@ -14,10 +14,10 @@ use serde_json::json;
 
 use futures_util::FutureExt;
 
+use crate::clients;
 use crate::config::ClientKey;
 use crate::error::ApiError;
 use crate::executor;
-use crate::front::clients;
 use crate::state::AppState;
 use crate::store::RequestRow;
 use crate::wire::{self, Op};

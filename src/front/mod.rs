@@ -1,9 +1,8 @@
 //! The front door: the accept loop and connections (`server`), the routes and thin handlers
-//! (`http`), who may call and what their keys may spend (`clients`), the write deadline every
-//! client connection is served through (`send_deadline`), the hard stop reaching the requests
+//! (`http`, which asks `crate::clients` who may call and what their keys may spend), the write
+//! deadline every client connection is served through (`send_deadline`), the hard stop reaching the requests
 //! still running (`stop`), and each HTTP/1 connection's header-read timer (`timer`). A request enters here and leaves for the executor.
 
-pub mod clients;
 pub mod http;
 pub mod send_deadline;
 pub mod server;

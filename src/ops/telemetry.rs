@@ -643,7 +643,7 @@ fn digits(buf: &mut Vec<u8>, mut n: u64, width: usize) {
 fn date_time(buf: &mut Vec<u8>, secs: u64) {
     let days = (secs / 86_400) as i64;
     let rem = secs % 86_400;
-    let (year, month, day) = crate::front::clients::civil_from_days(days);
+    let (year, month, day) = crate::clients::civil_from_days(days);
     digits(buf, year.clamp(0, 9999) as u64, 4);
     buf.push(b'-');
     digits(buf, month as u64, 2);

@@ -1332,7 +1332,7 @@ impl<'c> Statements<'c> {
                     // `Record::Spend` (so a dropped row loses no spend).
                     if let Some(client) = &row.client_key {
                         self.spend
-                            .execute(params![client, crate::front::clients::month_of(row.ts)])?;
+                            .execute(params![client, crate::clients::month_of(row.ts)])?;
                     }
                     if let Some((before, first)) = marks.before_row(next_id, ms(row.ts)) {
                         self.mark.execute(params![before, first])?;

@@ -1146,7 +1146,7 @@ async fn insert_requests(
             tx.execute(
                 "INSERT INTO client_spend (client, month, usd, requests) VALUES ($1, $2, 0, 1)
                  ON CONFLICT (client, month) DO UPDATE SET requests = client_spend.requests + 1",
-                &[client, &crate::front::clients::month_of(row.ts)],
+                &[client, &crate::clients::month_of(row.ts)],
             )
             .await
             .map_err(e)?;

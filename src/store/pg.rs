@@ -443,6 +443,9 @@ struct Writer {
 /// `audit_retention` says (tokens are deleted on their own, hourly).
 const TOKENS_KEPT: Duration = Duration::from_secs(86_400);
 
+/// Batches [`Writer::catch_up`] writes before the writer reads its queue again.
+const CATCH_UP_BATCHES: usize = 8;
+
 /// Endpoint state records held in memory while the store is away (each replaces what it
 /// says; the oldest go first).
 const STATE_HELD: usize = 10_000;
@@ -462,7 +465,14 @@ impl Writer {
         loop {
             // Wakes every second while idle, so a store that is down is tried again (and
             // `/health` turns back to ok, the spool drains) without waiting for traffic.
-            match rx.recv_timeout(Duration::from_secs(1)) {
+            // While the spool drains, the queue is looked at between its batches.
+            let behind = self.spool.as_ref().is_some_and(|s| !s.is_empty());
+            let wait = if behind && self.client.is_some() {
+                Duration::from_millis(5)
+            } else {
+                Duration::from_secs(1)
+            };
+            match rx.recv_timeout(wait) {
                 Ok(first) => batch.push(first),
                 Err(RecvTimeoutError::Timeout) => {
                     if self.client.is_none() {
@@ -688,7 +698,9 @@ impl Writer {
 
     /// Writes what waits (the spool, then endpoint state), in order, while the store takes it.
     fn catch_up(&mut self) {
-        loop {
+        // A few batches a call: the writer goes back to its queue in between (what came
+        // meanwhile joins the spool's end, in order), so a long drain drops nothing new.
+        for _ in 0..CATCH_UP_BATCHES {
             let waiting = self.spool.as_ref().is_some_and(|s| !s.is_empty());
             if !waiting && self.state.is_empty() {
                 return;
@@ -1106,11 +1118,12 @@ async fn write_records(
 fn write_error(e: tokio_postgres::Error) -> WriteError {
     let text = error_text(&e);
     match e.as_db_error() {
-        // Class 08 (connection), 57 (operator intervention: shutdown, starting), 53
-        // (insufficient resources), 40 (a transaction rolled back: serialization, deadlock):
-        // the same records may go through later.
+        // Only what is about the records themselves: class 22 (a value: data exception), 23 (a
+        // constraint), P0 (a trigger of the store's own raised). Anything else (a connection,
+        // a shutdown, read-only after a failover, a lock timeout, a missing table or grant, an
+        // I/O or internal error) says the store cannot take writes now: the records wait.
         Some(db)
-            if !["08", "57", "53", "40"]
+            if ["22", "23", "P0"]
                 .iter()
                 .any(|c| db.code().code().starts_with(c)) =>
         {

@@ -135,7 +135,22 @@ mod layering {
                 folders.insert(name.clone());
                 for f in std::fs::read_dir(&path).unwrap() {
                     let f = f.unwrap().path();
-                    if f.extension().is_some_and(|e| e == "rs") {
+                    if f.is_dir() {
+                        // A folder within a folder (`routing/registry/`): one module, its files
+                        // read as one.
+                        let stem = f.file_name().unwrap().to_string_lossy().into_owned();
+                        let mut text = String::new();
+                        for g in std::fs::read_dir(&f).unwrap() {
+                            let g = g.unwrap().path();
+                            if g.extension().is_some_and(|e| e == "rs") {
+                                // Each file's code before its tests, as below.
+                                let g = std::fs::read_to_string(&g).unwrap();
+                                text.push_str(g.split("\n#[cfg(test)]").next().unwrap_or(""));
+                                text.push('\n');
+                            }
+                        }
+                        files.insert(format!("{name}::{stem}"), text);
+                    } else if f.extension().is_some_and(|e| e == "rs") {
                         let stem = f.file_stem().unwrap().to_string_lossy().into_owned();
                         let node = if stem == "mod" {
                             name.clone()

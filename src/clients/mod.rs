@@ -416,7 +416,17 @@ impl Admission {
         if std::mem::replace(&mut self.settled, true) {
             return None;
         }
-        let prompt_over = prompt_tokens.map_or(0, |p| p.saturating_sub(self.prompt_asked));
+        // What the upstream counted beyond the estimate costs a key at most a minute of its
+        // tokens: a broken or hostile upstream's count cannot lock a key out for the day.
+        let minute = self
+            .state
+            .tpm
+            .as_ref()
+            .map_or(0, |(t, _)| *t)
+            .max(self.shared.as_ref().map_or(0, |sh| sh.tpm));
+        let prompt_over = prompt_tokens
+            .map_or(0, |p| p.saturating_sub(self.prompt_asked))
+            .min(minute);
         let total = {
             let mut spend = self.state.spend.lock().unwrap_or_else(|e| e.into_inner());
             spend.reserved = (spend.reserved - self.reserved).max(0.0);
@@ -636,6 +646,7 @@ impl Clients {
             reserve,
             request: &request,
             month: &month,
+            more: false,
         };
         let seen = |usd: f64| {
             let mut spend = normal.spend.lock().unwrap_or_else(|e| e.into_inner());
@@ -815,17 +826,20 @@ impl Clients {
                 reserve: 0.0,
                 request: "",
                 month: &month,
+                more: true,
             };
-            // Taken in the store, or refused there; with the store away, charged from the
-            // answer's usage.
-            if let Ok(Verdict::Limited {
-                remaining,
-                retry_after,
-                reset,
-                ..
-            }) = cluster.admit(&asked).await
-            {
-                return Err(limited(remaining, retry_after, reset));
+            // Taken in the store, or refused there. With the store away (or this replica's
+            // queue for it full) nothing was taken: `prompt_asked` stays, so the answer's usage
+            // charges them when the request settles.
+            match cluster.admit(&asked).await {
+                Ok(Verdict::Limited {
+                    remaining,
+                    retry_after,
+                    reset,
+                    ..
+                }) => return Err(limited(remaining, retry_after, reset)),
+                Ok(_) => {}
+                Err(()) => return Ok(()),
             }
         } else if let Some((_, bucket)) = &a.state.tpm {
             let mut b = bucket.lock().unwrap_or_else(|e| e.into_inner());
@@ -1230,6 +1244,32 @@ mod tests {
         let k = key("b", None, Some(1000), None);
         c.admit(&k, asked).unwrap().settle_usage(None, Some(5), 100);
         assert!(c.admit(&k, ask(890)).is_ok());
+    }
+
+    /// An upstream that says a prompt of a trillion tokens costs the key a minute of its tokens,
+    /// not the day's debt the bucket could hold.
+    #[tokio::test(start_paused = true)]
+    async fn an_upstreams_prompt_count_costs_at_most_a_minute_of_tokens() {
+        let c = Clients::new(vec![]);
+        let k = key("a", None, Some(600), None);
+        let asked = Ask {
+            tokens: 10,
+            prompt_tokens: 10,
+            charge_completion: false,
+            reserve_usd: 0.0,
+        };
+        c.admit(&k, asked)
+            .unwrap()
+            .settle_usage(None, Some(1_000_000_000_000), 0);
+        // Charged: the bucket is empty...
+        let retry = match c.admit(&k, ask(1)) {
+            Err(ApiError::ClientRateLimited(l)) => l.retry_after,
+            other => panic!("{other:?}"),
+        };
+        // ...by a minute's tokens (600 a minute: 10 a second), not by a day's.
+        assert!(retry <= Duration::from_secs(62), "{retry:?}");
+        tokio::time::advance(Duration::from_secs(62)).await;
+        assert!(c.admit(&k, ask(1)).is_ok());
     }
 
     #[test]

@@ -63,17 +63,26 @@ impl Pg {
         .status()
         .unwrap();
         assert!(ok.success(), "initdb failed");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let pg = Pg { dir, port, bin };
-        pg.ctl_start();
-        pg
+        // A port another process takes between our pick and PostgreSQL's bind is picked again.
+        let mut pg = Pg { dir, port: 0, bin };
+        for _ in 0..10 {
+            pg.port = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            if pg.try_ctl_start() {
+                return pg;
+            }
+        }
+        panic!("PostgreSQL found no free port in ten tries");
     }
 
     pub fn ctl_start(&self) {
+        assert!(self.try_ctl_start(), "pg_ctl start failed");
+    }
+
+    fn try_ctl_start(&self) -> bool {
         let data = self.dir.path().join("data");
         let opts = format!(
             "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=100",
@@ -99,7 +108,7 @@ impl Pg {
         .stdout(Stdio::null())
         .status()
         .unwrap();
-        assert!(ok.success(), "pg_ctl start failed");
+        ok.success()
     }
 
     pub fn ctl_stop(&self) {

@@ -12,16 +12,39 @@ pub struct Redis {
 }
 
 impl Redis {
+    /// On a free port: one another process takes between our pick and Redis's bind is picked
+    /// again (Redis exits when it cannot bind), so suites running side by side never collide.
     pub fn start() -> Redis {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        Redis::start_on(port)
+        for _ in 0..10 {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            if let Some(r) = Redis::try_start_on(port) {
+                return r;
+            }
+        }
+        panic!("redis-server found no free port in ten tries");
     }
 
+    /// On `port` (a restart where the gateway knows the address): waits for it to be free.
     pub fn start_on(port: u16) -> Redis {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(r) = Redis::try_start_on(port) {
+                return r;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "redis-server could not bind {port}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// `None` when the server exits before it answers (the port was taken).
+    fn try_start_on(port: u16) -> Option<Redis> {
         let child = Command::new("redis-server")
             .args([
                 "--port",
@@ -39,16 +62,22 @@ impl Redis {
             .stderr(Stdio::null())
             .spawn()
             .expect("redis-server (Debian's redis-server package; tests/run-all.sh installs it)");
-        let r = Redis {
+        let mut r = Redis {
             port,
             child: Some(child),
         };
         let deadline = Instant::now() + Duration::from_secs(10);
         while r.ping().as_deref() != Some("+PONG") {
+            if let Some(c) = r.child.as_mut()
+                && c.try_wait().ok().flatten().is_some()
+            {
+                r.child = None;
+                return None;
+            }
             assert!(Instant::now() < deadline, "redis-server did not answer");
             std::thread::sleep(Duration::from_millis(50));
         }
-        r
+        Some(r)
     }
 
     pub fn url(&self) -> String {

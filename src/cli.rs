@@ -9,8 +9,8 @@ use anyhow::{Context, bail};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{self, Config, EMBEDDED_DEFAULT};
+use crate::demo::mock::{self, Flavor, Mock};
 use crate::front::server::{Gateway, GatewayOptions};
-use crate::mock::{self, Flavor, Mock};
 use crate::store;
 
 const DEFAULT_CONFIG: &str = "config/config.yaml";

@@ -21,18 +21,13 @@ pub mod discovery;
 pub mod error;
 pub mod executor;
 pub mod front;
-pub mod h1pool;
-pub mod mock;
 pub mod op;
 pub mod ops;
-pub mod reload;
 pub mod routing;
-pub mod selfwake;
 pub mod state;
 pub mod store;
 pub mod tokens;
 pub mod upstream;
-pub mod vault;
 pub mod wire;
 
 /// The layering ARCHITECTURE.md promises, checked on the source: the policy and vocabulary
@@ -53,17 +48,21 @@ mod layering {
         ("routing::stats", &[include_str!("routing/stats.rs")], &[]),
         ("routing::health", &[include_str!("routing/health.rs")], &[]),
         ("routing::hedge", &[include_str!("routing/hedge.rs")], &[]),
-        ("h1pool", &[include_str!("h1pool.rs")], &[]),
+        (
+            "upstream::h1pool",
+            &[include_str!("upstream/h1pool.rs")],
+            &[],
+        ),
         (
             "front::send_deadline",
             &[include_str!("front/send_deadline.rs")],
             &[],
         ),
-        ("selfwake", &[include_str!("selfwake.rs")], &[]),
+        ("front::selfwake", &[include_str!("front/selfwake.rs")], &[]),
         (
             "front::stop",
             &[include_str!("front/stop.rs")],
-            &["selfwake"],
+            &["front::selfwake"],
         ),
         ("front::timer", &[include_str!("front/timer.rs")], &[]),
         (
@@ -71,7 +70,7 @@ mod layering {
             &[include_str!("routing/ratelimit.rs")],
             &[],
         ),
-        ("vault", &[include_str!("vault.rs")], &[]),
+        ("config::vault", &[include_str!("config/vault.rs")], &[]),
         (
             "tokens",
             &[
@@ -95,8 +94,8 @@ mod layering {
                 "tokens",
                 "routing::health",
                 "routing::hedge",
-                "vault",
-                "h1pool",
+                "config::vault",
+                "upstream::h1pool",
                 "config",
             ],
         ),
@@ -111,7 +110,7 @@ mod layering {
                 .collect()
         };
         let first = seg(path);
-        if ["routing", "front", "ops", "discovery"].contains(&first.as_str())
+        if ["routing", "front", "ops", "discovery", "upstream"].contains(&first.as_str())
             && let Some(rest) = path[first.len()..].strip_prefix("::")
         {
             return format!("{first}::{}", seg(rest));

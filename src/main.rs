@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use autohedge::cli;
-use autohedge::mock::Flavor;
+use autohedge::demo::mock::Flavor;
 
 /// The request path allocates many small JSON maps and buffers; mimalloc's thread-local free
 /// lists cut the allocator's share of CPU that glibc malloc showed in profiles (`alloc` says how

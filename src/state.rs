@@ -49,7 +49,7 @@ pub struct AppState {
     /// Client keys' limits and spend (kept across reloads, by key name).
     pub clients: crate::clients::Clients,
     /// Vault transit for `x-encrypted-key`, for the current `vault:` settings.
-    transit: Mutex<Option<(String, Arc<crate::vault::Transit>)>>,
+    transit: Mutex<Option<(String, Arc<crate::config::vault::Transit>)>>,
     /// The last Vault refresh that failed, for `/status` (the last good values stay in use).
     pub vault_error: Mutex<Option<String>>,
     /// Raises webhook alerts (never blocks); the task in `alerts::run` delivers them.
@@ -259,15 +259,15 @@ impl AppState {
     /// The transit decrypter for `cfg`'s `vault:` settings (one per address and key, so its
     /// login and cache survive requests and reloads that keep them); `None` without a
     /// `transit_key`.
-    pub fn transit(&self, cfg: &Config) -> Option<Arc<crate::vault::Transit>> {
+    pub fn transit(&self, cfg: &Config) -> Option<Arc<crate::config::vault::Transit>> {
         let settings = cfg.vault.as_ref()?;
         settings.transit_key.as_ref()?;
-        let id = crate::vault::transit_id(settings);
+        let id = crate::config::vault::transit_id(settings);
         let mut slot = self.transit.lock().unwrap_or_else(|e| e.into_inner());
         match slot.as_ref() {
             Some((current, t)) if *current == id => Some(t.clone()),
             _ => {
-                let t = Arc::new(crate::vault::Transit::new(settings.clone()));
+                let t = Arc::new(crate::config::vault::Transit::new(settings.clone()));
                 *slot = Some((id, t.clone()));
                 Some(t)
             }
@@ -415,7 +415,7 @@ mod tests {
             s.spawn(|| {
                 for i in 0..50 {
                     std::fs::write(&path, text(&format!("v{}", i + 2))).unwrap();
-                    assert!(crate::reload::reload_now(&state, &path));
+                    assert!(crate::ops::reload::reload_now(&state, &path));
                 }
             });
         });

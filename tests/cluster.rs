@@ -1058,7 +1058,7 @@ async fn a_conversation_continues_on_another_replica() {
     let redis = Redis::start();
     let native = MockUp::openai("name: native\nreply: \"Hi Ada.\"").await;
     let chat = MockUp::start(
-        autohedge::mock::Flavor::Ollama,
+        autohedge::demo::mock::Flavor::Ollama,
         "name: chat\nreply: \"Hi again.\"\nmodels: [qwen]",
     )
     .await;

@@ -639,7 +639,7 @@ async fn low_success_rate_demotes_behind_healthy() {
 
 #[tokio::test]
 async fn missing_capability_is_skipped() {
-    let a = MockUp::start(autohedge::mock::Flavor::Vllm, "name: a").await;
+    let a = MockUp::start(autohedge::demo::mock::Flavor::Vllm, "name: a").await;
     let b = MockUp::openai("name: b").await;
     let gw = Gw::start(&format!(
         "models:\n  a: {{ type: vllm, base_url: \"{}\" }}\n  b: {{ type: openai, base_url: \"{}\" }}\n",
@@ -1041,7 +1041,7 @@ routing_policy: {{ fallback_chain: [local, b] }}
 #[tokio::test]
 async fn ollama_answers_look_like_openai() {
     let o = MockUp::start(
-        autohedge::mock::Flavor::Ollama,
+        autohedge::demo::mock::Flavor::Ollama,
         "reply: \"Hi there friend\"",
     )
     .await;
@@ -1185,7 +1185,7 @@ async fn ollama_failures_map_to_the_right_action() {
         "rules: [{status: 500, error: \"model requires more system memory (9.5 GiB) than is available\"}]",
         "rules: [{status: 404, error: \"model 'qwen2.5:7b' not found, try pulling it first\"}]",
     ] {
-        let o = MockUp::start(autohedge::mock::Flavor::Ollama, script).await;
+        let o = MockUp::start(autohedge::demo::mock::Flavor::Ollama, script).await;
         let gw = Gw::start(&ollama_cfg(&o, &b));
         let r = gw
             .post("/v1/chat/completions", json!({"model": "local", "stream": true, "messages": [{"role": "user", "content": "x"}]}))
@@ -1199,7 +1199,7 @@ async fn ollama_failures_map_to_the_right_action() {
     }
     // After it: the stream ends with an error event.
     let o = MockUp::start(
-        autohedge::mock::Flavor::Ollama,
+        autohedge::demo::mock::Flavor::Ollama,
         "reply: \"one two three\"\nrules: [{cut_after: 2}]",
     )
     .await;
@@ -1250,11 +1250,11 @@ async fn ollama_failures_map_to_the_right_action() {
 #[tokio::test]
 async fn probes_report_backend_self_description_in_status() {
     let o = MockUp::start(
-        autohedge::mock::Flavor::Ollama,
+        autohedge::demo::mock::Flavor::Ollama,
         "models: [\"qwen2.5:7b\", \"llama3:latest\"]\nloaded: [\"qwen2.5:7b\"]",
     )
     .await;
-    let v = MockUp::start(autohedge::mock::Flavor::Vllm, "name: v").await;
+    let v = MockUp::start(autohedge::demo::mock::Flavor::Vllm, "name: v").await;
     let gw = Gw::start(&format!(
         "models:\n  local: {{ type: ollama, host: \"http://{}\", model: \"qwen2.5:7b\" }}\n  llama: {{ type: ollama, host: \"http://{}\", model: llama3 }}\n  missing: {{ type: ollama, host: \"http://{}\", model: \"phi4\" }}\n  v: {{ type: vllm, base_url: \"{}\" }}\nhealth: {{ probe_interval: 100ms, probe_timeout: 1s }}\n",
         o.addr,
@@ -1480,7 +1480,7 @@ async fn payload_hygiene_and_learned_limits_persist() {
 
 #[tokio::test]
 async fn backend_tokenize_counts_and_teaches_the_window() {
-    let v = MockUp::start(autohedge::mock::Flavor::Vllm, "context_window: 80").await;
+    let v = MockUp::start(autohedge::demo::mock::Flavor::Vllm, "context_window: 80").await;
     let b = MockUp::openai("name: b").await;
     let gw = Gw::start(&format!(
         "models:\n  v: {{ type: vllm, base_url: \"{}\", backend_tokenize: vllm, tokenize_timeout: 500ms }}\n  b: {{ type: openai, base_url: \"{}\", context_window: 128000 }}\n",

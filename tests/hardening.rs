@@ -1226,9 +1226,9 @@ async fn escape_hygiene_keeps_the_text_the_model_reads() {
 #[tokio::test]
 async fn mock_upstream_answers_health_in_every_flavor() {
     for flavor in [
-        autohedge::mock::Flavor::Openai,
-        autohedge::mock::Flavor::Vllm,
-        autohedge::mock::Flavor::Ollama,
+        autohedge::demo::mock::Flavor::Openai,
+        autohedge::demo::mock::Flavor::Vllm,
+        autohedge::demo::mock::Flavor::Ollama,
     ] {
         let m = MockUp::start(flavor, "name: m").await;
         let r = reqwest::get(format!("http://{}/health", m.addr))

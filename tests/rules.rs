@@ -135,7 +135,7 @@ async fn a_missing_model_404_fails_over_on_openai_and_vllm() {
     )
     .await;
     let v = MockUp::start(
-        autohedge::mock::Flavor::Vllm,
+        autohedge::demo::mock::Flavor::Vllm,
         "rules: [{status: 404, error: \"The model `qwen` does not exist.\"}]",
     )
     .await;
@@ -465,9 +465,9 @@ async fn vllm_queue_and_kv_cache_degrade_the_endpoint() {
             "rules: [{{when: {{path: /metrics}}, status: 200, body: \"vllm:num_requests_running{{engine=\\\"0\\\",model_name=\\\"m\\\"}} 2\\nvllm:num_requests_waiting{{engine=\\\"0\\\",model_name=\\\"m\\\"}} {waiting}\\nvllm:kv_cache_usage_perc{{engine=\\\"0\\\",model_name=\\\"m\\\"}} {kv}\\n\"}}]"
         )
     };
-    let queue = MockUp::start(autohedge::mock::Flavor::Vllm, &metrics(20.0, 0.1)).await;
-    let kv = MockUp::start(autohedge::mock::Flavor::Vllm, &metrics(0.0, 0.97)).await;
-    let calm = MockUp::start(autohedge::mock::Flavor::Vllm, &metrics(3.0, 0.5)).await;
+    let queue = MockUp::start(autohedge::demo::mock::Flavor::Vllm, &metrics(20.0, 0.1)).await;
+    let kv = MockUp::start(autohedge::demo::mock::Flavor::Vllm, &metrics(0.0, 0.97)).await;
+    let calm = MockUp::start(autohedge::demo::mock::Flavor::Vllm, &metrics(3.0, 0.5)).await;
     let gw = Gw::start(&format!(
         "models:\n  queue: {{ type: vllm, base_url: \"{}\" }}\n  kv: {{ type: vllm, base_url: \"{}\" }}\n  calm: {{ type: vllm, base_url: \"{}\" }}\nhealth: {{ probe_interval: 100ms, flip_after: 1, vllm_max_waiting: 16, vllm_max_kv_cache: 0.95 }}\n",
         queue.base(),

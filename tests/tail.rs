@@ -475,7 +475,7 @@ async fn a_broken_stream_is_continued_on_an_endpoint_that_can_and_spliced_into_o
     // An OpenAI endpoint cannot continue an assistant message: never used for it.
     let b = MockUp::openai(&format!("reply: \"{reply}\"")).await;
     let c = MockUp::start(
-        autohedge::mock::Flavor::Vllm,
+        autohedge::demo::mock::Flavor::Vllm,
         &format!("reply: \"{reply}\""),
     )
     .await;

@@ -858,7 +858,7 @@ async fn a_continued_stream_has_no_gap_and_both_legs_are_billed() {
     let both = format!("{}{}", content_event("there "), error_event("engine died"));
     let (brk, _) = raw_sse_upstream(vec![content_event("Hello "), both], Ending::Break).await;
     let cont = MockUp::start(
-        autohedge::mock::Flavor::Vllm,
+        autohedge::demo::mock::Flavor::Vllm,
         "reply: \"Hello there my old friend\"",
     )
     .await;

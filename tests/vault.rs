@@ -211,7 +211,7 @@ async fn vault_secrets_refresh_transit_keys_and_vault_going_away() {
     bao.with_transit_and_approle().await;
     bao.put_secret("sk-from-vault-aaaa-1111").await;
     let a = MockUp::openai("name: a").await;
-    let v = MockUp::start(autohedge::mock::Flavor::Vllm, "name: v").await;
+    let v = MockUp::start(autohedge::demo::mock::Flavor::Vllm, "name: v").await;
     let slow = MockUp::openai("name: slow\nrules: [{delay: 2s}]").await;
     // Decrypted keys are cached for 6 s here (`vault:` is the config's last block).
     let cfg = config(&bao, &a, &v, &slow, "token: env:TEST_VAULT_TOKEN") + "  cache_ttl: 6s\n";
@@ -364,7 +364,7 @@ async fn approle_login_reads_the_secrets() {
     let (role_id, secret_id) = bao.with_transit_and_approle().await;
     bao.put_secret("sk-approle-read-eeee-5555").await;
     let a = MockUp::openai("name: a").await;
-    let v = MockUp::start(autohedge::mock::Flavor::Vllm, "name: v").await;
+    let v = MockUp::start(autohedge::demo::mock::Flavor::Vllm, "name: v").await;
     let mut gw = Gw::start_with_env(
         &config(
             &bao,

@@ -10,6 +10,7 @@ pub mod duration;
 mod raw;
 mod resolve;
 mod types;
+pub mod vault;
 
 pub use describe::describe;
 pub use raw::*;
@@ -176,7 +177,7 @@ impl Config {
             }
             (Some(v), false) => {
                 let settings = resolve::vault_settings(v)?;
-                crate::vault::read_blocking(&settings, &refs).map_err(ConfigError)?
+                crate::config::vault::read_blocking(&settings, &refs).map_err(ConfigError)?
             }
         };
         let mut cfg = build(raw, &fetched)?;

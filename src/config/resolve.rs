@@ -101,7 +101,7 @@ fn plain(
         .build()
         .ok()?;
     Some(Plain {
-        pool: crate::h1pool::H1Pool::new(connector, target, POOL_IDLE, POOL_MAX_IDLE),
+        pool: crate::upstream::h1pool::H1Pool::new(connector, target, POOL_IDLE, POOL_MAX_IDLE),
         paths: [
             path(&uris[0])?,
             path(&uris[1])?,
@@ -198,7 +198,9 @@ fn default_capabilities(kind: EndpointKind) -> BTreeSet<Capability> {
 pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigError> {
     let mut warnings = Vec::new();
     let vault = raw.vault.as_ref().map(vault_settings).transpose()?;
-    let vault_digest = vault.as_ref().map(|_| crate::vault::digest(fetched));
+    let vault_digest = vault
+        .as_ref()
+        .map(|_| crate::config::vault::digest(fetched));
     let auth = auth(&raw.auth, &raw.models, &raw.routes, fetched, &mut warnings)?;
     let alerts = alerts(raw.alerts.as_ref(), fetched, &mut warnings)?;
     let cluster = cluster(raw.cluster.as_ref(), fetched)?;
@@ -1039,7 +1041,7 @@ pub fn listen_is_loopback(listen: &str) -> bool {
 }
 
 /// Every `vault:` secret the file names (keys, header values, client keys, the admin key).
-pub(super) fn vault_refs(raw: &RawConfig) -> Vec<crate::vault::Ref> {
+pub(super) fn vault_refs(raw: &RawConfig) -> Vec<crate::config::vault::Ref> {
     let mut specs: Vec<&str> = Vec::new();
     for ep in raw.models.values() {
         specs.extend(ep.api_key.as_deref());
@@ -1050,10 +1052,10 @@ pub(super) fn vault_refs(raw: &RawConfig) -> Vec<crate::vault::Ref> {
     specs.extend(raw.cluster.as_ref().map(|c| c.redis.as_str()));
     specs.extend(raw.audit.as_ref().and_then(|a| a.url.as_deref()));
     specs.extend(raw.auth.keys.iter().flatten().map(|k| k.key.as_str()));
-    let mut refs: Vec<crate::vault::Ref> = specs
+    let mut refs: Vec<crate::config::vault::Ref> = specs
         .into_iter()
         .filter_map(|s| s.strip_prefix("vault:"))
-        .filter_map(|r| crate::vault::Ref::parse(r).ok())
+        .filter_map(|r| crate::config::vault::Ref::parse(r).ok())
         .collect();
     refs.sort();
     refs.dedup();
@@ -1069,8 +1071,8 @@ fn required(at: &str, spec: &str, fetched: &Fetched) -> Result<Secret, ConfigErr
         .map_err(|p| ConfigError(format!("at `{at}` ({source}): {p}")))
 }
 
-pub(super) fn vault_settings(v: &RawVault) -> Result<crate::vault::Settings, ConfigError> {
-    use crate::vault::{Login, Settings};
+pub(super) fn vault_settings(v: &RawVault) -> Result<crate::config::vault::Settings, ConfigError> {
+    use crate::config::vault::{Login, Settings};
     let none = Fetched::new();
     reqwest::Url::parse(&v.address)
         .map_err(|e| ConfigError(format!("at `vault.address`: invalid URL: {e}")))?;

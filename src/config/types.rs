@@ -209,12 +209,12 @@ pub enum KeySource {
     Env(String),
     File(String),
     /// `vault:MOUNT/PATH#FIELD`, read when the config is loaded.
-    Vault(crate::vault::Ref),
+    Vault(crate::config::vault::Ref),
     Literal,
 }
 
 /// Secrets read from Vault for one config load.
-pub type Fetched = std::collections::HashMap<crate::vault::Ref, zeroize::Zeroizing<String>>;
+pub type Fetched = std::collections::HashMap<crate::config::vault::Ref, zeroize::Zeroizing<String>>;
 
 impl KeySource {
     pub(super) fn parse(spec: &str) -> KeySource {
@@ -224,7 +224,7 @@ impl KeySource {
             KeySource::File(path.trim().to_string())
         } else if let Some(r) = spec
             .strip_prefix("vault:")
-            .and_then(|r| crate::vault::Ref::parse(r).ok())
+            .and_then(|r| crate::config::vault::Ref::parse(r).ok())
         {
             KeySource::Vault(r)
         } else {
@@ -308,7 +308,7 @@ pub struct Timeouts {
     pub total: Duration,
 }
 
-/// A plain-`http` endpoint's own HTTP/1.1 connections ([`crate::h1pool`]): what its requests
+/// A plain-`http` endpoint's own HTTP/1.1 connections ([`crate::upstream::h1pool`]): what its requests
 /// go over, with the operations' paths in origin form and the `Host` header they carry (hyper
 /// writes a request as it is given).
 #[derive(Debug)]
@@ -318,7 +318,7 @@ pub struct Plain {
     pub host: http::HeaderValue,
 }
 
-pub type PlainPool = crate::h1pool::H1Pool<TimedConnector>;
+pub type PlainPool = crate::upstream::h1pool::H1Pool<TimedConnector>;
 
 /// hyper-util's pooled client over rustls: what requests to `https` upstreams are sent with.
 pub type DirectClient =
@@ -541,7 +541,7 @@ pub struct Config {
     /// `auth:`: client keys and the admin key, as digests only.
     pub auth: Auth,
     /// `vault:`, resolved; `None` without one.
-    pub vault: Option<crate::vault::Settings>,
+    pub vault: Option<crate::config::vault::Settings>,
     /// A digest of the values read from Vault for this table (a refresh compares it).
     pub vault_digest: Option<String>,
     pub policy: Policy,

@@ -672,7 +672,7 @@ async fn own_key(
     arrived: tokio::time::Instant,
     id: &str,
 ) -> Result<Option<crate::config::Secret>, ApiError> {
-    use crate::vault::DecryptError;
+    use crate::config::vault::DecryptError;
     let Some(v) = headers.get("x-encrypted-key") else {
         return Ok(None);
     };

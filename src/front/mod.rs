@@ -4,6 +4,7 @@
 //! still running (`stop`), and each HTTP/1 connection's header-read timer (`timer`). A request enters here and leaves for the executor.
 
 pub mod http;
+pub mod selfwake;
 pub mod send_deadline;
 pub mod server;
 pub mod stop;

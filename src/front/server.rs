@@ -243,7 +243,7 @@ impl Gateway {
             // is to end the process.
             let hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
             tasks.spawn(async move {
-                if let Err(e) = crate::reload::watch(st, path, c, hup).await {
+                if let Err(e) = crate::ops::reload::watch(st, path, c, hup).await {
                     tracing::error!(error = %e, "config watcher stopped");
                 }
             });
@@ -287,7 +287,7 @@ impl Gateway {
             };
             tasks.spawn(crate::cluster::run(cluster, hooks, cancel.clone()));
         }
-        tasks.spawn(crate::reload::vault_refresher(
+        tasks.spawn(crate::ops::reload::vault_refresher(
             state.clone(),
             cancel.clone(),
         ));

@@ -24,7 +24,7 @@ use futures_util::task::AtomicWaker;
 use hyper_util::server::graceful::GracefulConnection;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
-use crate::selfwake::Rewake;
+use crate::front::selfwake::Rewake;
 
 /// A connection that can be asked to finish what it is doing and close (hyper's, through
 /// hyper-util's `GracefulConnection`).

@@ -6,5 +6,6 @@
 pub mod alerts;
 pub mod logctx;
 pub mod logwriter;
+pub mod reload;
 pub mod report;
 pub mod telemetry;

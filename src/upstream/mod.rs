@@ -5,6 +5,7 @@
 //! translation in [`ollama`].
 
 pub mod classify;
+pub mod h1pool;
 pub mod metrics;
 pub mod ollama;
 pub mod responses;
@@ -508,8 +509,8 @@ fn send_pooled<'c>(
         req,
         again,
         move |r| pool.send(r),
-        crate::h1pool::Error::closed_unanswered,
-        crate::h1pool::Error::is_connect,
+        crate::upstream::h1pool::Error::closed_unanswered,
+        crate::upstream::h1pool::Error::is_connect,
         pool.target(),
     )
 }

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use autohedge::mock::{self, Flavor};
+use autohedge::demo::mock::{self, Flavor};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 

@@ -1,10 +1,13 @@
 //! `autohedge demo`: the gateway on the embedded default policy, in front of two in-process mock
 //! upstreams — `primary`, which fails part of the time (503s, a 429 with `Retry-After`, a stream
 //! that stalls), and `backup`. It sends a bounded burst, then reads the audit trail back and
-//! prints where each request went and why.
+//! prints where each request went and why. Its upstreams are [`mock`]'s, the scriptable upstream
+//! `autohedge mock-upstream` serves and the tests drive.
 
 use std::process::ExitCode;
 use std::time::Duration;
+
+pub mod mock;
 
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
@@ -12,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 use crate::cli::spawn_mock;
 use crate::config::Config;
 use crate::front::server::{Gateway, GatewayOptions};
-use crate::mock::{self, Flavor};
+use mock::Flavor;
 
 const PRIMARY_SCRIPT: &str = r#"
 name: primary

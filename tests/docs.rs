@@ -214,3 +214,302 @@ fn the_readme_is_a_front_page() {
         assert!(readme.contains(cmd), "README's quick start lost `{cmd}`");
     }
 }
+
+/// The rows of configuration.md's key tables: (key, its default cell), backticks kept.
+fn documented_defaults() -> Vec<(String, String)> {
+    let doc = std::fs::read_to_string(Path::new(ROOT).join("docs/configuration.md")).unwrap();
+    let mut out = Vec::new();
+    let mut in_table = false;
+    for line in doc.lines() {
+        if line.starts_with("| key | default |") {
+            in_table = true;
+            continue;
+        }
+        if !line.starts_with('|') {
+            in_table = false;
+            continue;
+        }
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        if in_table && cells.len() > 3 && cells[1].starts_with('`') && !cells[1].starts_with("`-") {
+            out.push((cells[1].trim_matches('`').to_string(), cells[2].to_string()));
+        }
+    }
+    out
+}
+
+/// Cells that state no value one could write instead (an absent key's meaning), by their words.
+const NO_VALUE: &[&str] = &[
+    "required",
+    "—",
+    "none",
+    "unlimited",
+    "all",
+    "all defaults",
+    "open gateway",
+    "off",
+    "unknown",
+    "the endpoint's name",
+    "from the model id",
+    "the policy's",
+    "the type's probe",
+    "the first non-ingress one",
+    "SQLite in",
+    "on a loopback",
+    "keep_turns 2, omission_note true",
+    // Another key's value: an absent key follows that key; one written stops following it.
+    "routing_policy.default_cooldown",
+    "health.probe_timeout",
+    "OpenAI: connect",
+];
+
+/// A cell's default as YAML to write, per endpoint type where the cell says so; `None`: a cell
+/// of [`NO_VALUE`] (or an error naming the cell: a new form must be taught here).
+fn default_values(key: &str, cell: &str) -> Option<Vec<(Option<&'static str>, String)>> {
+    let plain = |v: &str| -> String {
+        let v = v.trim().trim_matches('`');
+        let v = v.split(" (").next().unwrap().replace(',', "");
+        // `8 MiB` → `8MiB`: one size string.
+        match v.split_once(' ') {
+            Some((n, unit)) if n.parse::<f64>().is_ok() && unit.ends_with('B') => {
+                format!("{n}{unit}")
+            }
+            _ => v,
+        }
+    };
+    let types: [(&str, &'static str); 3] =
+        [("OpenAI", "openai"), ("vLLM", "vllm"), ("Ollama", "ollama")];
+    if key == "models.<name>.capabilities" {
+        // "OpenAI: a, b; vLLM: the same without vision, with continue; Ollama: c, d".
+        let openai = cell
+            .split("; ")
+            .next()?
+            .strip_prefix("OpenAI: ")?
+            .to_string();
+        let ollama = cell
+            .split("; ")
+            .nth(2)?
+            .strip_prefix("Ollama: ")?
+            .to_string();
+        assert!(
+            cell.contains("vLLM: the same without vision, with continue"),
+            "{cell}"
+        );
+        let vllm: Vec<&str> = openai
+            .split(", ")
+            .filter(|c| *c != "vision")
+            .chain(["continue"])
+            .collect();
+        return Some(vec![
+            (Some("openai"), format!("[{openai}]")),
+            (Some("vllm"), format!("[{}]", vllm.join(", "))),
+            (Some("ollama"), format!("[{ollama}]")),
+        ]);
+    }
+    if cell.starts_with("OpenAI: `") {
+        // "OpenAI: `a`; vLLM: `b`; Ollama: `c`".
+        return Some(
+            cell.split("; ")
+                .map(|part| {
+                    let (name, v) = part.split_once(": ").unwrap();
+                    let t = types.iter().find(|(n, _)| *n == name).unwrap().1;
+                    (Some(t), plain(v))
+                })
+                .collect(),
+        );
+    }
+    if cell.contains(" (OpenAI)") {
+        // "10s (OpenAI), 30s (vLLM, Ollama)".
+        let mut out = Vec::new();
+        for part in cell.split("), ") {
+            let (v, names) = part.split_once(" (").unwrap();
+            for name in names.trim_end_matches(')').split(", ") {
+                let t = types.iter().find(|(n, _)| *n == name).unwrap().1;
+                out.push((Some(t), plain(v)));
+            }
+        }
+        return Some(out);
+    }
+    let words = cell.trim_matches('`');
+    if NO_VALUE
+        .iter()
+        .any(|w| words == *w || (w.len() > 4 && words.starts_with(w)))
+        || words.starts_with("none")
+    {
+        return None;
+    }
+    // A share of another key's default.
+    if let Some(of) = cell.strip_prefix("a quarter of `") {
+        let other = format!("responses.{}", of.trim_end_matches('`'));
+        let (_, c) = documented_defaults()
+            .into_iter()
+            .find(|(k, _)| *k == other)
+            .unwrap();
+        let v = plain(&c);
+        let (n, unit) = v.split_at(v.find(|c: char| !c.is_ascii_digit()).unwrap());
+        return Some(vec![(
+            None,
+            format!("{}{unit}", n.parse::<u64>().unwrap() / 4),
+        )]);
+    }
+    let _ = key;
+    Some(vec![(None, plain(cell))])
+}
+
+/// The smallest config a key can be written in, and where the key goes in it (`models.<name>`
+/// is endpoint `m`, of type `ty`).
+fn context_for(key: &str, ty: &str) -> (serde_yaml_ng::Value, Vec<String>) {
+    let mut base: serde_yaml_ng::Value = serde_yaml_ng::from_str(&format!(
+        "models:\n  m:\n    type: {ty}\n    base_url: http://127.0.0.1:9/v1\n    model: m\n"
+    ))
+    .unwrap();
+    let extra: Option<&str> = [
+        ("models.<name>.health_check.purge.", "models: {m: {health_check: {url: 'http://127.0.0.1:9/h', purge: {url: 'http://127.0.0.1:9/p'}}}}"),
+        ("models.<name>.health_check.", "models: {m: {health_check: {url: 'http://127.0.0.1:9/h'}}}"),
+        ("models.<name>.timeouts.", "models: {m: {timeouts: {}}}"),
+        ("models.<name>.cost.", "models: {m: {cost: {}}}"),
+        ("models.<name>.base_url", "models: {m: {base_url: null}}"),
+        ("routes.<name>.", "routes: {r: {chain: [m]}}"),
+        ("hedge.", "routes: {r: {chain: [m], hedge: {after: 100ms}}}"),
+        ("docker.remediation.standby[].", "docker: {remediation: {standby: [{primary: m, service: s}]}}"),
+        ("docker.remediation.", "docker: {remediation: {}}"),
+        ("auth.keys[].", "auth: {keys: [{name: a, key: sk-client-0123456789abcdef}]}"),
+        ("vault.approle.", "vault: {address: 'http://127.0.0.1:9', approle: {role_id: r, secret_id: s}}"),
+        ("vault.", "vault: {address: 'http://127.0.0.1:9', token: t}"),
+        ("alerts.webhooks[].", "alerts: {webhooks: [{url: 'http://127.0.0.1:9/w'}]}"),
+        ("alerts.", "alerts: {}"),
+        ("audit.store", "audit: {}"),
+        ("audit.", "audit: {store: postgres, url: 'postgres://u@127.0.0.1:9/d'}"),
+        ("cluster.", "cluster: {redis: 'redis://127.0.0.1:9/0'}"),
+    ]
+    .iter()
+    .find(|(p, _)| key.starts_with(p))
+    .map(|(_, y)| *y);
+    if let Some(y) = extra {
+        merge(&mut base, serde_yaml_ng::from_str(y).unwrap());
+    }
+    let path: Vec<String> = if let Some(rest) = key.strip_prefix("models.<name>.") {
+        ["models", "m"]
+            .iter()
+            .map(|s| s.to_string())
+            .chain(rest.split('.').map(String::from))
+            .collect()
+    } else if let Some(rest) = key.strip_prefix("routes.<name>.") {
+        ["routes", "r"]
+            .iter()
+            .map(|s| s.to_string())
+            .chain(rest.split('.').map(String::from))
+            .collect()
+    } else if let Some(rest) = key.strip_prefix("hedge.") {
+        vec!["routes".into(), "r".into(), "hedge".into(), rest.into()]
+    } else {
+        key.split('.').map(String::from).collect()
+    };
+    (base, path)
+}
+
+/// `b` merged into `a`, maps key by key.
+fn merge(a: &mut serde_yaml_ng::Value, b: serde_yaml_ng::Value) {
+    use serde_yaml_ng::Value;
+    match (a, b) {
+        (Value::Mapping(a), Value::Mapping(b)) => {
+            for (k, v) in b {
+                match a.get_mut(&k) {
+                    Some(slot) if v.is_mapping() => merge(slot, v),
+                    _ => {
+                        a.insert(k, v);
+                    }
+                }
+            }
+        }
+        (a, b) => *a = b,
+    }
+}
+
+/// `value` written at `path` (a `name[]` step: into the list's first item).
+fn set(doc: &mut serde_yaml_ng::Value, path: &[String], value: serde_yaml_ng::Value) {
+    let mut at = doc;
+    for (i, step) in path.iter().enumerate() {
+        let (name, item) = match step.strip_suffix("[]") {
+            Some(n) => (n, true),
+            None => (step.as_str(), false),
+        };
+        let map = at
+            .as_mapping_mut()
+            .unwrap_or_else(|| panic!("{path:?}: not a map at {name}"));
+        let key = serde_yaml_ng::Value::from(name);
+        if i + 1 == path.len() {
+            map.insert(key, value);
+            return;
+        }
+        if !map.contains_key(&key) {
+            map.insert(
+                key.clone(),
+                serde_yaml_ng::Value::Mapping(Default::default()),
+            );
+        }
+        at = map.get_mut(&key).unwrap();
+        if item {
+            at = at.as_sequence_mut().and_then(|s| s.first_mut()).unwrap();
+        }
+    }
+}
+
+/// The table a config text loads to, without what records where it came from.
+fn table(doc: &serde_yaml_ng::Value) -> Result<String, String> {
+    let text = serde_yaml_ng::to_string(doc).unwrap();
+    let mut cfg = autohedge::config::Config::load(&text).map_err(|e| e.0)?;
+    cfg.source = autohedge::config::Source::None;
+    cfg.source_digest = [0; 32];
+    Ok(format!("{cfg:#?}"))
+}
+
+/// Every default configuration.md's tables give is the code's: a config that writes a key as
+/// its documented default loads to the same table as one that leaves it out (per endpoint type
+/// where the doc gives one a type). A cell that states no value (`none`, `required`, …) is
+/// named in [`NO_VALUE`]; any other form the reader does not know fails the test.
+#[test]
+fn every_documented_default_is_the_codes() {
+    let rows = documented_defaults();
+    assert!(
+        rows.len() > 120,
+        "only {} rows read: the reader is broken",
+        rows.len()
+    );
+    let mut checked = 0;
+    let mut wrong = Vec::new();
+    for (key, cell) in &rows {
+        let Some(values) = default_values(key, cell) else {
+            continue;
+        };
+        for (ty, value) in values {
+            if ty.is_some() && !key.starts_with("models.<name>.") {
+                panic!("{key}: a per-type default outside an endpoint");
+            }
+            let ty = ty.unwrap_or("openai");
+            let (base, path) = context_for(key, ty);
+            let without =
+                table(&base).unwrap_or_else(|e| panic!("{key}: the context does not load: {e}"));
+            let mut with = base.clone();
+            // A text YAML would read as a map (`autohedge:`) is the text.
+            let v = match serde_yaml_ng::from_str(&value).unwrap() {
+                serde_yaml_ng::Value::Mapping(_) => serde_yaml_ng::Value::from(value.as_str()),
+                v => v,
+            };
+            set(&mut with, &path, v);
+            match table(&with) {
+                Ok(t) if t == without => checked += 1,
+                Ok(_) => wrong.push(format!("{key} ({ty}): `{value}` is not the code's default")),
+                Err(e) => wrong.push(format!("{key} ({ty}): `{value}` does not load: {e}")),
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "configuration.md's defaults that are not the code's:\n{}",
+        wrong.join("\n")
+    );
+    assert!(
+        checked > 80,
+        "only {checked} defaults checked: the reader is broken"
+    );
+}

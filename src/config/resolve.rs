@@ -474,7 +474,11 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
                 }),
                 tokenize_cache: Default::default(),
                 discover: ep.discover.is_some(),
-                health_check: ep.health_check,
+                // Its defaults written in, so the table says what the prober does.
+                health_check: ep.health_check.map(|mut hc| {
+                    hc.kv_growth_probes.get_or_insert(5);
+                    hc
+                }),
                 semantic_probe: ep.semantic_probe.unwrap_or(false),
                 hedge: ep
                     .hedge

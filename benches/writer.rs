@@ -17,10 +17,11 @@ use autohedge::store::{AttemptRow, Record, RequestRow, Store};
 static GLOBAL: autohedge::alloc::Allocator = autohedge::alloc::Allocator;
 
 fn main() {
+    // `cargo test --benches` (CI's smoke run) gives no count: a few thousand rows.
     let n: usize = std::env::args()
         .nth(1)
         .and_then(|a| a.parse().ok())
-        .expect("usage: writer ROWS");
+        .unwrap_or(5_000);
     let dir = tempfile::tempdir().expect("temporary directory");
     let opened = Store::open(dir.path(), 1024).expect("store");
     let handle = opened.store.handle();

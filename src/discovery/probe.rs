@@ -592,9 +592,17 @@ pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
         } else {
             hp.probe_interval
         };
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            _ = tokio::time::sleep(interval) => {}
+        // An ejection while waiting (live traffic's, between rounds) brings the next round to
+        // within `eject_base` of it: ejected endpoints are probed sooner, not an interval on.
+        let mut until = tokio::time::Instant::now() + interval;
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = tokio::time::sleep_until(until) => break,
+                _ = state.registry.ejected() => {
+                    until = until.min(tokio::time::Instant::now() + thresholds.eject_base);
+                }
+            }
         }
     }
 }

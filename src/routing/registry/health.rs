@@ -29,6 +29,14 @@ impl Registry {
             &format!("health:{}->{}", tr.from, tr.to),
             &tr.reason,
         );
+        if tr.to == "ejected" {
+            self.ejections.notify_waiters();
+        }
+    }
+
+    /// Resolves when an endpoint is next ejected (the prober's wait for it).
+    pub async fn ejected(&self) {
+        self.ejections.notified().await
     }
 
     /// Feeds an active probe's result to the health state machine.

@@ -194,6 +194,8 @@ pub struct Registry {
     alerts: Option<crate::ops::alerts::Alerts>,
     /// With `cluster:`: where what this replica learns goes, for the others (never waited on).
     facts: std::sync::OnceLock<tokio::sync::mpsc::Sender<Fact>>,
+    /// Told when an endpoint is ejected: the prober, waiting out its interval, probes sooner.
+    ejections: tokio::sync::Notify,
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -210,6 +212,7 @@ impl Registry {
             store,
             alerts: None,
             facts: std::sync::OnceLock::new(),
+            ejections: tokio::sync::Notify::new(),
         }
     }
 

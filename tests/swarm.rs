@@ -1,11 +1,11 @@
-//! Against the real Docker Engine on this machine: an image built from our own binary (no
-//! registry), a single-node swarm, two mock-upstream services labelled as endpoints plus a
-//! labelled standby at 0 replicas, and the gateway itself as a service on the overlay with the
-//! Docker socket. Shows discovery, failover with no failed client request when the primary's task
-//! dies, remediation (restart of the primary, standby scaled up) and recovery (standby scaled back
-//! down). A second test runs the gateway at two replicas sharing a Redis service (an image of
-//! this machine's `redis-server`): a 429 one meets, the other skips. Everything they create is
-//! removed at the end, the swarm too if a test made it.
+//! Docker discovery and remediation. Against a fake Docker Engine (tests/common/engine.rs): engines
+//! unreachable, hung, failing or flooding, the first scan, `starting` health checks, start events,
+//! the standby and the stack remembered. Against the real Docker Engine (the `swarm_` tests): an
+//! image of our own binary in a single-node swarm with labelled mock-upstream services — discovery,
+//! failover, remediation, recovery, and two gateway replicas sharing a Redis service. Everything
+//! they create is removed at the end, the swarm too if a test made it.
+
+mod common;
 
 use std::path::Path;
 use std::process::Command;
@@ -13,9 +13,129 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use common::engine::{EngineAnswer, FakeEngine, service, service_with_id, tasks};
+use common::*;
 use serde_json::{Value, json};
 
-const BIN: &str = env!("CARGO_BIN_EXE_autohedge");
+/// A gateway with one endpoint `a` on `up`, following `engine` with `docker: { enabled: true,
+/// <docker> }`.
+fn gw_on_engine(engine: &FakeEngine, up: &MockUp, docker: &str) -> Gw {
+    Gw::start_with_env(
+        &format!(
+            "models:\n  a: {{ type: openai, base_url: \"{}\" }}\ndocker: {{ enabled: true, {docker} }}\n",
+            up.base()
+        ),
+        &[("DOCKER_HOST", engine.host.as_str())],
+    )
+}
+
+/// What a hostile engine must leave as it was: the engine read as reachable, `a` serving, no
+/// panic.
+async fn assert_engine_ok_and_serving(gw: &Gw) {
+    assert_eq!(gw.status().await["docker"]["status"], "ok");
+    assert_eq!(gw.chat("a", "x").await.status(), 200);
+    assert_no_panic(gw);
+}
+
+async fn an_endless_engine_answer_is_cut(tcp: bool) {
+    let engine = FakeEngine::start_on(tcp);
+    engine.set(
+        "/containers/json",
+        EngineAnswer::Endless {
+            start: "[",
+            fill: b' ',
+        },
+    );
+    let a = MockUp::openai("name: a").await;
+    let gw = gw_on_engine(&engine, &a, "interval: 300ms, timeout: 10s");
+    let ok = eventually(Duration::from_secs(8), || async {
+        gw.status().await["docker"]["error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("longer than 16777216 bytes")
+    })
+    .await;
+    assert!(ok, "{}: {}", engine.host, gw.status().await["docker"]);
+    assert_eq!(
+        gw.status().await["docker"]["status"],
+        "docker_daemon_unreachable"
+    );
+    let (connections, written) = engine.seen("/containers/json");
+    assert!(connections >= 1);
+    assert!(
+        engine.seen("/_ping").0 >= 1,
+        "{}: pinged first",
+        engine.host
+    );
+    // The limit, plus what the socket's buffers held when the gateway let go: a few hundred KB
+    // on a unix socket, but up to this machine's TCP buffer maxima (`tcp_rmem`, `tcp_wmem`) on
+    // loopback TCP. Without the limit it is the engine's whole 256 MiB.
+    let tcp_max = |f: &str| -> u64 {
+        std::fs::read_to_string(f)
+            .ok()
+            .and_then(|t| t.split_whitespace().nth(2).and_then(|n| n.parse().ok()))
+            .unwrap_or(8 << 20)
+    };
+    let slack = if tcp {
+        tcp_max("/proc/sys/net/ipv4/tcp_rmem") + tcp_max("/proc/sys/net/ipv4/tcp_wmem")
+    } else {
+        4 << 20
+    };
+    assert!(slack < 200 << 20, "the bound still tells 256 MiB apart");
+    assert!(
+        (16 << 20..(16 << 20) + slack).contains(&written),
+        "{}: the engine wrote {written} bytes on one answer",
+        engine.host
+    );
+    // Routing goes on.
+    let r = gw.chat("a", "x").await;
+    assert_eq!(r.status(), 200);
+    assert_no_panic(&gw);
+}
+
+/// An engine with one managed service `llm` (endpoint `disc`, its task at `up`) and a standby
+/// service `llm-standby` at 0 replicas whose updates succeed (counted by `seen`).
+fn standby_engine(up: &MockUp) -> FakeEngine {
+    let engine = FakeEngine::start();
+    engine.set(
+        "/services",
+        EngineAnswer::Body(
+            200,
+            json!([service(
+                "llm",
+                "disc",
+                up.addr.port(),
+                &[("autohedge.manage", "true")]
+            )])
+            .to_string(),
+        ),
+    );
+    engine.set(
+        "/services/llm-standby",
+        EngineAnswer::Body(
+            200,
+            json!({"ID": "sb1", "Version": {"Index": 3},
+                   "Spec": {"Name": "llm-standby", "Mode": {"Replicated": {"Replicas": 0}}}})
+            .to_string(),
+        ),
+    );
+    engine.set(
+        "/services/llm-standby/update",
+        EngineAnswer::Body(200, "{}".into()),
+    );
+    engine
+}
+
+/// The remediation events of a stopped gateway's audit trail, in order.
+fn remediation_events(gw: &Gw) -> Vec<String> {
+    audit_rows(
+        gw,
+        "SELECT event FROM endpoint_events WHERE event LIKE 'remediation%' ORDER BY id",
+    )
+    .into_iter()
+    .map(|r| r[0].as_str().unwrap_or("").to_string())
+    .collect()
+}
 
 fn docker(args: &[&str]) -> (bool, String) {
     let out = Command::new("docker")
@@ -290,6 +410,675 @@ async fn engine_and_image(cleanup: &mut Cleanup) {
         "--attachable",
         &cleanup.network,
     ]);
+}
+
+#[tokio::test]
+async fn unreachable_docker_daemon_is_reported_and_routing_goes_on() {
+    let a = MockUp::openai("name: a").await;
+    let mut gw = Gw::start_with_env(
+        &format!(
+            "models:\n  a: {{ type: openai, base_url: \"{}\" }}\ndocker: {{ enabled: true, interval: 200ms, timeout: 1s }}\n",
+            a.base()
+        ),
+        &[("DOCKER_HOST", "tcp://127.0.0.1:1")],
+    );
+    let ok = eventually(Duration::from_secs(5), || async {
+        gw.status().await["docker"]["status"] == "docker_daemon_unreachable"
+    })
+    .await;
+    assert!(ok, "{}", gw.status().await["docker"]);
+    assert_eq!(gw.chat("a", "x").await.status(), 200, "routing carries on");
+    gw.stop();
+    let conn = rusqlite::Connection::open(gw.db()).unwrap();
+    let n: i64 = one(
+        &conn,
+        "SELECT COUNT(*) FROM endpoint_events WHERE event = 'docker_daemon_unreachable'",
+    );
+    assert_eq!(n, 1, "recorded once per transition");
+}
+
+#[tokio::test]
+async fn a_hung_docker_daemon_is_unreachable_not_a_frozen_loop() {
+    // A "daemon" that accepts connections and never answers.
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("docker.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let held = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    {
+        let (accepted, held) = (accepted.clone(), held.clone());
+        std::thread::spawn(move || {
+            for c in listener.incoming().flatten() {
+                accepted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                held.lock().unwrap().push(c);
+            }
+        });
+    }
+    let a = MockUp::openai("name: a").await;
+    let host = format!("unix://{}", sock.display());
+    let mut gw = Gw::start_with_env(
+        &format!(
+            "models:\n  a: {{ type: openai, base_url: \"{}\" }}\ndocker:\n  enabled: true\n  interval: 200ms\n  timeout: 500ms\n  remediation: {{ enabled: true }}\n",
+            a.base()
+        ),
+        &[("DOCKER_HOST", host.as_str())],
+    );
+    let ok = eventually(Duration::from_secs(5), || async {
+        gw.status().await["docker"]["status"] == "docker_daemon_unreachable"
+    })
+    .await;
+    assert!(ok, "{}", gw.status().await["docker"]);
+    assert!(
+        accepted.load(std::sync::atomic::Ordering::Relaxed) >= 1,
+        "the gateway did talk to the hung daemon"
+    );
+    assert!(
+        gw.status().await["docker"]["error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("no answer within 500ms"),
+        "{}",
+        gw.status().await["docker"]
+    );
+    // The watcher keeps cycling (scans keep timing out, each a new connection) ...
+    let before = accepted.load(std::sync::atomic::Ordering::Relaxed);
+    let ok = eventually(Duration::from_secs(5), || async {
+        accepted.load(std::sync::atomic::Ordering::Relaxed) > before
+    })
+    .await;
+    assert!(ok, "the watcher loop is not frozen");
+    // ... and each timed-out call's connection is let go, not kept: after eight more the
+    // gateway holds no more descriptors than it did after the first few.
+    let fds_early = open_fds(gw.pid());
+    let ok = eventually(Duration::from_secs(15), || async {
+        accepted.load(std::sync::atomic::Ordering::Relaxed) >= before + 8
+    })
+    .await;
+    assert!(ok, "the watcher kept calling the hung engine");
+    let fds = open_fds(gw.pid());
+    eprintln!(
+        "{} engine connections made, {fds_early} then {fds} descriptors open",
+        accepted.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    assert!(
+        fds <= fds_early + 2,
+        "{fds} descriptors open after eight more hung engine calls ({fds_early} before)"
+    );
+    // ... routing goes on, and shutdown is not blocked by the hung engine.
+    assert_eq!(gw.chat("a", "x").await.status(), 200);
+    let t = std::time::Instant::now();
+    gw.stop();
+    eprintln!(
+        "stopped {:?} after SIGTERM with a hung docker daemon",
+        t.elapsed()
+    );
+}
+
+/// An engine whose container list never ends: the gateway reads it to the limit (16 MiB), says
+/// why in `/status`, and goes on serving — over a unix socket and over `tcp://` alike. Before,
+/// bollard read the whole answer into memory — here 256 MiB, until `docker.timeout`; an engine
+/// that kept going would have had the kernel kill the gateway.
+#[tokio::test]
+async fn a_docker_engine_answer_without_end_is_read_to_the_limit_only() {
+    for tcp in [false, true] {
+        an_endless_engine_answer_is_cut(tcp).await;
+    }
+}
+
+/// An event line that never ends: the follower reads at most 1 MiB of it, drops the
+/// connection and follows the stream anew. Before, bollard's decoder held the growing line and
+/// parsed all of it again on every read.
+#[tokio::test]
+async fn a_docker_event_line_without_end_is_cut_and_the_stream_reopened() {
+    let engine = FakeEngine::start();
+    engine.set(
+        "/events",
+        EngineAnswer::Endless {
+            start: r#"{"Type":"container","Action":"die","Actor":{"ID":""#,
+            fill: b'a',
+        },
+    );
+    let a = MockUp::openai("name: a").await;
+    let gw = gw_on_engine(&engine, &a, "interval: 300ms, timeout: 2s");
+    let ok = eventually(Duration::from_secs(8), || async {
+        engine.seen("/events").0 >= 2
+    })
+    .await;
+    let (connections, written) = engine.seen("/events");
+    assert!(ok, "the event stream was opened {connections} times");
+    // 1 MiB, plus what the socket's buffers held.
+    assert!(
+        (1 << 20..3 << 20).contains(&written),
+        "the engine wrote {written} bytes on one event line"
+    );
+    assert_engine_ok_and_serving(&gw).await;
+}
+
+/// A Swarm manager that fails to list services (an election, an overloaded raft) is an engine
+/// that cannot be read, not a swarm with no services: the endpoint keeps its last known address
+/// and goes on serving. Before, the error read as "no service labelled", which took the
+/// endpoint down and left its clients with 503s while its task ran on.
+#[tokio::test]
+async fn a_failed_service_list_keeps_the_last_known_addresses() {
+    let up = MockUp::openai("name: task").await;
+    let engine = FakeEngine::start();
+    engine.set(
+        "/services",
+        EngineAnswer::Body(
+            200,
+            json!([service("llm", "disc", up.addr.port(), &[])]).to_string(),
+        ),
+    );
+    engine.set("/tasks", tasks("running"));
+    let gw = Gw::start_with_env(
+        "models:\n  disc: { type: openai, discover: docker }\ndocker: { enabled: true, interval: 200ms, timeout: 2s }\n",
+        &[("DOCKER_HOST", engine.host.as_str())],
+    );
+    let ok = eventually(Duration::from_secs(8), || async {
+        gw.chat("disc", "x").await.status() == 200
+    })
+    .await;
+    assert!(ok, "{}", gw.status().await);
+    let served = up.requests().await;
+    assert!(served >= 1, "the task's address was discovered and served");
+
+    engine.set(
+        "/services",
+        EngineAnswer::Body(
+            500,
+            r#"{"message":"rpc error: code = Unknown desc = the raft is electing a leader"}"#
+                .into(),
+        ),
+    );
+    // Several scans see the error.
+    let before = engine.seen("/services").0;
+    let ok = eventually(Duration::from_secs(5), || async {
+        engine.seen("/services").0 >= before + 3
+    })
+    .await;
+    assert!(ok, "the watcher kept scanning");
+    let st = gw.status().await;
+    assert_eq!(st["docker"]["status"], "docker_daemon_unreachable", "{st}");
+    assert!(
+        st["docker"]["error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("the raft is electing a leader"),
+        "{st}"
+    );
+    assert_ne!(st["endpoints"]["disc"]["state"], "unhealthy", "{st}");
+    for _ in 0..3 {
+        let r = gw.chat("disc", "x").await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(header(&r, "x-autohedge-endpoint"), "disc");
+    }
+    assert_eq!(up.requests().await, served + 3);
+    // An engine without Swarm's API at all (Podman's socket answers 404) is read as one with no
+    // services, as a worker node's 503 is: the scan succeeds.
+    engine.set(
+        "/services",
+        EngineAnswer::Body(404, r#"{"message":"page not found"}"#.into()),
+    );
+    let ok = eventually(Duration::from_secs(5), || async {
+        gw.status().await["docker"]["status"] == "ok"
+    })
+    .await;
+    assert!(ok, "{}", gw.status().await["docker"]);
+    assert_no_panic(&gw);
+}
+
+/// An engine whose containers come and go all the time (a CI runner on the same host, or an
+/// engine that floods): 200 `start` events a second. Rescans follow them, but at most one every
+/// 250 ms. Before, each event (after 20 ms of coalescing) started a scan of its own: the watcher
+/// scanned back to back, loading the engine and the gateway's runtime.
+#[tokio::test]
+async fn a_flood_of_container_events_rescans_at_most_every_250_ms() {
+    let engine = FakeEngine::start();
+    engine.set(
+        "/events",
+        EngineAnswer::Repeat {
+            line: "{\"Type\":\"container\",\"Action\":\"start\",\"Actor\":{\"ID\":\"c1\"}}\n",
+            every: Duration::from_millis(5),
+        },
+    );
+    let a = MockUp::openai("name: a").await;
+    // The poll is once a minute: every scan after the first is the events' doing.
+    let gw = gw_on_engine(&engine, &a, "interval: 60s, timeout: 2s");
+    let ok = eventually(Duration::from_secs(5), || async {
+        engine.seen("/events").1 > 0 && engine.seen("/containers/json").0 >= 2
+    })
+    .await;
+    assert!(ok, "events were sent and set off a rescan");
+    let before = engine.seen("/containers/json").0;
+    let events_before = engine.seen("/events").1;
+    let t0 = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let scans = engine.seen("/containers/json").0 - before;
+    let sent = (engine.seen("/events").1 - events_before) / 58;
+    let elapsed = t0.elapsed();
+    eprintln!("{scans} scans in {elapsed:?} under {sent} events");
+    // Counted, not timed: events still set off scans, far more events came than scans were
+    // made, and the scans are at most one per 250 ms of however long the window really was
+    // (plus one for where it falls and one in flight).
+    assert!(scans >= 1, "the events set off no scan");
+    assert!(
+        sent >= 10 * scans,
+        "{sent} events for {scans} scans: not a flood"
+    );
+    let most = (elapsed.as_millis() / 250) as u64 + 2;
+    assert!(
+        scans <= most,
+        "{scans} scans in {elapsed:?} (at most {most}) under {sent} events"
+    );
+    assert_engine_ok_and_serving(&gw).await;
+}
+
+/// A new gateway does not turn requests away before it knows its endpoints: until its first
+/// discovery scan (here the engine takes 1.5 s to list services) and first probe round are done,
+/// `/health` answers 503 `starting` (so Swarm keeps a new replica out of rotation), and a
+/// request that comes meanwhile waits and is served by the endpoint discovery then finds.
+/// Before, the request got a 503 ("no running task discovered for this endpoint").
+#[tokio::test]
+async fn a_new_gateway_waits_for_its_first_scan_instead_of_answering_503() {
+    let up = MockUp::openai("name: task").await;
+    let engine = FakeEngine::start();
+    let services = json!([service("llm", "disc", up.addr.port(), &[])]).to_string();
+    engine.set(
+        "/services",
+        EngineAnswer::Delayed(Duration::from_millis(1500), 200, services),
+    );
+    engine.set("/tasks", tasks("running"));
+    let gw = Gw::start_with_env(
+        "models:\n  disc: { type: openai, discover: docker }\ndocker: { enabled: true, interval: 60s, timeout: 5s }\n",
+        &[("DOCKER_HOST", engine.host.as_str())],
+    );
+    // Right after `listening`: the scan is still waiting on the engine.
+    let r = reqwest::get(gw.url("/health")).await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.json::<Value>().await.unwrap()["status"], "starting");
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            engine.seen("/services").0 >= 1
+        })
+        .await,
+        "the first scan is under way"
+    );
+    // A request now waits for the scan, and is served by the endpoint it found.
+    let r = gw.chat("disc", "x").await;
+    let status = r.status();
+    let body = r.text().await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(up.requests().await, 1);
+    let r = reqwest::get(gw.url("/health")).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_no_panic(&gw);
+}
+
+/// Remediation acts only on evidence: a service whose task's Docker health check is still
+/// `starting` (its start period) is starting, not sick — no standby is scaled up for it. Once
+/// the health check fails, the same config does act (dry run: the action is recorded).
+#[tokio::test]
+async fn remediation_waits_out_a_health_check_that_is_still_starting() {
+    let up = MockUp::openai("name: task").await;
+    let engine = FakeEngine::start();
+    engine.set(
+        "/services",
+        EngineAnswer::Body(
+            200,
+            json!([service(
+                "llm",
+                "disc",
+                up.addr.port(),
+                &[("autohedge.manage", "true")]
+            )])
+            .to_string(),
+        ),
+    );
+    engine.set(
+        "/tasks",
+        EngineAnswer::Body(
+            200,
+            json!([{
+                "ID": "task1",
+                "ServiceID": "svc1",
+                "DesiredState": "running",
+                "Status": {"State": "running", "ContainerStatus": {"ContainerID": "c1"}},
+                "NetworksAttachments": [{"Network": {"Spec": {"Name": "backend"}}, "Addresses": ["127.0.0.1/8"]}],
+            }])
+            .to_string(),
+        ),
+    );
+    let container = |health: &str| {
+        EngineAnswer::Body(
+            200,
+            json!({"Id": "c1", "RestartCount": 0,
+                   "State": {"Running": true, "Health": {"Status": health}},
+                   "NetworkSettings": {"Networks": {"backend": {"IPAddress": "127.0.0.1"}}}})
+            .to_string(),
+        )
+    };
+    engine.set("/containers/c1/json", container("starting"));
+    let mut gw = Gw::start_with_env(
+        "models:\n  disc: { type: openai, discover: docker }\ndocker:\n  enabled: true\n  interval: 200ms\n  timeout: 2s\n  remediation:\n    enabled: true\n    dry_run: true\n    unhealthy_after: 1\n    standby: [{ primary: disc, service: llm-standby }]\n",
+        &[("DOCKER_HOST", engine.host.as_str())],
+    );
+    // Many scans see the task starting.
+    let scans = eventually(Duration::from_secs(10), || async {
+        engine.seen("/containers/c1/json").0 >= 10
+    })
+    .await;
+    assert!(scans, "the container's health was read on every scan");
+    let st = gw.status().await;
+    assert!(
+        st["endpoints"]["disc"]["discovered"]["down"]
+            .as_str()
+            .unwrap_or("")
+            .contains("starting"),
+        "{}",
+        st["endpoints"]["disc"]
+    );
+    let acted = |gw: &Gw| {
+        audit_rows(
+            gw,
+            "SELECT event FROM endpoint_events WHERE event LIKE 'remediation%'",
+        )
+    };
+    // Now the health check fails: that is evidence.
+    engine.set("/containers/c1/json", container("unhealthy"));
+    let ok = eventually(Duration::from_secs(10), || async {
+        gw.status().await["docker"]["remediation_actions"]
+            .as_u64()
+            .unwrap_or(0)
+            >= 1
+    })
+    .await;
+    assert!(ok, "{}", gw.status().await["docker"]);
+    gw.stop();
+    let events = acted(&gw);
+    assert!(!events.is_empty(), "the failing health check was acted on");
+    let reasons = audit_rows(
+        &gw,
+        "SELECT reason FROM endpoint_events WHERE event LIKE 'remediation%' ORDER BY id",
+    );
+    assert!(
+        reasons[0][0]
+            .as_str()
+            .unwrap_or("")
+            .contains("health check failing"),
+        "the first action came only with the failing health check: {reasons:?}"
+    );
+}
+
+/// A backend that comes back is back at its event: after Docker reports its container started,
+/// discovery looks again every 100 ms until its task runs (Swarm reports the container before
+/// the task is RUNNING), instead of waiting for the next periodic scan (here a minute away).
+#[tokio::test]
+async fn a_recovered_backend_is_back_at_its_start_event_not_the_next_scan() {
+    let up = MockUp::openai("name: task").await;
+    let engine = FakeEngine::start();
+    engine.set(
+        "/services",
+        EngineAnswer::Body(
+            200,
+            json!([service("llm", "disc", up.addr.port(), &[])]).to_string(),
+        ),
+    );
+    engine.set("/tasks", tasks("starting"));
+    // One `start` event as the watcher connects (then nothing for a minute).
+    engine.set(
+        "/events",
+        EngineAnswer::Repeat {
+            line: "{\"Type\":\"container\",\"Action\":\"start\",\"Actor\":{\"ID\":\"c1\"}}\n",
+            every: Duration::from_secs(60),
+        },
+    );
+    let gw = Gw::start_with_env(
+        "models:\n  disc: { type: openai, discover: docker }\ndocker: { enabled: true, interval: 60s, timeout: 2s }\n",
+        &[("DOCKER_HOST", engine.host.as_str())],
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            engine.seen("/events").0 >= 1
+        })
+        .await,
+        "the watcher follows the events"
+    );
+    // The first scans found the task starting.
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            gw.status().await["endpoints"]["disc"]["discovered"]["running_tasks"] == 0
+        })
+        .await,
+        "{}",
+        gw.status().await["endpoints"]["disc"]
+    );
+    // The task runs now; no event says so, and the periodic scan is a minute away.
+    let scans_before = engine.seen("/tasks").0;
+    engine.set("/tasks", tasks("running"));
+    let back = eventually(Duration::from_secs(10), || async {
+        gw.status().await["endpoints"]["disc"]["discovered"]["running_tasks"] == 1
+    })
+    .await;
+    assert!(back, "{}", gw.status().await["endpoints"]["disc"]);
+    assert!(engine.seen("/tasks").0 > scans_before, "found by a rescan");
+    assert_eq!(gw.chat("disc", "x").await.status(), 200);
+    assert_eq!(up.requests().await, 1);
+}
+
+/// The standby is remembered across restarts: a gateway that scaled the standby up and was then
+/// replaced leaves the fact in its database, and the next one scales the standby back down once
+/// the primary has been healthy for `healthy_for`. Before, the flag lived in memory only, and the
+/// standby stayed up for good.
+#[tokio::test]
+async fn a_restarted_gateway_scales_down_the_standby_its_predecessor_brought_up() {
+    let up = MockUp::openai("name: task").await;
+    let engine = standby_engine(&up);
+    // The primary's task failed: remediation scales the standby up. Each action is also a
+    // `remediation` alert.
+    engine.set("/tasks", tasks("failed"));
+    let (hook, alerts) = scripted_webhook(&[]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = format!(
+        "models:\n  disc: {{ type: openai, discover: docker }}\ndocker:\n  enabled: true\n  interval: 200ms\n  timeout: 2s\n  remediation:\n    enabled: true\n    unhealthy_after: 1\n    standby: [{{ primary: disc, service: llm-standby, healthy_for: 1s }}]\nalerts:\n  webhooks: [{{ url: 'http://{hook}/hook', format: json }}]\n  events: [remediation]\n"
+    );
+    let cfg = cfg.as_str();
+    let env = [("DOCKER_HOST", engine.host.as_str())];
+    let mut first = Gw::start_in(dir.path(), cfg, &env);
+    let scaled_up = eventually(Duration::from_secs(10), || async {
+        engine.seen("/services/llm-standby/update").0 >= 1
+    })
+    .await;
+    assert!(scaled_up, "{}", first.status().await["docker"]);
+    let alerted = |n: usize| {
+        let alerts = alerts.clone();
+        async move {
+            alerts
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|(_, _, v)| v["event"] == "remediation")
+                .count()
+                >= n
+        }
+    };
+    assert!(eventually(Duration::from_secs(10), || alerted(1)).await);
+    first.stop();
+    // The primary recovers while no gateway runs; a new one starts on the same data.
+    engine.set("/tasks", tasks("running"));
+    let mut second = Gw::start_in(dir.path(), cfg, &env);
+    let scaled_down = eventually(Duration::from_secs(15), || async {
+        engine.seen("/services/llm-standby/update").0 >= 2
+    })
+    .await;
+    assert!(scaled_down, "{}", second.status().await["docker"]);
+    assert!(eventually(Duration::from_secs(10), || alerted(2)).await);
+    second.stop();
+    let events = remediation_events(&second);
+    assert_eq!(
+        events,
+        vec!["remediation_scale_up", "remediation_scale_down"],
+        "{events:?}"
+    );
+    // Both actions reached the webhook as `remediation` alerts, saying what was done and how it
+    // went.
+    let details: Vec<String> = alerts
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, _, v)| v["event"] == "remediation" && v["endpoint"] == "disc")
+        .map(|(_, _, v)| v["detail"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(details.len(), 2, "{:?}", alerts.lock().unwrap());
+    assert!(
+        details[0].contains("scale standby llm-standby 0 -> 1")
+            && details[0].contains("result: ok"),
+        "{details:?}"
+    );
+    assert!(
+        details[1].contains("scale standby llm-standby 1 -> 0")
+            && details[1].contains("result: ok"),
+        "{details:?}"
+    );
+}
+
+/// While the primary's restarted task is still starting, the standby stays up: a starting task
+/// is no observation, neither sick nor healthy. Before, a round with only a starting task counted
+/// as healthy, and the standby came down `healthy_for` after the primary's restart, before the
+/// primary served again. Counted in scans, not timed: the standby must outlast several times
+/// `healthy_for` of them, then come down once the task runs.
+#[tokio::test]
+async fn the_standby_stays_up_while_the_restarted_primary_is_starting() {
+    let up = MockUp::openai("name: task").await;
+    let engine = standby_engine(&up);
+    engine.set("/tasks", tasks("failed"));
+    let cfg = "models:\n  disc: { type: openai, discover: docker }\ndocker:\n  enabled: true\n  interval: 200ms\n  timeout: 2s\n  remediation:\n    enabled: true\n    unhealthy_after: 1\n    standby: [{ primary: disc, service: llm-standby, healthy_for: 400ms }]\n";
+    let mut gw = Gw::start_with_env(cfg, &[("DOCKER_HOST", engine.host.as_str())]);
+    let scaled_up = eventually(Duration::from_secs(10), || async {
+        engine.seen("/services/llm-standby/update").0 >= 1
+    })
+    .await;
+    assert!(scaled_up, "{}", gw.status().await["docker"]);
+    // The replacement task is starting: ten scans (2 s, five times `healthy_for`) later the
+    // standby is still up.
+    engine.set("/tasks", tasks("starting"));
+    let scans = engine.seen("/services").0;
+    let ok = eventually(Duration::from_secs(30), || async {
+        engine.seen("/services").0 >= scans + 10
+    })
+    .await;
+    assert!(ok, "the gateway kept scanning");
+    assert_eq!(
+        engine.seen("/services/llm-standby/update").0,
+        1,
+        "the standby came down while the primary was only starting"
+    );
+    // The task runs: after `healthy_for` the standby comes down.
+    engine.set("/tasks", tasks("running"));
+    let scaled_down = eventually(Duration::from_secs(15), || async {
+        engine.seen("/services/llm-standby/update").0 >= 2
+    })
+    .await;
+    assert!(scaled_down, "{}", gw.status().await["docker"]);
+    gw.stop();
+    let events = remediation_events(&gw);
+    assert_eq!(
+        events,
+        vec!["remediation_scale_up", "remediation_scale_down"],
+        "{events:?}"
+    );
+}
+
+/// One stack name: with no `docker.stack` in the config, a gateway running in a stack learns it
+/// from its own container's `com.docker.stack.namespace` label (its host name is its container
+/// id), sees only that stack's services, and finds a standby named without the stack's prefix
+/// (`llm-standby` is `mystack_llm-standby`): `docker stack deploy` under any name needs no edit.
+#[tokio::test]
+async fn a_gateway_learns_its_stack_from_its_own_container() {
+    let up = MockUp::openai("name: task").await;
+    let engine = FakeEngine::start();
+    let service = |id: &str, name: &str, stack: &str| {
+        service_with_id(
+            id,
+            name,
+            "disc",
+            up.addr.port(),
+            &[
+                ("autohedge.manage", "true"),
+                ("com.docker.stack.namespace", stack),
+            ],
+        )
+    };
+    engine.set(
+        "/services",
+        EngineAnswer::Body(
+            200,
+            json!([
+                service("svc1", "mystack_llm", "mystack"),
+                service("svc2", "other_llm", "other")
+            ])
+            .to_string(),
+        ),
+    );
+    // As the engine does: no service by the short name, the stack's by the full one.
+    engine.set(
+        "/services/llm-standby",
+        EngineAnswer::Body(404, r#"{"message":"service llm-standby not found"}"#.into()),
+    );
+    engine.set(
+        "/services/mystack_llm-standby",
+        EngineAnswer::Body(
+            200,
+            json!({"ID": "sb1", "Version": {"Index": 3},
+                   "Spec": {"Name": "mystack_llm-standby", "Mode": {"Replicated": {"Replicas": 0}}}})
+            .to_string(),
+        ),
+    );
+    engine.set(
+        "/services/mystack_llm-standby/update",
+        EngineAnswer::Body(200, "{}".into()),
+    );
+    engine.set(
+        "/tasks",
+        EngineAnswer::Body(
+            200,
+            json!([{"ID": "t1", "ServiceID": "svc1", "DesiredState": "running", "Status": {"State": "failed"}}])
+                .to_string(),
+        ),
+    );
+    engine.set(
+        "/containers/selfcontainer1/json",
+        EngineAnswer::Body(
+            200,
+            json!({"Id": "selfcontainer1", "Config": {"Labels": {"com.docker.stack.namespace": "mystack"}}})
+                .to_string(),
+        ),
+    );
+    let gw = Gw::start_with_env(
+        "models:\n  disc: { type: openai, discover: docker }\ndocker:\n  enabled: true\n  interval: 200ms\n  timeout: 2s\n  remediation:\n    enabled: true\n    unhealthy_after: 1\n    standby: [{ primary: disc, service: llm-standby }]\n",
+        &[
+            ("DOCKER_HOST", engine.host.as_str()),
+            ("HOSTNAME", "selfcontainer1"),
+        ],
+    );
+    let scaled = eventually(Duration::from_secs(10), || async {
+        engine.seen("/services/mystack_llm-standby/update").0 >= 1
+    })
+    .await;
+    assert!(
+        scaled,
+        "the standby was found in the stack: {}",
+        gw.status().await["docker"]
+    );
+    assert!(
+        engine.seen("/containers/selfcontainer1/json").0 >= 1,
+        "it asked about itself"
+    );
+    let st = gw.status().await;
+    assert_eq!(
+        st["endpoints"]["disc"]["discovered"]["service"], "mystack_llm",
+        "only its own stack's service: {}",
+        st["endpoints"]["disc"]
+    );
 }
 
 /// The stack's shape at two gateway replicas sharing one Redis (an image of this machine's
@@ -737,7 +1526,7 @@ models:
   sick: {{ type: openai, discover: docker }}
 # slow_start off: the time from Docker's healthy event to traffic on the primary is what this
 # test measures (discovery and health); slow start's share (10% of requests at first, rising
-# over 30 s) would add a random wait of its own, and is tested by itself (tests/tail.rs,
+# over 30 s) would add a random wait of its own, and is tested by itself (tests/routing.rs,
 # routing::router). One CI run took 2.7 s with the gateway's scan seeing the task 239 ms after
 # the event: the rest went after it, into routing.
 routing_policy: {{ fallback_chain: [primary, standby, backup], slow_start: 0s }}

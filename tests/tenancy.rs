@@ -1,280 +1,32 @@
-//! One gateway, many tenants: no client's request, key or bytes, no config value and no upstream's
-//! bytes may change what the other clients get. Each test first shows the thing happened (the
-//! upstream got the request, answered as it did) and then that nobody else was touched.
+//! One gateway, many tenants: client keys and their limits, against the real binary. Who may call
+//! which model (keys, digests, allow-lists that hold over fallback and hedges), `rpm` exact from
+//! many connections at once, `tpm`, budgets exact under concurrency and across a restart, billed
+//! failed attempts, spend that outlives dropped audit rows, and an open gateway warned about.
+//! The admin surface is in `operator.rs`; Vault's part in `secrets.rs`.
 
 mod common;
-
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
 use common::*;
 use serde_json::{Value, json};
 
-/// An upstream that answers like vLLM's OpenAI server: a request whose `temperature` is not a
-/// number gets vLLM's validation 400, which quotes the invalid input back; a message `overflow:N`
-/// gets vLLM's context-length 400 stating a limit of N; anything else is served, with
-/// `usage.prompt_tokens` N for a message `served:N` (else 10). Counts the requests it got.
-struct VllmLike {
-    base: String,
-    requests: Arc<AtomicU64>,
-}
-
-async fn vllm_like() -> VllmLike {
-    use axum::routing::post;
-    let requests = Arc::new(AtomicU64::new(0));
-    let seen = requests.clone();
-    let app = axum::Router::new().route(
-        "/v1/chat/completions",
-        post(move |body: axum::Json<Value>| {
-            let seen = seen.clone();
-            async move {
-                seen.fetch_add(1, Ordering::SeqCst);
-                let bad = |msg: String| {
-                    (
-                        axum::http::StatusCode::BAD_REQUEST,
-                        axum::Json(json!({"error": {"message": msg, "type": "BadRequestError", "param": null, "code": 400}})),
-                    )
-                };
-                if let Some(t) = body.get("temperature").filter(|t| !t.is_number()) {
-                    return bad(format!(
-                        "1 validation error for ChatCompletionRequest\ntemperature\n  Input should be a valid number, unable to parse string as a number [type=float_parsing, input_value={t}, input_type=str]"
-                    ));
-                }
-                let text = body
-                    .pointer("/messages/0/content")
-                    .and_then(Value::as_str)
-                    .unwrap_or("");
-                if let Some(n) = text.strip_prefix("overflow:") {
-                    return bad(format!(
-                        "This model's maximum context length is {n} tokens. However, you requested 99999 tokens (99990 in the messages, 9 in the completion). Please reduce the length of the messages or completion."
-                    ));
-                }
-                let prompt: u64 = text
-                    .strip_prefix("served:")
-                    .and_then(|n| n.parse().ok())
-                    .unwrap_or(10);
-                (
-                    axum::http::StatusCode::OK,
-                    axum::Json(json!({
-                        "id": "chatcmpl-v", "object": "chat.completion", "created": 1, "model": "tiny",
-                        "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
-                        "usage": {"prompt_tokens": prompt, "completion_tokens": 1, "total_tokens": prompt + 1}
-                    })),
-                )
-            }
-        }),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    VllmLike {
-        base: format!("http://{addr}/v1"),
-        requests,
+async fn call(gw: &Gw, key: Option<&str>, model: &str, extra: Value) -> reqwest::Response {
+    let mut body = json!({"model": model, "messages": [{"role": "user", "content": "hi"}]});
+    if let (Some(o), Value::Object(e)) = (body.as_object_mut(), extra) {
+        o.extend(e);
     }
-}
-
-impl VllmLike {
-    fn requests(&self) -> u64 {
-        self.requests.load(Ordering::SeqCst)
+    let mut req = reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .json(&body);
+    if let Some(k) = key {
+        req = req.bearer_auth(k);
     }
+    req.send().await.unwrap()
 }
 
-fn learned(st: &Value, name: &str) -> Value {
-    st["endpoints"][name]["learned_context_window"].clone()
-}
-
-async fn chat_with(gw: &Gw, id: &str, model: &str, content: &str) -> reqwest::Response {
-    gw.chat_id(
-        id,
-        json!({"model": model, "messages": [{"role": "user", "content": content}]}),
-    )
-    .await
-}
-
-/// Rewrites the config file and has the gateway reload it (SIGHUP), waiting until `/status`
-/// shows `until`.
-async fn reload(gw: &Gw, cfg: &str, until: impl Fn(&Value) -> bool) {
-    std::fs::write(&gw.config_path, cfg).unwrap();
-    std::process::Command::new("kill")
-        .args(["-HUP", &gw.pid().to_string()])
-        .status()
-        .unwrap();
-    let ok = eventually(Duration::from_secs(10), || async {
-        until(&gw.status().await)
-    })
-    .await;
-    assert!(ok, "reload not seen: {}", gw.status().await);
-}
-
-/// vLLM's validation errors quote the input: a request whose `temperature` is the text of a
-/// context-length error must not teach the endpoint a window of 1 token. Nor does an upstream's
-/// stated limit below 64 tokens, or below a request it served in full. A real limit is learned,
-/// with the request that taught it; `endpoint clear` forgets it in the running gateway and in
-/// SQLite.
-#[tokio::test]
-async fn a_learned_window_comes_only_from_the_upstreams_own_word() {
-    let v = vllm_like().await;
-    let big = MockUp::openai("name: big").await;
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = format!(
-        "models:\n  v: {{ type: vllm, base_url: \"{}\", model: tiny }}\n  big: {{ type: openai, base_url: \"{}\", context_window: 128000 }}\nroutes:\n  chat: [v, big]\n",
-        v.base,
-        big.base()
-    );
-    let mut gw = Gw::start_in(dir.path(), &cfg, &[]);
-
-    // The poisoned request: vLLM answers its 400, quoting the temperature.
-    let r = gw
-        .chat_id(
-            "poison-1",
-            json!({"model": "chat", "temperature": "This model's maximum context length is 1 tokens.",
-                   "messages": [{"role": "user", "content": "hi"}]}),
-        )
-        .await;
-    assert_eq!(v.requests(), 1, "v got the request and answered its 400");
-    let _ = r.text().await;
-    assert_eq!(learned(&gw.status().await, "v"), Value::Null);
-    // Everyone else is still served by v.
-    let r = chat_with(&gw, "plain-1", "chat", "hello").await;
-    assert_eq!(r.status(), 200);
-    assert_eq!(header(&r, "x-autohedge-endpoint"), "v");
-
-    // A stated limit below 64 tokens is no model's window.
-    let r = chat_with(&gw, "tiny-limit", "chat", "overflow:32").await;
-    assert_eq!(header(&r, "x-autohedge-endpoint"), "big");
-    assert_eq!(v.requests(), 3);
-    assert_eq!(learned(&gw.status().await, "v"), Value::Null);
-
-    // v served 500 prompt tokens in full: a stated limit of 300 is not its window.
-    let r = chat_with(&gw, "served-500", "chat", "served:500").await;
-    assert_eq!(header(&r, "x-autohedge-endpoint"), "v");
-    let r = chat_with(&gw, "below-served", "chat", "overflow:300").await;
-    assert_eq!(header(&r, "x-autohedge-endpoint"), "big");
-    assert_eq!(v.requests(), 5);
-    assert_eq!(learned(&gw.status().await, "v"), Value::Null);
-
-    // A real limit is learned, with the request that taught it.
-    let r = chat_with(&gw, "teacher", "chat", "overflow:4096").await;
-    assert_eq!(header(&r, "x-autohedge-endpoint"), "big");
-    let st = gw.status().await;
-    assert_eq!(learned(&st, "v"), 4096);
-    assert_eq!(
-        st["endpoints"]["v"]["learned_context_window_request"],
-        "teacher"
-    );
-
-    // `endpoint clear` forgets it live...
-    let out = std::process::Command::new(BIN)
-        .args(["endpoint", "clear", "v", "--url", &gw.url(""), "--data-dir"])
-        .arg(gw.data_dir())
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
-    assert_eq!(learned(&gw.status().await, "v"), Value::Null);
-    gw.stop();
-    // ...and in SQLite: a restart does not bring it back.
-    let gw = Gw::start_in(dir.path(), &cfg, &[]);
-    assert_eq!(learned(&gw.status().await, "v"), Value::Null);
-    let r = chat_with(&gw, "after-restart", "chat", "hello").await;
-    assert_eq!(header(&r, "x-autohedge-endpoint"), "v");
-}
-
-/// Pointing endpoint `e` at another server by a reload starts its state afresh: the window learned
-/// from the old server, and its cooldown, do not carry over to the new one.
-#[tokio::test]
-async fn a_redefined_endpoint_forgets_what_was_learned_about_the_old_server() {
-    let old = vllm_like().await;
-    let new = vllm_like().await;
-    let big = MockUp::openai("name: big").await;
-    let cfg = |base: &str| {
-        format!(
-            "models:\n  e: {{ type: vllm, base_url: \"{base}\", model: tiny }}\n  big: {{ type: openai, base_url: \"{}\", context_window: 128000 }}\nroutes:\n  chat: [e, big]\n",
-            big.base()
-        )
-    };
-    let gw = Gw::start(&cfg(&old.base));
-    let r = chat_with(&gw, "teach", "chat", "overflow:100").await;
-    assert_eq!(header(&r, "x-autohedge-endpoint"), "big");
-    assert_eq!(old.requests(), 1);
-    assert_eq!(learned(&gw.status().await, "e"), 100);
-
-    reload(&gw, &cfg(&new.base), |st| {
-        st["endpoints"]["e"]["learned_context_window"].is_null()
-    })
-    .await;
-    // The new server gets a prompt the old one's window would have sent elsewhere. (The
-    // endpoint's state is made fresh just before the new table is swapped in: a request in
-    // that instant still goes by the old table, so the first to reach the new server is
-    // awaited, each served by `e`.)
-    let long = "word ".repeat(400);
-    for i in 0..20 {
-        let r = chat_with(&gw, &format!("long-{i}"), "chat", &long).await;
-        assert_eq!(header(&r, "x-autohedge-endpoint"), "e");
-        if new.requests() > 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(new.requests(), 1);
-    gw.status().await;
-    let mut gw = gw;
-    gw.stop();
-    let ev = audit_rows(
-        &gw,
-        "SELECT event FROM endpoint_events WHERE endpoint = 'e' ORDER BY id",
-    );
-    assert!(
-        ev.iter().any(|e| e[0] == "redefined"),
-        "the change is an event: {ev:?}"
-    );
-}
-
-/// `request_timeout: 18446744073709551615` (and every duration over 365 days, in any form) is
-/// refused at load, naming its path; it used to load and turn every request into a 500.
-#[tokio::test]
-async fn an_outsized_duration_is_refused_at_load_naming_its_path() {
-    let a = MockUp::openai("name: a").await;
-    for (key, value) in [
-        ("request_timeout", "18446744073709551615"),
-        ("request_timeout", "31536001"),
-        ("request_timeout", "1e30"),
-        ("request_timeout", "\"400d\""),
-        ("default_cooldown", "18446744073709551615"),
-    ] {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("config.yaml");
-        std::fs::write(
-            &path,
-            format!(
-                "models:\n  a: {{ type: openai, base_url: \"{}\" }}\nrouting_policy: {{ {key}: {value} }}\n",
-                a.base()
-            ),
-        )
-        .unwrap();
-        let out = std::process::Command::new(BIN)
-            .arg("check-config")
-            .arg(&path)
-            .output()
-            .unwrap();
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(!out.status.success(), "{key}: {value} loaded: {text}");
-        assert!(
-            text.contains(&format!("routing_policy.{key}")) && text.contains("365 days"),
-            "{key}: {value}: {text}"
-        );
-    }
-    // The cap itself loads and serves.
-    let gw = Gw::start(&format!(
-        "models:\n  a: {{ type: openai, base_url: \"{}\" }}\nrouting_policy: {{ request_timeout: 31536000 }}\n",
-        a.base()
-    ));
-    assert_eq!(gw.chat("a", "x").await.status(), 200);
-    assert_eq!(a.requests().await, 1);
+async fn error_of(r: reqwest::Response) -> (u16, Value) {
+    let status = r.status().as_u16();
+    let body: Value = r.json().await.unwrap();
+    (status, body)
 }
 
 async fn call_as(gw: &Gw, key: &str, id: &str, body: Value) -> reqwest::Response {
@@ -286,6 +38,89 @@ async fn call_as(gw: &Gw, key: &str, id: &str, body: Value) -> reqwest::Response
         .send()
         .await
         .unwrap()
+}
+
+#[tokio::test]
+async fn client_keys_decide_who_may_call_and_which_models() {
+    let m = MockUp::openai("name: up").await;
+    let mut gw = Gw::start_with_env(&cfg(&m, ""), &[("TEAM_A_KEY", TEAM_A)]);
+    // Served with a key: the upstream got its own configured key, never the client's.
+    let r = call(&gw, Some(TEAM_A), "chat", json!({})).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(m.stats().await["key_tails"], json!(["9999"]));
+    // `x-api-key` works as well, with a key given only as its digest.
+    let r = reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .header("x-api-key", TEAM_B)
+        .json(&json!({"model": "b", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(m.requests().await, 2);
+    // `b` has no key of its own: the client's `x-api-key` (nor any Authorization) did not go
+    // on in its place.
+    let names = m.stats().await["last_header_names"].clone();
+    assert!(
+        names.as_array().is_some_and(|a| !a.is_empty()),
+        "the mock saw the headers: {names}"
+    );
+    for h in ["x-api-key", "authorization"] {
+        assert!(
+            !names.as_array().unwrap().contains(&json!(h)),
+            "{h} reached the keyless endpoint: {names}"
+        );
+    }
+    assert_eq!(m.stats().await["key_tails"], json!(["9999"]));
+    // No key, a wrong key: 401 in OpenAI's shape, and nothing reached the upstream.
+    for key in [None, Some("sk-nope"), Some(&TEAM_A[..TEAM_A.len() - 1])] {
+        let (status, body) = error_of(call(&gw, key, "chat", json!({})).await).await;
+        assert_eq!(status, 401, "{key:?}");
+        assert_eq!(body["error"]["code"], "invalid_api_key", "{body}");
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+    }
+    // A model the key may not use: 403.
+    let (status, body) = error_of(call(&gw, Some(TEAM_A), "b", json!({})).await).await;
+    assert_eq!(status, 403);
+    assert_eq!(body["error"]["code"], "model_not_allowed", "{body}");
+    assert_eq!(
+        m.requests().await,
+        2,
+        "refused requests never reach an upstream"
+    );
+    let st = gw.status().await;
+    assert_eq!(st["auth"]["client_keys"], 2);
+    gw.stop();
+    // The audit trail names the client, never the key; no key anywhere.
+    let rows = audit_rows(
+        &gw,
+        "SELECT client_key, status, coalesce(error_class, '') FROM requests ORDER BY id",
+    );
+    let rows: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            format!(
+                "{}:{}:{}",
+                r[0].as_str().unwrap_or("-"),
+                r[1],
+                r[2].as_str().unwrap()
+            )
+        })
+        .collect();
+    assert_eq!(
+        rows,
+        vec!["team-a:200:", "team-b:200:", "team-a:403:model_not_allowed"]
+    );
+    let db = std::fs::read(gw.db()).unwrap();
+    let log = gw.log();
+    for secret in [TEAM_A, TEAM_B, "sk-upstream-9999"] {
+        assert!(!log.contains(secret), "{secret} in the log");
+        assert!(!st.to_string().contains(secret), "{secret} in /status");
+        assert!(
+            !db.windows(secret.len()).any(|w| w == secret.as_bytes()),
+            "{secret} in SQLite"
+        );
+    }
 }
 
 /// A key's `models` hold over the whole path: a key allowed `local` is never served, hedged or
@@ -411,314 +246,134 @@ auth:
     );
 }
 
-async fn with_host(gw: &Gw, host: &str) -> (u16, Value) {
-    let r = reqwest::Client::new()
-        .post(gw.url("/v1/chat/completions"))
-        .header("host", host)
-        .json(&json!({"model": "a", "messages": [{"role": "user", "content": "hi"}]}))
-        .send()
-        .await
-        .unwrap();
-    let status = r.status().as_u16();
-    (status, r.json().await.unwrap_or(Value::Null))
-}
-
-/// DNS rebinding against `/v1/*`: on a loopback listener a request whose `Host` is a domain name
-/// (a web page's, pointed at 127.0.0.1) gets 403 `host_not_allowed` and reaches no upstream;
-/// `localhost` and IP literals pass. `server.allowed_hosts` replaces the default; on a listener
-/// that is not loopback there is no check unless it is set. `max_concurrent_requests` defaults to
-/// 4096.
 #[tokio::test]
-async fn a_rebound_host_name_cannot_use_a_loopback_gateway() {
-    let a = MockUp::openai("name: a").await;
-    let cfg = format!(
-        "models:\n  a: {{ type: openai, base_url: \"{}\" }}\n",
-        a.base()
+async fn a_burst_over_rpm_from_many_connections_lets_exactly_the_limit_through() {
+    let m = MockUp::openai("name: up").await;
+    let mut gw = Gw::start_with_env(
+        &cfg(&m, "    - { name: burst, key: sk-burst-key-1, rpm: 5 }\n"),
+        &[("TEAM_A_KEY", TEAM_A)],
     );
-    let gw = Gw::start(&cfg);
-    let port = gw.addr.port();
-    let (status, body) = with_host(&gw, &format!("localhost:{port}")).await;
-    assert_eq!(status, 200, "{body}");
-    assert_eq!(with_host(&gw, &format!("[::1]:{port}")).await.0, 200);
-    assert_eq!(a.requests().await, 2);
-    let (status, body) = with_host(&gw, &format!("rebind.attacker.example:{port}")).await;
-    assert_eq!(status, 403, "{body}");
-    assert_eq!(body["error"]["code"], "host_not_allowed", "{body}");
-    assert_eq!(a.requests().await, 2, "nothing reached the upstream");
-    let r = reqwest::Client::new()
-        .get(gw.url("/v1/models"))
-        .header("host", "rebind.attacker.example")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 403);
-    let st = gw.status().await;
-    assert_eq!(st["server"]["max_concurrent_requests"], 4096, "{st}");
-
-    // allowed_hosts set: exactly those names (and `.name` for the names under it).
-    let gw = Gw::start(&format!(
-        "server: {{ allowed_hosts: [gw.internal, .corp.example] }}\n{cfg}"
-    ));
-    assert_eq!(with_host(&gw, "gw.internal").await.0, 200);
-    assert_eq!(with_host(&gw, "GW.Internal:8000").await.0, 200);
-    assert_eq!(with_host(&gw, "ai.corp.example").await.0, 200);
-    assert_eq!(with_host(&gw, "localhost").await.0, 403);
-    assert_eq!(with_host(&gw, "corp.example.attacker.example").await.0, 403);
-
-    // Not loopback: no check unless set.
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("config.yaml");
-    std::fs::write(
-        &path,
-        format!("{cfg}auth: {{ keys: [{{ name: t, key: sk-tenant-0000000000 }}] }}\n"),
-    )
-    .unwrap();
-    let gw = Gw::start_listening(dir.path(), &path, &[], "0.0.0.0:0");
-    let r = reqwest::Client::new()
-        .post(format!(
-            "http://127.0.0.1:{}/v1/chat/completions",
-            gw.addr.port()
-        ))
-        .header("host", "gateway.example")
-        .bearer_auth("sk-tenant-0000000000")
-        .json(&json!({"model": "a", "messages": [{"role": "user", "content": "hi"}]}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-}
-
-/// How a raw SSE upstream ends its stream.
-#[derive(Clone, Copy)]
-enum Ending {
-    /// Closes the connection in the middle of an HTTP chunk (a broken stream).
-    Break,
-    /// Sends `data:` lines with no blank line, without end (until the gateway hangs up, or
-    /// `limit` bytes).
-    Endless { limit: usize },
-}
-
-/// A loopback upstream speaking OpenAI's streaming wire format byte for byte: chunked HTTP/1.1,
-/// `chunks` as given, then `ending`. Returns its base URL and the bytes of the ending it wrote.
-async fn raw_sse_upstream(chunks: Vec<String>, ending: Ending) -> (String, Arc<AtomicU64>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let wrote = Arc::new(AtomicU64::new(0));
-    let counter = wrote.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut sock, _)) = listener.accept().await else {
-                return;
-            };
-            let chunks = chunks.clone();
-            let counter = counter.clone();
-            tokio::spawn(async move {
-                // The request: headers, then a body of content-length bytes.
-                let mut req = Vec::new();
-                let mut buf = [0u8; 4096];
-                let body_start = loop {
-                    let Ok(n) = sock.read(&mut buf).await else {
-                        return;
-                    };
-                    if n == 0 {
-                        return;
-                    }
-                    req.extend_from_slice(&buf[..n]);
-                    if let Some(i) = req.windows(4).position(|w| w == b"\r\n\r\n") {
-                        break i + 4;
-                    }
-                };
-                let head = String::from_utf8_lossy(&req[..body_start]).to_ascii_lowercase();
-                let len: usize = head
-                    .lines()
-                    .find_map(|l| l.strip_prefix("content-length:"))
-                    .and_then(|v| v.trim().parse().ok())
-                    .unwrap_or(0);
-                while req.len() < body_start + len {
-                    let Ok(n) = sock.read(&mut buf).await else {
-                        return;
-                    };
-                    if n == 0 {
-                        return;
-                    }
-                    req.extend_from_slice(&buf[..n]);
-                }
-                let mut out = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
-                for c in &chunks {
-                    out.extend_from_slice(format!("{:x}\r\n{c}\r\n", c.len()).as_bytes());
-                }
-                if sock.write_all(&out).await.is_err() {
-                    return;
-                }
-                match ending {
-                    Ending::Break => {
-                        // A chunk announced longer than what follows, then the connection goes.
-                        let _ = sock.write_all(b"400\r\ndata: {\"id\":\"x\",\"choices\":[{\"delta\":{\"content\":\"par").await;
-                        let _ = sock.flush().await;
-                    }
-                    Ending::Endless { limit } => {
-                        let line = format!("data: {}\n", "z".repeat(1000));
-                        let chunk = format!("{:x}\r\n{}\r\n", line.len() * 64, line.repeat(64));
-                        let mut sent = 0;
-                        while sent < limit {
-                            if sock.write_all(chunk.as_bytes()).await.is_err() {
-                                break;
-                            }
-                            sent += chunk.len();
-                            counter.store(sent as u64, Ordering::SeqCst);
-                        }
-                    }
-                }
-            });
-        }
-    });
-    (format!("http://{addr}/v1"), wrote)
-}
-
-fn content_event(text: &str) -> String {
-    format!(
-        "data: {}\n\n",
-        json!({"id": "chatcmpl-raw", "object": "chat.completion.chunk", "created": 1, "model": "m",
-               "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": null}]})
-    )
-}
-
-/// Every event of a stream the client got, each `data:` JSON or `[DONE]`; panics on any other.
-fn whole_events(raw: &str) -> Vec<Value> {
-    let mut p = autohedge::wire::sse::SseParser::new();
-    let events = p.push(raw.as_bytes()).unwrap();
-    assert!(
-        !p.has_partial(),
-        "the client's stream ends mid-event: {raw:?}"
-    );
-    events
-        .iter()
-        .filter(|e| e.data.trim() != "[DONE]")
-        .map(|e| {
-            serde_json::from_str(&e.data)
-                .unwrap_or_else(|err| panic!("not JSON ({err}): {:?} in {raw:?}", e.data))
-        })
-        .collect()
-}
-
-/// An upstream that breaks in the middle of an event: the client gets the whole events before
-/// it, then the gateway's error event on a clean boundary; the half event never reaches it.
-#[tokio::test]
-async fn a_stream_broken_mid_event_reaches_the_client_as_whole_events() {
-    // The event before the break comes in two pieces, its blank line in the second.
-    let first = content_event("Hello ");
-    let (a, b) = first.split_at(20);
-    let (base, _) = raw_sse_upstream(
-        vec![a.to_string(), b.to_string(), content_event("world ")],
-        Ending::Break,
-    )
-    .await;
-    let gw = Gw::start(&format!(
-        "models:\n  a: {{ type: openai, base_url: \"{base}\" }}\n"
-    ));
-    let r = gw
-        .post(
-            "/v1/chat/completions",
-            json!({"model": "a", "stream": true, "messages": [{"role": "user", "content": "hi"}]}),
-        )
-        .await;
-    assert_eq!(r.status(), 200);
-    let raw = r.text().await.unwrap();
-    let events = whole_events(&raw);
-    let text: String = events
-        .iter()
-        .filter_map(|v| {
-            v.pointer("/choices/0/delta/content")
-                .and_then(Value::as_str)
-        })
-        .collect();
-    assert_eq!(text, "Hello world ", "{raw}");
-    assert!(
-        !raw.contains(":\"par"),
-        "the half event reached the client: {raw}"
-    );
-    let last = events.last().unwrap();
-    assert_eq!(last["error"]["code"], "stream_broken", "{raw}");
-}
-
-/// An upstream that sends `data:` lines without the blank line that ends an event, without end:
-/// the gateway holds at most `limits.max_event_bytes` of it, passes none of it on, ends the
-/// client's stream with `stream_broken` and hangs up on the upstream; its memory stays flat.
-/// Before the first content chunk the same upstream is failed over.
-#[tokio::test]
-async fn an_endless_event_is_cut_at_max_event_bytes_and_memory_stays_bounded() {
-    const LIMIT: usize = 300 * 1024 * 1024;
-    let (endless, wrote) = raw_sse_upstream(
-        vec![content_event("Hello ")],
-        Ending::Endless { limit: LIMIT },
-    )
-    .await;
-    let (early, early_wrote) = raw_sse_upstream(vec![], Ending::Endless { limit: LIMIT }).await;
-    let b = MockUp::openai("name: b\nreply: \"served by b\"").await;
-    let gw = Gw::start(&format!(
-        "models:\n  endless: {{ type: openai, base_url: \"{endless}\" }}\n  early: {{ type: openai, base_url: \"{early}\" }}\n  b: {{ type: openai, base_url: \"{}\" }}\nroutes:\n  late: [endless, b]\n  first: [early, b]\nlimits: {{ max_event_bytes: 1048576 }}\n",
-        b.base()
-    ));
-    let ask = |model: &str| json!({"model": model, "stream": true, "messages": [{"role": "user", "content": "hi"}]});
-    // Warm up every path once (code pages, pools, the allocator's first arenas), then measure
-    // what a second 300 MB event costs.
-    let _ = gw.chat("b", "x").await.text().await;
-    for model in ["late", "first"] {
-        let _ = gw
-            .post("/v1/chat/completions", ask(model))
-            .await
-            .text()
-            .await;
+    let mut tasks = Vec::new();
+    for _ in 0..30 {
+        // A client (and a connection) per request.
+        let url = gw.url("/v1/chat/completions");
+        tasks.push(tokio::spawn(async move {
+            reqwest::Client::new()
+                .post(url)
+                .bearer_auth("sk-burst-key-1")
+                .json(&json!({"model": "chat", "messages": [{"role": "user", "content": "x"}]}))
+                .send()
+                .await
+                .unwrap()
+        }));
     }
-    let rss_before = rss_kb(gw.pid());
+    let mut ok = 0;
+    let mut limited = Vec::new();
+    for t in tasks {
+        let r = t.await.unwrap();
+        match r.status().as_u16() {
+            200 => ok += 1,
+            429 => limited.push(r),
+            other => panic!("{other}"),
+        }
+    }
+    assert_eq!(ok, 5, "exactly rpm requests pass");
+    assert_eq!(m.requests().await, 5);
+    let r = limited.pop().unwrap();
+    assert_eq!(header(&r, "x-ratelimit-limit-requests"), "5");
+    assert_eq!(header(&r, "x-ratelimit-remaining-requests"), "0");
+    assert!(header(&r, "x-ratelimit-reset-requests").ends_with("ms"));
+    let retry: u64 = header(&r, "retry-after").parse().unwrap();
+    assert!((1..=12).contains(&retry), "{retry}");
+    let (_, body) = error_of(r).await;
+    assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{body}");
+    gw.stop();
+}
 
-    let r = gw.post("/v1/chat/completions", ask("late")).await;
-    assert_eq!(header(&r, "x-autohedge-endpoint"), "endless");
-    let raw = r.text().await.unwrap();
-    assert!(
-        wrote.load(Ordering::SeqCst) > 1024 * 1024,
-        "the upstream sent past the limit"
-    );
-    assert!(
-        raw.len() < 1024 * 1024,
-        "the client got {} bytes",
-        raw.len()
-    );
-    assert!(
-        !raw.contains("zzzz"),
-        "none of the unfinished event passed on"
-    );
-    let events = whole_events(&raw);
-    assert_eq!(events[0]["choices"][0]["delta"]["content"], "Hello ");
-    let last = events.last().unwrap();
-    assert_eq!(last["error"]["code"], "stream_broken", "{raw}");
-    assert!(
-        last["error"]["message"]
-            .as_str()
-            .unwrap_or("")
-            .contains("max_event_bytes"),
-        "{last}"
-    );
-    // The gateway hung up: the upstream could not write its 300 MB.
-    let ok = eventually(Duration::from_secs(10), || async {
-        let a = wrote.load(Ordering::SeqCst);
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        wrote.load(Ordering::SeqCst) == a
-    })
+#[tokio::test]
+async fn tpm_and_a_monthly_budget_that_survives_a_restart() {
+    let m = MockUp::openai("name: up").await;
+    let dir = tempfile::tempdir().unwrap();
+    let keys = "    - { name: tokens, key: sk-tokens-key-1, tpm: 100 }\n    - { name: spender, key: sk-spender-key-1, budget_usd: 5 }\n";
+    let mut gw = Gw::start_in(dir.path(), &cfg(&m, keys), &[("TEAM_A_KEY", TEAM_A)]);
+    // tpm: the prompt estimate plus max_tokens count at once (OpenAI's own rule).
+    let r = call(
+        &gw,
+        Some("sk-tokens-key-1"),
+        "chat",
+        json!({"max_tokens": 80}),
+    )
     .await;
-    assert!(ok);
-    assert!((wrote.load(Ordering::SeqCst) as usize) < LIMIT / 4);
-
-    // Before the first content chunk: an attempt that fails over, invisibly.
-    let r = gw.post("/v1/chat/completions", ask("first")).await;
-    assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
-    let raw = r.text().await.unwrap();
-    assert!(raw.contains("served"), "{raw}");
-    assert!(early_wrote.load(Ordering::SeqCst) > 1024 * 1024);
-
-    let grown_mb = rss_kb(gw.pid()).saturating_sub(rss_before) / 1024;
-    assert!(grown_mb < 32, "RSS grew by {grown_mb} MiB");
+    assert_eq!(r.status(), 200);
+    let r = call(
+        &gw,
+        Some("sk-tokens-key-1"),
+        "chat",
+        json!({"max_tokens": 80}),
+    )
+    .await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(header(&r, "x-ratelimit-limit-tokens"), "100");
+    // Budget: `a` costs $1 per token each way, so one request spends more than $5.
+    let r = call(&gw, Some("sk-spender-key-1"), "chat", json!({})).await;
+    assert_eq!(r.status(), 200);
+    let (status, body) =
+        error_of(call(&gw, Some("sk-spender-key-1"), "chat", json!({})).await).await;
+    assert_eq!(status, 429);
+    assert_eq!(body["error"]["code"], "insufficient_quota", "{body}");
+    let spent = gw.status().await["auth"]["spend_this_month_usd"]["spender"]
+        .as_f64()
+        .unwrap();
+    assert!(spent >= 5.0, "{spent}");
+    gw.stop();
+    let persisted: f64 = one(
+        &rusqlite::Connection::open(gw.db()).unwrap(),
+        "SELECT usd FROM client_spend WHERE client = 'spender'",
+    );
+    assert!((persisted - spent).abs() < 1e-6, "{persisted} vs {spent}");
+    // `autohedge stats --by-key`: requests, tokens and spend per key name.
+    let out = std::process::Command::new(BIN)
+        .args(["stats", "--by-key", "--json", "--since", "1h", "--data-dir"])
+        .arg(gw.data_dir())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let by_key: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let row = |k: &str| {
+        by_key
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["key"] == k)
+            .cloned()
+            .unwrap_or_else(|| panic!("{k} in {by_key}"))
+    };
+    assert_eq!(row("tokens")["requests"], 2);
+    assert_eq!(row("tokens")["served"], 1);
+    assert_eq!(row("tokens")["refused"], 1);
+    assert_eq!(row("spender")["served"], 1);
+    assert!((row("spender")["cost_usd"].as_f64().unwrap() - spent).abs() < 1e-6);
+    assert!(row("spender")["tokens_in"].as_u64().unwrap() > 0);
+    // A restart keeps the spend: still over budget.
+    let mut gw = Gw::start_at(
+        dir.path(),
+        &dir.path().join("config.yaml"),
+        &[("TEAM_A_KEY", TEAM_A)],
+    );
+    let (status, body) =
+        error_of(call(&gw, Some("sk-spender-key-1"), "chat", json!({})).await).await;
+    assert_eq!(status, 429, "{body}");
+    assert_eq!(body["error"]["code"], "insufficient_quota");
+    assert_eq!(
+        m.requests().await,
+        2,
+        "the refused requests never reached the upstream"
+    );
+    gw.stop();
 }
 
 /// `tpm` counts what is spent: a prompt of token ids counts as its length, and a request without
@@ -843,85 +498,6 @@ async fn concurrent_requests_overshoot_a_budget_by_at_most_one_reservation() {
     assert!((5.0..=6.0).contains(&spent), "{spent}");
 }
 
-fn error_event(message: &str) -> String {
-    format!(
-        "data: {}\n\n",
-        json!({"error": {"message": message, "type": "server_error", "code": null}})
-    )
-}
-
-/// A continuation is invisible: when one upstream read holds both content and an in-band error,
-/// the client still gets that content, then the continuation (no gap); the audit row and the
-/// key's bill hold both legs' tokens.
-#[tokio::test]
-async fn a_continued_stream_has_no_gap_and_both_legs_are_billed() {
-    let both = format!("{}{}", content_event("there "), error_event("engine died"));
-    let (brk, _) = raw_sse_upstream(vec![content_event("Hello "), both], Ending::Break).await;
-    let cont = MockUp::start(
-        autohedge::demo::mock::Flavor::Vllm,
-        "reply: \"Hello there my old friend\"",
-    )
-    .await;
-    let mut gw = Gw::start(&format!(
-        "models:\n  brk: {{ type: vllm, base_url: \"{brk}\", cost: {{ input_per_mtok: 0, output_per_mtok: 1000000 }} }}\n  cont: {{ type: vllm, base_url: \"{}\", cost: {{ input_per_mtok: 0, output_per_mtok: 1000000 }} }}\nroutes:\n  chat:\n    chain: [brk, cont]\n    continue_streams: true\nauth:\n  keys:\n    - {{ name: team, key: sk-team-cont-000000 }}\n",
-        cont.base()
-    ));
-    let r = reqwest::Client::new()
-        .post(gw.url("/v1/chat/completions"))
-        .bearer_auth("sk-team-cont-000000")
-        .header("x-request-id", "cont-1")
-        .json(
-            &json!({"model": "chat", "stream": true, "stream_options": {"include_usage": true},
-                      "messages": [{"role": "user", "content": "greet"}]}),
-        )
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let raw = r.text().await.unwrap();
-    let events = whole_events(&raw);
-    let text: String = events
-        .iter()
-        .filter_map(|v| {
-            v.pointer("/choices/0/delta/content")
-                .and_then(Value::as_str)
-        })
-        .collect();
-    assert_eq!(cont.requests().await, 1, "cont carried the stream on");
-    let sent = cont.stats().await["last_body"].clone();
-    let prefix = sent["messages"].as_array().unwrap().last().unwrap()["content"].clone();
-    assert_eq!(
-        prefix, "Hello there ",
-        "cont was asked to go on from what the client has"
-    );
-    assert_eq!(text, "Hello there my old friend", "{raw}");
-    assert!(!raw.contains("engine died"), "{raw}");
-    // The second leg's own usage, as the client saw it.
-    let second = events
-        .iter()
-        .filter_map(|v| v["usage"]["completion_tokens"].as_u64())
-        .next_back()
-        .expect("usage chunk");
-    let status = gw.status().await;
-    let spent = status["auth"]["spend_this_month_usd"]["team"]
-        .as_f64()
-        .unwrap_or(0.0);
-    gw.stop();
-    let row = audit_rows(
-        &gw,
-        "SELECT tokens_out, cost_usd, continued_from FROM requests WHERE request_id = 'cont-1'",
-    );
-    // The first leg's "Hello there " (12 characters: 3 tokens estimated) plus the second's.
-    assert_eq!(row[0][0], json!(3 + second), "{row:?}");
-    assert_eq!(row[0][2], json!("brk"));
-    let cost = row[0][1].as_f64().unwrap();
-    assert!((cost - (3 + second) as f64).abs() < 1e-9, "{cost}");
-    assert!(
-        (spent - cost).abs() < 1e-9,
-        "billed both legs: {spent} vs {cost}"
-    );
-}
-
 /// A failed attempt the upstream billed (its answer reported `usage`) is charged to the request:
 /// its tokens and cost join the serving endpoint's in the audit row and the key's spend.
 #[tokio::test]
@@ -1030,4 +606,89 @@ async fn spend_survives_dropped_audit_rows() {
         .as_f64()
         .unwrap();
     assert!(after > spent, "read back {after}, before {spent}");
+}
+
+#[tokio::test]
+async fn an_open_gateway_on_a_public_address_is_warned_about() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.yaml");
+    std::fs::write(
+        &path,
+        "server: { listen: 0.0.0.0:8000 }\nmodels:\n  a: { type: openai, base_url: \"http://127.0.0.1:9/v1\" }\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["check-config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        text.contains("anyone who reaches this address can spend the upstream keys"),
+        "{text}"
+    );
+    std::fs::write(
+        &path,
+        "server: { listen: 127.0.0.1:8000 }\nmodels:\n  a: { type: openai, base_url: \"http://127.0.0.1:9/v1\" }\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["check-config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("anyone who reaches"));
+    // An admin key that cannot be read is a warning, and the admin surface stays closed.
+    std::fs::write(
+        &path,
+        "models:\n  a: { type: openai, base_url: \"http://127.0.0.1:9/v1\" }\nauth: { admin_key: env:AUTOHEDGE_SURELY_UNSET_ADMIN }\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(BIN)
+        .args(["check-config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("auth.admin_key") && text.contains("closed"),
+        "{text}"
+    );
+    let dir2 = tempfile::tempdir().unwrap();
+    let mut gw = Gw::start_at(dir2.path(), &path, &[]);
+    let r = reqwest::get(gw.url("/status")).await.unwrap();
+    assert_eq!(r.status(), 401, "closed even to loopback");
+    gw.stop();
+    // Bad auth sections are errors that say where.
+    for (bad, needle) in [
+        ("auth: { keys: [] }", "auth.keys"),
+        (
+            "auth: { keys: [{ name: x, key: \"sha256:zz\" }] }",
+            "auth.keys[0].key",
+        ),
+        (
+            "auth: { keys: [{ name: x, key: k1, models: [nope] }] }",
+            "auth.keys[0].models[0]",
+        ),
+        ("auth: { keys: [{ name: x, key: k1, rpm: 0 }] }", "rpm"),
+    ] {
+        std::fs::write(
+            &path,
+            format!(
+                "models:\n  a: {{ type: openai, base_url: \"http://127.0.0.1:9/v1\" }}\n{bad}\n"
+            ),
+        )
+        .unwrap();
+        let out = std::process::Command::new(BIN)
+            .args(["check-config"])
+            .arg(&path)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{bad}");
+        assert!(text.contains(needle), "{bad}: {text}");
+    }
 }

@@ -3,9 +3,31 @@
 
 #![allow(dead_code)]
 
+pub mod cfg;
+pub mod clusters;
+pub mod endless;
 pub mod engine;
 pub mod pg_server;
 pub mod redis_server;
+pub mod tenants;
+pub mod trail;
+pub mod util;
+pub mod vllm;
+
+#[allow(unused_imports)]
+pub use cfg::*;
+#[allow(unused_imports)]
+pub use clusters::*;
+#[allow(unused_imports)]
+pub use endless::*;
+#[allow(unused_imports)]
+pub use tenants::*;
+#[allow(unused_imports)]
+pub use trail::*;
+#[allow(unused_imports)]
+pub use util::*;
+#[allow(unused_imports)]
+pub use vllm::*;
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;

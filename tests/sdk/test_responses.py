@@ -76,7 +76,7 @@ class Stack:
 
     def close(self):
         # Killed: a gateway drains for `server.drain_delay` on SIGTERM, which these tests do not
-        # need to wait out (tests/gateway.rs covers the drain).
+        # need to wait out (tests/front_door.rs covers the drain).
         for p in self.procs:
             if p.poll() is None:
                 p.kill()

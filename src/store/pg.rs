@@ -831,16 +831,23 @@ impl Spool {
         };
         if s.len > 0 {
             // Records a run before this one left: counted as waiting (lines, not parsed).
-            let lines = std::fs::read(&s.path)
-                .map(|b| {
-                    b.get(usize::try_from(s.done).unwrap_or(usize::MAX)..)
-                        .map_or(0, |rest| {
-                            rest.split(|c| *c == b'\n')
-                                .filter(|l| !l.is_empty() && !l.starts_with(b"{\"batch\""))
-                                .count()
-                        })
-                })
-                .unwrap_or(0) as u64;
+            // Read as it streams by, a line at a time (the file may be a GiB).
+            let lines = (|| -> std::io::Result<u64> {
+                use std::io::{BufRead, Seek, SeekFrom};
+                let mut f = std::io::BufReader::new(std::fs::File::open(&s.path)?);
+                f.seek(SeekFrom::Start(s.done))?;
+                let (mut n, mut line) = (0u64, Vec::new());
+                loop {
+                    line.clear();
+                    if f.read_until(b'\n', &mut line)? == 0 {
+                        return Ok(n);
+                    }
+                    if line != b"\n" && !line.starts_with(b"{\"batch\"") {
+                        n += 1;
+                    }
+                }
+            })()
+            .unwrap_or(0);
             s.held.spooled_records.store(lines, Ordering::Relaxed);
             tracing::info!(spool = %s.path.display(), records = lines, "audit spool from an earlier run: written once PostgreSQL answers");
         }
@@ -873,6 +880,15 @@ impl Spool {
         if self.len.saturating_sub(self.done) + n > self.max_bytes {
             return false;
         }
+        // The file holds what was written too until the spool empties: with a store that
+        // comes and goes it never may, so past the limit on disk the written front is cut off
+        // (once it is a quarter of the limit: a copy of the rest, now and then).
+        if self.len + n > self.max_bytes
+            && self.done >= self.max_bytes / 4
+            && self.compact().is_err()
+        {
+            return false;
+        }
         if self.file.is_none() {
             self.file = std::fs::OpenOptions::new()
                 .create(true)
@@ -890,6 +906,33 @@ impl Spool {
         self.len += n;
         self.publish();
         true
+    }
+
+    /// The file again without its written front: what is left copied to a new file that
+    /// replaces it, the done mark at its start.
+    fn compact(&mut self) -> std::io::Result<()> {
+        use std::io::{Seek, SeekFrom};
+        self.file = None;
+        let tmp = self.path.with_extension("jsonl.tmp");
+        {
+            let mut from = std::fs::File::open(&self.path)?;
+            from.seek(SeekFrom::Start(self.done))?;
+            let mut to = std::fs::File::create(&tmp)?;
+            std::io::copy(&mut from, &mut to)?;
+            to.sync_data()?;
+        }
+        // The mark first (0), then the new file: a crash between them leaves the old file
+        // read from its start, its written batches sent again and written once (their tokens);
+        // the other order could leave the old mark over the new file, skipping unwritten lines.
+        let mark = self.done_path.with_extension("done.tmp");
+        std::fs::write(&mark, "0")?;
+        std::fs::rename(&mark, &self.done_path)?;
+        std::fs::rename(&tmp, &self.path)?;
+        self.len -= self.done;
+        self.peeked_to = self.peeked_to.saturating_sub(self.done);
+        self.done = 0;
+        self.publish();
+        Ok(())
     }
 
     /// Appends `r` (its lines); `false` when it would pass the limit (nothing appended).
@@ -1581,6 +1624,64 @@ mod tests {
         assert!(!small.push(&event(2)));
         let (_, got, _) = small.peek(10).unwrap();
         assert_eq!(names(&got), vec!["e1"]);
+    }
+
+    /// A store that comes and goes drains the spool's front while records keep coming: the
+    /// file on disk stays within the limit (its written front cut off), nothing is refused that
+    /// the unwritten part has room for, and every record comes back once, in order, also after
+    /// a restart.
+    #[test]
+    fn a_flapping_store_keeps_the_spool_within_its_limit_on_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("audit-spool.jsonl");
+        let held: Arc<crate::store::Held> = Default::default();
+        // What one batch of one record takes, measured on a spool of its own.
+        let one = {
+            let d = tempfile::tempdir().unwrap();
+            let mut s = Spool::open(d.path(), 1 << 20, Default::default());
+            assert!(s.mark("t000") && s.push(&event(100)));
+            s.len
+        };
+        // Room for three rounds' records unwritten: the store lets one round lag.
+        let limit = one * 24 + one / 2;
+        let mut spool = Spool::open(dir.path(), limit, held.clone());
+        let (mut pushed, mut back) = (0u32, Vec::new());
+        let mut largest = 0;
+        for round in 0..40 {
+            // Records while the store is away.
+            for _ in 0..8 {
+                assert!(spool.mark(&format!("t{pushed:03}")));
+                assert!(spool.push(&event(pushed)), "refused with room left");
+                pushed += 1;
+            }
+            largest = largest.max(std::fs::metadata(&file).unwrap().len());
+            // The store answers for a moment: the round before's batches are written.
+            if round > 0 {
+                for _ in 0..8 {
+                    let (_, got, _) = spool.peek(100).unwrap();
+                    back.extend(names(&got));
+                    spool.consume().unwrap();
+                }
+            }
+            if round == 20 {
+                // A restart: from where the last run stopped.
+                drop(spool);
+                spool = Spool::open(dir.path(), limit, held.clone());
+            }
+        }
+        while !spool.is_empty() {
+            let (_, got, _) = spool.peek(100).unwrap();
+            back.extend(names(&got));
+            spool.consume().unwrap();
+        }
+        // The churn happened (far more went through than the limit holds)...
+        assert_eq!(pushed, 320);
+        assert!(pushed as u64 * one > limit * 10);
+        // ...every record came back once, in order...
+        let want: Vec<String> = (0..pushed).map(|i| format!("e{i}")).collect();
+        assert_eq!(back, want);
+        // ...and the file never held more than the limit.
+        assert!(largest <= limit, "{largest} bytes on disk for a {limit}-byte spool");
     }
 
     /// A batch line with no record after it (written, then nothing could follow) is passed

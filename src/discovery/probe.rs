@@ -441,15 +441,17 @@ pub async fn probe(
 }
 
 /// Whether `ep` has no `/responses` route, asked with a request of the gateway's own that
-/// carries nothing of any client's: `POST {base}/responses` with `{}`. A server with the route
-/// refuses that body (400, or 401/422 and the like); one without it answers 404 or 405. `Ok(true)`
-/// only for those; `Err` (no answer, no key) says nothing. A client's 404 can be about its own
-/// request (an id it named): only this answer marks the endpoint chat-only for everyone.
+/// carries nothing of any client's: `POST {base}/responses` with the endpoint's own model and
+/// no input. A server with the route refuses that body (400, or 401/422 and the like) — naming
+/// a model it serves, so a 404 for an unknown model cannot pass for a missing route; one
+/// without it answers 404 or 405. `Ok(Some(status))` only for those; `Err` (no answer, no key)
+/// says nothing. A client's 404 can be about its own request (an id it named): only this
+/// answer marks the endpoint chat-only for everyone.
 pub async fn responses_route_missing(
     state: &AppState,
     ep: &Endpoint,
     timeout: Duration,
-) -> Result<bool, String> {
+) -> Result<Option<u16>, String> {
     let base = if ep.discover {
         state
             .registry
@@ -463,7 +465,7 @@ pub async fn responses_route_missing(
         ep.client
             .post(format!("{}/responses", base.trim_end_matches('/')))
             .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .body("{}"),
+            .body(serde_json::json!({ "model": ep.upstream_model }).to_string()),
     );
     if let crate::routing::registry::KeyPick::Use(i) = state.registry.current_key(ep)
         && let Some(k) = ep.keys[i].value.as_ref()
@@ -473,7 +475,7 @@ pub async fn responses_route_missing(
         return Err("no usable key".into());
     }
     let (status, _, _) = get_with(rb, timeout).await?;
-    Ok(matches!(status, 404 | 405))
+    Ok(matches!(status, 404 | 405).then_some(status))
 }
 
 /// Probes every endpoint of the live config every `health.probe_interval` until cancelled.

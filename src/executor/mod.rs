@@ -1204,8 +1204,15 @@ impl Run {
                         match crate::discovery::probe::responses_route_missing(&app, &ep, timeout)
                             .await
                         {
-                            Ok(true) => app.registry.mark_chat_only(&ep, &detail),
-                            Ok(false) => tracing::info!(endpoint = %ep.name, "a 404 for /responses was about the request: the endpoint serves the route"),
+                            // The detail is the probe's own answer: the client's words
+                            // (what its request carried) are never shown as the endpoint's.
+                            Ok(Some(status)) => app.registry.mark_chat_only(
+                                &ep,
+                                &format!(
+                                    "POST /responses answered {status} to the gateway's own probe"
+                                ),
+                            ),
+                            Ok(None) => tracing::info!(endpoint = %ep.name, "a 404 for /responses was about the request: the endpoint serves the route"),
                             Err(e) => tracing::debug!(endpoint = %ep.name, error = %e, "the /responses route probe had no answer"),
                         }
                     });

@@ -251,15 +251,18 @@ impl Conversations {
                 .iter()
                 .find(|(_, (_, bytes))| *bytes as u64 > b.max_bytes_per_key)
                 .map(|(k, _)| k.clone());
+            // Else the key holding the most gives its oldest: with more keys than shares, a
+            // key keeping little never loses its turns to one keeping much (the fair share of
+            // each is what the whole holds over the keys keeping turns).
+            let over = over.or_else(|| {
+                g.by_key
+                    .iter()
+                    .max_by_key(|(_, (_, bytes))| *bytes)
+                    .map(|(k, _)| k.clone())
+            });
             let victim = match over {
                 Some(k) => g.oldest_of(&k),
-                None => loop {
-                    match g.order.pop_front() {
-                        Some((id, n)) if g.current(&id, n) => break Some(id),
-                        Some(_) => continue,
-                        None => break None,
-                    }
-                },
+                None => None,
             };
             match victim {
                 Some(id) => {
@@ -464,6 +467,48 @@ mod tests {
         c.keep("huge", big, bounds);
         assert!(c.find("huge", Some("b"), HOUR).is_none());
         assert!(c.find("a2", Some("a"), HOUR).is_some());
+    }
+
+    /// More keys than shares: the whole is full with every key within its share, and the key
+    /// holding the most gives its oldest when another keeps a turn — a key keeping little never
+    /// loses its turns to one keeping much, however old they are.
+    #[test]
+    fn with_more_keys_than_shares_the_largest_gives() {
+        let c = Conversations::default();
+        // Keys of one length: their turns of one size.
+        let one = turn(None, "x", Some("k0")).bytes() as u64;
+        let bounds = Bounds {
+            ttl: HOUR,
+            max_bytes: one * 10,
+            max_bytes_per_key: one * 4,
+        };
+        // Three small keys first (the oldest turns of all), then one keeping its whole share.
+        for k in ["k1", "k2", "k3"] {
+            for i in 0..2 {
+                c.keep(&format!("{k}-{i}"), turn(None, "x", Some(k)), bounds);
+            }
+        }
+        for i in 0..4 {
+            c.keep(&format!("kb-{i}"), turn(None, "x", Some("kb")), bounds);
+        }
+        assert_eq!(c.usage().0, 10, "full, every key within its share");
+        // A fifth key keeps one turn: the largest key gives its oldest, no small key anything.
+        c.keep("ks-0", turn(None, "x", Some("ks")), bounds);
+        assert!(c.find("ks-0", Some("ks"), HOUR).is_some());
+        for k in ["k1", "k2", "k3"] {
+            for i in 0..2 {
+                assert!(
+                    c.find(&format!("{k}-{i}"), Some(k), HOUR).is_some(),
+                    "{k}-{i}"
+                );
+            }
+        }
+        assert!(
+            c.find("kb-0", Some("kb"), HOUR).is_none(),
+            "the largest gave"
+        );
+        assert!(c.find("kb-3", Some("kb"), HOUR).is_some());
+        assert!(c.usage().1 as u64 <= bounds.max_bytes);
     }
 
     /// A key's queue holds only what it keeps: expired and deleted turns leave it, and a turn

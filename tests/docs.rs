@@ -1,5 +1,6 @@
 //! The docs are kept true to the tree: every relative link resolves, every config key the code
-//! accepts is in docs/configuration.md, and the shipped example configs pass `check-config`.
+//! accepts is in docs/configuration.md and every default its tables give is the code's, and the
+//! shipped example configs pass `check-config`.
 
 mod common;
 

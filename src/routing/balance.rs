@@ -1,0 +1,521 @@
+//! Balancing over one endpoint's addresses (its `base_urls`, or the tasks discovery found): the
+//! policy, pure and clock-injected, for issue #46. Each address has its own in-flight count,
+//! peak-EWMA latency, consecutive failures and ejection; a request goes to the cheaper of two
+//! usable addresses drawn at random (power of two choices over latency × load, as linkerd and
+//! Finagle balance), or — continuing a conversation — to the address its key hashes to while
+//! that one's load is within a bound of the average (consistent hashing with bounded loads,
+//! Mirrokni, Thorup and Zadimoghaddam, 2018), so a server's prefix cache keeps the conversation
+//! warm. A bad address is ejected alone (Envoy's outlier detection: consecutive failures, a
+//! doubling ejection, at most a share of the addresses out at once) and comes back half-open,
+//! by a probe of its own.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// The knobs (`balance:` and `health:`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Tuning {
+    /// How fast the latency estimate forgets (linkerd's default: 10 s).
+    pub decay: Duration,
+    /// The estimate of an address never measured (a cost that lets it be tried).
+    pub first_rtt: Duration,
+    /// Consecutive failures that eject an address.
+    pub eject_after: u32,
+    /// The first ejection's length; each next one in a row doubles it, up to `eject_max`.
+    pub eject_base: Duration,
+    pub eject_max: Duration,
+    /// The most of an endpoint's addresses out at once (0.5: half).
+    pub max_ejection_percent: f64,
+    /// A conversation stays on its address while that address's load is at most this times
+    /// the average (`balance.affinity_load`).
+    pub affinity_load: f64,
+    /// A queue sample (vLLM's waiting + running) counts while at most this old.
+    pub fresh_for: Duration,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning {
+            decay: Duration::from_secs(10),
+            first_rtt: Duration::from_millis(100),
+            eject_after: 5,
+            eject_base: Duration::from_secs(10),
+            eject_max: Duration::from_secs(300),
+            max_ejection_percent: 0.5,
+            affinity_load: 1.25,
+            fresh_for: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Where an address stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Standing {
+    /// Takes requests.
+    Active,
+    /// Out until the instant.
+    Ejected(Instant),
+    /// Its ejection ran out: a probe of its own decides (requests do not flood it back).
+    HalfOpen,
+}
+
+/// One address's state.
+#[derive(Clone, Debug)]
+pub struct Address {
+    pub url: String,
+    /// Unique to this address's life here: a request that began at an address that left is
+    /// never counted out of one that came back under its URL.
+    id: u64,
+    pub in_flight: u32,
+    /// Peak-EWMA latency, in seconds, as of `stamp`.
+    rtt: f64,
+    stamp: Instant,
+    failures: u32,
+    /// Ejections in a row (each doubles the next).
+    ejections: u32,
+    standing: Standing,
+    /// The server's own queue (vLLM: waiting + running) and when it was read.
+    queue: Option<(u32, Instant)>,
+}
+
+impl Address {
+    pub fn new(url: impl Into<String>, now: Instant, t: &Tuning) -> Address {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        Address {
+            url: url.into(),
+            id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            in_flight: 0,
+            rtt: t.first_rtt.as_secs_f64(),
+            stamp: now,
+            failures: 0,
+            ejections: 0,
+            standing: Standing::Active,
+            queue: None,
+        }
+    }
+
+    /// The standing at `now` (an ejection that ran out is half-open).
+    pub fn standing(&self, now: Instant) -> Standing {
+        match self.standing {
+            Standing::Ejected(until) if now >= until => Standing::HalfOpen,
+            s => s,
+        }
+    }
+
+    pub fn usable(&self, now: Instant) -> bool {
+        self.standing(now) == Standing::Active
+    }
+
+    /// The latency estimate at `now`: it decays toward zero while nothing is measured, so an
+    /// address slow once is tried again in time.
+    pub fn rtt(&self, now: Instant, t: &Tuning) -> f64 {
+        let idle = now.saturating_duration_since(self.stamp).as_secs_f64();
+        self.rtt * (-idle / t.decay.as_secs_f64().max(1e-3)).exp()
+    }
+
+    /// What sending one more request here costs: latency × (requests ahead of it + 1), the
+    /// server's own queue counted while its sample is fresh (a stale one is ignored, never
+    /// read as saturated).
+    pub fn cost(&self, now: Instant, t: &Tuning) -> f64 {
+        let queued = match self.queue {
+            Some((q, at)) if now.saturating_duration_since(at) <= t.fresh_for => q,
+            _ => 0,
+        };
+        self.rtt(now, t).max(1e-6) * (f64::from(self.in_flight) + f64::from(queued) + 1.0)
+    }
+
+    /// A response in `rtt`: the estimate jumps to a slower one at once (the peak) and moves
+    /// toward a faster one by the decay; a failure streak ends.
+    pub fn observe(&mut self, rtt: Duration, now: Instant, t: &Tuning) {
+        let measured = rtt.as_secs_f64();
+        let current = self.rtt(now, t);
+        self.rtt = if measured > current {
+            measured
+        } else {
+            let w = (-now.saturating_duration_since(self.stamp).as_secs_f64()
+                / t.decay.as_secs_f64().max(1e-3))
+            .exp();
+            current * w + measured * (1.0 - w)
+        };
+        self.stamp = now;
+        self.failures = 0;
+    }
+
+    /// The server's queue as a probe read it.
+    pub fn observe_queue(&mut self, waiting_and_running: u32, now: Instant) {
+        self.queue = Some((waiting_and_running, now));
+    }
+
+    /// A probe's verdict: a half-open address comes back on success, and is ejected again —
+    /// for twice as long — on failure. An active address's probe failure counts as a failure.
+    pub fn probed(&mut self, ok: bool, now: Instant, t: &Tuning) {
+        match (self.standing(now), ok) {
+            (Standing::HalfOpen, true) => {
+                self.standing = Standing::Active;
+                self.failures = 0;
+            }
+            (Standing::HalfOpen, false) => self.eject(now, t),
+            (Standing::Active, true) => {}
+            (Standing::Active, false) | (Standing::Ejected(_), false) => {
+                self.failures = self.failures.saturating_add(1)
+            }
+            (Standing::Ejected(_), true) => {}
+        }
+    }
+
+    fn eject(&mut self, now: Instant, t: &Tuning) {
+        let factor = 2u32.saturating_pow(self.ejections.min(16));
+        let length = t.eject_base.saturating_mul(factor).min(t.eject_max);
+        self.standing = Standing::Ejected(now + length);
+        self.ejections = self.ejections.saturating_add(1);
+        self.failures = 0;
+    }
+}
+
+/// An endpoint's addresses.
+#[derive(Clone, Debug, Default)]
+pub struct Addresses {
+    pub list: Vec<Address>,
+}
+
+impl Addresses {
+    /// The addresses `urls` names, each keeping its state when it was known (an address that
+    /// joins starts fresh; one that leaves is dropped).
+    pub fn update(&mut self, urls: &[String], now: Instant, t: &Tuning) {
+        let mut old = std::mem::take(&mut self.list);
+        self.list = urls
+            .iter()
+            .map(|u| match old.iter().position(|a| &a.url == u) {
+                Some(i) => old.swap_remove(i),
+                None => Address::new(u.clone(), now, t),
+            })
+            .collect();
+    }
+
+    fn usable(&self, now: Instant) -> impl Iterator<Item = usize> + '_ {
+        (0..self.list.len()).filter(move |&i| self.list[i].usable(now))
+    }
+
+    /// Power of two choices: two usable addresses drawn at random, the cheaper one. `None`
+    /// when none is usable.
+    pub fn pick(&self, now: Instant, t: &Tuning, rng: &mut fastrand::Rng) -> Option<usize> {
+        let usable: Vec<usize> = self.usable(now).collect();
+        match usable.len() {
+            0 => None,
+            1 => Some(usable[0]),
+            n => {
+                let a = rng.usize(..n);
+                let b = (a + 1 + rng.usize(..n - 1)) % n;
+                let (a, b) = (usable[a], usable[b]);
+                Some(if self.list[b].cost(now, t) < self.list[a].cost(now, t) {
+                    b
+                } else {
+                    a
+                })
+            }
+        }
+    }
+
+    /// The address a conversation keyed `key` goes to: the first usable one clockwise from the
+    /// key's place on the ring whose load (one more request) is within `affinity_load` of the
+    /// average — consistent hashing with bounded loads. Addresses joining or leaving move only
+    /// the keys of their own arcs.
+    pub fn pick_affine(&self, key: u64, now: Instant, t: &Tuning) -> Option<usize> {
+        let usable: Vec<usize> = self.usable(now).collect();
+        if usable.is_empty() {
+            return None;
+        }
+        let total: u64 = usable
+            .iter()
+            .map(|&i| u64::from(self.list[i].in_flight))
+            .sum();
+        let bound = (t.affinity_load * (total + 1) as f64 / usable.len() as f64).ceil();
+        let mut ring: Vec<(u64, usize)> = usable
+            .iter()
+            .flat_map(|&i| (0..VNODES).map(move |v| (ring_hash(&self.list[i].url, v), i)))
+            .collect();
+        ring.sort_unstable();
+        let start = ring.partition_point(|(h, _)| *h < key);
+        (0..ring.len())
+            .map(|k| ring[(start + k) % ring.len()].1)
+            .find(|&i| f64::from(self.list[i].in_flight) + 1.0 <= bound)
+    }
+
+    /// A failed attempt (connect error, 5xx, timeout) at `i`: ejected after `eject_after` in a
+    /// row — unless that would put more than `max_ejection_percent` of the addresses out.
+    /// Whether it was ejected.
+    pub fn failed(&mut self, i: usize, now: Instant, t: &Tuning) -> bool {
+        let out = self.list.iter().filter(|a| !a.usable(now)).count();
+        let room = ((out + 1) as f64) <= t.max_ejection_percent * self.list.len() as f64;
+        let Some(a) = self.list.get_mut(i) else {
+            return false;
+        };
+        a.failures = a.failures.saturating_add(1);
+        if a.usable(now) && a.failures >= t.eject_after && room {
+            a.eject(now, t);
+            return true;
+        }
+        false
+    }
+
+    /// A request sent to `i`: counted in flight until the guard is dropped (answered, failed,
+    /// cancelled or hedged away alike).
+    pub fn start(shared: &Arc<Mutex<Addresses>>, i: usize) -> Option<InFlight> {
+        let mut g = shared.lock().unwrap_or_else(|e| e.into_inner());
+        let a = g.list.get_mut(i)?;
+        a.in_flight = a.in_flight.saturating_add(1);
+        Some(InFlight {
+            shared: shared.clone(),
+            id: a.id,
+        })
+    }
+}
+
+/// Points an address has on the ring.
+const VNODES: u64 = 64;
+
+/// FNV-1a of the address and its point: the same on every replica and every build.
+fn ring_hash(url: &str, vnode: u64) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for b in url.bytes().chain(vnode.to_le_bytes()) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    // FNV's low bits mix poorly: a final avalanche spreads the points around the ring.
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^ (h >> 33)
+}
+
+/// A conversation's place on the ring, from what identifies it (its first turn's id, or its
+/// leading messages).
+pub fn conversation_key(text: &str) -> u64 {
+    ring_hash(text, u64::MAX)
+}
+
+/// A request in flight at an address: dropped, it is counted out — at that address if it is
+/// still there, never below zero.
+#[derive(Debug)]
+pub struct InFlight {
+    shared: Arc<Mutex<Addresses>>,
+    id: u64,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut g = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(a) = g.list.iter_mut().find(|a| a.id == self.id) {
+            a.in_flight = a.in_flight.saturating_sub(1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn urls(n: usize) -> Vec<String> {
+        (0..n)
+            .map(|i| format!("http://10.0.0.{i}:8000/v1"))
+            .collect()
+    }
+
+    fn fleet(n: usize, now: Instant, t: &Tuning) -> Addresses {
+        let mut a = Addresses::default();
+        a.update(&urls(n), now, t);
+        a
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_busier_or_slower_of_two_loses() {
+        let t = Tuning::default();
+        let now = Instant::now();
+        let mut a = fleet(2, now, &t);
+        let mut rng = fastrand::Rng::with_seed(7);
+        a.list[0].in_flight = 30;
+        for _ in 0..100 {
+            assert_eq!(a.pick(now, &t, &mut rng), Some(1));
+        }
+        a.list[0].in_flight = 0;
+        a.list[1].observe(Duration::from_secs(2), now, &t);
+        a.list[0].observe(Duration::from_millis(50), now, &t);
+        assert_eq!(a.pick(now, &t, &mut rng), Some(0));
+        // A stale queue sample is ignored, a fresh one counts.
+        a.list[1] = Address::new(a.list[1].url.clone(), now, &t);
+        a.list[0] = Address::new(a.list[0].url.clone(), now, &t);
+        a.list[0].observe_queue(50, now - Duration::from_secs(60));
+        a.list[1].observe_queue(3, now);
+        assert_eq!(a.pick(now, &t, &mut rng), Some(0));
+    }
+
+    /// Among many, the load spreads: no address gets more than its share and a bit, and a 4x
+    /// slower one gets the least.
+    #[tokio::test(start_paused = true)]
+    async fn two_choices_spread_the_load_and_spare_the_slow_one() {
+        let t = Tuning::default();
+        let now = Instant::now();
+        let mut a = fleet(3, now, &t);
+        for (i, ms) in [(0, 40), (1, 40), (2, 160)] {
+            a.list[i].observe(Duration::from_millis(ms), now, &t);
+        }
+        let mut rng = fastrand::Rng::with_seed(1);
+        let mut sent = [0u32; 3];
+        // Requests that stay in flight: each pick sees the ones before it.
+        for _ in 0..300 {
+            let i = a.pick(now, &t, &mut rng).unwrap();
+            a.list[i].in_flight += 1;
+            sent[i] += 1;
+        }
+        assert!(sent[2] < sent[0] && sent[2] < sent[1], "{sent:?}");
+        assert!(sent[0].abs_diff(sent[1]) <= 10, "{sent:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_estimate_decays_so_the_address_is_tried_again() {
+        let t = Tuning::default();
+        let now = Instant::now();
+        let mut a = Address::new("u", now, &t);
+        a.observe(Duration::from_secs(5), now, &t);
+        assert!((a.rtt(now, &t) - 5.0).abs() < 1e-9);
+        tokio::time::advance(Duration::from_secs(30)).await;
+        assert!(
+            a.rtt(Instant::now(), &t) < 0.3,
+            "{}",
+            a.rtt(Instant::now(), &t)
+        );
+        // A faster answer moves the estimate down by the decay; a slower one sets it at once.
+        let now = Instant::now();
+        a.observe(Duration::from_millis(10), now, &t);
+        assert!(a.rtt(now, &t) < 0.3);
+        a.observe(Duration::from_secs(1), now, &t);
+        assert!((a.rtt(now, &t) - 1.0).abs() < 1e-9);
+    }
+
+    /// Failures in a row eject one address, for twice as long each time in a row; it comes back
+    /// half-open, by a probe only; and never more than half the addresses are out.
+    #[tokio::test(start_paused = true)]
+    async fn a_bad_address_is_ejected_alone_and_comes_back_by_a_probe() {
+        let t = Tuning::default();
+        let now = Instant::now();
+        let mut a = fleet(4, now, &t);
+        for _ in 0..4 {
+            assert!(!a.failed(0, now, &t));
+        }
+        assert!(a.failed(0, now, &t), "the fifth in a row ejects");
+        assert_eq!(
+            a.list[0].standing(now),
+            Standing::Ejected(now + t.eject_base)
+        );
+        let mut rng = fastrand::Rng::with_seed(3);
+        for _ in 0..50 {
+            assert_ne!(a.pick(now, &t, &mut rng), Some(0));
+        }
+        // Half-open after its time: still no requests until a probe says so.
+        tokio::time::advance(t.eject_base).await;
+        let now = Instant::now();
+        assert_eq!(a.list[0].standing(now), Standing::HalfOpen);
+        assert!(!a.list[0].usable(now));
+        a.list[0].probed(false, now, &t);
+        assert_eq!(
+            a.list[0].standing(now),
+            Standing::Ejected(now + t.eject_base * 2),
+            "again, twice as long"
+        );
+        tokio::time::advance(t.eject_base * 2).await;
+        let now = Instant::now();
+        a.list[0].probed(true, now, &t);
+        assert!(a.list[0].usable(now));
+        // At most half out: a second address may go, a third may not.
+        for _ in 0..5 {
+            a.failed(1, now, &t);
+            a.failed(2, now, &t);
+        }
+        let out = a.list.iter().filter(|x| !x.usable(now)).count();
+        assert_eq!(out, 2, "half of four");
+        for _ in 0..10 {
+            assert!(!a.failed(3, now, &t));
+        }
+        assert!(a.list[3].usable(now));
+        assert_eq!(
+            a.pick(now, &t, &mut rng).map(|i| a.list[i].usable(now)),
+            Some(true)
+        );
+    }
+
+    /// A conversation stays on its address while that one's load is within the bound, moves to
+    /// another when it is over, and addresses joining move only a share of the conversations.
+    #[tokio::test(start_paused = true)]
+    async fn conversations_stay_put_within_the_load_bound() {
+        let t = Tuning::default();
+        let now = Instant::now();
+        let mut a = fleet(3, now, &t);
+        let keys: Vec<u64> = (0..300)
+            .map(|i| conversation_key(&format!("conv-{i}")))
+            .collect();
+        let first: Vec<usize> = keys
+            .iter()
+            .map(|k| a.pick_affine(*k, now, &t).unwrap())
+            .collect();
+        // Idle fleet: every key, every time, the same address; all three used.
+        for (k, f) in keys.iter().zip(&first) {
+            assert_eq!(a.pick_affine(*k, now, &t), Some(*f));
+        }
+        for i in 0..3 {
+            assert!(first.iter().filter(|f| **f == i).count() > 50, "{i}");
+        }
+        // Its address over the bound: the key goes elsewhere.
+        let k = keys[0];
+        let home = first[0];
+        a.list[home].in_flight = 10;
+        let moved = a.pick_affine(k, now, &t).unwrap();
+        assert_ne!(moved, home);
+        a.list[home].in_flight = 0;
+        // A fourth address joins: about a quarter of the keys move, all of them to it.
+        let before: Vec<String> = keys
+            .iter()
+            .map(|k| a.list[a.pick_affine(*k, now, &t).unwrap()].url.clone())
+            .collect();
+        a.update(&urls(4), now, &t);
+        let mut moved = 0;
+        for (k, b) in keys.iter().zip(&before) {
+            let url = &a.list[a.pick_affine(*k, now, &t).unwrap()].url;
+            if url != b {
+                moved += 1;
+                assert_eq!(url, &urls(4)[3], "a key moved between old addresses");
+            }
+        }
+        assert!((40..=120).contains(&moved), "{moved} of 300 moved");
+    }
+
+    /// The in-flight count is released however a request ends, and never goes below zero, also
+    /// when the address it was sent to left meanwhile.
+    #[tokio::test(start_paused = true)]
+    async fn in_flight_counts_never_leak_nor_go_negative() {
+        let t = Tuning::default();
+        let now = Instant::now();
+        let shared = Arc::new(Mutex::new(fleet(2, now, &t)));
+        let g1 = Addresses::start(&shared, 0).unwrap();
+        let g2 = Addresses::start(&shared, 0).unwrap();
+        let g3 = Addresses::start(&shared, 1).unwrap();
+        assert!(Addresses::start(&shared, 9).is_none());
+        assert_eq!(shared.lock().unwrap().list[0].in_flight, 2);
+        drop(g1);
+        assert_eq!(shared.lock().unwrap().list[0].in_flight, 1);
+        // Address 1 leaves and comes back fresh: the old request's end takes nothing from it.
+        shared.lock().unwrap().update(&urls(1), now, &t);
+        shared.lock().unwrap().update(&urls(2), now, &t);
+        let g4 = Addresses::start(&shared, 1).unwrap();
+        drop(g3);
+        assert_eq!(
+            shared.lock().unwrap().list[1].in_flight,
+            1,
+            "g4's, untouched"
+        );
+        drop(g4);
+        drop(g2);
+        let g = shared.lock().unwrap();
+        assert_eq!((g.list[0].in_flight, g.list[1].in_flight), (0, 0));
+    }
+}

@@ -149,6 +149,9 @@ async fn fleet_against_a_bucket(clustered: bool) -> (u64, u64) {
     let mut sent = 0u64;
     let start_at = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_millis(100));
+    // After a stall of this runtime, the missed ticks do not fire back to back (three replicas
+    // sent to at one moment, on shared state that had no time to spread): the cadence holds.
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut pending = Vec::new();
     while start_at.elapsed() < Duration::from_secs(8) {
         tick.tick().await;
@@ -191,10 +194,11 @@ async fn fleet_against_a_bucket(clustered: bool) -> (u64, u64) {
 async fn three_replicas_admit_exactly_one_keys_limits() {
     let redis = Redis::start();
     let up = MockUp::openai("name: a").await;
-    // A timeout the debug binaries on these 2 shared cores always meet under the burst: a
-    // request the store does not answer in time is admitted on the replica's share, which this
-    // test is not about (the other two are).
-    let cfg = config(&up, "exact:", "2s", "");
+    // A timeout far past any store answer under the burst, even from debug binaries on 2 busy
+    // cores: a request the store does not answer in time is admitted on the replica's share,
+    // which this test is not about (`a_frozen_store_costs_a_request_at_most_the_timeout` is).
+    // A healthy run never waits it: the store answers in milliseconds.
+    let cfg = config(&up, "exact:", "10s", "");
     let gws = start_three(&cfg, &redis.url());
     let gws: Vec<&Gw> = gws.iter().collect();
     until_clustered(&gws, 3).await;
@@ -309,7 +313,8 @@ async fn three_replicas_admit_exactly_one_keys_limits() {
 async fn leases_spare_the_store_and_keep_the_limit_exact() {
     let redis = Redis::start();
     let up = MockUp::openai("name: a").await;
-    let cfg = config(&up, "lease:", "2s", "");
+    // Generous, as in `three_replicas_admit_exactly_one_keys_limits`: not about the timeout.
+    let cfg = config(&up, "lease:", "10s", "");
     let gws = start_three(&cfg, &redis.url());
     let gws: Vec<&Gw> = gws.iter().collect();
     until_clustered(&gws, 3).await;
@@ -390,10 +395,14 @@ async fn a_killed_store_splits_the_limits_and_comes_back() {
     let port = redis.port;
     let up = MockUp::openai("name: a").await;
     let (hook, hooked) = scripted_webhook(&[]).await;
+    // A timeout no store answer misses on a busy machine (the first admission through a fresh
+    // replica includes `admit.lua`'s NOSCRIPT round trips): a late answer would be a local
+    // admission, which the exact counts below are not about. A killed store refuses at once,
+    // so the outage never waits it.
     let cfg = config(
         &up,
         "killed:",
-        "25ms",
+        "5s",
         &format!(
             "alerts: {{ webhooks: [{{ url: \"http://{hook}/hook\" }}], events: [cluster_store_down] }}\n"
         ),
@@ -451,6 +460,19 @@ async fn a_killed_store_splits_the_limits_and_comes_back() {
     })
     .await;
     assert!(alerted, "the cluster_store_down alert was sent");
+    // Both replicas met the outage (as each counts it) before the store comes back: `b`'s is
+    // noticed at its heartbeat or its listener, whenever that comes.
+    let noticed = eventually(Duration::from_secs(30), || async {
+        a.status().await["cluster"]["outages"].as_u64() >= Some(1)
+            && b.status().await["cluster"]["outages"].as_u64() >= Some(1)
+    })
+    .await;
+    assert!(
+        noticed,
+        "both replicas met the outage: {} / {}",
+        a.status().await["cluster"],
+        b.status().await["cluster"]
+    );
 
     // Back, empty: shared again.
     let redis = Redis::start_on(port);
@@ -478,6 +500,17 @@ async fn a_killed_store_splits_the_limits_and_comes_back() {
     let health = health_of(&a).await;
     assert_eq!(health["status"], "ok", "{health}");
     assert!(redis.cmd("DBSIZE").unwrap().starts_with(':'));
+    let store_down = || {
+        hooked
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, _, b)| b["event"] == "cluster_store_down")
+            .count()
+    };
+    let both = eventually(Duration::from_secs(30), || async { store_down() >= 2 }).await;
+    assert!(both, "{} cluster_store_down alerts", store_down());
+    // A moment for a duplicate to show (it can only make the exact count below fail).
     tokio::time::sleep(Duration::from_millis(500)).await;
     // Once per replica for the outage, each naming itself.
     let mut sent: Vec<String> = hooked
@@ -525,13 +558,10 @@ async fn a_frozen_store_costs_a_request_at_most_the_timeout() {
     assert_eq!(count(&got, 200), 20, "every request answered");
     let st = a.status().await["cluster"].clone();
     assert!(st["local_admissions"].as_u64().unwrap() >= 1, "{st}");
-    assert!(
-        st["last_error"]
-            .as_str()
-            .unwrap()
-            .contains("cluster.timeout"),
-        "{st}"
-    );
+    // The request path gave up at `cluster.timeout`, as the gateway counts it (`last_error`
+    // would say so too, unless the keeper's own 1 s check of the frozen store overwrote it
+    // before this read: a matter of how long SIGSTOP, the burst and SIGCONT took).
+    assert!(st["slow_answers"].as_u64().unwrap() >= 1, "{st}");
     until_up(&a, "back after SIGCONT").await;
 }
 
@@ -662,13 +692,15 @@ health: {{ probe_interval: 1h }}
 async fn three_replicas_share_one_budget() {
     let redis = Redis::start();
     let up = MockUp::openai("name: a").await;
+    // `timeout: 10s`: generous, not about the timeout. A store answer later than it would be
+    // admitted on the replica's share and could overshoot the bounds below.
     let cfg = format!(
         r#"models:
   a: {{ type: openai, base_url: "{}", model: gpt-4o-mini, cost: {{ input_per_mtok: 1000, output_per_mtok: 1000 }} }}
 auth:
   keys:
     - {{ name: payer, key: env:TEAM_KEY, budget_usd: 0.1 }}
-cluster: {{ redis: env:AUTOHEDGE_REDIS_URL, key_prefix: "budget:", timeout: 2s }}
+cluster: {{ redis: env:AUTOHEDGE_REDIS_URL, key_prefix: "budget:", timeout: 10s }}
 health: {{ probe_interval: 1h }}
 "#,
         up.base()
@@ -956,13 +988,19 @@ health: {{ probe_interval: 1h }}
     );
 }
 
+/// Sharing against not sharing, on the same machine under the same load: the clustered fleet
+/// meets almost none of the 429s the unshared one does (a fact that reaches the others a moment
+/// late may let one request at the bucket's last unit through; "almost none" is counted, not
+/// timed).
 #[tokio::test]
 async fn three_replicas_route_before_the_429_together() {
     let (sent, refused) = fleet_against_a_bucket(true).await;
     eprintln!("clustered: {refused} 429s for {sent} requests");
+    let (alone_sent, alone_refused) = fleet_against_a_bucket(false).await;
+    eprintln!("unclustered: {alone_refused} 429s for {alone_sent} requests");
     assert!(
-        (refused as f64) < sent as f64 * 0.01,
-        "{refused} of {sent} requests met a 429"
+        refused <= 2 && alone_refused >= 5 * refused.max(1),
+        "shared: {refused} of {sent} requests met a 429; unshared: {alone_refused} of {alone_sent}"
     );
 }
 
@@ -1072,7 +1110,9 @@ async fn a_bucket_and_its_leases_never_hold_more_than_the_limit() {
             .arg(8)
             .arg(0)
             .arg(lease)
-            .arg(1250);
+            // The lease's life: a minute, far past this test, which is about what a bucket
+            // holds while a lease is out, not about when it ends.
+            .arg(60_000);
         inv.arg(back.0).arg(back.1).arg(0).arg(900_000);
         for i in 0..requests {
             inv.arg(0).arg(0).arg(format!("r{i}"));
@@ -1090,14 +1130,83 @@ async fn a_bucket_and_its_leases_never_hold_more_than_the_limit() {
     assert_eq!(call(&script, &mut conn, 0, "L1", ("", 0)).await, (0, 16));
     // A second refills 10 requests; a full bucket had nowhere to put them.
     tokio::time::sleep(Duration::from_secs(1)).await;
+    // The store's own clock (the one `admit.lua` refills by), in ms.
+    async fn store_ms(conn: &mut redis::aio::MultiplexedConnection) -> u64 {
+        let (s, us): (u64, u64) = redis::cmd("TIME").query_async(conn).await.unwrap();
+        s * 1000 + us / 1000
+    }
+    let before_2 = store_ms(&mut conn).await;
     let (admitted, _) = call(&script, &mut conn, 1000, "", ("", 0)).await;
+    let after_2 = store_ms(&mut conn).await;
     assert_eq!(admitted, 584, "the bucket holds 600 less the 16 leased");
-    // Given back unspent, the 16 are there again (and a little refill with them).
+    // Given back unspent, the 16 are there again, with what refilled (10 a second) between the
+    // two calls' clock reads: at least what refilled between `after_2` and `before_3`, at most
+    // what refilled between `before_2` and `after_3`, plus the fraction left over.
+    let before_3 = store_ms(&mut conn).await;
     let (admitted, _) = call(&script, &mut conn, 1000, "", ("L1", 16)).await;
+    let after_3 = store_ms(&mut conn).await;
+    let least = 16 + ((before_3 - after_2) / 100) as usize;
+    let most = 17 + ((after_3 - before_2) / 100) as usize;
     assert!(
-        (16..=17).contains(&admitted),
-        "{admitted} after the lease came back"
+        (least..=most).contains(&admitted),
+        "{admitted} after the lease came back ({least}..={most} by the store's clock)"
     );
     // Near empty, no lease is granted (it would leave the bucket under half full).
     assert_eq!(call(&script, &mut conn, 0, "L2", ("", 0)).await, (0, 0));
+}
+
+/// A key's settle names in the store are bounded whatever its rate: past the most kept, the
+/// oldest go (the script's own bound, lowered here to 5 so the test need not send 100,000),
+/// and a name still kept is still applied once.
+#[tokio::test]
+async fn a_keys_settle_names_are_bounded_in_the_store() {
+    let real = include_str!("../src/cluster/settle.lua");
+    assert!(
+        real.contains("local most = 100000\n"),
+        "the bound this test lowers"
+    );
+    let redis = Redis::start();
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let script = redis::Script::new(&real.replace("local most = 100000\n", "local most = 5\n"));
+    // One settle of 1 USD under `name`: what the month's spend is after it.
+    async fn settle(
+        script: &redis::Script,
+        conn: &mut redis::aio::MultiplexedConnection,
+        name: &str,
+    ) -> f64 {
+        let mut inv = script.prepare_invoke();
+        for k in ["spend", "resv", "resvamt", "resvtot", "tpm", "settled"] {
+            inv.key(format!("n:{k}"));
+        }
+        inv.arg(86_400).arg(3_600_000);
+        inv.arg(name).arg("").arg(1.0).arg(0).arg(0);
+        let _: i64 = inv.invoke_async(conn).await.unwrap();
+        let usd: String = redis::cmd("HGET")
+            .arg("n:spend")
+            .arg("usd")
+            .query_async(conn)
+            .await
+            .unwrap();
+        usd.parse().unwrap()
+    }
+    for i in 0..20 {
+        assert_eq!(
+            settle(&script, &mut conn, &format!("s{i}")).await,
+            f64::from(i + 1)
+        );
+        // Each name at a later millisecond of the store's clock: "the newest" is by time.
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    // Twenty applied; five names kept, the newest.
+    let kept: Vec<String> = redis::cmd("ZRANGE")
+        .arg("n:settled")
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(kept, ["s15", "s16", "s17", "s18", "s19"]);
+    // A kept name sent again changes nothing.
+    assert_eq!(settle(&script, &mut conn, "s19").await, 20.0);
 }

@@ -699,9 +699,237 @@ async fn escape_hygiene_keeps_the_text_the_model_reads() {
     let text = "line\u{2028}sep\u{2029}para\ttab\r\n";
     let r = gw.chat("a", text).await;
     assert_eq!(r.status(), 200);
-    let last = &a.stats().await["last_body"];
+    let st = a.stats().await;
     assert_eq!(
-        last["messages"][0]["content"], text,
+        st["last_body"]["messages"][0]["content"], text,
         "the decoded text is identical"
+    );
+    // On the wire the line and paragraph separators went as `\uXXXX` escapes, never raw: the
+    // decoded JSON above would be the same without hygiene, the bytes are not.
+    let raw = st["last_raw_body"].as_str().unwrap();
+    assert!(
+        raw.contains(r#""line\u2028sep\u2029para\ttab\r\n""#),
+        "escaped on the wire: {raw}"
+    );
+    assert!(
+        !raw.contains(['\u{2028}', '\u{2029}']),
+        "nothing raw: {raw}"
+    );
+}
+
+/// A loopback upstream for `backend_tokenize`: `POST /tokenize` answers 200 with a valid JSON
+/// body of `TOTAL` bytes — `{"count":7777,` then spaces, then `"tokens":[]}` — so a gateway that
+/// held it whole would parse it and count 7,777 tokens; `POST /v1/chat/completions` answers a
+/// small chat completion; GETs a one-model list (probes pass). `written` is how much of the
+/// `/tokenize` body the gateway let this server write; `released` says a write failed (the
+/// gateway hung up on the answer).
+struct BigTokenize {
+    addr: std::net::SocketAddr,
+    written: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    released: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    tokenize_calls: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    chat_calls: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl BigTokenize {
+    /// 160 MiB: well past the 64 MiB cap plus whatever the sockets' buffers hold.
+    const TOTAL: u64 = 160 << 20;
+
+    fn start() -> BigTokenize {
+        use std::io::{Read, Write};
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let written = Arc::new(AtomicU64::new(0));
+        let released = Arc::new(AtomicBool::new(false));
+        let tokenize_calls = Arc::new(AtomicU64::new(0));
+        let chat_calls = Arc::new(AtomicU64::new(0));
+        let shared = (
+            written.clone(),
+            released.clone(),
+            tokenize_calls.clone(),
+            chat_calls.clone(),
+        );
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut s) = conn else { return };
+                let (written, released, tokenize_calls, chat_calls) = shared.clone();
+                std::thread::spawn(move || {
+                    loop {
+                        // One request: its head, then the body it declares (keep-alive: more may
+                        // follow on the same connection).
+                        let mut head = Vec::new();
+                        let mut byte = [0u8; 1];
+                        while !head.ends_with(b"\r\n\r\n") {
+                            match s.read(&mut byte) {
+                                Ok(1) => head.push(byte[0]),
+                                _ => return,
+                            }
+                        }
+                        let head = String::from_utf8_lossy(&head).to_lowercase();
+                        let length: usize = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse().ok())
+                            .unwrap_or(0);
+                        let mut body = vec![0u8; length];
+                        if s.read_exact(&mut body).is_err() {
+                            return;
+                        }
+                        let path = head.split_whitespace().nth(1).unwrap_or("").to_string();
+                        let small = |s: &mut std::net::TcpStream, json: &str| {
+                            write!(
+                                s,
+                                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{json}",
+                                json.len()
+                            )
+                        };
+                        if head.starts_with("get") {
+                            let list =
+                                r#"{"object":"list","data":[{"id":"my-llama","object":"model"}]}"#;
+                            if small(&mut s, list).is_err() {
+                                return;
+                            }
+                            continue;
+                        }
+                        if path == "/tokenize" {
+                            tokenize_calls.fetch_add(1, Ordering::SeqCst);
+                            let prefix: &[u8] = b"{\"count\":7777,";
+                            let suffix: &[u8] = b"\"tokens\":[]}";
+                            let piece = vec![b' '; 64 << 10];
+                            let pieces = (BigTokenize::TOTAL as usize) / piece.len();
+                            let len = prefix.len() + pieces * piece.len() + suffix.len();
+                            let ok = write!(
+                                s,
+                                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len}\r\n\r\n"
+                            )
+                            .and_then(|_| s.write_all(prefix));
+                            if ok.is_err() {
+                                released.store(true, Ordering::SeqCst);
+                                return;
+                            }
+                            for _ in 0..pieces {
+                                if s.write_all(&piece).is_err() {
+                                    released.store(true, Ordering::SeqCst);
+                                    return;
+                                }
+                                written.fetch_add(piece.len() as u64, Ordering::SeqCst);
+                            }
+                            if s.write_all(suffix).is_err() {
+                                released.store(true, Ordering::SeqCst);
+                                return;
+                            }
+                            continue;
+                        }
+                        chat_calls.fetch_add(1, Ordering::SeqCst);
+                        let chat = r#"{"id":"chatcmpl-big","object":"chat.completion","created":1700000000,"model":"my-llama","choices":[{"index":0,"message":{"role":"assistant","content":"counted locally"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}}"#;
+                        if small(&mut s, chat).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        BigTokenize {
+            addr,
+            written,
+            released,
+            tokenize_calls,
+            chat_calls,
+        }
+    }
+
+    fn load(a: &std::sync::atomic::AtomicU64) -> u64 {
+        a.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// An upstream whose `/tokenize` answer is larger than 64 MiB is not held whole: the gateway
+/// reads it no further than 64 MiB (and what the sockets' buffers take), hangs up on it, falls
+/// back to its local count, and the request is served as usual.
+///
+/// docs/errors.md (a 2xx answer larger than `server.max_response_bytes`): "Probe answers stop at
+/// 8 MiB (a failed probe), `/tokenize` answers at 64 MiB, error bodies at 64 KiB: nothing an
+/// upstream sends grows the gateway's memory without bound".
+/// docs/configuration.md (`models.<name>.backend_tokenize`): "Ask the backend for an exact
+/// prompt count (`vllm`: POST /tokenize with the messages; `llamacpp`: POST /tokenize with the
+/// text), falling back to the local count." docs/routing.md: "`backend_tokenize: vllm |
+/// llamacpp` asks the backend's own `/tokenize` (timeout `tokenize_timeout`, default 300 ms;
+/// cached), falling back to the local count".
+///
+/// `tokenize_timeout` is 60 s here so that only the cap can stop the read: without it, the whole
+/// 160 MiB would be read (loopback, a few seconds) and parsed to 7,777 tokens.
+///
+/// Fails if: `backend_count` (src/upstream/tokenize.rs) reads the answer without its 64 MiB
+/// limit (`r.bytes()`, or `reqwest_body` with a larger limit): the server then writes all
+/// 160 MiB and the audit row's `prompt_tokens_counted` is 7777; or if a `/tokenize` answer past
+/// the cap failed the request instead of falling back to the local count.
+#[tokio::test]
+async fn a_tokenize_answer_past_64_mib_is_cut_and_the_local_count_used() {
+    use serde_json::json;
+    use std::time::Duration;
+
+    let up = BigTokenize::start();
+    let cfg = format!(
+        "models:\n  a: {{ type: openai, base_url: \"http://{}/v1\", model: my-llama, context_window: 100000, backend_tokenize: vllm, tokenize_timeout: 60s, timeouts: {{ total: 120s }} }}\nhealth: {{ probe_interval: 1h }}\n",
+        up.addr
+    );
+    let mut gw = Gw::start(&cfg);
+    gw.ready().await;
+    let r = gw
+        .chat_id(
+            "big-tokenize",
+            json!({"model": "a", "messages": [{"role": "user", "content": "count me please"}]}),
+        )
+        .await;
+    // The backend was asked, its answer went past the cap, and the request was served all the
+    // same by the endpoint.
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "a");
+    assert_eq!(
+        BigTokenize::load(&up.tokenize_calls),
+        1,
+        "the backend was asked"
+    );
+    assert_eq!(
+        BigTokenize::load(&up.chat_calls),
+        1,
+        "the request was served upstream"
+    );
+    // The gateway hung up on the answer (the server's next write failed) …
+    let released = eventually(Duration::from_secs(30), || async {
+        up.released.load(std::sync::atomic::Ordering::SeqCst)
+    })
+    .await;
+    let written = BigTokenize::load(&up.written);
+    assert!(
+        released,
+        "the gateway never hung up on the /tokenize answer ({written} of {} bytes written)",
+        BigTokenize::TOTAL
+    );
+    // … after reading past 64 MiB (the cap was reached, not a timeout or an early error) …
+    assert!(
+        written > 64 << 20,
+        "only {written} bytes were written: the cap was not what stopped the read"
+    );
+    // … and no further than the sockets' buffers take: far from the whole answer.
+    assert!(
+        written < 100 << 20,
+        "{written} bytes of the {} byte /tokenize answer were read",
+        BigTokenize::TOTAL
+    );
+    gw.stop();
+    // The count used is the gateway's own, not the 7,777 the whole answer says.
+    let counted = audit_rows(
+        &gw,
+        "SELECT prompt_tokens_counted FROM requests WHERE request_id = 'big-tokenize'",
+    );
+    assert_eq!(counted.len(), 1, "{counted:?}");
+    let n = counted[0][0].as_u64();
+    assert!(
+        n.is_some_and(|n| n > 0 && n != 7777),
+        "prompt_tokens_counted {:?}: the local count, not the cut answer's",
+        counted[0][0]
     );
 }

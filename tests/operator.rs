@@ -741,15 +741,24 @@ alerts:
             .filter(|(p, _, v)| p.starts_with("/json/") && v["event"] == event)
             .count()
     };
+    let slack_has = |what: &str| {
+        hooked.lock().unwrap().iter().any(|(p, _, v)| {
+            p.starts_with("/services/") && v["text"].as_str().is_some_and(|t| t.contains(what))
+        })
+    };
+    // Everything that must come, waited for (the Slack POSTs as much as the JSON ones).
     assert!(
-        eventually(Duration::from_secs(15), || async {
-            json_alerts("endpoint_retired") >= 2 && json_alerts("all_failed") >= 1
+        eventually(Duration::from_secs(30), || async {
+            json_alerts("endpoint_retired") >= 2
+                && json_alerts("all_failed") >= 1
+                && slack_has("`endpoint_retired` on endpoint `gone`")
+                && slack_has("`all_failed`")
         })
         .await,
         "alerts: {:?}",
         hooked.lock().unwrap()
     );
-    // Settle: nothing more should come.
+    // Settle: nothing more should come (a wait that can only let a duplicate show).
     tokio::time::sleep(Duration::from_millis(2500)).await;
     let got = hooked.lock().unwrap().clone();
     // The retirement: refused once (503) and delivered on the retry; all_failed once, although
@@ -1066,19 +1075,20 @@ async fn the_report_reads_the_trail_and_recommends_by_its_rules() {
 /// an endpoint under both thresholds gets neither.
 #[tokio::test]
 async fn the_report_recommends_on_timeouts_and_5xx() {
-    // Every 4th call: a 503 (25 %); every 10th: 5 s, past its `timeouts.total` of 1 s (10 %).
+    // Every 4th call: a 503 (25 %); every 10th: 30 s, past its `timeouts.total` of 3 s
+    // (10 %). The other calls answer at once, 3 s inside the timeout however busy the machine.
     let flaky = MockUp::openai(
         "rules:\n  - when: {every: 4, path: /v1/chat/completions}\n    status: 503\n",
     )
     .await;
     let slow = MockUp::openai(
-        "rules:\n  - when: {every: 10, path: /v1/chat/completions}\n    delay: 5s\n",
+        "rules:\n  - when: {every: 10, path: /v1/chat/completions}\n    delay: 30s\n",
     )
     .await;
     let fine = MockUp::openai("").await;
     let backup = MockUp::openai("").await;
     let config = format!(
-        "models:\n  flaky: {{type: openai, base_url: '{}'}}\n  slow: {{type: openai, base_url: '{}', timeouts: {{total: 1s}}}}\n  fine: {{type: openai, base_url: '{}'}}\n  backup: {{type: openai, base_url: '{}'}}\nrouting_policy: {{slow_start: 0, success_threshold: 0}}\nhealth: {{eject_after: 1000}}\nroutes:\n  a: [flaky, backup]\n  b: [slow, backup]\n  c: [fine, backup]\n",
+        "models:\n  flaky: {{type: openai, base_url: '{}'}}\n  slow: {{type: openai, base_url: '{}', timeouts: {{total: 3s}}}}\n  fine: {{type: openai, base_url: '{}'}}\n  backup: {{type: openai, base_url: '{}'}}\nrouting_policy: {{slow_start: 0, success_threshold: 0}}\nhealth: {{eject_after: 1000}}\nroutes:\n  a: [flaky, backup]\n  b: [slow, backup]\n  c: [fine, backup]\n",
         flaky.base(),
         slow.base(),
         fine.base(),

@@ -160,28 +160,38 @@ async fn a_stream_of_writes_does_not_postpone_a_reload_forever() {
     let a = MockUp::openai("name: a").await;
     let b = MockUp::openai("name: b").await;
     let gw = Gw::start(&one_endpoint(&a, "a"));
-    // Rewrite the file every 20 ms (inside the 50 ms debounce) for 3 s, ending on b's table.
+    // Rewrite the file every 20 ms (inside the 50 ms debounce) until told to stop (at most
+    // 60 s), ending on b's table.
     let path = gw.config_path.clone();
     let (ca, cb) = (one_endpoint(&a, "a"), one_endpoint(&b, "b"));
-    let writer = std::thread::spawn(move || {
-        let until = std::time::Instant::now() + Duration::from_secs(3);
-        let mut i = 0u64;
-        while std::time::Instant::now() < until {
-            let text = if i.is_multiple_of(2) { &cb } else { &ca };
-            std::fs::write(&path, format!("{text}# write {i}\n")).unwrap();
-            i += 1;
-            std::thread::sleep(Duration::from_millis(20));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = std::thread::spawn({
+        let stop = stop.clone();
+        move || {
+            let until = std::time::Instant::now() + Duration::from_secs(60);
+            let mut i = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                && std::time::Instant::now() < until
+            {
+                let text = if i.is_multiple_of(2) { &cb } else { &ca };
+                std::fs::write(&path, format!("{text}# write {i}\n")).unwrap();
+                i += 1;
+                std::thread::sleep(Duration::from_millis(20));
+            }
         }
     });
-    // Reloads happen while the writes go on (bounded debounce), not only after they stop.
-    let ok = eventually(Duration::from_millis(2500), || async {
+    // Reloads happen while the writes go on (bounded debounce), not only after they stop: in
+    // this order, a reload, then the writes stop. (The wait is generous: a reload must come.)
+    let ok = eventually(Duration::from_secs(30), || async {
         gw.status().await["config"]["reloads"].as_u64().unwrap_or(0) >= 1
     })
     .await;
+    let during = !writer.is_finished();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
     writer.join().unwrap();
     assert!(
-        ok,
-        "no reload during 2.5 s of writes: {}",
+        ok && during,
+        "no reload while the writes went on: {}",
         gw.status().await["config"]
     );
 }
@@ -273,15 +283,32 @@ async fn a_redefined_endpoint_forgets_what_was_learned_about_the_old_server() {
     assert_eq!(header(&r, "x-autohedge-endpoint"), "big");
     assert_eq!(old.requests(), 1);
     assert_eq!(learned(&gw.status().await, "e"), 100);
+    // And a 429 from the old server: `e` cools down (`default_cooldown`, 30 s).
+    let r = chat_with(&gw, "cool", "chat", "ratelimited").await;
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "big");
+    assert_eq!(old.requests(), 2);
+    let st = gw.status().await;
+    assert_eq!(st["endpoints"]["e"]["state"], "cooldown", "{st}");
+    assert!(
+        st["endpoints"]["e"]["cooldown_remaining_ms"]
+            .as_u64()
+            .unwrap()
+            > 20_000,
+        "{st}"
+    );
 
     reload(&gw, &cfg(&new.base), |st| {
         st["endpoints"]["e"]["learned_context_window"].is_null()
     })
     .await;
-    // The new server gets a prompt the old one's window would have sent elsewhere. (The
-    // endpoint's state is made fresh just before the new table is swapped in: a request in
-    // that instant still goes by the old table, so the first to reach the new server is
-    // awaited, each served by `e`.)
+    // The cooldown went with the window (both are swapped out at once).
+    let st = gw.status().await;
+    assert_eq!(st["endpoints"]["e"]["cooldown_remaining_ms"], 0, "{st}");
+    assert_ne!(st["endpoints"]["e"]["state"], "cooldown", "{st}");
+    // The new server gets, at once, a prompt the old one's window would have sent elsewhere —
+    // and the old one's cooldown kept from `e` for another 30 s. (The endpoint's state is made
+    // fresh just before the new table is swapped in: a request in that instant still goes by
+    // the old table, so the first to reach the new server is awaited, each served by `e`.)
     let long = "word ".repeat(400);
     for i in 0..20 {
         let r = chat_with(&gw, &format!("long-{i}"), "chat", &long).await;
@@ -350,4 +377,198 @@ async fn an_outsized_duration_is_refused_at_load_naming_its_path() {
     ));
     assert_eq!(gw.chat("a", "x").await.status(), 200);
     assert_eq!(a.requests().await, 1);
+}
+
+/// A loopback upstream that holds every chat answer until `release`: `posts` counts the POSTs
+/// that reached it (each answered, once released, with a chat completion saying "from the old
+/// config"); GETs get a one-model list at once, so probes pass.
+struct HeldUpstream {
+    addr: std::net::SocketAddr,
+    posts: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    release: tokio::sync::watch::Sender<bool>,
+}
+
+impl HeldUpstream {
+    async fn start() -> HeldUpstream {
+        use std::sync::atomic::Ordering;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let posts = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (release, rx) = tokio::sync::watch::channel(false);
+        let counter = posts.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut s, _)) = listener.accept().await else {
+                    return;
+                };
+                let (counter, mut rx) = (counter.clone(), rx.clone());
+                tokio::spawn(async move {
+                    // The head, then the body it declares; one request a connection.
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    let (head_end, len) = loop {
+                        match s.read(&mut chunk).await {
+                            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                            _ => return,
+                        }
+                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            let head = String::from_utf8_lossy(&buf[..i]).to_ascii_lowercase();
+                            let len = head
+                                .lines()
+                                .find_map(|l| l.strip_prefix("content-length:"))
+                                .and_then(|v| v.trim().parse::<usize>().ok())
+                                .unwrap_or(0);
+                            break (i + 4, len);
+                        }
+                    };
+                    while buf.len() < head_end + len {
+                        match s.read(&mut chunk).await {
+                            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                            _ => return,
+                        }
+                    }
+                    let body = if buf.starts_with(b"GET") {
+                        r#"{"object":"list","data":[{"id":"held-model","object":"model","created":0,"owned_by":"held"}]}"#
+                    } else {
+                        counter.fetch_add(1, Ordering::SeqCst);
+                        let _ = rx.wait_for(|go| *go).await;
+                        r#"{"id":"chatcmpl-held","object":"chat.completion","created":1700000000,"model":"held-model","choices":[{"index":0,"message":{"role":"assistant","content":"from the old config"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}"#
+                    };
+                    let _ = s
+                        .write_all(
+                            format!(
+                                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                                body.len()
+                            )
+                            .as_bytes(),
+                        )
+                        .await;
+                });
+            }
+        });
+        HeldUpstream {
+            addr,
+            posts,
+            release,
+        }
+    }
+
+    fn posts(&self) -> usize {
+        self.posts.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// A request in flight when `config.yaml` is rewritten finishes on the config it started with:
+/// its endpoint `old` and route `chat: [old]` are gone from the new file (the route now names
+/// `fresh`), yet it is answered by `old`, 200, and recorded as `old`'s. A request after the
+/// reload follows the new file: `chat` goes to `fresh`, and `old` is no model any more.
+///
+/// The order is the test's, not the clock's: the upstream holds the first request's answer
+/// until the reload is seen installed (`/status` `config.reloads`) and a request has followed
+/// the new config; only then is the answer released.
+///
+/// docs/configuration.md ("Live reload"): "Edit `config.yaml` while the gateway runs (or send
+/// SIGHUP): the file is watched … parsed and validated, then swapped in atomically. … In-flight
+/// requests finish on the snapshot they started with; endpoint state and stats survive for
+/// endpoints that still exist".
+///
+/// Fails if: a request reads the live table (`state.config.load()`) after it started instead of
+/// the snapshot it took, or the install (`AppState::install`, `registry.sync`) tears down a
+/// removed endpoint's clients or connections under the requests still using them: the held
+/// request then fails (502/503/504), or is sent again to `fresh` (`fresh` gets two requests),
+/// instead of `old`'s 200.
+#[tokio::test]
+async fn a_request_in_flight_finishes_on_the_config_it_started_with() {
+    use serde_json::{Value, json};
+    use std::time::Duration;
+
+    let old = HeldUpstream::start().await;
+    let fresh = MockUp::openai("name: fresh").await;
+    let before = format!(
+        "models:\n  old: {{ type: openai, base_url: \"http://{}/v1\", model: held-model, timeouts: {{ first_token: 120s, total: 300s }} }}\nroutes:\n  chat: [old]\nhealth: {{ probe_interval: 1h }}\n",
+        old.addr
+    );
+    let after = format!(
+        "models:\n  fresh: {{ type: openai, base_url: \"{}\" }}\nroutes:\n  chat: [fresh]\nhealth: {{ probe_interval: 1h }}\n",
+        fresh.base()
+    );
+    let mut gw = Gw::start(&before);
+    gw.ready().await;
+    let reloads_before = gw.status().await["config"]["reloads"].as_u64().unwrap_or(0);
+
+    // A request starts under the old config and reaches `old`, which holds its answer.
+    let url = gw.url("/v1/chat/completions");
+    let in_flight = tokio::spawn(async move {
+        reqwest::Client::new()
+            .post(url)
+            .header("x-request-id", "in-flight")
+            .json(&json!({"model": "chat", "messages": [{"role": "user", "content": "x"}]}))
+            .send()
+            .await
+            .unwrap()
+    });
+    let reached = eventually(Duration::from_secs(10), || async { old.posts() == 1 }).await;
+    assert!(reached, "the first request reached the old endpoint");
+
+    // The file is rewritten: `old` gone, `chat` renamed onto `fresh`. The reload is installed.
+    std::fs::write(&gw.config_path, &after).unwrap();
+    let installed = eventually(Duration::from_secs(10), || async {
+        let st = gw.status().await;
+        st["config"]["reloads"].as_u64().unwrap_or(0) > reloads_before
+            && st["endpoints"].get("fresh").is_some()
+            && st["endpoints"].get("old").is_none()
+    })
+    .await;
+    let st = gw.status().await;
+    assert!(installed, "the new config was installed: {}", st["config"]);
+    assert!(
+        st["config"]["last_reload_error"].is_null(),
+        "{}",
+        st["config"]
+    );
+
+    // A request after the reload follows the new config …
+    let r = gw
+        .chat_id(
+            "after-reload",
+            json!({"model": "chat", "messages": [{"role": "user", "content": "y"}]}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "fresh");
+    assert_eq!(fresh.requests().await, 1);
+    let r = gw.chat("old", "z").await;
+    assert_eq!(r.status(), 404, "`old` is no model under the new config");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "model_not_found", "{v}");
+    assert_eq!(old.posts(), 1, "nothing new reached the old endpoint");
+    assert!(!in_flight.is_finished(), "the first request is still held");
+
+    // … while the one in flight finishes as the old config said: served by `old`.
+    old.release.send_replace(true);
+    let r = in_flight.await.unwrap();
+    assert_eq!(r.status(), 200, "the in-flight request was served");
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "old");
+    assert_eq!(header(&r, "x-autohedge-attempts"), "1");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(
+        v["choices"][0]["message"]["content"], "from the old config",
+        "{v}"
+    );
+    assert_eq!(
+        fresh.requests().await,
+        1,
+        "the in-flight request was not sent to fresh"
+    );
+
+    gw.stop();
+    let rows: Vec<String> = audit_rows(
+        &gw,
+        "SELECT request_id || ':' || endpoint || ':' || status FROM requests WHERE request_id IN ('in-flight', 'after-reload') ORDER BY request_id",
+    )
+    .into_iter()
+    .map(|r| r[0].as_str().unwrap_or("").to_string())
+    .collect();
+    assert_eq!(rows, vec!["after-reload:fresh:200", "in-flight:old:200"]);
 }

@@ -325,8 +325,10 @@ models:
 # Slow start off: this test asserts the recovered endpoint takes traffic at once (slow start
 # itself has a test of its own in this file).
 routing_policy: {{ fallback_chain: [a, b, c], panic_threshold: 0.3, slow_start: 0 }}
-# An ejection window (3 s) far longer than the two requests that must see it, on any machine.
-health: {{ probe_interval: 100ms, flip_after: 2, eject_after: 3, eject_base: 3s, eject_max: 6s }}
+# An ejection window (10 s) far longer than the status read and the request that must see it,
+# on any machine, busy or not: eject_base is the time promised, and the recovery below waits
+# for it (the ejection ends when it ends, and the wait with it).
+health: {{ probe_interval: 100ms, flip_after: 2, eject_after: 3, eject_base: 10s, eject_max: 20s }}
 "#,
         a.base(),
         b.base(),
@@ -374,7 +376,8 @@ health: {{ probe_interval: 100ms, flip_after: 2, eject_after: 3, eject_base: 3s,
     b.set_script("name: b").await; // (resets the mock's counters)
     // Client traffic for b goes on while it recovers: served by c, never by b.
     let (mut sent_meanwhile, mut served_by_b) = (0, 0);
-    let deadline = Instant::now() + Duration::from_secs(15);
+    // Generous past eject_base: the recovery must come, and the loop ends as soon as it does.
+    let deadline = Instant::now() + Duration::from_secs(40);
     while gw.status().await["endpoints"]["b"]["state"] != "healthy" {
         assert!(
             Instant::now() < deadline,
@@ -577,21 +580,38 @@ async fn vllm_queue_and_kv_cache_degrade_the_endpoint() {
 async fn a_probe_older_than_cache_ttl_is_stale() {
     let a = MockUp::openai("name: a").await;
     let gw = Gw::start(&format!(
-        "models:\n{}routing_policy: {{ cache_ttl: 300ms }}\nhealth: {{ probe_interval: 1h }}\n",
+        "models:\n{}routing_policy: {{ cache_ttl: 1s }}\nhealth: {{ probe_interval: 1h }}\n",
         ep("a", &a, "")
     ));
-    let ok = eventually(Duration::from_secs(5), || async {
-        gw.status().await["endpoints"]["a"]["probe"]["stale"] == false
-    })
-    .await;
-    assert!(ok, "a fresh probe result first");
-    let ok = eventually(Duration::from_secs(5), || async {
-        gw.status().await["endpoints"]["a"]["probe"]["stale"] == true
+    // The only probe runs at start (`probe_interval: 1h`). Each look at it is judged by the gateway's own numbers, not
+    // by when the look came: `stale` says whether `age_ms` (read just before it) is past
+    // `cache_ttl` (50 ms of margin for the two reads of the clock). Fresh, then stale.
+    let (fresh, looks) = (std::cell::Cell::new(0), std::cell::Cell::new(0));
+    let stale = eventually(Duration::from_secs(30), || async {
+        let p = gw.status().await["endpoints"]["a"]["probe"].clone();
+        if p.is_null() {
+            return false; // no probe result yet
+        }
+        let age = p["age_ms"].as_u64().unwrap();
+        let stale = p["stale"].as_bool().unwrap();
+        looks.set(looks.get() + 1);
+        if stale {
+            assert!(age + 50 > 1_000, "stale at {age} ms: {p}");
+        } else {
+            assert!(age <= 1_000, "not stale at {age} ms: {p}");
+            fresh.set(fresh.get() + 1);
+        }
+        stale
     })
     .await;
     let p = gw.status().await["endpoints"]["a"]["probe"].clone();
-    assert!(ok, "{p}");
-    assert!(p["age_ms"].as_u64().unwrap() > 300, "{p}");
+    assert!(stale, "{p}");
+    assert!(p["age_ms"].as_u64().unwrap() > 1_000, "{p}");
+    eprintln!(
+        "{} of {} looks saw the probe fresh",
+        fresh.get(),
+        looks.get()
+    );
 }
 
 #[tokio::test]
@@ -894,7 +914,9 @@ async fn a_stream_is_hedged_before_its_first_chunk_and_served_once() {
 
 #[tokio::test]
 async fn the_budget_bounds_hedges_and_tools_hedge_only_when_allowed() {
-    let slow = MockUp::openai("name: slow\nrules: [{delay: 200ms}]").await;
+    // 500 ms: the hedge timer (50 ms) has 450 ms to fire before `slow` answers, on any machine.
+    // Whether a hedge was sent is read from the trail, not from whether it won.
+    let slow = MockUp::openai("name: slow\nrules: [{delay: 500ms}]").await;
     let fast = MockUp::openai("name: fast").await;
     let cfg = format!(
         "models:\n{}{}routes:\n  tenth:\n    chain: [slow, fast]\n    hedge: {{ after: 50ms, max_extra: 10% }}\n  notools:\n    chain: [slow, fast]\n    hedge: {{ after: 50ms, max_extra: 100% }}\n  tools:\n    chain: [slow, fast]\n    hedge: {{ after: 50ms, max_extra: 100%, tools: true }}\n",
@@ -902,17 +924,16 @@ async fn the_budget_bounds_hedges_and_tools_hedge_only_when_allowed() {
         ep("fast", &fast, "")
     );
     let mut gw = Gw::start(&cfg);
-    let mut hedged = Vec::new();
+    let mut won = Vec::new();
     for i in 0..20 {
         let r = gw.chat("tenth", "x").await;
         assert_eq!(r.status(), 200);
         if header(&r, "x-autohedge-hedged") == "true" {
-            hedged.push(i + 1);
+            won.push(i + 1);
         }
     }
-    // Every request was slow enough to hedge: the budget alone decided. It starts empty and
-    // each request pays a tenth of a hedge.
-    assert_eq!(hedged, vec![10, 20]);
+    // Only a hedge sent can win (the header says it won; the trail below says which were sent).
+    assert!(won.iter().all(|i| [10, 20].contains(i)), "{won:?}");
     assert_eq!(
         slow.requests().await,
         20,
@@ -920,15 +941,17 @@ async fn the_budget_bounds_hedges_and_tools_hedge_only_when_allowed() {
     );
     let tool =
         json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
-    for (route, expect) in [("notools", ""), ("tools", "true")] {
+    for route in ["notools", "tools"] {
         let r = gw
-            .post(
-                "/v1/chat/completions",
+            .chat_id(
+                &format!("with-tools-{route}"),
                 json!({"model": route, "messages": [{"role": "user", "content": "x"}], "tools": tool}),
             )
             .await;
         assert_eq!(r.status(), 200);
-        assert_eq!(header(&r, "x-autohedge-hedged"), expect, "{route}");
+        if route == "notools" {
+            assert_eq!(header(&r, "x-autohedge-hedged"), "", "{route}");
+        }
     }
     let st = gw.status().await;
     assert_eq!(st["hedging"]["route:tenth"]["requests"], 20);
@@ -939,12 +962,33 @@ async fn the_budget_bounds_hedges_and_tools_hedge_only_when_allowed() {
         st["hedging"]
     );
     gw.stop();
+    // Every request was slow enough to hedge: the budget alone decided. It starts empty and
+    // each request pays a tenth of a hedge: the 10th and the 20th sent one.
+    let sent: Vec<usize> = rows(
+        &gw,
+        "SELECT hedges FROM requests WHERE requested_model = 'tenth' ORDER BY id",
+    )
+    .iter()
+    .enumerate()
+    .filter(|(_, h)| *h != "0")
+    .map(|(i, h)| {
+        assert_eq!(h, "1", "request {}", i + 1);
+        i + 1
+    })
+    .collect();
+    assert_eq!(sent, vec![10, 20]);
+    let won_rows: Vec<String> = rows(
+        &gw,
+        "SELECT sum(hedges), sum(hedge_won) FROM requests WHERE requested_model = 'tenth'",
+    );
+    assert_eq!(won_rows, vec![format!("2:{}", won.len())]);
+    // Tools hedge only where the route allows it.
     assert_eq!(
         rows(
             &gw,
-            "SELECT sum(hedges), sum(hedge_won) FROM requests WHERE requested_model = 'tenth'"
+            "SELECT request_id, hedges FROM requests WHERE request_id LIKE 'with-tools-%' ORDER BY request_id"
         ),
-        vec!["2:2"]
+        vec!["with-tools-notools:0", "with-tools-tools:1"]
     );
 }
 
@@ -976,7 +1020,9 @@ async fn an_endpoints_own_hedge_applies_to_requests_that_start_there() {
 
 #[tokio::test]
 async fn a_hedge_that_fails_leaves_the_first_attempt_to_finish() {
-    let slow = MockUp::openai("name: slow\nrules: [{delay: 600ms}]").await;
+    // 2 s: the hedge (sent at 100 ms) is answered with its 500 long before `slow` answers,
+    // however busy the machine.
+    let slow = MockUp::openai("name: slow\nrules: [{delay: 2s}]").await;
     let bad = MockUp::openai("rules: [{status: 500}]").await;
     let cfg = format!(
         "models:\n{}{}routes:\n  chat:\n    chain: [slow, bad]\n    hedge: {{ after: 100ms, max_extra: 100% }}\n",
@@ -1047,12 +1093,36 @@ async fn a_percentile_delay_waits_for_its_sample_minimum() {
             );
         }
     }
-    // The 24th (slow) request is the first with 20 samples behind it: hedged at the p50 (fast,
-    // so min_after), and served by the hedge.
-    assert_eq!(hedged, vec![24], "only the slow request after 20 samples");
-    assert_eq!(fast.requests().await, 1);
     assert_eq!(slow.requests().await, 24, "every request tried slow first");
+    let to_fast = fast.requests().await;
     gw.stop();
+    // From the trail, each request's hedges and how long its attempt at `slow` took.
+    let trail = audit_rows(
+        &gw,
+        "SELECT r.hedges, a.latency_ms FROM requests r JOIN attempts a ON a.request_row = r.id AND a.endpoint = 'slow' WHERE r.requested_model = 'p50' ORDER BY r.id",
+    );
+    assert_eq!(trail.len(), 24, "{trail:?}");
+    let hedges: Vec<u64> = trail.iter().map(|r| r[0].as_u64().unwrap()).collect();
+    // None before 20 samples, whatever the latency.
+    assert!(hedges[..20].iter().all(|h| *h == 0), "{trail:?}");
+    // The 24th (slow) request is the first slow one with 20 samples behind it: hedged at the
+    // p50 (fast, so min_after).
+    assert_eq!(hedges[23], 1, "{trail:?}");
+    // The 21st to 23rd answer at once: hedged only if `slow` took past min_after (a busy
+    // machine), never before it.
+    for (i, r) in trail.iter().enumerate().take(23).skip(20) {
+        assert!(
+            r[0] == 0 || r[1].as_f64().unwrap() >= 150.0,
+            "request {} hedged before min_after: {r:?}",
+            i + 1
+        );
+    }
+    // Each hedge was one call to `fast`, and only a request that sent one says it was hedged.
+    assert_eq!(to_fast, hedges.iter().sum::<u64>(), "{trail:?}");
+    assert!(
+        hedged.iter().all(|i| hedges[i - 1] == 1),
+        "{hedged:?} {trail:?}"
+    );
 }
 
 #[tokio::test]
@@ -1116,20 +1186,24 @@ async fn an_exhausted_budget_in_the_headers_routes_away_before_the_429() {
 }
 
 /// With `max_wait` set and only predicted-short endpoints left, the request waits for the
-/// predicted refill (here 1.5 s) and then calls the endpoint once, instead of trying it at once
+/// predicted refill (here 3 s) and then calls the endpoint once, instead of trying it at once
 /// into a likely 429. The wait is checked from below only.
 #[tokio::test]
 async fn max_wait_waits_for_a_predicted_refill() {
-    let announce = r#"{times: 1, headers: {x-ratelimit-remaining-requests: "0", x-ratelimit-reset-requests: "1500ms", x-ratelimit-limit-requests: ""}}"#;
+    // 3 s: the second request comes well inside it (it must, to meet the prediction), and
+    // `max_wait` (5 s) covers it.
+    let announce = r#"{times: 1, headers: {x-ratelimit-remaining-requests: "0", x-ratelimit-reset-requests: "3s", x-ratelimit-limit-requests: ""}}"#;
     let a = MockUp::openai(&format!("name: a\nrules: [{announce}]")).await;
     let cfg = format!(
         "models:\n{}routes:\n  only_a: [a]\nrouting_policy: {{ max_wait: 5s }}\n",
         ep("a", &a, "")
     );
     let mut gw = Gw::start(&cfg);
+    // Before the first request: the refill it announces is at least 3 s from here, however
+    // long anything below takes (a lower bound only).
+    let t0 = Instant::now();
     assert_eq!(gw.chat("only_a", "x").await.status(), 200);
     assert_eq!(a.requests().await, 1);
-    let t0 = Instant::now();
     let r = gw
         .chat_id(
             "refill",
@@ -1141,8 +1215,8 @@ async fn max_wait_waits_for_a_predicted_refill() {
     assert_eq!(header(&r, "x-autohedge-endpoint"), "a");
     assert_eq!(a.requests().await, 2, "one call, after the wait");
     assert!(
-        took >= Duration::from_millis(1200),
-        "answered after {took:?}: it did not wait for the refill"
+        took >= Duration::from_secs(3),
+        "answered {took:?} after the first request: it did not wait for the refill"
     );
     gw.stop();
     assert_eq!(
@@ -1256,4 +1330,192 @@ async fn after_a_cooldown_the_endpoint_takes_a_rising_share_not_everything() {
     let (to_a, share) = run("0").await;
     assert_eq!(to_a, 60, "without slow start a takes everything at once");
     assert!(share.is_null());
+}
+
+/// A loopback health-check server whose first request is held unanswered until `release`, so a
+/// probe round that includes it stays open for as long as the test likes; later requests are
+/// answered at once, `200 {"status":"ok"}`. `seen` counts the requests.
+struct GatedHealth {
+    addr: std::net::SocketAddr,
+    seen: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    release: tokio::sync::watch::Sender<bool>,
+}
+
+impl GatedHealth {
+    async fn start() -> GatedHealth {
+        use std::sync::atomic::Ordering;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (release, rx) = tokio::sync::watch::channel(false);
+        let counter = seen.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut s, _)) = listener.accept().await else {
+                    return;
+                };
+                let (counter, mut rx) = (counter.clone(), rx.clone());
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 1024];
+                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match s.read(&mut chunk).await {
+                            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                            _ => return,
+                        }
+                    }
+                    if counter.fetch_add(1, Ordering::SeqCst) == 0 {
+                        let _ = rx.wait_for(|go| *go).await;
+                    }
+                    let body = r#"{"status":"ok"}"#;
+                    let _ = s
+                        .write_all(
+                            format!(
+                                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                                body.len()
+                            )
+                            .as_bytes(),
+                        )
+                        .await;
+                });
+            }
+        });
+        GatedHealth {
+            addr,
+            seen,
+            release,
+        }
+    }
+
+    fn seen(&self) -> usize {
+        self.seen.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// Ejected endpoints are probed sooner than `health.probe_interval`: with the interval at an
+/// hour and `eject_base` at a second, an endpoint ejected by live traffic gets its next probe —
+/// the half-open probe that restores it — within the run, not an hour later.
+///
+/// How the ejection is made to count: the prober shortens its wait (to `eject_base`) when an
+/// endpoint is ejected at the end of a probe round (src/discovery/probe.rs). So the first round
+/// is held open (the other endpoint's health check, `GatedHealth`, answers only when released)
+/// while `bad` is ejected, then released. `bad`'s own probe in that round fails (a 500, once), so
+/// whichever way that stale result lands — still ejected, or half-open and ejected again — `bad`
+/// is ejected when the round ends; its later probes succeed.
+///
+/// docs/routing.md ("Health", passive outlier detection): "When the time is over the endpoint is
+/// `half_open`: real traffic still skips it, and the next probe decides — success restores it
+/// and resets the backoff, failure ejects it again for twice as long. Recovery never comes from
+/// a flood of real requests; ejected endpoints are probed sooner."
+///
+/// Fails if: the prober always sleeps `health.probe_interval` between rounds (the
+/// `is_ejected` → `probe_interval.min(eject_base)` choice in `discovery::probe::run` removed):
+/// `bad` then gets no second probe for an hour and stays ejected/half-open for the whole wait.
+///
+/// The one time bound is the promise itself: the next probe of `bad` within 60 s, against the
+/// hour `health.probe_interval` says — sixty times `eject_base`, a sixtieth of the interval.
+#[tokio::test]
+async fn an_ejected_endpoint_is_probed_sooner_than_the_probe_interval() {
+    use std::time::Duration;
+
+    let probes = |v: &serde_json::Value| v["by_path"]["/v1/models"].as_u64().unwrap_or(0);
+    // `bad`: every request fails (500); its first probe fails too, later probes pass.
+    let bad = MockUp::openai(
+        "name: bad\nrules:\n  - { when: { path: /v1/models }, status: 500, times: 1 }\n  - { status: 500 }\n",
+    )
+    .await;
+    let good = MockUp::openai("name: good").await;
+    let gate = GatedHealth::start().await;
+    let cfg = format!(
+        r#"models:
+  bad: {{ type: openai, base_url: "{}" }}
+  good: {{ type: openai, base_url: "{}", health_check: {{ url: "http://{}/health", timeout: 600s }} }}
+routing_policy: {{ fallback_chain: [bad, good], slow_start: 0 }}
+health: {{ probe_interval: 1h, probe_timeout: 1s, eject_after: 1, eject_base: 1s, eject_max: 5s }}
+"#,
+        bad.base(),
+        good.base(),
+        gate.addr
+    );
+    let mut gw = Gw::start(&cfg);
+    // Ready at `probe_timeout` at the latest, while the first round waits on the gate.
+    gw.ready().await;
+    let first_round = eventually(Duration::from_secs(10), || async {
+        probes(&bad.stats().await) == 1 && gate.seen() == 1
+    })
+    .await;
+    assert!(
+        first_round,
+        "the first round probed bad once and waits on the gate: bad {}, gate {}",
+        probes(&bad.stats().await),
+        gate.seen()
+    );
+
+    // Live traffic ejects `bad`: its 500 fails the request over to `good`.
+    let r = gw.chat("bad", "x").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "good");
+    assert_eq!(bad.requests().await, 1, "bad was really called");
+    // Ejected (or, should this machine be slow, past its second of ejection and half-open:
+    // ejected still, waiting for a probe to decide).
+    let st = gw.status().await;
+    assert!(
+        matches!(
+            st["endpoints"]["bad"]["state"].as_str(),
+            Some("ejected" | "half_open")
+        ),
+        "{}",
+        st["endpoints"]["bad"]
+    );
+    // Still one probe of `bad`: the round that began at start has not ended.
+    assert_eq!(probes(&bad.stats().await), 1);
+    assert_eq!(gate.seen(), 1);
+
+    // The round ends with `bad` ejected: the next one comes after `eject_base`, not the hour.
+    gate.release.send_replace(true);
+    let recovered = eventually(Duration::from_secs(60), || async {
+        probes(&bad.stats().await) >= 2
+            && gw.status().await["endpoints"]["bad"]["state"] == "healthy"
+    })
+    .await;
+    let st = gw.status().await;
+    assert!(
+        recovered,
+        "bad was not probed again (probes {}), state {}",
+        probes(&bad.stats().await),
+        st["endpoints"]["bad"]
+    );
+    assert!(
+        st["endpoints"]["bad"]["health_reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("half-open probe succeeded")),
+        "restored by its probe, not by traffic: {}",
+        st["endpoints"]["bad"]
+    );
+    assert_eq!(
+        bad.requests().await,
+        1,
+        "no live request reached bad meanwhile"
+    );
+
+    // The gateway's own record, in order: ejected by traffic, then restored by a probe.
+    gw.stop();
+    let events: Vec<String> = audit_rows(
+        &gw,
+        "SELECT event FROM endpoint_events WHERE endpoint = 'bad' AND event LIKE 'health:%' ORDER BY id",
+    )
+    .into_iter()
+    .map(|r| r[0].as_str().unwrap_or("").to_string())
+    .collect();
+    assert_eq!(
+        events.first().map(String::as_str),
+        Some("health:healthy->ejected"),
+        "{events:?}"
+    );
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("health:half_open->healthy"),
+        "{events:?}"
+    );
 }

@@ -9,7 +9,8 @@
 #
 # Every suite runs, and a suite that skips a test fails the run (tests/conftest.py). A partial run
 # names what it leaves out: `bash tests/run-all.sh --without vllm --without llamacpp` (Python
-# suites: sdk, docs, llamacpp, tokens, vllm; `swarm` for the Docker test).
+# suites: sdk, docs, llamacpp, tokens, vllm; `swarm` for the Docker test; `benches` for the benches'
+# smoke run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -75,6 +76,12 @@ if without swarm; then
   cargo test --locked -- --skip swarm_
 else
   cargo test --locked
+fi
+# Each bench for a moment (its smoke run without `--bench`): what it says it measured is checked
+# (probed healthy, one audit row a request, every row read, prompts counted), its figures judged
+# by no one — `cargo bench` measures.
+if ! without benches; then
+  cargo test --locked --bench '*'
 fi
 SUITES=()
 for s in sdk docs llamacpp tokens vllm; do

@@ -819,7 +819,9 @@ async fn vault_down_at_start_is_a_clear_error_naming_the_path() {
         let text = String::from_utf8_lossy(&out.stdout).to_string()
             + &String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{args:?}: {text}");
-        assert!(text.contains("vault"), "{args:?}: {text}");
+        // The error names the secret it could not read — its mount and path, as the config
+        // writes them — not just "vault".
+        assert!(text.contains("vault:secret/openai"), "{args:?}: {text}");
         assert!(!text.contains("literal-token-abc"), "{text}");
     }
     // A vault: secret without a vault: section says so.

@@ -172,16 +172,19 @@ async fn stream_passes_chunks_and_usage_through() {
 #[tokio::test]
 async fn stream_failures_before_first_chunk_fail_over_invisibly() {
     let b = MockUp::openai("name: b").await;
-    for script in [
-        "rules: [{status: 503}]",
-        "rules: [{stream_error_after: 0}]",
-        "rules: [{stall_after: 0}]",
-        "rules: [{reset: true}]",
-        "rules: [{cut_after: 0}]",
-        "rules: [{body: 'not json at all', status: 200}]",
+    // Each script, and how many times `a` is called: a connection closed before any answer is
+    // sent once more on a fresh one (docs/errors.md), the rest once.
+    for (script, calls) in [
+        ("rules: [{status: 503}]", 1),
+        ("rules: [{stream_error_after: 0}]", 1),
+        ("rules: [{stall_after: 0}]", 1),
+        ("rules: [{reset: true}]", 2),
+        ("rules: [{cut_after: 0}]", 1),
+        ("rules: [{body: 'not json at all', status: 200}]", 1),
     ] {
         let a = MockUp::openai(script).await;
         let gw = Gw::start(&two(&a, &b, ""));
+        let b_before = b.requests().await;
         let r = gw
             .post(
                 "/v1/chat/completions",
@@ -191,6 +194,9 @@ async fn stream_failures_before_first_chunk_fail_over_invisibly() {
         assert_eq!(r.status(), 200, "{script}");
         assert_eq!(header(&r, "x-autohedge-endpoint"), "b", "{script}");
         let ev = sse_events(r).await;
+        // `a` got the request (and failed it), and only then `b`, once.
+        assert_eq!(a.requests().await, calls, "a was tried first: {script}");
+        assert_eq!(b.requests().await, b_before + 1, "{script}");
         assert_eq!(stream_text(&ev), "Hello from b!", "{script}");
         let roles = ev.iter().filter(|e| e.contains("\"role\"")).count();
         assert_eq!(
@@ -422,12 +428,14 @@ async fn done_ends_the_stream_even_when_the_upstream_holds_the_connection() {
 #[tokio::test]
 async fn a_committed_stream_past_timeouts_total_ends_with_stream_timeout() {
     let a = MockUp::openai(
-        "name: slow\nreply: \"one two three four five six seven eight\"\nchunk_delay: 300ms",
+        "name: slow\nreply: \"one two three four five six seven eight\"\nchunk_delay: 500ms",
     )
     .await;
+    // The first content comes about 500 ms in, 2 s inside `total` (a busy machine's slack);
+    // the eight chunks take at least 4 s, so the stream cannot end before `total` either.
     let mut gw = Gw::start(&format!(
         "models:\n{}",
-        ep("a", &a, ", timeouts: { first_token: 2s, total: 1s }")
+        ep("a", &a, ", timeouts: { first_token: 5s, total: 2500ms }")
     ));
     let r = reqwest::Client::new()
         .post(gw.url("/v1/chat/completions"))
@@ -623,5 +631,117 @@ async fn a_continued_stream_has_no_gap_and_both_legs_are_billed() {
     assert!(
         (spent - cost).abs() < 1e-9,
         "billed both legs: {spent} vs {cost}"
+    );
+}
+
+/// One continuation per request: a committed stream that breaks on `a` is continued on `c1`;
+/// when the continuation breaks too, it is not continued again — not on `c2` (able to continue,
+/// healthy, next in the chain) nor on `c1` once more — and the client's stream ends with the
+/// `stream_broken` error event after the text both legs sent.
+///
+/// docs/routing.md ("Stream continuation"): "A comment `: autohedge: continued on B after A
+/// broke (class)` precedes `data: [DONE]`; the audit row has `continued_from` (its `endpoint` is
+/// the one that finished) and the attempts `A ok, A stream_broken, B ok`. One continuation per
+/// request; if none can continue, the stream ends with the error event as before."
+///
+/// Fails if: `PassThrough::continue_stream` (src/executor/stream.rs) stops refusing a second
+/// splice (the `c.spliced` check, or `spliced = true`, removed): the second break is then
+/// carried on — on `c1` again (its break rule holds once, so it would answer the rest) or on
+/// `c2` — and the client gets the whole reply with no error event.
+#[tokio::test]
+async fn a_continuation_that_breaks_is_not_continued_again() {
+    use serde_json::Value;
+
+    let reply = "one two three four five six seven";
+    // `a` breaks after three words; `c1` continues ("four five six seven") and breaks after two
+    // (once: a second continuation sent to it would be answered whole); `c2` never breaks.
+    let a = MockUp::openai(&format!(
+        "reply: \"{reply}\"\nrules: [{{when: {{stream: true}}, reset_after: 3}}]"
+    ))
+    .await;
+    let c1 = MockUp::start(
+        autohedge::demo::mock::Flavor::Vllm,
+        &format!(
+            "reply: \"{reply}\"\nrules: [{{when: {{stream: true}}, reset_after: 2, times: 1}}]"
+        ),
+    )
+    .await;
+    let c2 = MockUp::start(
+        autohedge::demo::mock::Flavor::Vllm,
+        &format!("reply: \"{reply}\""),
+    )
+    .await;
+    let cfg = format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\" }}\n  c1: {{ type: vllm, base_url: \"{}\" }}\n  c2: {{ type: vllm, base_url: \"{}\" }}\nroutes:\n  chat:\n    chain: [a, c1, c2]\n    continue_streams: true\nhealth: {{ probe_interval: 1h }}\n",
+        a.base(),
+        c1.base(),
+        c2.base()
+    );
+    let mut gw = Gw::start(&cfg);
+    gw.ready().await;
+    let r = gw
+        .chat_id(
+            "twice-broken",
+            serde_json::json!({"model": "chat", "stream": true, "messages": [{"role": "user", "content": "count"}]}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-endpoint"), "a");
+    let raw = r.text().await.unwrap();
+    let mut p = autohedge::wire::sse::SseParser::new();
+    let events: Vec<String> = p
+        .push(raw.as_bytes())
+        .unwrap()
+        .into_iter()
+        .map(|e| e.data)
+        .collect();
+
+    // The first break was continued: `a` broke after three words and `c1` was asked to carry
+    // exactly that text on.
+    assert_eq!(a.requests().await, 1);
+    assert_eq!(c1.requests().await, 1, "continued once on c1");
+    let sent = c1.stats().await["last_body"].clone();
+    assert_eq!(sent["continue_final_message"], true, "{sent}");
+    let last = sent["messages"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(last["role"], "assistant", "{sent}");
+    assert_eq!(last["content"], "one two three ", "{sent}");
+    // The client got both legs' words, then the continuation broke too …
+    assert_eq!(stream_text(&events), "one two three four five ", "{raw}");
+    // … and was not continued a second time: the stream ends with the error event.
+    assert_eq!(c2.requests().await, 0, "no second continuation on c2");
+    assert_eq!(c1.requests().await, 1, "no second continuation on c1");
+    let last_event: Value = events
+        .iter()
+        .rev()
+        .find_map(|e| serde_json::from_str::<Value>(e).ok())
+        .unwrap_or(Value::Null);
+    assert_eq!(last_event["error"]["code"], "stream_broken", "{raw}");
+    assert!(!raw.contains("continued on"), "no splice note: {raw}");
+
+    gw.stop();
+    let row = audit_rows(
+        &gw,
+        "SELECT endpoint, continued_from, error_class FROM requests WHERE request_id = 'twice-broken'",
+    );
+    assert_eq!(
+        row,
+        vec![vec![
+            Value::from("c1"),
+            Value::from("a"),
+            Value::from("stream_broken")
+        ]],
+        "the row names the continuing endpoint and the break it ended with"
+    );
+    let attempts: Vec<String> = audit_rows(
+        &gw,
+        "SELECT endpoint || ':' || class FROM attempts WHERE request_id = 'twice-broken' ORDER BY seq",
+    )
+    .into_iter()
+    .map(|r| r[0].as_str().unwrap_or("").to_string())
+    .collect();
+    assert_eq!(
+        attempts,
+        vec!["a:ok", "a:stream_broken", "c1:ok", "c1:stream_broken"],
+        "c2 never attempted"
     );
 }

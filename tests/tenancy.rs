@@ -692,3 +692,118 @@ async fn an_open_gateway_on_a_public_address_is_warned_about() {
         assert!(text.contains(needle), "{bad}: {text}");
     }
 }
+
+/// The gateway's own 429 for a client key over its `rpm` or its `tpm` says how long to wait in
+/// both forms, and the two agree: `retry-after` is `retry-after-ms` rounded up to whole seconds
+/// (at least 1), both positive, and — a bucket refills whole within a minute, and a request no
+/// larger than the limit never waits for more — at most a minute.
+///
+/// docs/security.md: "over `rpm`/`tpm`: 429 `rate_limit_exceeded` with `retry-after`,
+/// `retry-after-ms` and OpenAI's own `x-ratelimit-{limit,remaining,reset}-{requests|tokens}`"
+/// and "The 429 carries `retry-after`, `retry-after-ms` and
+/// `x-ratelimit-{limit,remaining,reset}-tokens`."
+/// docs/errors.md: "| 429 | `rate_limit_exceeded` | the client key's `rpm` or `tpm`, with
+/// `retry-after`, `retry-after-ms` and `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` |"
+///
+/// Fails if: `ApiError::into_response` (src/error.rs) stops inserting `retry-after-ms` for
+/// `ClientRateLimited`, writes it in another unit than milliseconds (seconds, microseconds) or
+/// from another duration than `retry-after`'s, rounds `retry-after` down (a client retrying then
+/// is refused again), or sends 0 for either; or if the limiter's `retry_after` for `rpm` (GCRA)
+/// or `tpm` (token bucket) stops being the real wait.
+#[tokio::test]
+async fn the_gateways_own_429_carries_retry_after_ms_consistent_with_retry_after() {
+    use serde_json::{Value, json};
+
+    const RPM_KEY: &str = "sk-rpm-key-0000000001";
+    const TPM_KEY: &str = "sk-tpm-key-0000000001";
+    let up = MockUp::openai("name: up").await;
+    let cfg = format!(
+        r#"models:
+  a: {{ type: openai, base_url: "{}" }}
+auth:
+  keys:
+    - {{ name: per-minute, key: {RPM_KEY}, rpm: 1 }}
+    - {{ name: per-tokens, key: {TPM_KEY}, tpm: 100 }}
+health: {{ probe_interval: 1h }}
+"#,
+        up.base()
+    );
+    let mut gw = Gw::start(&cfg);
+    gw.ready().await;
+    // `max_tokens: 80` plus a prompt of a few tokens: one such request fits `tpm: 100`, two do
+    // not (tpm counts the prompt plus `max_tokens` at admission). `rpm: 1` lets one through.
+    let call = |key: &'static str| {
+        let url = gw.url("/v1/chat/completions");
+        async move {
+            reqwest::Client::new()
+                .post(url)
+                .bearer_auth(key)
+                .json(&json!({"model": "a", "max_tokens": 80, "messages": [{"role": "user", "content": "hi"}]}))
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+
+    // First, each key's allowance is really spent: its first request reached the upstream.
+    for key in [RPM_KEY, TPM_KEY] {
+        let r = call(key).await;
+        assert_eq!(r.status(), 200, "{key}'s first request is within its limit");
+    }
+    assert_eq!(
+        up.requests().await,
+        2,
+        "both first requests were served upstream"
+    );
+
+    for (key, kind, limit) in [(RPM_KEY, "requests", "1"), (TPM_KEY, "tokens", "100")] {
+        let r = call(key).await;
+        assert_eq!(r.status(), 429, "{key}: over its {kind} limit");
+        // The gateway's own 429 (the key's limit), not an upstream's.
+        assert_eq!(header(&r, &format!("x-ratelimit-limit-{kind}")), limit);
+        // What is left is less than the request needs: none for `rpm`, some tokens for `tpm`.
+        let remaining: u64 = header(&r, &format!("x-ratelimit-remaining-{kind}"))
+            .parse()
+            .unwrap_or_else(|_| panic!("{key}: {:?}", r.headers()));
+        if kind == "requests" {
+            assert_eq!(remaining, 0, "{key}");
+        } else {
+            assert!(remaining < 80, "{key}: remaining {remaining}");
+        }
+        assert!(
+            header(&r, &format!("x-ratelimit-reset-{kind}")).ends_with("ms"),
+            "{:?}",
+            r.headers()
+        );
+        let secs: u64 = header(&r, "retry-after")
+            .parse()
+            .unwrap_or_else(|_| panic!("{key}: retry-after is whole seconds: {:?}", r.headers()));
+        let ms: u64 = header(&r, "retry-after-ms").parse().unwrap_or_else(|_| {
+            panic!(
+                "{key}: retry-after-ms is present and a number: {:?}",
+                r.headers()
+            )
+        });
+        assert!(secs >= 1, "{key}: retry-after {secs}");
+        assert!(ms > 0, "{key}: retry-after-ms {ms}");
+        // The same wait twice: retry-after is retry-after-ms rounded up to a whole second.
+        assert!(
+            ms <= secs * 1000 && secs * 1000 <= ms + 1000,
+            "{key}: retry-after {secs} s does not round up retry-after-ms {ms}"
+        );
+        // Milliseconds, not another unit: a minute's bucket never asks for more than a minute
+        // from a request no larger than its limit.
+        assert!(
+            ms <= 60_000,
+            "{key}: retry-after-ms {ms} is more than a minute"
+        );
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{body}");
+    }
+    assert_eq!(
+        up.requests().await,
+        2,
+        "the refused requests never reached the upstream"
+    );
+    gw.stop();
+}

@@ -328,7 +328,10 @@ mod tests {
                 id: "r:0".into(),
                 requests: 10,
                 tokens: 20,
-                until: std::time::Instant::now() + LEASE_FOR,
+                // An hour, not LEASE_FOR: this test is about the order of charging, and a
+                // stall past 250 ms would expire the lease (expiry is pinned, with explicit
+                // instants, by `a_lease_admits_what_it_holds_and_no_more`).
+                until: std::time::Instant::now() + Duration::from_secs(3600),
                 used: 0,
                 usd: 0.0,
             },

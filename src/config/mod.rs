@@ -654,8 +654,10 @@ mod discovered_tests {
         let t0 = std::time::Instant::now();
         let err = Config::load(&deep).unwrap_err();
         assert!(err.0.contains("nested deeper than 256 levels"), "{}", err.0);
+        // The text says the pre-scan refused it; the time says it did so before the parser
+        // ran (15 s). Generous, for a debug build on a busy core: "at once", not "in 15 s".
         assert!(
-            t0.elapsed() < std::time::Duration::from_secs(2),
+            t0.elapsed() < std::time::Duration::from_secs(10),
             "{:?}",
             t0.elapsed()
         );

@@ -142,6 +142,9 @@ struct Counters {
     rule_matches: Vec<u64>,
     rule_applied: Vec<u64>,
     last_body: Option<Value>,
+    /// The same body's bytes as they came on the wire (lossily decoded): what escaping did to
+    /// it, which its decoded JSON cannot show.
+    last_raw_body: Option<String>,
     /// The header names of the last inference call.
     last_header_names: Vec<String>,
     /// The last four characters of each key seen on inference calls, in order (never whole keys).
@@ -417,6 +420,7 @@ impl Mock {
                     "by_path": c.by_path,
                     "rule_applied": c.rule_applied,
                     "last_body": c.last_body,
+                    "last_raw_body": c.last_raw_body,
                     "last_header_names": c.last_header_names,
                     "key_tails": c.key_tails,
                     "key_tails_all": c.key_tails_all,
@@ -459,6 +463,7 @@ impl Mock {
             *c.by_path.entry(path.clone()).or_default() += 1;
             if !body.is_null() {
                 c.last_body = Some(body.clone());
+                c.last_raw_body = Some(String::from_utf8_lossy(&bytes).into_owned());
             }
             if let Some(k) = key.as_ref() {
                 let tail: String = k

@@ -1681,7 +1681,10 @@ mod tests {
         let want: Vec<String> = (0..pushed).map(|i| format!("e{i}")).collect();
         assert_eq!(back, want);
         // ...and the file never held more than the limit.
-        assert!(largest <= limit, "{largest} bytes on disk for a {limit}-byte spool");
+        assert!(
+            largest <= limit,
+            "{largest} bytes on disk for a {limit}-byte spool"
+        );
     }
 
     /// A batch line with no record after it (written, then nothing could follow) is passed

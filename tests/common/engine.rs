@@ -16,8 +16,20 @@ pub enum EngineAnswer {
     Silent,
     /// `Body`, after a wait (an engine slow to answer, as at a node's start).
     Delayed(Duration, u16, String),
+    /// `Body`, once the test opens the gate ([`open_gate`]): an engine slow to answer for as
+    /// long as the test needs, however slow the machine.
+    Gated(Gate, u16, String),
     /// A 200 whose chunked body is `line` again and again, one every `every`, for 30 s.
     Repeat { line: &'static str, every: Duration },
+}
+
+/// Holds [`EngineAnswer::Gated`] answers until opened.
+pub type Gate = std::sync::Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>;
+
+/// Lets every answer held by `gate` go (and those that come later).
+pub fn open_gate(gate: &Gate) {
+    *gate.0.lock().unwrap() = true;
+    gate.1.notify_all();
 }
 
 /// A Docker Engine on a unix socket, as hostile as a test wants: each path (the first key it
@@ -147,6 +159,18 @@ impl FakeEngine {
                 );
             }
             EngineAnswer::Silent => std::thread::sleep(Duration::from_secs(60)),
+            EngineAnswer::Gated(gate, status, body) => {
+                let mut open = gate.0.lock().unwrap();
+                while !*open {
+                    open = gate.1.wait(open).unwrap();
+                }
+                drop(open);
+                let _ = write!(
+                    c,
+                    "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
             EngineAnswer::Delayed(wait, status, body) => {
                 std::thread::sleep(wait);
                 let _ = write!(

@@ -370,17 +370,32 @@ impl Gw {
         false
     }
 
-    /// SIGTERM and wait for a clean exit (the audit queue drained). A second SIGTERM right
-    /// after the first skips `server.drain_delay` (tests that drain say so with [`Gw::term`]).
+    /// SIGTERM and wait for a clean exit (the audit queue drained). A second SIGTERM once the
+    /// gateway has taken the first skips `server.drain_delay` (tests that drain say so with
+    /// [`Gw::term`]).
     pub fn stop(&mut self) {
+        const TAKEN: &str = "signalled to stop: draining";
         if let Some(mut child) = self.child.take() {
+            // The log is appended to by every gateway started in this directory.
+            let before = self.log().matches(TAKEN).count();
             let _ = Command::new("kill")
                 .args(["-TERM", &child.id().to_string()])
                 .status();
-            std::thread::sleep(Duration::from_millis(50));
-            let _ = Command::new("kill")
-                .args(["-TERM", &child.id().to_string()])
-                .status();
+            // Two signals before the gateway takes the first are one: wait until its log says
+            // it took it (or it is gone). Without the line (a log level that hides it), the
+            // second goes after the wait, as it would have gone at once.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while self.log().matches(TAKEN).count() == before
+                && !matches!(child.try_wait(), Ok(Some(_)))
+                && Instant::now() < deadline
+            {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if !matches!(child.try_wait(), Ok(Some(_))) {
+                let _ = Command::new("kill")
+                    .args(["-TERM", &child.id().to_string()])
+                    .status();
+            }
             let deadline = Instant::now() + Duration::from_secs(20);
             loop {
                 match child.try_wait() {

@@ -7,7 +7,8 @@ use serde_json::{Value, json};
 
 /// An upstream that answers like vLLM's OpenAI server: a request whose `temperature` is not a
 /// number gets vLLM's validation 400, which quotes the invalid input back; a message `overflow:N`
-/// gets vLLM's context-length 400 stating a limit of N; anything else is served, with
+/// gets vLLM's context-length 400 stating a limit of N; a message `ratelimited` gets a 429 with
+/// no hint (what a proxy in front of it says when full); anything else is served, with
 /// `usage.prompt_tokens` N for a message `served:N` (else 10). Counts the requests it got.
 pub struct VllmLike {
     pub base: String,
@@ -45,6 +46,12 @@ pub async fn vllm_like() -> VllmLike {
                     .pointer("/messages/0/content")
                     .and_then(Value::as_str)
                     .unwrap_or("");
+                if text == "ratelimited" {
+                    return (
+                        axum::http::StatusCode::TOO_MANY_REQUESTS,
+                        axum::Json(json!({"error": {"message": "rate limited", "type": "rate_limit_error", "param": null, "code": 429}})),
+                    );
+                }
                 if let Some(n) = text.strip_prefix("overflow:") {
                     return bad(format!(
                         "This model's maximum context length is {n} tokens. However, you requested 99999 tokens (99990 in the messages, 9 in the completion). Please reduce the length of the messages or completion."

@@ -79,6 +79,13 @@ mod layering {
             ],
             &["op", "tokens"],
         ),
+        // Who may call and what a key may spend: below the front door and the executor that
+        // read it, beside routing; it asks the shared store (`cluster`) and reads the config.
+        (
+            "clients",
+            &[include_str!("clients/mod.rs")],
+            &["cluster", "config", "error"],
+        ),
         (
             "config",
             &[

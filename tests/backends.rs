@@ -76,15 +76,6 @@ fn private_ca(
     (dir.join("ca.pem"), dir.join("srv.pem"), dir.join("srv.key"))
 }
 
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// An OpenAI-style upstream on 127.0.0.1 that keeps every request body's bytes as they came.
 async fn recording_upstream() -> (String, std::sync::Arc<std::sync::Mutex<Vec<Vec<u8>>>>) {
     use axum::routing::post;
@@ -382,20 +373,21 @@ async fn upstreams_behind_a_private_ca() {
     let (ca, cert, key) = private_ca(tmp.path());
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/tls/https_upstream.py");
-    let mut child = std::process::Command::new("python3")
-        .arg(&script)
-        .arg(&cert)
-        .arg(&key)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut server = KillOnDrop(
+        std::process::Command::new("python3")
+            .arg(&script)
+            .arg(&cert)
+            .arg(&key)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
     let mut line = String::new();
     std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut std::io::BufReader::new(server.stdout.take().unwrap()),
         &mut line,
     )
     .unwrap();
-    let _server = Child(child);
     let port: u16 = line
         .trim()
         .strip_prefix("listening ")

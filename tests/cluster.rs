@@ -552,9 +552,9 @@ async fn a_frozen_store_costs_a_request_at_most_the_timeout() {
     let (got, _) = burst(&[&a], TEAM, 1, hello.clone()).await;
     assert_eq!(got[0].0, 200);
 
-    redis.signal("-STOP");
+    redis.signal("STOP");
     let (got, _) = burst(&[&a], TEAM, 20, hello.clone()).await;
-    redis.signal("-CONT");
+    redis.signal("CONT");
     assert_eq!(count(&got, 200), 20, "every request answered");
     let st = a.status().await["cluster"].clone();
     assert!(st["local_admissions"].as_u64().unwrap() >= 1, "{st}");
@@ -578,7 +578,7 @@ async fn a_client_gone_mid_call_leaves_its_key_served_by_the_store() {
     until_clustered(&[&a], 1).await;
     let hello = json!({"model": "a", "messages": [{"role": "user", "content": "Hello"}]});
 
-    redis.signal("-STOP");
+    redis.signal("STOP");
     let left = reqwest::Client::new()
         .post(a.url("/v1/chat/completions"))
         .bearer_auth(TEAM)
@@ -592,7 +592,7 @@ async fn a_client_gone_mid_call_leaves_its_key_served_by_the_store() {
     );
     // The gateway saw it go (its request dropped with the call).
     tokio::time::sleep(Duration::from_millis(200)).await;
-    redis.signal("-CONT");
+    redis.signal("CONT");
     until_up(&a, "back after SIGCONT").await;
     let before = a.status().await["cluster"].clone();
     let (got, _) = burst(&[&a], TEAM, 5, hello).await;

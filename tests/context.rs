@@ -736,104 +736,53 @@ impl BigTokenize {
     const TOTAL: u64 = 160 << 20;
 
     fn start() -> BigTokenize {
-        use std::io::{Read, Write};
         use std::sync::Arc;
         use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let written = Arc::new(AtomicU64::new(0));
         let released = Arc::new(AtomicBool::new(false));
         let tokenize_calls = Arc::new(AtomicU64::new(0));
         let chat_calls = Arc::new(AtomicU64::new(0));
-        let shared = (
-            written.clone(),
-            released.clone(),
-            tokenize_calls.clone(),
-            chat_calls.clone(),
+        let (r, t, c) = (released.clone(), tokenize_calls.clone(), chat_calls.clone());
+        // Keep-alive: more requests may follow on the same connection.
+        let up = RawUp::with_release(
+            move |req| {
+                if req.method == "GET" {
+                    return Answer::full(
+                        "200 OK",
+                        "application/json",
+                        r#"{"object":"list","data":[{"id":"my-llama","object":"model"}]}"#,
+                    );
+                }
+                if req.path == "/tokenize" {
+                    t.fetch_add(1, Ordering::SeqCst);
+                    let prefix = "{\"count\":7777,";
+                    let suffix = "\"tokens\":[]}";
+                    let piece = vec![b' '; 64 << 10];
+                    let pieces = BigTokenize::TOTAL / piece.len() as u64;
+                    let len =
+                        prefix.len() as u64 + pieces * piece.len() as u64 + suffix.len() as u64;
+                    return Answer::Stream {
+                        head: format!(
+                            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len}\r\n\r\n{prefix}"
+                        )
+                        .into_bytes(),
+                        credit: piece.len() as u64,
+                        cap: pieces * piece.len() as u64,
+                        piece,
+                        then: Then::Finish(suffix.as_bytes().to_vec()),
+                    };
+                }
+                c.fetch_add(1, Ordering::SeqCst);
+                Answer::full(
+                    "200 OK",
+                    "application/json",
+                    r#"{"id":"chatcmpl-big","object":"chat.completion","created":1700000000,"model":"my-llama","choices":[{"index":0,"message":{"role":"assistant","content":"counted locally"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}}"#,
+                )
+            },
+            move |_| r.store(true, Ordering::SeqCst),
         );
-        std::thread::spawn(move || {
-            for conn in listener.incoming() {
-                let Ok(mut s) = conn else { return };
-                let (written, released, tokenize_calls, chat_calls) = shared.clone();
-                std::thread::spawn(move || {
-                    loop {
-                        // One request: its head, then the body it declares (keep-alive: more may
-                        // follow on the same connection).
-                        let mut head = Vec::new();
-                        let mut byte = [0u8; 1];
-                        while !head.ends_with(b"\r\n\r\n") {
-                            match s.read(&mut byte) {
-                                Ok(1) => head.push(byte[0]),
-                                _ => return,
-                            }
-                        }
-                        let head = String::from_utf8_lossy(&head).to_lowercase();
-                        let length: usize = head
-                            .lines()
-                            .find_map(|l| l.strip_prefix("content-length:"))
-                            .and_then(|v| v.trim().parse().ok())
-                            .unwrap_or(0);
-                        let mut body = vec![0u8; length];
-                        if s.read_exact(&mut body).is_err() {
-                            return;
-                        }
-                        let path = head.split_whitespace().nth(1).unwrap_or("").to_string();
-                        let small = |s: &mut std::net::TcpStream, json: &str| {
-                            write!(
-                                s,
-                                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{json}",
-                                json.len()
-                            )
-                        };
-                        if head.starts_with("get") {
-                            let list =
-                                r#"{"object":"list","data":[{"id":"my-llama","object":"model"}]}"#;
-                            if small(&mut s, list).is_err() {
-                                return;
-                            }
-                            continue;
-                        }
-                        if path == "/tokenize" {
-                            tokenize_calls.fetch_add(1, Ordering::SeqCst);
-                            let prefix: &[u8] = b"{\"count\":7777,";
-                            let suffix: &[u8] = b"\"tokens\":[]}";
-                            let piece = vec![b' '; 64 << 10];
-                            let pieces = (BigTokenize::TOTAL as usize) / piece.len();
-                            let len = prefix.len() + pieces * piece.len() + suffix.len();
-                            let ok = write!(
-                                s,
-                                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len}\r\n\r\n"
-                            )
-                            .and_then(|_| s.write_all(prefix));
-                            if ok.is_err() {
-                                released.store(true, Ordering::SeqCst);
-                                return;
-                            }
-                            for _ in 0..pieces {
-                                if s.write_all(&piece).is_err() {
-                                    released.store(true, Ordering::SeqCst);
-                                    return;
-                                }
-                                written.fetch_add(piece.len() as u64, Ordering::SeqCst);
-                            }
-                            if s.write_all(suffix).is_err() {
-                                released.store(true, Ordering::SeqCst);
-                                return;
-                            }
-                            continue;
-                        }
-                        chat_calls.fetch_add(1, Ordering::SeqCst);
-                        let chat = r#"{"id":"chatcmpl-big","object":"chat.completion","created":1700000000,"model":"my-llama","choices":[{"index":0,"message":{"role":"assistant","content":"counted locally"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}}"#;
-                        if small(&mut s, chat).is_err() {
-                            return;
-                        }
-                    }
-                });
-            }
-        });
         BigTokenize {
-            addr,
-            written,
+            addr: up.addr,
+            written: up.written_counter(),
             released,
             tokenize_calls,
             chat_calls,

@@ -90,17 +90,9 @@ routing_policy: {{ fallback_chain: [dead, a, b] }}
 /// it), and the request fails over to the next endpoint at once — not after `first_token`.
 #[tokio::test]
 async fn a_stalled_tls_handshake_is_a_connect_error_within_the_connect_timeout() {
-    let stall = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let stall_addr = stall.local_addr().unwrap();
-    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let seen = accepted.clone();
-    let holder = tokio::spawn(async move {
-        let mut held = Vec::new();
-        while let Ok((s, _)) = stall.accept().await {
-            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            held.push(s); // never read, never written: the ClientHello gets no answer
-        }
-    });
+    // Never read, never written: the ClientHello gets no answer.
+    let stall = RawUp::mute();
+    let stall_addr = stall.addr;
     let good = MockUp::openai("reply: served by good\n").await;
     let gw = Gw::start(&format!(
         "models:\n  stalled: {{ type: openai, base_url: \"https://{stall_addr}/v1\", model: m, timeouts: {{ connect: 300ms, first_token: 30s, total: 60s }} }}\n  good: {{ type: openai, base_url: \"{}\", model: m }}\nroutes:\n  chat: [stalled, good]\nhealth: {{ probe_interval: 1h }}\n",
@@ -110,7 +102,7 @@ async fn a_stalled_tls_handshake_is_a_connect_error_within_the_connect_timeout()
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "x-autohedge-endpoint"), "good");
     // The stalled server was really connected to (the handshake started) …
-    assert!(accepted.load(std::sync::atomic::Ordering::SeqCst) >= 1);
+    assert!(stall.accepted() >= 1);
     // … and the attempt ended as a connect error, at the connect timeout (300 ms), well
     // before first_token (30 s): by the gateway's own measure of the attempt.
     let mut gw = gw;
@@ -123,7 +115,6 @@ async fn a_stalled_tls_handshake_is_a_connect_error_within_the_connect_timeout()
     assert_eq!(rows[0][0], serde_json::json!("connect_error"), "{rows:?}");
     let took = rows[0][1].as_f64().unwrap();
     assert!((300.0..30_000.0).contains(&took), "{rows:?}");
-    holder.abort();
     assert_no_panic(&gw);
 }
 
@@ -132,79 +123,32 @@ async fn a_stalled_tls_handshake_is_a_connect_error_within_the_connect_timeout()
 /// served by that endpoint, not failed over, and nothing counts against it.
 #[tokio::test]
 async fn a_pooled_connection_closed_unanswered_is_sent_again_not_failed_over() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let requests = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let dropped = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-    {
+    let up = {
         let (requests, dropped) = (requests.clone(), dropped.clone());
-        tokio::spawn(async move {
-            loop {
-                let Ok((mut sock, _)) = listener.accept().await else {
-                    return;
-                };
-                let (requests, dropped) = (requests.clone(), dropped.clone());
-                tokio::spawn(async move {
-                    // Each connection answers its first request, then reads the second and
-                    // closes without a word.
-                    for n in 0.. {
-                        let mut buf = Vec::new();
-                        let mut chunk = [0u8; 4096];
-                        // Read one whole request (headers + content-length body).
-                        let complete = loop {
-                            let Ok(k) = sock.read(&mut chunk).await else {
-                                return;
-                            };
-                            if k == 0 {
-                                return;
-                            }
-                            buf.extend_from_slice(&chunk[..k]);
-                            let text = String::from_utf8_lossy(&buf).to_string();
-                            if let Some(end) = text.find("\r\n\r\n") {
-                                let len = text[..end]
-                                    .lines()
-                                    .find_map(|l| {
-                                        let (k, v) = l.split_once(':')?;
-                                        k.eq_ignore_ascii_case("content-length")
-                                            .then(|| v.trim().parse::<usize>().ok())?
-                                    })
-                                    .unwrap_or(0);
-                                if buf.len() >= end + 4 + len {
-                                    break text[..end].to_string();
-                                }
-                            }
-                        };
-                        if !complete.starts_with("POST") {
-                            // Probes: no such route.
-                            let _ = sock
-                                .write_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
-                                .await;
-                            continue;
-                        }
-                        requests.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                        if n >= 1 {
-                            dropped.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                            return;
-                        }
-                        let body = json!({"id": "c1", "object": "chat.completion", "created": 1, "model": "m",
-                            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
-                            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
-                        .to_string();
-                        let head = format!(
-                            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-                            body.len()
-                        );
-                        if sock.write_all(head.as_bytes()).await.is_err()
-                            || sock.write_all(body.as_bytes()).await.is_err()
-                        {
-                            return;
-                        }
-                    }
-                });
+        // Each connection answers its first request, then reads the second and closes without
+        // a word.
+        RawUp::start(move |req| {
+            if req.method != "POST" {
+                // Probes: no such route.
+                return Answer::Write(
+                    b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n".to_vec(),
+                );
             }
-        });
-    }
+            requests.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if req.nth >= 1 {
+                dropped.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                return Answer::Close;
+            }
+            let body = json!({"id": "c1", "object": "chat.completion", "created": 1, "model": "m",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+            .to_string();
+            Answer::full("200 OK", "application/json", &body)
+        })
+    };
+    let addr = up.addr;
     let backup = MockUp::openai("name: backup").await;
     let gw = Gw::start(&format!(
         "models:\n  a: {{ type: openai, base_url: \"http://{addr}/v1\", model: m }}\n  backup: {{ type: openai, base_url: \"{}\", model: m }}\nrouting_policy: {{ fallback_chain: [a, backup] }}\n",
@@ -964,8 +908,8 @@ async fn client_errors_come_back_unchanged_without_failover() {
 struct BigError {
     addr: std::net::SocketAddr,
     posts: std::sync::Arc<std::sync::atomic::AtomicU64>,
-    written: std::sync::Arc<std::sync::atomic::AtomicU64>,
     released: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    up: RawUp,
 }
 
 impl BigError {
@@ -975,71 +919,36 @@ impl BigError {
     fn start() -> BigError {
         use std::sync::Arc;
         use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
         let posts = Arc::new(AtomicU64::new(0));
-        let written = Arc::new(AtomicU64::new(0));
         let released = Arc::new(AtomicBool::new(false));
-        let (p, w, r) = (posts.clone(), written.clone(), released.clone());
-        std::thread::spawn(move || {
-            for conn in listener.incoming() {
-                let Ok(mut s) = conn else { return };
-                let (p, w, r) = (p.clone(), w.clone(), r.clone());
-                std::thread::spawn(move || {
-                    loop {
-                        let mut head = Vec::new();
-                        let mut byte = [0u8; 1];
-                        while !head.ends_with(b"\r\n\r\n") {
-                            match s.read(&mut byte) {
-                                Ok(1) => head.push(byte[0]),
-                                _ => return,
-                            }
-                        }
-                        let head = String::from_utf8_lossy(&head).to_lowercase();
-                        let length: usize = head
-                            .lines()
-                            .find_map(|l| l.strip_prefix("content-length:"))
-                            .and_then(|v| v.trim().parse().ok())
-                            .unwrap_or(0);
-                        let mut body = vec![0u8; length];
-                        if s.read_exact(&mut body).is_err() {
-                            return;
-                        }
-                        if head.starts_with("get") {
-                            let list = r#"{"object":"list","data":[{"id":"m","object":"model"}]}"#;
-                            let _ = write!(
-                                s,
-                                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{list}",
-                                list.len()
-                            );
-                            continue;
-                        }
-                        p.fetch_add(1, Ordering::SeqCst);
-                        let _ = write!(
-                            s,
-                            "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-                            BigError::TOTAL
-                        );
-                        let piece = vec![b'x'; 0x10000];
-                        let mut sent = 0u64;
-                        while sent < BigError::TOTAL {
-                            if s.write_all(&piece).is_err() {
-                                r.store(true, Ordering::SeqCst);
-                                return;
-                            }
-                            sent += piece.len() as u64;
-                            w.fetch_max(sent, Ordering::SeqCst);
-                        }
-                        // All of it written: the gateway read it all (or the buffers took it).
-                    }
-                });
-            }
-        });
+        let (p, r) = (posts.clone(), released.clone());
+        let up = RawUp::with_release(
+            move |req| {
+                if req.method == "GET" {
+                    return Answer::models_list();
+                }
+                p.fetch_add(1, Ordering::SeqCst);
+                // All of it written (the gateway read it all, or the buffers took it): the
+                // connection's next request.
+                Answer::Stream {
+                    head: format!(
+                        "HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                        BigError::TOTAL
+                    )
+                    .into_bytes(),
+                    piece: vec![b'x'; 0x10000],
+                    credit: 0x10000,
+                    cap: BigError::TOTAL,
+                    then: Then::Next,
+                }
+            },
+            move |_| r.store(true, Ordering::SeqCst),
+        );
         BigError {
-            addr,
+            addr: up.addr,
             posts,
-            written,
             released,
+            up,
         }
     }
 }
@@ -1074,7 +983,7 @@ async fn an_error_body_is_read_up_to_64_kib() {
         a.released.load(Ordering::SeqCst)
     })
     .await;
-    let written = a.written.load(Ordering::SeqCst);
+    let written = a.up.written();
     assert!(
         released,
         "the gateway still holds the answer ({written} bytes written)"

@@ -254,33 +254,15 @@ async fn connects(
         .collect()
 }
 
-/// Sends SIGCONT when dropped, so a failing assertion never leaves the gateway stopped.
-struct Resume(u32);
-
-impl Drop for Resume {
-    fn drop(&mut self) {
-        signal(self.0, "-CONT");
-    }
-}
-
-fn signal(pid: u32, sig: &str) {
-    let ok = std::process::Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "kill {sig} {pid}");
-}
-
 /// A content chunk.
 const CONTENT: &str = "data: {\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"x \"}}]}\n\n";
 
 /// `a` (an endless upstream) alone, its `timeouts.total` 60 s, with this `server` section.
 fn endless_only(a: &Endless, server: &str) -> String {
-    format!(
-        "server: {server}\nmodels:\n  a: {{ type: openai, base_url: \"http://{}/v1\", timeouts: {{ total: 60s }} }}\n",
-        a.addr
-    )
+    Cfg::new()
+        .top(&format!("server: {server}"))
+        .endpoint(ep("a", a, ", timeouts: { total: 60s }"))
+        .to_yaml()
 }
 
 async fn with_host(gw: &Gw, host: &str) -> (u16, Value) {
@@ -804,8 +786,8 @@ async fn a_burst_of_connections_while_the_gateway_is_paused_waits_in_the_accept_
     drop(completed);
 
     let chat = json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]});
-    signal(gw.pid(), "-STOP");
-    let resume = Resume(gw.pid());
+    // SIGCONT when dropped, so a failing assertion never leaves the gateway stopped.
+    let resume = Paused::new(gw.pid());
     // It is really stopped: a request gets no answer.
     let stopped = reqwest::Client::new()
         .post(gw.url("/v1/chat/completions"))

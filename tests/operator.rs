@@ -575,30 +575,24 @@ async fn a_blocked_stderr_drops_log_lines_instead_of_stalling_requests() {
     )
     .unwrap();
     // stderr is a pipe nobody reads until the end: it fills after 64 KiB.
-    let mut child = Command::new(BIN)
-        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
-        .arg(&cfg)
-        .arg("--data-dir")
-        .arg(tmp.path().join("data"))
-        .env("RUST_LOG", "debug")
-        .env("AUTOHEDGE_LOG_FORMAT", "json")
-        // A small queue in front of the pipe, so it overflows within a bounded test.
-        .env("AUTOHEDGE_LOG_BUFFER_LINES", "256")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    // Killed however the test ends.
+    let mut child = KillOnDrop(
+        Command::new(BIN)
+            .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+            .arg(&cfg)
+            .arg("--data-dir")
+            .arg(tmp.path().join("data"))
+            .env("RUST_LOG", "debug")
+            .env("AUTOHEDGE_LOG_FORMAT", "json")
+            // A small queue in front of the pipe, so it overflows within a bounded test.
+            .env("AUTOHEDGE_LOG_BUFFER_LINES", "256")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
     let stdout = child.stdout.take().unwrap();
     let mut err = child.stderr.take().unwrap();
-    // Killed however the test ends.
-    struct Kill(std::process::Child);
-    impl Drop for Kill {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let _child = Kill(child);
     let mut out = BufReader::new(stdout).lines();
     let addr: SocketAddr = loop {
         let line = out.next().expect("listening line").unwrap();
@@ -1216,12 +1210,14 @@ async fn stats_watch_redraws_in_place_until_interrupted() {
     ));
     assert_eq!(gw.chat("a", "hi").await.status(), 200);
     gw.stop();
-    let mut child = Command::new(BIN)
-        .args(["stats", "--watch", "--data-dir"])
-        .arg(gw.data_dir())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = KillOnDrop(
+        Command::new(BIN)
+            .args(["stats", "--watch", "--data-dir"])
+            .arg(gw.data_dir())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
     let mut out = child.stdout.take().unwrap();
     let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let sink = seen.clone();
@@ -1242,9 +1238,7 @@ async fn stats_watch_redraws_in_place_until_interrupted() {
             >= 2
     })
     .await;
-    let _ = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status();
+    signal(child.id(), "INT");
     let status = child.wait().unwrap();
     assert!(status.success(), "{status}");
     reader.join().unwrap();
@@ -1372,20 +1366,22 @@ async fn mock_upstream_binary_runs_a_script_file() {
     let tmp = tempfile::tempdir().unwrap();
     let script = tmp.path().join("s.yaml");
     std::fs::write(&script, "name: cli\nrules:\n  - when: { every: 2 }\n    status: 429\n    headers: { retry-after: \"7\" }\n").unwrap();
-    let mut child = std::process::Command::new(BIN)
-        .args([
-            "mock-upstream",
-            "--listen",
-            "127.0.0.1:0",
-            "--flavor",
-            "openai",
-            "--script",
-        ])
-        .arg(&script)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = KillOnDrop(
+        std::process::Command::new(BIN)
+            .args([
+                "mock-upstream",
+                "--listen",
+                "127.0.0.1:0",
+                "--flavor",
+                "openai",
+                "--script",
+            ])
+            .arg(&script)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     use std::io::BufRead;
     let mut line = String::new();
     std::io::BufReader::new(child.stdout.take().unwrap())

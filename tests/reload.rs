@@ -10,13 +10,6 @@ use std::time::Duration;
 use common::*;
 use serde_json::{Value, json};
 
-fn one_endpoint(m: &MockUp, name: &str) -> String {
-    format!(
-        "models:\n  {name}: {{ type: openai, base_url: \"{}\" }}\n",
-        m.base()
-    )
-}
-
 async fn chat_with(gw: &Gw, id: &str, model: &str, content: &str) -> reqwest::Response {
     gw.chat_id(
         id,
@@ -29,10 +22,7 @@ async fn chat_with(gw: &Gw, id: &str, model: &str, content: &str) -> reqwest::Re
 /// shows `until`.
 async fn reload(gw: &Gw, cfg: &str, until: impl Fn(&Value) -> bool) {
     std::fs::write(&gw.config_path, cfg).unwrap();
-    std::process::Command::new("kill")
-        .args(["-HUP", &gw.pid().to_string()])
-        .status()
-        .unwrap();
+    gw.hup();
     let ok = eventually(Duration::from_secs(10), || async {
         until(&gw.status().await)
     })
@@ -230,10 +220,7 @@ async fn replacing_a_rejected_keys_value_clears_it_on_reload() {
     );
     // The file (outside the watched directory) gets the new value; SIGHUP reloads.
     std::fs::write(&keyfile, "sk-new-value-NEW1").unwrap();
-    std::process::Command::new("kill")
-        .args(["-HUP", &gw.pid().to_string()])
-        .status()
-        .unwrap();
+    gw.hup();
     let ok = eventually(Duration::from_secs(5), || async {
         gw.status().await["endpoints"]["a"]["state"] == "healthy"
     })
@@ -385,72 +372,39 @@ async fn an_outsized_duration_is_refused_at_load_naming_its_path() {
 struct HeldUpstream {
     addr: std::net::SocketAddr,
     posts: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    release: tokio::sync::watch::Sender<bool>,
+    up: RawUp,
 }
 
 impl HeldUpstream {
     async fn start() -> HeldUpstream {
         use std::sync::atomic::Ordering;
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         let posts = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let (release, rx) = tokio::sync::watch::channel(false);
         let counter = posts.clone();
-        tokio::spawn(async move {
-            loop {
-                let Ok((mut s, _)) = listener.accept().await else {
-                    return;
-                };
-                let (counter, mut rx) = (counter.clone(), rx.clone());
-                tokio::spawn(async move {
-                    // The head, then the body it declares; one request a connection.
-                    let mut buf = Vec::new();
-                    let mut chunk = [0u8; 4096];
-                    let (head_end, len) = loop {
-                        match s.read(&mut chunk).await {
-                            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-                            _ => return,
-                        }
-                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                            let head = String::from_utf8_lossy(&buf[..i]).to_ascii_lowercase();
-                            let len = head
-                                .lines()
-                                .find_map(|l| l.strip_prefix("content-length:"))
-                                .and_then(|v| v.trim().parse::<usize>().ok())
-                                .unwrap_or(0);
-                            break (i + 4, len);
-                        }
-                    };
-                    while buf.len() < head_end + len {
-                        match s.read(&mut chunk).await {
-                            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-                            _ => return,
-                        }
-                    }
-                    let body = if buf.starts_with(b"GET") {
-                        r#"{"object":"list","data":[{"id":"held-model","object":"model","created":0,"owned_by":"held"}]}"#
-                    } else {
-                        counter.fetch_add(1, Ordering::SeqCst);
-                        let _ = rx.wait_for(|go| *go).await;
-                        r#"{"id":"chatcmpl-held","object":"chat.completion","created":1700000000,"model":"held-model","choices":[{"index":0,"message":{"role":"assistant","content":"from the old config"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}"#
-                    };
-                    let _ = s
-                        .write_all(
-                            format!(
-                                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                                body.len()
-                            )
-                            .as_bytes(),
-                        )
-                        .await;
-                });
+        // One request a connection.
+        let up = RawUp::start(move |req| {
+            let answer = |body: &str| {
+                Answer::WriteClose(
+                    format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                        body.len()
+                    )
+                    .into_bytes(),
+                )
+            };
+            if req.method == "GET" {
+                return answer(
+                    r#"{"object":"list","data":[{"id":"held-model","object":"model","created":0,"owned_by":"held"}]}"#,
+                );
             }
+            counter.fetch_add(1, Ordering::SeqCst);
+            Answer::Gated(Box::new(answer(
+                r#"{"id":"chatcmpl-held","object":"chat.completion","created":1700000000,"model":"held-model","choices":[{"index":0,"message":{"role":"assistant","content":"from the old config"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}"#,
+            )))
         });
         HeldUpstream {
-            addr,
+            addr: up.addr,
             posts,
-            release,
+            up,
         }
     }
 
@@ -546,7 +500,7 @@ async fn a_request_in_flight_finishes_on_the_config_it_started_with() {
     assert!(!in_flight.is_finished(), "the first request is still held");
 
     // … while the one in flight finishes as the old config said: served by `old`.
-    old.release.send_replace(true);
+    old.up.open_gate();
     let r = in_flight.await.unwrap();
     assert_eq!(r.status(), 200, "the in-flight request was served");
     assert_eq!(header(&r, "x-autohedge-endpoint"), "old");

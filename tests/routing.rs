@@ -10,8 +10,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use serde_json::{Value, json};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
 
 /// Asserts an endpoint's `health_reason` in a `/status` document says `needle`.
 fn assert_reason(st: &Value, name: &str, needle: &str) {
@@ -29,55 +27,31 @@ struct Silent {
 }
 
 async fn silent_upstream() -> Silent {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let (ptx, posted) = tokio::sync::mpsc::unbounded_channel();
     let (ctx, closed) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut sock, _)) = listener.accept().await else {
-                return;
-            };
-            let (ptx, ctx) = (ptx.clone(), ctx.clone());
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 64 * 1024];
-                let mut seen = Vec::new();
-                loop {
-                    let n = match sock.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => n,
-                    };
-                    seen.extend_from_slice(&buf[..n]);
-                    if seen.windows(4).any(|w| w == b"\r\n\r\n") {
-                        break;
-                    }
-                }
-                if seen.starts_with(b"GET") {
-                    let body =
-                        r#"{"object":"list","data":[{"id":"m","object":"model","owned_by":"x"}]}"#;
-                    let resp = format!(
+    let up = RawUp::with_release(
+        move |req| {
+            if req.method == "GET" {
+                let body =
+                    r#"{"object":"list","data":[{"id":"m","object":"model","owned_by":"x"}]}"#;
+                return Answer::WriteClose(
+                    format!(
                         "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
                         body.len()
-                    );
-                    let _ = sock.write_all(resp.as_bytes()).await;
-                    return;
-                }
-                let _ = ptx.send(Instant::now());
-                // Hold the request: read until the gateway closes the connection.
-                loop {
-                    match sock.read(&mut buf).await {
-                        Ok(0) | Err(_) => {
-                            let _ = ctx.send(Instant::now());
-                            return;
-                        }
-                        Ok(_) => {}
-                    }
-                }
-            });
-        }
-    });
+                    )
+                    .into_bytes(),
+                );
+            }
+            let _ = ptx.send(Instant::now());
+            // Hold the request: read until the gateway closes the connection.
+            Answer::Hold
+        },
+        move |at| {
+            let _ = ctx.send(at);
+        },
+    );
     Silent {
-        addr,
+        addr: up.addr,
         posted,
         closed,
     }
@@ -1332,59 +1306,39 @@ async fn after_a_cooldown_the_endpoint_takes_a_rising_share_not_everything() {
     assert!(share.is_null());
 }
 
-/// A loopback health-check server whose first request is held unanswered until `release`, so a
+/// A loopback health-check server whose first request is held unanswered until released (`up.open_gate()`), so a
 /// probe round that includes it stays open for as long as the test likes; later requests are
 /// answered at once, `200 {"status":"ok"}`. `seen` counts the requests.
 struct GatedHealth {
     addr: std::net::SocketAddr,
     seen: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    release: tokio::sync::watch::Sender<bool>,
+    up: RawUp,
 }
 
 impl GatedHealth {
     async fn start() -> GatedHealth {
         use std::sync::atomic::Ordering;
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
         let seen = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let (release, rx) = tokio::sync::watch::channel(false);
         let counter = seen.clone();
-        tokio::spawn(async move {
-            loop {
-                let Ok((mut s, _)) = listener.accept().await else {
-                    return;
-                };
-                let (counter, mut rx) = (counter.clone(), rx.clone());
-                tokio::spawn(async move {
-                    let mut buf = Vec::new();
-                    let mut chunk = [0u8; 1024];
-                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                        match s.read(&mut chunk).await {
-                            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-                            _ => return,
-                        }
-                    }
-                    if counter.fetch_add(1, Ordering::SeqCst) == 0 {
-                        let _ = rx.wait_for(|go| *go).await;
-                    }
-                    let body = r#"{"status":"ok"}"#;
-                    let _ = s
-                        .write_all(
-                            format!(
-                                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-                                body.len()
-                            )
-                            .as_bytes(),
-                        )
-                        .await;
-                });
+        let up = RawUp::start(move |_| {
+            let body = r#"{"status":"ok"}"#;
+            let ok = Answer::WriteClose(
+                format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                )
+                .into_bytes(),
+            );
+            if counter.fetch_add(1, Ordering::SeqCst) == 0 {
+                Answer::Gated(Box::new(ok))
+            } else {
+                ok
             }
         });
         GatedHealth {
-            addr,
+            addr: up.addr,
             seen,
-            release,
+            up,
         }
     }
 
@@ -1473,7 +1427,7 @@ health: {{ probe_interval: 1h, probe_timeout: 1s, eject_after: 1, eject_base: 1s
     assert_eq!(gate.seen(), 1);
 
     // The round ends with `bad` ejected: the next one comes after `eject_base`, not the hour.
-    gate.release.send_replace(true);
+    gate.up.open_gate();
     let recovered = eventually(Duration::from_secs(60), || async {
         probes(&bad.stats().await) >= 2
             && gw.status().await["endpoints"]["bad"]["state"] == "healthy"

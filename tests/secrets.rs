@@ -1008,15 +1008,8 @@ vault:
     assert_eq!(chat_with(&gw, "a", None).await.status(), 200);
     assert_eq!(last_tail(&a).await, "6666", "the key came from Vault");
     // Vault stops answering; then a labelled container appears, and the next scan adopts it.
-    let stop = |sig: &str| {
-        let ok = Command::new("kill")
-            .args([sig, &bao.child.id().to_string()])
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "kill {sig}");
-    };
-    stop("-STOP");
+    // SIGCONT when dropped: a failing assertion never leaves Vault stopped.
+    let stopped = Paused::new(bao.child.id());
     engine.set(
         "/containers/json",
         EngineAnswer::Body(
@@ -1034,7 +1027,7 @@ vault:
     // The install is under way, waiting on Vault; requests are served all the same.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let served = tokio::time::timeout(Duration::from_secs(10), chat_with(&gw, "a", None)).await;
-    stop("-CONT");
+    drop(stopped);
     let r = served.expect("a request waited for the hung Vault read");
     assert_eq!(r.status(), 200);
     // Once Vault answers, the adoption completes.
@@ -1251,10 +1244,7 @@ async fn vault_decrypts_run_side_by_side_and_a_new_token_is_used_for_transit() {
     assert_eq!(r.status(), 200, "the old token decrypts");
     let reloads = gw.status().await["config"]["reloads"].as_u64().unwrap_or(0);
     std::fs::write(&token_file, &new_token).unwrap();
-    std::process::Command::new("kill")
-        .args(["-HUP", &gw.pid().to_string()])
-        .status()
-        .unwrap();
+    gw.hup();
     let ok = eventually(Duration::from_secs(10), || async {
         gw.status().await["config"]["reloads"].as_u64().unwrap_or(0) > reloads
     })

@@ -28,79 +28,33 @@ enum Ending {
 /// A loopback upstream speaking OpenAI's streaming wire format byte for byte: chunked HTTP/1.1,
 /// `chunks` as given, then `ending`. Returns its base URL and the bytes of the ending it wrote.
 async fn raw_sse_upstream(chunks: Vec<String>, ending: Ending) -> (String, Arc<AtomicU64>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let wrote = Arc::new(AtomicU64::new(0));
-    let counter = wrote.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut sock, _)) = listener.accept().await else {
-                return;
-            };
-            let chunks = chunks.clone();
-            let counter = counter.clone();
-            tokio::spawn(async move {
-                // The request: headers, then a body of content-length bytes.
-                let mut req = Vec::new();
-                let mut buf = [0u8; 4096];
-                let body_start = loop {
-                    let Ok(n) = sock.read(&mut buf).await else {
-                        return;
-                    };
-                    if n == 0 {
-                        return;
-                    }
-                    req.extend_from_slice(&buf[..n]);
-                    if let Some(i) = req.windows(4).position(|w| w == b"\r\n\r\n") {
-                        break i + 4;
-                    }
-                };
-                let head = String::from_utf8_lossy(&req[..body_start]).to_ascii_lowercase();
-                let len: usize = head
-                    .lines()
-                    .find_map(|l| l.strip_prefix("content-length:"))
-                    .and_then(|v| v.trim().parse().ok())
-                    .unwrap_or(0);
-                while req.len() < body_start + len {
-                    let Ok(n) = sock.read(&mut buf).await else {
-                        return;
-                    };
-                    if n == 0 {
-                        return;
-                    }
-                    req.extend_from_slice(&buf[..n]);
+    let up = RawUp::start(move |_| {
+        let mut out = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
+        for c in &chunks {
+            out.extend_from_slice(format!("{:x}\r\n{c}\r\n", c.len()).as_bytes());
+        }
+        match ending {
+            Ending::Break => {
+                // A chunk announced longer than what follows, then the connection goes.
+                out.extend_from_slice(
+                    b"400\r\ndata: {\"id\":\"x\",\"choices\":[{\"delta\":{\"content\":\"par",
+                );
+                Answer::WriteClose(out)
+            }
+            Ending::Endless { limit } => {
+                let line = format!("data: {}\n", "z".repeat(1000));
+                let chunk = format!("{:x}\r\n{}\r\n", line.len() * 64, line.repeat(64));
+                Answer::Stream {
+                    head: out,
+                    credit: chunk.len() as u64,
+                    piece: chunk.into_bytes(),
+                    cap: limit as u64,
+                    then: Then::Close,
                 }
-                let mut out = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
-                for c in &chunks {
-                    out.extend_from_slice(format!("{:x}\r\n{c}\r\n", c.len()).as_bytes());
-                }
-                if sock.write_all(&out).await.is_err() {
-                    return;
-                }
-                match ending {
-                    Ending::Break => {
-                        // A chunk announced longer than what follows, then the connection goes.
-                        let _ = sock.write_all(b"400\r\ndata: {\"id\":\"x\",\"choices\":[{\"delta\":{\"content\":\"par").await;
-                        let _ = sock.flush().await;
-                    }
-                    Ending::Endless { limit } => {
-                        let line = format!("data: {}\n", "z".repeat(1000));
-                        let chunk = format!("{:x}\r\n{}\r\n", line.len() * 64, line.repeat(64));
-                        let mut sent = 0;
-                        while sent < limit {
-                            if sock.write_all(chunk.as_bytes()).await.is_err() {
-                                break;
-                            }
-                            sent += chunk.len();
-                            counter.store(sent as u64, Ordering::SeqCst);
-                        }
-                    }
-                }
-            });
+            }
         }
     });
-    (format!("http://{addr}/v1"), wrote)
+    (up.base(), up.written_counter())
 }
 
 fn content_event(text: &str) -> String {

@@ -8,6 +8,7 @@ pub mod clusters;
 pub mod endless;
 pub mod engine;
 pub mod pg_server;
+pub mod raw;
 pub mod redis_server;
 pub mod tenants;
 pub mod trail;
@@ -20,6 +21,8 @@ pub use cfg::*;
 pub use clusters::*;
 #[allow(unused_imports)]
 pub use endless::*;
+#[allow(unused_imports)]
+pub use raw::{Answer, RawUp, Request, Then};
 #[allow(unused_imports)]
 pub use tenants::*;
 #[allow(unused_imports)]
@@ -345,12 +348,15 @@ impl Gw {
             .unwrap()
     }
 
+    /// One SIGHUP: the gateway reloads its config.
+    pub fn hup(&self) {
+        assert!(signal(self.pid(), "HUP"), "kill -HUP {}", self.pid());
+    }
+
     /// One SIGTERM: the gateway drains (`server.drain_delay`) before it stops accepting.
     pub fn term(&self) {
         if let Some(child) = &self.child {
-            let _ = Command::new("kill")
-                .args(["-TERM", &child.id().to_string()])
-                .status();
+            signal(child.id(), "TERM");
         }
     }
 
@@ -378,9 +384,7 @@ impl Gw {
         if let Some(mut child) = self.child.take() {
             // The log is appended to by every gateway started in this directory.
             let before = self.log().matches(TAKEN).count();
-            let _ = Command::new("kill")
-                .args(["-TERM", &child.id().to_string()])
-                .status();
+            signal(child.id(), "TERM");
             // Two signals before the gateway takes the first are one: wait until its log says
             // it took it (or it is gone). Without the line (a log level that hides it), the
             // second goes after the wait, as it would have gone at once.
@@ -392,9 +396,7 @@ impl Gw {
                 std::thread::sleep(Duration::from_millis(20));
             }
             if !matches!(child.try_wait(), Ok(Some(_))) {
-                let _ = Command::new("kill")
-                    .args(["-TERM", &child.id().to_string()])
-                    .status();
+                signal(child.id(), "TERM");
             }
             let deadline = Instant::now() + Duration::from_secs(20);
             loop {
@@ -411,6 +413,55 @@ impl Gw {
                 }
             }
         }
+    }
+}
+
+/// Sends `sig` (a name without the dash: "TERM", "HUP", "INT", "STOP", "CONT", "KILL") to
+/// `pid`; true when it was delivered. The one `kill` command in tests/.
+pub fn signal(pid: u32, sig: &str) -> bool {
+    Command::new("kill")
+        .args([format!("-{sig}"), pid.to_string()])
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// A process stopped (SIGSTOP) for as long as this lives: SIGCONT when dropped, so a failing
+/// assertion never leaves it stopped.
+pub struct Paused(u32);
+
+impl Paused {
+    pub fn new(pid: u32) -> Paused {
+        assert!(signal(pid, "STOP"), "kill -STOP {pid}");
+        Paused(pid)
+    }
+}
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        signal(self.0, "CONT");
+    }
+}
+
+/// A child process killed (and reaped) when dropped, however the test ends.
+pub struct KillOnDrop(pub Child);
+
+impl std::ops::Deref for KillOnDrop {
+    type Target = Child;
+    fn deref(&self) -> &Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for KillOnDrop {
+    fn deref_mut(&mut self) -> &mut Child {
+        &mut self.0
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 
@@ -528,76 +579,31 @@ pub type Webhooked = std::sync::Arc<std::sync::Mutex<Vec<(String, std::time::Ins
 pub async fn scripted_webhook(
     scripts: &[(&'static str, Vec<&'static str>)],
 ) -> (std::net::SocketAddr, Webhooked) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let got: Webhooked = Default::default();
-    let scripts: std::sync::Arc<Vec<(&'static str, Vec<&'static str>)>> =
-        std::sync::Arc::new(scripts.to_vec());
+    let scripts: Vec<(&'static str, Vec<&'static str>)> = scripts.to_vec();
     let seen = got.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut s, _)) = listener.accept().await else {
-                return;
-            };
-            let (got, scripts) = (seen.clone(), scripts.clone());
-            tokio::spawn(async move {
-                // The request head and its body (content-length), then one answer; one request a
-                // connection (`connection: close`).
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 4096];
-                let (head_end, len) = loop {
-                    let Ok(n) = s.read(&mut chunk).await else {
-                        return;
-                    };
-                    if n == 0 {
-                        return;
-                    }
-                    buf.extend_from_slice(&chunk[..n]);
-                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                        let head = String::from_utf8_lossy(&buf[..i]).to_ascii_lowercase();
-                        let len = head
-                            .lines()
-                            .find_map(|l| l.strip_prefix("content-length:"))
-                            .and_then(|v| v.trim().parse::<usize>().ok())
-                            .unwrap_or(0);
-                        break (i + 4, len);
-                    }
-                };
-                while buf.len() < head_end + len {
-                    match s.read(&mut chunk).await {
-                        Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
-                        _ => return,
-                    }
-                }
-                let path = String::from_utf8_lossy(&buf)
-                    .split_whitespace()
-                    .nth(1)
-                    .unwrap_or("")
-                    .to_string();
-                let body: Value =
-                    serde_json::from_slice(&buf[head_end..head_end + len]).unwrap_or(Value::Null);
-                let nth = {
-                    let mut g = got.lock().unwrap();
-                    let nth = g.iter().filter(|(p, _, _)| *p == path).count();
-                    g.push((path.clone(), std::time::Instant::now(), body));
-                    nth
-                };
-                let answer = scripts
-                    .iter()
-                    .find(|(p, _)| *p == path)
-                    .and_then(|(_, script)| script.get(nth).copied())
-                    .unwrap_or("200");
-                if answer == "drop" {
-                    return;
-                }
-                let reply = format!(
-                    "HTTP/1.1 {answer} X\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-                );
-                let _ = s.write_all(reply.as_bytes()).await;
-            });
+    // One request a connection (`connection: close`).
+    let up = RawUp::start(move |req| {
+        let nth = {
+            let mut g = seen.lock().unwrap();
+            let nth = g.iter().filter(|(p, _, _)| *p == req.path).count();
+            g.push((req.path.clone(), std::time::Instant::now(), req.json()));
+            nth
+        };
+        let answer = scripts
+            .iter()
+            .find(|(p, _)| *p == req.path)
+            .and_then(|(_, script)| script.get(nth).copied())
+            .unwrap_or("200");
+        if answer == "drop" {
+            return Answer::Close;
         }
+        Answer::WriteClose(
+            format!("HTTP/1.1 {answer} X\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                .into_bytes(),
+        )
     });
+    let addr = up.addr;
     (addr, got)
 }
 

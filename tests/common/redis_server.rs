@@ -116,14 +116,8 @@ impl Redis {
     }
 
     pub fn signal(&self, sig: &str) {
-        let pid = self.child.as_ref().unwrap().id().to_string();
-        assert!(
-            Command::new("kill")
-                .args([sig, &pid])
-                .status()
-                .unwrap()
-                .success()
-        );
+        let pid = self.child.as_ref().unwrap().id();
+        assert!(super::signal(pid, sig), "kill -{sig} {pid}");
     }
 
     pub fn kill(&mut self) {
@@ -138,9 +132,7 @@ impl Drop for Redis {
     fn drop(&mut self) {
         if let Some(c) = &self.child {
             // A frozen server would not die of SIGKILL's sibling signals; SIGKILL always works.
-            let _ = Command::new("kill")
-                .args(["-CONT", &c.id().to_string()])
-                .status();
+            super::signal(c.id(), "CONT");
         }
         self.kill();
     }

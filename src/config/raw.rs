@@ -392,6 +392,8 @@ pub struct RawEndpoint {
     #[serde(rename = "type")]
     pub kind: EndpointKind,
     pub base_url: Option<String>,
+    /// Several servers of one model (replicas): the endpoint's addresses, balanced by load.
+    pub base_urls: Option<Vec<String>>,
     /// Ollama users write `host`; it means the same as `base_url`.
     pub host: Option<String>,
     pub api_key: Option<String>,

@@ -213,12 +213,50 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
     let mut endpoints = BTreeMap::new();
     for (name, ep) in raw.models {
         let at = format!("models.{name}");
+        // `base_urls`: each an address of the endpoint, checked as `base_url` is (credentials
+        // go in `api_key` or `headers`: a URL of several is shown per address in `/status`).
+        let mut addresses = Vec::new();
+        if let Some(urls) = &ep.base_urls {
+            if ep.base_url.is_some() || ep.host.is_some() || ep.discover.is_some() {
+                return Err(ConfigError(format!(
+                    "at `{at}`: give `base_urls` or `base_url` (or `host`, or `discover`), not both"
+                )));
+            }
+            if urls.is_empty() || urls.len() > MAX_ADDRESSES {
+                return Err(ConfigError(format!(
+                    "at `{at}.base_urls`: give 1 to {MAX_ADDRESSES} URLs"
+                )));
+            }
+            for (i, u) in urls.iter().enumerate() {
+                let parsed = reqwest::Url::parse(u.trim_end_matches('/')).map_err(|e| {
+                    ConfigError(format!("at `{at}.base_urls[{i}]`: invalid URL: {e}"))
+                })?;
+                if !matches!(parsed.scheme(), "http" | "https") {
+                    return Err(ConfigError(format!(
+                        "at `{at}.base_urls[{i}]`: scheme must be http or https"
+                    )));
+                }
+                if !parsed.username().is_empty() || parsed.password().is_some() {
+                    return Err(ConfigError(format!(
+                        "at `{at}.base_urls[{i}]`: no user or password in the URL (give the key in `api_key`)"
+                    )));
+                }
+                let u = parsed.as_str().trim_end_matches('/').to_string();
+                if addresses.contains(&u) {
+                    return Err(ConfigError(format!(
+                        "at `{at}.base_urls[{i}]`: the same address twice"
+                    )));
+                }
+                addresses.push(u);
+            }
+        }
         let base = match (ep.base_url, ep.host) {
             (Some(_), Some(_)) => {
                 return Err(ConfigError(format!(
                     "at `{at}`: give either `base_url` or `host` (its alias), not both"
                 )));
             }
+            (None, None) if !addresses.is_empty() => addresses[0].clone(),
             (Some(u), None) | (None, Some(u)) => u,
             (None, None) if ep.discover.is_some() => "http://discovered.invalid".to_string(),
             (None, None) => match ep.kind {
@@ -362,10 +400,15 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
         // about the key, so keys are tracked separately (by value hash, see `ApiKey::hash`).
         // A discovered endpoint is another server than a static one at the same base URL: the
         // marker changes its fingerprint (static ones keep theirs, and their stored retirements).
+        // An endpoint of several addresses is the same one as they come and go.
         let fingerprint = format!(
             "{}|{}|{}{}",
             ep.kind,
-            base_url,
+            if addresses.is_empty() {
+                base_url.as_str()
+            } else {
+                "base_urls"
+            },
             upstream_model,
             if ep.discover.is_some() {
                 "|discover"
@@ -444,6 +487,7 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
                 name_header: http::HeaderValue::from_str(&name).ok(),
                 kind: ep.kind,
                 base_url,
+                addresses,
                 upstream_model,
                 keys,
                 context_window: ep.context_window,
@@ -1021,6 +1065,10 @@ fn hedge_spec(at: &str, h: &RawHedge) -> Result<crate::routing::hedge::Spec, Con
 
 /// `audit.spool_max_bytes`' default: what waits in the data dir while PostgreSQL is away.
 pub const DEFAULT_SPOOL_MAX_BYTES: u64 = 1 << 30;
+
+/// The most addresses one endpoint may list (`base_urls`): each is a `/status` entry and a
+/// metrics label.
+pub const MAX_ADDRESSES: usize = 64;
 
 /// A configured size as a count of bytes this machine can hold (a larger one is all of them:
 /// a limit nobody reaches).

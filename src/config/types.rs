@@ -382,6 +382,9 @@ pub struct Endpoint {
     /// Root of the API without a trailing slash: `…/v1` for OpenAI-type servers, the bare host
     /// for Ollama.
     pub base_url: String,
+    /// `base_urls`: the endpoint's several addresses (the first is `base_url`); empty for an
+    /// endpoint of one (`base_url`) or of discovered tasks.
+    pub addresses: Vec<String>,
     pub upstream_model: String,
     pub keys: Vec<ApiKey>,
     pub context_window: Option<u64>,

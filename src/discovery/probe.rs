@@ -489,13 +489,24 @@ pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
         let out_of_files_before = crate::upstream::out_of_files_count();
         let st = &state;
         let mem = &memory;
-        let results = join_all(eps.iter().map(|ep| async move {
-            // A discovered endpoint is probed where it runs now; before discovery, not at all.
-            let base = if ep.discover {
-                st.registry.discovered_base(&ep.name)
-            } else {
-                Some(ep.base_url.clone())
-            };
+        // Every address of an endpoint of several (`base_urls`, or discovered tasks) each round,
+        // each one's verdict its own; else its one address (a discovered endpoint where it runs
+        // now; before discovery, not at all).
+        let targets: Vec<(&Arc<Endpoint>, Option<String>, bool)> = eps
+            .iter()
+            .flat_map(|ep| {
+                let several = st.registry.address_list(&ep.name);
+                if several.len() > 1 {
+                    several.into_iter().map(|b| (ep, Some(b), true)).collect()
+                } else if ep.discover {
+                    vec![(ep, st.registry.discovered_base(&ep.name), false)]
+                } else {
+                    vec![(ep, Some(ep.base_url.clone()), false)]
+                }
+            })
+            .collect();
+        let probed = join_all(targets.into_iter().map(|(ep, base, several)| async move {
+            let addr = base.clone();
             // The key requests would use now, not always the first: a revoked first key must not
             // make a probe fail while the second serves.
             let key = match st.registry.current_key(ep) {
@@ -508,10 +519,10 @@ pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
             if ep.needs_key() && key.is_none() {
                 // No usable key: the endpoint is auth_failed already; a keyless probe would
                 // only report a 401 about nothing.
-                return (ep.name.clone(), None);
+                return (ep.name.clone(), addr, several, None);
             }
             let Some(base) = base else {
-                return (ep.name.clone(), None);
+                return (ep.name.clone(), addr, several, None);
             };
             let root = base.trim_end_matches('/').trim_end_matches("/v1").to_string();
             let mut report = match &ep.health_check {
@@ -547,9 +558,32 @@ pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
                 r.ok = false;
                 r.detail["semantic_probe"] = json!(e);
             }
-            (ep.name.clone(), report)
+            (ep.name.clone(), addr, several, report)
         }))
         .await;
+        // An endpoint of several addresses: each address told its own verdict; the endpoint's
+        // report is a passing one if any passed (it is unhealthy only when no address serves).
+        let tuning = crate::routing::registry::tuning(&cfg);
+        let mut results: Vec<(String, Option<crate::routing::observed::ProbeReport>)> = Vec::new();
+        for (name, addr, several, report) in probed {
+            if several && let (Some(a), Some(r)) = (&addr, &report) {
+                st.registry.address_probed(&name, a, r.ok, &tuning);
+            }
+            match results.iter_mut().find(|(n, _)| *n == name) {
+                Some((_, slot)) => {
+                    let better = match (&*slot, &report) {
+                        (None, Some(_)) => true,
+                        (Some(old), Some(new)) => !old.ok && new.ok,
+                        _ => false,
+                    };
+                    if better {
+                        *slot = report;
+                    }
+                }
+                None => results.push((name, report)),
+            }
+        }
+
         // A connection that could not be made for want of file descriptors in this process says
         // nothing of the endpoint: while that happened, no failed probe is taken as a verdict
         // (the endpoints keep the state they had), or the gateway's own exhaustion would mark

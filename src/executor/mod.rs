@@ -21,8 +21,9 @@ use tokio::time::Instant;
 
 use crate::config::{Config, Endpoint, Overflow, Secret};
 use crate::error::AttemptReport;
+use crate::routing::balance::Tuning;
 use crate::routing::outcome::{self, Action, Hints, Outcome};
-use crate::routing::registry::{Effect, KeyPick};
+use crate::routing::registry::{Effect, KeyPick, Picked, tuning};
 use crate::routing::router::{self, View};
 use crate::state::AppState;
 use crate::store::RequestRow;
@@ -749,20 +750,22 @@ impl Run {
         self.app.registry.views(&self.cfg, names)
     }
 
-    /// For a discovered endpoint, a running task's address; `Err` when there is none.
-    fn discovered_base(&self, ep: &Endpoint) -> Result<Option<String>, Failure> {
-        if !ep.discover {
-            return Ok(None);
-        }
+    /// Where an attempt at `ep` goes: its `base_url`, unless it has several addresses or
+    /// discovered tasks — then one picked by load, counted in flight while the attempt runs;
+    /// `Err` when none is usable.
+    fn address_for(&self, ep: &Endpoint) -> Result<Option<Picked>, Failure> {
         self.app
             .registry
-            .discovered_base(&ep.name)
-            .map(Some)
-            .ok_or_else(|| {
+            .pick_address(ep, &tuning(&self.cfg))
+            .map_err(|_| {
                 Failure::new(
                     Outcome::Connect,
                     None,
-                    "no running task discovered for this endpoint",
+                    if ep.discover {
+                        "no running task discovered for this endpoint"
+                    } else {
+                        "no usable address: every address of this endpoint is out"
+                    },
                 )
             })
     }
@@ -770,7 +773,8 @@ impl Run {
     /// Runs one attempt against `ep` with `key`: builds it, counts the call, sends it.
     async fn attempt(&mut self, ep: &Endpoint, key: Option<&Secret>) -> Result<Success, Failure> {
         let t0 = Instant::now();
-        let base = self.discovered_base(ep)?;
+        let picked = self.address_for(ep)?;
+        let base = picked.as_ref().map(|p| p.base.clone());
         let translate = self.translates(ep);
         // Only a Responses request may go as another (its pinned form or replay): the others'
         // attempts borrow the request, without a reference count taken and given back.
@@ -803,6 +807,16 @@ impl Run {
             attempt.full(rb, sent).await
         };
         self.waited += sent.elapsed();
+        if let Some(p) = &picked {
+            address_feedback(
+                &self.app,
+                &ep.name,
+                &p.base,
+                &result,
+                sent,
+                &tuning(&self.cfg),
+            );
+        }
         result
     }
 
@@ -810,7 +824,8 @@ impl Run {
     /// raced against a hedge; dropping it closes its upstream connection.
     fn start(&mut self, ep: &Arc<Endpoint>, key_idx: Option<usize>) -> Result<Racing, Failure> {
         let t0 = Instant::now();
-        let base = self.discovered_base(ep)?;
+        let picked = self.address_for(ep)?;
+        let base = picked.as_ref().map(|p| p.base.clone());
         // The request's own key (x-encrypted-key) for OpenAI-type endpoints, else key `key_idx`.
         let key = self.key_for(ep, key_idx).cloned();
         let key = key.as_ref();
@@ -843,7 +858,9 @@ impl Run {
             self.cfg.max_response_bytes,
             self.cfg.max_event_bytes,
         );
+        let (app, t) = (self.app.clone(), tuning(&self.cfg));
         let fut = async move {
+            let sent = Instant::now();
             // The key is in the prepared request already.
             let attempt = Attempt {
                 ep: &ep,
@@ -859,11 +876,16 @@ impl Run {
                 own_key,
                 max_event,
             };
-            if req.stream {
+            let result = if req.stream {
                 attempt.stream(rb, t0).await
             } else {
-                attempt.full(rb, Instant::now()).await
+                attempt.full(rb, sent).await
+            };
+            // (A hedge raced away drops this future: its address is counted out all the same.)
+            if let Some(p) = &picked {
+                address_feedback(&app, &ep.name, &p.base, &result, sent, &t);
             }
+            result
         };
         Ok(Racing {
             key_idx,
@@ -974,6 +996,15 @@ impl Run {
     ) -> EndpointOutcome {
         let mut retries_left = ep.retries;
         let mut backoff = ep.retry_backoff;
+        // An endpoint of several addresses: a failure another address may not share is tried
+        // there at once (the failed one now costs like a slow one), up to two others.
+        let mut other_addresses = self
+            .app
+            .registry
+            .address_list(&ep.name)
+            .len()
+            .saturating_sub(1)
+            .min(2);
         loop {
             let done = match first.take() {
                 Some(f) => *f,
@@ -1006,6 +1037,7 @@ impl Run {
                     self.waited += sleep;
                     backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
+                Settled::Retry if other_addresses > 0 => other_addresses -= 1,
                 Settled::Retry => return FAILED,
             }
         }
@@ -1313,5 +1345,35 @@ mod size_tests {
             .build()
             .unwrap();
         assert_eq!(rt.block_on(fut).status(), 503);
+    }
+}
+
+/// How an attempt's address did: an answer teaches its latency; a failure of the address's own
+/// (no connection, the connection lost, a 5xx, a timeout) counts toward ejecting it alone.
+fn address_feedback(
+    app: &AppState,
+    endpoint: &str,
+    base: &str,
+    result: &Result<Success, Failure>,
+    sent: Instant,
+    t: &Tuning,
+) {
+    match result {
+        Ok(_) => app
+            .registry
+            .address_answered(endpoint, base, sent.elapsed(), t),
+        Err(f)
+            if matches!(
+                f.class,
+                Outcome::Connect
+                    | Outcome::Connection
+                    | Outcome::Timeout
+                    | Outcome::FirstTokenTimeout
+                    | Outcome::Server
+            ) =>
+        {
+            app.registry.address_failed(endpoint, base, t)
+        }
+        Err(_) => {}
     }
 }

@@ -820,6 +820,13 @@ async fn status(
                 "recent_answers".into(),
                 json!(rate.map(|(_, n)| n).unwrap_or(0)),
             );
+            // Its addresses (several, or the discovered tasks), each with its own load,
+            // latency and ejection; `[]` for an endpoint of one static address.
+            o.insert(
+                "addresses".into(),
+                app.registry
+                    .addresses_json(name, &crate::routing::registry::tuning(&cfg)),
+            );
         }
         endpoints.insert(name.clone(), v);
     }

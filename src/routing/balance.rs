@@ -21,6 +21,9 @@ pub struct Tuning {
     pub decay: Duration,
     /// The estimate of an address never measured (a cost that lets it be tried).
     pub first_rtt: Duration,
+    /// What a failure counts as, at least: an address answering 500s at once must not look
+    /// like the fastest (it would draw the traffic its failures should keep away).
+    pub failure_rtt: Duration,
     /// Consecutive failures that eject an address.
     pub eject_after: u32,
     /// The first ejection's length; each next one in a row doubles it, up to `eject_max`.
@@ -40,6 +43,7 @@ impl Default for Tuning {
         Tuning {
             decay: Duration::from_secs(10),
             first_rtt: Duration::from_millis(100),
+            failure_rtt: Duration::from_secs(1),
             eject_after: 5,
             eject_base: Duration::from_secs(10),
             eject_max: Duration::from_secs(300),
@@ -71,6 +75,8 @@ pub struct Address {
     pub in_flight: u32,
     /// Peak-EWMA latency, in seconds, as of `stamp`.
     rtt: f64,
+    /// Whether `rtt` is measured yet (else it is `first_rtt`, a prior the first answer replaces).
+    measured: bool,
     stamp: Instant,
     failures: u32,
     /// Ejections in a row (each doubles the next).
@@ -88,6 +94,7 @@ impl Address {
             id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             in_flight: 0,
             rtt: t.first_rtt.as_secs_f64(),
+            measured: false,
             stamp: now,
             failures: 0,
             ejections: 0,
@@ -131,7 +138,7 @@ impl Address {
     pub fn observe(&mut self, rtt: Duration, now: Instant, t: &Tuning) {
         let measured = rtt.as_secs_f64();
         let current = self.rtt(now, t);
-        self.rtt = if measured > current {
+        self.rtt = if !std::mem::replace(&mut self.measured, true) || measured > current {
             measured
         } else {
             let w = (-now.saturating_duration_since(self.stamp).as_secs_f64()
@@ -153,8 +160,12 @@ impl Address {
     pub fn probed(&mut self, ok: bool, now: Instant, t: &Tuning) {
         match (self.standing(now), ok) {
             (Standing::HalfOpen, true) => {
+                // Back as new: its estimate from before (a failure's) is no evidence now.
                 self.standing = Standing::Active;
                 self.failures = 0;
+                self.rtt = t.first_rtt.as_secs_f64();
+                self.measured = false;
+                self.stamp = now;
             }
             (Standing::HalfOpen, false) => self.eject(now, t),
             (Standing::Active, true) => {}
@@ -253,6 +264,9 @@ impl Addresses {
             return false;
         };
         a.failures = a.failures.saturating_add(1);
+        a.rtt = a.rtt(now, t).max(t.failure_rtt.as_secs_f64());
+        a.measured = true;
+        a.stamp = now;
         if a.usable(now) && a.failures >= t.eject_after && room {
             a.eject(now, t);
             return true;
@@ -370,6 +384,21 @@ mod tests {
         }
         assert!(sent[2] < sent[0] && sent[2] < sent[1], "{sent:?}");
         assert!(sent[0].abs_diff(sent[1]) <= 10, "{sent:?}");
+    }
+
+    /// An address failing at once looks slow, not fast: the next picks go to the others.
+    #[tokio::test(start_paused = true)]
+    async fn a_fast_failure_costs_like_a_slow_answer() {
+        let t = Tuning::default();
+        let now = Instant::now();
+        let mut a = fleet(2, now, &t);
+        a.list[0].observe(Duration::from_millis(1), now, &t);
+        a.list[1].observe(Duration::from_millis(50), now, &t);
+        assert!(!a.failed(0, now, &t));
+        let mut rng = fastrand::Rng::with_seed(5);
+        for _ in 0..20 {
+            assert_eq!(a.pick(now, &t, &mut rng), Some(1));
+        }
     }
 
     #[tokio::test(start_paused = true)]

@@ -1,7 +1,6 @@
 //! What decides where a request goes: the closed set of attempt outcomes and what each does
 //! (`outcome`), pure ranking (`router`), the hedging and rate-limit policies (`hedge`,
-//! `ratelimit`), balancing over an endpoint's addresses (`balance`: not yet used by the
-//! registry — issue #46), the health state machine (`health`), the rolling statistics (`stats`), what the
+//! `ratelimit`), balancing over an endpoint's several addresses (`balance`), the health state machine (`health`), the rolling statistics (`stats`), what the
 //! watchers observed (`observed`), and the live per-endpoint state that holds them all
 //! (`registry`), and the pins and kept history of `/v1/responses` conversations
 //! (`conversations`). Everything but the registry and the conversations is pure and

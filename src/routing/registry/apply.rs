@@ -50,12 +50,23 @@ impl Registry {
                 rt.requests += 1;
                 rt.failures += 1;
                 rt.last_error = Some((format!("{class}: {detail}"), SystemTime::now()));
-                let tr = rt.health.observe_traffic(
-                    now,
-                    false,
-                    &format!("{class}: {detail}"),
-                    &policy.health,
-                );
+                // An endpoint of several addresses with one still usable: the failure is its
+                // address's (ejected alone, `address_failed`), not the endpoint's — it is
+                // unhealthy only when no address serves.
+                let another = {
+                    let g = rt.addresses.lock().unwrap_or_else(|e| e.into_inner());
+                    g.list.len() > 1 && g.list.iter().any(|a| a.usable(now))
+                };
+                let tr = if another {
+                    None
+                } else {
+                    rt.health.observe_traffic(
+                        now,
+                        false,
+                        &format!("{class}: {detail}"),
+                        &policy.health,
+                    )
+                };
                 drop(rt);
                 if let Some(tr) = tr {
                     self.transition(&ep.name, &tr);

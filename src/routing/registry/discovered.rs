@@ -35,6 +35,11 @@ impl Registry {
                 } else {
                     None
                 };
+            // The balancer's view: the tasks running now, each keeping its load and ejection.
+            rt.addresses
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .update(&new, now, &crate::routing::balance::Tuning::default());
             if !new.is_empty() {
                 rt.last_addresses = new;
             }
@@ -53,7 +58,9 @@ impl Registry {
             return;
         };
         let tr = {
-            let mut rt = lock(&rt);
+            let mut guard = lock(&rt);
+            // Its fields borrowed apart (the discovered tasks and the balancer's list).
+            let rt = &mut *guard;
             let Some(d) = rt.discovered.as_mut() else {
                 return;
             };
@@ -63,6 +70,15 @@ impl Registry {
                 return;
             }
             d.running = d.running.saturating_sub(1);
+            let left = d.addresses.clone();
+            rt.addresses
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .update(
+                    &left,
+                    Instant::now(),
+                    &crate::routing::balance::Tuning::default(),
+                );
             if d.addresses.is_empty() {
                 d.down = Some(why.to_string());
                 rt.health

@@ -20,6 +20,7 @@ pub use crate::routing::router::Avail;
 use crate::routing::stats::{Counts, Ewma, LatencySample, RollingWindow};
 use crate::store::{EndpointEvent, StoreHandle};
 
+mod addresses;
 mod apply;
 mod discovered;
 mod facts;
@@ -31,6 +32,7 @@ mod status;
 mod sync;
 mod view;
 
+pub use addresses::{Picked, tuning};
 pub use apply::Effect;
 pub use keys::KeyPick;
 use memo::next_generation;
@@ -82,6 +84,9 @@ pub struct EndpointRuntime {
     discovered: Option<crate::routing::observed::Discovered>,
     /// The last non-empty set of discovered addresses (sorted).
     last_addresses: Vec<String>,
+    /// The endpoint's addresses and each one's load, latency and ejection (`base_urls`, or the
+    /// discovered tasks; empty for one static address).
+    addresses: Arc<Mutex<crate::routing::balance::Addresses>>,
     /// Rate-limit budgets the upstream's headers announced, per key (its value's hash; `""` for
     /// an endpoint without keys).
     limits: HashMap<String, crate::routing::ratelimit::Limits>,
@@ -135,6 +140,7 @@ impl EndpointRuntime {
             health: crate::routing::health::Health::default(),
             discovered: None,
             last_addresses: Vec::new(),
+            addresses: Default::default(),
             limits: HashMap::default(),
             recovered_at: None,
             been_serving: true,

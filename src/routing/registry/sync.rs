@@ -68,6 +68,12 @@ impl Registry {
                 .or_insert_with(|| Arc::new(Mutex::new(fresh(persisted))));
             let mut rt = lock(entry);
             rt.window.resize(cfg.policy.window, now);
+            if !ep.addresses.is_empty() {
+                rt.addresses
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .update(&ep.addresses, now, &super::tuning(cfg));
+            }
             if rt.fingerprint != ep.fingerprint {
                 // Another server (type, base URL, model, or discovered ↔ static) under the same
                 // name: nothing learned about the old one — its window, cooldown, health,

@@ -1,0 +1,158 @@
+//! An endpoint's addresses (`base_urls`, or the tasks discovery found): kept in line with the
+//! config and Docker's view, picked by load for each attempt, told how each attempt and probe
+//! went (the policy is `routing::balance`).
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio::time::Instant;
+
+use super::{Registry, lock};
+use crate::config::Endpoint;
+use crate::routing::balance::{Addresses, InFlight, Standing, Tuning};
+
+/// No address of the endpoint is usable (all out, or none discovered).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NoAddress;
+
+/// The address an attempt goes to, counted in flight while it runs.
+#[derive(Debug)]
+pub struct Picked {
+    pub base: String,
+    pub in_flight: InFlight,
+}
+
+/// The balancing knobs of a config: ejection as `health:` sets it for endpoints.
+pub fn tuning(cfg: &crate::config::Config) -> Tuning {
+    let h = &cfg.policy.health;
+    Tuning {
+        eject_after: h.eject_after.max(1),
+        eject_base: h.eject_base,
+        eject_max: h.eject_max,
+        ..Tuning::default()
+    }
+}
+
+impl Registry {
+    /// Where an attempt at `ep` goes: `Ok(None)` for an endpoint of one static address (its
+    /// `base_url`, as ever); for one of several or of discovered tasks, the cheaper of two usable
+    /// addresses (`Err` when none is usable: all ejected or half-open, or none discovered).
+    pub fn pick_address(&self, ep: &Endpoint, t: &Tuning) -> Result<Option<Picked>, NoAddress> {
+        if ep.addresses.is_empty() && !ep.discover {
+            return Ok(None);
+        }
+        let rt = self.get(&ep.name).ok_or(NoAddress)?;
+        let shared = lock(&rt).addresses.clone();
+        let now = Instant::now();
+        let i = {
+            let g = shared.lock().unwrap_or_else(|e| e.into_inner());
+            g.pick(now, t, &mut fastrand::Rng::new())
+        }
+        .ok_or(NoAddress)?;
+        let base = shared.lock().unwrap_or_else(|e| e.into_inner()).list[i]
+            .url
+            .clone();
+        let in_flight = Addresses::start(&shared, i).ok_or(NoAddress)?;
+        Ok(Some(Picked { base, in_flight }))
+    }
+
+    /// An attempt at `base` answered in `rtt`: its latency estimate learns it.
+    pub fn address_answered(&self, endpoint: &str, base: &str, rtt: Duration, t: &Tuning) {
+        self.with_address(endpoint, base, |a, now| a.observe(rtt, now, t));
+    }
+
+    /// An attempt at `base` failed for a reason of the address's own (no connection, a 5xx, a
+    /// timeout): after `eject_after` in a row it is ejected alone (an event says so).
+    pub fn address_failed(&self, endpoint: &str, base: &str, t: &Tuning) {
+        let Some(rt) = self.get(endpoint) else {
+            return;
+        };
+        let shared = lock(&rt).addresses.clone();
+        let ejected = {
+            let mut g = shared.lock().unwrap_or_else(|e| e.into_inner());
+            let now = Instant::now();
+            match g.list.iter().position(|a| a.url == base) {
+                Some(i) => g.failed(i, now, t),
+                None => false,
+            }
+        };
+        if ejected {
+            self.event(
+                endpoint,
+                "address_ejected",
+                &format!("{base}: failures in a row; the endpoint's other addresses serve"),
+            );
+        }
+    }
+
+    /// A probe of `base`: a half-open address comes back on success.
+    pub fn address_probed(&self, endpoint: &str, base: &str, ok: bool, t: &Tuning) {
+        let back = self.with_address(endpoint, base, |a, now| {
+            let was = a.standing(now);
+            a.probed(ok, now, t);
+            was == Standing::HalfOpen && a.usable(now)
+        });
+        if back == Some(true) {
+            self.event(
+                endpoint,
+                "address_back",
+                &format!("{base}: its probe passed"),
+            );
+        }
+    }
+
+    /// The addresses to probe: every one the endpoint has (none for one static address).
+    pub fn address_list(&self, endpoint: &str) -> Vec<String> {
+        let Some(rt) = self.get(endpoint) else {
+            return vec![];
+        };
+        let shared = lock(&rt).addresses.clone();
+        let g = shared.lock().unwrap_or_else(|e| e.into_inner());
+        g.list.iter().map(|a| a.url.clone()).collect()
+    }
+
+    /// `/status.endpoints.<name>.addresses`.
+    pub fn addresses_json(&self, endpoint: &str, t: &Tuning) -> Value {
+        let Some(rt) = self.get(endpoint) else {
+            return json!([]);
+        };
+        let shared = lock(&rt).addresses.clone();
+        let g = shared.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        Value::Array(
+            g.list
+                .iter()
+                .map(|a| {
+                    let (state, until) = match a.standing(now) {
+                        Standing::Active => ("active", Value::Null),
+                        Standing::HalfOpen => ("half_open", Value::Null),
+                        Standing::Ejected(u) => (
+                            "ejected",
+                            json!(u.saturating_duration_since(now).as_millis() as u64),
+                        ),
+                    };
+                    json!({
+                        "url": a.url,
+                        "state": state,
+                        "in_flight": a.in_flight,
+                        "ewma_ms": (a.rtt(now, t) * 1000.0 * 10.0).round() / 10.0,
+                        "ejected_until": until,
+                    })
+                })
+                .collect(),
+        )
+    }
+
+    fn with_address<R>(
+        &self,
+        endpoint: &str,
+        base: &str,
+        f: impl FnOnce(&mut crate::routing::balance::Address, Instant) -> R,
+    ) -> Option<R> {
+        let rt = self.get(endpoint)?;
+        let shared = lock(&rt).addresses.clone();
+        let mut g = shared.lock().unwrap_or_else(|e| e.into_inner());
+        let a = g.list.iter_mut().find(|a| a.url == base)?;
+        Some(f(a, Instant::now()))
+    }
+}

@@ -896,8 +896,10 @@ async fn a_translated_stream_is_bounded_whatever_the_upstream_sends() {
     let up = MockUp::openai(&script).await;
     drop(script);
     let cfg = format!(
+        // The mock makes 120 MB of answer before its first byte: on a busy machine that can
+        // take longer than a first-token timeout, which is not what this test is about.
         r#"models:
-  a: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
+  a: {{ type: openai, base_url: "{}", model: gpt-4o-mini, timeouts: {{ first_token: 120s, total: 300s }} }}
 health: {{ probe_interval: 1h }}
 "#,
         up.base()

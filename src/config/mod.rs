@@ -15,7 +15,9 @@ pub mod vault;
 pub use describe::describe;
 pub use raw::*;
 use resolve::build;
-pub use resolve::{DEFAULT_MAX_EVENT_BYTES, key_digest, listen_is_loopback, url_for};
+pub use resolve::{
+    DEFAULT_MAX_EVENT_BYTES, MAX_ADDRESSES, key_digest, listen_is_loopback, url_for,
+};
 pub use types::*;
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -1001,8 +1001,7 @@ impl Run {
         let mut other_addresses = self
             .app
             .registry
-            .address_list(&ep.name)
-            .len()
+            .address_count(&ep.name)
             .saturating_sub(1)
             .min(2);
         loop {

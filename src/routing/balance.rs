@@ -196,8 +196,12 @@ impl Addresses {
     /// joins starts fresh; one that leaves is dropped).
     pub fn update(&mut self, urls: &[String], now: Instant, t: &Tuning) {
         let mut old = std::mem::take(&mut self.list);
+        // Each once, and at most `MAX` (a Docker engine may list any number of tasks).
+        let mut seen = std::collections::HashSet::new();
         self.list = urls
             .iter()
+            .filter(|u| seen.insert(u.as_str()))
+            .take(MAX)
             .map(|u| match old.iter().position(|a| &a.url == u) {
                 Some(i) => old.swap_remove(i),
                 None => Address::new(u.clone(), now, t),
@@ -280,12 +284,12 @@ impl Addresses {
         let mut g = shared.lock().unwrap_or_else(|e| e.into_inner());
         let a = g.list.get_mut(i)?;
         a.in_flight = a.in_flight.saturating_add(1);
-        Some(InFlight {
-            shared: shared.clone(),
-            id: a.id,
-        })
+        Some(InFlight::new(shared.clone(), a))
     }
 }
+
+/// The most addresses an endpoint holds (as `base_urls` may list: `config::MAX_ADDRESSES`).
+pub const MAX: usize = 64;
 
 /// Points an address has on the ring.
 const VNODES: u64 = 64;
@@ -317,6 +321,13 @@ pub struct InFlight {
     id: u64,
 }
 
+impl InFlight {
+    /// The guard of a request `a` counted in flight already (under the list's lock).
+    pub fn new(shared: Arc<Mutex<Addresses>>, a: &Address) -> InFlight {
+        InFlight { shared, id: a.id }
+    }
+}
+
 impl Drop for InFlight {
     fn drop(&mut self) {
         let mut g = self.shared.lock().unwrap_or_else(|e| e.into_inner());
@@ -340,6 +351,19 @@ mod tests {
         let mut a = Addresses::default();
         a.update(&urls(n), now, t);
         a
+    }
+
+    /// Discovery's list is bounded as the config's is, and each address is there once.
+    #[tokio::test(start_paused = true)]
+    async fn an_engine_listing_thousands_gives_at_most_the_most() {
+        assert_eq!(MAX, crate::config::MAX_ADDRESSES);
+        let t = Tuning::default();
+        let mut a = Addresses::default();
+        let mut many = urls(1000);
+        many.insert(1, many[0].clone());
+        a.update(&many, Instant::now(), &t);
+        assert_eq!(a.list.len(), MAX);
+        assert_eq!(a.list[1].url, many[2]);
     }
 
     #[tokio::test(start_paused = true)]

@@ -924,10 +924,23 @@ impl Spool {
         // The mark first (0), then the new file: a crash between them leaves the old file
         // read from its start, its written batches sent again and written once (their tokens);
         // the other order could leave the old mark over the new file, skipping unwritten lines.
+        // Each step on the disk before the next (a power loss keeps the order too).
         let mark = self.done_path.with_extension("done.tmp");
-        std::fs::write(&mark, "0")?;
+        {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&mark)?;
+            f.write_all(b"0")?;
+            f.sync_all()?;
+        }
+        let dir = |p: &std::path::Path| {
+            p.parent()
+                .and_then(|d| std::fs::File::open(d).ok())
+                .map(|d| d.sync_all())
+        };
         std::fs::rename(&mark, &self.done_path)?;
+        dir(&self.done_path);
         std::fs::rename(&tmp, &self.path)?;
+        dir(&self.path);
         self.len -= self.done;
         self.peeked_to = self.peeked_to.saturating_sub(self.done);
         self.done = 0;

@@ -9,7 +9,7 @@ use tokio::time::Instant;
 
 use super::{Registry, lock};
 use crate::config::Endpoint;
-use crate::routing::balance::{Addresses, InFlight, Standing, Tuning};
+use crate::routing::balance::{InFlight, Standing, Tuning};
 
 /// No address of the endpoint is usable (all out, or none discovered).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,15 +44,15 @@ impl Registry {
         let rt = self.get(&ep.name).ok_or(NoAddress)?;
         let shared = lock(&rt).addresses.clone();
         let now = Instant::now();
-        let i = {
-            let g = shared.lock().unwrap_or_else(|e| e.into_inner());
-            g.pick(now, t, &mut fastrand::Rng::new())
-        }
-        .ok_or(NoAddress)?;
-        let base = shared.lock().unwrap_or_else(|e| e.into_inner()).list[i]
-            .url
-            .clone();
-        let in_flight = Addresses::start(&shared, i).ok_or(NoAddress)?;
+        // Picked, read and counted under one lock: a discovery update between them could
+        // shrink or reorder the list.
+        let (base, in_flight) = {
+            let mut g = shared.lock().unwrap_or_else(|e| e.into_inner());
+            let i = g.pick(now, t, &mut fastrand::Rng::new()).ok_or(NoAddress)?;
+            let a = &mut g.list[i];
+            a.in_flight = a.in_flight.saturating_add(1);
+            (a.url.clone(), InFlight::new(shared.clone(), a))
+        };
         Ok(Some(Picked { base, in_flight }))
     }
 
@@ -77,6 +77,8 @@ impl Registry {
             }
         };
         if ejected {
+            // The prober, waiting out its interval, comes within `eject_base` of it.
+            self.ejections.notify_waiters();
             self.event(
                 endpoint,
                 "address_ejected",
@@ -109,6 +111,16 @@ impl Registry {
         let shared = lock(&rt).addresses.clone();
         let g = shared.lock().unwrap_or_else(|e| e.into_inner());
         g.list.iter().map(|a| a.url.clone()).collect()
+    }
+
+    /// How many addresses the endpoint has (0 for one static address): read on every request,
+    /// so nothing is copied.
+    pub fn address_count(&self, endpoint: &str) -> usize {
+        let Some(rt) = self.get(endpoint) else {
+            return 0;
+        };
+        let shared = lock(&rt).addresses.clone();
+        shared.lock().unwrap_or_else(|e| e.into_inner()).list.len()
     }
 
     /// `/status.endpoints.<name>.addresses`.

@@ -2245,26 +2245,36 @@ async fn failover(s: &mut Stack) {
         )
         .unwrap();
     // The primary back in service, as the gateway recorded it: the first request the primary
-    // served after the kill, and the last `->healthy` of the primary before it (its scan
-    // finding the replacement; an earlier mark that a later death undid says nothing of when
-    // traffic came back), with what went elsewhere in between.
-    let first_served: i64 = trail
+    // served that started after a `->healthy` of the primary following the kill, and the last
+    // such mark before that request (its scan finding the replacement; an earlier mark that a
+    // later death undid says nothing of when traffic came back), with what went elsewhere in
+    // between. (A request that started just before a mark and was served after it is no
+    // evidence either way.)
+    let first_mark: i64 = trail
         .query_row(
-            "SELECT MIN(ts_ms) FROM requests WHERE endpoint = 'primary' AND ts_ms >= ?1",
+            "SELECT MIN(ts_ms) FROM endpoint_events WHERE endpoint = 'primary' \
+             AND event LIKE 'health:%->healthy' AND ts_ms >= ?1",
             [killed_ms],
             |r| r.get::<_, Option<i64>>(0),
         )
         .unwrap()
-        .expect("a request served by the primary after the kill");
+        .unwrap_or_else(|| panic!("the primary never went back in service: {timeline:?}"));
+    let first_served: i64 = trail
+        .query_row(
+            "SELECT MIN(ts_ms) FROM requests WHERE endpoint = 'primary' AND ts_ms >= ?1",
+            [first_mark],
+            |r| r.get::<_, Option<i64>>(0),
+        )
+        .unwrap()
+        .expect("a request served by the primary after it was back");
     let in_service: i64 = trail
         .query_row(
             "SELECT MAX(ts_ms) FROM endpoint_events WHERE endpoint = 'primary' \
              AND event LIKE 'health:%->healthy' AND ts_ms >= ?1 AND ts_ms <= ?2",
-            [killed_ms, first_served],
-            |r| r.get::<_, Option<i64>>(0),
+            [first_mark, first_served],
+            |r| r.get::<_, i64>(0),
         )
-        .unwrap()
-        .unwrap_or_else(|| panic!("the primary never went back in service: {timeline:?}"));
+        .unwrap();
     let elsewhere_meanwhile: i64 = trail
         .query_row(
             "SELECT COUNT(*) FROM requests WHERE endpoint != 'primary' AND ts_ms > ?1 AND ts_ms < ?2",

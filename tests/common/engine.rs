@@ -21,6 +21,29 @@ pub enum EngineAnswer {
     Gated(Gate, u16, String),
     /// A 200 whose chunked body is `line` again and again, one every `every`, for 30 s.
     Repeat { line: &'static str, every: Duration },
+    /// A 200 whose chunked body is each line the test sends through the [`Feed`] (to every
+    /// connection open at the time), held open between them: the engine's event stream, with
+    /// events when the test says.
+    Feed(Feed),
+}
+
+/// The test's end of [`EngineAnswer::Feed`].
+#[derive(Clone, Default)]
+pub struct Feed(std::sync::Arc<std::sync::Mutex<Vec<std::sync::mpsc::Sender<String>>>>);
+
+impl Feed {
+    /// Sends `line` (one JSON event; a newline is added) to every open connection; how many
+    /// took it.
+    pub fn send(&self, line: &str) -> usize {
+        let mut open = self.0.lock().unwrap();
+        open.retain(|tx| tx.send(format!("{line}\n")).is_ok());
+        open.len()
+    }
+
+    /// Connections open now (the gateway follows the stream once this is at least one).
+    pub fn open(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
 }
 
 /// Holds [`EngineAnswer::Gated`] answers until opened.
@@ -193,6 +216,32 @@ impl FakeEngine {
                     written += line.len() as u64;
                     note(written);
                     std::thread::sleep(every);
+                }
+            }
+            EngineAnswer::Feed(feed) => {
+                if write!(
+                    c,
+                    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                )
+                .and_then(|_| c.flush())
+                .is_err()
+                {
+                    return;
+                }
+                let (tx, rx) = std::sync::mpsc::channel::<String>();
+                feed.0.lock().unwrap().push(tx);
+                let mut written = 0u64;
+                // Held for at most a minute without an event; a failed write (the gateway let
+                // go) drops the receiver, and the next send forgets this connection.
+                while let Ok(line) = rx.recv_timeout(Duration::from_secs(60)) {
+                    if write!(c, "{:x}\r\n{line}\r\n", line.len())
+                        .and_then(|_| c.flush())
+                        .is_err()
+                    {
+                        break;
+                    }
+                    written += line.len() as u64;
+                    note(written);
                 }
             }
             EngineAnswer::Endless { start, fill } => {

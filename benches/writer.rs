@@ -45,6 +45,7 @@ fn main() {
             latency_ms: row.latency_ms - 0.1,
             panic_mode: false,
             own_key: false,
+            address: None,
         });
         handle.send_waiting(Record::Request(Box::new(row)));
     }

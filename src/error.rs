@@ -28,6 +28,10 @@ pub struct AttemptReport {
     /// The detail with what only operators may see (an upstream task's address): audit row only.
     #[serde(skip)]
     pub internal: Option<String>,
+    /// The address the attempt went to, when its endpoint has several (`base_urls`, discovered
+    /// tasks): audit row only (an internal address is never a client's to see).
+    #[serde(skip)]
+    pub address: Option<std::sync::Arc<str>>,
 }
 
 #[derive(Debug)]

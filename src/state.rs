@@ -227,6 +227,7 @@ impl AppState {
                     state,
                     requests,
                     tokens,
+                    addresses: self.registry.address_gauges(name),
                 }
             })
             .collect();

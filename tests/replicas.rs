@@ -175,14 +175,15 @@ async fn an_ejected_replica_comes_back_by_its_own_probe() {
 }
 
 /// Load decides: a replica holding its answers long gets fewer of the requests sent at once
-/// than an idle one, and every in-flight count is back to zero after.
+/// than an idle one (P2C over latency × load; affinity off, as each request here is a
+/// conversation of its own), and every in-flight count is back to zero after.
 #[tokio::test]
 async fn a_busy_replica_gets_fewer_requests() {
     let fast = MockUp::openai("name: fast").await;
     let slow = MockUp::openai("name: slow\nrules: [{delay: 400ms}]").await;
     let gw = Gw::start(&replicas_cfg(
         &[fast.base(), slow.base()],
-        "health: { probe_interval: 1h }\n",
+        "    balance: { affinity: none }\nhealth: { probe_interval: 1h }\n",
     ));
     gw.ready().await;
     // Warm both estimates.
@@ -217,4 +218,292 @@ async fn a_busy_replica_gets_fewer_requests() {
     for a in st["endpoints"]["m"]["addresses"].as_array().unwrap() {
         assert_eq!(a["in_flight"], 0, "{a}");
     }
+}
+
+/// Each mock's calls to `path`, in order.
+async fn calls(mocks: &[&MockUp], path: &str) -> Vec<u64> {
+    let mut out = Vec::new();
+    for m in mocks {
+        out.push(m.stats().await["by_path"][path].as_u64().unwrap_or(0));
+    }
+    out
+}
+
+/// The one mock whose count of `path` grew since `before` (sequential requests only).
+async fn served_by(mocks: &[&MockUp], path: &str, before: &[u64]) -> usize {
+    let now = calls(mocks, path).await;
+    let grew: Vec<usize> = (0..mocks.len()).filter(|&i| now[i] > before[i]).collect();
+    assert_eq!(grew.len(), 1, "one replica served: {before:?} -> {now:?}");
+    grew[0]
+}
+
+/// A multi-turn chat stays on the replica that served its first turn (its prefix cache), and
+/// different conversations spread over the replicas; every turn's audit attempt names the
+/// address that served it.
+#[tokio::test]
+async fn a_conversation_stays_on_its_replica_and_conversations_spread() {
+    let (r0, r1, r2) = (
+        MockUp::openai("name: r0").await,
+        MockUp::openai("name: r1").await,
+        MockUp::openai("name: r2").await,
+    );
+    let mocks = [&r0, &r1, &r2];
+    let mut gw = Gw::start(&replicas_cfg(
+        &[r0.base(), r1.base(), r2.base()],
+        "health: { probe_interval: 1h }\n",
+    ));
+    gw.ready().await;
+    let path = "/v1/chat/completions";
+    let mut homes = Vec::new();
+    for c in 0..16 {
+        let mut messages = vec![
+            serde_json::json!({"role": "system", "content": "You are a travel agent."}),
+            serde_json::json!({"role": "user", "content": format!("Plan trip {c}.")}),
+        ];
+        let mut home = None;
+        for turn in 0..4 {
+            let before = calls(&mocks, path).await;
+            let r = gw
+                .post(
+                    "/v1/chat/completions",
+                    serde_json::json!({"model": "m", "messages": messages}),
+                )
+                .await;
+            assert_eq!(r.status(), 200);
+            let at = served_by(&mocks, path, &before).await;
+            match home {
+                None => home = Some(at),
+                Some(h) => assert_eq!(at, h, "conversation {c}, turn {turn} moved"),
+            }
+            messages.push(serde_json::json!({"role": "assistant", "content": "Sure."}));
+            messages.push(serde_json::json!({"role": "user", "content": format!("More {turn}.")}));
+        }
+        homes.push(home.unwrap());
+    }
+    let used: std::collections::BTreeSet<usize> = homes.iter().copied().collect();
+    assert!(
+        used.len() >= 2,
+        "16 conversations on one replica: {homes:?}"
+    );
+    gw.stop();
+    let conn = rusqlite::Connection::open(gw.db()).unwrap();
+    let rows: Vec<Option<String>> = conn
+        .prepare("SELECT address FROM attempts WHERE class = 'ok'")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(rows.len(), 64, "one attempt row a turn");
+    let bases: Vec<String> = mocks.iter().map(|m| m.base()).collect();
+    for a in &rows {
+        assert!(
+            a.as_ref().is_some_and(|a| bases.contains(a)),
+            "the attempt names the address that served: {a:?}"
+        );
+    }
+}
+
+/// `balance: { strategy: random, affinity: none }`: one conversation's turns go anywhere.
+#[tokio::test]
+async fn without_affinity_one_conversation_spreads() {
+    let (r0, r1) = (
+        MockUp::openai("name: r0").await,
+        MockUp::openai("name: r1").await,
+    );
+    let gw = Gw::start(&replicas_cfg(
+        &[r0.base(), r1.base()],
+        "    balance: { strategy: random, affinity: none }\nhealth: { probe_interval: 1h }\n",
+    ));
+    gw.ready().await;
+    for _ in 0..30 {
+        assert_eq!(gw.chat("m", "the same first message").await.status(), 200);
+    }
+    let (a, b) = (chat_calls(&r0.stats().await), chat_calls(&r1.stats().await));
+    assert_eq!(a + b, 30);
+    assert!(
+        a > 0 && b > 0,
+        "one conversation on both replicas: {a} and {b}"
+    );
+}
+
+/// A Responses conversation passed through to replicas that keep it under their own ids (as
+/// vLLM's `/v1/responses` does): every later turn goes to the replica that holds it — whatever
+/// the balance says — so none is refused with "previous response not found".
+#[tokio::test]
+async fn a_native_responses_conversation_goes_back_to_the_replica_that_holds_it() {
+    let (r0, r1, r2) = (
+        MockUp::openai("name: r0").await,
+        MockUp::openai("name: r1").await,
+        MockUp::openai("name: r2").await,
+    );
+    let mocks = [&r0, &r1, &r2];
+    // Random and without affinity: only the pin keeps the turns together.
+    let gw = Gw::start(&replicas_cfg(
+        &[r0.base(), r1.base(), r2.base()],
+        "    balance: { strategy: random, affinity: none }\nhealth: { probe_interval: 1h }\n",
+    ));
+    gw.ready().await;
+    let path = "/v1/responses";
+    for c in 0..4 {
+        let before = calls(&mocks, path).await;
+        let r = gw
+            .post(
+                path,
+                serde_json::json!({"model": "m", "input": format!("Hello {c}.")}),
+            )
+            .await;
+        assert_eq!(r.status(), 200);
+        let mut id = r.json::<Value>().await.unwrap()["id"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let home = served_by(&mocks, path, &before).await;
+        for turn in 0..5 {
+            let before = calls(&mocks, path).await;
+            let r = gw
+                .post(
+                    path,
+                    serde_json::json!({"model": "m", "input": format!("Turn {turn}."), "previous_response_id": id}),
+                )
+                .await;
+            let status = r.status();
+            let v = r.json::<Value>().await.unwrap();
+            assert_eq!(status, 200, "conversation {c}, turn {turn}: {v}");
+            assert_eq!(
+                served_by(&mocks, path, &before).await,
+                home,
+                "conversation {c}, turn {turn} left its replica"
+            );
+            // The replica was given its own id for the conversation (it was passed through).
+            let sent = mocks[home].stats().await["last_body"]["previous_response_id"].clone();
+            assert!(
+                sent.as_str()
+                    .is_some_and(|s| s.starts_with("resp_") && s != id),
+                "{sent}"
+            );
+            id = v["id"].as_str().unwrap().to_string();
+        }
+    }
+}
+
+/// A stream is load on its replica until its last byte: the address counts it in flight while
+/// the client reads, and not after.
+#[tokio::test]
+async fn a_stream_counts_in_flight_until_its_end() {
+    let (r0, r1) = (
+        MockUp::openai(
+            "name: r0\nchunk_delay: 150ms\nreply: one two three four five six seven eight nine ten",
+        )
+        .await,
+        MockUp::openai(
+            "name: r1\nchunk_delay: 150ms\nreply: one two three four five six seven eight nine ten",
+        )
+        .await,
+    );
+    let gw = Gw::start(&replicas_cfg(
+        &[r0.base(), r1.base()],
+        "health: { probe_interval: 1h }\n",
+    ));
+    gw.ready().await;
+    let mut resp = gw
+        .post(
+            "/v1/chat/completions",
+            serde_json::json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "count"}]}),
+        )
+        .await;
+    assert_eq!(resp.status(), 200);
+    // The stream has begun (its first bytes are here): it is in flight at one address.
+    let first = resp.chunk().await.unwrap().unwrap();
+    assert!(!first.is_empty());
+    let in_flight = |st: &Value| -> Vec<u64> {
+        st["endpoints"]["m"]["addresses"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a["in_flight"].as_u64().unwrap())
+            .collect()
+    };
+    let during = in_flight(&gw.status().await);
+    assert_eq!(during.iter().sum::<u64>(), 1, "{during:?}");
+    let mut text = String::from_utf8_lossy(&first).into_owned();
+    while let Some(b) = resp.chunk().await.unwrap() {
+        text.push_str(&String::from_utf8_lossy(&b));
+    }
+    assert!(text.contains("[DONE]"), "{text}");
+    let ok = eventually(Duration::from_secs(5), || async {
+        in_flight(&gw.status().await).iter().sum::<u64>() == 0
+    })
+    .await;
+    assert!(ok, "{:?}", in_flight(&gw.status().await));
+}
+
+/// `/metrics` has each address's in-flight count and ejections, and only the addresses the
+/// config gives.
+#[tokio::test]
+async fn metrics_show_each_address() {
+    let good = MockUp::openai("name: good").await;
+    let bad =
+        MockUp::openai("name: bad\nrules: [{when: {path: /v1/chat/completions}, status: 500}]")
+            .await;
+    let gw = Gw::start(&replicas_cfg(
+        &[good.base(), bad.base()],
+        "    balance: { strategy: random, affinity: none }\nhealth: { probe_interval: 1h, eject_after: 1, eject_base: 1h, eject_max: 1h }\n",
+    ));
+    gw.ready().await;
+    let mut n = 0;
+    while chat_calls(&bad.stats().await) == 0 && n < 60 {
+        assert_eq!(gw.chat("m", &format!("q{n}")).await.status(), 200);
+        n += 1;
+    }
+    assert_eq!(
+        chat_calls(&bad.stats().await),
+        1,
+        "the bad replica was tried once"
+    );
+    let text = reqwest::get(gw.url("/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for (url, ejections) in [(good.base(), 0), (bad.base(), 1)] {
+        let line = format!(
+            "autohedge_address_ejections_total{{endpoint=\"m\",address=\"{url}\"}} {ejections}"
+        );
+        assert!(text.contains(&line), "{line} in\n{text}");
+        let line = format!("autohedge_address_in_flight{{endpoint=\"m\",address=\"{url}\"}} 0");
+        assert!(text.contains(&line), "{line} in\n{text}");
+    }
+    assert_eq!(text.matches("autohedge_address_in_flight{").count(), 2);
+}
+
+/// vLLM replicas: the queue a replica's `/metrics` reports (fresh from the probe) is load, so
+/// new requests go to the idle one.
+#[tokio::test]
+async fn a_vllm_replica_with_a_long_queue_gets_no_new_requests() {
+    let busy = MockUp::start(
+        autohedge::demo::mock::Flavor::Vllm,
+        "name: busy\nwaiting: 60",
+    )
+    .await;
+    let idle = MockUp::start(autohedge::demo::mock::Flavor::Vllm, "name: idle").await;
+    let gw = Gw::start(&format!(
+        "models:\n  m:\n    type: vllm\n    base_urls: [\"{}\", \"{}\"]\n    balance: {{ affinity: none }}\nhealth: {{ probe_interval: 200ms, vllm_max_waiting: 1000 }}\n",
+        busy.base(),
+        idle.base()
+    ));
+    gw.ready().await;
+    let sampled = eventually(Duration::from_secs(10), || async {
+        gw.status().await["endpoints"]["m"]["addresses"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|a| a["queue"] == 60))
+    })
+    .await;
+    assert!(sampled, "{}", gw.status().await["endpoints"]["m"]);
+    for i in 0..20 {
+        assert_eq!(gw.chat("m", &format!("q{i}")).await.status(), 200);
+    }
+    assert_eq!(chat_calls(&idle.stats().await), 20);
+    assert_eq!(chat_calls(&busy.stats().await), 0);
 }

@@ -460,6 +460,65 @@ mod discovered_tests {
         assert!(cfg.discovered_extra.is_empty());
     }
 
+    /// `balance:` as a name or a map; each wrong value named with where it is.
+    #[test]
+    fn balance_is_read_and_each_mistake_named() {
+        let at = |b: &str| {
+            format!(
+                "models:\n  m:\n    type: vllm\n    base_urls: [\"http://127.0.0.1:9/v1\", \"http://127.0.0.1:10/v1\"]\n    balance: {b}\n"
+            )
+        };
+        let d =
+            Config::load("models:\n  m: { type: openai, base_url: \"http://127.0.0.1:9/v1\" }\n")
+                .unwrap();
+        assert_eq!(d.endpoints["m"].balance, Balance::default());
+        let b = Config::load(&at("random")).unwrap().endpoints["m"].balance;
+        assert!(b.random && b.affinity);
+        let b = Config::load(&at(
+            "{ strategy: least_loaded, affinity: none, affinity_load: 2, max_ejection_percent: 34 }",
+        ))
+        .unwrap()
+        .endpoints["m"]
+            .balance;
+        assert_eq!(
+            b,
+            Balance {
+                random: false,
+                affinity: false,
+                affinity_load: 2.0,
+                max_ejection_percent: 34.0
+            }
+        );
+        for (bad, says) in [
+            (
+                "roundrobin",
+                "models.m.balance`: `least_loaded` or `random`",
+            ),
+            ("{ strategy: 3 }", "models.m.balance.strategy`"),
+            (
+                "{ affinity: yes }",
+                "models.m.balance.affinity`: `prefix` or `none`",
+            ),
+            (
+                "{ affinity_load: 0.5 }",
+                "models.m.balance.affinity_load`: a number from 1 to 100",
+            ),
+            ("{ affinity_load: .nan }", "models.m.balance.affinity_load`"),
+            (
+                "{ max_ejection_percent: 101 }",
+                "models.m.balance.max_ejection_percent`",
+            ),
+            ("{ sticky: true }", "models.m.balance.sticky`: unknown key"),
+            ("[1, 2]", "models.m.balance`"),
+        ] {
+            let e = Config::load(&at(bad))
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+    }
+
     #[test]
     fn credential_headers_are_secrets_and_plain_ones_are_not() {
         let dir = tempfile::tempdir().unwrap();

@@ -438,6 +438,10 @@ pub struct RawEndpoint {
     pub discover: Option<Discover>,
     /// Hedge requests first tried on this endpoint (a route's own `hedge:` takes precedence).
     pub hedge: Option<RawHedge>,
+    /// How attempts spread over the endpoint's addresses: `random`, `least_loaded`, or a map
+    /// (`strategy`, `affinity`, `affinity_load`, `max_ejection_percent`); read by
+    /// `resolve::balance`, which names what is wrong.
+    pub balance: Option<serde_json::Value>,
 }
 
 /// `health_check:` for services that report themselves as JSON, e.g.

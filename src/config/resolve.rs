@@ -529,6 +529,12 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
                     .as_ref()
                     .map(|h| hedge_spec(&format!("models.{name}.hedge"), h))
                     .transpose()?,
+                balance: ep
+                    .balance
+                    .as_ref()
+                    .map(|b| balance(&format!("{at}.balance"), b))
+                    .transpose()?
+                    .unwrap_or_default(),
             }),
         );
     }
@@ -1065,6 +1071,70 @@ fn hedge_spec(at: &str, h: &RawHedge) -> Result<crate::routing::hedge::Spec, Con
 
 /// `audit.spool_max_bytes`' default: what waits in the data dir while PostgreSQL is away.
 pub const DEFAULT_SPOOL_MAX_BYTES: u64 = 1 << 30;
+
+/// `models.<name>.balance`: a strategy's name, or a map of the knobs.
+fn balance(at: &str, v: &serde_json::Value) -> Result<Balance, ConfigError> {
+    use serde_json::Value;
+    let strategy = |at: &str, v: &Value| match v.as_str() {
+        Some("least_loaded") => Ok(false),
+        Some("random") => Ok(true),
+        _ => Err(ConfigError(format!(
+            "at `{at}`: `least_loaded` or `random`, not {}",
+            clip_value(v)
+        ))),
+    };
+    let mut b = Balance::default();
+    match v {
+        Value::Object(m) => {
+            for (k, v) in m {
+                let at = format!("{at}.{k}");
+                let number = |lo: f64, hi: f64| {
+                    v.as_f64()
+                        .filter(|x| x.is_finite() && (lo..=hi).contains(x))
+                        .ok_or_else(|| {
+                            ConfigError(format!(
+                                "at `{at}`: a number from {lo} to {hi}, not {}",
+                                clip_value(v)
+                            ))
+                        })
+                };
+                match k.as_str() {
+                    "strategy" => b.random = strategy(&at, v)?,
+                    "affinity" => {
+                        b.affinity = match v.as_str() {
+                            Some("prefix") => true,
+                            Some("none") => false,
+                            _ => {
+                                return Err(ConfigError(format!(
+                                    "at `{at}`: `prefix` or `none`, not {}",
+                                    clip_value(v)
+                                )));
+                            }
+                        }
+                    }
+                    "affinity_load" => b.affinity_load = number(1.0, 100.0)?,
+                    "max_ejection_percent" => b.max_ejection_percent = number(0.0, 100.0)?,
+                    _ => {
+                        return Err(ConfigError(format!(
+                            "at `{at}`: unknown key (`strategy`, `affinity`, `affinity_load`, `max_ejection_percent`)"
+                        )));
+                    }
+                }
+            }
+        }
+        v => b.random = strategy(at, v)?,
+    }
+    Ok(b)
+}
+
+/// A value as an error message shows it: at most 60 characters of its JSON.
+fn clip_value(v: &serde_json::Value) -> String {
+    let s = v.to_string();
+    match s.char_indices().nth(60) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s,
+    }
+}
 
 /// The most addresses one endpoint may list (`base_urls`): each is a `/status` entry and a
 /// metrics label.

@@ -424,6 +424,9 @@ pub struct Endpoint {
     pub plain: Option<Plain>,
     /// `hedge:`: hedging for requests that try this endpoint first (unless their route has one).
     pub hedge: Option<crate::routing::hedge::Spec>,
+    /// `balance:`: how attempts spread over the endpoint's addresses (several `base_urls`, or
+    /// discovered tasks).
+    pub balance: Balance,
     /// Upstream URL per operation (indexed by `Op as usize`), parsed once per load.
     pub urls: [reqwest::Url; Op::ALL.len()],
     /// The same as `http::Uri`s, for the direct client.
@@ -714,4 +717,31 @@ pub fn cluster_display(url: &str) -> Option<String> {
     }
     shown.push_str(parsed.path());
     Some(shown)
+}
+
+/// `models.<name>.balance`: `random`, `least_loaded`, or a map of the knobs below.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Balance {
+    /// `least_loaded` (the default: the cheaper of two usable addresses drawn at random, by
+    /// latency × load) or `random` (any usable address).
+    pub random: bool,
+    /// `affinity: prefix` (the default): a conversation goes back to the address that served
+    /// its earlier turns while that one is not overloaded; `none`: every request balanced anew.
+    pub affinity: bool,
+    /// `affinity_load` (default 1.25): a conversation stays on its address while that address's
+    /// in-flight requests are at most this times the average.
+    pub affinity_load: f64,
+    /// `max_ejection_percent` (default 50): at most this share of the addresses ejected at once.
+    pub max_ejection_percent: f64,
+}
+
+impl Default for Balance {
+    fn default() -> Self {
+        Balance {
+            random: false,
+            affinity: true,
+            affinity_load: 1.25,
+            max_ejection_percent: 50.0,
+        }
+    }
 }

@@ -63,6 +63,8 @@ pub struct Script {
     /// `per`, refilling continuously. Every answer carries `x-ratelimit-*-requests` with the
     /// bucket's real state; an empty bucket answers 429 `rate_limit_exceeded`.
     pub rate_limit: Option<MockRateLimit>,
+    /// vLLM flavor: the `vllm:num_requests_waiting` its `/metrics` reports (default 0).
+    pub waiting: Option<f64>,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -613,7 +615,7 @@ impl Mock {
             ("GET", "/metrics", Flavor::Vllm) => Response::builder()
                 .status(200)
                 .header("content-type", "text/plain; version=0.0.4")
-                .body(full("# HELP vllm:num_requests_running Number of requests running.\n# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"mock\"} 0.0\nvllm:num_requests_waiting{model_name=\"mock\"} 0.0\nvllm:gpu_cache_usage_perc{model_name=\"mock\"} 0.1\n"))
+                .body(full(format!("# HELP vllm:num_requests_running Number of requests running.\n# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"mock\"}} 0.0\nvllm:num_requests_waiting{{model_name=\"mock\"}} {:.1}\nvllm:gpu_cache_usage_perc{{model_name=\"mock\"}} 0.1\n", script.waiting.unwrap_or(0.0))))
                 .unwrap_or_else(|_| Response::new(full(""))),
             ("GET", "/api/tags", Flavor::Ollama) => {
                 let list: Vec<Value> = script.models.clone().unwrap_or_default().iter().map(|m| json!({"name": m, "model": m, "modified_at": "2024-01-01T00:00:00Z", "size": 4683087332u64, "digest": "0", "details": {"format": "gguf", "family": "qwen2", "parameter_size": "7.6B", "quantization_level": "Q4_K_M"}})).collect();

@@ -478,6 +478,23 @@ pub async fn responses_route_missing(
     Ok(matches!(status, 404 | 405).then_some(status))
 }
 
+/// A vLLM probe's queue (`num_requests_waiting` + `num_requests_running` from its `/metrics`),
+/// for the balancer's cost; `None` without a sample. A server's numbers are not trusted: what
+/// is not a finite, non-negative number is no sample, and a huge one is read as 100,000.
+fn queue_of(detail: &Value) -> Option<u32> {
+    let load = detail.get("load")?;
+    let read = |k: &str| {
+        load.get(k)
+            .and_then(Value::as_f64)
+            .filter(|x| x.is_finite() && *x >= 0.0)
+    };
+    let (w, r) = (read("num_requests_waiting"), read("num_requests_running"));
+    if w.is_none() && r.is_none() {
+        return None;
+    }
+    Some((w.unwrap_or(0.0) + r.unwrap_or(0.0)).min(100_000.0) as u32)
+}
+
 /// Probes every endpoint of the live config every `health.probe_interval` until cancelled.
 pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
     let memory: std::sync::Mutex<std::collections::HashMap<String, Memory>> = Default::default();
@@ -563,11 +580,19 @@ pub async fn run(state: Arc<AppState>, cancel: CancellationToken) {
         .await;
         // An endpoint of several addresses: each address told its own verdict; the endpoint's
         // report is a passing one if any passed (it is unhealthy only when no address serves).
-        let tuning = crate::routing::registry::tuning(&cfg);
         let mut results: Vec<(String, Option<crate::routing::observed::ProbeReport>)> = Vec::new();
         for (name, addr, several, report) in probed {
-            if several && let (Some(a), Some(r)) = (&addr, &report) {
-                st.registry.address_probed(&name, a, r.ok, &tuning);
+            if several
+                && let (Some(a), Some(r), Some(ep)) = (&addr, &report, cfg.endpoints.get(&name))
+            {
+                let tuning = crate::routing::registry::tuning(&cfg, ep);
+                // Busy (vLLM's queue over its mark, the KV cache full) is load, which the
+                // queue sample below weighs: only a probe that failed counts against it.
+                let ok = !matches!(r.result, ProbeResult::Unhealthy(_));
+                st.registry.address_probed(&name, a, ok, &tuning);
+                if let Some(q) = queue_of(&r.detail) {
+                    st.registry.address_queue(&name, a, q);
+                }
             }
             match results.iter_mut().find(|(n, _)| *n == name) {
                 Some((_, slot)) => {

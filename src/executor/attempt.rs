@@ -3,6 +3,7 @@
 //! so two can run at once (hedging) and dropping one cancels it (its connection is closed,
 //! so a metered API stops generating).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
@@ -36,8 +37,11 @@ pub(super) struct Failure {
     pub passthrough: Option<Box<(StatusCode, HeaderMap, Bytes)>>,
     /// What the response's `x-ratelimit-*` headers said, if it said anything (boxed: rare).
     pub ratelimit: Option<Box<Observed>>,
-    /// The `usage` a failed answer reported: the upstream billed it, so the client's key pays.
-    pub usage: Option<Usage>,
+    /// The `usage` a failed answer reported: the upstream billed it, so the client's key pays
+    /// (boxed: rare).
+    pub usage: Option<Box<Usage>>,
+    /// The address the attempt went to, when the endpoint has several (its audit attempt row).
+    pub address: Option<Arc<str>>,
 }
 
 impl Failure {
@@ -51,12 +55,13 @@ impl Failure {
             passthrough: None,
             ratelimit: None,
             usage: None,
+            address: None,
         }
     }
 
     /// The same, with the `usage` the failed answer reported.
     fn billed(mut self, usage: Option<Usage>) -> Self {
-        self.usage = usage;
+        self.usage = usage.map(Box::new);
         self
     }
 }
@@ -94,6 +99,8 @@ pub(super) enum Success {
         ratelimit: Observed,
         /// `/v1/responses` only.
         produced: Option<Box<Produced>>,
+        /// The address that answered, when the endpoint has several.
+        address: Option<Arc<str>>,
     },
     Stream {
         prelude: Vec<Bytes>,
@@ -107,10 +114,19 @@ pub(super) enum Success {
         ratelimit: Observed,
         /// `/v1/responses` only.
         produced: Option<Box<Produced>>,
+        /// The address that answered, when the endpoint has several.
+        address: Option<Arc<str>>,
     },
 }
 
 impl Success {
+    /// The address that answered, when the endpoint has several.
+    pub fn address(&self) -> Option<&Arc<str>> {
+        match self {
+            Success::Full { address, .. } | Success::Stream { address, .. } => address.as_ref(),
+        }
+    }
+
     /// What the response's `x-ratelimit-*` headers said.
     pub fn ratelimit(&self) -> &Observed {
         match self {
@@ -292,6 +308,7 @@ impl<'a> Attempt<'a> {
                 out_chars,
                 ratelimit,
                 produced: None,
+                address: None,
             });
         }
         let answer = wire::answer::read(&body).map_err(|e| {
@@ -319,6 +336,7 @@ impl<'a> Attempt<'a> {
             out_chars,
             ratelimit,
             produced: None,
+            address: None,
         })
     }
 
@@ -398,6 +416,7 @@ impl<'a> Attempt<'a> {
             out_chars,
             ratelimit,
             produced: Some(Box::new(produced)),
+            address: None,
         })
     }
 
@@ -636,6 +655,7 @@ impl<'a> Attempt<'a> {
                     usage_tap,
                     ratelimit,
                     produced,
+                    address: None,
                 });
             }
         }

@@ -21,9 +21,10 @@ use tokio::time::Instant;
 
 use crate::config::{Config, Endpoint, Overflow, Secret};
 use crate::error::AttemptReport;
+use crate::routing::balance;
 use crate::routing::balance::Tuning;
 use crate::routing::outcome::{self, Action, Hints, Outcome};
-use crate::routing::registry::{Effect, KeyPick, Picked, tuning};
+use crate::routing::registry::{Effect, KeyPick, Picked, Want, tuning};
 use crate::routing::router::{self, View};
 use crate::state::AppState;
 use crate::store::RequestRow;
@@ -187,6 +188,7 @@ impl Drop for Run {
                 panic_mode: false,
                 own_key: false,
                 internal: None,
+                address: None,
             });
         }
         let row = self.base_row(None, status, Some(class.as_str().into()));
@@ -734,6 +736,7 @@ impl Run {
             panic_mode: false,
             own_key: false,
             internal: None,
+            address: None,
         });
     }
 
@@ -751,31 +754,42 @@ impl Run {
     }
 
     /// Where an attempt at `ep` goes: its `base_url`, unless it has several addresses or
-    /// discovered tasks — then one picked by load, counted in flight while the attempt runs;
-    /// `Err` when none is usable.
-    fn address_for(&self, ep: &Endpoint) -> Result<Option<Picked>, Failure> {
-        self.app
-            .registry
-            .pick_address(ep, &tuning(&self.cfg))
-            .map_err(|_| {
-                Failure::new(
-                    Outcome::Connect,
-                    None,
-                    if ep.discover {
-                        "no running task discovered for this endpoint"
-                    } else {
-                        "no usable address: every address of this endpoint is out"
-                    },
-                )
-            })
+    /// discovered tasks — then one picked by load (a conversation's to where its earlier turns
+    /// were, a pinned Responses conversation's to the address that holds it), counted in flight
+    /// while the attempt runs; `Err` when none is usable.
+    fn address_for(&self, ep: &Endpoint, translate: bool) -> Result<Option<Picked>, Failure> {
+        let t = tuning(&self.cfg, ep);
+        let mut want = Want::default();
+        if ep.discover || ep.addresses.len() > 1 {
+            if let Some(ctx) = &self.responses
+                && ctx.pinned.as_deref() == Some(ep.name.as_str())
+            {
+                want.prefer = ctx.pinned_address.as_deref();
+                want.exact = ctx.native_pin && !translate && !self.pin_lost;
+            }
+            if t.affinity && !want.exact {
+                want.key = balance::conversation_of(self.req.op, self.req.body());
+            }
+        }
+        self.app.registry.pick_address(ep, &t, &want).map_err(|_| {
+            Failure::new(
+                Outcome::Connect,
+                None,
+                if ep.discover {
+                    "no running task discovered for this endpoint"
+                } else {
+                    "no usable address: every address of this endpoint is out"
+                },
+            )
+        })
     }
 
     /// Runs one attempt against `ep` with `key`: builds it, counts the call, sends it.
     async fn attempt(&mut self, ep: &Endpoint, key: Option<&Secret>) -> Result<Success, Failure> {
         let t0 = Instant::now();
-        let picked = self.address_for(ep)?;
-        let base = picked.as_ref().map(|p| p.base.clone());
         let translate = self.translates(ep);
+        let picked = self.address_for(ep, translate)?;
+        let base = picked.as_ref().map(|p| p.base.clone());
         // Only a Responses request may go as another (its pinned form or replay): the others'
         // attempts borrow the request, without a reference count taken and given back.
         let other = self
@@ -807,6 +821,7 @@ impl Run {
             attempt.full(rb, sent).await
         };
         self.waited += sent.elapsed();
+        let mut result = result;
         if let Some(p) = &picked {
             address_feedback(
                 &self.app,
@@ -814,9 +829,10 @@ impl Run {
                 &p.base,
                 &result,
                 sent,
-                &tuning(&self.cfg),
+                &tuning(&self.cfg, ep),
             );
         }
+        stamp(&mut result, picked);
         result
     }
 
@@ -824,12 +840,12 @@ impl Run {
     /// raced against a hedge; dropping it closes its upstream connection.
     fn start(&mut self, ep: &Arc<Endpoint>, key_idx: Option<usize>) -> Result<Racing, Failure> {
         let t0 = Instant::now();
-        let picked = self.address_for(ep)?;
+        let translate = self.translates(ep);
+        let picked = self.address_for(ep, translate)?;
         let base = picked.as_ref().map(|p| p.base.clone());
         // The request's own key (x-encrypted-key) for OpenAI-type endpoints, else key `key_idx`.
         let key = self.key_for(ep, key_idx).cloned();
         let key = key.as_ref();
-        let translate = self.translates(ep);
         let req = self.request_for(ep, translate);
         let attempt = Attempt {
             ep,
@@ -858,7 +874,7 @@ impl Run {
             self.cfg.max_response_bytes,
             self.cfg.max_event_bytes,
         );
-        let (app, t) = (self.app.clone(), tuning(&self.cfg));
+        let (app, t) = (self.app.clone(), tuning(&self.cfg, &ep));
         let fut = async move {
             let sent = Instant::now();
             // The key is in the prepared request already.
@@ -876,7 +892,7 @@ impl Run {
                 own_key,
                 max_event,
             };
-            let result = if req.stream {
+            let mut result = if req.stream {
                 attempt.stream(rb, t0).await
             } else {
                 attempt.full(rb, sent).await
@@ -885,6 +901,7 @@ impl Run {
             if let Some(p) = &picked {
                 address_feedback(&app, &ep.name, &p.base, &result, sent, &t);
             }
+            stamp(&mut result, picked);
             result
         };
         Ok(Racing {
@@ -1072,6 +1089,7 @@ impl Run {
                     panic_mode,
                     own_key,
                     internal: None,
+                    address: success.address().cloned(),
                 });
                 if !self.req.stream {
                     // Streams report their outcome when they end (see `StreamGuard`).
@@ -1088,7 +1106,7 @@ impl Run {
         {
             self.app.registry.observe_ratelimit(ep, key_idx, seen);
         }
-        if let Some(usage) = f.usage {
+        if let Some(usage) = f.usage.as_deref().copied() {
             let leg = usage::Leg::of(ep, Some(usage), 0, 0, self.req.op);
             self.billed = Some(self.billed.map_or(leg, |b| b.plus(leg)));
         }
@@ -1115,6 +1133,7 @@ impl Run {
             panic_mode,
             own_key,
             internal,
+            address: f.address.clone(),
         });
         let hints = Hints {
             retry_after: f.retry_after,
@@ -1344,6 +1363,29 @@ mod size_tests {
             .build()
             .unwrap();
         assert_eq!(rt.block_on(fut).status(), 503);
+    }
+}
+
+/// Marks an attempt's result with the address it went to (its audit row, a conversation's
+/// next turn); a stream keeps the address's in-flight count until its last byte is read or
+/// the stream is dropped (a stream is load on the server for as long as it runs).
+fn stamp(result: &mut Result<Success, Failure>, picked: Option<Picked>) {
+    use futures_util::StreamExt;
+    let Some(Picked { base, in_flight }) = picked else {
+        return;
+    };
+    let base: Arc<str> = Arc::from(base);
+    match result {
+        Ok(Success::Stream { rest, address, .. }) => {
+            *address = Some(base);
+            let inner = std::mem::replace(rest, Box::pin(futures_util::stream::empty()));
+            *rest = Box::pin(inner.map(move |item| {
+                let _held = &in_flight;
+                item
+            }));
+        }
+        Ok(Success::Full { address, .. }) => *address = Some(base),
+        Err(f) => f.address = Some(base),
     }
 }
 

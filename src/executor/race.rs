@@ -213,6 +213,7 @@ impl Run {
             panic_mode,
             own_key: false,
             internal: None,
+            address: None,
         });
     }
 }

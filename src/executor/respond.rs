@@ -38,6 +38,7 @@ impl Run {
                 panic_mode,
                 own_key: false,
                 internal: None,
+                address: None,
             });
         }
         let err = ApiError::RequestTimeout {
@@ -210,6 +211,7 @@ impl Run {
                 usage,
                 out_chars,
                 produced,
+                address,
                 ..
             } => {
                 if let (Some(p), Some(ctx)) = (&produced, self.responses.clone())
@@ -220,7 +222,7 @@ impl Run {
                         &self.cfg,
                         &ctx,
                         self.client.as_deref(),
-                        &ep.name,
+                        (&ep.name, address.as_deref()),
                         p.upstream_id(),
                         &v,
                     );
@@ -271,6 +273,7 @@ impl Run {
                 out_chars,
                 usage_tap,
                 produced,
+                address,
                 ..
             } => {
                 let mut row = self.base_row(Some(&ep.name), 200, None);
@@ -283,6 +286,7 @@ impl Run {
                             produced,
                             next_seq: 0,
                             done: None,
+                            address: address.clone(),
                         };
                         let mut chars = 0;
                         let mut usage = usage;
@@ -319,6 +323,7 @@ impl Run {
                     // Failed attempts the upstream billed are the request's too.
                     prior: self.billed.take(),
                     responses,
+                    address,
                 };
                 let cont = self.continuation(&ep, &prelude);
                 // The start of an event the first reads left unfinished waits for its end.
@@ -413,6 +418,7 @@ fn attempt_rows(attempts: impl IntoIterator<Item = AttemptReport>) -> Vec<Attemp
             latency_ms: a.latency_ms,
             panic_mode: a.panic_mode,
             own_key: a.own_key,
+            address: a.address.as_deref().map(str::to_string),
         })
         .collect()
 }

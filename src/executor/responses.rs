@@ -31,6 +31,8 @@ pub struct ResponsesCtx {
     pub previous: Option<String>,
     /// The endpoint that turn was produced on.
     pub pinned: Option<String>,
+    /// The address of it that turn was produced at (an endpoint of several).
+    pub pinned_address: Option<String>,
     /// That turn was passed through: its endpoint holds the conversation under its own id,
     /// which the request now names as its `previous_response_id`.
     pub native_pin: bool,
@@ -60,6 +62,7 @@ pub fn plan(
         store: body.get("store").and_then(Value::as_bool) != Some(false),
         previous: None,
         pinned: None,
+        pinned_address: None,
         native_pin: false,
         replay: None,
     };
@@ -113,6 +116,7 @@ pub fn plan(
     names.extend(chain.iter().filter(|n| **n != pinned).cloned());
     ctx.previous = Some(prev);
     ctx.pinned = Some(pinned);
+    ctx.pinned_address = found.turn.address.clone();
     Ok((names.into(), ctx))
 }
 
@@ -137,7 +141,8 @@ impl ResponsesCtx {
     }
 }
 
-/// Keeps the turn a served response makes: its pin (endpoint, the upstream's id) always, unless
+/// Keeps the turn a served response makes: its pin (the endpoint and address that produced it,
+/// the upstream's id) always, unless
 /// `store: false`; its input and output items and the Response object when the gateway answered
 /// by translation (it is then the only one that has them) or `responses.history: keep`.
 pub fn keep(
@@ -145,7 +150,7 @@ pub fn keep(
     cfg: &Config,
     ctx: &ResponsesCtx,
     client: Option<&str>,
-    endpoint: &str,
+    (endpoint, address): (&str, Option<&str>),
     upstream_id: Option<String>,
     response: &Value,
 ) {
@@ -167,6 +172,7 @@ pub fn keep(
         upstream_id,
         client: client.map(str::to_string),
         previous: ctx.previous.clone(),
+        address: address.map(str::to_string),
         items,
         response: kept,
     };

@@ -48,6 +48,8 @@ pub(super) struct StreamGuard {
     /// The current endpoint's break is already recorded (a continuation was tried).
     pub break_recorded: bool,
     /// The request's own key (`x-encrypted-key`), redacted like the endpoints' own.
+    /// The address that served the stream (an endpoint of several).
+    pub address: Option<Arc<str>>,
     pub own_key: Option<crate::config::Secret>,
     /// The client key's hold on its limits, settled when the stream ends.
     pub admission: Option<crate::clients::Admission>,
@@ -65,6 +67,8 @@ pub(super) struct StreamResponses {
     pub produced: Box<super::attempt::Produced>,
     pub next_seq: u64,
     pub done: Option<Value>,
+    /// The address that served it (an endpoint of several): its next turn goes back there.
+    pub address: Option<Arc<str>>,
 }
 
 impl StreamResponses {
@@ -93,6 +97,7 @@ impl StreamGuard {
     fn push_attempt(
         &mut self,
         endpoint: &str,
+        address: Option<&str>,
         class: Outcome,
         status: Option<u16>,
         error: Option<String>,
@@ -109,6 +114,7 @@ impl StreamGuard {
                 latency_ms,
                 panic_mode: false,
                 own_key: self.own_key.is_some(),
+                address: address.map(str::to_string),
             });
         }
     }
@@ -157,7 +163,7 @@ impl StreamGuard {
                 &self.cfg,
                 &r.ctx,
                 row.client_key.as_deref(),
-                &self.ep.name,
+                (&self.ep.name, r.address.as_deref()),
                 r.produced.upstream_id(),
                 done,
             );
@@ -193,6 +199,7 @@ impl StreamGuard {
                     latency_ms: row.latency_ms,
                     panic_mode: false,
                     own_key: self.own_key.is_some(),
+                    address: self.address.as_deref().map(str::to_string),
                 });
                 tracing::warn!(request_id = %row.request_id, endpoint = %self.ep.name, class = class.as_str(), error = %detail, "stream failed after commit");
                 self.app.registry.apply(
@@ -729,9 +736,25 @@ impl PassThrough {
         // The break counts against its endpoint as any failure after the commit does.
         let secrets = self.guard.secrets(&from);
         let detail = classify::redact(detail, &secrets);
-        self.guard
-            .push_attempt(&from.name, class, Some(200), Some(detail.clone()));
+        let broke_at = self.guard.address.clone();
+        self.guard.push_attempt(
+            &from.name,
+            broke_at.as_deref(),
+            class,
+            Some(200),
+            Some(detail.clone()),
+        );
         self.guard.break_recorded = true;
+        // A stream cut by its server counts against that address as a failed attempt does.
+        if let Some(at) = &broke_at
+            && matches!(
+                class,
+                Outcome::Connection | Outcome::Timeout | Outcome::FirstTokenTimeout
+            )
+        {
+            let t = crate::routing::registry::tuning(&cfg, &from);
+            app.registry.address_failed(&from.name, at, &t);
+        }
         app.registry
             .apply(&from, &cfg.policy, Effect::Failure { class, detail });
         let views = app.registry.views(
@@ -769,14 +792,14 @@ impl PassThrough {
                     _ => continue,
                 }
             };
-            let base = if ep.discover {
-                match app.registry.discovered_base(&ep.name) {
-                    Some(b) => Some(b),
-                    None => continue,
-                }
-            } else {
-                None
+            // An endpoint of several addresses: one picked by load and counted in flight for as
+            // long as the continuation streams.
+            let t = crate::routing::registry::tuning(&cfg, &ep);
+            let picked = match app.registry.pick_address(&ep, &t, &Default::default()) {
+                Ok(p) => p,
+                Err(_) => continue,
             };
+            let base = picked.as_ref().map(|p| p.base.clone());
             let req = c.request(&ep);
             let attempt = Attempt {
                 ep: &ep,
@@ -823,9 +846,13 @@ impl PassThrough {
                             self.prelude.push_back(out);
                         }
                     }
-                    self.rest = Box::pin(rest.map(move |r| match r {
-                        Ok(b) => splicer.push(&b).map_err(|e| Box::new(e) as _),
-                        Err(e) => Err(e),
+                    let held = picked.map(|p| p.in_flight);
+                    self.rest = Box::pin(rest.map(move |r| {
+                        let _held = &held;
+                        match r {
+                            Ok(b) => splicer.push(&b).map_err(|e| Box::new(e) as _),
+                            Err(e) => Err(e),
+                        }
                     }));
                     self.parser = SseParser::with_max_event(cfg.max_event_bytes);
                     self.done_seen = false;
@@ -833,8 +860,14 @@ impl PassThrough {
                     self.deadline =
                         (super::after(Instant::now(), ep.timeouts.total)).min(c.deadline);
                     self.idle = ep.timeouts.first_token;
-                    self.guard
-                        .push_attempt(&ep.name, Outcome::Ok, Some(200), None);
+                    self.guard.push_attempt(
+                        &ep.name,
+                        base.as_deref(),
+                        Outcome::Ok,
+                        Some(200),
+                        None,
+                    );
+                    self.guard.address = base.as_deref().map(Arc::from);
                     if let Some(row) = self.guard.row.as_mut() {
                         row.continued_from = Some(from.name.clone());
                         row.endpoint = Some(ep.name.clone());
@@ -881,8 +914,13 @@ impl PassThrough {
                 Err(f) => {
                     let secrets = self.guard.secrets(&ep);
                     let detail = classify::redact(&f.detail, &secrets);
-                    self.guard
-                        .push_attempt(&ep.name, f.class, f.status, Some(detail.clone()));
+                    self.guard.push_attempt(
+                        &ep.name,
+                        base.as_deref(),
+                        f.class,
+                        f.status,
+                        Some(detail.clone()),
+                    );
                     // A failure of the request's own key is the client's, not the endpoint's.
                     if f.class.counts_against_endpoint() && own_key.is_none() {
                         app.registry.apply(

@@ -825,7 +825,7 @@ async fn status(
             o.insert(
                 "addresses".into(),
                 app.registry
-                    .addresses_json(name, &crate::routing::registry::tuning(&cfg)),
+                    .addresses_json(name, &crate::routing::registry::tuning(&cfg, ep)),
             );
         }
         endpoints.insert(name.clone(), v);

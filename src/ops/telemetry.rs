@@ -421,7 +421,9 @@ impl Telemetry {
         if let Some((w, _)) = ACCESS_LOG.get() {
             counter!("autohedge_log_dropped_total").absolute(w.dropped_lines());
         }
-        h.render()
+        let mut text = h.render();
+        text.push_str(&address_series(g));
+        text
     }
 }
 
@@ -442,6 +444,47 @@ pub struct EndpointGauges {
     /// What its keys' fresh `x-ratelimit-*` headers predict it can take now.
     pub requests: Option<u64>,
     pub tokens: Option<u64>,
+    /// Its addresses, when it has several: (url, in flight, ejections so far).
+    pub addresses: Vec<(String, u32, u64)>,
+}
+
+/// The per-address series, written beside the exporter's rendering rather than recorded in
+/// it: only the addresses the config and discovery give now are shown (a recorded series
+/// would stay after its task left, one more for every task Swarm ever ran).
+fn address_series(g: &Gauges) -> String {
+    use std::fmt::Write;
+    let label = |s: &str| {
+        s.replace('\\', "\\\\")
+            .replace('"', "\\\"")
+            .replace('\n', "\\n")
+    };
+    let mut out = String::new();
+    if g.endpoints.iter().all(|e| e.addresses.is_empty()) {
+        return out;
+    }
+    out.push_str("# HELP autohedge_address_in_flight Requests in flight at each address of an endpoint of several (streams until their last byte).\n# TYPE autohedge_address_in_flight gauge\n");
+    for e in &g.endpoints {
+        for (url, n, _) in &e.addresses {
+            let _ = writeln!(
+                out,
+                "autohedge_address_in_flight{{endpoint=\"{}\",address=\"{}\"}} {n}",
+                label(&e.name),
+                label(url)
+            );
+        }
+    }
+    out.push_str("# HELP autohedge_address_ejections_total Times each address of an endpoint of several was ejected (failures in a row) since it joined.\n# TYPE autohedge_address_ejections_total counter\n");
+    for e in &g.endpoints {
+        for (url, _, n) in &e.addresses {
+            let _ = writeln!(
+                out,
+                "autohedge_address_ejections_total{{endpoint=\"{}\",address=\"{}\"}} {n}",
+                label(&e.name),
+                label(url)
+            );
+        }
+    }
+    out
 }
 
 /// The route label: the requested model when the config names it (a route or an endpoint),
@@ -823,6 +866,7 @@ mod tests {
                     latency_ms: 1.0,
                     panic_mode: false,
                     own_key: false,
+                    address: None,
                 })
                 .collect(),
             ..RequestRow::new("r".into(), SystemTime::UNIX_EPOCH, "chat")

@@ -36,6 +36,10 @@ pub struct Tuning {
     pub affinity_load: f64,
     /// A queue sample (vLLM's waiting + running) counts while at most this old.
     pub fresh_for: Duration,
+    /// `balance: random`: any usable address, load aside.
+    pub random: bool,
+    /// Conversations go back to their address (`balance.affinity: prefix`).
+    pub affinity: bool,
 }
 
 impl Default for Tuning {
@@ -50,6 +54,8 @@ impl Default for Tuning {
             max_ejection_percent: 0.5,
             affinity_load: 1.25,
             fresh_for: Duration::from_secs(30),
+            random: false,
+            affinity: true,
         }
     }
 }
@@ -81,6 +87,8 @@ pub struct Address {
     failures: u32,
     /// Ejections in a row (each doubles the next).
     ejections: u32,
+    /// Ejections since it joined (`/metrics`).
+    pub ejected_total: u64,
     standing: Standing,
     /// The server's own queue (vLLM: waiting + running) and when it was read.
     queue: Option<(u32, Instant)>,
@@ -98,6 +106,7 @@ impl Address {
             stamp: now,
             failures: 0,
             ejections: 0,
+            ejected_total: 0,
             standing: Standing::Active,
             queue: None,
         }
@@ -122,15 +131,10 @@ impl Address {
         self.rtt * (-idle / t.decay.as_secs_f64().max(1e-3)).exp()
     }
 
-    /// What sending one more request here costs: latency × (requests ahead of it + 1), the
-    /// server's own queue counted while its sample is fresh (a stale one is ignored, never
-    /// read as saturated).
-    pub fn cost(&self, now: Instant, t: &Tuning) -> f64 {
-        let queued = match self.queue {
-            Some((q, at)) if now.saturating_duration_since(at) <= t.fresh_for => q,
-            _ => 0,
-        };
-        self.rtt(now, t).max(1e-6) * (f64::from(self.in_flight) + f64::from(queued) + 1.0)
+    /// Requests ahead of one more sent here: this gateway's in flight, and the server's own
+    /// queue while its sample is fresh (other gateways' requests are in it).
+    pub fn load(&self, now: Instant, t: &Tuning) -> f64 {
+        f64::from(self.in_flight) + f64::from(self.queue(now, t).unwrap_or(0))
     }
 
     /// A response in `rtt`: the estimate jumps to a slower one at once (the peak) and moves
@@ -148,6 +152,14 @@ impl Address {
         };
         self.stamp = now;
         self.failures = 0;
+    }
+
+    /// The server's own queue, while its sample is fresh.
+    pub fn queue(&self, now: Instant, t: &Tuning) -> Option<u32> {
+        match self.queue {
+            Some((q, at)) if now.saturating_duration_since(at) <= t.fresh_for => Some(q),
+            _ => None,
+        }
     }
 
     /// The server's queue as a probe read it.
@@ -181,6 +193,7 @@ impl Address {
         let length = t.eject_base.saturating_mul(factor).min(t.eject_max);
         self.standing = Standing::Ejected(now + length);
         self.ejections = self.ejections.saturating_add(1);
+        self.ejected_total = self.ejected_total.saturating_add(1);
         self.failures = 0;
     }
 }
@@ -189,6 +202,9 @@ impl Address {
 #[derive(Clone, Debug, Default)]
 pub struct Addresses {
     pub list: Vec<Address>,
+    /// Every address's points on the conversation ring, (point, index into `list`), sorted:
+    /// made when the list changes, walked by [`Addresses::pick_affine`].
+    ring: Vec<(u64, usize)>,
 }
 
 impl Addresses {
@@ -207,10 +223,88 @@ impl Addresses {
                 None => Address::new(u.clone(), now, t),
             })
             .collect();
+        self.ring = (0..self.list.len())
+            .flat_map(|i| (0..VNODES).map(move |v| (i, v)))
+            .map(|(i, v)| (ring_hash(&self.list[i].url, v), i))
+            .collect();
+        self.ring.sort_unstable();
     }
 
     fn usable(&self, now: Instant) -> impl Iterator<Item = usize> + '_ {
         (0..self.list.len()).filter(move |&i| self.list[i].usable(now))
+    }
+
+    /// Where a request goes: a conversation (`key`) to its address while that one is within
+    /// its load bound ([`Addresses::pick_affine`]), else the strategy's pick. `None` when no
+    /// address is usable.
+    pub fn pick_for(
+        &self,
+        key: Option<u64>,
+        now: Instant,
+        t: &Tuning,
+        rng: &mut fastrand::Rng,
+    ) -> Option<usize> {
+        if let Some(key) = key.filter(|_| t.affinity)
+            && let Some(i) = self.pick_affine(key, now, t)
+        {
+            return Some(i);
+        }
+        if t.random {
+            let usable: Vec<usize> = self.usable(now).collect();
+            return (!usable.is_empty()).then(|| usable[rng.usize(..usable.len())]);
+        }
+        self.pick(now, t, rng)
+    }
+
+    /// The address `url` for a request whose earlier turn it served: while it is usable and —
+    /// unless `exact` (it alone holds the conversation) — within its load bound.
+    pub fn preferred(&self, url: &str, exact: bool, now: Instant, t: &Tuning) -> Option<usize> {
+        let i = self.list.iter().position(|a| a.url == url)?;
+        if !self.list[i].usable(now) {
+            return None;
+        }
+        if exact {
+            return Some(i);
+        }
+        (t.affinity && self.list[i].load(now, t) + 1.0 <= self.bound(now, t)).then_some(i)
+    }
+
+    /// The latency an address not measured yet is judged by: the fleet's (the mean of the
+    /// measured usable ones), so a replica that joins is tried at once rather than held back
+    /// by a guess; `first_rtt` while none is measured.
+    fn prior(&self, now: Instant, t: &Tuning) -> f64 {
+        let (mut n, mut sum) = (0u32, 0.0f64);
+        for a in self.list.iter().filter(|a| a.measured && a.usable(now)) {
+            n += 1;
+            sum += a.rtt(now, t);
+        }
+        if n == 0 {
+            t.first_rtt.as_secs_f64()
+        } else {
+            sum / f64::from(n)
+        }
+    }
+
+    /// What one more request at `i` costs: its latency (the fleet's while it has none of its
+    /// own) × the requests ahead of it and this one.
+    fn cost_of(&self, i: usize, now: Instant, t: &Tuning, prior: f64) -> f64 {
+        let a = &self.list[i];
+        let rtt = if a.measured { a.rtt(now, t) } else { prior };
+        rtt.max(1e-6) * (a.load(now, t) + 1.0)
+    }
+
+    /// The most load (in flight here and queued at the server, with one more request) an
+    /// address may have and still take a conversation of its own: `affinity_load` times the
+    /// usable addresses' average. Load, not latency: an LLM request's latency follows the
+    /// length of its answer, and a bound on it would move conversations on every long one; a
+    /// slow replica holds its requests longer, so its load reaches the bound sooner.
+    fn bound(&self, now: Instant, t: &Tuning) -> f64 {
+        let (mut n, mut total) = (0u32, 0.0f64);
+        for a in self.list.iter().filter(|a| a.usable(now)) {
+            n += 1;
+            total += a.load(now, t);
+        }
+        (t.affinity_load * (total + 1.0) / f64::from(n.max(1))).ceil()
     }
 
     /// Power of two choices: two usable addresses drawn at random, the cheaper one. `None`
@@ -224,11 +318,14 @@ impl Addresses {
                 let a = rng.usize(..n);
                 let b = (a + 1 + rng.usize(..n - 1)) % n;
                 let (a, b) = (usable[a], usable[b]);
-                Some(if self.list[b].cost(now, t) < self.list[a].cost(now, t) {
-                    b
-                } else {
-                    a
-                })
+                let prior = self.prior(now, t);
+                Some(
+                    if self.cost_of(b, now, t, prior) < self.cost_of(a, now, t, prior) {
+                        b
+                    } else {
+                        a
+                    },
+                )
             }
         }
     }
@@ -238,24 +335,14 @@ impl Addresses {
     /// average — consistent hashing with bounded loads. Addresses joining or leaving move only
     /// the keys of their own arcs.
     pub fn pick_affine(&self, key: u64, now: Instant, t: &Tuning) -> Option<usize> {
-        let usable: Vec<usize> = self.usable(now).collect();
-        if usable.is_empty() {
+        if self.ring.is_empty() {
             return None;
         }
-        let total: u64 = usable
-            .iter()
-            .map(|&i| u64::from(self.list[i].in_flight))
-            .sum();
-        let bound = (t.affinity_load * (total + 1) as f64 / usable.len() as f64).ceil();
-        let mut ring: Vec<(u64, usize)> = usable
-            .iter()
-            .flat_map(|&i| (0..VNODES).map(move |v| (ring_hash(&self.list[i].url, v), i)))
-            .collect();
-        ring.sort_unstable();
-        let start = ring.partition_point(|(h, _)| *h < key);
-        (0..ring.len())
-            .map(|k| ring[(start + k) % ring.len()].1)
-            .find(|&i| f64::from(self.list[i].in_flight) + 1.0 <= bound)
+        let bound = self.bound(now, t);
+        let start = self.ring.partition_point(|(h, _)| *h < key);
+        (0..self.ring.len())
+            .map(|k| self.ring[(start + k) % self.ring.len()].1)
+            .find(|&i| self.list[i].usable(now) && self.list[i].load(now, t) + 1.0 <= bound)
     }
 
     /// A failed attempt (connect error, 5xx, timeout) at `i`: ejected after `eject_after` in a
@@ -311,6 +398,51 @@ fn ring_hash(url: &str, vnode: u64) -> u64 {
 /// leading messages).
 pub fn conversation_key(text: &str) -> u64 {
     ring_hash(text, u64::MAX)
+}
+
+/// The conversation a request belongs to, by what every turn of it repeats: a chat's leading
+/// system (or developer) messages and its first user message; a Responses request's
+/// `instructions` and first input item. `None` for anything else (a completion, a chat with no
+/// user message yet): it is balanced by load alone.
+pub fn conversation_of(
+    op: crate::op::Op,
+    body: &serde_json::Map<String, serde_json::Value>,
+) -> Option<u64> {
+    use serde_json::Value;
+    let mut text = String::new();
+    match op {
+        crate::op::Op::Chat => {
+            let messages = body.get("messages")?.as_array()?;
+            let mut user = false;
+            for m in messages {
+                text.push_str(&m.to_string());
+                text.push('\u{1e}');
+                match m.get("role").and_then(Value::as_str) {
+                    Some("system" | "developer") => {}
+                    Some("user") => {
+                        user = true;
+                        break;
+                    }
+                    _ => return None,
+                }
+            }
+            if !user {
+                return None;
+            }
+        }
+        crate::op::Op::Responses => {
+            if let Some(i) = body.get("instructions") {
+                text.push_str(&i.to_string());
+            }
+            text.push('\u{1e}');
+            match body.get("input")? {
+                Value::Array(items) => text.push_str(&items.first()?.to_string()),
+                v => text.push_str(&v.to_string()),
+            }
+        }
+        _ => return None,
+    }
+    Some(conversation_key(&text))
 }
 
 /// A request in flight at an address: dropped, it is counted out — at that address if it is
@@ -570,5 +702,157 @@ mod tests {
         drop(g2);
         let g = shared.lock().unwrap();
         assert_eq!((g.list[0].in_flight, g.list[1].in_flight), (0, 0));
+    }
+
+    /// The address a conversation's earlier turn was served at: taken while within the bound
+    /// (or whatever its load when it alone holds the conversation), never when it is out.
+    #[tokio::test(start_paused = true)]
+    async fn a_preferred_address_within_its_bound_or_exactly() {
+        let t = Tuning::default();
+        let now = Instant::now();
+        let mut a = fleet(3, now, &t);
+        let url = a.list[1].url.clone();
+        assert_eq!(a.preferred(&url, false, now, &t), Some(1));
+        a.list[1].in_flight = 10;
+        assert_eq!(a.preferred(&url, false, now, &t), None, "over its bound");
+        assert_eq!(
+            a.preferred(&url, true, now, &t),
+            Some(1),
+            "exact: load aside"
+        );
+        // A queue the server reports is load too.
+        a.list[1].in_flight = 0;
+        a.list[1].observe_queue(40, now);
+        assert_eq!(a.preferred(&url, false, now, &t), None);
+        // Out: not even exactly.
+        for _ in 0..t.eject_after {
+            a.failed(1, now, &t);
+        }
+        assert!(!a.list[1].usable(now));
+        assert_eq!(a.preferred(&url, true, now, &t), None);
+        // An address the endpoint does not have is never picked (a turn's stored address is
+        // only compared).
+        assert_eq!(a.preferred("http://evil.example/v1", true, now, &t), None);
+        // Affinity off: no preference.
+        let off = Tuning {
+            affinity: false,
+            ..t
+        };
+        assert_eq!(a.preferred(&a.list[0].url.clone(), false, now, &off), None);
+    }
+
+    /// `balance: random` draws any usable address; affinity off ignores the conversation.
+    #[tokio::test(start_paused = true)]
+    async fn random_and_no_affinity_spread_one_conversation() {
+        let t = Tuning {
+            random: true,
+            affinity: false,
+            ..Tuning::default()
+        };
+        let now = Instant::now();
+        let mut a = fleet(3, now, &t);
+        // The first address much slower: P2C would all but never pick it; random does.
+        a.list[0].observe(Duration::from_secs(5), now, &t);
+        let key = Some(conversation_key("one conversation"));
+        let mut rng = fastrand::Rng::with_seed(7);
+        let mut seen = [0; 3];
+        for _ in 0..300 {
+            seen[a.pick_for(key, now, &t, &mut rng).unwrap()] += 1;
+        }
+        assert!(seen.iter().all(|n| *n > 50), "{seen:?}");
+        // With affinity, the same conversation goes to one address every time.
+        let sticky = Tuning {
+            affinity: true,
+            ..t
+        };
+        let home = a.pick_for(key, now, &sticky, &mut rng).unwrap();
+        for _ in 0..50 {
+            assert_eq!(a.pick_for(key, now, &sticky, &mut rng), Some(home));
+        }
+    }
+
+    /// What keys a conversation: the leading system messages and the first user message, the
+    /// same on every later turn; nothing for what is no conversation.
+    #[test]
+    fn a_conversation_is_keyed_by_what_every_turn_repeats() {
+        use crate::op::Op;
+        use serde_json::json;
+        let body = |v: serde_json::Value| v.as_object().unwrap().clone();
+        let turn1 = body(json!({"messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Plan a trip."}]}));
+        let turn3 = body(json!({"messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Plan a trip."},
+            {"role": "assistant", "content": "Where?"},
+            {"role": "user", "content": "Oslo."}]}));
+        let other = body(json!({"messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Plan a dinner."}]}));
+        let k1 = conversation_of(Op::Chat, &turn1);
+        assert!(k1.is_some());
+        assert_eq!(k1, conversation_of(Op::Chat, &turn3));
+        assert_ne!(k1, conversation_of(Op::Chat, &other));
+        for hostile in [
+            json!({"messages": "not a list"}),
+            json!({"messages": []}),
+            json!({"messages": [{"role": "system", "content": "only"}]}),
+            json!({"messages": [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]}),
+            json!({"messages": [17, null]}),
+            json!({}),
+        ] {
+            assert_eq!(
+                conversation_of(Op::Chat, &body(hostile.clone())),
+                None,
+                "{hostile}"
+            );
+        }
+        assert_eq!(
+            conversation_of(Op::Completions, &body(json!({"prompt": "x"}))),
+            None
+        );
+        let r1 = body(
+            json!({"instructions": "Be brief.", "input": [{"role": "user", "content": "Hi"}]}),
+        );
+        let r2 = body(
+            json!({"instructions": "Be brief.", "input": [{"role": "user", "content": "Hi"}, {"role": "user", "content": "More"}]}),
+        );
+        assert_eq!(
+            conversation_of(Op::Responses, &r1),
+            conversation_of(Op::Responses, &r2)
+        );
+        assert_eq!(
+            conversation_of(Op::Responses, &body(json!({"input": []}))),
+            None
+        );
+    }
+
+    /// A replica that joins a measured fleet is judged at the fleet's latency (tried at once,
+    /// not held back by the 100 ms guess); a conversation's replica holding more than its share
+    /// of the load gives its new turns to another.
+    #[tokio::test(start_paused = true)]
+    async fn a_new_replica_is_tried_and_a_slow_one_loses_its_conversations() {
+        let t = Tuning::default();
+        let now = Instant::now();
+        let mut a = fleet(2, now, &t);
+        for i in 0..2 {
+            a.list[i].observe(Duration::from_millis(2), now, &t);
+        }
+        a.update(&urls(3), now, &t);
+        let mut rng = fastrand::Rng::with_seed(3);
+        let picked = (0..300)
+            .filter(|_| a.pick(now, &t, &mut rng) == Some(2))
+            .count();
+        assert!(picked > 50, "the new replica got {picked} of 300");
+        // The third holding 6 requests (a slow one piles them up): no conversation stays.
+        a.list[2].in_flight = 6;
+        let home: Vec<usize> = (0..300)
+            .filter_map(|i| a.pick_affine(conversation_key(&format!("c{i}")), now, &t))
+            .collect();
+        assert_eq!(home.len(), 300);
+        assert!(
+            home.iter().all(|h| *h != 2),
+            "an overloaded replica kept conversations"
+        );
     }
 }

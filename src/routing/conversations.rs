@@ -32,6 +32,10 @@ pub struct Turn {
     pub client: Option<String>,
     /// The gateway's id of the turn before it.
     pub previous: Option<String>,
+    /// The address of the endpoint that produced it, when the endpoint has several: the next
+    /// turn goes back there (its prefix cache; for a native pin, the only server that holds
+    /// the conversation). Only ever compared with the endpoint's own addresses.
+    pub address: Option<String>,
     /// This turn's input items then its output items, when kept.
     pub items: Option<Arc<Vec<Value>>>,
     /// The Response object as the client got it, when kept.
@@ -46,6 +50,7 @@ impl Turn {
             "upstream_id": self.upstream_id,
             "client": self.client,
             "previous": self.previous,
+            "address": self.address,
             "items": self.items.as_deref(),
             "response": self.response.as_deref(),
         })
@@ -67,6 +72,7 @@ impl Turn {
             upstream_id: opt_str("upstream_id")?,
             client: opt_str("client")?,
             previous: opt_str("previous")?,
+            address: opt_str("address")?,
             items: match v.get("items") {
                 None | Some(Value::Null) => None,
                 Some(Value::Array(a)) => Some(Arc::new(a.clone())),
@@ -87,11 +93,16 @@ impl Turn {
             .map_or(0, |i| i.iter().map(json_len).sum());
         let response = self.response.as_ref().map_or(0, |r| json_len(r));
         // The strings too: an upstream's id is its bytes, whatever their length.
-        let strings = [&self.upstream_id, &self.client, &self.previous]
-            .into_iter()
-            .flatten()
-            .map(String::len)
-            .sum::<usize>()
+        let strings = [
+            &self.upstream_id,
+            &self.client,
+            &self.previous,
+            &self.address,
+        ]
+        .into_iter()
+        .flatten()
+        .map(String::len)
+        .sum::<usize>()
             + self.endpoint.len();
         ENTRY_BYTES + items + response + strings
     }
@@ -377,6 +388,7 @@ mod tests {
             upstream_id: None,
             client: client.map(str::to_string),
             previous: prev.map(str::to_string),
+            address: None,
             items: Some(Arc::new(vec![
                 json!({"role": "user", "content": text}),
                 json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": format!("re: {text}")}]}),

@@ -59,6 +59,8 @@ pub struct AttemptRow {
     pub panic_mode: bool,
     /// Made with the request's own key (`x-encrypted-key`).
     pub own_key: bool,
+    /// The address it went to, when its endpoint has several (`base_urls`, discovered tasks).
+    pub address: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -532,7 +534,7 @@ const REQUEST_COLUMNS: [&str; 26] = [
     "previous_response_id",
 ];
 
-const ATTEMPT_COLUMNS: [&str; 11] = [
+const ATTEMPT_COLUMNS: [&str; 12] = [
     "request_row",
     "request_id",
     "seq",
@@ -544,6 +546,7 @@ const ATTEMPT_COLUMNS: [&str; 11] = [
     "latency_ms",
     "panic_mode",
     "own_key",
+    "address",
 ];
 
 #[cfg(test)]
@@ -568,6 +571,7 @@ mod test_util {
                 AttemptRow {
                     panic_mode: false,
                     own_key: false,
+                    address: None,
                     seq: 1,
                     endpoint: "a".into(),
                     class: class.parse().expect("a known outcome"),
@@ -578,6 +582,7 @@ mod test_util {
                 AttemptRow {
                     panic_mode: false,
                     own_key: false,
+                    address: None,
                     seq: 2,
                     endpoint: endpoint.into(),
                     class: crate::routing::outcome::Outcome::Ok,
@@ -659,6 +664,7 @@ mod tests {
             latency_ms: 1.0,
             panic_mode: false,
             own_key: false,
+            address: None,
         });
         let mut r = Record::Request(Box::new(row));
         r.make_safe();

@@ -166,6 +166,10 @@ const MIGRATIONS: &[&str] = &[
     );
     CREATE INDEX audit_batches_ts ON audit_batches(ts_ms);
     "#,
+    // 13: the address an attempt went to (an endpoint of several).
+    r#"
+    ALTER TABLE attempts ADD COLUMN address TEXT;
+    "#,
 ];
 
 /// The advisory lock every replica's migration takes (any constant; "autohedge" in ASCII).
@@ -1244,6 +1248,7 @@ async fn insert_requests(
                     Box::new(a.latency_ms),
                     Box::new(i64::from(a.panic_mode)),
                     Box::new(i64::from(a.own_key)),
+                    Box::new(a.address.clone()),
                 ]
             })
         })

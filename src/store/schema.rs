@@ -179,6 +179,21 @@ pub(super) const MIGRATIONS: &[&str] = &[
         ts_ms INTEGER NOT NULL
     );
     "#,
+    // 13: the address an attempt went to, when its endpoint has several (`base_urls`,
+    // discovered tasks). Such an attempt is always a row of `attempt_rows` (the request's own
+    // row has no column for it); the view shows it.
+    r#"
+    ALTER TABLE attempt_rows ADD COLUMN address TEXT;
+    DROP VIEW attempts;
+    CREATE VIEW attempts AS
+        SELECT id, request_row, request_id, seq, ts_ms, endpoint, class, status, error,
+               latency_ms, panic_mode, own_key, address
+        FROM attempt_rows
+        UNION ALL
+        SELECT NULL, id, request_id, 1, ts_ms, endpoint, attempt_class, attempt_status, NULL,
+               attempt_latency_ms, 0, 0, NULL
+        FROM requests WHERE attempt_class IS NOT NULL;
+    "#,
 ];
 
 /// The WAL file is truncated to this after checkpoints: a burst cannot leave it gigabytes large.

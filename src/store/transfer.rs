@@ -24,7 +24,7 @@ pub fn export(conn: &Connection, since: SystemTime, out: &mut dyn Write) -> anyh
     let first_row: i64 = conn.query_row(super::sql::FIRST_ROW_SINCE, [from], |r| r.get(0))?;
     {
         let mut st = conn.prepare(
-            "SELECT request_row, seq, endpoint, class, status, error, latency_ms, panic_mode, own_key FROM attempts WHERE request_row >= ?1 ORDER BY request_row, seq",
+            "SELECT request_row, seq, endpoint, class, status, error, latency_ms, panic_mode, own_key, address FROM attempts WHERE request_row >= ?1 ORDER BY request_row, seq",
         )?;
         let rows = st.query_map([first_row], |r| {
             Ok((
@@ -38,6 +38,7 @@ pub fn export(conn: &Connection, since: SystemTime, out: &mut dyn Write) -> anyh
                     "latency_ms": r.get::<_, f64>(6)?,
                     "panic_mode": r.get::<_, i64>(7)? != 0,
                     "own_key": r.get::<_, i64>(8)? != 0,
+                    "address": r.get::<_, Option<String>>(9)?,
                 }),
             ))
         })?;
@@ -154,6 +155,7 @@ pub fn record(line: &str) -> Result<Record, String> {
                         .and_then(Value::as_bool)
                         .unwrap_or(false),
                     own_key: a.get("own_key").and_then(Value::as_bool).unwrap_or(false),
+                    address: opt_str(a, "address"),
                 });
             }
             let flag = |k: &str| v.get(k).and_then(Value::as_i64).unwrap_or(0) != 0;
@@ -227,6 +229,7 @@ pub fn lines(r: &Record, out: &mut String) -> bool {
                         "latency_ms": a.latency_ms,
                         "panic_mode": a.panic_mode,
                         "own_key": a.own_key,
+                        "address": a.address,
                     })
                 })
                 .collect();
@@ -338,6 +341,7 @@ mod tests {
             latency_ms: 1.5,
             panic_mode: true,
             own_key: false,
+            address: None,
         });
         for r in [
             Record::Request(Box::new(row)),

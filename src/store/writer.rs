@@ -122,7 +122,7 @@ fn plain_request(row: &RequestRow) -> bool {
 }
 
 fn plain_attempt(a: &AttemptRow) -> bool {
-    a.error.is_none() && !a.panic_mode && !a.own_key
+    a.error.is_none() && !a.panic_mode && !a.own_key && a.address.is_none()
 }
 
 /// The request's attempt when it is kept in its own row: its only one, plain, numbered 1 (as
@@ -233,6 +233,7 @@ fn attempt_values<'a>(
         Val::Real(a.latency_ms),
         Val::Int(i64::from(a.panic_mode)),
         Val::Int(i64::from(a.own_key)),
+        Val::text(a.address.as_deref()),
     ]
 }
 
@@ -589,6 +590,7 @@ mod tests {
                 .map(|k| AttemptRow {
                     panic_mode: k % 2 == 1,
                     own_key: false,
+                    address: None,
                     seq: k as u32 + 1,
                     endpoint: format!("e{k}"),
                     class: crate::routing::outcome::Outcome::Ok,
@@ -623,6 +625,7 @@ mod tests {
                 .map(|k| AttemptRow {
                     panic_mode: (i + k).is_multiple_of(5),
                     own_key: false,
+                    address: None,
                     seq: k as u32 + 1,
                     endpoint: format!("e{k}"),
                     class: [Outcome::Ok, Outcome::Timeout, Outcome::SkippedCooldown][k % 3],
@@ -725,6 +728,7 @@ mod tests {
             latency_ms: 2.5 + f64::from(seq),
             panic_mode: false,
             own_key: false,
+            address: None,
         };
         let row = |i: u64, endpoint: Option<&str>, attempts: Vec<AttemptRow>| RequestRow {
             endpoint: endpoint.map(str::to_string),
@@ -854,6 +858,7 @@ mod tests {
                 latency_ms: 2.5,
                 panic_mode: false,
                 own_key: false,
+                address: None,
             }],
             ..RequestRow::new("new".into(), UNIX_EPOCH + Duration::from_secs(2), "chat")
         };

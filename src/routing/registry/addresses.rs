@@ -15,6 +15,18 @@ use crate::routing::balance::{InFlight, Standing, Tuning};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NoAddress;
 
+/// What a request asks of the choice of address.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Want<'a> {
+    /// Its conversation's place on the ring ([`crate::routing::balance::conversation_of`]).
+    pub key: Option<u64>,
+    /// The address its earlier turn was served at: preferred while not overloaded.
+    pub prefer: Option<&'a str>,
+    /// `prefer` is where the conversation is (the upstream holds it under its own id): that
+    /// address whatever its load, while it is usable.
+    pub exact: bool,
+}
+
 /// The address an attempt goes to, counted in flight while it runs.
 #[derive(Debug)]
 pub struct Picked {
@@ -22,13 +34,20 @@ pub struct Picked {
     pub in_flight: InFlight,
 }
 
-/// The balancing knobs of a config: ejection as `health:` sets it for endpoints.
-pub fn tuning(cfg: &crate::config::Config) -> Tuning {
+/// The balancing knobs of an endpoint: its `balance:`, and ejection as `health:` sets it for
+/// endpoints; a vLLM queue sample counts for two probe intervals.
+pub fn tuning(cfg: &crate::config::Config, ep: &Endpoint) -> Tuning {
     let h = &cfg.policy.health;
+    let b = &ep.balance;
     Tuning {
         eject_after: h.eject_after.max(1),
         eject_base: h.eject_base,
         eject_max: h.eject_max,
+        max_ejection_percent: b.max_ejection_percent / 100.0,
+        affinity_load: b.affinity_load,
+        random: b.random,
+        affinity: b.affinity,
+        fresh_for: cfg.health.probe_interval.saturating_mul(2),
         ..Tuning::default()
     }
 }
@@ -37,7 +56,12 @@ impl Registry {
     /// Where an attempt at `ep` goes: `Ok(None)` for an endpoint of one static address (its
     /// `base_url`, as ever); for one of several or of discovered tasks, the cheaper of two usable
     /// addresses (`Err` when none is usable: all ejected or half-open, or none discovered).
-    pub fn pick_address(&self, ep: &Endpoint, t: &Tuning) -> Result<Option<Picked>, NoAddress> {
+    pub fn pick_address(
+        &self,
+        ep: &Endpoint,
+        t: &Tuning,
+        want: &Want,
+    ) -> Result<Option<Picked>, NoAddress> {
         if ep.addresses.is_empty() && !ep.discover {
             return Ok(None);
         }
@@ -48,7 +72,11 @@ impl Registry {
         // shrink or reorder the list.
         let (base, in_flight) = {
             let mut g = shared.lock().unwrap_or_else(|e| e.into_inner());
-            let i = g.pick(now, t, &mut fastrand::Rng::new()).ok_or(NoAddress)?;
+            let mut rng = fastrand::Rng::new();
+            let i = match want.prefer.and_then(|u| g.preferred(u, want.exact, now, t)) {
+                Some(i) => i,
+                None => g.pick_for(want.key, now, t, &mut rng).ok_or(NoAddress)?,
+            };
             let a = &mut g.list[i];
             a.in_flight = a.in_flight.saturating_add(1);
             (a.url.clone(), InFlight::new(shared.clone(), a))
@@ -103,6 +131,11 @@ impl Registry {
         }
     }
 
+    /// A probe read the server's own queue at `base` (vLLM: waiting + running).
+    pub fn address_queue(&self, endpoint: &str, base: &str, queued: u32) {
+        self.with_address(endpoint, base, |a, now| a.observe_queue(queued, now));
+    }
+
     /// The addresses to probe: every one the endpoint has (none for one static address).
     pub fn address_list(&self, endpoint: &str) -> Vec<String> {
         let Some(rt) = self.get(endpoint) else {
@@ -121,6 +154,19 @@ impl Registry {
         };
         let shared = lock(&rt).addresses.clone();
         shared.lock().unwrap_or_else(|e| e.into_inner()).list.len()
+    }
+
+    /// `/metrics`' per-address series: (url, in flight, ejections so far) of each address.
+    pub fn address_gauges(&self, endpoint: &str) -> Vec<(String, u32, u64)> {
+        let Some(rt) = self.get(endpoint) else {
+            return vec![];
+        };
+        let shared = lock(&rt).addresses.clone();
+        let g = shared.lock().unwrap_or_else(|e| e.into_inner());
+        g.list
+            .iter()
+            .map(|a| (a.url.clone(), a.in_flight, a.ejected_total))
+            .collect()
     }
 
     /// `/status.endpoints.<name>.addresses`.
@@ -149,6 +195,7 @@ impl Registry {
                         "in_flight": a.in_flight,
                         "ewma_ms": (a.rtt(now, t) * 1000.0 * 10.0).round() / 10.0,
                         "ejected_until": until,
+                        "queue": a.queue(now, t),
                     })
                 })
                 .collect(),

@@ -32,7 +32,7 @@ mod status;
 mod sync;
 mod view;
 
-pub use addresses::{Picked, tuning};
+pub use addresses::{Picked, Want, tuning};
 pub use apply::Effect;
 pub use keys::KeyPick;
 use memo::next_generation;

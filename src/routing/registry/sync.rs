@@ -72,7 +72,7 @@ impl Registry {
                 rt.addresses
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
-                    .update(&ep.addresses, now, &super::tuning(cfg));
+                    .update(&ep.addresses, now, &super::tuning(cfg, ep));
             }
             if rt.fingerprint != ep.fingerprint {
                 // Another server (type, base URL, model, or discovered ↔ static) under the same

@@ -757,9 +757,17 @@ impl Run {
     /// discovered tasks — then one picked by load (a conversation's to where its earlier turns
     /// were, a pinned Responses conversation's to the address that holds it), counted in flight
     /// while the attempt runs; `Err` when none is usable.
-    fn address_for(&self, ep: &Endpoint, translate: bool) -> Result<Option<Picked>, Failure> {
+    fn address_for(
+        &self,
+        ep: &Endpoint,
+        translate: bool,
+        avoid: Option<&str>,
+    ) -> Result<Option<Picked>, Failure> {
         let t = tuning(&self.cfg, ep);
-        let mut want = Want::default();
+        let mut want = Want {
+            avoid,
+            ..Want::default()
+        };
         if ep.discover || ep.addresses.len() > 1 {
             if let Some(ctx) = &self.responses
                 && ctx.pinned.as_deref() == Some(ep.name.as_str())
@@ -788,7 +796,7 @@ impl Run {
     async fn attempt(&mut self, ep: &Endpoint, key: Option<&Secret>) -> Result<Success, Failure> {
         let t0 = Instant::now();
         let translate = self.translates(ep);
-        let picked = self.address_for(ep, translate)?;
+        let picked = self.address_for(ep, translate, None)?;
         let base = picked.as_ref().map(|p| p.base.clone());
         // Only a Responses request may go as another (its pinned form or replay): the others'
         // attempts borrow the request, without a reference count taken and given back.
@@ -838,11 +846,19 @@ impl Run {
 
     /// Starts an attempt as a future of its own (it borrows nothing of the `Run`), so it can be
     /// raced against a hedge; dropping it closes its upstream connection.
-    fn start(&mut self, ep: &Arc<Endpoint>, key_idx: Option<usize>) -> Result<Racing, Failure> {
+    /// `avoid`: an address of `ep` not to go to (the one the first copy of a hedged request
+    /// went to).
+    fn start(
+        &mut self,
+        ep: &Arc<Endpoint>,
+        key_idx: Option<usize>,
+        avoid: Option<&str>,
+    ) -> Result<Racing, Failure> {
         let t0 = Instant::now();
         let translate = self.translates(ep);
-        let picked = self.address_for(ep, translate)?;
+        let picked = self.address_for(ep, translate, avoid)?;
         let base = picked.as_ref().map(|p| p.base.clone());
+        let address: Option<Arc<str>> = base.as_deref().map(Arc::from);
         // The request's own key (x-encrypted-key) for OpenAI-type endpoints, else key `key_idx`.
         let key = self.key_for(ep, key_idx).cloned();
         let key = key.as_ref();
@@ -907,6 +923,7 @@ impl Run {
         Ok(Racing {
             key_idx,
             t0,
+            address,
             fut: Box::pin(fut),
         })
     }

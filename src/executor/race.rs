@@ -25,6 +25,8 @@ pub(super) type AttemptFuture = Pin<Box<dyn Future<Output = Result<Success, Fail
 pub(super) struct Racing {
     pub key_idx: Option<usize>,
     pub t0: Instant,
+    /// The address it went to, when its endpoint has several.
+    pub address: Option<Arc<str>>,
     pub fut: AttemptFuture,
 }
 
@@ -58,7 +60,7 @@ impl Run {
             Ok(k) => k,
             Err(outcome) => return (a.clone(), outcome),
         };
-        let mut first = match self.start(a, key_a) {
+        let mut first = match self.start(a, key_a, None) {
             Ok(r) => r,
             Err(f) => {
                 let done = Finished {
@@ -84,7 +86,12 @@ impl Run {
             _ = tokio::time::sleep(delay) => {}
         }
         self.waited += t.elapsed();
-        let Some((b, mut hedge)) = self.hedge_candidate(rest).await else {
+        let candidate = match self.hedge_candidate(rest).await {
+            Some(c) => Some(c),
+            // No other endpoint to hedge to: another address of this one, if it has one.
+            None => self.hedge_same(a, key_a, first.address.clone()),
+        };
+        let Some((b, mut hedge)) = candidate else {
             let t = Instant::now();
             let result = (&mut first.fut).await;
             self.waited += t.elapsed();
@@ -149,6 +156,34 @@ impl Run {
         (other_ep, outcome)
     }
 
+    /// The hedge when the chain has no other endpoint to take it: the same endpoint at another
+    /// of its addresses (never the one the first copy went to) — if the budget has a copy left.
+    fn hedge_same(
+        &mut self,
+        a: &Arc<Endpoint>,
+        key_idx: Option<usize>,
+        first_at: Option<Arc<str>>,
+    ) -> Option<(Arc<Endpoint>, Racing)> {
+        let avoid = first_at?;
+        let key = self.hedge.as_ref()?.0.clone();
+        if self.app.registry.address_count(&a.name) < 2
+            || !self.app.hedge_budget(&key, |b| b.take())
+        {
+            return None;
+        }
+        match self.start(a, key_idx, Some(&avoid)) {
+            Ok(r) => {
+                self.hedges_sent += 1;
+                Some((a.clone(), r))
+            }
+            Err(_) => {
+                // No other usable address: nothing was sent.
+                self.app.hedge_budget(&key, |b| b.refund());
+                None
+            }
+        }
+    }
+
     /// The hedge: the next endpoint of `rest` that passes the context checks and has a key
     /// predicted to take the request, started — if the budget has a copy left.
     async fn hedge_candidate(&mut self, rest: &[String]) -> Option<(Arc<Endpoint>, Racing)> {
@@ -176,7 +211,7 @@ impl Run {
                 self.pass.tried.remove(name);
                 return None;
             }
-            match self.start(&ep, key_idx) {
+            match self.start(&ep, key_idx, None) {
                 Ok(r) => {
                     self.hedges_sent += 1;
                     return Some((ep, r));

@@ -311,6 +311,32 @@ impl Addresses {
     /// when none is usable.
     pub fn pick(&self, now: Instant, t: &Tuning, rng: &mut fastrand::Rng) -> Option<usize> {
         let usable: Vec<usize> = self.usable(now).collect();
+        self.cheaper_of_two(&usable, now, t, rng)
+    }
+
+    /// [`Addresses::pick`] among the usable addresses but `avoid` (a hedge's second copy goes
+    /// elsewhere than its first). `None` when no other is usable.
+    pub fn pick_other(
+        &self,
+        avoid: &str,
+        now: Instant,
+        t: &Tuning,
+        rng: &mut fastrand::Rng,
+    ) -> Option<usize> {
+        let usable: Vec<usize> = self
+            .usable(now)
+            .filter(|&i| self.list[i].url != avoid)
+            .collect();
+        self.cheaper_of_two(&usable, now, t, rng)
+    }
+
+    fn cheaper_of_two(
+        &self,
+        usable: &[usize],
+        now: Instant,
+        t: &Tuning,
+        rng: &mut fastrand::Rng,
+    ) -> Option<usize> {
         match usable.len() {
             0 => None,
             1 => Some(usable[0]),

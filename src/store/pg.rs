@@ -1401,7 +1401,7 @@ fn tables() -> Vec<(&'static str, Vec<(&'static str, Ty)>)> {
     let mut attempts = vec![("id", Int)];
     attempts.extend(ATTEMPT_COLUMNS.iter().map(|c| {
         let ty = match *c {
-            "request_id" | "endpoint" | "class" | "error" => Text,
+            "request_id" | "endpoint" | "class" | "error" | "address" => Text,
             "latency_ms" => Real,
             _ => Int,
         };
@@ -1527,18 +1527,27 @@ fn snapshot_on(
             );
             let mut stmt = tx.prepare(&insert)?;
             for row in rows {
+                // A column of another type than this build writes (a database altered by hand,
+                // or by another version) is an error naming it, not a panic.
                 let values: Vec<rusqlite::types::Value> = cols
                     .iter()
                     .enumerate()
-                    .map(|(i, (_, ty))| {
+                    .map(|(i, (name, ty))| {
                         use rusqlite::types::Value as V;
-                        match ty {
-                            Ty::Int => row.get::<_, Option<i64>>(i).map_or(V::Null, V::Integer),
-                            Ty::Real => row.get::<_, Option<f64>>(i).map_or(V::Null, V::Real),
-                            Ty::Text => row.get::<_, Option<String>>(i).map_or(V::Null, V::Text),
-                        }
+                        let v = match ty {
+                            Ty::Int => row
+                                .try_get::<_, Option<i64>>(i)
+                                .map(|v| v.map_or(V::Null, V::Integer)),
+                            Ty::Real => row
+                                .try_get::<_, Option<f64>>(i)
+                                .map(|v| v.map_or(V::Null, V::Real)),
+                            Ty::Text => row
+                                .try_get::<_, Option<String>>(i)
+                                .map(|v| v.map_or(V::Null, V::Text)),
+                        };
+                        v.map_err(|e| anyhow::anyhow!("{table}.{name}: {}", error_text(&e)))
                     })
-                    .collect();
+                    .collect::<anyhow::Result<_>>()?;
                 stmt.execute(rusqlite::params_from_iter(values))?;
             }
         }

@@ -25,6 +25,8 @@ pub struct Want<'a> {
     /// `prefer` is where the conversation is (the upstream holds it under its own id): that
     /// address whatever its load, while it is usable.
     pub exact: bool,
+    /// Any address but this one (a hedge's second copy), by load.
+    pub avoid: Option<&'a str>,
 }
 
 /// The address an attempt goes to, counted in flight while it runs.
@@ -73,9 +75,10 @@ impl Registry {
         let (base, in_flight) = {
             let mut g = shared.lock().unwrap_or_else(|e| e.into_inner());
             let mut rng = fastrand::Rng::new();
-            let i = match want.prefer.and_then(|u| g.preferred(u, want.exact, now, t)) {
-                Some(i) => i,
-                None => g.pick_for(want.key, now, t, &mut rng).ok_or(NoAddress)?,
+            let i = match (want.avoid, want.prefer) {
+                (Some(avoid), _) => g.pick_other(avoid, now, t, &mut rng).ok_or(NoAddress)?,
+                (None, Some(u)) if let Some(i) = g.preferred(u, want.exact, now, t) => i,
+                _ => g.pick_for(want.key, now, t, &mut rng).ok_or(NoAddress)?,
             };
             let a = &mut g.list[i];
             a.in_flight = a.in_flight.saturating_add(1);

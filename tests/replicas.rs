@@ -507,3 +507,58 @@ async fn a_vllm_replica_with_a_long_queue_gets_no_new_requests() {
     assert_eq!(chat_calls(&idle.stats().await), 20);
     assert_eq!(chat_calls(&busy.stats().await), 0);
 }
+
+/// A chain of one endpoint of several addresses: a hedge goes to another address of it (never
+/// the one the first copy went to), and the copy that answers first serves.
+#[tokio::test]
+async fn a_hedge_goes_to_another_address_of_the_same_endpoint() {
+    let slow =
+        MockUp::openai("name: slow\nrules: [{when: {path: /v1/chat/completions}, delay: 3s}]")
+            .await;
+    let fast = MockUp::openai("name: fast").await;
+    let mut gw = Gw::start(&replicas_cfg(
+        &[slow.base(), fast.base()],
+        "    balance: { strategy: random, affinity: none }\n    hedge: { after: 100ms, max_extra: 100%, min_after: 50ms }\nhealth: { probe_interval: 1h }\n",
+    ));
+    gw.ready().await;
+    // Until a first copy went to the slow address (each request: one chance in two).
+    let mut sent = 0;
+    while chat_calls(&slow.stats().await) == 0 && sent < 40 {
+        assert_eq!(gw.chat("m", &format!("q{sent}")).await.status(), 200);
+        sent += 1;
+    }
+    assert!(
+        chat_calls(&slow.stats().await) >= 1,
+        "a first copy went to the slow address"
+    );
+    gw.stop();
+    let conn = rusqlite::Connection::open(gw.db()).unwrap();
+    // The hedged requests: their attempts went to two addresses, and the fast one served.
+    let hedged: Vec<(String, String, Option<String>)> = conn
+        .prepare(
+            "SELECT a.request_id, a.class, a.address FROM attempts a JOIN requests r ON r.id = a.request_row WHERE r.hedges > 0 ORDER BY a.request_row, a.seq",
+        )
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    assert!(!hedged.is_empty(), "a request was hedged");
+    let ids: std::collections::BTreeSet<&String> = hedged.iter().map(|(id, _, _)| id).collect();
+    for id in ids {
+        let rows: Vec<_> = hedged.iter().filter(|(i, _, _)| i == id).collect();
+        let served: Vec<_> = rows.iter().filter(|(_, c, _)| c == "ok").collect();
+        assert_eq!(served.len(), 1, "{rows:?}");
+        assert_eq!(
+            served[0].2.as_deref(),
+            Some(fast.base().as_str()),
+            "{rows:?}"
+        );
+        assert!(
+            rows.iter()
+                .any(|(_, c, a)| c == "hedge_cancelled"
+                    && a.as_deref() == Some(slow.base().as_str())),
+            "the first copy, at the slow address, was cancelled: {rows:?}"
+        );
+    }
+}

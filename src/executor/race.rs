@@ -116,7 +116,7 @@ impl Run {
         self.current_hedge = None;
         if done.result.is_ok() {
             drop(other.fut);
-            self.cancelled(&other_ep, other.t0, &done_ep);
+            self.cancelled(&other_ep, other.t0, &done_ep, other.address.clone());
             if side == Side::Hedge {
                 self.hedge_won = true;
                 if let Some((key, _)) = &self.hedge {
@@ -132,7 +132,7 @@ impl Run {
             Settled::Done(EndpointOutcome::ClientError(s, h, b)) => {
                 // The client's own error: the other copy would get the same answer.
                 drop(other.fut);
-                self.cancelled(&other_ep, other.t0, &done_ep);
+                self.cancelled(&other_ep, other.t0, &done_ep, other.address.clone());
                 return (done_ep, EndpointOutcome::ClientError(s, h, b));
             }
             Settled::Done(outcome) => self.note(&done_ep, outcome),
@@ -234,7 +234,13 @@ impl Run {
     }
 
     /// Records the race's loser.
-    fn cancelled(&mut self, loser: &Endpoint, t0: Instant, winner: &Endpoint) {
+    fn cancelled(
+        &mut self,
+        loser: &Endpoint,
+        t0: Instant,
+        winner: &Endpoint,
+        address: Option<Arc<str>>,
+    ) {
         let panic_mode = self.panic_mode.contains(&loser.name);
         self.attempts.push(AttemptReport {
             endpoint: loser.name.clone(),
@@ -248,7 +254,7 @@ impl Run {
             panic_mode,
             own_key: false,
             internal: None,
-            address: None,
+            address,
         });
     }
 }

@@ -65,6 +65,9 @@ pub struct Script {
     pub rate_limit: Option<MockRateLimit>,
     /// vLLM flavor: the `vllm:num_requests_waiting` its `/metrics` reports (default 0).
     pub waiting: Option<f64>,
+    /// A simulated inference server ([`super::sim`]): sequence slots with a queue, a prefix
+    /// cache, prefill and decode times. Chat and completion calls are served through it.
+    pub sim: Option<super::sim::SimSpec>,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -164,6 +167,8 @@ pub struct Mock {
     /// The Responses API's stored responses (not those of `store: false`), by id: a
     /// `previous_response_id` must name one, and `GET`/`DELETE /v1/responses/{id}` read them.
     stored: Mutex<std::collections::HashMap<String, Value>>,
+    /// The script's `sim:`, running (made again when a new script changes it).
+    sim: Mutex<Option<Arc<super::sim::Sim>>>,
 }
 
 type RespBody = BoxBody<Bytes, Infallible>;
@@ -185,13 +190,19 @@ fn words(text: &str) -> u64 {
 
 impl Mock {
     pub fn new(flavor: Flavor, script: Script) -> Arc<Mock> {
+        let sim = script.sim.clone().map(|s| Arc::new(super::sim::Sim::new(s)));
         Arc::new(Mock {
             flavor,
             script: Mutex::new(script),
             counters: Mutex::new(Counters::default()),
             bucket: Mutex::new(None),
+            sim: Mutex::new(sim),
             stored: Mutex::new(Default::default()),
         })
+    }
+
+    fn sim(&self) -> Option<Arc<super::sim::Sim>> {
+        self.sim.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     fn script(&self) -> Script {
@@ -426,12 +437,19 @@ impl Mock {
                     "last_header_names": c.last_header_names,
                     "key_tails": c.key_tails,
                     "key_tails_all": c.key_tails_all,
+                    "sim": self.sim().map(|s| s.stats()),
                 });
                 return self.json_response(200, &v, &BTreeMap::new());
             }
             ("POST", "/__mock/script") => {
                 return match parse_script(&String::from_utf8_lossy(&bytes)) {
                     Ok(s) => {
+                        {
+                            let mut sim = self.sim.lock().unwrap_or_else(|e| e.into_inner());
+                            if sim.as_ref().map(|x| &x.spec) != s.sim.as_ref() {
+                                *sim = s.sim.clone().map(|x| Arc::new(super::sim::Sim::new(x)));
+                            }
+                        }
                         *self.script.lock().unwrap_or_else(|e| e.into_inner()) = s;
                         *self.counters.lock().unwrap_or_else(|e| e.into_inner()) =
                             Counters::default();
@@ -596,6 +614,32 @@ impl Mock {
             .unwrap_or_else(|| format!("Hello from {}!", script.name.as_deref().unwrap_or("mock")));
         let model = model.unwrap_or_else(|| "mock-model".into());
         let chunk_delay = script.chunk_delay.map(|d| d.0).unwrap_or(Duration::ZERO);
+        // A simulated server: the call waits for a sequence slot and its prefill, then answers
+        // one token a `decode_ms` (a stream's chunks; a full answer after all of them), holding
+        // its slot until the answer's last byte.
+        if let Some(sim) = self.sim()
+            && method == hyper::Method::POST
+            && matches!(path.as_str(), "/v1/chat/completions" | "/v1/completions")
+        {
+            let admitted = sim.admit(&body).await;
+            let reply = vec!["tok"; admitted.output_tokens as usize].join(" ");
+            if !stream {
+                tokio::time::sleep(admitted.per_token * admitted.output_tokens as u32).await;
+            }
+            let resp = if path == "/v1/chat/completions" {
+                self.chat(&body, &model, &reply, &rule, stream, admitted.per_token, kill)
+            } else {
+                self.completion(&body, &model, &reply, &rule, stream, admitted.per_token, kill)
+            };
+            let slot = admitted.slot;
+            return resp.map(|b| {
+                b.map_frame(move |f| {
+                    let _held = &slot;
+                    f
+                })
+                .boxed()
+            });
+        }
         match (method.as_str(), path.as_str(), self.flavor) {
             ("GET", "/v1/models", _) => {
                 let v = json!({"object": "list", "data": [{"id": model, "object": "model", "created": 1700000000, "owned_by": "mock"}]});
@@ -612,11 +656,21 @@ impl Mock {
             // Every flavor answers /health, so an image running a mock backend passes its own
             // Docker HEALTHCHECK.
             ("GET", "/health", _) => self.json_response(200, &json!({"status": "ok"}), &BTreeMap::new()),
-            ("GET", "/metrics", Flavor::Vllm) => Response::builder()
-                .status(200)
-                .header("content-type", "text/plain; version=0.0.4")
-                .body(full(format!("# HELP vllm:num_requests_running Number of requests running.\n# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"mock\"}} 0.0\nvllm:num_requests_waiting{{model_name=\"mock\"}} {:.1}\nvllm:gpu_cache_usage_perc{{model_name=\"mock\"}} 0.1\n", script.waiting.unwrap_or(0.0))))
-                .unwrap_or_else(|_| Response::new(full(""))),
+            ("GET", "/metrics", Flavor::Vllm) => {
+                let (running, waiting, cache) = match self.sim() {
+                    Some(s) => {
+                        let (r, w) = s.load();
+                        let (q, h) = (s.queries.load(std::sync::atomic::Ordering::Relaxed), s.hits.load(std::sync::atomic::Ordering::Relaxed));
+                        (f64::from(r), f64::from(w), format!("vllm:prefix_cache_queries_total{{model_name=\"mock\"}} {q}.0\nvllm:prefix_cache_hits_total{{model_name=\"mock\"}} {h}.0\n"))
+                    }
+                    None => (0.0, script.waiting.unwrap_or(0.0), String::new()),
+                };
+                Response::builder()
+                    .status(200)
+                    .header("content-type", "text/plain; version=0.0.4")
+                    .body(full(format!("# HELP vllm:num_requests_running Number of requests running.\n# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{model_name=\"mock\"}} {running:.1}\nvllm:num_requests_waiting{{model_name=\"mock\"}} {waiting:.1}\nvllm:gpu_cache_usage_perc{{model_name=\"mock\"}} 0.1\n{cache}")))
+                    .unwrap_or_else(|_| Response::new(full("")))
+            }
             ("GET", "/api/tags", Flavor::Ollama) => {
                 let list: Vec<Value> = script.models.clone().unwrap_or_default().iter().map(|m| json!({"name": m, "model": m, "modified_at": "2024-01-01T00:00:00Z", "size": 4683087332u64, "digest": "0", "details": {"format": "gguf", "family": "qwen2", "parameter_size": "7.6B", "quantization_level": "Q4_K_M"}})).collect();
                 self.json_response(200, &json!({"models": list}), &rule.headers)

@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 pub mod mock;
+pub mod sim;
 
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;

@@ -562,3 +562,41 @@ async fn a_hedge_goes_to_another_address_of_the_same_endpoint() {
         );
     }
 }
+
+/// A request whose attempt failed at one address tries the others, never that one again
+/// (before, a retry drew its address anew and could land on the failed one twice more, and the
+/// client got a 503 while two replicas served).
+#[tokio::test]
+async fn a_request_never_retries_the_address_that_failed_it() {
+    let bad =
+        MockUp::openai("name: bad\nrules: [{when: {path: /v1/chat/completions}, status: 500}]")
+            .await;
+    let (g0, g1) = (
+        MockUp::openai("name: g0").await,
+        MockUp::openai("name: g1").await,
+    );
+    // Never ejected (100 in a row), drawn at random: only the request's own memory keeps its
+    // retries away from the bad address.
+    let mut gw = Gw::start(&replicas_cfg(
+        &[bad.base(), g0.base(), g1.base()],
+        "    balance: { strategy: random, affinity: none }\nhealth: { probe_interval: 1h, eject_after: 100 }\n",
+    ));
+    gw.ready().await;
+    for i in 0..40 {
+        assert_eq!(gw.chat("m", &format!("q{i}")).await.status(), 200);
+    }
+    assert!(
+        chat_calls(&bad.stats().await) >= 1,
+        "the bad address was tried"
+    );
+    gw.stop();
+    let conn = rusqlite::Connection::open(gw.db()).unwrap();
+    let twice: i64 = conn
+        .query_row(
+            "SELECT COUNT(*) FROM (SELECT request_row, address FROM attempts WHERE address IS NOT NULL GROUP BY request_row, address HAVING COUNT(*) > 1)",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(twice, 0, "an address tried twice for one request");
+}

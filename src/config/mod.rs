@@ -472,7 +472,13 @@ mod discovered_tests {
             Config::load("models:\n  m: { type: openai, base_url: \"http://127.0.0.1:9/v1\" }\n")
                 .unwrap();
         assert_eq!(d.endpoints["m"].balance, Balance::default());
+        // `random`: today's balance, no affinity unless asked for.
         let b = Config::load(&at("random")).unwrap().endpoints["m"].balance;
+        assert!(b.random && !b.affinity);
+        let b = Config::load(&at("{ strategy: random, affinity: prefix }"))
+            .unwrap()
+            .endpoints["m"]
+            .balance;
         assert!(b.random && b.affinity);
         let b = Config::load(&at(
             "{ strategy: least_loaded, affinity: none, affinity_load: 2, max_ejection_percent: 34 }",

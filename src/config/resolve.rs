@@ -1084,6 +1084,9 @@ fn balance(at: &str, v: &serde_json::Value) -> Result<Balance, ConfigError> {
         ))),
     };
     let mut b = Balance::default();
+    // `random` is the balance of old: any usable address, no conversation kept anywhere
+    // (unless `affinity` says otherwise).
+    let mut affinity_set = false;
     match v {
         Value::Object(m) => {
             for (k, v) in m {
@@ -1101,6 +1104,7 @@ fn balance(at: &str, v: &serde_json::Value) -> Result<Balance, ConfigError> {
                 match k.as_str() {
                     "strategy" => b.random = strategy(&at, v)?,
                     "affinity" => {
+                        affinity_set = true;
                         b.affinity = match v.as_str() {
                             Some("prefix") => true,
                             Some("none") => false,
@@ -1123,6 +1127,9 @@ fn balance(at: &str, v: &serde_json::Value) -> Result<Balance, ConfigError> {
             }
         }
         v => b.random = strategy(at, v)?,
+    }
+    if b.random && !affinity_set {
+        b.affinity = false;
     }
     Ok(b)
 }

@@ -723,7 +723,7 @@ pub fn cluster_display(url: &str) -> Option<String> {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Balance {
     /// `least_loaded` (the default: the cheaper of two usable addresses drawn at random, by
-    /// latency × load) or `random` (any usable address).
+    /// latency × load) or `random` (any usable address; no affinity unless `affinity` is given).
     pub random: bool,
     /// `affinity: prefix` (the default): a conversation goes back to the address that served
     /// its earlier turns while that one is not overloaded; `none`: every request balanced anew.

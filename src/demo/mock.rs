@@ -190,7 +190,10 @@ fn words(text: &str) -> u64 {
 
 impl Mock {
     pub fn new(flavor: Flavor, script: Script) -> Arc<Mock> {
-        let sim = script.sim.clone().map(|s| Arc::new(super::sim::Sim::new(s)));
+        let sim = script
+            .sim
+            .clone()
+            .map(|s| Arc::new(super::sim::Sim::new(s)));
         Arc::new(Mock {
             flavor,
             script: Mutex::new(script),
@@ -627,9 +630,25 @@ impl Mock {
                 tokio::time::sleep(admitted.per_token * admitted.output_tokens as u32).await;
             }
             let resp = if path == "/v1/chat/completions" {
-                self.chat(&body, &model, &reply, &rule, stream, admitted.per_token, kill)
+                self.chat(
+                    &body,
+                    &model,
+                    &reply,
+                    &rule,
+                    stream,
+                    admitted.per_token,
+                    kill,
+                )
             } else {
-                self.completion(&body, &model, &reply, &rule, stream, admitted.per_token, kill)
+                self.completion(
+                    &body,
+                    &model,
+                    &reply,
+                    &rule,
+                    stream,
+                    admitted.per_token,
+                    kill,
+                )
             };
             let slot = admitted.slot;
             return resp.map(|b| {
@@ -647,21 +666,36 @@ impl Mock {
             }
             ("POST", "/tokenize", Flavor::Vllm) => {
                 // vLLM's answer shape; the count is the mock's usual estimate.
-                let chars = crate::wire::prompt_chars(body.as_object().unwrap_or(&serde_json::Map::new()));
+                let chars =
+                    crate::wire::prompt_chars(body.as_object().unwrap_or(&serde_json::Map::new()));
                 let n = crate::wire::estimate_tokens(chars);
                 let v = json!({"count": n, "max_model_len": script.context_window.unwrap_or(32768), "tokens": vec![0; n as usize]});
                 self.json_response(200, &v, &rule.headers)
             }
-            ("GET", "/health", Flavor::Vllm) => Response::builder().status(200).body(full("")).unwrap_or_else(|_| Response::new(full(""))),
+            ("GET", "/health", Flavor::Vllm) => Response::builder()
+                .status(200)
+                .body(full(""))
+                .unwrap_or_else(|_| Response::new(full(""))),
             // Every flavor answers /health, so an image running a mock backend passes its own
             // Docker HEALTHCHECK.
-            ("GET", "/health", _) => self.json_response(200, &json!({"status": "ok"}), &BTreeMap::new()),
+            ("GET", "/health", _) => {
+                self.json_response(200, &json!({"status": "ok"}), &BTreeMap::new())
+            }
             ("GET", "/metrics", Flavor::Vllm) => {
                 let (running, waiting, cache) = match self.sim() {
                     Some(s) => {
                         let (r, w) = s.load();
-                        let (q, h) = (s.queries.load(std::sync::atomic::Ordering::Relaxed), s.hits.load(std::sync::atomic::Ordering::Relaxed));
-                        (f64::from(r), f64::from(w), format!("vllm:prefix_cache_queries_total{{model_name=\"mock\"}} {q}.0\nvllm:prefix_cache_hits_total{{model_name=\"mock\"}} {h}.0\n"))
+                        let (q, h) = (
+                            s.queries.load(std::sync::atomic::Ordering::Relaxed),
+                            s.hits.load(std::sync::atomic::Ordering::Relaxed),
+                        );
+                        (
+                            f64::from(r),
+                            f64::from(w),
+                            format!(
+                                "vllm:prefix_cache_queries_total{{model_name=\"mock\"}} {q}.0\nvllm:prefix_cache_hits_total{{model_name=\"mock\"}} {h}.0\n"
+                            ),
+                        )
                     }
                     None => (0.0, script.waiting.unwrap_or(0.0), String::new()),
                 };
@@ -679,7 +713,9 @@ impl Mock {
                 let list: Vec<Value> = script.loaded.clone().unwrap_or_default().iter().map(|m| json!({"name": m, "model": m, "size": 5137025024u64, "digest": "0", "expires_at": "2099-01-01T00:00:00Z", "size_vram": 5137025024u64})).collect();
                 self.json_response(200, &json!({"models": list}), &rule.headers)
             }
-            ("GET", "/api/version", Flavor::Ollama) => self.json_response(200, &json!({"version": "0.5.0"}), &rule.headers),
+            ("GET", "/api/version", Flavor::Ollama) => {
+                self.json_response(200, &json!({"version": "0.5.0"}), &rule.headers)
+            }
             ("POST", "/v1/chat/completions", _) => {
                 let reply = continued(self.flavor, &body, &reply);
                 self.chat(&body, &model, &reply, &rule, stream, chunk_delay, kill)
@@ -703,7 +739,11 @@ impl Mock {
                 }
                 // A conversation continues only from a response this server stored.
                 if let Some(prev) = body.get("previous_response_id").and_then(Value::as_str)
-                    && !self.stored.lock().unwrap_or_else(|e| e.into_inner()).contains_key(prev)
+                    && !self
+                        .stored
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .contains_key(prev)
                 {
                     return self.error(
                         &path,
@@ -716,27 +756,61 @@ impl Mock {
                 }
                 self.responses(&body, &model, &reply, &rule, stream, chunk_delay, kill)
             }
-            ("GET" | "DELETE", p, Flavor::Openai | Flavor::Vllm) if p.starts_with("/v1/responses/") => {
+            ("GET" | "DELETE", p, Flavor::Openai | Flavor::Vllm)
+                if p.starts_with("/v1/responses/") =>
+            {
                 let id = &p["/v1/responses/".len()..];
                 let mut stored = self.stored.lock().unwrap_or_else(|e| e.into_inner());
-                let found = if method == "DELETE" { stored.remove(id) } else { stored.get(id).cloned() };
+                let found = if method == "DELETE" {
+                    stored.remove(id)
+                } else {
+                    stored.get(id).cloned()
+                };
                 drop(stored);
                 match found {
-                    Some(_) if method == "DELETE" => self.json_response(200, &json!({"id": id, "object": "response", "deleted": true}), &rule.headers),
+                    Some(_) if method == "DELETE" => self.json_response(
+                        200,
+                        &json!({"id": id, "object": "response", "deleted": true}),
+                        &rule.headers,
+                    ),
                     Some(v) => self.json_response(200, &v, &rule.headers),
-                    None => self.error(&path, 404, &format!("Response with id '{id}' not found."), Some("invalid_request_error"), None, &BTreeMap::new()),
+                    None => self.error(
+                        &path,
+                        404,
+                        &format!("Response with id '{id}' not found."),
+                        Some("invalid_request_error"),
+                        None,
+                        &BTreeMap::new(),
+                    ),
                 }
             }
-            ("POST", "/api/chat", Flavor::Ollama) => {
-                self.ollama_native(&body, &model, &reply, &rule, stream, chunk_delay, kill, true)
-            }
-            ("POST", "/api/generate", Flavor::Ollama) => {
-                self.ollama_native(&body, &model, &reply, &rule, stream, chunk_delay, kill, false)
-            }
+            ("POST", "/api/chat", Flavor::Ollama) => self.ollama_native(
+                &body,
+                &model,
+                &reply,
+                &rule,
+                stream,
+                chunk_delay,
+                kill,
+                true,
+            ),
+            ("POST", "/api/generate", Flavor::Ollama) => self.ollama_native(
+                &body,
+                &model,
+                &reply,
+                &rule,
+                stream,
+                chunk_delay,
+                kill,
+                false,
+            ),
             ("POST", "/api/embed", Flavor::Ollama) => {
                 let inputs: Vec<String> = match body.get("input") {
                     Some(Value::String(s)) => vec![s.clone()],
-                    Some(Value::Array(a)) => a.iter().filter_map(|v| v.as_str().map(str::to_string)).collect(),
+                    Some(Value::Array(a)) => a
+                        .iter()
+                        .filter_map(|v| v.as_str().map(str::to_string))
+                        .collect(),
                     _ => vec![],
                 };
                 let embeddings: Vec<Vec<f32>> = inputs.iter().map(|t| embed(t)).collect();
@@ -744,7 +818,14 @@ impl Mock {
                 let v = json!({"model": model, "embeddings": embeddings, "total_duration": 1000, "load_duration": 100, "prompt_eval_count": n});
                 self.json_response(200, &v, &rule.headers)
             }
-            _ => self.error(&path, 404, &format!("Invalid URL ({method} {path})"), Some("invalid_request_error"), None, &BTreeMap::new()),
+            _ => self.error(
+                &path,
+                404,
+                &format!("Invalid URL ({method} {path})"),
+                Some("invalid_request_error"),
+                None,
+                &BTreeMap::new(),
+            ),
         }
     }
 

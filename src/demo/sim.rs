@@ -106,7 +106,8 @@ impl Sim {
         let cached = cached.min(tokens);
         self.queries.fetch_add(tokens, Ordering::Relaxed);
         self.hits.fetch_add(cached, Ordering::Relaxed);
-        let prefill = Duration::from_secs_f64((tokens - cached) as f64 * self.spec.prefill_us / 1e6);
+        let prefill =
+            Duration::from_secs_f64((tokens - cached) as f64 * self.spec.prefill_us / 1e6);
         tokio::time::sleep(prefill).await;
         let asked = body
             .get("max_completion_tokens")
@@ -114,7 +115,10 @@ impl Sim {
             .and_then(Value::as_u64);
         Admitted {
             slot,
-            output_tokens: asked.or(self.spec.output_tokens).unwrap_or(32).clamp(1, 4096),
+            output_tokens: asked
+                .or(self.spec.output_tokens)
+                .unwrap_or(32)
+                .clamp(1, 4096),
             per_token: Duration::from_secs_f64(self.spec.decode_ms.max(0.0) / 1e3),
         }
     }
@@ -203,7 +207,10 @@ impl Lru {
 
     /// How many of `blocks`, from the first, are held.
     fn longest_prefix(&self, blocks: &[u64]) -> usize {
-        blocks.iter().take_while(|b| self.at.contains_key(b)).count()
+        blocks
+            .iter()
+            .take_while(|b| self.at.contains_key(b))
+            .count()
     }
 
     fn touch(&mut self, block: u64) {
@@ -249,7 +256,8 @@ mod tests {
         drop(sim.admit(&t2).await);
         let hits = sim.hits.load(Ordering::Relaxed);
         assert!(hits >= 9 * BLOCK_TOKENS, "{hits}");
-        let other = json!({"messages": [{"role": "user", "content": "y".repeat(BLOCK_CHARS * 10)}]});
+        let other =
+            json!({"messages": [{"role": "user", "content": "y".repeat(BLOCK_CHARS * 10)}]});
         drop(sim.admit(&other).await);
         assert_eq!(sim.hits.load(Ordering::Relaxed), hits);
         // Two blocks of room: the first conversation's leading blocks are gone.

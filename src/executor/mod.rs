@@ -155,6 +155,9 @@ struct Run {
     responses: Option<Arc<responses::ResponsesCtx>>,
     /// The pinned endpoint said it no longer holds the conversation: it gets the replay too.
     pin_lost: bool,
+    /// Addresses that failed this request for a reason of their own: its later attempts go
+    /// elsewhere while another address can take them.
+    failed_at: Vec<Arc<str>>,
     /// Endpoints that answered this request's `/responses` with a 404 that may be about the
     /// request alone: this request goes to them translated, the others as the endpoint speaks.
     chat_here: Vec<String>,
@@ -270,6 +273,7 @@ pub fn execute(
         waited: Duration::ZERO,
         responses: caller.responses.map(Arc::new),
         pin_lost: false,
+        failed_at: Vec::new(),
         chat_here: Vec::new(),
     });
     let client = run.client.clone().unwrap_or_default();
@@ -761,7 +765,7 @@ impl Run {
         &self,
         ep: &Endpoint,
         translate: bool,
-        avoid: Option<&str>,
+        avoid: &[Arc<str>],
     ) -> Result<Option<Picked>, Failure> {
         let t = tuning(&self.cfg, ep);
         let mut want = Want {
@@ -796,7 +800,7 @@ impl Run {
     async fn attempt(&mut self, ep: &Endpoint, key: Option<&Secret>) -> Result<Success, Failure> {
         let t0 = Instant::now();
         let translate = self.translates(ep);
-        let picked = self.address_for(ep, translate, None)?;
+        let picked = self.address_for(ep, translate, &self.failed_at)?;
         let base = picked.as_ref().map(|p| p.base.clone());
         // Only a Responses request may go as another (its pinned form or replay): the others'
         // attempts borrow the request, without a reference count taken and given back.
@@ -847,16 +851,18 @@ impl Run {
     /// Starts an attempt as a future of its own (it borrows nothing of the `Run`), so it can be
     /// raced against a hedge; dropping it closes its upstream connection.
     /// `avoid`: an address of `ep` not to go to (the one the first copy of a hedged request
-    /// went to).
+    /// went to), besides those that failed this request.
     fn start(
         &mut self,
         ep: &Arc<Endpoint>,
         key_idx: Option<usize>,
-        avoid: Option<&str>,
+        avoid: Option<Arc<str>>,
     ) -> Result<Racing, Failure> {
         let t0 = Instant::now();
         let translate = self.translates(ep);
-        let picked = self.address_for(ep, translate, avoid)?;
+        let mut not_there = self.failed_at.clone();
+        not_there.extend(avoid);
+        let picked = self.address_for(ep, translate, &not_there)?;
         let base = picked.as_ref().map(|p| p.base.clone());
         let address: Option<Arc<str>> = base.as_deref().map(Arc::from);
         // The request's own key (x-encrypted-key) for OpenAI-type endpoints, else key `key_idx`.
@@ -1152,6 +1158,14 @@ impl Run {
             internal,
             address: f.address.clone(),
         });
+        // An address that failed for a reason of its own gets no other attempt of this request
+        // while another address can take it.
+        if let Some(at) = &f.address
+            && address_fault(f.class)
+            && self.failed_at.len() < 64
+        {
+            self.failed_at.push(at.clone());
+        }
         let hints = Hints {
             retry_after: f.retry_after,
             endpoint_cooldown: ep.cooldown,
@@ -1406,6 +1420,19 @@ fn stamp(result: &mut Result<Success, Failure>, picked: Option<Picked>) {
     }
 }
 
+/// A failure that is the address's own (no connection, the connection lost, a 5xx, a
+/// timeout): it counts toward ejecting the address, and the request tries another.
+fn address_fault(class: Outcome) -> bool {
+    matches!(
+        class,
+        Outcome::Connect
+            | Outcome::Connection
+            | Outcome::Timeout
+            | Outcome::FirstTokenTimeout
+            | Outcome::Server
+    )
+}
+
 /// How an attempt's address did: an answer teaches its latency; a failure of the address's own
 /// (no connection, the connection lost, a 5xx, a timeout) counts toward ejecting it alone.
 fn address_feedback(
@@ -1420,18 +1447,7 @@ fn address_feedback(
         Ok(_) => app
             .registry
             .address_answered(endpoint, base, sent.elapsed(), t),
-        Err(f)
-            if matches!(
-                f.class,
-                Outcome::Connect
-                    | Outcome::Connection
-                    | Outcome::Timeout
-                    | Outcome::FirstTokenTimeout
-                    | Outcome::Server
-            ) =>
-        {
-            app.registry.address_failed(endpoint, base, t)
-        }
+        Err(f) if address_fault(f.class) => app.registry.address_failed(endpoint, base, t),
         Err(_) => {}
     }
 }

@@ -171,7 +171,7 @@ impl Run {
         {
             return None;
         }
-        match self.start(a, key_idx, Some(&avoid)) {
+        match self.start(a, key_idx, Some(avoid)) {
             Ok(r) => {
                 self.hedges_sent += 1;
                 Some((a.clone(), r))

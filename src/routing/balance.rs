@@ -92,6 +92,13 @@ pub struct Address {
     standing: Standing,
     /// The server's own queue (vLLM: waiting + running) and when it was read.
     queue: Option<(u32, Instant)>,
+    /// When it last failed a request or a probe.
+    last_failure: Option<Instant>,
+    /// Its last requests' outcomes, newest in the lowest bit (1: failed), and how many of the
+    /// 32 bits are outcomes yet: an address failing a share of its requests, never enough in a
+    /// row, is ejected by its failure rate (Envoy's failure-percentage detection).
+    outcomes: u32,
+    outcomes_seen: u8,
 }
 
 impl Address {
@@ -109,6 +116,9 @@ impl Address {
             ejected_total: 0,
             standing: Standing::Active,
             queue: None,
+            last_failure: None,
+            outcomes: 0,
+            outcomes_seen: 0,
         }
     }
 
@@ -122,6 +132,17 @@ impl Address {
 
     pub fn usable(&self, now: Instant) -> bool {
         self.standing(now) == Standing::Active
+    }
+
+    /// Whether conversations may be kept here: usable, and no failure within the latency
+    /// estimate's memory (`decay`). An address failing some of its requests (not enough in a
+    /// row to be ejected) keeps no conversation — each would be one more failure to retry —
+    /// and load balancing, which its failures make it dear to, sends it little.
+    pub fn keeps_conversations(&self, now: Instant, t: &Tuning) -> bool {
+        self.usable(now)
+            && self
+                .last_failure
+                .is_none_or(|f| now.saturating_duration_since(f) >= t.decay)
     }
 
     /// The latency estimate at `now`: it decays toward zero while nothing is measured, so an
@@ -152,6 +173,22 @@ impl Address {
         };
         self.stamp = now;
         self.failures = 0;
+        self.record(false);
+    }
+
+    fn record(&mut self, failed: bool) {
+        self.outcomes = (self.outcomes << 1) | u32::from(failed);
+        self.outcomes_seen = self.outcomes_seen.saturating_add(1).min(32);
+    }
+
+    /// Of its last `RATE_WINDOW` requests (once it has had `RATE_MIN`), the share that failed.
+    fn failure_rate(&self) -> Option<f64> {
+        let n = u32::from(self.outcomes_seen).min(RATE_WINDOW);
+        if n < RATE_MIN {
+            return None;
+        }
+        let window = if n >= 32 { u32::MAX } else { (1u32 << n) - 1 };
+        Some(f64::from((self.outcomes & window).count_ones()) / f64::from(n))
     }
 
     /// The server's own queue, while its sample is fresh.
@@ -182,7 +219,8 @@ impl Address {
             (Standing::HalfOpen, false) => self.eject(now, t),
             (Standing::Active, true) => {}
             (Standing::Active, false) | (Standing::Ejected(_), false) => {
-                self.failures = self.failures.saturating_add(1)
+                self.failures = self.failures.saturating_add(1);
+                self.last_failure = Some(now);
             }
             (Standing::Ejected(_), true) => {}
         }
@@ -195,6 +233,9 @@ impl Address {
         self.ejections = self.ejections.saturating_add(1);
         self.ejected_total = self.ejected_total.saturating_add(1);
         self.failures = 0;
+        // Back from it, it is judged on what it does then.
+        self.outcomes = 0;
+        self.outcomes_seen = 0;
     }
 }
 
@@ -266,6 +307,9 @@ impl Addresses {
         if exact {
             return Some(i);
         }
+        if !self.list[i].keeps_conversations(now, t) {
+            return None;
+        }
         (t.affinity && self.list[i].load(now, t) + 1.0 <= self.bound(now, t)).then_some(i)
     }
 
@@ -314,18 +358,19 @@ impl Addresses {
         self.cheaper_of_two(&usable, now, t, rng)
     }
 
-    /// [`Addresses::pick`] among the usable addresses but `avoid` (a hedge's second copy goes
-    /// elsewhere than its first). `None` when no other is usable.
+    /// [`Addresses::pick`] among the usable addresses but those of `avoid` (a request's retry
+    /// goes elsewhere than where it failed, a hedge's second copy elsewhere than its first).
+    /// `None` when no other is usable.
     pub fn pick_other(
         &self,
-        avoid: &str,
+        avoid: &[Arc<str>],
         now: Instant,
         t: &Tuning,
         rng: &mut fastrand::Rng,
     ) -> Option<usize> {
         let usable: Vec<usize> = self
             .usable(now)
-            .filter(|&i| self.list[i].url != avoid)
+            .filter(|&i| !avoid.iter().any(|a| **a == *self.list[i].url))
             .collect();
         self.cheaper_of_two(&usable, now, t, rng)
     }
@@ -368,7 +413,9 @@ impl Addresses {
         let start = self.ring.partition_point(|(h, _)| *h < key);
         (0..self.ring.len())
             .map(|k| self.ring[(start + k) % self.ring.len()].1)
-            .find(|&i| self.list[i].usable(now) && self.list[i].load(now, t) + 1.0 <= bound)
+            .find(|&i| {
+                self.list[i].keeps_conversations(now, t) && self.list[i].load(now, t) + 1.0 <= bound
+            })
     }
 
     /// A failed attempt (connect error, 5xx, timeout) at `i`: ejected after `eject_after` in a
@@ -381,10 +428,13 @@ impl Addresses {
             return false;
         };
         a.failures = a.failures.saturating_add(1);
+        a.last_failure = Some(now);
         a.rtt = a.rtt(now, t).max(t.failure_rtt.as_secs_f64());
         a.measured = true;
         a.stamp = now;
-        if a.usable(now) && a.failures >= t.eject_after && room {
+        a.record(true);
+        let rate_out = a.failure_rate().is_some_and(|r| r >= RATE_EJECT);
+        if a.usable(now) && (a.failures >= t.eject_after || rate_out) && room {
             a.eject(now, t);
             return true;
         }
@@ -400,6 +450,13 @@ impl Addresses {
         Some(InFlight::new(shared.clone(), a))
     }
 }
+
+/// The failure rate that ejects an address: of its last [`RATE_WINDOW`] requests, once it has
+/// had [`RATE_MIN`]. Only an address failing far more than a busy server's occasional error:
+/// a healthy replica's retry is rarer than one in four.
+const RATE_EJECT: f64 = 0.25;
+const RATE_WINDOW: u32 = 20;
+const RATE_MIN: u32 = 10;
 
 /// The most addresses an endpoint holds (as `base_urls` may list: `config::MAX_ADDRESSES`).
 pub const MAX: usize = 64;
@@ -880,5 +937,74 @@ mod tests {
             home.iter().all(|h| *h != 2),
             "an overloaded replica kept conversations"
         );
+    }
+
+    /// An address that failed a request keeps no conversation for a while (they walk on to the
+    /// next on the ring), unless it alone holds one.
+    #[tokio::test(start_paused = true)]
+    async fn a_failing_address_keeps_no_conversation() {
+        let t = Tuning::default();
+        let now = Instant::now();
+        let mut a = fleet(3, now, &t);
+        let keys: Vec<u64> = (0..100)
+            .map(|i| conversation_key(&format!("k{i}")))
+            .collect();
+        let home: Vec<usize> = keys
+            .iter()
+            .map(|k| a.pick_affine(*k, now, &t).unwrap())
+            .collect();
+        assert!(home.contains(&1));
+        a.failed(1, now, &t);
+        assert!(a.list[1].usable(now), "one failure ejects nothing");
+        for (k, h) in keys.iter().zip(&home) {
+            let at = a.pick_affine(*k, now, &t).unwrap();
+            assert_ne!(at, 1);
+            if *h != 1 {
+                assert_eq!(at, *h, "the others' conversations stay");
+            }
+        }
+        let url = a.list[1].url.clone();
+        assert_eq!(a.preferred(&url, false, now, &t), None);
+        assert_eq!(a.preferred(&url, true, now, &t), Some(1));
+        // Its failure forgotten, it keeps them again.
+        let later = now + t.decay;
+        for (k, h) in keys.iter().zip(&home) {
+            assert_eq!(a.pick_affine(*k, later, &t), Some(*h));
+        }
+    }
+
+    /// An address failing every other request — never enough in a row — is ejected by its
+    /// failure rate once it has had ten; one failing now and then is not.
+    #[tokio::test(start_paused = true)]
+    async fn a_failure_rate_ejects_what_failures_in_a_row_do_not() {
+        let t = Tuning::default();
+        let now = Instant::now();
+        let mut a = fleet(4, now, &t);
+        let mut ejected_at = None;
+        for n in 0..40 {
+            if n % 2 == 0 {
+                if a.failed(0, now, &t) {
+                    ejected_at = Some(n);
+                    break;
+                }
+            } else {
+                a.list[0].observe(Duration::from_millis(20), now, &t);
+            }
+        }
+        let n = ejected_at.expect("ejected by its rate");
+        assert!(
+            n >= RATE_MIN as usize - 1,
+            "not before it had {RATE_MIN}: {n}"
+        );
+        assert!(!a.list[0].usable(now));
+        // One in ten: never.
+        for n in 0..200 {
+            if n % 10 == 0 {
+                assert!(!a.failed(1, now, &t), "ejected at {n}");
+            } else {
+                a.list[1].observe(Duration::from_millis(20), now, &t);
+            }
+        }
+        assert!(a.list[1].usable(now));
     }
 }

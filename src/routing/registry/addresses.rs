@@ -2,6 +2,7 @@
 //! config and Docker's view, picked by load for each attempt, told how each attempt and probe
 //! went (the policy is `routing::balance`).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -25,8 +26,9 @@ pub struct Want<'a> {
     /// `prefer` is where the conversation is (the upstream holds it under its own id): that
     /// address whatever its load, while it is usable.
     pub exact: bool,
-    /// Any address but this one (a hedge's second copy), by load.
-    pub avoid: Option<&'a str>,
+    /// Addresses not to go to, while another is usable: those that failed this request, the
+    /// one a hedge's first copy went to. The rest are picked by load alone.
+    pub avoid: &'a [Arc<str>],
 }
 
 /// The address an attempt goes to, counted in flight while it runs.
@@ -75,9 +77,18 @@ impl Registry {
         let (base, in_flight) = {
             let mut g = shared.lock().unwrap_or_else(|e| e.into_inner());
             let mut rng = fastrand::Rng::new();
-            let i = match (want.avoid, want.prefer) {
-                (Some(avoid), _) => g.pick_other(avoid, now, t, &mut rng).ok_or(NoAddress)?,
-                (None, Some(u)) if let Some(i) = g.preferred(u, want.exact, now, t) => i,
+            let i = match want.prefer {
+                Some(u)
+                    if want.exact
+                        && !want.avoid.iter().any(|a| &**a == u)
+                        && let Some(i) = g.preferred(u, true, now, t) =>
+                {
+                    i
+                }
+                _ if !want.avoid.is_empty() => g
+                    .pick_other(want.avoid, now, t, &mut rng)
+                    .ok_or(NoAddress)?,
+                Some(u) if let Some(i) = g.preferred(u, want.exact, now, t) => i,
                 _ => g.pick_for(want.key, now, t, &mut rng).ok_or(NoAddress)?,
             };
             let a = &mut g.list[i];

@@ -600,3 +600,45 @@ async fn a_request_never_retries_the_address_that_failed_it() {
         .unwrap();
     assert_eq!(twice, 0, "an address tried twice for one request");
 }
+
+/// A replica whose process died is ejected by its own probes, before any client's request
+/// finds it; the others serve.
+#[tokio::test]
+async fn a_dead_replica_is_ejected_by_its_probes_alone() {
+    let alive = MockUp::openai("name: alive").await;
+    let dead = MockUp::openai("name: dead").await;
+    let dead_base = dead.base();
+    let mut gw = Gw::start(&replicas_cfg(
+        &[alive.base(), dead_base.clone()],
+        "health: { probe_interval: 200ms, eject_after: 2, eject_base: 1h, eject_max: 1h }\n",
+    ));
+    gw.ready().await;
+    // Both probed and active first.
+    let both = eventually(Duration::from_secs(10), || async {
+        gw.status().await["endpoints"]["m"]["addresses"]
+            .as_array()
+            .is_some_and(|a| a.len() == 2 && a.iter().all(|a| a["state"] == "active"))
+    })
+    .await;
+    assert!(both, "{}", gw.status().await["endpoints"]["m"]);
+    drop(dead);
+    let ejected = eventually(Duration::from_secs(20), || async {
+        gw.status().await["endpoints"]["m"]["addresses"]
+            .as_array()
+            .is_some_and(|a| {
+                a.iter()
+                    .any(|a| a["url"] == dead_base.as_str() && a["state"] == "ejected")
+            })
+    })
+    .await;
+    assert!(ejected, "{}", gw.status().await["endpoints"]["m"]);
+    assert_eq!(alive.requests().await, 0, "no client request was needed");
+    for i in 0..10 {
+        assert_eq!(gw.chat("m", &format!("q{i}")).await.status(), 200);
+    }
+    assert_eq!(chat_calls(&alive.stats().await), 10);
+    let st = gw.status().await;
+    assert_ne!(st["endpoints"]["m"]["state"], "unhealthy", "{st}");
+    gw.stop();
+    assert!(gw.db_text().contains("its probes failed in a row"));
+}

@@ -441,6 +441,24 @@ impl Addresses {
         false
     }
 
+    /// A probe of `i`: [`Address::probed`], and an active address whose probes (with its
+    /// requests) failed `eject_after` times in a row is ejected — unless that would put more
+    /// than `max_ejection_percent` of the addresses out. Whether it was ejected.
+    pub fn probed(&mut self, i: usize, ok: bool, now: Instant, t: &Tuning) -> bool {
+        let out = self.list.iter().filter(|a| !a.usable(now)).count();
+        let room = ((out + 1) as f64) <= t.max_ejection_percent * self.list.len() as f64;
+        let Some(a) = self.list.get_mut(i) else {
+            return false;
+        };
+        let was_active = a.usable(now);
+        a.probed(ok, now, t);
+        if was_active && !ok && a.failures >= t.eject_after && room {
+            a.eject(now, t);
+            return true;
+        }
+        false
+    }
+
     /// A request sent to `i`: counted in flight until the guard is dropped (answered, failed,
     /// cancelled or hedged away alike).
     pub fn start(shared: &Arc<Mutex<Addresses>>, i: usize) -> Option<InFlight> {

@@ -129,18 +129,38 @@ impl Registry {
         }
     }
 
-    /// A probe of `base`: a half-open address comes back on success.
+    /// A probe of `base`: a half-open address comes back on success; an active one whose
+    /// probes fail `eject_after` times in a row (a process that died) is ejected.
     pub fn address_probed(&self, endpoint: &str, base: &str, ok: bool, t: &Tuning) {
-        let back = self.with_address(endpoint, base, |a, now| {
-            let was = a.standing(now);
-            a.probed(ok, now, t);
-            was == Standing::HalfOpen && a.usable(now)
-        });
-        if back == Some(true) {
+        let Some(rt) = self.get(endpoint) else {
+            return;
+        };
+        let shared = lock(&rt).addresses.clone();
+        let (back, ejected) = {
+            let mut g = shared.lock().unwrap_or_else(|e| e.into_inner());
+            let now = Instant::now();
+            let Some(i) = g.list.iter().position(|a| a.url == base) else {
+                return;
+            };
+            let was = g.list[i].standing(now);
+            let ejected = g.probed(i, ok, now, t);
+            (was == Standing::HalfOpen && g.list[i].usable(now), ejected)
+        };
+        if back {
             self.event(
                 endpoint,
                 "address_back",
                 &format!("{base}: its probe passed"),
+            );
+        }
+        if ejected {
+            self.ejections.notify_waiters();
+            self.event(
+                endpoint,
+                "address_ejected",
+                &format!(
+                    "{base}: its probes failed in a row; the endpoint's other addresses serve"
+                ),
             );
         }
     }

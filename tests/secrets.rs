@@ -1039,6 +1039,71 @@ vault:
     gw.stop();
 }
 
+/// A client's own key (`x-encrypted-key`) that one replica of an endpoint refuses with 500s is
+/// the client's business too: its requests are served by another replica, and the replica is
+/// neither ejected nor avoided for anyone else (with `eject_after: 1`, before, the first such
+/// 500 ejected it for every tenant).
+#[tokio::test]
+async fn a_clients_own_key_failing_at_a_replica_ejects_it_for_no_one() {
+    let bao = Bao::start().await;
+    bao.with_transit_and_approle().await;
+    let r0 = MockUp::openai(
+        "name: r0\nrules: [{when: {key: sk-client-broken-7777}, status: 500, error: \"internal error for this account\"}]",
+    )
+    .await;
+    let r1 = MockUp::openai("name: r1").await;
+    let cfg = format!(
+        "models:\n  m:\n    type: openai\n    base_urls: [\"{}\", \"{}\"]\n    api_key: sk-shared-aaaa-1111\n    balance: {{ strategy: random, affinity: none }}\nhealth: {{ probe_interval: 1h, eject_after: 1, eject_base: 1h, eject_max: 1h }}\nvault:\n  address: \"{}\"\n  token: env:TEST_VAULT_TOKEN\n  transit_key: autohedge\n",
+        r0.base(),
+        r1.base(),
+        bao.addr
+    );
+    let gw = Gw::start_with_env(&cfg, &[("TEST_VAULT_TOKEN", ROOT_TOKEN)]);
+    gw.ready().await;
+    let broken = bao.encrypt("sk-client-broken-7777").await;
+    for _ in 0..20 {
+        let r = chat_with(&gw, "m", Some(&broken)).await;
+        assert_eq!(r.status(), 200, "served by the other replica");
+    }
+    let refused = r0.stats().await["key_tails"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| *t == "7777")
+        .count();
+    assert!(
+        refused >= 1,
+        "the client's key reached the replica that refuses it"
+    );
+    let st = gw.status().await;
+    for a in st["endpoints"]["m"]["addresses"].as_array().unwrap() {
+        assert_eq!(a["state"], "active", "{a}");
+    }
+    // The others: served by both replicas, every request by its first attempt.
+    let before = r0.requests().await;
+    for _ in 0..30 {
+        let r = chat_with(&gw, "m", None).await;
+        assert_eq!(r.status(), 200);
+    }
+    assert!(
+        r0.requests().await > before,
+        "the refusing replica serves the others"
+    );
+    let metrics = reqwest::get(gw.url("/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains(&format!(
+            "autohedge_address_ejections_total{{endpoint=\"m\",address=\"{}\"}} 0",
+            r0.base()
+        )),
+        "{metrics}"
+    );
+}
+
 /// A client's own key (`x-encrypted-key`) limited or refused by the upstream is the client's
 /// business: a 429 for it fails over with the same key, and when nothing serves the client gets
 /// the upstream's 429 with its `retry-after` (not a 503); a 410 or 404 likewise. None of it cools,

@@ -837,10 +837,10 @@ impl Run {
         if let Some(p) = &picked {
             address_feedback(
                 &self.app,
-                &ep.name,
-                &p.base,
+                (&ep.name, &p.base),
                 &result,
                 sent,
+                self.own_key_for(ep).is_some(),
                 &tuning(&self.cfg, ep),
             );
         }
@@ -921,7 +921,7 @@ impl Run {
             };
             // (A hedge raced away drops this future: its address is counted out all the same.)
             if let Some(p) = &picked {
-                address_feedback(&app, &ep.name, &p.base, &result, sent, &t);
+                address_feedback(&app, (&ep.name, &p.base), &result, sent, own_key, &t);
             }
             stamp(&mut result, picked);
             result
@@ -1434,20 +1434,24 @@ fn address_fault(class: Outcome) -> bool {
 }
 
 /// How an attempt's address did: an answer teaches its latency; a failure of the address's own
-/// (no connection, the connection lost, a 5xx, a timeout) counts toward ejecting it alone.
+/// (no connection, the connection lost, a 5xx, a timeout) counts toward ejecting it alone —
+/// unless the attempt was made with the request's own key (`x-encrypted-key`), whose failures
+/// are the client's and change nothing the others get.
 fn address_feedback(
     app: &AppState,
-    endpoint: &str,
-    base: &str,
+    (endpoint, base): (&str, &str),
     result: &Result<Success, Failure>,
     sent: Instant,
+    own_key: bool,
     t: &Tuning,
 ) {
     match result {
         Ok(_) => app
             .registry
             .address_answered(endpoint, base, sent.elapsed(), t),
-        Err(f) if address_fault(f.class) => app.registry.address_failed(endpoint, base, t),
+        Err(f) if address_fault(f.class) && !own_key => {
+            app.registry.address_failed(endpoint, base, t)
+        }
         Err(_) => {}
     }
 }

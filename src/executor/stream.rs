@@ -747,6 +747,7 @@ impl PassThrough {
         self.guard.break_recorded = true;
         // A stream cut by its server counts against that address as a failed attempt does.
         if let Some(at) = &broke_at
+            && self.guard.own_key.is_none()
             && matches!(
                 class,
                 Outcome::Connection | Outcome::Timeout | Outcome::FirstTokenTimeout

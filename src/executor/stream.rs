@@ -745,13 +745,12 @@ impl PassThrough {
             Some(detail.clone()),
         );
         self.guard.break_recorded = true;
-        // A stream cut by its server counts against that address as a failed attempt does.
+        // A stream cut by its server (the connection lost, or silent between events) counts
+        // against that address as a failed attempt does; one that ran out of its total time was
+        // being served — its length is the request's, not the address's fault.
         if let Some(at) = &broke_at
             && self.guard.own_key.is_none()
-            && matches!(
-                class,
-                Outcome::Connection | Outcome::Timeout | Outcome::FirstTokenTimeout
-            )
+            && matches!(class, Outcome::Connection | Outcome::FirstTokenTimeout)
         {
             let t = crate::routing::registry::tuning(&cfg, &from);
             app.registry.address_failed(&from.name, at, &t);

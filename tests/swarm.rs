@@ -385,7 +385,7 @@ async fn status_when(
 /// holds the phases' stack and outcomes (`Phases`).
 static SWARM: tokio::sync::Mutex<Phases> = tokio::sync::Mutex::const_new(Phases {
     stack: None,
-    outcomes: [const { None }; 7],
+    outcomes: [const { None }; 8],
 });
 
 /// Waits for the engine (30 s for one still starting) and the image of our binary; joins swarm
@@ -1367,7 +1367,7 @@ cluster: {{ redis: env:AUTOHEDGE_REDIS_URL, key_prefix: "swarm:" }}
 // the client traffic a phase needs is started and stopped within it.
 
 /// The phases, in order.
-const PHASE_NAMES: [&str; 7] = [
+const PHASE_NAMES: [&str; 8] = [
     "swarm_1_discovery_settles_within_the_stack",
     "swarm_2_a_killed_primary_fails_over_to_the_backup_and_back",
     "swarm_3_a_sick_primary_is_restarted_and_the_standby_scaled_up",
@@ -1375,13 +1375,14 @@ const PHASE_NAMES: [&str; 7] = [
     "swarm_5_a_replaced_gateway_scales_down_the_standby",
     "swarm_6_the_audit_trail_records_the_remediation",
     "swarm_7_the_dry_run_gateway_only_proposes",
+    "swarm_8_a_broken_task_of_three_is_ejected_alone",
 ];
 
 /// The Docker tests' shared state, behind `SWARM`: the phases' stack while it stands, and each
 /// phase's outcome (`Err`: its panic message, or its failed prerequisite).
 struct Phases {
     stack: Option<Stack>,
-    outcomes: [Option<Result<(), String>>; 7],
+    outcomes: [Option<Result<(), String>>; 8],
 }
 
 /// What the phases made and learned, as plain data. Dropping it removes the stack (`cleanup`
@@ -1491,7 +1492,8 @@ async fn run_phase(stack: &mut Option<Stack>, i: usize) {
         3 => recovery(s).await,
         4 => gateway_replaced(s).await,
         5 => audit_trail(s).await,
-        _ => dry_run(s).await,
+        6 => dry_run(s).await,
+        _ => broken_task(s).await,
     }
 }
 
@@ -1650,6 +1652,14 @@ async fn swarm_6_the_audit_trail_records_the_remediation() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn swarm_7_the_dry_run_gateway_only_proposes() {
     phase(6).await;
+}
+
+/// Phase 8: a service of three tasks, one of them broken (its mock answers 500 to everything,
+/// probes included): the broken task's address is ejected alone by its probes, and the service
+/// serves every client request on the other two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn swarm_8_a_broken_task_of_three_is_ejected_alone() {
+    phase(7).await;
 }
 
 /// Phase 1 (see `swarm_1_…`): makes the stack into `slot`.
@@ -1854,6 +1864,58 @@ async fn discovery(slot: &mut Option<Stack>) {
         "--flavor",
         "vllm",
     ]);
+    // Three tasks of one service, each reading the script of its own slot (a mount template):
+    // the third is broken (phase 8).
+    for slot in 1..=3 {
+        let d = dir.join(format!("fleet-{slot}"));
+        std::fs::create_dir_all(&d).unwrap();
+        let script = if slot == 3 {
+            // Inference calls and the probe's `GET /v1/models` alike.
+            "name: broken\nrules: [{when: {path: /v1/models}, status: 500}, {status: 500, error: \"the model process crashed\"}]\n".to_string()
+        } else {
+            format!("name: fleet{slot}\n")
+        };
+        std::fs::write(d.join("fleet.yaml"), script).unwrap();
+    }
+    let fleet = svc("fleet");
+    must(&[
+        "service",
+        "create",
+        "--no-resolve-image",
+        "-q",
+        "--detach",
+        "--name",
+        &fleet,
+        "--network",
+        &net,
+        "--endpoint-mode",
+        "dnsrr",
+        "--replicas",
+        "3",
+        "--mount",
+        &format!(
+            "type=bind,src={}/fleet-{{{{.Task.Slot}}}},dst=/scripts,readonly",
+            dir.display()
+        ),
+        "--no-healthcheck",
+        "--label",
+        "autohedge.endpoint=fleet",
+        "--label",
+        "autohedge.port=8080",
+        "--label",
+        "autohedge.type=openai",
+        "--label",
+        &format!("com.docker.stack.namespace={stack}"),
+        &image,
+        "mock-upstream",
+        "--listen",
+        "0.0.0.0:8080",
+        "--flavor",
+        "openai",
+        "--script",
+        "/scripts/fleet.yaml",
+    ]);
+    cleanup.services.push(fleet);
     // Not in the config: discovery makes it an endpoint of its own.
     std::fs::write(dir.join("extra.yaml"), "name: extra\n").unwrap();
     cleanup
@@ -1867,6 +1929,7 @@ models:
   standby: {{ type: openai, discover: docker, timeouts: {{ connect: 1s, first_token: 2s, total: 5s }} }}
   backup: {{ type: openai, discover: docker, timeouts: {{ connect: 1s, first_token: 2s, total: 5s }} }}
   sick: {{ type: openai, discover: docker }}
+  fleet: {{ type: openai, discover: docker, timeouts: {{ connect: 1s, first_token: 2s, total: 5s }} }}
 # slow_start off: the time from Docker's healthy event to traffic on the primary is what this
 # test measures (discovery and health); slow start's share (10% of requests at first, rising
 # over 30 s) would add a random wait of its own, and is tested by itself (tests/routing.rs,
@@ -2609,6 +2672,59 @@ async fn audit_trail(s: &mut Stack) {
 }
 
 /// Phase 7 (see `swarm_7_…`).
+async fn broken_task(s: &mut Stack) {
+    let (url, gw) = (s.url.clone(), s.svc()("gateway"));
+    // The audit trail's phase stopped the acting gateway to read its database: back it comes.
+    must(&["service", "scale", "-d", &format!("{gw}=1")]);
+    // Three addresses discovered, the broken one ejected by its probes, the other two active.
+    let st = status_when(
+        &url,
+        "the fleet's three tasks, the broken one ejected",
+        Duration::from_secs(90),
+        |st| {
+            let states: Vec<&str> = st["endpoints"]["fleet"]["addresses"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|a| a["state"].as_str()).collect())
+                .unwrap_or_default();
+            states.len() == 3
+                && states.iter().filter(|s| **s == "ejected").count() == 1
+                && states.iter().filter(|s| **s == "active").count() == 2
+        },
+    )
+    .await;
+    assert_ne!(
+        st["endpoints"]["fleet"]["state"], "unhealthy",
+        "{}",
+        st["endpoints"]["fleet"]
+    );
+    let client = reqwest::Client::new();
+    for i in 0..40 {
+        let r = client
+            .post(format!("{url}/v1/chat/completions"))
+            .json(&json!({"model": "fleet", "messages": [{"role": "user", "content": format!("q{i}")}]}))
+            .timeout(Duration::from_secs(15))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+        let body: Value = r.json().await.unwrap();
+        let text = body["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or("");
+        assert!(text.contains("fleet"), "served by a good task: {text}");
+    }
+    let st = status(&url).await;
+    let addrs = st["endpoints"]["fleet"]["addresses"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(
+        addrs.iter().filter(|a| a["state"] == "ejected").count(),
+        1,
+        "{addrs:?}"
+    );
+}
+
 async fn dry_run(s: &mut Stack) {
     let (dir, dry, quiet_until) = (s.dir(), s.svc()("gateway-dry"), s.quiet_until);
     // The dry-run gateway: proposals only, bounded by min_interval, allow-listed services only.

@@ -627,7 +627,12 @@ impl Mock {
             let admitted = sim.admit(&body).await;
             let reply = vec!["tok"; admitted.output_tokens as usize].join(" ");
             if !stream {
-                tokio::time::sleep(admitted.per_token * admitted.output_tokens as u32).await;
+                tokio::time::sleep(
+                    admitted
+                        .per_token
+                        .saturating_mul(admitted.output_tokens as u32),
+                )
+                .await;
             }
             let resp = if path == "/v1/chat/completions" {
                 self.chat(

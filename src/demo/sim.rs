@@ -84,9 +84,17 @@ impl Sim {
     /// Waits for a slot, then for the prefill of what the cache does not hold (which it then
     /// holds).
     pub async fn admit(&self, body: &Value) -> Admitted {
+        // Counted waiting until it has a slot, or its caller gave up (the future dropped).
+        struct Waiting<'a>(&'a AtomicU32);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
         self.waiting.fetch_add(1, Ordering::Relaxed);
+        let waiting = Waiting(&self.waiting);
         let permit = self.slots.clone().acquire_owned().await;
-        self.waiting.fetch_sub(1, Ordering::Relaxed);
+        drop(waiting);
         self.running.fetch_add(1, Ordering::Relaxed);
         let slot = Slot {
             _permit: permit.expect("the semaphore is never closed"),
@@ -106,8 +114,7 @@ impl Sim {
         let cached = cached.min(tokens);
         self.queries.fetch_add(tokens, Ordering::Relaxed);
         self.hits.fetch_add(cached, Ordering::Relaxed);
-        let prefill =
-            Duration::from_secs_f64((tokens - cached) as f64 * self.spec.prefill_us / 1e6);
+        let prefill = secs((tokens - cached) as f64 * self.spec.prefill_us / 1e6);
         tokio::time::sleep(prefill).await;
         let asked = body
             .get("max_completion_tokens")
@@ -119,7 +126,7 @@ impl Sim {
                 .or(self.spec.output_tokens)
                 .unwrap_or(32)
                 .clamp(1, 4096),
-            per_token: Duration::from_secs_f64(self.spec.decode_ms.max(0.0) / 1e3),
+            per_token: secs(self.spec.decode_ms / 1e3),
         }
     }
 
@@ -141,6 +148,14 @@ impl Sim {
             "prefix_hits": self.hits.load(Ordering::Relaxed),
         })
     }
+}
+
+/// A script's time, whatever it says: negative, not a number or endless is none, at most a
+/// minute.
+fn secs(s: f64) -> Duration {
+    Duration::try_from_secs_f64(s)
+        .unwrap_or(Duration::ZERO)
+        .min(Duration::from_secs(60))
 }
 
 /// The text a prompt's cache blocks are made of: each message's role and content (text parts

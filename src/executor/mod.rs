@@ -1161,7 +1161,7 @@ impl Run {
         // An address that failed for a reason of its own gets no other attempt of this request
         // while another address can take it.
         if let Some(at) = &f.address
-            && address_fault(f.class)
+            && (address_fault(f.class) || f.class == Outcome::Timeout)
             && self.failed_at.len() < 64
         {
             self.failed_at.push(at.clone());
@@ -1420,16 +1420,15 @@ fn stamp(result: &mut Result<Success, Failure>, picked: Option<Picked>) {
     }
 }
 
-/// A failure that is the address's own (no connection, the connection lost, a 5xx, a
-/// timeout): it counts toward ejecting the address, and the request tries another.
+/// A failure that is the address's own (no connection, the connection lost, a 5xx, no first
+/// byte in time): it counts toward ejecting the address, and the request tries another. A
+/// request that ran out of its total time is not one: its length may be the request's (a long
+/// answer), so the address learns it as latency — a slow address loses traffic through its
+/// estimate, not by ejection.
 fn address_fault(class: Outcome) -> bool {
     matches!(
         class,
-        Outcome::Connect
-            | Outcome::Connection
-            | Outcome::Timeout
-            | Outcome::FirstTokenTimeout
-            | Outcome::Server
+        Outcome::Connect | Outcome::Connection | Outcome::FirstTokenTimeout | Outcome::Server
     )
 }
 
@@ -1451,6 +1450,9 @@ fn address_feedback(
             .address_answered(endpoint, base, sent.elapsed(), t),
         Err(f) if address_fault(f.class) && !own_key => {
             app.registry.address_failed(endpoint, base, t)
+        }
+        Err(f) if f.class == Outcome::Timeout => {
+            app.registry.address_slow(endpoint, base, sent.elapsed(), t)
         }
         Err(_) => {}
     }

@@ -165,6 +165,16 @@ impl Run {
         first_at: Option<Arc<str>>,
     ) -> Option<(Arc<Endpoint>, Racing)> {
         let avoid = first_at?;
+        // A conversation the upstream holds under its own id lives at one address only: a copy
+        // elsewhere would be refused (or answered without it).
+        if !self.pin_lost
+            && self
+                .responses
+                .as_ref()
+                .is_some_and(|c| c.native_pin && c.pinned.as_deref() == Some(a.name.as_str()))
+        {
+            return None;
+        }
         let key = self.hedge.as_ref()?.0.clone();
         if self.app.registry.address_count(&a.name) < 2
             || !self.app.hedge_budget(&key, |b| b.take())

@@ -202,6 +202,15 @@ impl StreamGuard {
                     address: self.address.as_deref().map(str::to_string),
                 });
                 tracing::warn!(request_id = %row.request_id, endpoint = %self.ep.name, class = class.as_str(), error = %detail, "stream failed after commit");
+                // A stream its server cut (the connection lost, or silent between events)
+                // counts against that address too; not one made with the client's own key.
+                if let Some(at) = &self.address
+                    && self.own_key.is_none()
+                    && matches!(class, Outcome::Connection | Outcome::FirstTokenTimeout)
+                {
+                    let t = crate::routing::registry::tuning(&self.cfg, &self.ep);
+                    self.app.registry.address_failed(&self.ep.name, at, &t);
+                }
                 self.app.registry.apply(
                     &self.ep,
                     &self.cfg.policy,
@@ -795,7 +804,17 @@ impl PassThrough {
             // An endpoint of several addresses: one picked by load and counted in flight for as
             // long as the continuation streams.
             let t = crate::routing::registry::tuning(&cfg, &ep);
-            let picked = match app.registry.pick_address(&ep, &t, &Default::default()) {
+            // Never the address whose stream just broke.
+            let broke: Vec<Arc<str>> = broke_at
+                .iter()
+                .filter(|_| ep.name == from.name)
+                .cloned()
+                .collect();
+            let want = crate::routing::registry::Want {
+                avoid: &broke,
+                ..Default::default()
+            };
+            let picked = match app.registry.pick_address(&ep, &t, &want) {
                 Ok(p) => p,
                 Err(_) => continue,
             };

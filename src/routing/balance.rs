@@ -199,6 +199,17 @@ impl Address {
         }
     }
 
+    /// An attempt that ran out of its time after `rtt`: its estimate takes it as a peak (a slow
+    /// address loses traffic), without counting it as an answer or a failure.
+    pub fn observe_slow(&mut self, rtt: Duration, now: Instant, t: &Tuning) {
+        let measured = rtt.as_secs_f64();
+        if !self.measured || measured > self.rtt(now, t) {
+            self.rtt = measured;
+            self.measured = true;
+            self.stamp = now;
+        }
+    }
+
     /// The server's queue as a probe read it.
     pub fn observe_queue(&mut self, waiting_and_running: u32, now: Instant) {
         self.queue = Some((waiting_and_running, now));
@@ -414,7 +425,9 @@ impl Addresses {
         (0..self.ring.len())
             .map(|k| self.ring[(start + k) % self.ring.len()].1)
             .find(|&i| {
-                self.list[i].keeps_conversations(now, t) && self.list[i].load(now, t) + 1.0 <= bound
+                self.list
+                    .get(i)
+                    .is_some_and(|a| a.keeps_conversations(now, t) && a.load(now, t) + 1.0 <= bound)
             })
     }
 

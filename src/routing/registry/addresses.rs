@@ -85,9 +85,13 @@ impl Registry {
                 {
                     i
                 }
-                _ if !want.avoid.is_empty() => g
-                    .pick_other(want.avoid, now, t, &mut rng)
-                    .ok_or(NoAddress)?,
+                _ if let Some(i) = (!want.avoid.is_empty())
+                    .then(|| g.pick_other(want.avoid, now, t, &mut rng))
+                    .flatten() =>
+                {
+                    i
+                }
+                // Nothing but avoided addresses usable: one of them, rather than none.
                 Some(u) if let Some(i) = g.preferred(u, want.exact, now, t) => i,
                 _ => g.pick_for(want.key, now, t, &mut rng).ok_or(NoAddress)?,
             };
@@ -101,6 +105,11 @@ impl Registry {
     /// An attempt at `base` answered in `rtt`: its latency estimate learns it.
     pub fn address_answered(&self, endpoint: &str, base: &str, rtt: Duration, t: &Tuning) {
         self.with_address(endpoint, base, |a, now| a.observe(rtt, now, t));
+    }
+
+    /// An attempt at `base` ran out of its time after `rtt`: learned as latency only.
+    pub fn address_slow(&self, endpoint: &str, base: &str, rtt: Duration, t: &Tuning) {
+        self.with_address(endpoint, base, |a, now| a.observe_slow(rtt, now, t));
     }
 
     /// An attempt at `base` failed for a reason of the address's own (no connection, a 5xx, a

@@ -22,8 +22,11 @@
 //! `cargo bench --bench fleet` (about 2 minutes); without `--bench` (CI's smoke run) a few
 //! conversations each, checked (every request answered, the caches counted) but not judged.
 
+mod common;
+
+use common::{Proc, listen_line};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -133,23 +136,7 @@ fn capacity(turns: usize) -> f64 {
         .sum()
 }
 
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if let Ok(None) = self.0.try_wait() {
-            let _ = Command::new("kill")
-                .arg("-TERM")
-                .arg(self.0.id().to_string())
-                .stderr(Stdio::null())
-                .status();
-        }
-        let _ = self.0.wait();
-    }
-}
-
 fn gateway(dir: &std::path::Path, config: &str) -> (Proc, SocketAddr) {
-    use std::io::{BufRead, BufReader};
     std::fs::create_dir_all(dir).unwrap();
     std::fs::write(dir.join("config.yaml"), config).unwrap();
     let mut child = Command::new(GATEWAY)
@@ -162,18 +149,7 @@ fn gateway(dir: &std::path::Path, config: &str) -> (Proc, SocketAddr) {
         .stderr(Stdio::inherit())
         .spawn()
         .unwrap();
-    let out = child.stdout.take().unwrap();
-    let mut lines = BufReader::new(out).lines();
-    let addr = loop {
-        let line = lines
-            .next()
-            .expect("the gateway printed its address")
-            .unwrap();
-        if let Some(rest) = line.split("listening on http://").nth(1) {
-            break rest.trim().parse().unwrap();
-        }
-    };
-    std::thread::spawn(move || for _ in lines {});
+    let addr = listen_line(&mut child);
     (Proc(child), addr)
 }
 

@@ -14,9 +14,11 @@
 //! `cargo bench --bench tail` (about 6 minutes). Latencies are clocked from each request's
 //! scheduled send time (coordinated omission).
 
-use std::io::{BufRead, BufReader};
+mod common;
+
+use common::{Proc, listen_line};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -79,34 +81,6 @@ fn main() {
         predictive(&dir).await;
         let _ = std::fs::remove_dir_all(&dir);
     });
-}
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if let Ok(None) = self.0.try_wait() {
-            let _ = Command::new("kill")
-                .arg("-TERM")
-                .arg(self.0.id().to_string())
-                .stderr(Stdio::null())
-                .status();
-        }
-        let _ = self.0.wait();
-    }
-}
-
-fn listen_line(child: &mut Child) -> SocketAddr {
-    let out = child.stdout.take().unwrap();
-    let mut lines = BufReader::new(out).lines();
-    let addr = loop {
-        let line = lines.next().expect("child printed its address").unwrap();
-        if let Some(rest) = line.split("listening on http://").nth(1) {
-            break rest.trim().parse().unwrap();
-        }
-    };
-    std::thread::spawn(move || for _ in lines {});
-    addr
 }
 
 fn mock(dir: &std::path::Path, name: &str, script: &str) -> (Proc, SocketAddr) {

@@ -473,7 +473,7 @@ fn address_series(g: &Gauges) -> String {
             );
         }
     }
-    out.push_str("# HELP autohedge_address_ejections_total Times each address of an endpoint of several was ejected (failures in a row) since it joined.\n# TYPE autohedge_address_ejections_total counter\n");
+    out.push_str("# HELP autohedge_address_ejections_total Times each address of an endpoint of several was ejected (failures in a row, or its failure rate) since it joined.\n# TYPE autohedge_address_ejections_total counter\n");
     for e in &g.endpoints {
         for (url, _, n) in &e.addresses {
             let _ = writeln!(

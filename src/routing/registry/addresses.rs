@@ -133,7 +133,7 @@ impl Registry {
             self.event(
                 endpoint,
                 "address_ejected",
-                &format!("{base}: failures in a row; the endpoint's other addresses serve"),
+                &format!("{base}: its requests failed (in a row, or a quarter of its last 20); the endpoint's other addresses serve"),
             );
         }
     }

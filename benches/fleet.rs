@@ -24,9 +24,8 @@
 
 mod common;
 
-use common::{Proc, listen_line};
+use common::gateway;
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -34,8 +33,6 @@ use autohedge::demo::mock::{Flavor, parse_script};
 use autohedge::demo::sim::{block_hashes, prompt_text};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
-
-const GATEWAY: &str = env!("CARGO_BIN_EXE_autohedge");
 
 fn smoke() -> bool {
     !std::env::args().any(|a| a == "--bench")
@@ -136,23 +133,6 @@ fn capacity(turns: usize) -> f64 {
         .sum()
 }
 
-fn gateway(dir: &std::path::Path, config: &str) -> (Proc, SocketAddr) {
-    std::fs::create_dir_all(dir).unwrap();
-    std::fs::write(dir.join("config.yaml"), config).unwrap();
-    let mut child = Command::new(GATEWAY)
-        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
-        .arg(dir.join("config.yaml"))
-        .arg("--data-dir")
-        .arg(dir.join("data"))
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let addr = listen_line(&mut child);
-    (Proc(child), addr)
-}
-
 #[derive(Default)]
 struct Tally {
     ttft_ms: Vec<f64>,
@@ -225,7 +205,7 @@ async fn run(
         "models:\n  fleet:\n    type: vllm\n    base_urls: [{}]\n    balance: {balance}\nhealth: {{ probe_interval: 500ms }}\n",
         urls.join(", ")
     );
-    let (gw, addr) = gateway(dir, &config);
+    let (gw, addr) = gateway(dir, &config, &[]);
     let http = reqwest::Client::new();
     for _ in 0..200 {
         if http

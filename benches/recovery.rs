@@ -28,16 +28,13 @@ mod engine;
 
 mod common;
 
-use common::{Proc, listen_line};
-use std::net::SocketAddr;
-use std::process::{Command, Stdio};
+use common::{gateway, mock};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use engine::{EngineAnswer, FakeEngine, Feed, service, tasks};
 
-const GATEWAY: &str = env!("CARGO_BIN_EXE_autohedge");
 const REQUEST: &str =
     r#"{"model":"bench","messages":[{"role":"user","content":"hello"}],"max_tokens":8}"#;
 /// Clients sending one request after another the whole run.
@@ -61,20 +58,6 @@ fn judged(ok: bool) -> &'static str {
     }
 }
 
-fn mock(dir: &std::path::Path, name: &str) -> (Proc, SocketAddr) {
-    let path = dir.join(format!("{name}.yaml"));
-    std::fs::write(&path, format!("name: {name}\n")).unwrap();
-    let mut child = Command::new(GATEWAY)
-        .args(["mock-upstream", "--listen", "127.0.0.1:0", "--script"])
-        .arg(&path)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let addr = listen_line(&mut child);
-    (Proc(child), addr)
-}
-
 /// One request's record: when it was sent, which endpoint served it (`None`: it failed).
 struct Sent {
     at: Instant,
@@ -89,8 +72,8 @@ fn event(action: &str) -> String {
 fn main() {
     let dir = std::env::temp_dir().join(format!("autohedge-recovery-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let (_p, primary) = mock(&dir, "primary");
-    let (_b, backup) = mock(&dir, "backup");
+    let (_p, primary) = mock(&dir, "primary", "name: primary\n");
+    let (_b, backup) = mock(&dir, "backup", "name: backup\n");
 
     let engine = FakeEngine::start();
     engine.set(
@@ -108,20 +91,7 @@ fn main() {
     let config = format!(
         "models:\n  primary: {{ type: openai, discover: docker }}\n  backup: {{ type: openai, base_url: \"http://{backup}/v1\" }}\nroutes:\n  bench: [primary, backup]\ndocker: {{ enabled: true, interval: 60s, timeout: 2s }}\n"
     );
-    std::fs::write(dir.join("config.yaml"), config).unwrap();
-    let mut child = Command::new(GATEWAY)
-        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
-        .arg(dir.join("config.yaml"))
-        .arg("--data-dir")
-        .arg(dir.join("data"))
-        .env("RUST_LOG", "warn")
-        .env("DOCKER_HOST", &engine.host)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let gw = listen_line(&mut child);
-    let _gw = Proc(child);
+    let (_gw, gw) = gateway(&dir, &config, &[("DOCKER_HOST", engine.host.as_str())]);
 
     let log: Arc<Mutex<Vec<Sent>>> = Arc::default();
     let stop = Arc::new(AtomicBool::new(false));

@@ -16,9 +16,9 @@
 
 mod common;
 
-use common::{Proc, listen_line};
+use common::{gateway, mock};
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -28,7 +28,6 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
-const GATEWAY: &str = env!("CARGO_BIN_EXE_autohedge");
 const REQUEST: &str =
     r#"{"model":"bench","messages":[{"role":"user","content":"hello"}],"max_tokens":8}"#;
 
@@ -81,38 +80,6 @@ fn main() {
         predictive(&dir).await;
         let _ = std::fs::remove_dir_all(&dir);
     });
-}
-
-fn mock(dir: &std::path::Path, name: &str, script: &str) -> (Proc, SocketAddr) {
-    let path = dir.join(format!("{name}.yaml"));
-    std::fs::write(&path, script).unwrap();
-    let mut child = Command::new(GATEWAY)
-        .args(["mock-upstream", "--listen", "127.0.0.1:0", "--script"])
-        .arg(&path)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let addr = listen_line(&mut child);
-    (Proc(child), addr)
-}
-
-fn gateway(dir: &std::path::Path, name: &str, config: &str) -> (Proc, SocketAddr) {
-    let d = dir.join(name);
-    std::fs::create_dir_all(&d).unwrap();
-    std::fs::write(d.join("config.yaml"), config).unwrap();
-    let mut child = Command::new(GATEWAY)
-        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
-        .arg(d.join("config.yaml"))
-        .arg("--data-dir")
-        .arg(d.join("data"))
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let addr = listen_line(&mut child);
-    (Proc(child), addr)
 }
 
 fn client() -> HttpClient {
@@ -230,15 +197,15 @@ async fn hedging(dir: &std::path::Path) {
             "models:\n  u1: {{ type: openai, base_url: \"http://{a}/v1\" }}\n  u2: {{ type: openai, base_url: \"http://{b}/v1\" }}\nroutes:\n  bench:\n    chain: [u1, u2]\n{hedge}health: {{ probe_interval: 5s }}\n"
         )
     };
-    let (g1, plain) = gateway(dir, "plain", &cfg(n1, n2, ""));
+    let (g1, plain) = gateway(&dir.join("plain"), &cfg(n1, n2, ""), &[]);
     let (g2, hedged) = gateway(
-        dir,
-        "hedged",
+        &dir.join("hedged"),
         &cfg(
             h1,
             h2,
             "    hedge: { after: p95, max_extra: 5%, min_after: 50ms }\n",
         ),
+        &[],
     );
     let c = client();
     let mut targets = vec![
@@ -374,7 +341,7 @@ async fn predictive(dir: &std::path::Path) {
         let cfg = format!(
             "models:\n  limited: {{ type: openai, base_url: \"http://{limited}/v1\" }}\n  free: {{ type: openai, base_url: \"http://{free}/v1\" }}\nroutes:\n  bench: [limited, free]\nrouting_policy: {{ predict_rate_limits: {predict}, slow_start: 0 }}\nhealth: {{ probe_interval: 1h }}\n"
         );
-        let (mut g, addr) = gateway(dir, tag, &cfg);
+        let (mut g, addr) = gateway(&dir.join(tag), &cfg, &[]);
         let c = client();
         let url = format!("http://{addr}/v1/chat/completions");
         // Let the bucket fill again after the probe.

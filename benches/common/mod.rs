@@ -37,3 +37,41 @@ pub fn listen_line(child: &mut Child) -> SocketAddr {
     std::thread::spawn(move || for _ in lines {});
     addr
 }
+
+/// The gateway binary, which is also the mock upstream.
+pub const GATEWAY: &str = env!("CARGO_BIN_EXE_autohedge");
+
+/// A mock upstream (`autohedge mock-upstream`) running `script`, written to `dir/{name}.yaml`.
+pub fn mock(dir: &std::path::Path, name: &str, script: &str) -> (Proc, SocketAddr) {
+    let path = dir.join(format!("{name}.yaml"));
+    std::fs::write(&path, script).unwrap();
+    let mut child = Command::new(GATEWAY)
+        .args(["mock-upstream", "--listen", "127.0.0.1:0", "--script"])
+        .arg(&path)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let addr = listen_line(&mut child);
+    (Proc(child), addr)
+}
+
+/// The gateway serving `config` (written to `dir/config.yaml`, its data in `dir/data`), with
+/// `env` set.
+pub fn gateway(dir: &std::path::Path, config: &str, env: &[(&str, &str)]) -> (Proc, SocketAddr) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("config.yaml"), config).unwrap();
+    let mut child = Command::new(GATEWAY)
+        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+        .arg(dir.join("config.yaml"))
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .env("RUST_LOG", "warn")
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let addr = listen_line(&mut child);
+    (Proc(child), addr)
+}

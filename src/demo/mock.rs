@@ -634,27 +634,21 @@ impl Mock {
                 )
                 .await;
             }
-            let resp = if path == "/v1/chat/completions" {
-                self.chat(
-                    &body,
-                    &model,
-                    &reply,
-                    &rule,
-                    stream,
-                    admitted.per_token,
-                    kill,
-                )
+            let op = if path == "/v1/chat/completions" {
+                Self::chat
             } else {
-                self.completion(
-                    &body,
-                    &model,
-                    &reply,
-                    &rule,
-                    stream,
-                    admitted.per_token,
-                    kill,
-                )
+                Self::completion
             };
+            let resp = op(
+                &self,
+                &body,
+                &model,
+                &reply,
+                &rule,
+                stream,
+                admitted.per_token,
+                kill,
+            );
             let slot = admitted.slot;
             return resp.map(|b| {
                 b.map_frame(move |f| {

@@ -45,8 +45,17 @@ mod layering {
             &[include_str!("routing/outcome.rs")],
             &[],
         ),
-        ("routing::stats", &[include_str!("routing/stats.rs")], &[]),
-        ("routing::health", &[include_str!("routing/health.rs")], &[]),
+        ("routing::blame", &[include_str!("routing/blame.rs")], &[]),
+        (
+            "routing::stats",
+            &[include_str!("routing/stats.rs")],
+            &["routing::blame"],
+        ),
+        (
+            "routing::health",
+            &[include_str!("routing/health.rs")],
+            &["routing::blame"],
+        ),
         ("routing::hedge", &[include_str!("routing/hedge.rs")], &[]),
         (
             "upstream::h1pool",

@@ -1334,3 +1334,208 @@ health: {{ probe_interval: 1h }}
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "x-autohedge-endpoint"), "a");
 }
+
+/// A chat as `key` with `messages`, for the poison tests.
+async fn say(gw: &Gw, key: &str, model: &str, messages: &serde_json::Value) -> reqwest::Response {
+    reqwest::Client::new()
+        .post(gw.url("/v1/chat/completions"))
+        .bearer_auth(key)
+        .json(&json!({"model": model, "messages": messages}))
+        .send()
+        .await
+        .unwrap()
+}
+
+fn chat_calls_of(stats: &serde_json::Value) -> u64 {
+    stats["by_path"]["/v1/chat/completions"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+/// Key A aims prompts every replica fails on (a 500 for any body holding `POISON`) at the
+/// replica that keeps key B's conversation — the same leading messages, so the same replica.
+/// A's failures are A's: no replica is ejected, B's conversation stays where it is and every
+/// turn of B's is served there. Only when a second key (B itself) meets the same failures is the
+/// replica judged bad and ejected (the rule still ejects — it only asks for two witnesses).
+#[tokio::test]
+async fn one_keys_poison_prompts_eject_no_replica_and_move_no_conversation() {
+    let poison =
+        "name: {}\nrules: [{when: {contains: POISON}, status: 500, error: \"engine crashed\"}]";
+    let r = [
+        MockUp::openai(&poison.replace("{}", "r0")).await,
+        MockUp::openai(&poison.replace("{}", "r1")).await,
+        MockUp::openai(&poison.replace("{}", "r2")).await,
+    ];
+    let cfg = format!(
+        r#"models:
+  m: {{ type: openai, base_urls: ["{}", "{}", "{}"] }}
+auth:
+  keys:
+    - {{ name: hostile, key: env:KEY_A }}
+    - {{ name: victim, key: env:KEY_B }}
+health: {{ probe_interval: 1h, eject_after: 2, eject_base: 1h, eject_max: 1h }}
+"#,
+        r[0].base(),
+        r[1].base(),
+        r[2].base()
+    );
+    let mut gw = Gw::start_with_env(&cfg, &keys_env(&[]));
+    gw.ready().await;
+    let mut convo = json!([
+        {"role": "system", "content": "You are the victim's agent."},
+        {"role": "user", "content": "Plan the victim's trip."}
+    ]);
+    let calls = || async {
+        let mut out = Vec::new();
+        for m in &r {
+            out.push(chat_calls_of(&m.stats().await));
+        }
+        out
+    };
+    // B's conversation finds its replica.
+    let before = calls().await;
+    assert_eq!(say(&gw, KEY_B, "m", &convo).await.status(), 200);
+    let after = calls().await;
+    let home = (0..3).find(|i| after[*i] > before[*i]).unwrap();
+    // A: the same leading messages, then poison — aimed at B's replica, 12 times.
+    let mut aimed = convo.clone();
+    aimed.as_array_mut().unwrap().extend([
+        json!({"role": "assistant", "content": "Sure."}),
+        json!({"role": "user", "content": "POISON"}),
+    ]);
+    let before = calls().await;
+    for _ in 0..12 {
+        let s = say(&gw, KEY_A, "m", &aimed).await.status().as_u16();
+        assert!(s >= 500, "every replica fails the poison: {s}");
+    }
+    let after = calls().await;
+    assert!(
+        after[home] - before[home] >= 12,
+        "the poison reached B's replica each time: {before:?} → {after:?}"
+    );
+    // Nothing ejected, nothing moved: B's turns all served at its replica.
+    let st = gw.status().await;
+    for a in st["endpoints"]["m"]["addresses"].as_array().unwrap() {
+        assert_eq!(a["state"], "active", "{a}");
+    }
+    assert_eq!(
+        st["endpoints"]["m"]["state"], "healthy",
+        "{}",
+        st["endpoints"]["m"]
+    );
+    for turn in 0..4 {
+        convo.as_array_mut().unwrap().extend([
+            json!({"role": "assistant", "content": "Sure."}),
+            json!({"role": "user", "content": format!("And then {turn}?")}),
+        ]);
+        let before = calls().await;
+        assert_eq!(say(&gw, KEY_B, "m", &convo).await.status(), 200);
+        let after = calls().await;
+        assert_eq!(
+            after[home] - before[home],
+            1,
+            "turn {turn} served at B's replica {home}: {before:?} → {after:?}"
+        );
+    }
+    // A's failure, then a second key meeting the same: now the replica is judged bad.
+    say(&gw, KEY_A, "m", &aimed).await;
+    let mut b_poison = convo.clone();
+    b_poison
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"role": "user", "content": "POISON again"}));
+    say(&gw, KEY_B, "m", &b_poison).await;
+    let st = gw.status().await;
+    let ejected = st["endpoints"]["m"]["addresses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| a["state"] == "ejected")
+        .count();
+    assert!(
+        ejected >= 1,
+        "two keys' failures eject: {}",
+        st["endpoints"]["m"]
+    );
+    gw.stop();
+}
+
+/// Key A's poison prompts fail at the route's first endpoint (and are served by its second):
+/// the first endpoint is neither ejected nor demoted for key B, whose requests all stay there.
+/// When B meets the failure too, the endpoint is ejected as ever.
+#[tokio::test]
+async fn one_keys_poison_prompts_neither_eject_nor_demote_an_endpoint() {
+    let a = MockUp::openai(
+        "name: a\nrules: [{when: {contains: POISON}, status: 500, error: \"engine crashed\"}]",
+    )
+    .await;
+    let b = MockUp::openai("name: b").await;
+    let cfg = format!(
+        r#"models:
+  a: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
+  b: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
+routes:
+  chat: [a, b]
+auth:
+  keys:
+    - {{ name: hostile, key: env:KEY_A }}
+    - {{ name: victim, key: env:KEY_B }}
+health: {{ probe_interval: 1h, eject_after: 2, eject_base: 1h, eject_max: 1h }}
+routing_policy: {{ min_samples: 5 }}
+"#,
+        a.base(),
+        b.base()
+    );
+    let mut gw = Gw::start_with_env(&cfg, &keys_env(&[]));
+    gw.ready().await;
+    let poison = json!([{"role": "user", "content": "POISON"}]);
+    for _ in 0..10 {
+        let r = say(&gw, KEY_A, "chat", &poison).await;
+        assert_eq!(r.status(), 200, "A's request failed over");
+        assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    }
+    assert!(chat_calls_of(&a.stats().await) >= 10, "each met a's 500");
+    let st = gw.status().await;
+    assert_eq!(
+        st["endpoints"]["a"]["state"], "healthy",
+        "{}",
+        st["endpoints"]["a"]
+    );
+    assert_eq!(
+        st["endpoints"]["a"]["success_rate"], 0.0,
+        "/status shows a's failures: {}",
+        st["endpoints"]["a"]
+    );
+    for i in 0..6 {
+        let r = say(
+            &gw,
+            KEY_B,
+            "chat",
+            &json!([{"role": "user", "content": format!("hi {i}")}]),
+        )
+        .await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(
+            header(&r, "x-autohedge-endpoint"),
+            "a",
+            "B's request {i} stays first"
+        );
+    }
+    // A's poison then B's: two keys' failures in a row eject the endpoint.
+    say(&gw, KEY_A, "chat", &poison).await;
+    say(&gw, KEY_B, "chat", &poison).await;
+    let r = say(
+        &gw,
+        KEY_B,
+        "chat",
+        &json!([{"role": "user", "content": "after"}]),
+    )
+    .await;
+    assert_eq!(
+        header(&r, "x-autohedge-endpoint"),
+        "b",
+        "a ejected: {}",
+        gw.status().await["endpoints"]["a"]
+    );
+    gw.stop();
+}

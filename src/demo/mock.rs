@@ -88,10 +88,24 @@ pub struct When {
     pub model: Option<String>,
     /// Matches the request body's `conversation` (a Responses call's id, or its object's `id`).
     pub conversation: Option<String>,
+    /// Matches a request whose raw body holds this text (a prompt the server fails on).
+    pub contains: Option<String>,
     /// Matches every Nth request that meets the other conditions (1-based: 3 → 3rd, 6th, …).
     pub every: Option<u64>,
     /// Matches with this probability (0..1), drawn per request: heavy tails, random faults.
     pub chance: Option<f64>,
+}
+
+/// What a request asked, as a rule's `when` reads it.
+#[derive(Clone, Copy)]
+struct Asked<'a> {
+    post: bool,
+    path: &'a str,
+    stream: bool,
+    key: Option<&'a str>,
+    model: Option<&'a str>,
+    conversation: Option<&'a str>,
+    raw: &'a [u8],
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -216,15 +230,16 @@ impl Mock {
     }
 
     /// Picks the rule for a request, advancing the counters.
-    fn pick(
-        &self,
-        post: bool,
-        path: &str,
-        stream: bool,
-        key: Option<&str>,
-        model: Option<&str>,
-        conversation: Option<&str>,
-    ) -> Option<Rule> {
+    fn pick(&self, a: &Asked<'_>) -> Option<Rule> {
+        let Asked {
+            post,
+            path,
+            stream,
+            key,
+            model,
+            conversation,
+            raw,
+        } = *a;
         let script = self.script();
         let mut c = self.counters.lock().unwrap_or_else(|e| e.into_inner());
         c.rule_matches.resize(script.rules.len(), 0);
@@ -240,6 +255,9 @@ impl Mock {
                 || w.conversation
                     .as_deref()
                     .is_some_and(|c| Some(c) != conversation)
+                || w.contains.as_deref().is_some_and(|t| {
+                    !t.is_empty() && !raw.windows(t.len()).any(|x| x == t.as_bytes())
+                })
                 || w.chance.is_some_and(|p| fastrand::f64() >= p)
             {
                 continue;
@@ -509,15 +527,17 @@ impl Mock {
             .and_then(Value::as_str)
             .map(str::to_string);
         let rule = self
-            .pick(
-                method == hyper::Method::POST && path != "/tokenize",
-                &path,
+            .pick(&Asked {
+                post: method == hyper::Method::POST && path != "/tokenize",
+                path: &path,
                 stream,
-                key.as_deref(),
-                model.as_deref(),
-                body.get("conversation")
+                key: key.as_deref(),
+                model: model.as_deref(),
+                conversation: body
+                    .get("conversation")
                     .and_then(|c| c.as_str().or_else(|| c.get("id").and_then(Value::as_str))),
-            )
+                raw: &bytes,
+            })
             .unwrap_or_default();
         let mut rule = rule;
         if method == hyper::Method::POST

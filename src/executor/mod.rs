@@ -22,7 +22,7 @@ use tokio::time::Instant;
 use crate::config::{Config, Endpoint, Overflow, Secret};
 use crate::error::AttemptReport;
 use crate::routing::balance;
-use crate::routing::balance::Tuning;
+use crate::routing::blame::Witness;
 use crate::routing::outcome::{self, Action, Hints, Outcome};
 use crate::routing::registry::{Effect, KeyPick, Picked, Want, tuning};
 use crate::routing::router::{self, View};
@@ -841,7 +841,7 @@ impl Run {
                 &result,
                 sent,
                 self.own_key_for(ep).is_some(),
-                &tuning(&self.cfg, ep),
+                (&self.cfg, self.client.as_deref()),
             );
         }
         stamp(&mut result, picked);
@@ -896,7 +896,7 @@ impl Run {
             self.cfg.max_response_bytes,
             self.cfg.max_event_bytes,
         );
-        let (app, t) = (self.app.clone(), tuning(&self.cfg, &ep));
+        let (app, cfg, client) = (self.app.clone(), self.cfg.clone(), self.client.clone());
         let fut = async move {
             let sent = Instant::now();
             // The key is in the prepared request already.
@@ -921,7 +921,14 @@ impl Run {
             };
             // (A hedge raced away drops this future: its address is counted out all the same.)
             if let Some(p) = &picked {
-                address_feedback(&app, (&ep.name, &p.base), &result, sent, own_key, &t);
+                address_feedback(
+                    &app,
+                    (&ep.name, &p.base),
+                    &result,
+                    sent,
+                    own_key,
+                    (&cfg, client.as_deref()),
+                );
             }
             stamp(&mut result, picked);
             result
@@ -1326,6 +1333,7 @@ impl Run {
                     Effect::Failure {
                         class: f.class,
                         detail,
+                        who: witness(&self.cfg, self.client.as_deref(), f.class),
                     },
                 );
                 if retry {
@@ -1432,24 +1440,35 @@ fn address_fault(class: Outcome) -> bool {
     )
 }
 
+/// Who saw a failure of a request of `client` ([`Witness`]): one key's failures alone eject
+/// nothing and demote nothing for the others.
+pub(crate) fn witness(cfg: &Config, client: Option<&str>, class: Outcome) -> Witness {
+    let sure = class == Outcome::Connect;
+    Witness::of(client, cfg.auth.keys.as_ref().map_or(0, Vec::len), sure)
+}
+
 /// How an attempt's address did: an answer teaches its latency; a failure of the address's own
-/// (no connection, the connection lost, a 5xx, a timeout) counts toward ejecting it alone —
-/// unless the attempt was made with the request's own key (`x-encrypted-key`), whose failures
-/// are the client's and change nothing the others get.
+/// (no connection, the connection lost, a 5xx, a timeout) counts toward ejecting it alone as its
+/// client key saw it ([`witness`]) — unless the attempt was made with the request's own key
+/// (`x-encrypted-key`), whose failures are the client's and change nothing the others get.
 fn address_feedback(
     app: &AppState,
     (endpoint, base): (&str, &str),
     result: &Result<Success, Failure>,
     sent: Instant,
     own_key: bool,
-    t: &Tuning,
+    (cfg, client): (&Config, Option<&str>),
 ) {
+    let ep = cfg.endpoints.get(endpoint);
+    let Some(ep) = ep else { return };
+    let t = &tuning(cfg, ep);
     match result {
         Ok(_) => app
             .registry
             .address_answered(endpoint, base, sent.elapsed(), t),
         Err(f) if address_fault(f.class) && !own_key => {
-            app.registry.address_failed(endpoint, base, t)
+            app.registry
+                .address_failed(endpoint, base, witness(cfg, client, f.class), t)
         }
         Err(f) if f.class == Outcome::Timeout => {
             app.registry.address_slow(endpoint, base, sent.elapsed(), t)

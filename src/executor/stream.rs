@@ -88,6 +88,12 @@ impl StreamResponses {
 }
 
 impl StreamGuard {
+    /// Who saw a failure of this stream ([`super::witness`]).
+    fn witness(&self, class: Outcome) -> crate::routing::blame::Witness {
+        let client = self.row.as_ref().and_then(|r| r.client_key.as_deref());
+        super::witness(&self.cfg, client, class)
+    }
+
     /// What is redacted from `ep`'s texts: its secrets and the request's own key.
     fn secrets<'a>(&'a self, ep: &'a Endpoint) -> Vec<&'a str> {
         ep.secret_values_with(self.own_key.as_ref())
@@ -204,17 +210,18 @@ impl StreamGuard {
                 tracing::warn!(request_id = %row.request_id, endpoint = %self.ep.name, class = class.as_str(), error = %detail, "stream failed after commit");
                 // A stream its server cut (the connection lost, or silent between events)
                 // counts against that address too; not one made with the client's own key.
+                let who = super::witness(&self.cfg, row.client_key.as_deref(), class);
                 if let Some(at) = &self.address
                     && self.own_key.is_none()
                     && matches!(class, Outcome::Connection | Outcome::FirstTokenTimeout)
                 {
                     let t = crate::routing::registry::tuning(&self.cfg, &self.ep);
-                    self.app.registry.address_failed(&self.ep.name, at, &t);
+                    self.app.registry.address_failed(&self.ep.name, at, who, &t);
                 }
                 self.app.registry.apply(
                     &self.ep,
                     &self.cfg.policy,
-                    Effect::Failure { class, detail },
+                    Effect::Failure { class, detail, who },
                 );
             }
         }
@@ -757,15 +764,16 @@ impl PassThrough {
         // A stream cut by its server (the connection lost, or silent between events) counts
         // against that address as a failed attempt does; one that ran out of its total time was
         // being served — its length is the request's, not the address's fault.
+        let who = self.guard.witness(class);
         if let Some(at) = &broke_at
             && self.guard.own_key.is_none()
             && matches!(class, Outcome::Connection | Outcome::FirstTokenTimeout)
         {
             let t = crate::routing::registry::tuning(&cfg, &from);
-            app.registry.address_failed(&from.name, at, &t);
+            app.registry.address_failed(&from.name, at, who, &t);
         }
         app.registry
-            .apply(&from, &cfg.policy, Effect::Failure { class, detail });
+            .apply(&from, &cfg.policy, Effect::Failure { class, detail, who });
         let views = app.registry.views(
             &cfg,
             &c.candidates
@@ -948,6 +956,7 @@ impl PassThrough {
                             Effect::Failure {
                                 class: f.class,
                                 detail,
+                                who: self.guard.witness(f.class),
                             },
                         );
                     }

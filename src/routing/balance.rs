@@ -12,6 +12,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::routing::blame::{Record, Witness};
 use tokio::time::Instant;
 
 /// The knobs (`balance:` and `health:`).
@@ -84,7 +85,6 @@ pub struct Address {
     /// Whether `rtt` is measured yet (else it is `first_rtt`, a prior the first answer replaces).
     measured: bool,
     stamp: Instant,
-    failures: u32,
     /// Ejections in a row (each doubles the next).
     ejections: u32,
     /// Ejections since it joined (`/metrics`).
@@ -94,11 +94,10 @@ pub struct Address {
     queue: Option<(u32, Instant)>,
     /// When it last failed a request or a probe.
     last_failure: Option<Instant>,
-    /// Its last requests' outcomes, newest in the lowest bit (1: failed), and how many of the
-    /// 32 bits are outcomes yet: an address failing a share of its requests, never enough in a
-    /// row, is ejected by its failure rate (Envoy's failure-percentage detection).
-    outcomes: u32,
-    outcomes_seen: u8,
+    /// Its last requests' outcomes and its failures in a row, with who saw them: an address
+    /// failing a share of its requests, never enough in a row, is ejected by its failure rate
+    /// (Envoy's failure-percentage detection); one client key's failures alone eject nothing.
+    record: Record,
 }
 
 impl Address {
@@ -111,14 +110,12 @@ impl Address {
             rtt: t.first_rtt.as_secs_f64(),
             measured: false,
             stamp: now,
-            failures: 0,
             ejections: 0,
             ejected_total: 0,
             standing: Standing::Active,
             queue: None,
             last_failure: None,
-            outcomes: 0,
-            outcomes_seen: 0,
+            record: Record::default(),
         }
     }
 
@@ -172,23 +169,12 @@ impl Address {
             current * w + measured * (1.0 - w)
         };
         self.stamp = now;
-        self.failures = 0;
-        self.record(false);
+        self.record.served();
     }
 
-    fn record(&mut self, failed: bool) {
-        self.outcomes = (self.outcomes << 1) | u32::from(failed);
-        self.outcomes_seen = self.outcomes_seen.saturating_add(1).min(32);
-    }
-
-    /// Of its last `RATE_WINDOW` requests (once it has had `RATE_MIN`), the share that failed.
-    fn failure_rate(&self) -> Option<f64> {
-        let n = u32::from(self.outcomes_seen).min(RATE_WINDOW);
-        if n < RATE_MIN {
-            return None;
-        }
-        let window = if n >= 32 { u32::MAX } else { (1u32 << n) - 1 };
-        Some(f64::from((self.outcomes & window).count_ones()) / f64::from(n))
+    /// Failures in a row, whoever saw them (`/status`).
+    pub fn failures(&self) -> u32 {
+        self.record.run_seen()
     }
 
     /// The server's own queue, while its sample is fresh.
@@ -222,7 +208,7 @@ impl Address {
             (Standing::HalfOpen, true) => {
                 // Back as new: its estimate from before (a failure's) is no evidence now.
                 self.standing = Standing::Active;
-                self.failures = 0;
+                self.record.clear();
                 self.rtt = t.first_rtt.as_secs_f64();
                 self.measured = false;
                 self.stamp = now;
@@ -230,7 +216,7 @@ impl Address {
             (Standing::HalfOpen, false) => self.eject(now, t),
             (Standing::Active, true) => {}
             (Standing::Active, false) | (Standing::Ejected(_), false) => {
-                self.failures = self.failures.saturating_add(1);
+                self.record.probe_failed();
                 self.last_failure = Some(now);
             }
             (Standing::Ejected(_), true) => {}
@@ -243,10 +229,8 @@ impl Address {
         self.standing = Standing::Ejected(now + length);
         self.ejections = self.ejections.saturating_add(1);
         self.ejected_total = self.ejected_total.saturating_add(1);
-        self.failures = 0;
         // Back from it, it is judged on what it does then.
-        self.outcomes = 0;
-        self.outcomes_seen = 0;
+        self.record.clear();
     }
 }
 
@@ -431,23 +415,27 @@ impl Addresses {
             })
     }
 
-    /// A failed attempt (connect error, 5xx, timeout) at `i`: ejected after `eject_after` in a
-    /// row — unless that would put more than `max_ejection_percent` of the addresses out.
-    /// Whether it was ejected.
-    pub fn failed(&mut self, i: usize, now: Instant, t: &Tuning) -> bool {
+    /// A failed attempt (connect error, 5xx, timeout) at `i`, as `who` saw it: ejected after
+    /// `eject_after` in a row or by its failure rate — unless that would put more than
+    /// `max_ejection_percent` of the addresses out. Only failures more than one client key saw
+    /// (or a sure one: [`Witness`]) count, steer traffic away or move conversations: one key's
+    /// own failures change nothing another key gets. Whether it was ejected.
+    pub fn failed(&mut self, i: usize, who: Witness, now: Instant, t: &Tuning) -> bool {
         let out = self.list.iter().filter(|a| !a.usable(now)).count();
         let room = ((out + 1) as f64) <= t.max_ejection_percent * self.list.len() as f64;
         let Some(a) = self.list.get_mut(i) else {
             return false;
         };
-        a.failures = a.failures.saturating_add(1);
+        a.record.failed(who);
+        if !a.record.convincing() {
+            return false;
+        }
         a.last_failure = Some(now);
         a.rtt = a.rtt(now, t).max(t.failure_rtt.as_secs_f64());
         a.measured = true;
         a.stamp = now;
-        a.record(true);
-        let rate_out = a.failure_rate().is_some_and(|r| r >= RATE_EJECT);
-        if a.usable(now) && (a.failures >= t.eject_after || rate_out) && room {
+        let rate_out = a.record.rate(RATE_MIN).is_some_and(|r| r >= RATE_EJECT);
+        if a.usable(now) && (a.record.run() >= t.eject_after || rate_out) && room {
             a.eject(now, t);
             return true;
         }
@@ -465,7 +453,7 @@ impl Addresses {
         };
         let was_active = a.usable(now);
         a.probed(ok, now, t);
-        if was_active && !ok && a.failures >= t.eject_after && room {
+        if was_active && !ok && a.record.run() >= t.eject_after && room {
             a.eject(now, t);
             return true;
         }
@@ -482,12 +470,11 @@ impl Addresses {
     }
 }
 
-/// The failure rate that ejects an address: of its last [`RATE_WINDOW`] requests, once it has
-/// had [`RATE_MIN`]. Only an address failing far more than a busy server's occasional error:
+/// The failure rate that ejects an address: of its last [`crate::routing::blame::WINDOW`] requests, once it
+/// has had [`RATE_MIN`]. Only an address failing far more than a busy server's occasional error:
 /// a healthy replica's retry is rarer than one in four.
 const RATE_EJECT: f64 = 0.25;
-const RATE_WINDOW: u32 = 20;
-const RATE_MIN: u32 = 10;
+const RATE_MIN: usize = 10;
 
 /// The most addresses an endpoint holds (as `base_urls` may list: `config::MAX_ADDRESSES`).
 pub const MAX: usize = 64;
@@ -664,7 +651,7 @@ mod tests {
         let mut a = fleet(2, now, &t);
         a.list[0].observe(Duration::from_millis(1), now, &t);
         a.list[1].observe(Duration::from_millis(50), now, &t);
-        assert!(!a.failed(0, now, &t));
+        assert!(!a.failed(0, Witness::Sure, now, &t));
         let mut rng = fastrand::Rng::with_seed(5);
         for _ in 0..20 {
             assert_eq!(a.pick(now, &t, &mut rng), Some(1));
@@ -700,9 +687,12 @@ mod tests {
         let now = Instant::now();
         let mut a = fleet(4, now, &t);
         for _ in 0..4 {
-            assert!(!a.failed(0, now, &t));
+            assert!(!a.failed(0, Witness::Sure, now, &t));
         }
-        assert!(a.failed(0, now, &t), "the fifth in a row ejects");
+        assert!(
+            a.failed(0, Witness::Sure, now, &t),
+            "the fifth in a row ejects"
+        );
         assert_eq!(
             a.list[0].standing(now),
             Standing::Ejected(now + t.eject_base)
@@ -728,13 +718,13 @@ mod tests {
         assert!(a.list[0].usable(now));
         // At most half out: a second address may go, a third may not.
         for _ in 0..5 {
-            a.failed(1, now, &t);
-            a.failed(2, now, &t);
+            a.failed(1, Witness::Sure, now, &t);
+            a.failed(2, Witness::Sure, now, &t);
         }
         let out = a.list.iter().filter(|x| !x.usable(now)).count();
         assert_eq!(out, 2, "half of four");
         for _ in 0..10 {
-            assert!(!a.failed(3, now, &t));
+            assert!(!a.failed(3, Witness::Sure, now, &t));
         }
         assert!(a.list[3].usable(now));
         assert_eq!(
@@ -840,7 +830,7 @@ mod tests {
         assert_eq!(a.preferred(&url, false, now, &t), None);
         // Out: not even exactly.
         for _ in 0..t.eject_after {
-            a.failed(1, now, &t);
+            a.failed(1, Witness::Sure, now, &t);
         }
         assert!(!a.list[1].usable(now));
         assert_eq!(a.preferred(&url, true, now, &t), None);
@@ -985,7 +975,7 @@ mod tests {
             .map(|k| a.pick_affine(*k, now, &t).unwrap())
             .collect();
         assert!(home.contains(&1));
-        a.failed(1, now, &t);
+        a.failed(1, Witness::Sure, now, &t);
         assert!(a.list[1].usable(now), "one failure ejects nothing");
         for (k, h) in keys.iter().zip(&home) {
             let at = a.pick_affine(*k, now, &t).unwrap();
@@ -1014,7 +1004,7 @@ mod tests {
         let mut ejected_at = None;
         for n in 0..40 {
             if n % 2 == 0 {
-                if a.failed(0, now, &t) {
+                if a.failed(0, Witness::Sure, now, &t) {
                     ejected_at = Some(n);
                     break;
                 }
@@ -1023,19 +1013,45 @@ mod tests {
             }
         }
         let n = ejected_at.expect("ejected by its rate");
-        assert!(
-            n >= RATE_MIN as usize - 1,
-            "not before it had {RATE_MIN}: {n}"
-        );
+        assert!(n >= RATE_MIN - 1, "not before it had {RATE_MIN}: {n}");
         assert!(!a.list[0].usable(now));
         // One in ten: never.
         for n in 0..200 {
             if n % 10 == 0 {
-                assert!(!a.failed(1, now, &t), "ejected at {n}");
+                assert!(!a.failed(1, Witness::Sure, now, &t), "ejected at {n}");
             } else {
                 a.list[1].observe(Duration::from_millis(20), now, &t);
             }
         }
         assert!(a.list[1].usable(now));
+    }
+
+    /// One client key's failures (its content may cause them) eject nothing, steer nothing and
+    /// move no conversation, however many; a second key's failure makes them the address's.
+    #[tokio::test(start_paused = true)]
+    async fn one_keys_failures_are_its_own() {
+        let t = Tuning::default();
+        let now = Instant::now();
+        let mut a = fleet(3, now, &t);
+        for i in 0..3 {
+            a.list[i].observe(Duration::from_millis(20), now, &t);
+        }
+        let keys: Vec<u64> = (0..64)
+            .map(|c| conversation_key(&format!("c{c}")))
+            .collect();
+        let home: Vec<_> = keys.iter().map(|k| a.pick_affine(*k, now, &t)).collect();
+        let hostile = Witness::Key(7);
+        for _ in 0..100 {
+            assert!(!a.failed(0, hostile, now, &t));
+        }
+        assert_eq!(a.list[0].failures(), 100, "the failures were seen");
+        assert!(a.list[0].usable(now));
+        assert!(a.list[0].keeps_conversations(now, &t));
+        assert!(a.list[0].rtt(now, &t) < 0.1, "its estimate untouched");
+        let again: Vec<_> = keys.iter().map(|k| a.pick_affine(*k, now, &t)).collect();
+        assert_eq!(home, again, "no conversation moved");
+        // A second key: the run is the address's, and ejects.
+        assert!(a.failed(0, Witness::Key(8), now, &t));
+        assert!(!a.list[0].usable(now));
     }
 }

@@ -9,7 +9,8 @@
 //!   traffic eject the endpoint for an exponentially growing time (`eject_base` doubling up to
 //!   `eject_max`). When that time is over the endpoint is *half-open*: real traffic still skips it
 //!   and the next probe decides — success closes it (and resets the backoff), failure ejects it
-//!   again for twice as long. Recovery never comes from a flood of real requests.
+//!   again for twice as long. Recovery never comes from a flood of real requests. A run of
+//!   failures only one client key saw ejects nothing (`blame`): its content may be the cause.
 //!
 //! Docker's view (`observe_docker`) is authoritative and immediate: no running task, or the engine
 //! reporting the container unhealthy, makes the endpoint unhealthy at once.
@@ -17,6 +18,8 @@
 use std::time::Duration;
 
 use tokio::time::Instant;
+
+use crate::routing::blame::{Witness, Witnesses};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum State {
@@ -106,6 +109,8 @@ pub struct Health {
     candidate: Option<(State, u32)>,
     warming_until: Option<Instant>,
     consecutive_failures: u32,
+    /// Who saw the failures in a row: one client key's alone eject nothing ([`Witnesses`]).
+    witnesses: Witnesses,
     ejected_until: Option<Instant>,
     ejections: u32,
     docker_down: Option<String>,
@@ -119,6 +124,7 @@ impl Default for Health {
             candidate: None,
             warming_until: None,
             consecutive_failures: 0,
+            witnesses: Witnesses::default(),
             ejected_until: None,
             ejections: 0,
             docker_down: None,
@@ -220,6 +226,7 @@ impl Health {
                     self.ejected_until = None;
                     self.ejections = 0;
                     self.consecutive_failures = 0;
+                    self.witnesses = Witnesses::default();
                     self.candidate = None;
                     self.state = result.state();
                     self.reason = format!("half-open probe succeeded: {}", result.reason());
@@ -279,16 +286,21 @@ impl Health {
     pub fn observe_traffic(
         &mut self,
         now: Instant,
-        ok: bool,
+        failed: Option<Witness>,
         detail: &str,
         t: &Thresholds,
     ) -> Option<Transition> {
-        if ok {
+        let Some(who) = failed else {
             self.consecutive_failures = 0;
+            self.witnesses = Witnesses::default();
             return None;
-        }
+        };
         self.consecutive_failures += 1;
-        if self.consecutive_failures >= t.eject_after.max(1) && self.ejected_until.is_none() {
+        self.witnesses.add(who);
+        if self.consecutive_failures >= t.eject_after.max(1)
+            && self.witnesses.convincing()
+            && self.ejected_until.is_none()
+        {
             let from = self.state_name(now);
             self.eject(
                 now,
@@ -313,6 +325,7 @@ impl Health {
         self.ejections += 1;
         self.ejected_until = Some(now + d);
         self.consecutive_failures = 0;
+        self.witnesses = Witnesses::default();
         self.reason = format!("{reason}; ejected for {}s", d.as_secs_f64());
     }
 
@@ -348,6 +361,7 @@ impl Health {
         self.reason = "new task address; no evidence against it yet".into();
         self.candidate = None;
         self.consecutive_failures = 0;
+        self.witnesses = Witnesses::default();
         self.ejected_until = None;
         self.ejections = 0;
         self.warming_until = None;
@@ -379,7 +393,7 @@ mod tests {
         let mut h = Health::default();
         let now = Instant::now();
         for _ in 0..3 {
-            h.observe_traffic(now, false, "connect_error: refused", &t());
+            h.observe_traffic(now, Some(Witness::Sure), "connect_error: refused", &t());
         }
         assert_eq!(h.state_name(now), "ejected");
         assert_eq!(h.probe_unhealthy(), None, "ejection is not probe evidence");
@@ -460,10 +474,16 @@ mod tests {
     async fn passive_ejection_backs_off_and_recovers_through_half_open() {
         let mut h = Health::default();
         let th = t();
-        assert_eq!(h.observe_traffic(Instant::now(), false, "503", &th), None);
-        assert_eq!(h.observe_traffic(Instant::now(), false, "503", &th), None);
+        assert_eq!(
+            h.observe_traffic(Instant::now(), Some(Witness::Sure), "503", &th),
+            None
+        );
+        assert_eq!(
+            h.observe_traffic(Instant::now(), Some(Witness::Sure), "503", &th),
+            None
+        );
         let tr = h
-            .observe_traffic(Instant::now(), false, "503", &th)
+            .observe_traffic(Instant::now(), Some(Witness::Sure), "503", &th)
             .unwrap();
         assert_eq!(tr.to, "ejected");
         assert!(
@@ -498,11 +518,36 @@ mod tests {
         assert_eq!(h.verdict(Instant::now()), Verdict::Healthy);
         // Backoff reset: the next ejection is short again.
         for _ in 0..3 {
-            h.observe_traffic(Instant::now(), false, "503", &th);
+            h.observe_traffic(Instant::now(), Some(Witness::Sure), "503", &th);
         }
         assert!(
             matches!(h.verdict(Instant::now()), Verdict::Skip { remaining: Some(d), .. } if d == Duration::from_secs(10))
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn one_keys_failures_in_a_row_eject_nothing_two_keys_do() {
+        let mut h = Health::default();
+        let now = Instant::now();
+        for _ in 0..20 {
+            assert_eq!(
+                h.observe_traffic(now, Some(Witness::Key(1)), "500", &t()),
+                None
+            );
+        }
+        assert!(!h.is_ejected());
+        let tr = h.observe_traffic(now, Some(Witness::Key(2)), "500", &t());
+        assert_eq!(tr.map(|t| t.to), Some("ejected"));
+        // An answer ends the run and its witnesses: one key alone again ejects nothing.
+        let mut h = Health::default();
+        h.observe_traffic(now, Some(Witness::Key(1)), "500", &t());
+        h.observe_traffic(now, None, "", &t());
+        for _ in 0..5 {
+            assert_eq!(
+                h.observe_traffic(now, Some(Witness::Key(2)), "500", &t()),
+                None
+            );
+        }
     }
 
     #[tokio::test(start_paused = true)]

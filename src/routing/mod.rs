@@ -7,6 +7,7 @@
 //! clock-injected.
 
 pub mod balance;
+pub mod blame;
 pub mod conversations;
 pub mod health;
 pub mod hedge;

@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::routing::blame::{Witness, Witnesses};
+
 /// The window is split into this many buckets. Twelve keeps the error of "what fell out of the
 /// window" under 1/12 of its length while costing a dozen counters per endpoint.
 const BUCKETS: u32 = 12;
@@ -18,6 +20,8 @@ pub struct Counts {
     /// The largest prompt + completion (tokens) of a request served in full: what the endpoint
     /// has shown it holds, the floor under any context window learned from an error.
     pub served_max: u64,
+    /// Who saw the failures: one client key's alone demote nothing ([`Counts::routing_rate`]).
+    pub witnesses: Witnesses,
 }
 
 impl Counts {
@@ -33,6 +37,16 @@ impl Counts {
         } else {
             Some(self.ok as f64 / total as f64)
         }
+    }
+
+    /// The success rate routing demotes on: failures only one client key saw (its content may
+    /// be their cause) are left out, so one key cannot push an endpoint behind its fallbacks
+    /// for everyone. `/status` shows [`Counts::rate`], every failure.
+    pub fn routing_rate(&self, min_samples: u32) -> Option<f64> {
+        if self.failed == 0 || self.witnesses.convincing() {
+            return self.rate(min_samples);
+        }
+        (self.ok > 0 && self.ok >= u64::from(min_samples)).then_some(1.0)
     }
 }
 
@@ -119,12 +133,15 @@ impl RollingWindow {
         &mut self.buckets[last].counts
     }
 
-    pub fn record(&mut self, now: Instant, ok: bool) {
+    /// An outcome: `None` served, `Some(who)` failed as `who` saw it.
+    pub fn record(&mut self, now: Instant, failed: Option<Witness>) {
         let c = self.current(now);
-        if ok {
-            c.ok += 1;
-        } else {
-            c.failed += 1;
+        match failed {
+            None => c.ok += 1,
+            Some(who) => {
+                c.failed += 1;
+                c.witnesses.add(who);
+            }
         }
     }
 
@@ -144,6 +161,7 @@ impl RollingWindow {
                 sum.ok += c.ok;
                 sum.failed += c.failed;
                 sum.served_max = sum.served_max.max(c.served_max);
+                sum.witnesses.merge(c.witnesses);
             }
         }
         sum
@@ -228,11 +246,11 @@ mod tests {
         let mut w = RollingWindow::new(Duration::from_secs(60));
         let t0 = Instant::now();
         for _ in 0..5 {
-            w.record(t0, false);
+            w.record(t0, Some(Witness::Sure));
         }
         tokio::time::advance(Duration::from_secs(30)).await;
         for _ in 0..5 {
-            w.record(Instant::now(), true);
+            w.record(Instant::now(), None);
         }
         let c = w.counts(Instant::now());
         assert_eq!((c.ok, c.failed), (5, 5));
@@ -249,10 +267,10 @@ mod tests {
     async fn a_resized_window_keeps_what_fits_and_forgets_by_its_new_length() {
         let mut w = RollingWindow::new(Duration::from_secs(60));
         for _ in 0..5 {
-            w.record(Instant::now(), false);
+            w.record(Instant::now(), Some(Witness::Sure));
         }
         tokio::time::advance(Duration::from_secs(30)).await;
-        w.record(Instant::now(), true);
+        w.record(Instant::now(), None);
         w.resize(Duration::from_secs(40), Instant::now());
         let c = w.counts(Instant::now());
         assert_eq!((c.ok, c.failed), (1, 5), "30 s old: inside 40 s");
@@ -264,9 +282,9 @@ mod tests {
             "41 s old: out of 40 s (it had 60)"
         );
         // Buckets are as wide as the new window makes them: 40 s / 12.
-        w.record(Instant::now(), true);
+        w.record(Instant::now(), None);
         tokio::time::advance(Duration::from_millis(3_400)).await;
-        w.record(Instant::now(), false);
+        w.record(Instant::now(), Some(Witness::Sure));
         tokio::time::advance(Duration::from_millis(36_700)).await;
         let c = w.counts(Instant::now());
         assert_eq!(
@@ -295,9 +313,37 @@ mod tests {
             ok: 1,
             failed: 1,
             served_max: 0,
+            witnesses: Witnesses::default(),
         };
         assert_eq!(c.rate(10), None);
         assert_eq!(c.rate(2), Some(0.5));
+    }
+
+    /// Failures one client key alone saw demote nothing: routing reads them out, `/status`'s
+    /// rate keeps them; a second key's failure in the window brings them all back.
+    #[tokio::test(start_paused = true)]
+    async fn one_keys_failures_demote_nothing() {
+        let mut w = RollingWindow::new(Duration::from_secs(60));
+        let now = Instant::now();
+        for _ in 0..8 {
+            w.record(now, Some(Witness::Key(1)));
+        }
+        w.record(now, None);
+        w.record(now, None);
+        let c = w.counts(now);
+        assert_eq!(c.rate(2), Some(0.2));
+        assert_eq!(c.routing_rate(2), Some(1.0));
+        assert_eq!(c.routing_rate(3), None, "two answers are too few to judge");
+        tokio::time::advance(Duration::from_secs(20)).await;
+        let now = Instant::now();
+        w.record(now, Some(Witness::Key(2)));
+        let c = w.counts(now);
+        assert_eq!(
+            c.routing_rate(2),
+            c.rate(2),
+            "two keys: every failure counts"
+        );
+        assert!(c.rate(2).unwrap() < 0.2);
     }
 
     #[test]

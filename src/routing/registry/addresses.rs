@@ -11,6 +11,7 @@ use tokio::time::Instant;
 use super::{Registry, lock};
 use crate::config::Endpoint;
 use crate::routing::balance::{InFlight, Standing, Tuning};
+use crate::routing::blame::Witness;
 
 /// No address of the endpoint is usable (all out, or none discovered).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,8 +114,9 @@ impl Registry {
     }
 
     /// An attempt at `base` failed for a reason of the address's own (no connection, a 5xx, a
-    /// timeout): after `eject_after` in a row it is ejected alone (an event says so).
-    pub fn address_failed(&self, endpoint: &str, base: &str, t: &Tuning) {
+    /// timeout), as `who` saw it: after `eject_after` in a row (or by its failure rate) that
+    /// more than one client key saw, it is ejected alone (an event says so).
+    pub fn address_failed(&self, endpoint: &str, base: &str, who: Witness, t: &Tuning) {
         let Some(rt) = self.get(endpoint) else {
             return;
         };
@@ -123,7 +125,7 @@ impl Registry {
             let mut g = shared.lock().unwrap_or_else(|e| e.into_inner());
             let now = Instant::now();
             match g.list.iter().position(|a| a.url == base) {
-                Some(i) => g.failed(i, now, t),
+                Some(i) => g.failed(i, who, now, t),
                 None => false,
             }
         };
@@ -236,6 +238,7 @@ impl Registry {
                         "url": a.url,
                         "state": state,
                         "in_flight": a.in_flight,
+                        "failures_in_a_row": a.failures(),
                         "ewma_ms": (a.rtt(now, t) * 1000.0 * 10.0).round() / 10.0,
                         "ejected_until": until,
                         "queue": a.queue(now, t),

@@ -7,6 +7,7 @@ use tokio::time::Instant;
 
 use super::{Registry, Retirement, lock};
 use crate::config::{Endpoint, Policy};
+use crate::routing::blame::Witness;
 use crate::routing::observed::Fact;
 
 /// What one attempt's outcome does to the endpoint's state.
@@ -14,10 +15,12 @@ use crate::routing::observed::Fact;
 pub enum Effect {
     /// Served: counts as a success.
     Success { latency_ms: f64 },
-    /// Counts against the endpoint (connect error, timeout, 5xx, broken stream).
+    /// Counts against the endpoint (connect error, timeout, 5xx, broken stream), as `who` saw
+    /// it: a run of failures one client key alone saw ejects nothing ([`Witness`]).
     Failure {
         class: crate::routing::outcome::Outcome,
         detail: String,
+        who: Witness,
     },
     /// 429: no health penalty, but no traffic until the cooldown ends.
     Cooldown { for_: Duration, detail: String },
@@ -37,16 +40,16 @@ impl Registry {
         let mut rt = lock(&rt);
         match effect {
             Effect::Success { latency_ms } => {
-                rt.health.observe_traffic(now, true, "", &policy.health);
-                rt.window.record(now, true);
+                rt.health.observe_traffic(now, None, "", &policy.health);
+                rt.window.record(now, None);
                 rt.latency.observe(latency_ms);
                 rt.samples.push(latency_ms);
                 rt.requests += 1;
                 rt.successes += 1;
                 false
             }
-            Effect::Failure { class, detail } => {
-                rt.window.record(now, false);
+            Effect::Failure { class, detail, who } => {
+                rt.window.record(now, Some(who));
                 rt.requests += 1;
                 rt.failures += 1;
                 rt.last_error = Some((format!("{class}: {detail}"), SystemTime::now()));
@@ -62,7 +65,7 @@ impl Registry {
                 } else {
                     rt.health.observe_traffic(
                         now,
-                        false,
+                        Some(who),
                         &format!("{class}: {detail}"),
                         &policy.health,
                     )

@@ -178,6 +178,7 @@ docker: { enabled: true }
                 Effect::Failure {
                     class: crate::routing::outcome::Outcome::Connection,
                     detail: "reset".into(),
+                    who: crate::routing::blame::Witness::Sure,
                 },
             );
         }

@@ -23,7 +23,7 @@ impl Registry {
             return ("unknown", None, None);
         };
         let rt = lock(&rt);
-        let rate = rt.window.counts(now).rate(policy.min_samples);
+        let rate = rt.window.counts(now).routing_rate(policy.min_samples);
         let usable_keys = rt.usable_keys(ep);
         let state = state_name(
             &rt.avail(now),
@@ -56,7 +56,14 @@ impl Registry {
         let rate = counts.rate(policy.min_samples);
         let avail = rt.avail(now);
         let usable_keys = rt.usable_keys(ep);
-        let state = state_name(&avail, ep.needs_key() && usable_keys == 0, rate, policy);
+        // The state is what routing does (one key's failures alone demote nothing); the
+        // success rate shown is every request's.
+        let state = state_name(
+            &avail,
+            ep.needs_key() && usable_keys == 0,
+            counts.routing_rate(policy.min_samples),
+            policy,
+        );
         let pct = rt.samples.percentiles(&[50.0, 95.0, 99.0]);
         // Per key (by its place in the list, never its value): what its last `x-ratelimit-*`
         // headers said and how long the gateway predicts it cannot take a request.

@@ -74,7 +74,7 @@ impl Registry {
                     let usable = ep.keys.is_empty() || ep.keys.iter().any(|k| k.value.is_some());
                     (
                         rt.avail(now),
-                        rt.counts(now).rate(cfg.policy.min_samples),
+                        rt.counts(now).routing_rate(cfg.policy.min_samples),
                         !usable,
                         rt.slow_start(now, cfg.policy.slow_start),
                     )

@@ -668,7 +668,7 @@ models:
     health_check: {{ url: /custom-health, expect: {{ status: healthy }}, kv_growth_probes: 3, purge: {{ url: /purge, method: POST }} }}
   s: {{ type: openai, base_url: "{}", semantic_probe: true }}
   b: {{ type: openai, base_url: "{}" }}
-# 1 of 3 healthy is no panic here (1/3 >= 0.3): warming and unhealthy endpoints are skipped.
+# 1 of 3 healthy is no panic here (1/3 >= 0.3): unhealthy endpoints are skipped.
 routing_policy: {{ fallback_chain: [a, s, b], panic_threshold: 0.3, slow_start: 0 }}
 health: {{ probe_interval: 100ms, flip_after: 1, warmup: 300ms }}
 "#,
@@ -676,14 +676,19 @@ health: {{ probe_interval: 100ms, flip_after: 1, warmup: 300ms }}
         s.base(),
         b.base()
     ));
-    // uptime 12s: warming, skipped.
+    // uptime 12s: warming.
     let ok = eventually(Duration::from_secs(5), || async {
         gw.status().await["endpoints"]["a"]["state"] == "warming"
     })
     .await;
     assert!(ok, "{}", gw.status().await["endpoints"]["a"]);
-    let r = gw.chat("a", "x").await;
-    assert_ne!(header(&r, "x-autohedge-endpoint"), "a", "warming: skipped");
+    // Warming serves a share rising over the warmup (behind the healthy ones for the rest).
+    let share = gw.status().await["endpoints"]["a"]["slow_start_share"].as_f64();
+    assert!(
+        share.is_some_and(|s| (0.1..1.0).contains(&s)),
+        "warming: a share of its traffic, {share:?}"
+    );
+    assert_eq!(gw.chat("a", "x").await.status(), 200);
     a.set_script(growing).await;
     // The semantic probe's completion fails although GET /models works: unhealthy.
     let ok = eventually(Duration::from_secs(5), || async {
@@ -1471,5 +1476,61 @@ health: {{ probe_interval: 1h, probe_timeout: 1s, eject_after: 1, eject_base: 1s
         events.last().map(String::as_str),
         Some("health:half_open->healthy"),
         "{events:?}"
+    );
+}
+
+/// A spare that is still warming (its health check reports a young uptime) serves: alone behind
+/// a dead primary it carries every request; beside a healthy backup it takes a share (slow
+/// start) and the backup the rest. Warming never keeps the only spare out of an outage.
+#[tokio::test]
+async fn a_warming_spare_carries_an_outage_and_shares_beside_a_backup() {
+    let dead = dead_addr();
+    let spare = MockUp::openai(
+        r#"name: spare
+rules:
+  - { when: { path: /health }, status: 200, body: '{"status":"healthy","uptime_seconds":3}' }
+"#,
+    )
+    .await;
+    let backup = MockUp::openai("name: backup").await;
+    let gw = Gw::start(&format!(
+        r#"
+models:
+  primary: {{ type: openai, base_url: "http://{}/v1" }}
+  spare: {{ type: vllm, base_url: "{}", health_check: {{ url: /health }} }}
+  backup: {{ type: openai, base_url: "{}" }}
+routes:
+  outage: [primary, spare]
+  mixed: [primary, spare, backup]
+health: {{ probe_interval: 100ms, flip_after: 1, warmup: 1h }}
+routing_policy: {{ panic_threshold: 0 }}
+"#,
+        dead,
+        spare.base(),
+        backup.base()
+    ));
+    let ok = eventually(Duration::from_secs(10), || async {
+        let st = gw.status().await;
+        st["endpoints"]["spare"]["state"] == "warming"
+            && st["endpoints"]["primary"]["state"] == "unhealthy"
+    })
+    .await;
+    assert!(ok, "{}", gw.status().await["endpoints"]);
+    for i in 0..20 {
+        let r = gw.chat("outage", &format!("o{i}")).await;
+        assert_eq!(r.status(), 200, "request {i}");
+        assert_eq!(header(&r, "x-autohedge-endpoint"), "spare");
+    }
+    let mut by_spare = 0;
+    for i in 0..100 {
+        let r = gw.chat("mixed", &format!("m{i}")).await;
+        assert_eq!(r.status(), 200, "request {i}");
+        if header(&r, "x-autohedge-endpoint") == "spare" {
+            by_spare += 1;
+        }
+    }
+    assert!(
+        (1..=40).contains(&by_spare),
+        "the warming spare takes a share (a tenth at first), the backup the rest: {by_spare} of 100"
     );
 }

@@ -50,6 +50,15 @@ if ! command -v redis-server >/dev/null; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
 fi
 
+# HAProxy for the Swarm test of the stack as shipped: deploy/build-edge-image.sh packs Debian's
+# haproxy into the stack's `edge` image (no image can be pulled here).
+if ! without swarm && ! command -v haproxy >/dev/null && [ ! -x /usr/sbin/haproxy ]; then
+  echo "installing haproxy (Debian's package) for tests/swarm.rs..."
+  if [ "$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq haproxy >/dev/null
+fi
+
 # PostgreSQL 15 for tests/audit.rs (`audit.store: postgres`): Debian's postgresql package, whose
 # initdb the test runs itself in a temp dir on a free loopback port (as the `postgres` user when
 # root); the package's own service is not used.

@@ -174,6 +174,10 @@ struct Cleanup {
     /// Other images the test built (removed after the services that ran them).
     more_images: Vec<String>,
     leave_swarm: bool,
+    /// A stack deployed with `docker stack deploy` (removed first, its volumes after it) and the
+    /// secrets made for it.
+    stack: Option<String>,
+    secrets: Vec<String>,
 }
 
 impl Cleanup {
@@ -194,6 +198,54 @@ impl Drop for Cleanup {
     fn drop(&mut self) {
         if std::thread::panicking() {
             self.report();
+        }
+        if let Some(stack) = &self.stack {
+            if std::thread::panicking() {
+                let (_, ps) = docker(&["stack", "ps", "--no-trunc", stack]);
+                eprintln!("--- docker stack ps {stack}\n{ps}");
+                for svc in ["gateway", "edge"] {
+                    let (_, logs) = docker(&[
+                        "service",
+                        "logs",
+                        "--raw",
+                        "--tail",
+                        "40",
+                        &format!("{stack}_{svc}"),
+                    ]);
+                    eprintln!("--- {svc} logs\n{logs}");
+                }
+            }
+            // The gateway first (it manages the others; see below), then the rest.
+            let _ = docker(&["service", "rm", &format!("{stack}_gateway")]);
+            let label = format!("label=com.docker.stack.namespace={stack}");
+            let gw = format!("label=com.docker.swarm.service.name={stack}_gateway");
+            let deadline = Instant::now() + Duration::from_secs(90);
+            while Instant::now() < deadline && !docker(&["ps", "-q", "--filter", &gw]).1.is_empty()
+            {
+                std::thread::sleep(Duration::from_millis(250));
+            }
+            let _ = docker(&["stack", "rm", stack]);
+            let deadline = Instant::now() + Duration::from_secs(90);
+            while Instant::now() < deadline
+                && !docker(&["ps", "-a", "-q", "--filter", &label]).1.is_empty()
+            {
+                std::thread::sleep(Duration::from_millis(500));
+            }
+            let (_, volumes) = docker(&["volume", "ls", "-q", "--filter", &label]);
+            for v in volumes.lines() {
+                let _ = docker(&["volume", "rm", "-f", v]);
+            }
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while Instant::now() < deadline
+                && !docker(&["network", "ls", "-q", "--filter", &label])
+                    .1
+                    .is_empty()
+            {
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        }
+        for secret in &self.secrets {
+            let _ = docker(&["secret", "rm", secret]);
         }
         // The gateway first, and gone, before the services it manages: a gateway still running
         // its remediation while its services are removed has the engine update a service being
@@ -1131,6 +1183,8 @@ async fn swarm_two_gateway_replicas_share_a_cooldown_through_redis() {
         image: format!("autohedge-test-rep:{id}"),
         more_images: vec![],
         leave_swarm: false,
+        stack: None,
+        secrets: vec![],
     };
     engine_and_image(&mut cleanup).await;
     let net = cleanup.network.clone();
@@ -1680,6 +1734,8 @@ async fn discovery(slot: &mut Option<Stack>) {
             image: image.clone(),
             more_images: vec![],
             leave_swarm: false,
+            stack: None,
+            secrets: vec![],
         },
         // Scripts live on the host and are bind-mounted: a restarted task reads the current one.
         tmp: tempfile::tempdir().unwrap(),
@@ -2787,5 +2843,381 @@ async fn dry_run(s: &mut Stack) {
         proposals("backup", ""),
         0,
         "not allow-listed: never considered, though its probes fail: {dry_events:?}"
+    );
+}
+
+// ---- The stack as shipped ----
+
+const STACK_CLIENT_KEY: &str = "sk-stack-test-client-7f3a";
+
+/// `docker secret create NAME` with `value` on its stdin.
+fn secret_create(name: &str, value: &str) {
+    use std::io::Write;
+    let mut child = Command::new("docker")
+        .args(["secret", "create", name, "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("docker CLI");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(value.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "docker secret create {name}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The shipped docker-compose.yml, changed only where this machine differs from a real swarm:
+/// the backends' images (Ollama's, vLLM's: not pullable here) played by our mock-upstream with
+/// their labels, ports and names kept; secrets under the test's own names; the edge's host port
+/// left to Docker (a fixed 8000 may be taken here); files by absolute path. The gateway, edge and
+/// redis services — what this test is about — are deployed as shipped.
+fn stack_file(root: &Path, dir: &Path, stack: &str) -> String {
+    use serde_yaml_ng::Value as Y;
+    let text = std::fs::read_to_string(root.join("docker-compose.yml")).unwrap();
+    let mut doc: Y = serde_yaml_ng::from_str(&text).unwrap();
+    let y = |s: &str| -> Y { serde_yaml_ng::from_str(s).unwrap() };
+    let scripts = [
+        ("vllm", "vllm", 8000, "name: vllm\n"),
+        (
+            "ollama",
+            "ollama",
+            11434,
+            "name: ollama\nmodels: [\"qwen2.5:7b\"]\nloaded: [\"qwen2.5:7b\"]\n",
+        ),
+        (
+            "ollama-standby",
+            "ollama",
+            11434,
+            "name: standby\nmodels: [\"qwen2.5:7b\"]\nloaded: [\"qwen2.5:7b\"]\n",
+        ),
+    ];
+    for (svc, flavor, port, script) in scripts {
+        let file = dir.join(format!("{svc}.yaml"));
+        std::fs::write(&file, script).unwrap();
+        let s = &mut doc["services"][svc];
+        s["image"] = y("${AUTOHEDGE_IMAGE}");
+        s["command"] = y(&format!(
+            "[mock-upstream, --listen, \"0.0.0.0:{port}\", --flavor, {flavor}, --script, /scripts/mock.yaml]"
+        ));
+        s["healthcheck"] = y("{disable: true}");
+        s["configs"] = y(&format!(
+            "[{{source: mock_{svc}, target: /scripts/mock.yaml}}]"
+        ));
+        if let Some(d) = s["deploy"].as_mapping_mut() {
+            d.remove("resources");
+        }
+        doc["configs"][format!("mock_{svc}").as_str()] =
+            y(&format!("{{file: \"{}\"}}", file.display()));
+    }
+    doc["services"]["edge"]["ports"] = y("[{target: 8000, protocol: tcp, mode: host}]");
+    for c in ["autohedge_config", "autohedge_edge"] {
+        let rel = doc["configs"][c]["file"].as_str().unwrap().to_string();
+        doc["configs"][c]["file"] = Y::String(root.join(rel).display().to_string());
+    }
+    let names: Vec<String> = doc["secrets"]
+        .as_mapping()
+        .unwrap()
+        .keys()
+        .filter_map(|k| k.as_str().map(str::to_string))
+        .collect();
+    for n in names {
+        doc["secrets"][n.as_str()] = y(&format!("{{external: true, name: {stack}-{n}}}"));
+    }
+    let out = dir.join("stack.yml");
+    std::fs::write(&out, serde_yaml_ng::to_string(&doc).unwrap()).unwrap();
+    out.display().to_string()
+}
+
+/// A chat through the edge as the stack's client key: its status (0: no answer) and the
+/// endpoint that served it.
+async fn stack_chat(client: &reqwest::Client, url: &str) -> (u16, String) {
+    let r = client
+        .post(format!("{url}/v1/chat/completions"))
+        .bearer_auth(STACK_CLIENT_KEY)
+        .json(&json!({"model": "chat", "messages": [{"role": "user", "content": "hi"}]}))
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await;
+    match r {
+        Ok(r) => {
+            let ep = r
+                .headers()
+                .get("x-autohedge-endpoint")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_string();
+            (r.status().as_u16(), ep)
+        }
+        Err(_) => (0, String::new()),
+    }
+}
+
+/// Requests at a fixed 20 a second (each on its own task, so a slow one delays no other) until
+/// stopped (at most `cap`): each one's send time, status and endpoint.
+struct Steady {
+    stop: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<Vec<(Instant, u16, String)>>,
+}
+
+impl Steady {
+    fn start(url: &str, cap: Duration) -> Steady {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (flag, url) = (stop.clone(), url.to_string());
+        let task = tokio::spawn(async move {
+            let client = reqwest::Client::new();
+            let deadline = Instant::now() + cap;
+            let mut tick = tokio::time::interval(Duration::from_millis(50));
+            let mut sent = Vec::new();
+            while !flag.load(Ordering::Relaxed) && Instant::now() < deadline {
+                tick.tick().await;
+                let (client, url) = (client.clone(), url.clone());
+                let at = Instant::now();
+                sent.push(tokio::spawn(async move {
+                    let (s, ep) = stack_chat(&client, &url).await;
+                    (at, s, ep)
+                }));
+            }
+            let mut out = Vec::new();
+            for t in sent {
+                out.push(t.await.unwrap());
+            }
+            out
+        });
+        Steady { stop, task }
+    }
+
+    async fn finish(self) -> Vec<(Instant, u16, String)> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.task.await.unwrap()
+    }
+}
+
+fn stack_gateway_containers(stack: &str) -> Vec<String> {
+    let (_, out) = docker(&[
+        "ps",
+        "-q",
+        "--filter",
+        &format!("label=com.docker.swarm.service.name={stack}_gateway"),
+        "--filter",
+        "status=running",
+    ]);
+    let mut v: Vec<String> = out.lines().map(str::to_string).collect();
+    v.sort();
+    v
+}
+
+/// The shipped `docker-compose.yml` and `deploy/stack-config.yaml` with locally built images
+/// (deploy/build-image.sh, build-redis-image.sh, build-edge-image.sh) on this single-node swarm
+/// whose kernel has no IPVS: the stack comes up and serves through its edge, both gateway
+/// replicas in the cluster through the `redis` service; `/status.docker` names what it
+/// discovered; `docker service update --force` of the gateway under 20 requests a second fails
+/// none; and with the primary backends scaled to 0, the standby remediation brings up carries
+/// the traffic as soon as it is up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn swarm_the_stack_as_shipped_updates_without_a_failed_request_and_its_standby_serves() {
+    let _one_at_a_time = SWARM.lock().await;
+    let id = std::process::id();
+    let stack = format!("ahstack{id}");
+    let mut cleanup = Cleanup {
+        services: vec![],
+        network: format!("ahstack-{id}"),
+        image: format!("autohedge-test-stack:{id}"),
+        more_images: vec![],
+        leave_swarm: false,
+        stack: Some(stack.clone()),
+        secrets: vec![],
+    };
+    engine_and_image(&mut cleanup).await;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let (redis_image, edge_image) = (
+        format!("autohedge-test-stack-redis:{id}"),
+        format!("autohedge-test-stack-edge:{id}"),
+    );
+    for (script, tag) in [
+        ("deploy/build-redis-image.sh", &redis_image),
+        ("deploy/build-edge-image.sh", &edge_image),
+    ] {
+        let built = Command::new(root.join(script)).arg(tag).output().unwrap();
+        assert!(
+            built.status.success(),
+            "{script}: {}",
+            String::from_utf8_lossy(&built.stderr)
+        );
+        cleanup.more_images.push(tag.clone());
+    }
+    for (name, value) in [
+        ("openai_api_key", "sk-not-used-here"),
+        ("autohedge_admin_key", ADMIN_KEY),
+        ("autohedge_client_app", STACK_CLIENT_KEY),
+        ("autohedge_redis_url", "redis://redis:6379/0"),
+    ] {
+        let full = format!("{stack}-{name}");
+        secret_create(&full, value);
+        cleanup.secrets.push(full);
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let file = stack_file(root, tmp.path(), &stack);
+    let gid = std::fs::metadata("/var/run/docker.sock")
+        .map(|m| std::os::unix::fs::MetadataExt::gid(&m).to_string())
+        .unwrap_or_else(|_| "999".into());
+    let deployed = Command::new("docker")
+        .args([
+            "stack",
+            "deploy",
+            "--resolve-image",
+            "never",
+            "-c",
+            &file,
+            &stack,
+        ])
+        .env("AUTOHEDGE_IMAGE", &cleanup.image)
+        .env("AUTOHEDGE_REDIS_IMAGE", &redis_image)
+        .env("AUTOHEDGE_EDGE_IMAGE", &edge_image)
+        .env("DOCKER_GID", &gid)
+        .output()
+        .unwrap();
+    assert!(
+        deployed.status.success(),
+        "docker stack deploy: {}",
+        String::from_utf8_lossy(&deployed.stderr)
+    );
+
+    // The edge's host port, then the stack serving through it.
+    let mut url = String::new();
+    wait_for(
+        "the edge's task and its port",
+        Duration::from_secs(120),
+        || {
+            if let Some(c) = running_container(&format!("{stack}_edge"))
+                && let Some(p) = published_port(&c, 8000)
+            {
+                url = format!("http://127.0.0.1:{p}");
+                return true;
+            }
+            false
+        },
+    )
+    .await;
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        let (s, ep) = stack_chat(&client, &url).await;
+        if s == 200 && ep == "qwen-vllm" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the stack never served through its edge: {s} {ep}; {}",
+            status(&url).await
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // Both replicas in the cluster through `redis` (no virtual IP: dnsrr), healthy, and what
+    // each discovered named in `/status.docker`.
+    let st = status_when(
+        &url,
+        "two replicas in the cluster",
+        Duration::from_secs(90),
+        |st| st["cluster"]["state"] == "up" && st["cluster"]["replicas"] == 2,
+    )
+    .await;
+    let discovered: Vec<String> = st["docker"]["discovered_endpoints"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|e| e["endpoint"].as_str().or(e.as_str()).map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    for ep in ["qwen-vllm", "qwen2.5-7b"] {
+        assert!(
+            discovered.iter().any(|d| d == ep),
+            "/status.docker names {ep}: {}",
+            st["docker"]
+        );
+    }
+    let health = client.get(format!("{url}/health")).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+    assert_eq!(
+        health.json::<Value>().await.unwrap()["status"],
+        "ok",
+        "no degraded replica"
+    );
+
+    // The update under steady traffic.
+    let before = stack_gateway_containers(&stack);
+    assert_eq!(before.len(), 2, "two gateway tasks: {before:?}");
+    let traffic = Steady::start(&url, Duration::from_secs(300));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let svc = format!("{stack}_gateway");
+    must(&["service", "update", "--force", "--detach", &svc]);
+    wait_for(
+        "the gateway's update to complete",
+        Duration::from_secs(240),
+        || {
+            docker(&[
+                "service",
+                "inspect",
+                &svc,
+                "--format",
+                "{{if .UpdateStatus}}{{.UpdateStatus.State}}{{end}}",
+            ])
+            .1 == "completed"
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let answers = traffic.finish().await;
+    let after = stack_gateway_containers(&stack);
+    assert_eq!(after.len(), 2, "{after:?}");
+    assert!(
+        after.iter().all(|c| !before.contains(c)),
+        "both tasks replaced: {before:?} → {after:?}"
+    );
+    let failed: Vec<_> = answers.iter().filter(|(_, s, _)| *s != 200).collect();
+    eprintln!(
+        "stack update: {} requests at 20/s through the edge, {} failed",
+        answers.len(),
+        failed.len()
+    );
+    assert!(answers.len() >= 200, "{} requests", answers.len());
+    assert!(failed.is_empty(), "failed during the update: {failed:?}");
+
+    // The primaries gone: remediation scales the standby up, and it carries the traffic.
+    must(&["service", "scale", "--detach", &format!("{stack}_vllm=0")]);
+    must(&["service", "scale", "--detach", &format!("{stack}_ollama=0")]);
+    let standby = format!("{stack}_ollama-standby");
+    wait_for("the standby scaled up", Duration::from_secs(150), || {
+        running_container(&standby).is_some()
+    })
+    .await;
+    let up = Instant::now();
+    let deadline = up + Duration::from_secs(60);
+    let mut served = 0;
+    while served < 20 {
+        let (s, ep) = stack_chat(&client, &url).await;
+        if s == 200 && ep == "qwen2.5-7b-standby" {
+            served += 1;
+        } else {
+            served = 0;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the standby did not carry the traffic: {s} {ep}; {}",
+            status(&url).await["endpoints"]["qwen2.5-7b-standby"]
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!(
+        "stack standby: 20 in a row served by the standby {} ms after its task ran",
+        up.elapsed().as_millis()
     );
 }

@@ -852,6 +852,12 @@ async fn status(
         t.and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
             .map(|d| d.as_millis() as u64)
     };
+    let found = app.registry.discovered_all();
+    let docker = app
+        .docker
+        .lock()
+        .map(|d| d.to_json(&found))
+        .unwrap_or_default();
     axum::Json(json!({
         "status": "ok",
         "uptime_seconds": app.started.elapsed().as_secs(),
@@ -898,7 +904,7 @@ async fn status(
             "refresh_seconds": v.refresh.as_secs_f64(),
             "last_error": app.vault_error.lock().map(|e| e.clone()).unwrap_or(None),
         })),
-        "docker": app.docker.lock().map(|d| d.to_json()).unwrap_or_default(),
+        "docker": docker,
         "cluster": app.cluster.get().map(|c| c.status_json()),
         "audit": {
             "store": match &cfg.audit_pg {

@@ -4,7 +4,9 @@
 //! Two inputs drive it:
 //! - **Active probes** (`observe_probe`): a state flips only after `flip_after` consecutive results
 //!   agreeing on it, so one blip neither ejects nor restores. `warming` (a backend that just
-//!   restarted) holds the endpoint out for `warmup` while probes run.
+//!   restarted, its probe answering) serves a share of its traffic rising over `warmup` (a slow
+//!   start, [`Health::warming_share`]): it is never held out, so a standby brought up for an
+//!   outage carries it as soon as it answers.
 //! - **Passive outlier detection** (`observe_traffic`): `eject_after` consecutive failures of real
 //!   traffic eject the endpoint for an exponentially growing time (`eject_base` doubling up to
 //!   `eject_max`). When that time is over the endpoint is *half-open*: real traffic still skips it
@@ -20,6 +22,9 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::routing::blame::{Witness, Witnesses};
+
+/// The least share of its traffic a warming endpoint takes (as a slow start's least).
+const WARMING_MIN_SHARE: f64 = 0.1;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum State {
@@ -137,6 +142,10 @@ impl Default for Health {
 pub enum Verdict {
     Healthy,
     Degraded,
+    /// Serving a share of its traffic that rises over `warmup` ([`Health::warming_share`]).
+    Warming {
+        remaining: Option<Duration>,
+    },
     /// Skip, with why and for how long (when known).
     Skip {
         state: &'static str,
@@ -177,9 +186,7 @@ impl Health {
                 reason: self.reason.clone(),
                 remaining: None,
             },
-            State::Warming => Verdict::Skip {
-                state: "warming",
-                reason: self.reason.clone(),
+            State::Warming => Verdict::Warming {
                 remaining: self.warming_until.map(|u| u.saturating_duration_since(now)),
             },
         }
@@ -189,8 +196,20 @@ impl Health {
         match self.verdict(now) {
             Verdict::Healthy => "healthy",
             Verdict::Degraded => "degraded",
+            Verdict::Warming { .. } => "warming",
             Verdict::Skip { state, .. } => state,
         }
+    }
+
+    /// The share of its traffic a warming endpoint takes at `now`: rising from a tenth to all
+    /// of it over `warmup` (`None` when it is not warming).
+    pub fn warming_share(&self, now: Instant, warmup: Duration) -> Option<f64> {
+        let Verdict::Warming { remaining } = self.verdict(now) else {
+            return None;
+        };
+        let left = remaining.unwrap_or_default().as_secs_f64();
+        let whole = warmup.as_secs_f64().max(1e-3);
+        Some((1.0 - left / whole).clamp(WARMING_MIN_SHARE, 1.0))
     }
 
     pub fn reason(&self) -> &str {
@@ -435,7 +454,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn warming_holds_out_for_the_warmup() {
+    async fn warming_serves_a_rising_share_for_the_warmup() {
         let mut h = Health::default();
         let tr = h
             .observe_probe(
@@ -453,13 +472,11 @@ mod tests {
                 "still warming"
             );
         }
-        assert!(matches!(
-            h.verdict(Instant::now()),
-            Verdict::Skip {
-                state: "warming",
-                ..
-            }
-        ));
+        assert!(matches!(h.verdict(Instant::now()), Verdict::Warming { .. }));
+        assert_eq!(h.state_name(Instant::now()), "warming");
+        // Served all along, a share rising over the warmup.
+        let share = h.warming_share(Instant::now(), t().warmup).unwrap();
+        assert!((share - 60.0 / 180.0).abs() < 1e-6, "{share}");
         tokio::time::advance(Duration::from_secs(121)).await;
         let mut last = None;
         for _ in 0..3 {

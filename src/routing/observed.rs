@@ -64,7 +64,34 @@ pub struct DockerStatus {
 }
 
 impl DockerStatus {
-    pub fn to_json(&self) -> Value {
+    /// The watcher's view with what each endpoint discovery backs found (`found`, from the
+    /// registry): `discovered_endpoints` names every endpoint whose tasks discovery found (the
+    /// configured `discover: docker` ones and the adopted), `added_endpoints` the adopted only,
+    /// `services` each one's service, running tasks and addresses.
+    pub fn to_json(&self, found: &[(String, Discovered)]) -> Value {
+        let mut names: Vec<&str> = found
+            .iter()
+            .filter(|(_, d)| !d.service.is_empty())
+            .map(|(n, _)| n.as_str())
+            .chain(self.added.iter().map(String::as_str))
+            .collect();
+        names.sort_unstable();
+        names.dedup();
+        let services: serde_json::Map<String, Value> = found
+            .iter()
+            .filter(|(_, d)| !d.service.is_empty())
+            .map(|(n, d)| {
+                (
+                    n.clone(),
+                    json!({
+                        "service": d.service,
+                        "running": d.running,
+                        "addresses": d.addresses,
+                        "down": d.down,
+                    }),
+                )
+            })
+            .collect();
         json!({
             "enabled": self.enabled,
             "status": match self.reachable {
@@ -74,7 +101,9 @@ impl DockerStatus {
             },
             "error": self.error,
             "last_scan_unix_ms": self.last_scan.and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok()).map(|d| d.as_millis() as u64),
-            "discovered_endpoints": self.added,
+            "discovered_endpoints": names,
+            "added_endpoints": self.added,
+            "services": services,
             "remediation_actions": self.actions,
         })
     }

@@ -18,7 +18,7 @@ pub enum Avail {
     Cooldown(Duration),
     Retired,
     AuthFailed,
-    /// Unhealthy, warming, ejected or half-open: skipped.
+    /// Unhealthy, ejected or half-open: skipped (warming is `Ready` at a share: `slow_start`).
     Unhealthy {
         state: &'static str,
         reason: String,
@@ -137,7 +137,7 @@ pub fn slow_start_share(
 }
 
 /// Envoy's healthy-panic rule: true when fewer than `threshold` of the chain's endpoints are
-/// available by health state (unhealthy, ejected, half-open and warming count as unavailable).
+/// available by health state (unhealthy, ejected and half-open count as unavailable; warming serves at its share).
 /// Health bookkeeping must never take away every endpoint: in panic, health is ignored.
 pub fn in_panic(views: &[View], threshold: f64) -> bool {
     if views.is_empty() {

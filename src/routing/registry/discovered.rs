@@ -94,6 +94,17 @@ impl Registry {
     }
 
     /// The address discovery found for the endpoint (round-robin over running tasks).
+    /// Every endpoint discovery backs now, with what it found (`/status.docker`), by name.
+    pub fn discovered_all(&self) -> Vec<(String, crate::routing::observed::Discovered)> {
+        let map = self.map.read().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<_> = map
+            .iter()
+            .filter_map(|(name, rt)| Some((name.clone(), lock(rt).discovered.clone()?)))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
     pub fn discovered_base(&self, endpoint: &str) -> Option<String> {
         let rt = self.get(endpoint)?;
         let rt = lock(&rt);

@@ -13,7 +13,8 @@ impl Registry {
     }
 
     pub(super) fn transition(&self, endpoint: &str, tr: &crate::routing::health::Transition) {
-        let serving = |s: &str| matches!(s, "healthy" | "degraded");
+        // Warming serves (at a rising share): coming out of it starts no slow start again.
+        let serving = |s: &str| matches!(s, "healthy" | "degraded" | "warming");
         if serving(tr.to)
             && !serving(tr.from)
             && let Some(rt) = self.get(endpoint)

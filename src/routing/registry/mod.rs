@@ -148,10 +148,17 @@ impl EndpointRuntime {
         }
     }
 
-    /// The share of its traffic the endpoint takes now, when it is in its slow start.
-    pub fn slow_start(&self, now: Instant, window: Duration) -> Option<f64> {
+    /// The share of its traffic the endpoint takes now, when it is in its slow start (after a
+    /// recovery, over `window`) or warming (over `warmup`): the smaller.
+    pub fn slow_start(&self, now: Instant, window: Duration, warmup: Duration) -> Option<f64> {
         let cooldown = self.cooldown_from.zip(self.cooldown_until);
-        crate::routing::router::slow_start_share(self.recovered_at, cooldown, now, window)
+        let slow =
+            crate::routing::router::slow_start_share(self.recovered_at, cooldown, now, window);
+        let warming = self.health.warming_share(now, warmup);
+        match (slow, warming) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Keys of `ep` that resolved and have not been rejected.
@@ -177,6 +184,8 @@ impl EndpointRuntime {
         match self.health.verdict(now) {
             crate::routing::health::Verdict::Healthy => Avail::Ready,
             crate::routing::health::Verdict::Degraded => Avail::Degraded,
+            // Served at its warming share (`slow_start`).
+            crate::routing::health::Verdict::Warming { .. } => Avail::Ready,
             crate::routing::health::Verdict::Skip { state, reason, .. } => {
                 Avail::Unhealthy { state, reason }
             }

@@ -25,11 +25,15 @@ impl Registry {
         let rt = lock(&rt);
         let rate = rt.window.counts(now).routing_rate(policy.min_samples);
         let usable_keys = rt.usable_keys(ep);
-        let state = state_name(
-            &rt.avail(now),
-            ep.needs_key() && usable_keys == 0,
-            rate,
-            policy,
+        let state = warming_or(
+            &rt.health,
+            now,
+            state_name(
+                &rt.avail(now),
+                ep.needs_key() && usable_keys == 0,
+                rate,
+                policy,
+            ),
         );
         let (mut requests, mut tokens) = (None::<u64>, None::<u64>);
         for l in rt.limits.values().filter(|l| !l.expired(now)) {
@@ -58,11 +62,15 @@ impl Registry {
         let usable_keys = rt.usable_keys(ep);
         // The state is what routing does (one key's failures alone demote nothing); the
         // success rate shown is every request's.
-        let state = state_name(
-            &avail,
-            ep.needs_key() && usable_keys == 0,
-            counts.routing_rate(policy.min_samples),
-            policy,
+        let state = warming_or(
+            &rt.health,
+            now,
+            state_name(
+                &avail,
+                ep.needs_key() && usable_keys == 0,
+                counts.routing_rate(policy.min_samples),
+                policy,
+            ),
         );
         let pct = rt.samples.percentiles(&[50.0, 95.0, 99.0]);
         // Per key (by its place in the list, never its value): what its last `x-ratelimit-*`
@@ -125,7 +133,7 @@ impl Registry {
             "auth_failed": rt.auth_failed.clone(),
             "keys": { "configured": ep.keys.len(), "usable": usable_keys },
             "ratelimit": ratelimit,
-            "slow_start_share": rt.slow_start(now, policy.slow_start),
+            "slow_start_share": rt.slow_start(now, policy.slow_start, policy.health.warmup),
             "context_window": ep.context_window,
             "learned_context_window": rt.learned_window.as_ref().map(|l| l.tokens),
             "learned_context_window_request": rt.learned_window.as_ref().map(|l| &l.request_id),
@@ -179,6 +187,20 @@ pub const ENDPOINT_STATES: [&str; 10] = [
     "auth_failed",
     "unknown",
 ];
+
+/// A serving endpoint that is warming says so (it takes a share of its traffic:
+/// `slow_start_share`).
+fn warming_or(
+    h: &crate::routing::health::Health,
+    now: Instant,
+    state: &'static str,
+) -> &'static str {
+    if state == "healthy" && h.state_name(now) == "warming" {
+        "warming"
+    } else {
+        state
+    }
+}
 
 fn state_name(
     avail: &Avail,

@@ -76,7 +76,7 @@ impl Registry {
                         rt.avail(now),
                         rt.counts(now).routing_rate(cfg.policy.min_samples),
                         !usable,
-                        rt.slow_start(now, cfg.policy.slow_start),
+                        rt.slow_start(now, cfg.policy.slow_start, cfg.policy.health.warmup),
                     )
                 })?;
                 Some(crate::routing::router::View {

@@ -75,6 +75,22 @@ const REPLY: &str = r#"{"id":"chatcmpl-bench","object":"chat.completion","create
 const MODELS: &str = r#"{"object":"list","data":[{"id":"bench","object":"model","created":1700000000,"owned_by":"bench"}]}"#;
 const REQUEST: &str = r#"{"model":"bench","messages":[{"role":"system","content":"You are terse."},{"role":"user","content":"Say hello in one sentence."}],"temperature":0.2}"#;
 
+/// A 1.2 KB prompt: with `context_window: 1000` its bytes exceed the window, so the gateway
+/// counts it (o200k) on every request — what a self-hosted model's small window makes of every
+/// prompt over it. The floor forwards the same body.
+static COUNTED: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    let text = "The gateway counts every prompt before it routes, so that no request is sent to an endpoint whose context window cannot hold it; a self-hosted model's window is small, and a prompt of a few kilobytes is counted on every request. ".repeat(6);
+    serde_json::json!({
+        "model": "bench",
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": &text[..1_150]},
+        ],
+        "temperature": 0.2,
+    })
+    .to_string()
+});
+
 /// Successful responses the gateway sent (it alone sets `x-autohedge-endpoint`): the audit trail
 /// must hold exactly this many rows when the gateway has shut down.
 static GATEWAY_SERVED: AtomicU64 = AtomicU64::new(0);
@@ -234,10 +250,14 @@ fn client() -> HttpClient {
 }
 
 async fn one(client: &HttpClient, url: &str) -> Option<String> {
+    one_with(client, url, REQUEST).await
+}
+
+async fn one_with(client: &HttpClient, url: &str, body: &'static str) -> Option<String> {
     let req = Request::post(url)
         .header("content-type", "application/json")
         .header("authorization", format!("Bearer {CLIENT_KEY}"))
-        .body(Full::new(Bytes::from_static(REQUEST.as_bytes())))
+        .body(Full::new(Bytes::from_static(body.as_bytes())))
         .unwrap();
     let resp = client.request(req).await.expect("request");
     let served = resp
@@ -272,6 +292,16 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// microseconds late at worst) rather than tokio's timer, whose 1 ms granularity would itself
 /// add up to a millisecond to every figure.
 async fn fixed_rate(c: &HttpClient, url: &str, rate: u64, secs: f64) -> Vec<f64> {
+    fixed_rate_with(c, url, rate, secs, REQUEST).await
+}
+
+async fn fixed_rate_with(
+    c: &HttpClient,
+    url: &str,
+    rate: u64,
+    secs: f64,
+    body: &'static str,
+) -> Vec<f64> {
     let total = (rate as f64 * secs) as u64;
     let period = Duration::from_secs_f64(1.0 / rate as f64);
     let rt = tokio::runtime::Handle::current();
@@ -287,7 +317,7 @@ async fn fixed_rate(c: &HttpClient, url: &str, rate: u64, secs: f64) -> Vec<f64>
             }
             let (c, url) = (c.clone(), url.clone());
             handles.push(rt.spawn(async move {
-                one(&c, &url).await;
+                one_with(&c, &url, body).await;
                 scheduled.elapsed().as_secs_f64() * 1000.0
             }));
         }
@@ -304,7 +334,7 @@ async fn fixed_rate(c: &HttpClient, url: &str, rate: u64, secs: f64) -> Vec<f64>
 }
 
 /// Closed loop at fixed concurrency for `secs`: requests completed.
-async fn saturate(c: &HttpClient, url: &str, secs: f64) -> (u64, f64) {
+async fn saturate_with(c: &HttpClient, url: &str, secs: f64, body: &'static str) -> (u64, f64) {
     let start = Instant::now();
     let deadline = start + Duration::from_secs_f64(secs);
     let mut handles = Vec::new();
@@ -314,7 +344,7 @@ async fn saturate(c: &HttpClient, url: &str, secs: f64) -> (u64, f64) {
         handles.push(tokio::spawn(async move {
             let mut n = 0u64;
             while Instant::now() < deadline {
-                one(&c, &url).await;
+                one_with(&c, &url, body).await;
                 n += 1;
             }
             n
@@ -338,10 +368,19 @@ fn proc_cpu_secs(pid: u32) -> f64 {
 }
 
 fn peak_rss_mb(pid: u32) -> f64 {
+    status_mb(pid, "VmHWM:")
+}
+
+/// A process's resident memory now, MiB.
+fn rss_now_mb(pid: u32) -> f64 {
+    status_mb(pid, "VmRSS:")
+}
+
+fn status_mb(pid: u32, field: &str) -> f64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     status
         .lines()
-        .find(|l| l.starts_with("VmHWM:"))
+        .find(|l| l.starts_with(field))
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|v| v.parse::<f64>().ok())
         .map(|kb| kb / 1024.0)
@@ -353,6 +392,8 @@ struct Target {
     name: &'static str,
     url: String,
     pid: u32,
+    /// The request body it is sent.
+    body: &'static str,
     /// Latencies per fixed rate, pooled over rounds.
     lat: [Vec<f64>; 2],
     /// Each round's p99 per fixed rate (its median is robust to one bad round).
@@ -369,6 +410,7 @@ impl Target {
             name,
             url,
             pid,
+            body: REQUEST,
             lat: [Vec::new(), Vec::new()],
             round_p99: [Vec::new(), Vec::new()],
             rps: Vec::new(),
@@ -376,17 +418,23 @@ impl Target {
         }
     }
 
+    /// The same sent `body`.
+    fn with_body(mut self, body: &'static str) -> Self {
+        self.body = body;
+        self
+    }
+
     /// One round: warm up, the fixed rates, then saturation with the process's CPU time.
     async fn round(&mut self, c: &HttpClient) {
-        saturate(c, &self.url, warmup().as_secs_f64()).await;
+        saturate_with(c, &self.url, warmup().as_secs_f64(), self.body).await;
         for (i, rate) in RATES.into_iter().enumerate() {
-            let mut l = fixed_rate(c, &self.url, rate, rate_secs()[i]).await;
+            let mut l = fixed_rate_with(c, &self.url, rate, rate_secs()[i], self.body).await;
             l.sort_by(f64::total_cmp);
             self.round_p99[i].push(pct(&l, 99.0));
             self.lat[i].append(&mut l);
         }
         let cpu0 = proc_cpu_secs(self.pid);
-        let (n, secs) = saturate(c, &self.url, saturation_secs()).await;
+        let (n, secs) = saturate_with(c, &self.url, saturation_secs(), self.body).await;
         let cpu1 = proc_cpu_secs(self.pid);
         self.rps.push(n as f64 / secs);
         self.cpu_us.push((cpu1 - cpu0) * 1e6 / n.max(1) as f64);
@@ -514,10 +562,36 @@ async fn run() {
     // process, and with them shared through a local Redis (one admission script a request).
     let clustered = cluster_targets(tmp.path(), a, b, path);
     let mut extra_children = Vec::new();
+    let with_cluster = clustered.is_some();
     if let Some((ts, children)) = clustered {
         targets.extend(ts);
         extra_children = children;
     }
+    // The counted prompt (issue #47): a gateway whose endpoints' `context_window: 1000` makes it
+    // count the 1.2 KB prompt on every request, beside the direct call and the floor sent the
+    // same body.
+    let counted_dir = tmp.path().join("counted");
+    std::fs::create_dir_all(&counted_dir).unwrap();
+    let (mut gw_counted, gc) = start_gateway(
+        &counted_dir,
+        &gateway_config_with(a, b, ["a", "b"], ", context_window: 1000"),
+    );
+    let counted: &'static str = COUNTED.as_str();
+    let counted_from = targets.len();
+    targets.push(
+        Target::new("direct, 1.2 KB", format!("http://{a}{path}"), up_a.id()).with_body(counted),
+    );
+    targets.push(
+        Target::new("floor, 1.2 KB", format!("http://{p}{path}"), px.id()).with_body(counted),
+    );
+    targets.push(
+        Target::new(
+            "autohedge, 1.2 KB counted",
+            format!("http://{gc}{path}"),
+            gw_counted.id(),
+        )
+        .with_body(counted),
+    );
     let c = client();
     let n = targets.len();
     for round in 0..rounds {
@@ -626,9 +700,25 @@ async fn run() {
         );
     }
 
-    if n == 5 {
+    if with_cluster {
         cluster_report(&targets);
     }
+    counted_report(&targets[counted_from..counted_from + 3]);
+    // Every request of the counted gateway was counted (its audit rows say how many tokens).
+    let _ = Command::new("kill")
+        .args(["-TERM", &gw_counted.id().to_string()])
+        .status();
+    let _ = gw_counted.wait();
+    let db = rusqlite::Connection::open(counted_dir.join("data").join("autohedge.db")).unwrap();
+    let (rows, counted_rows): (i64, i64) = db
+        .query_row(
+            "SELECT COUNT(*), COUNT(prompt_tokens_counted) FROM requests",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert!(rows > 0, "the counted gateway served");
+    assert_eq!(counted_rows, rows, "every 1.2 KB prompt was counted");
     for mut ch in extra_children {
         let _ = ch.kill();
         let _ = ch.wait();
@@ -752,6 +842,31 @@ fn cluster_report(targets: &[Target]) {
         verdict(added <= 0.3),
         ratio,
         verdict(ratio >= 0.9)
+    );
+}
+
+/// The counted prompt against the floor sent the same body: direct, floor, gateway.
+fn counted_report(t: &[Target]) {
+    let (direct, floor, gw) = (&t[0], &t[1], &t[2]);
+    let floor_rps = median(floor.rps.clone());
+    let rps = median(gw.rps.clone());
+    let added500 = pct(&gw.lat[0], 99.0) - pct(&direct.lat[0], 99.0);
+    let floor_added500 = pct(&floor.lat[0], 99.0) - pct(&direct.lat[0], 99.0);
+    let (rss, peak) = (rss_now_mb(gw.pid), peak_rss_mb(gw.pid));
+    println!(
+        "\nA counted 1.2 KB prompt (context_window: 1000, o200k on every request): saturation {rps:.0} req/s against the floor's {floor_rps:.0} ({:.2}x; CPU µs/req {:.1} against {:.1}); p99 added at 500/s {added500:.3} ms (the floor's {floor_added500:.3}); RSS after the rounds {rss:.1} MiB, peak {peak:.1} MiB with building the encoder (floor {:.1})",
+        rps / floor_rps,
+        median(gw.cpu_us.clone()),
+        median(floor.cpu_us.clone()),
+        peak_rss_mb(floor.pid)
+    );
+    println!(
+        "Goals (issue #47): >= 0.6x the floor: {:.2}x {}; p99 added at 500/s <= 0.5 ms: {added500:.3} ms {}; RSS <= 50 MiB with the encoder loaded: {rss:.1} {} (peak while it was built: {peak:.1} {})",
+        rps / floor_rps,
+        verdict(rps / floor_rps >= 0.6),
+        verdict(added500 <= 0.5),
+        verdict(rss <= 50.0),
+        verdict(peak <= 50.0),
     );
 }
 

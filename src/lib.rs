@@ -85,8 +85,9 @@ mod layering {
             &[
                 include_str!("tokens/mod.rs"),
                 include_str!("tokens/truncate.rs"),
+                include_str!("tokens/pool.rs"),
             ],
-            &["op", "tokens"],
+            &["op", "tokens", "alloc"],
         ),
         // Who may call and what a key may spend: below the front door and the executor that
         // read it, beside routing; it asks the shared store (`cluster`) and reads the config.

@@ -84,7 +84,7 @@ impl Run {
         let count = if self.req.tokenized_chars() > BLOCKING_COUNT_CHARS {
             let counter = counter.clone();
             let req = self.req.clone();
-            tokio::task::spawn_blocking(move || counter.request(req.op, req.body()))
+            crate::tokens::pool::run(move || counter.request(req.op, req.body()))
                 .await
                 .unwrap_or(Count {
                     tokens: 0,

@@ -53,9 +53,11 @@ pub fn after(start: Instant, d: Duration) -> Instant {
 use context::fmt_window;
 use race::Racing;
 
-/// Bodies with more text than this are counted on the blocking pool (≈16k tokens: a few
-/// milliseconds of BPE work that should not hold an async worker).
-const BLOCKING_COUNT_CHARS: usize = 64 * 1024;
+/// Bodies with more text than this are counted on the counting threads (`tokens::pool`), not
+/// on an async worker: 16 KiB of prose is about 0.1 ms of counting (`cargo bench --bench
+/// tokens` prints the figures), text in varied scripts up to 0.5 ms — the most a small request
+/// queued behind it on the same worker may wait; past it, the hand-off (tens of µs) is cheaper.
+const BLOCKING_COUNT_CHARS: usize = 16 * 1024;
 
 /// Test hooks are on only in a debug build whose environment sets `AUTOHEDGE_TEST_HOOKS`.
 #[cfg(debug_assertions)]

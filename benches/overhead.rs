@@ -75,6 +75,45 @@ const REPLY: &str = r#"{"id":"chatcmpl-bench","object":"chat.completion","create
 const MODELS: &str = r#"{"object":"list","data":[{"id":"bench","object":"model","created":1700000000,"owned_by":"bench"}]}"#;
 const REQUEST: &str = r#"{"model":"bench","messages":[{"role":"system","content":"You are terse."},{"role":"user","content":"Say hello in one sentence."}],"temperature":0.2}"#;
 
+/// Content chunks of the streamed answer (issue #47: streams of hundreds of chunks).
+const STREAM_CHUNKS: usize = 300;
+
+/// The streamed answer: a role chunk, [`STREAM_CHUNKS`] content chunks, the finish, the usage and
+/// `[DONE]`, each an event of its own as OpenAI sends them.
+static STREAM_EVENTS: std::sync::LazyLock<Vec<Bytes>> = std::sync::LazyLock::new(|| {
+    let head = r#"{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,"model":"bench","system_fingerprint":"fp_bench","choices":[{"index":0,"#;
+    let mut v = vec![Bytes::from(format!(
+        "data: {head}\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"logprobs\":null,\"finish_reason\":null}}]}}\n\n"
+    ))];
+    for i in 0..STREAM_CHUNKS {
+        v.push(Bytes::from(format!(
+            "data: {head}\"delta\":{{\"content\":\" word{i}\"}},\"logprobs\":null,\"finish_reason\":null}}]}}\n\n"
+        )));
+    }
+    v.push(Bytes::from(format!(
+        "data: {head}\"delta\":{{}},\"logprobs\":null,\"finish_reason\":\"stop\"}}]}}\n\n"
+    )));
+    v.push(Bytes::from(format!(
+        "data: {{\"id\":\"chatcmpl-bench\",\"object\":\"chat.completion.chunk\",\"created\":1700000000,\"model\":\"bench\",\"choices\":[],\"usage\":{{\"prompt_tokens\":12,\"completion_tokens\":{STREAM_CHUNKS},\"total_tokens\":{}}}}}\n\n",
+        12 + STREAM_CHUNKS
+    )));
+    v.push(Bytes::from_static(b"data: [DONE]\n\n"));
+    v
+});
+
+const STREAM_REQUEST: &str = r#"{"model":"bench","messages":[{"role":"user","content":"Write at length."}],"stream":true,"stream_options":{"include_usage":true}}"#;
+
+/// The same stream asked of an upstream that writes it all at once.
+const STREAM_REQUEST_BURST: &str = r#"{"model":"bench","messages":[{"role":"user","content":"Write at length."}],"stream":true,"stream_options":{"include_usage":true},"user":"burst"}"#;
+
+/// [`STREAM_EVENTS`] in one buffer.
+static STREAM_BURST: std::sync::LazyLock<Bytes> = std::sync::LazyLock::new(|| {
+    STREAM_EVENTS
+        .iter()
+        .flat_map(|b| b.iter().copied())
+        .collect()
+});
+
 /// A 1.2 KB prompt: with `context_window: 1000` its bytes exceed the window, so the gateway
 /// counts it (o200k) on every request — what a self-hosted model's small window makes of every
 /// prompt over it. The floor forwards the same body.
@@ -181,12 +220,44 @@ async fn upstream(tag: String) {
                     } else {
                         REPLY
                     };
-                    let _ = req.into_body().collect().await;
+                    let asked = req
+                        .into_body()
+                        .collect()
+                        .await
+                        .map(|b| b.to_bytes())
+                        .unwrap_or_default();
+                    // A stream asked as a burst (`"user":"burst"`): every event in one write,
+                    // so the upstream is never what limits the rate.
+                    if asked.windows(14).any(|w| w == b"\"user\":\"burst\"") {
+                        return Ok::<_, Infallible>(
+                            Response::builder()
+                                .header("content-type", "text/event-stream")
+                                .header("x-upstream", &*tag)
+                                .body(Full::new(STREAM_BURST.clone()).boxed())
+                                .unwrap(),
+                        );
+                    }
+                    // A stream: the chunks one frame each, as a server writes them.
+                    if asked.windows(13).any(|w| w == b"\"stream\":true") {
+                        let frames = STREAM_EVENTS
+                            .iter()
+                            .cloned()
+                            .map(|b| Ok::<_, Infallible>(hyper::body::Frame::data(b)));
+                        let body =
+                            http_body_util::StreamBody::new(futures_util::stream::iter(frames));
+                        return Ok::<_, Infallible>(
+                            Response::builder()
+                                .header("content-type", "text/event-stream")
+                                .header("x-upstream", &*tag)
+                                .body(body.boxed())
+                                .unwrap(),
+                        );
+                    }
                     Ok::<_, Infallible>(
                         Response::builder()
                             .header("content-type", "application/json")
                             .header("x-upstream", &*tag)
-                            .body(Full::new(Bytes::from_static(body.as_bytes())))
+                            .body(Full::new(Bytes::from_static(body.as_bytes())).boxed())
                             .unwrap(),
                     )
                 }
@@ -532,6 +603,22 @@ async fn run() {
         saturation_secs()
     );
     println!("gateway binary: {}", gateway_bin().display());
+    // `AUTOHEDGE_BENCH_PART=streams`: only the streams' part (for profiling it).
+    if std::env::var("AUTOHEDGE_BENCH_PART").as_deref() == Ok("streams") {
+        let (mut px, p) = spawn_role("proxy", &[format!("--target={a}")]);
+        let (mut gw, g) = start_gateway(tmp.path(), &gateway_config(a, b, ["a", "b"]));
+        streams_report(
+            &client(),
+            (&format!("http://{p}{path}"), px.id()),
+            (&format!("http://{g}{path}"), gw.id()),
+        )
+        .await;
+        for c in [&mut up_a, &mut up_b, &mut px, &mut gw] {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        return;
+    }
 
     // Cold start first, each on a fresh process (the gateway with a fresh data directory).
     println!();
@@ -724,6 +811,13 @@ async fn run() {
         let _ = ch.wait();
     }
 
+    streams_report(
+        &c,
+        (&format!("http://{p}{path}"), px.id()),
+        (&format!("http://{g}{path}"), gw.id()),
+    )
+    .await;
+
     reload_rounds(&c, tmp.path(), g, a, b).await;
 
     // Every request the gateway served has its audit row: stop it cleanly (SIGTERM drains the
@@ -842,6 +936,135 @@ fn cluster_report(targets: &[Target]) {
         verdict(added <= 0.3),
         ratio,
         verdict(ratio >= 0.9)
+    );
+}
+
+/// One whole stream of [`STREAM_REQUEST`]: its time and bytes; checked to hold every content
+/// chunk and `[DONE]`.
+async fn one_stream(client: &HttpClient, url: &str, body: &'static str) -> (f64, usize) {
+    let req = Request::post(url)
+        .header("content-type", "application/json")
+        .header("authorization", format!("Bearer {CLIENT_KEY}"))
+        .body(Full::new(Bytes::from_static(body.as_bytes())))
+        .unwrap();
+    let t = Instant::now();
+    let resp = client.request(req).await.expect("stream request");
+    assert!(resp.status().is_success(), "{url}: {}", resp.status());
+    let body = resp.into_body().collect().await.expect("stream").to_bytes();
+    let ms = t.elapsed().as_secs_f64() * 1000.0;
+    let text = std::str::from_utf8(&body).unwrap_or("");
+    assert!(
+        text.contains(&format!("word{}\"", STREAM_CHUNKS - 1))
+            && text.ends_with("data: [DONE]\n\n"),
+        "{url}: a stream cut short ({} bytes)",
+        body.len()
+    );
+    (ms, body.len())
+}
+
+/// Streams of [`STREAM_CHUNKS`] chunks, [`CONCURRENCY`] at a time for `secs`: streams/s, MB/s,
+/// per-stream times, and the process's CPU µs a stream.
+async fn stream_saturate(
+    c: &HttpClient,
+    url: &str,
+    pid: u32,
+    secs: f64,
+    body: &'static str,
+) -> (f64, f64, Vec<f64>, f64) {
+    let cpu0 = proc_cpu_secs(pid);
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs_f64(secs);
+    let mut handles = Vec::new();
+    for _ in 0..CONCURRENCY {
+        let (c, url) = (c.clone(), url.to_string());
+        handles.push(tokio::spawn(async move {
+            let (mut times, mut bytes) = (Vec::new(), 0usize);
+            while Instant::now() < deadline {
+                let (ms, n) = one_stream(&c, &url, body).await;
+                times.push(ms);
+                bytes += n;
+            }
+            (times, bytes)
+        }));
+    }
+    let (mut times, mut bytes) = (Vec::new(), 0usize);
+    for h in handles {
+        let (t, b) = h.await.unwrap();
+        times.extend(t);
+        bytes += b;
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    let cpu = proc_cpu_secs(pid) - cpu0;
+    let n = times.len().max(1) as f64;
+    (
+        n / elapsed,
+        bytes as f64 / elapsed / 1e6,
+        times,
+        cpu * 1e6 / n,
+    )
+}
+
+type StreamFigures = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>);
+
+/// Streams of 300 chunks through the floor and the gateway, interleaved in rounds: from an
+/// upstream that writes each event apart (as a model server does), and from one that writes the
+/// whole stream at once (the gateway's own cost an event, the upstream never the limit).
+async fn streams_report(c: &HttpClient, floor: (&str, u32), gateway: (&str, u32)) {
+    for (how, body) in [
+        ("each event written apart", STREAM_REQUEST),
+        ("the whole stream written at once", STREAM_REQUEST_BURST),
+    ] {
+        streams_part(c, floor, gateway, how, body).await;
+    }
+}
+
+async fn streams_part(
+    c: &HttpClient,
+    floor: (&str, u32),
+    gateway: (&str, u32),
+    how: &str,
+    body: &'static str,
+) {
+    let (rounds, secs) = if smoke() { (1, 0.3) } else { (3, 2.0) };
+    // Per target: streams/s and MB/s by round, every stream's time, CPU µs a stream by round.
+    let mut figures: [StreamFigures; 2] = Default::default();
+    for round in 0..rounds {
+        for i in 0..2 {
+            let k = (round + i) % 2;
+            let (url, pid) = if k == 0 { floor } else { gateway };
+            stream_saturate(c, url, pid, warmup().as_secs_f64(), body).await;
+            let (sps, mbs, mut times, cpu) = stream_saturate(c, url, pid, secs, body).await;
+            figures[k].0.push(sps);
+            figures[k].1.push(mbs);
+            figures[k].2.append(&mut times);
+            figures[k].3.push(cpu);
+        }
+    }
+    for f in &mut figures {
+        f.2.sort_by(f64::total_cmp);
+    }
+    let events = (STREAM_CHUNKS + 4) as f64;
+    println!(
+        "\nStreams of {STREAM_CHUNKS} content chunks ({} KB each), the upstream's {how}, {CONCURRENCY} connections, median over {rounds} rounds:",
+        STREAM_EVENTS.iter().map(Bytes::len).sum::<usize>() / 1000
+    );
+    println!("| target | streams/s | MB/s | p50 ms | p99 ms | CPU µs a stream | CPU µs an event |");
+    println!("|---|---|---|---|---|---|---|");
+    for (name, f) in ["hyper proxy (floor)", "autohedge"].iter().zip(&figures) {
+        let cpu = median(f.3.clone());
+        println!(
+            "| {name} | {:.0} | {:.0} | {:.2} | {:.2} | {cpu:.0} | {:.2} |",
+            median(f.0.clone()),
+            median(f.1.clone()),
+            pct(&f.2, 50.0),
+            pct(&f.2, 99.0),
+            cpu / events
+        );
+    }
+    let ratio = median(figures[1].0.clone()) / median(figures[0].0.clone());
+    println!(
+        "Goal (issue #47): streams/s >= 0.5x the floor's ({how}): {ratio:.2}x {}",
+        verdict(ratio >= 0.5)
     );
 }
 

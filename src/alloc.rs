@@ -71,6 +71,13 @@ unsafe impl GlobalAlloc for Allocator {
     }
 }
 
+/// Returns the allocator's free pages to the system, after a one-off burst of scratch memory
+/// (building a token encoder).
+pub fn release_free_memory() {
+    // SAFETY: `mi_collect` takes no pointers; it only walks mimalloc's own free lists.
+    unsafe { mi::mi_collect(true) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -113,11 +120,4 @@ mod tests {
             }
         }
     }
-}
-
-/// Returns the allocator's free pages to the system (after a one-off burst of scratch memory,
-/// such as building a token encoder). A no-op cost-wise for the caller's correctness.
-pub fn release_free_memory() {
-    // SAFETY: `mi_collect` takes no pointers; it only walks mimalloc's own free lists.
-    unsafe { mi::mi_collect(true) }
 }

@@ -699,3 +699,40 @@ async fn a_continuation_that_breaks_is_not_continued_again() {
         "c2 never attempted"
     );
 }
+
+/// Streams that end with `[DONE]` and then their body give the upstream connection back to the
+/// pool: twenty streams one after another take one or two connections of the upstream, not
+/// twenty (each new connection was a third of a stream's cost); one the upstream holds open
+/// after `[DONE]` is not waited on by the client.
+#[tokio::test]
+async fn streams_reuse_their_upstream_connection() {
+    let a = MockUp::openai("name: a\nreply: \"one two three\"").await;
+    let gw = Gw::start(&format!(
+        "models:\n  a: {{ type: openai, base_url: \"{}\" }}\nhealth: {{ probe_interval: 1h }}\n",
+        a.base()
+    ));
+    gw.ready().await;
+    let before = a.stats().await["connections"].as_u64().unwrap();
+    let client = reqwest::Client::new();
+    for i in 0..20 {
+        let r = client
+            .post(gw.url("/v1/chat/completions"))
+            .json(&json!({"model": "a", "stream": true, "messages": [{"role": "user", "content": format!("x{i}")}]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let events = sse_events(r).await;
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+        assert_eq!(stream_text(&events), "one two three");
+        // The end of the body may follow `[DONE]` by a moment: read on a task of its own.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let stats = a.stats().await;
+    assert_eq!(
+        stats["by_path"]["/v1/chat/completions"], 20,
+        "every stream reached it"
+    );
+    let opened = stats["connections"].as_u64().unwrap() - before;
+    assert!(opened <= 2, "{opened} connections for 20 streams");
+}

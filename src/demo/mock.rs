@@ -156,6 +156,8 @@ pub struct Rule {
 
 #[derive(Default)]
 struct Counters {
+    /// TCP connections accepted (a client that reuses its connections opens few).
+    connections: u64,
     requests: u64,
     by_path: BTreeMap<String, u64>,
     rule_matches: Vec<u64>,
@@ -451,6 +453,7 @@ impl Mock {
                 let c = self.counters.lock().unwrap_or_else(|e| e.into_inner());
                 let v = json!({
                     "requests": c.requests,
+                    "connections": c.connections,
                     "by_path": c.by_path,
                     "rule_applied": c.rule_applied,
                     "last_body": c.last_body,
@@ -1488,6 +1491,10 @@ pub async fn serve(listener: TcpListener, mock: Arc<Mock>, cancel: CancellationT
             },
         };
         let _ = stream.set_nodelay(true);
+        mock.counters
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .connections += 1;
         let mock = mock.clone();
         let cancel = cancel.clone();
         tokio::spawn(async move {

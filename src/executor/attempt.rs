@@ -594,6 +594,21 @@ impl<'a> Attempt<'a> {
                     commit = true;
                     continue;
                 }
+                // The plain chunk, read without a `Value` tree, as the committed stream reads it
+                // (an upstream that writes fast puts much of its stream in this first read).
+                if produced.is_none()
+                    && ev.event.as_deref() != Some("error")
+                    && let Some(p) = wire::chunk::read(&ev.data)
+                {
+                    if let Some(u) = p.usage {
+                        usage = Some(u);
+                    }
+                    if p.content {
+                        out_chars += p.text_bytes;
+                        commit = true;
+                    }
+                    continue;
+                }
                 let v: Value = match serde_json::from_str(&ev.data) {
                     Ok(v) => v,
                     Err(_) if ev.event.as_deref() == Some("error") => {

@@ -240,6 +240,11 @@ impl Drop for StreamGuard {
     }
 }
 
+/// How long the rest of an upstream's body is read after `[DONE]` (`PassThrough::drain_ready`).
+const DRAIN_FOR: Duration = Duration::from_millis(250);
+/// How much of it at most.
+const DRAIN_BYTES: usize = 64 * 1024;
+
 pub(super) struct PassThrough {
     pub prelude: VecDeque<Bytes>,
     pub rest: ByteStream,
@@ -296,6 +301,42 @@ pub(super) fn hold_tail(chunks: &mut Vec<Bytes>, mut n: usize) -> BytesMut {
 }
 
 impl PassThrough {
+    /// After `[DONE]`: reads the rest of the upstream's body so that its connection goes back
+    /// to the pool instead of being closed — a new connection for every stream was a third of
+    /// a stream's cost. What is already here is read at once; the end that is not, on a task
+    /// of its own, for at most [`DRAIN_FOR`] and [`DRAIN_BYTES`] (a server that holds its
+    /// connection open after `[DONE]`, or keeps writing, loses it as before). The client's
+    /// stream is complete either way: nothing read here reaches it.
+    fn drain_ready(&mut self) {
+        use futures_util::FutureExt;
+        let mut rest = std::mem::replace(&mut self.rest, Box::pin(futures_util::stream::empty()));
+        let mut read = 0usize;
+        loop {
+            match rest.next().now_or_never() {
+                Some(Some(Ok(b))) => {
+                    read += b.len();
+                    if read > DRAIN_BYTES {
+                        return;
+                    }
+                }
+                // Ended (the connection is back in the pool) or broken: nothing to wait for.
+                Some(None | Some(Err(_))) => return,
+                None => break,
+            }
+        }
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(DRAIN_FOR, async move {
+                while let Some(Ok(b)) = rest.next().await {
+                    read += b.len();
+                    if read > DRAIN_BYTES {
+                        return;
+                    }
+                }
+            })
+            .await;
+        });
+    }
+
     /// Reads one upstream read's events for usage, `[DONE]` and in-band errors.
     fn scan(&mut self, b: &Bytes) -> Scanned {
         let events = match self.parser.push(b) {
@@ -420,6 +461,7 @@ pub(super) async fn pump(
         if st.prelude.is_empty() && st.done_seen && !st.finished {
             // `[DONE]` came with the first chunks: the stream is complete for the client.
             st.finished = true;
+            st.drain_ready();
             st.guard.finish(None);
         }
         return Some((Ok(b), st));
@@ -451,6 +493,7 @@ pub(super) async fn pump(
                     // with its connection afterwards is not the client's problem, nor a failure.
                     st.finished = true;
                     st.held.clear();
+                    st.drain_ready();
                     st.guard.finish(None);
                 }
                 Some((Ok(out), st))

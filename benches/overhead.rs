@@ -950,6 +950,12 @@ async fn one_stream(client: &HttpClient, url: &str, body: &'static str) -> (f64,
     let t = Instant::now();
     let resp = client.request(req).await.expect("stream request");
     assert!(resp.status().is_success(), "{url}: {}", resp.status());
+    // The main gateway's streams have their audit rows too.
+    if resp.headers().contains_key("x-autohedge-endpoint")
+        && MAIN_GATEWAY.get().is_some_and(|g| url.contains(g.as_str()))
+    {
+        GATEWAY_SERVED.fetch_add(1, Ordering::Relaxed);
+    }
     let body = resp.into_body().collect().await.expect("stream").to_bytes();
     let ms = t.elapsed().as_secs_f64() * 1000.0;
     let text = std::str::from_utf8(&body).unwrap_or("");

@@ -1539,3 +1539,86 @@ routing_policy: {{ min_samples: 5 }}
     );
     gw.stop();
 }
+
+/// Key A sends long prompts in varied scripts, many at once, each counted on the counting
+/// threads (the gateway's shared CPU for long counts); key B's short requests, counted on the
+/// request path, are all answered while A's are still being counted — the counting of one key's
+/// long prompts never holds another key's small requests.
+#[tokio::test]
+async fn one_keys_long_counts_hold_no_other_keys_short_requests() {
+    let up = MockUp::openai("name: up").await;
+    // Text in varied scripts (counted by tiktoken-rs on the counting threads), its bytes over
+    // the window (so it is counted, not bounded) and its tokens under it (so it is served).
+    let varied: String = (0..80_000u32)
+        .map(|i| char::from_u32(0x400 + (i * 7919) % 0x2C00).unwrap_or('x'))
+        .collect();
+    let tokens = autohedge::tokens::reference_count(autohedge::tokens::Family::O200k, &varied);
+    let window = (varied.len() as u64 + tokens) / 2;
+    assert!(
+        tokens + 100 < window && window < varied.len() as u64,
+        "{tokens} {window}"
+    );
+    let cfg = format!(
+        r#"models:
+  m: {{ type: openai, base_url: "{}", model: gpt-4o-mini, context_window: {window} }}
+auth:
+  keys:
+    - {{ name: hostile, key: env:KEY_A }}
+    - {{ name: victim, key: env:KEY_B }}
+health: {{ probe_interval: 1h }}
+"#,
+        up.base()
+    );
+    let mut gw = Gw::start_with_env(&cfg, &keys_env(&[]));
+    gw.ready().await;
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut hostile = Vec::new();
+    for i in 0..4 {
+        let (url, body, done) = (
+            gw.url("/v1/chat/completions"),
+            json!({"model": "m", "messages": [{"role": "user", "content": format!("{i}{varied}")}]}),
+            done.clone(),
+        );
+        hostile.push(tokio::spawn(async move {
+            let r = reqwest::Client::new()
+                .post(url)
+                .bearer_auth(KEY_A)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            r.status().as_u16()
+        }));
+    }
+    // B's short requests, while A's counts run.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    for i in 0..10 {
+        let (s, _) = chat_as(&gw, KEY_B, format!("victim-{i}"), "m").await;
+        assert_eq!(s, 200);
+    }
+    let finished_before_b = done.load(std::sync::atomic::Ordering::SeqCst);
+    let statuses: Vec<u16> = futures_util::future::join_all(hostile)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert!(
+        statuses.iter().all(|s| *s == 200),
+        "A's long prompts were counted and served: {statuses:?}"
+    );
+    assert!(
+        finished_before_b < 4,
+        "B's requests were answered while A's counts still ran ({finished_before_b} of 4 done)"
+    );
+    gw.stop();
+    let counted = audit_rows(
+        &gw,
+        "SELECT COUNT(*) FROM requests WHERE client_key = 'hostile' AND prompt_tokens_counted > 50000",
+    );
+    assert_eq!(
+        counted,
+        vec![vec![json!(4)]],
+        "A's prompts were counted exactly"
+    );
+}

@@ -324,12 +324,17 @@ async fn one(client: &HttpClient, url: &str) -> Option<String> {
     one_with(client, url, REQUEST).await
 }
 
-async fn one_with(client: &HttpClient, url: &str, body: &'static str) -> Option<String> {
-    let req = Request::post(url)
+/// A chat request of `body` as the bench's client key.
+fn post(url: &str, body: &'static str) -> Request<Full<Bytes>> {
+    Request::post(url)
         .header("content-type", "application/json")
         .header("authorization", format!("Bearer {CLIENT_KEY}"))
         .body(Full::new(Bytes::from_static(body.as_bytes())))
-        .unwrap();
+        .unwrap()
+}
+
+async fn one_with(client: &HttpClient, url: &str, body: &'static str) -> Option<String> {
+    let req = post(url, body);
     let resp = client.request(req).await.expect("request");
     let served = resp
         .headers()
@@ -942,11 +947,7 @@ fn cluster_report(targets: &[Target]) {
 /// One whole stream of [`STREAM_REQUEST`]: its time and bytes; checked to hold every content
 /// chunk and `[DONE]`.
 async fn one_stream(client: &HttpClient, url: &str, body: &'static str) -> (f64, usize) {
-    let req = Request::post(url)
-        .header("content-type", "application/json")
-        .header("authorization", format!("Bearer {CLIENT_KEY}"))
-        .body(Full::new(Bytes::from_static(body.as_bytes())))
-        .unwrap();
+    let req = post(url, body);
     let t = Instant::now();
     let resp = client.request(req).await.expect("stream request");
     assert!(resp.status().is_success(), "{url}: {}", resp.status());
@@ -1174,11 +1175,7 @@ const STREAM_RUNS: usize = 200;
 
 /// Reads a streamed response: (time to the first body frame, total time, frames).
 async fn read_stream(client: &HttpClient, url: &str, body: &'static str) -> (f64, f64, usize) {
-    let req = Request::post(url)
-        .header("content-type", "application/json")
-        .header("authorization", format!("Bearer {CLIENT_KEY}"))
-        .body(Full::new(Bytes::from_static(body.as_bytes())))
-        .unwrap();
+    let req = post(url, body);
     let t = Instant::now();
     let resp = client.request(req).await.expect("stream request");
     assert!(resp.status().is_success());

@@ -1282,14 +1282,9 @@ health: {{ probe_interval: 1h }}
 /// A 429 about one request's size cools no endpoint for the others. Key A's request gets
 /// OpenAI's "Request too large … on tokens per min" from endpoint `a` and goes on to `b`; key
 /// B's next request is still served by `a`. (Before: A's 429 cooled `a` for every key.)
-#[tokio::test]
-async fn a_429_about_one_requests_size_cools_no_endpoint() {
-    let a = MockUp::openai(
-        "name: a\nrules: [{times: 1, status: 429, headers: {retry-after: \"30\"}, error: \"Request too large for gpt-4o in organization org-x on tokens per min (TPM): Limit 30000, Requested 50000. The input or output tokens must be reduced in order to run successfully.\"}]",
-    )
-    .await;
-    let b = MockUp::openai("name: b").await;
-    let cfg = format!(
+/// Route `chat: [a, b]` over two mocks, the hostile and the victim keys, and `extra`.
+fn chat_of_two(a: &MockUp, b: &MockUp, extra: &str) -> String {
+    format!(
         r#"models:
   a: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
   b: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
@@ -1299,11 +1294,20 @@ auth:
   keys:
     - {{ name: hostile, key: env:KEY_A }}
     - {{ name: victim, key: env:KEY_B }}
-health: {{ probe_interval: 1h }}
-"#,
+{extra}"#,
         a.base(),
         b.base()
-    );
+    )
+}
+
+#[tokio::test]
+async fn a_429_about_one_requests_size_cools_no_endpoint() {
+    let a = MockUp::openai(
+        "name: a\nrules: [{times: 1, status: 429, headers: {retry-after: \"30\"}, error: \"Request too large for gpt-4o in organization org-x on tokens per min (TPM): Limit 30000, Requested 50000. The input or output tokens must be reduced in order to run successfully.\"}]",
+    )
+    .await;
+    let b = MockUp::openai("name: b").await;
+    let cfg = chat_of_two(&a, &b, "health: { probe_interval: 1h }\n");
     let gw = Gw::start_with_env(&cfg, &keys_env(&[]));
     gw.ready().await;
     let r = reqwest::Client::new()
@@ -1470,21 +1474,10 @@ async fn one_keys_poison_prompts_neither_eject_nor_demote_an_endpoint() {
     )
     .await;
     let b = MockUp::openai("name: b").await;
-    let cfg = format!(
-        r#"models:
-  a: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
-  b: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
-routes:
-  chat: [a, b]
-auth:
-  keys:
-    - {{ name: hostile, key: env:KEY_A }}
-    - {{ name: victim, key: env:KEY_B }}
-health: {{ probe_interval: 1h, eject_after: 2, eject_base: 1h, eject_max: 1h }}
-routing_policy: {{ min_samples: 5 }}
-"#,
-        a.base(),
-        b.base()
+    let cfg = chat_of_two(
+        &a,
+        &b,
+        "health: { probe_interval: 1h, eject_after: 2, eject_base: 1h, eject_max: 1h }\nrouting_policy: { min_samples: 5 }\n",
     );
     let mut gw = Gw::start_with_env(&cfg, &keys_env(&[]));
     gw.ready().await;

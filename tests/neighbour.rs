@@ -1591,6 +1591,7 @@ health: {{ probe_interval: 1h }}
         assert_eq!(s, 200);
     }
     let finished_before_b = done.load(std::sync::atomic::Ordering::SeqCst);
+    eprintln!("B's 10 requests answered with {finished_before_b} of A's 4 long prompts done");
     let statuses: Vec<u16> = futures_util::future::join_all(hostile)
         .await
         .into_iter()

@@ -155,29 +155,31 @@ impl Run {
         let counter = ep.counter.clone();
         let opts = self.cfg.policy.truncation;
         // Counting the tools and the messages is BPE work on all of the request: off the
-        // async workers.
-        let result = tokio::task::spawn_blocking(move || {
-            let body = req.body();
-            let messages: &[Value] = body
-                .get("messages")
-                .and_then(Value::as_array)
-                .map_or(&[], Vec::as_slice);
-            let tools = body
-                .get("tools")
-                .and_then(Value::as_array)
-                .map(|t| counter.tools(t))
-                .unwrap_or(0);
-            truncate::truncate(
-                messages,
-                budget,
-                tokens::REPLY_PRIMING + tools,
-                &counter,
-                opts,
-            )
+        // async workers, on the counting threads, as one request's counting (`tokens::scope`).
+        let result = crate::tokens::pool::run(move || {
+            crate::tokens::scope(|| {
+                let body = req.body();
+                let messages: &[Value] = body
+                    .get("messages")
+                    .and_then(Value::as_array)
+                    .map_or(&[], Vec::as_slice);
+                let tools = body
+                    .get("tools")
+                    .and_then(Value::as_array)
+                    .map(|t| counter.tools(t))
+                    .unwrap_or(0);
+                truncate::truncate(
+                    messages,
+                    budget,
+                    tokens::REPLY_PRIMING + tools,
+                    &counter,
+                    opts,
+                )
+            })
         })
         .await;
         match result {
-            Ok(Ok(t)) => {
+            Some(Ok(t)) => {
                 tracing::debug!(request_id = %self.request_id, endpoint = %name, dropped_messages = t.dropped_messages, dropped_tokens = t.dropped_tokens, "conversation truncated to fit");
                 self.truncation = Some((t.dropped_messages, t.dropped_tokens));
                 Arc::make_mut(&mut self.req)
@@ -187,11 +189,11 @@ impl Run {
                 self.prompt_bound = None;
                 Ok(())
             }
-            Ok(Err(e)) => Err(self.context_error(format!(
+            Some(Err(e)) => Err(self.context_error(format!(
                 "This conversation cannot be truncated to fit: its system messages and latest {} turns alone need {} tokens, and the largest window allows {budget} for the prompt (endpoint `{name}`, {window} tokens).",
                 self.cfg.policy.truncation.keep_turns, e.minimum
             ))),
-            Err(_) => Err(self.all_failed()),
+            None => Err(self.all_failed()),
         }
     }
 }

@@ -158,22 +158,30 @@ fn fast(f: Family) -> &'static tiktoken::CoreBpe {
     })
 }
 
+fn build_general(f: Family) -> &'static CoreBPE {
+    BUILT[f as usize].get_or_init(|| match f {
+        Family::O200k => tiktoken_rs::o200k_base_singleton(),
+        Family::Cl100k => tiktoken_rs::cl100k_base_singleton(),
+    })
+}
+
 /// tiktoken-rs's encoder, when built: the first text that needs it starts the build on a
 /// thread of its own and is counted by the `tiktoken` crate meanwhile (exact, only slower),
-/// so no request waits on it.
+/// so no small request waits on it; on a counting thread (a long prompt, where the crate's slow
+/// path would cost most) the count waits for the build instead.
 fn general(f: Family) -> Option<&'static CoreBPE> {
     use std::sync::atomic::Ordering;
     if let Some(b) = BUILT[f as usize].get() {
         return Some(b);
     }
+    if pool::on_counting_thread() {
+        return Some(build_general(f));
+    }
     if !BUILDING[f as usize].swap(true, Ordering::AcqRel) {
         let spawned = std::thread::Builder::new()
             .name("autohedge-tiktoken".into())
             .spawn(move || {
-                BUILT[f as usize].get_or_init(|| match f {
-                    Family::O200k => tiktoken_rs::o200k_base_singleton(),
-                    Family::Cl100k => tiktoken_rs::cl100k_base_singleton(),
-                });
+                build_general(f);
             });
         if spawned.is_err() {
             BUILDING[f as usize].store(false, Ordering::Release);
@@ -209,6 +217,22 @@ fn slow_chars(text: &str, most: usize) -> usize {
         }
     }
     slow
+}
+
+/// Runs `f` as one request's counting: the bound on characters outside the fast ranges
+/// (`SLOW_CHARS_MAX`) is shared by every text `f` counts on this thread ([`Counter::request`],
+/// and truncation's per-message counts), and the thread's scope is restored after, a panic
+/// included.
+pub fn scope<T>(f: impl FnOnce() -> T) -> T {
+    struct Restore(Option<usize>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            let outer = self.0;
+            SLOW_SEEN.with(|s| s.set(outer));
+        }
+    }
+    let _restore = Restore(SLOW_SEEN.with(|s| s.replace(Some(0))));
+    f()
 }
 
 /// Texts tiktoken-rs counted (the tests watch it).
@@ -320,9 +344,7 @@ impl Counter {
 
     /// Prompt tokens of a request body.
     pub fn request(&self, op: Op, body: &Map<String, Value>) -> Count {
-        let outer = SLOW_SEEN.with(|s| s.replace(Some(0)));
-        let tokens = Measure::Tokens(self).request(op, body);
-        SLOW_SEEN.with(|s| s.set(outer));
+        let tokens = scope(|| Measure::Tokens(self).request(op, body));
         Count {
             tokens,
             exact: self.is_exact(),
@@ -753,6 +775,15 @@ mod tests {
         let used = GENERAL_COUNTS.load(std::sync::atomic::Ordering::Relaxed);
         let _ = Counter::Tiktoken(Family::Cl100k).request(Op::Chat, &body);
         assert!(GENERAL_COUNTS.load(std::sync::atomic::Ordering::Relaxed) > used);
+        // Truncation's per-message counts share the bound the same way.
+        let used = GENERAL_COUNTS.load(std::sync::atomic::Ordering::Relaxed);
+        let messages = body["messages"].as_array().unwrap();
+        let counter = Counter::Tiktoken(Family::Cl100k);
+        scope(|| messages.iter().map(|m| counter.message(m)).sum::<u64>());
+        assert!(GENERAL_COUNTS.load(std::sync::atomic::Ordering::Relaxed) > used);
+        // A panic inside a scope restores the thread's (no scope) all the same.
+        let _ = std::panic::catch_unwind(|| scope(|| panic!("a bad count")));
+        assert_eq!(SLOW_SEEN.with(std::cell::Cell::get), None);
         assert_eq!(
             SLOW_SEEN.with(std::cell::Cell::get),
             None,

@@ -30,7 +30,17 @@ fn pool() -> Option<&'static Sender<Job>> {
     .as_ref()
 }
 
+thread_local! {
+    static COUNTING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread is one of the counting threads (a long count may wait here).
+pub fn on_counting_thread() -> bool {
+    COUNTING.with(std::cell::Cell::get)
+}
+
 fn worker(rx: &Mutex<Receiver<Job>>) {
+    COUNTING.with(|c| c.set(true));
     loop {
         let job = {
             let rx = rx.lock().unwrap_or_else(|e| e.into_inner());
@@ -51,6 +61,10 @@ fn worker(rx: &Mutex<Receiver<Job>>) {
 pub async fn run<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     let job: Job = Box::new(move || {
+        // Its caller gone (the client left): the count is not made for no one.
+        if tx.is_closed() {
+            return;
+        }
         let _ = tx.send(f());
     });
     match pool() {
@@ -78,6 +92,8 @@ mod tests {
             .await
             .unwrap();
         assert!(name.unwrap().starts_with("autohedge-count-"));
+        assert!(super::run(super::on_counting_thread).await.unwrap());
+        assert!(!super::on_counting_thread());
         assert_eq!(super::run(|| -> u8 { panic!("a bad job") }).await, None);
         assert_eq!(super::run(|| 7).await, Some(7), "the pool goes on");
     }

@@ -2196,7 +2196,23 @@ docker:
         |st| st["endpoints"]["extra"]["state"] == "healthy",
     )
     .await;
-    assert_eq!(st["docker"]["discovered_endpoints"], json!(["extra"]));
+    // The adopted service alone is added; every endpoint discovery backs is named, with its
+    // service.
+    assert_eq!(st["docker"]["added_endpoints"], json!(["extra"]));
+    let named = st["docker"]["discovered_endpoints"].clone();
+    for ep in ["extra", "primary", "backup"] {
+        assert!(
+            named.as_array().is_some_and(|a| a.contains(&json!(ep))),
+            "{ep} in {named}"
+        );
+        assert!(
+            st["docker"]["services"][ep]["service"]
+                .as_str()
+                .is_some_and(|s| !s.is_empty()),
+            "{ep}'s service: {}",
+            st["docker"]
+        );
+    }
     assert_eq!(
         st["chains"]["fallback_chain"],
         json!(["primary", "standby", "backup", "extra"])

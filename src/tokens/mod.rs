@@ -86,7 +86,7 @@ impl Counter {
 
 /// Encoders built so far, by family (`Family as usize`): the `tiktoken` crate's, and
 /// tiktoken-rs's for texts its general path is slow on.
-static FAST: [std::sync::OnceLock<&'static tiktoken::CoreBpe>; 2] =
+static FAST: [std::sync::OnceLock<Option<&'static tiktoken::CoreBpe>>; 2] =
     [std::sync::OnceLock::new(), std::sync::OnceLock::new()];
 static BUILT: [std::sync::OnceLock<&'static CoreBPE>; 2] =
     [std::sync::OnceLock::new(), std::sync::OnceLock::new()];
@@ -140,17 +140,16 @@ pub fn family_for_model(model: &str) -> Option<Family> {
     }
 }
 
-fn fast(f: Family) -> &'static tiktoken::CoreBpe {
-    FAST[f as usize].get_or_init(|| {
+/// The `tiktoken` crate's encoder (`None` only if its vocabulary were missing from the build:
+/// tiktoken-rs counts then).
+fn fast(f: Family) -> Option<&'static tiktoken::CoreBpe> {
+    *FAST[f as usize].get_or_init(|| {
         let name = match f {
             Family::O200k => "o200k_base",
             Family::Cl100k => "cl100k_base",
         };
-        // Compiled in (the crate's `vocab-*` features): present by construction.
-        let e = match tiktoken::get_encoding(name) {
-            Some(e) => e,
-            None => unreachable!("the {name} vocabulary is compiled in"),
-        };
+        // Compiled in (the crate's `vocab-*` features).
+        let e = tiktoken::get_encoding(name);
         // Building it left about 10 MB of freed scratch (the decompressed list of tokens) in the
         // allocator's pages: hand them back now rather than keep them resident.
         crate::alloc::release_free_memory();
@@ -259,7 +258,10 @@ fn count_bpe(f: Family, text: &str) -> u64 {
         GENERAL_COUNTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         return b.encode_ordinary(text).len() as u64;
     }
-    fast(f).count(text) as u64
+    match fast(f) {
+        Some(e) => e.count(text) as u64,
+        None => build_general(f).encode_ordinary(text).len() as u64,
+    }
 }
 
 /// Whether tiktoken-rs's encoder of `f` is built (the benches wait for it).
@@ -278,7 +280,7 @@ pub fn reference_count(f: Family, text: &str) -> u64 {
 
 /// The `tiktoken` crate's count of `text`, whatever its characters (for the tests and benches).
 pub fn fast_count(f: Family, text: &str) -> u64 {
-    fast(f).count(text) as u64
+    fast(f).map_or_else(|| reference_count(f, text), |e| e.count(text) as u64)
 }
 
 /// Loaded tokenizer files, shared across endpoints and reloads; reloaded when the file changes.

@@ -1533,6 +1533,50 @@ async fn one_keys_poison_prompts_neither_eject_nor_demote_an_endpoint() {
     gw.stop();
 }
 
+/// Key A floods poison prompts at the route's first endpoint; then key B meets one failure of
+/// its own there. A's twenty failures weigh no more than B's one (two count: under
+/// `eject_after: 5`), so the endpoint stays in; once B has met three, six count and it is
+/// ejected as ever.
+#[tokio::test]
+async fn one_keys_flood_weighs_no_more_than_the_other_keys_failures() {
+    let a = MockUp::openai(
+        "name: a\nrules: [{when: {contains: POISON}, status: 500, error: \"engine crashed\"}]",
+    )
+    .await;
+    let b = MockUp::openai("name: b").await;
+    let cfg = chat_of_two(
+        &a,
+        &b,
+        "health: { probe_interval: 1h, eject_after: 5, eject_base: 1h, eject_max: 1h }\n",
+    );
+    let mut gw = Gw::start_with_env(&cfg, &keys_env(&[]));
+    gw.ready().await;
+    let poison = json!([{"role": "user", "content": "POISON"}]);
+    for _ in 0..20 {
+        let r = say(&gw, KEY_A, "chat", &poison).await;
+        assert_eq!(r.status(), 200, "A's request failed over");
+    }
+    let r = say(&gw, KEY_B, "chat", &poison).await;
+    assert_eq!(r.status(), 200, "B's request failed over");
+    assert!(chat_calls_of(&a.stats().await) >= 21, "each met a's 500");
+    let st = gw.status().await;
+    assert_eq!(
+        st["endpoints"]["a"]["state"], "healthy",
+        "21 failures in a row, 20 of one key: {}",
+        st["endpoints"]["a"]
+    );
+    for _ in 0..2 {
+        say(&gw, KEY_B, "chat", &poison).await;
+    }
+    let st = gw.status().await;
+    assert_eq!(
+        st["endpoints"]["a"]["state"], "ejected",
+        "three of B's failures let three of A's count: {}",
+        st["endpoints"]["a"]
+    );
+    gw.stop();
+}
+
 /// Key A sends long prompts in varied scripts, many at once, each counted on the counting
 /// threads (the gateway's shared CPU for long counts); key B's short requests, counted on the
 /// request path, are all answered while A's are still being counted — the counting of one key's

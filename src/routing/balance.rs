@@ -426,8 +426,7 @@ impl Addresses {
         let Some(a) = self.list.get_mut(i) else {
             return false;
         };
-        a.record.failed(who);
-        if !a.record.convincing() {
+        if !a.record.failed(who) {
             return false;
         }
         a.last_failure = Some(now);
@@ -1050,8 +1049,11 @@ mod tests {
         assert!(a.list[0].rtt(now, &t) < 0.1, "its estimate untouched");
         let again: Vec<_> = keys.iter().map(|k| a.pick_affine(*k, now, &t)).collect();
         assert_eq!(home, again, "no conversation moved");
-        // A second key: the run is the address's, and ejects.
-        assert!(a.failed(0, Witness::Key(8), now, &t));
+        // Other keys' failures let as many of the hostile key's count: 2, 4, then 6 of 5.
+        assert!(!a.failed(0, Witness::Key(8), now, &t));
+        assert!(!a.failed(0, Witness::Key(9), now, &t));
+        assert!(a.list[0].usable(now));
+        assert!(a.failed(0, Witness::Key(10), now, &t));
         assert!(!a.list[0].usable(now));
     }
 }

@@ -34,44 +34,84 @@ fn fnv(s: &str) -> u64 {
     })
 }
 
-/// The witnesses of a run of failures: convincing once one is sure or two keys differ.
+/// Keys a tally names apart; beyond them the least seen share a slot (an overcount of the
+/// commonest key's failures, never an undercount: the tally errs toward ejecting nothing).
+const TRACKED: usize = 8;
+
+/// Who saw a set of failures, and how many of them count: every sure one, every failure of the
+/// keys other than the commonest, and the commonest key's at most as many as all the others'
+/// together ([`Witnesses::counted`]). So one key's flood makes nothing of itself, and a single
+/// failure of another key (or one refused connection) lets through one of the flood's, not all.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Witnesses {
-    first: Option<u64>,
-    convincing: bool,
+    /// Keys and their failures (`0`: an empty slot), kept by the Space-Saving rule: a new key
+    /// when all are taken replaces the least counted and inherits its count.
+    keys: [(u64, u32); TRACKED],
+    sure: u32,
 }
 
 impl Witnesses {
     pub fn add(&mut self, w: Witness) {
-        match w {
-            Witness::Sure => self.convincing = true,
-            Witness::Key(k) => match self.first {
-                None => self.first = Some(k),
-                Some(f) if f != k => self.convincing = true,
-                Some(_) => {}
-            },
+        self.add_n(w, 1);
+    }
+
+    fn add_n(&mut self, w: Witness, n: u32) {
+        if n == 0 {
+            return;
+        }
+        let k = match w {
+            Witness::Sure => {
+                self.sure = self.sure.saturating_add(n);
+                return;
+            }
+            Witness::Key(k) => k,
+        };
+        if let Some(slot) = self.keys.iter_mut().find(|(key, c)| *c > 0 && *key == k) {
+            slot.1 = slot.1.saturating_add(n);
+            return;
+        }
+        // An empty slot, or else the least counted (it is overtaken: counted as this key's).
+        if let Some(slot) = self.keys.iter_mut().min_by_key(|(_, c)| *c) {
+            *slot = (k, slot.1.saturating_add(n));
         }
     }
 
-    /// Both runs' witnesses together.
+    /// Both sets of witnesses together.
     pub fn merge(&mut self, other: Witnesses) {
-        if other.convincing {
-            self.convincing = true;
+        for (k, n) in other.keys {
+            self.add_n(Witness::Key(k), n);
         }
-        if let Some(k) = other.first {
-            self.add(Witness::Key(k));
-        }
+        self.add_n(Witness::Sure, other.sure);
     }
 
-    /// Whether the failures are the server's: a sure one, or two keys'.
+    /// Every failure, whoever saw it.
+    pub fn total(&self) -> u64 {
+        u64::from(self.sure) + self.keys.iter().map(|(_, c)| u64::from(*c)).sum::<u64>()
+    }
+
+    /// The failures that count against the server: the commonest key's count at most as much
+    /// as everyone else's together (sure failures included).
+    pub fn counted(&self) -> u64 {
+        let total = self.total();
+        let top = self
+            .keys
+            .iter()
+            .map(|(_, c)| u64::from(*c))
+            .max()
+            .unwrap_or(0);
+        let others = total - top;
+        total.min(others.saturating_mul(2))
+    }
+
+    /// Whether any of the failures count.
     pub fn convincing(&self) -> bool {
-        self.convincing
+        self.counted() > 0
     }
 }
 
 /// A server's last [`WINDOW`] outcomes with their witnesses, and its current run of failures:
-/// the failure rate and the failures in a row an ejection reads, counting only what more than
-/// one client key (or a sure witness) saw.
+/// the failure rate and the failures in a row an ejection reads, counting only what
+/// [`Witnesses::counted`] lets through.
 #[derive(Clone, Debug)]
 pub struct Record {
     /// Ring of outcomes: `None` served, `Some(w)` failed as `w` saw.
@@ -79,8 +119,7 @@ pub struct Record {
     next: usize,
     seen: usize,
     /// The current run of failures and its witnesses.
-    run: u32,
-    run_witnesses: Witnesses,
+    run: Witnesses,
 }
 
 /// Outcomes the failure rate reads.
@@ -92,8 +131,7 @@ impl Default for Record {
             ring: [None; WINDOW],
             next: 0,
             seen: 0,
-            run: 0,
-            run_witnesses: Witnesses::default(),
+            run: Witnesses::default(),
         }
     }
 }
@@ -105,25 +143,33 @@ impl Record {
         self.seen = (self.seen + 1).min(WINDOW);
     }
 
+    fn window(&self) -> Witnesses {
+        let mut w = Witnesses::default();
+        for o in self.ring.iter().take(self.seen).flatten() {
+            w.add(*o);
+        }
+        w
+    }
+
     /// A request served: the run of failures ends.
     pub fn served(&mut self) {
         self.push(None);
-        self.run = 0;
-        self.run_witnesses = Witnesses::default();
+        self.run = Witnesses::default();
     }
 
-    /// A failure as `w` saw it.
-    pub fn failed(&mut self, w: Witness) {
+    /// A failure as `w` saw it. Whether it added to what counts against the server (in the
+    /// run or the window): a failure that did not may steer nothing.
+    pub fn failed(&mut self, w: Witness) -> bool {
+        let (run, window) = (self.run.counted(), self.window().counted());
         self.push(Some(w));
-        self.run = self.run.saturating_add(1);
-        self.run_witnesses.add(w);
+        self.run.add(w);
+        self.run.counted() > run || self.window().counted() > window
     }
 
     /// A probe failed: a sure failure in the run, not an outcome of the window (which is the
     /// requests').
     pub fn probe_failed(&mut self) {
-        self.run = self.run.saturating_add(1);
-        self.run_witnesses.add(Witness::Sure);
+        self.run.add(Witness::Sure);
     }
 
     /// Forget everything (an ejection, or a comeback: judged on what it does next).
@@ -131,43 +177,23 @@ impl Record {
         *self = Record::default();
     }
 
-    /// Failures in a row, counted only when convincing (else 0).
+    /// Failures in a row that count ([`Witnesses::counted`]).
     pub fn run(&self) -> u32 {
-        if self.run_witnesses.convincing() {
-            self.run
-        } else {
-            0
-        }
+        u32::try_from(self.run.counted()).unwrap_or(u32::MAX)
     }
 
     /// Failures in a row, whoever saw them (what `/status` shows).
     pub fn run_seen(&self) -> u32 {
-        self.run
+        u32::try_from(self.run.total()).unwrap_or(u32::MAX)
     }
 
-    /// The share of the last outcomes that failed, once `min` are known and when the failures
-    /// among them are convincing.
+    /// The share of the last outcomes whose failures count, once `min` are known and some do.
     pub fn rate(&self, min: usize) -> Option<f64> {
         if self.seen < min.max(1) {
             return None;
         }
-        let mut w = Witnesses::default();
-        let mut failed = 0usize;
-        for o in self.ring.iter().take(self.seen).flatten() {
-            failed += 1;
-            w.add(*o);
-        }
-        (failed > 0 && w.convincing()).then(|| failed as f64 / self.seen as f64)
-    }
-
-    /// Whether the server's recent failures (in the window) are convincing: one key's failures
-    /// alone change nothing another key gets.
-    pub fn convincing(&self) -> bool {
-        let mut w = Witnesses::default();
-        for o in self.ring.iter().take(self.seen).flatten() {
-            w.add(*o);
-        }
-        w.convincing()
+        let counted = self.window().counted();
+        (counted > 0).then(|| counted as f64 / self.seen as f64)
     }
 }
 
@@ -187,15 +213,66 @@ mod tests {
         assert_eq!(r.run_seen(), 50, "the failures happened");
         assert_eq!(r.run(), 0);
         assert_eq!(r.rate(10), None);
-        assert!(!r.convincing());
-        r.failed(B);
+        assert!(r.failed(B), "another key's failure counts");
         assert_eq!(
             r.run(),
-            51,
-            "a second key's failure makes the run the server's"
+            2,
+            "a second key's failure lets through one of the first key's, not all fifty"
         );
-        assert_eq!(r.rate(10), Some(1.0));
-        assert!(r.convincing());
+        assert_eq!(r.rate(10), Some(0.1), "two of the window's twenty count");
+        assert!(!r.failed(A), "the flood adds nothing more");
+        assert_eq!(r.run(), 2);
+        for _ in 0..3 {
+            r.failed(B);
+            r.failed(Witness::Sure);
+        }
+        assert_eq!(
+            r.run(),
+            14,
+            "others' seven failures let seven of the first key's count"
+        );
+    }
+
+    #[test]
+    fn a_server_failing_every_key_counts_every_failure() {
+        let mut r = Record::default();
+        for i in 0..6 {
+            r.failed(if i % 2 == 0 { A } else { B });
+        }
+        assert_eq!(r.run(), 6);
+        let mut w = Witnesses::default();
+        for k in 0..40u64 {
+            w.add(Witness::Key(k % 20));
+        }
+        assert_eq!(w.total(), 40);
+        assert_eq!(
+            w.counted(),
+            40,
+            "many keys, none dominant: every failure counts"
+        );
+    }
+
+    #[test]
+    fn keys_beyond_the_tracked_never_hide_the_commonest() {
+        let mut w = Witnesses::default();
+        for k in 100..(100 + TRACKED as u64 * 3) {
+            w.add(Witness::Key(k));
+        }
+        for _ in 0..1000 {
+            w.add(A);
+        }
+        let others = TRACKED as u64 * 3;
+        assert_eq!(w.total(), 1000 + others);
+        assert!(
+            w.counted() <= 2 * others,
+            "the flood counts at most as much as the others: {}",
+            w.counted()
+        );
+        let mut merged = Witnesses::default();
+        merged.merge(w);
+        merged.merge(w);
+        assert_eq!(merged.total(), 2 * w.total());
+        assert!(merged.counted() <= 4 * others);
     }
 
     #[test]
@@ -207,7 +284,11 @@ mod tests {
         assert_eq!(r.run(), 0);
         r.failed(A);
         assert_eq!(r.run(), 0, "a new run, one key's");
-        assert!(r.convincing(), "the window still holds the sure failure");
+        assert_eq!(
+            r.rate(1),
+            Some(2.0 / 3.0),
+            "the window still holds the sure failure"
+        );
     }
 
     #[test]

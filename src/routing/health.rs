@@ -204,9 +204,15 @@ impl Health {
     /// The share of its traffic a warming endpoint takes at `now`: rising from a tenth to all
     /// of it over `warmup` (`None` when it is not warming).
     pub fn warming_share(&self, now: Instant, warmup: Duration) -> Option<f64> {
-        let Verdict::Warming { remaining } = self.verdict(now) else {
+        // Only a warming endpoint (not ejected, not down) has a share: checked without
+        // building a verdict, which clones reasons (this runs for every request's view).
+        if self.state != State::Warming
+            || self.docker_down.is_some()
+            || self.ejected_until.is_some()
+        {
             return None;
-        };
+        }
+        let remaining = self.warming_until.map(|u| u.saturating_duration_since(now));
         let left = remaining.unwrap_or_default().as_secs_f64();
         let whole = warmup.as_secs_f64().max(1e-3);
         Some((1.0 - left / whole).clamp(WARMING_MIN_SHARE, 1.0))
@@ -314,10 +320,9 @@ impl Health {
             self.witnesses = Witnesses::default();
             return None;
         };
-        self.consecutive_failures += 1;
+        self.consecutive_failures = self.consecutive_failures.saturating_add(1);
         self.witnesses.add(who);
-        if self.consecutive_failures >= t.eject_after.max(1)
-            && self.witnesses.convincing()
+        if self.witnesses.counted() >= u64::from(t.eject_after.max(1))
             && self.ejected_until.is_none()
         {
             let from = self.state_name(now);
@@ -553,8 +558,13 @@ mod tests {
             );
         }
         assert!(!h.is_ejected());
-        let tr = h.observe_traffic(now, Some(Witness::Key(2)), "500", &t());
-        assert_eq!(tr.map(|t| t.to), Some("ejected"));
+        assert_eq!(
+            h.observe_traffic(now, Some(Witness::Key(2)), "500", &t()),
+            None,
+            "one failure of a second key lets one of the first key's twenty count: 2 of 3"
+        );
+        let tr = h.observe_traffic(now, Some(Witness::Key(3)), "500", &t());
+        assert_eq!(tr.map(|t| t.to), Some("ejected"), "a third key's: 4 count");
         // An answer ends the run and its witnesses: one key alone again ejects nothing.
         let mut h = Health::default();
         h.observe_traffic(now, Some(Witness::Key(1)), "500", &t());

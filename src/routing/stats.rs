@@ -43,10 +43,9 @@ impl Counts {
     /// be their cause) are left out, so one key cannot push an endpoint behind its fallbacks
     /// for everyone. `/status` shows [`Counts::rate`], every failure.
     pub fn routing_rate(&self, min_samples: u32) -> Option<f64> {
-        if self.failed == 0 || self.witnesses.convincing() {
-            return self.rate(min_samples);
-        }
-        (self.ok > 0 && self.ok >= u64::from(min_samples)).then_some(1.0)
+        let failed = self.witnesses.counted().min(self.failed);
+        let total = self.ok + failed;
+        (total > 0 && total >= u64::from(min_samples)).then(|| self.ok as f64 / total as f64)
     }
 }
 
@@ -320,7 +319,7 @@ mod tests {
     }
 
     /// Failures one client key alone saw demote nothing: routing reads them out, `/status`'s
-    /// rate keeps them; a second key's failure in the window brings them all back.
+    /// rate keeps them; other keys' failures bring back as many of them as they number.
     #[tokio::test(start_paused = true)]
     async fn one_keys_failures_demote_nothing() {
         let mut w = RollingWindow::new(Duration::from_secs(60));
@@ -340,8 +339,17 @@ mod tests {
         let c = w.counts(now);
         assert_eq!(
             c.routing_rate(2),
+            Some(0.5),
+            "a second key's one failure lets one of the first key's eight count, not all"
+        );
+        for k in 3..10 {
+            w.record(now, Some(Witness::Key(k)));
+        }
+        let c = w.counts(now);
+        assert_eq!(
+            c.routing_rate(2),
             c.rate(2),
-            "two keys: every failure counts"
+            "as many other keys' failures as the first key's: every failure counts"
         );
         assert!(c.rate(2).unwrap() < 0.2);
     }

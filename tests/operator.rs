@@ -1043,7 +1043,23 @@ async fn the_report_reads_the_trail_and_recommends_by_its_rules() {
     assert!(st.success());
     let page = std::fs::read_to_string(&out).unwrap();
     assert_eq!(page.matches("<svg").count(), 3);
-    assert!(page.contains("<polyline"));
+    // A run of seconds in a day's report is charted over its seconds, each value a dot (a
+    // bucket alone still shows), the calls on whole-number ticks.
+    assert!(
+        page.contains(" s, times UTC)"),
+        "buckets of seconds: {page}"
+    );
+    assert!(page.contains("<circle"), "{page}");
+    let calls = &page[page.find("<svg").unwrap()..page.find("</svg>").unwrap()];
+    let ticks: Vec<&str> = calls
+        .split(r##"text-anchor="end" fill="#57606a">"##)
+        .skip(1)
+        .map(|t| t.split('<').next().unwrap())
+        .collect();
+    assert!(ticks.len() >= 2, "{calls}");
+    for t in &ticks {
+        assert!(t.parse::<u64>().is_ok(), "a count's tick {t:?}: {ticks:?}");
+    }
     assert!(!page.contains("<script"));
     assert!(page.contains("rotate it"));
     // An empty window is a report with nothing to do, not an error.

@@ -12,7 +12,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use rusqlite::Connection;
 
@@ -25,8 +25,67 @@ pub enum Format {
     Html,
 }
 
-/// Charts split the period into this many buckets.
-const BUCKETS: usize = 24;
+/// The most buckets a chart has (about): the data's span is split into the narrowest round
+/// width ([`STEPS`]) that keeps it under this — a ten-minute run in minutes, a day in 2 hours.
+const MAX_BUCKETS: u64 = 16;
+
+/// The widths a chart's buckets may have, in seconds: round ones, so that a ten-minute run reads
+/// in minutes and a day in hours.
+const STEPS: &[u64] = &[
+    1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400,
+];
+
+/// How the charts split time: `n` buckets of `width_ms` from `from_ms`, covering the data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Buckets {
+    pub from_ms: i64,
+    pub width_ms: i64,
+    pub n: usize,
+}
+
+impl Buckets {
+    /// Buckets over the data's span (`first..=last`, in ms): the narrowest round width that
+    /// fits it in [`MAX_BUCKETS`], starting at a multiple of the width. Without data, the
+    /// period's (`from..=to`).
+    pub fn sized(data: Option<(i64, i64)>, from: i64, to: i64) -> Buckets {
+        let (first, last) = data.unwrap_or((from, to));
+        let (first, last) = (first.min(last), first.max(last));
+        let span = u64::try_from(last.saturating_sub(first)).unwrap_or(0);
+        let width_ms = STEPS
+            .iter()
+            .map(|s| s * 1000)
+            .find(|w| span / w < MAX_BUCKETS)
+            .unwrap_or_else(|| span.div_ceil(MAX_BUCKETS).max(1));
+        let width_ms = i64::try_from(width_ms).unwrap_or(i64::MAX);
+        let from_ms = first.saturating_sub(first.rem_euclid(width_ms));
+        let n = usize::try_from(last.saturating_sub(from_ms) / width_ms)
+            .unwrap_or(0)
+            .saturating_add(1);
+        Buckets {
+            from_ms,
+            width_ms,
+            n: n.clamp(1, MAX_BUCKETS as usize + 1),
+        }
+    }
+
+    /// The bucket `ts` (ms) falls in, clamped to the chart.
+    pub fn of(&self, ts: i64) -> usize {
+        let i = ts.saturating_sub(self.from_ms).max(0) / self.width_ms.max(1);
+        usize::try_from(i).unwrap_or(usize::MAX).min(self.n - 1)
+    }
+
+    /// The width as people say it: `10 s`, `1 min`, `2 h`.
+    pub fn width_text(&self) -> String {
+        let s = self.width_ms / 1000;
+        if s >= 3600 && s % 3600 == 0 {
+            format!("{} h", s / 3600)
+        } else if s >= 60 && s % 60 == 0 {
+            format!("{} min", s / 60)
+        } else {
+            format!("{s} s")
+        }
+    }
+}
 /// Example request ids kept per failure cause.
 const EXAMPLES: usize = 3;
 
@@ -88,7 +147,8 @@ pub struct Report {
     pub endpoints: BTreeMap<String, EndpointFigures>,
     /// Per bucket: p50, p95, p99 of served requests' latency (ms).
     pub latency_series: Vec<[Option<f64>; 3]>,
-    pub bucket: Duration,
+    /// How the series split time.
+    pub buckets: Buckets,
     pub recommendations: Vec<String>,
 }
 
@@ -125,12 +185,20 @@ pub fn from_conns(
     until: SystemTime,
 ) -> anyhow::Result<Report> {
     let (from_ms, to_ms) = (ms(since), ms(until).max(ms(since) + 1));
-    let span_ms = (to_ms - from_ms) as f64;
-    let bucket_of = |ts: i64| -> usize {
-        (((ts - from_ms).max(0) as f64 / span_ms) * BUCKETS as f64)
-            .floor()
-            .clamp(0.0, (BUCKETS - 1) as f64) as usize
-    };
+    // The charts cover the data, not the whole period: a ten-minute run in a day's report is
+    // drawn over its ten minutes.
+    let mut span: Option<(i64, i64)> = None;
+    for conn in trails {
+        let (a, b): (Option<i64>, Option<i64>) =
+            conn.query_row(crate::store::sql::REQUESTS_SPAN, [from_ms, to_ms], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })?;
+        if let (Some(a), Some(b)) = (a, b) {
+            span = Some(span.map_or((a, b), |(x, y)| (x.min(a), y.max(b))));
+        }
+    }
+    let buckets = Buckets::sized(span, from_ms, to_ms);
+    let bucket_of = |ts: i64| buckets.of(ts);
     let mut endpoints: BTreeMap<String, EndpointFigures> = BTreeMap::new();
 
     // Attempts, by request row (the index's order): which requests failed over, causes, and
@@ -155,7 +223,11 @@ pub fn from_conns(
             let skip = class.starts_with("skipped_")
                 || class == "context_skip"
                 || class == "hedge_cancelled";
-            let e = entry(&mut endpoints, r.get_ref(3)?.as_str().unwrap_or(""));
+            let e = entry(
+                &mut endpoints,
+                r.get_ref(3)?.as_str().unwrap_or(""),
+                buckets.n,
+            );
             if matches!(class, "context_length" | "context_skip") {
                 e.context += 1;
             }
@@ -207,7 +279,7 @@ pub fn from_conns(
     ) = (0u64, 0u64, 0u64, 0u64, 0u64, 0u64);
     let mut over_lat: Vec<f64> = Vec::new();
     let mut direct_lat: Vec<f64> = Vec::new();
-    let mut per_bucket: Vec<Vec<f32>> = vec![Vec::new(); BUCKETS];
+    let mut per_bucket: Vec<Vec<f32>> = vec![Vec::new(); buckets.n];
     for (trail, conn) in trails.iter().enumerate() {
         let mut stmt = conn.prepare(crate::store::sql::REQUESTS_BETWEEN)?;
         let mut rows = stmt.query([from_ms, to_ms])?;
@@ -227,7 +299,7 @@ pub fn from_conns(
                     let endpoint = r.get_ref(2)?.as_str().unwrap_or("");
                     let over = failed_over.contains(&(trail, id));
                     if !endpoint.is_empty() {
-                        let e = entry(&mut endpoints, endpoint);
+                        let e = entry(&mut endpoints, endpoint, buckets.n);
                         e.served += 1;
                         if over {
                             e.landed += 1;
@@ -279,7 +351,7 @@ pub fn from_conns(
         while let Some(r) = rows.next()? {
             let endpoint: String = r.get(0)?;
             let event: String = r.get(1)?;
-            let e = entry(&mut endpoints, &endpoint);
+            let e = entry(&mut endpoints, &endpoint, buckets.n);
             match event.as_str() {
                 "retired" => {
                     let reason: String = r.get(2)?;
@@ -308,7 +380,7 @@ pub fn from_conns(
         direct_latency: pcts(direct_lat),
         endpoints,
         latency_series,
-        bucket: Duration::from_millis((span_ms / BUCKETS as f64) as u64),
+        buckets,
         recommendations: Vec::new(),
     };
     report.recommendations = recommend(&report);
@@ -318,10 +390,11 @@ pub fn from_conns(
 fn entry<'a>(
     map: &'a mut BTreeMap<String, EndpointFigures>,
     name: &str,
+    buckets: usize,
 ) -> &'a mut EndpointFigures {
     map.entry(name.to_string())
         .or_insert_with(|| EndpointFigures {
-            series: vec![(0, 0); BUCKETS],
+            series: vec![(0, 0); buckets],
             ..Default::default()
         })
 }
@@ -576,18 +649,80 @@ const PALETTE: &[&str] = &[
     "#0969da", "#cf222e", "#1a7f37", "#9a6700", "#8250df", "#bc4c00", "#1b7c83", "#57606a",
 ];
 
-/// A line chart: one polyline per series over the buckets, y from 0 to the largest value.
-fn svg_chart(title: &str, unit: &str, series: &[(String, Vec<Option<f64>>)]) -> String {
-    let (w, hgt, left, bottom, top, right) = (640.0, 220.0, 56.0, 28.0, 24.0, 12.0);
-    let max = series
+/// What a chart's y axis counts.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Axis {
+    /// Whole things (calls): ticks at whole numbers.
+    Count,
+    /// A measure with its unit (`%`, ` ms`).
+    Measure(&'static str),
+}
+
+/// The axis' top and tick step: for counts a whole step (1, 2, 5, 10, …) and a top that is a
+/// multiple of it; for measures a tenth of headroom over the largest value, in quarters.
+fn axis(max: f64, kind: Axis) -> (f64, f64) {
+    match kind {
+        Axis::Count => {
+            let max = max.ceil().max(1.0);
+            let mut step = 1.0;
+            'outer: loop {
+                for m in [1.0, 2.0, 5.0] {
+                    if max / (step * m) <= 5.0 {
+                        step *= m;
+                        break 'outer;
+                    }
+                }
+                step *= 10.0;
+            }
+            ((max / step).ceil() * step, step)
+        }
+        Axis::Measure(_) => {
+            let top = if max <= 0.0 { 1.0 } else { max * 1.1 };
+            (top, top / 4.0)
+        }
+    }
+}
+
+/// `HH:MM` (or `HH:MM:SS` for buckets under a minute) of `ms`, UTC.
+fn clock(ms: i64, width_ms: i64) -> String {
+    let secs = ms.div_euclid(1000).rem_euclid(86_400);
+    let (h, m, s) = (secs / 3600, secs / 60 % 60, secs % 60);
+    if width_ms < 60_000 {
+        format!("{h:02}:{m:02}:{s:02}")
+    } else {
+        format!("{h:02}:{m:02}")
+    }
+}
+
+/// A line chart: one line per series over the buckets, every value marked by a dot (so a
+/// series of one bucket still shows), y from 0, x labelled with the first and last bucket's
+/// start (UTC).
+fn svg_chart(
+    title: &str,
+    kind: Axis,
+    buckets: &Buckets,
+    series: &[(String, Vec<Option<f64>>)],
+) -> String {
+    let (w, hgt, left, bottom, top, right) = (640.0, 236.0, 56.0, 44.0, 24.0, 16.0);
+    let largest = series
         .iter()
         .flat_map(|(_, v)| v.iter().flatten().copied())
         .filter(|x| x.is_finite())
         .fold(0.0f64, f64::max);
-    let max = if max <= 0.0 { 1.0 } else { max * 1.1 };
-    let n = series.first().map(|(_, v)| v.len()).unwrap_or(0).max(2);
-    let x = |i: usize| left + (w - left - right) * i as f64 / (n - 1) as f64;
+    let (max, step) = axis(largest, kind);
+    let n = series.first().map(|(_, v)| v.len()).unwrap_or(0).max(1);
+    let x = |i: usize| {
+        if n == 1 {
+            left + (w - left - right) / 2.0
+        } else {
+            left + (w - left - right) * i as f64 / (n - 1) as f64
+        }
+    };
     let y = |v: f64| top + (hgt - top - bottom) * (1.0 - v / max);
+    let unit = match kind {
+        Axis::Count => "",
+        Axis::Measure(u) => u,
+    };
     let mut s = String::new();
     let _ = write!(
         s,
@@ -595,38 +730,72 @@ fn svg_chart(title: &str, unit: &str, series: &[(String, Vec<Option<f64>>)]) -> 
         h(title),
         h(title)
     );
-    for k in 0..=4 {
-        let v = max * k as f64 / 4.0;
+    let ticks = (max / step).round() as usize;
+    for k in 0..=ticks.min(10) {
+        let v = step * k as f64;
         let yy = y(v);
+        let label = match kind {
+            Axis::Count => format!("{v:.0}"),
+            Axis::Measure(_) => format!("{}{unit}", short(v)),
+        };
         let _ = write!(
             s,
             r##"<line x1="{left}" y1="{yy:.1}" x2="{:.1}" y2="{yy:.1}" stroke="#eaeef2"/><text x="{:.1}" y="{:.1}" font-size="10" text-anchor="end" fill="#57606a">{}</text>"##,
             w - right,
             left - 4.0,
             yy + 3.0,
-            h(&format!("{}{unit}", short(v)))
+            h(&label)
+        );
+    }
+    // Time along the bottom: the first and the last bucket.
+    let base = hgt - bottom + 13.0;
+    let _ = write!(
+        s,
+        r##"<text x="{:.1}" y="{base:.1}" font-size="10" text-anchor="middle" fill="#57606a">{}</text>"##,
+        x(0),
+        clock(buckets.from_ms, buckets.width_ms)
+    );
+    if n > 1 {
+        let _ = write!(
+            s,
+            r##"<text x="{:.1}" y="{base:.1}" font-size="10" text-anchor="middle" fill="#57606a">{}</text>"##,
+            x(n - 1),
+            clock(
+                buckets
+                    .from_ms
+                    .saturating_add(buckets.width_ms.saturating_mul(n as i64 - 1)),
+                buckets.width_ms
+            )
         );
     }
     for (i, (name, values)) in series.iter().enumerate() {
         let color = PALETTE[i % PALETTE.len()];
-        let points: Vec<String> = values
+        let points: Vec<(f64, f64)> = values
             .iter()
             .enumerate()
-            .filter_map(|(j, v)| {
-                v.filter(|v| v.is_finite())
-                    .map(|v| format!("{:.1},{:.1}", x(j), y(v)))
-            })
+            .filter_map(|(j, v)| v.filter(|v| v.is_finite()).map(|v| (x(j), y(v))))
             .collect();
-        if !points.is_empty() {
+        if points.len() > 1 {
+            let line: Vec<String> = points
+                .iter()
+                .map(|(a, b)| format!("{a:.1},{b:.1}"))
+                .collect();
             let _ = write!(
                 s,
                 r#"<polyline fill="none" stroke="{color}" stroke-width="2" points="{}"><title>{}</title></polyline>"#,
-                points.join(" "),
+                line.join(" "),
+                h(name)
+            );
+        }
+        for (a, b) in &points {
+            let _ = write!(
+                s,
+                r#"<circle cx="{a:.1}" cy="{b:.1}" r="3" fill="{color}"><title>{}</title></circle>"#,
                 h(name)
             );
         }
         let lx = left + 8.0 + (i as f64 % 4.0) * 140.0;
-        let ly = hgt - 8.0 - (i / 4) as f64 * 0.0;
+        let ly = hgt - 8.0;
         let _ = write!(
             s,
             r#"<rect x="{lx:.1}" y="{:.1}" width="10" height="3" fill="{color}"/><text x="{:.1}" y="{ly:.1}" font-size="11">{}</text>"#,
@@ -656,10 +825,10 @@ pub fn html(r: &Report) -> String {
     o.push_str("<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>AutoHedge failure report</title><style>body{font:14px/1.45 system-ui,sans-serif;margin:24px;color:#1f2328;max-width:1100px}table{border-collapse:collapse;margin:8px 0 16px}th,td{border-bottom:1px solid #d0d7de;padding:4px 10px;text-align:left}td.n{text-align:right;font-variant-numeric:tabular-nums}code{background:#f6f8fa;padding:0 3px}.recs li{margin:4px 0}svg{display:block;margin:8px 0 18px;border:1px solid #eaeef2}</style></head><body>");
     let _ = write!(
         o,
-        "<h1>AutoHedge failure report</h1><p>From {} to {} (charts in buckets of {} min).</p>",
+        "<h1>AutoHedge failure report</h1><p>From {} to {} (charts over the requests' span, in buckets of {}, times UTC).</p>",
         h(&when(r.since)),
         h(&when(r.until)),
-        r.bucket.as_secs() / 60
+        h(&r.buckets.width_text())
     );
     let _ = write!(
         o,
@@ -720,9 +889,20 @@ pub fn html(r: &Report) -> String {
         })
         .collect();
     o.push_str("<h2>Over time</h2>");
-    o.push_str(&svg_chart("Calls per endpoint", "", &requests));
-    o.push_str(&svg_chart("Error rate per endpoint", "%", &errors));
-    o.push_str(&svg_chart("Latency of served requests", " ms", &latency));
+    let b = &r.buckets;
+    o.push_str(&svg_chart("Calls per endpoint", Axis::Count, b, &requests));
+    o.push_str(&svg_chart(
+        "Error rate per endpoint",
+        Axis::Measure("%"),
+        b,
+        &errors,
+    ));
+    o.push_str(&svg_chart(
+        "Latency of served requests",
+        Axis::Measure(" ms"),
+        b,
+        &latency,
+    ));
     o.push_str("<h2>Top failure causes</h2>");
     if r.causes.is_empty() {
         o.push_str("<p>No endpoint call failed.</p>");
@@ -773,6 +953,7 @@ pub fn html(r: &Report) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     fn report_with(endpoints: Vec<(&str, EndpointFigures)>) -> Report {
         Report {
@@ -792,8 +973,12 @@ mod tests {
                 .into_iter()
                 .map(|(n, e)| (n.to_string(), e))
                 .collect(),
-            latency_series: vec![[None; 3]; BUCKETS],
-            bucket: Duration::from_secs(3600),
+            latency_series: vec![[None; 3]; 24],
+            buckets: Buckets {
+                from_ms: 0,
+                width_ms: 3_600_000,
+                n: 24,
+            },
             recommendations: vec![],
         }
     }
@@ -868,11 +1053,77 @@ mod tests {
     }
 
     #[test]
+    fn buckets_fit_the_data_in_round_widths() {
+        let min = 60_000;
+        // A ten-minute run in an hour's report: minutes, from the run's first minute.
+        let b = Buckets::sized(Some((5 * min + 1234, 15 * min)), 0, 60 * min);
+        assert_eq!((b.from_ms, b.width_ms, b.n), (5 * min, min, 11));
+        assert_eq!(b.width_text(), "1 min");
+        assert_eq!(b.of(5 * min + 1234), 0);
+        assert_eq!(b.of(15 * min), 10);
+        assert_eq!(b.of(i64::MAX), 10, "clamped");
+        assert_eq!(b.of(i64::MIN), 0, "clamped");
+        // The demo's few seconds: seconds.
+        let b = Buckets::sized(Some((1_000_500, 1_004_000)), 0, 3_600_000);
+        assert_eq!((b.width_ms, b.n), (1000, 5));
+        assert_eq!(b.width_text(), "1 s");
+        // One request: one bucket.
+        assert_eq!(Buckets::sized(Some((7, 7)), 0, 10).n, 1);
+        // A day without data: 2 hours.
+        let b = Buckets::sized(None, 0, 86_400_000);
+        assert_eq!((b.width_ms, b.width_text().as_str()), (7_200_000, "2 h"));
+        assert!(b.n <= 17);
+        // Beyond the largest step, still at most about thirty buckets; nothing panics.
+        let b = Buckets::sized(Some((0, 365 * 86_400_000)), 0, 1);
+        assert!(b.n <= 17 && b.width_ms > 86_400_000, "{b:?}");
+        let b = Buckets::sized(Some((i64::MIN, i64::MAX)), i64::MIN, i64::MAX);
+        assert!(b.n >= 1);
+    }
+
+    #[test]
+    fn count_axes_tick_at_whole_numbers() {
+        assert_eq!(axis(5.26, Axis::Count), (6.0, 2.0));
+        assert_eq!(axis(0.0, Axis::Count), (1.0, 1.0));
+        assert_eq!(axis(3.0, Axis::Count), (3.0, 1.0));
+        assert_eq!(axis(48.0, Axis::Count), (50.0, 10.0));
+        assert_eq!(axis(1234.0, Axis::Count), (1500.0, 500.0));
+        let (top, step) = axis(7.0, Axis::Measure("%"));
+        assert!((top - 7.7).abs() < 1e-9 && (step - top / 4.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_single_bucket_is_drawn_as_points() {
+        let e = EndpointFigures {
+            calls: 3,
+            ok: 2,
+            series: vec![(3, 1)],
+            ..Default::default()
+        };
+        let mut r = report_with(vec![("a", e)]);
+        r.latency_series = vec![[Some(10.0), Some(20.0), Some(30.0)]];
+        r.buckets = Buckets {
+            from_ms: 0,
+            width_ms: 1000,
+            n: 1,
+        };
+        let page = html(&r);
+        assert!(!page.contains("<polyline"), "one point is no line");
+        // calls (1) + error rate (1) + latency (3).
+        assert_eq!(page.matches("<circle").count(), 5, "{page}");
+        assert!(page.contains(">00:00:00<"), "{page}");
+        assert!(page.contains("buckets of 1 s"));
+        assert!(
+            !page.contains(">5.78<") && page.contains(">3<"),
+            "whole ticks"
+        );
+    }
+
+    #[test]
     fn html_escapes_names_and_charts_have_no_script() {
         let mut e = EndpointFigures {
             calls: 3,
             ok: 2,
-            series: vec![(0, 0); BUCKETS],
+            series: vec![(0, 0); 24],
             ..Default::default()
         };
         e.series[3] = (3, 1);

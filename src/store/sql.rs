@@ -21,6 +21,12 @@ pub const REQUESTS_BETWEEN: &str = concat!(
     first_row!(),
     " AND ts_ms >= ?1 AND ts_ms <= ?2"
 );
+/// `report`: the first and last time of a window's requests (what its charts cover).
+pub const REQUESTS_SPAN: &str = concat!(
+    "SELECT MIN(ts_ms), MAX(ts_ms) FROM requests WHERE id >= ",
+    first_row!(),
+    " AND ts_ms >= ?1 AND ts_ms <= ?2"
+);
 /// `report`: a window's endpoint events.
 pub const EVENTS_BETWEEN: &str = "SELECT endpoint, event, reason FROM endpoint_events WHERE ts_ms >= ?1 AND ts_ms <= ?2 ORDER BY ts_ms";
 /// `stats --by-key`.
@@ -69,10 +75,11 @@ pub const PRUNE_EVENTS: &str = "DELETE FROM endpoint_events WHERE id IN (SELECT 
 pub const PRUNE_MARKS: &str = "DELETE FROM request_marks WHERE before_ms < (SELECT max(before_ms) FROM request_marks WHERE before_ms <= ?1)";
 
 /// Every query above, named, for the plan test.
-pub const ALL: [(&str, &str); 13] = [
+pub const ALL: [(&str, &str); 14] = [
     ("FIRST_ROW_SINCE", FIRST_ROW_SINCE),
     ("ATTEMPTS_FROM_ROW", ATTEMPTS_FROM_ROW),
     ("REQUESTS_BETWEEN", REQUESTS_BETWEEN),
+    ("REQUESTS_SPAN", REQUESTS_SPAN),
     ("EVENTS_BETWEEN", EVENTS_BETWEEN),
     ("BY_KEY_SINCE", BY_KEY_SINCE),
     ("CALLS_SINCE", CALLS_SINCE),

@@ -97,8 +97,14 @@ struct Counts {
     completion_tokens: Option<serde_json::Number>,
 }
 
-/// The chunk's content, text and usage, or `None` when it is not a plain chunk (see the module).
+/// The chunk's content, text and usage, or `None` when it is not a plain chunk (see the module):
+/// read in one pass by [`super::scan`], or, where that declines, by serde.
 pub fn read(data: &str) -> Option<Plain> {
+    super::scan::read(data).or_else(|| typed(data))
+}
+
+/// [`read`] through serde's derive: the reference [`super::scan`] is held to.
+fn typed(data: &str) -> Option<Plain> {
     let Obj(c): Obj<Chunk<'_>> = serde_json::from_str(data).ok()?;
     if c.error.is_some() || c.object.as_deref() == Some("error") {
         return None;
@@ -400,6 +406,84 @@ mod tests {
         fn arbitrary_text_never_panics(s in ".{0,200}") {
             let _ = read(&s);
         }
+
+        /// Whenever the one-pass reader answers, serde's derive answers the same.
+        #[test]
+        fn the_scan_agrees_with_serde(data in prop_oneof![3 => chunk_shaped(), 1 => chunkish().boxed(), 1 => escapes()]) {
+            if let Some(p) = super::super::scan::read(&data) {
+                prop_assert_eq!(Some(p), typed(&data), "{}", data);
+            }
+        }
+
+        /// Arbitrary bytes near a chunk's shape never panic the scan.
+        #[test]
+        fn the_scan_never_panics(s in "[{}\\[\\]\",:a-z0-9.eE+\\\\ -]{0,120}") {
+            let _ = super::super::scan::read(&s);
+        }
+    }
+
+    /// Chunks whose strings and numbers take every odd form JSON allows, or nearly: escapes,
+    /// surrogate pairs and lone halves, control characters, exponents, long integers, spaces.
+    fn escapes() -> BoxedStrategy<String> {
+        let s = one_of(&[
+            "\"\\ud83d\\ude00\"",
+            "\"\\ud83d\"",
+            "\"\\ude00x\"",
+            "\"\\ud83d\\u0041\"",
+            "\"a\\u0000\"",
+            "\"\\x\"",
+            "\"\\/\\b\\f\\n\\r\\t\\\"\\\\\"",
+            "\"\\u00E9\\u4e2d\"",
+            "\"tab\there\"",
+            "\"é中😀\"",
+            "\"\"",
+            "1e5",
+            "-0",
+            "01",
+            "1.",
+            "-",
+            "123456789012345678901234567890",
+            "18446744073709551615",
+            " null ",
+            "true",
+            "[1,]",
+            "{\"a\":1,}",
+        ]);
+        let key = one_of(&[
+            "content",
+            "text",
+            "con\\u0074ent",
+            "prompt_tokens",
+            "finish_reason",
+        ]);
+        (key, s.clone(), s, 0..4usize)
+            .prop_map(|(k, a, b, shape)| match shape {
+                0 => format!("{{\"choices\":[{{\"delta\":{{\"{k}\":{a}}},\"text\":{b}}}]}}"),
+                1 => format!("{{\"usage\":{{\"{k}\":{a},\"completion_tokens\":{b}}}}}"),
+                2 => format!(" {{ \"choices\" : [ {{ \"{k}\" : {a} }} ] , \"x\" : {b} }} "),
+                _ => format!("{{\"object\":{a},\"choices\":[{{\"{k}\":{b}}}]}}"),
+            })
+            .boxed()
+    }
+
+    /// The chunks servers send are read in one pass, not only declined to serde.
+    #[test]
+    fn real_chunks_take_the_one_pass_path() {
+        for c in [
+            r#"{"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","system_fingerprint":"fp","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}"#,
+            r#"{"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"Hello \"there\"\n\u00e9\ud83d\ude00"},"logprobs":null,"finish_reason":null}]}"#,
+            r#"{"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":"stop"}]}"#,
+            r#"{"id":"c1","object":"chat.completion.chunk","created":1,"model":"m","choices":[],"usage":{"prompt_tokens":12,"completion_tokens":3,"total_tokens":15}}"#,
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\"a\": 1.5}"}}]},"logprobs":{"content":[{"token":"x","logprob":-0.25}]}}],"error":null}"#,
+        ] {
+            let fast = super::super::scan::read(c).unwrap_or_else(|| panic!("declined {c}"));
+            assert_eq!(Some(fast), typed(c), "{c}");
+        }
+        let p = super::super::scan::read(
+            r#"{"choices":[{"delta":{"content":"\"\u00e9\ud83d\ude00"}}]}"#,
+        )
+        .unwrap();
+        assert_eq!(p.text_bytes, 1 + 2 + 4);
     }
 
     /// The generator reaches the typed path's answers, content and preambles both, so the

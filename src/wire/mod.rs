@@ -8,6 +8,7 @@ pub mod hygiene;
 pub mod patch;
 pub mod request;
 pub mod responses;
+pub mod scan;
 pub mod sse;
 
 use std::collections::BTreeSet;

@@ -1,0 +1,466 @@
+//! A hand-written reader of a plain stream chunk: one pass over the bytes, no allocation, no
+//! serde. It answers what [`super::chunk::read`] answers — content, text bytes, usage — for the
+//! chunks servers send, and declines (`None`) anything it is not sure to read as serde does: a
+//! key or an `object` with an escape, a field given twice, a field of an unexpected type, a
+//! number with an exponent, nesting deeper than [`MAX_DEPTH`], a lone surrogate. A declined
+//! chunk goes the typed way, so a decline costs only time; a differential property test holds
+//! every answer to the typed reader's.
+//!
+//! The typed reader parses every key and skips every value through serde's visitor machinery:
+//! for a 200-byte chunk that was most of a streamed event's cost in the gateway.
+
+use super::Usage;
+use super::chunk::Plain;
+
+/// Deeper values are declined (serde_json's own limit is 128).
+const MAX_DEPTH: u32 = 64;
+
+struct Cur<'a> {
+    b: &'a [u8],
+    i: usize,
+}
+
+/// A string's content: bytes once unescaped, and whether it held an escape.
+#[derive(Clone, Copy)]
+struct Str<'a> {
+    raw: &'a [u8],
+    len: usize,
+    escaped: bool,
+}
+
+impl<'a> Cur<'a> {
+    fn ws(&mut self) {
+        while let Some(&c) = self.b.get(self.i) {
+            if matches!(c, b' ' | b'\t' | b'\n' | b'\r') {
+                self.i += 1;
+            } else {
+                break;
+            }
+        }
+    }
+
+    fn peek(&mut self) -> Option<u8> {
+        self.ws();
+        self.b.get(self.i).copied()
+    }
+
+    fn eat(&mut self, c: u8) -> Option<()> {
+        (self.peek()? == c).then(|| self.i += 1)
+    }
+
+    fn lit(&mut self, word: &[u8]) -> Option<()> {
+        self.b.get(self.i..self.i + word.len())?.eq(word).then(|| {
+            self.i += word.len();
+        })
+    }
+
+    /// A string (the cursor at its opening quote): its raw bytes and unescaped length.
+    fn string(&mut self) -> Option<Str<'a>> {
+        self.eat(b'"')?;
+        let start = self.i;
+        let mut len = 0usize;
+        let mut escaped = false;
+        loop {
+            let rest = self.b.get(self.i..)?;
+            let n = memchr::memchr2(b'"', b'\\', rest)?;
+            // serde refuses control characters in strings.
+            if rest[..n].iter().any(|&c| c < 0x20) {
+                return None;
+            }
+            len += n;
+            self.i += n;
+            if self.b[self.i] == b'"' {
+                let raw = &self.b[start..self.i];
+                self.i += 1;
+                return Some(Str { raw, len, escaped });
+            }
+            escaped = true;
+            self.i += 1;
+            match *self.b.get(self.i)? {
+                b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => {
+                    len += 1;
+                    self.i += 1;
+                }
+                b'u' => {
+                    self.i += 1;
+                    let cp = self.hex4()?;
+                    len += match cp {
+                        0..=0x7f => 1,
+                        0x80..=0x7ff => 2,
+                        0xd800..=0xdbff => {
+                            // A high surrogate: only with its low half.
+                            self.lit(b"\\u")?;
+                            if !(0xdc00..=0xdfff).contains(&self.hex4()?) {
+                                return None;
+                            }
+                            4
+                        }
+                        0xdc00..=0xdfff => return None,
+                        _ => 3,
+                    };
+                }
+                _ => return None,
+            }
+        }
+    }
+
+    fn hex4(&mut self) -> Option<u32> {
+        let h = self.b.get(self.i..self.i + 4)?;
+        let mut v = 0u32;
+        for &c in h {
+            v = v << 4
+                | match c {
+                    b'0'..=b'9' => c - b'0',
+                    b'a'..=b'f' => c - b'a' + 10,
+                    b'A'..=b'F' => c - b'A' + 10,
+                    _ => return None,
+                } as u32;
+        }
+        self.i += 4;
+        Some(v)
+    }
+
+    /// A number; `Some(Some(n))` for a plain non-negative integer that fits, `Some(None)` for
+    /// any other number serde reads (a negative, a fraction, an integer past `u64`), `None` for
+    /// what is not a number or has an exponent.
+    fn number(&mut self) -> Option<Option<u64>> {
+        self.ws();
+        let neg = self.b.get(self.i) == Some(&b'-');
+        if neg {
+            self.i += 1;
+        }
+        let start = self.i;
+        match *self.b.get(self.i)? {
+            b'0' => self.i += 1,
+            b'1'..=b'9' => {
+                while self.b.get(self.i).is_some_and(u8::is_ascii_digit) {
+                    self.i += 1;
+                }
+            }
+            _ => return None,
+        }
+        let digits = &self.b[start..self.i];
+        // serde reads a longer integer as a float, and refuses one past `f64`'s range.
+        if digits.len() > 20 {
+            return None;
+        }
+        let mut plain = !neg;
+        if self.b.get(self.i) == Some(&b'.') {
+            self.i += 1;
+            let f = self.i;
+            while self.b.get(self.i).is_some_and(u8::is_ascii_digit) {
+                self.i += 1;
+            }
+            if self.i == f {
+                return None;
+            }
+            plain = false;
+        }
+        if matches!(self.b.get(self.i), Some(b'e' | b'E')) {
+            return None;
+        }
+        if !plain {
+            return Some(None);
+        }
+        let mut n = 0u64;
+        for &d in digits {
+            match n
+                .checked_mul(10)
+                .and_then(|n| n.checked_add(u64::from(d - b'0')))
+            {
+                Some(v) => n = v,
+                None => return Some(None),
+            }
+        }
+        Some(Some(n))
+    }
+
+    /// Any value, skipped (validated as serde would).
+    fn skip(&mut self, depth: u32) -> Option<()> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        match self.peek()? {
+            b'"' => self.string().map(drop),
+            b'{' => {
+                self.i += 1;
+                if self.eat(b'}').is_some() {
+                    return Some(());
+                }
+                loop {
+                    if self.peek()? != b'"' {
+                        return None;
+                    }
+                    self.string()?;
+                    self.eat(b':')?;
+                    self.skip(depth + 1)?;
+                    match self.peek()? {
+                        b',' => self.i += 1,
+                        b'}' => {
+                            self.i += 1;
+                            return Some(());
+                        }
+                        _ => return None,
+                    }
+                }
+            }
+            b'[' => {
+                self.i += 1;
+                self.items(|c| c.skip(depth + 1)).map(drop)
+            }
+            b't' => self.lit(b"true"),
+            b'f' => self.lit(b"false"),
+            b'n' => self.lit(b"null"),
+            _ => self.number().map(drop),
+        }
+    }
+
+    /// `null` (true) or not (false, the cursor unmoved).
+    fn null(&mut self) -> Option<bool> {
+        if self.peek()? == b'n' {
+            self.lit(b"null")?;
+            return Some(true);
+        }
+        Some(false)
+    }
+
+    /// An array's items after its `[`: each read by `item`; how many.
+    fn items(&mut self, mut item: impl FnMut(&mut Self) -> Option<()>) -> Option<usize> {
+        if self.eat(b']').is_some() {
+            return Some(0);
+        }
+        let mut n = 0;
+        loop {
+            item(self)?;
+            n += 1;
+            match self.peek()? {
+                b',' => self.i += 1,
+                b']' => {
+                    self.i += 1;
+                    return Some(n);
+                }
+                _ => return None,
+            }
+        }
+    }
+
+    /// An object's fields (the cursor at its `{`): each key (no escapes, else declined) handed
+    /// to `field`, which reads its value.
+    fn object(&mut self, mut field: impl FnMut(&mut Self, &[u8]) -> Option<()>) -> Option<()> {
+        self.eat(b'{')?;
+        if self.eat(b'}').is_some() {
+            return Some(());
+        }
+        loop {
+            if self.peek()? != b'"' {
+                return None;
+            }
+            let key = self.string()?;
+            if key.escaped {
+                return None;
+            }
+            self.eat(b':')?;
+            field(self, key.raw)?;
+            match self.peek()? {
+                b',' => self.i += 1,
+                b'}' => {
+                    self.i += 1;
+                    return Some(());
+                }
+                _ => return None,
+            }
+        }
+    }
+
+    /// A string or `null` (`Some(None)`); anything else declined.
+    fn opt_str(&mut self) -> Option<Option<Str<'a>>> {
+        if self.null()? {
+            return Some(None);
+        }
+        if self.peek()? != b'"' {
+            return None;
+        }
+        self.string().map(Some)
+    }
+}
+
+/// Sets a field's seen flag; a field given twice is declined (serde refuses it).
+fn once(seen: &mut bool) -> Option<()> {
+    if std::mem::replace(seen, true) {
+        None
+    } else {
+        Some(())
+    }
+}
+
+#[derive(Default)]
+struct ChoiceRead {
+    content: bool,
+    text_bytes: usize,
+}
+
+fn choice(c: &mut Cur<'_>) -> Option<ChoiceRead> {
+    let mut out = ChoiceRead::default();
+    let (mut fr, mut text, mut delta) = (false, false, false);
+    c.object(|c, key| match key {
+        b"finish_reason" => {
+            once(&mut fr)?;
+            if !c.null()? {
+                c.skip(3)?;
+                out.content = true;
+            }
+            Some(())
+        }
+        b"text" => {
+            once(&mut text)?;
+            if let Some(s) = c.opt_str()? {
+                out.text_bytes += s.len;
+                out.content |= s.len > 0;
+            }
+            Some(())
+        }
+        b"delta" => {
+            once(&mut delta)?;
+            if c.null()? {
+                return Some(());
+            }
+            if c.peek()? != b'{' {
+                return None;
+            }
+            let (content, bytes) = delta_of(c)?;
+            out.content |= content;
+            out.text_bytes += bytes;
+            Some(())
+        }
+        _ => c.skip(3),
+    })?;
+    Some(out)
+}
+
+/// A delta object: whether it carries content, and its `content`'s bytes.
+fn delta_of(c: &mut Cur<'_>) -> Option<(bool, usize)> {
+    let (mut content, mut bytes) = (false, 0usize);
+    let mut seen = [false; 6];
+    c.object(|c, key| {
+        let slot = match key {
+            b"content" => 0,
+            b"refusal" => 1,
+            b"reasoning_content" => 2,
+            b"reasoning" => 3,
+            b"tool_calls" => 4,
+            b"function_call" => 5,
+            _ => return c.skip(4),
+        };
+        once(&mut seen[slot])?;
+        match slot {
+            0..=3 => {
+                if let Some(s) = c.opt_str()? {
+                    content |= s.len > 0;
+                    if slot == 0 {
+                        bytes = s.len;
+                    }
+                }
+            }
+            4 => {
+                if !c.null()? {
+                    if c.peek()? != b'[' {
+                        return None;
+                    }
+                    c.i += 1;
+                    content |= c.items(|c| c.skip(5))? > 0;
+                }
+            }
+            _ => {
+                if !c.null()? {
+                    c.skip(4)?;
+                    content = true;
+                }
+            }
+        }
+        Some(())
+    })?;
+    Some((content, bytes))
+}
+
+fn usage_of(c: &mut Cur<'_>) -> Option<Usage> {
+    let (mut prompt, mut completion) = (None, None);
+    let (mut sp, mut sc) = (false, false);
+    c.object(|c, key| {
+        let (seen, slot) = match key {
+            b"prompt_tokens" => (&mut sp, &mut prompt),
+            b"completion_tokens" => (&mut sc, &mut completion),
+            _ => return c.skip(2),
+        };
+        once(seen)?;
+        if !c.null()? {
+            *slot = c.number()?;
+        }
+        Some(())
+    })?;
+    Some(Usage {
+        prompt: prompt.unwrap_or(0),
+        completion: completion.unwrap_or(0),
+    })
+}
+
+/// The chunk read in one pass, or `None` where the typed reader must decide (see the module).
+pub fn read(data: &str) -> Option<Plain> {
+    let mut c = Cur {
+        b: data.as_bytes(),
+        i: 0,
+    };
+    let mut plain = Plain {
+        content: false,
+        text_bytes: 0,
+        usage: None,
+    };
+    let mut seen = [false; 4];
+    if c.peek()? != b'{' {
+        return None;
+    }
+    c.object(|c, key| match key {
+        b"error" => {
+            once(&mut seen[0])?;
+            // An error that is not `null` is the `Value` path's to read.
+            c.null()?.then_some(())
+        }
+        b"object" => {
+            once(&mut seen[1])?;
+            match c.opt_str()? {
+                Some(s) if s.escaped || s.raw == b"error" => None,
+                _ => Some(()),
+            }
+        }
+        b"choices" => {
+            once(&mut seen[2])?;
+            if c.null()? {
+                return Some(());
+            }
+            c.eat(b'[')?;
+            c.items(|c| {
+                if c.peek()? != b'{' {
+                    return None;
+                }
+                let ch = choice(c)?;
+                plain.content |= ch.content;
+                plain.text_bytes += ch.text_bytes;
+                Some(())
+            })
+            .map(drop)
+        }
+        b"usage" => {
+            once(&mut seen[3])?;
+            if c.null()? {
+                return Some(());
+            }
+            if c.peek()? != b'{' {
+                return None;
+            }
+            plain.usage = Some(usage_of(c)?);
+            Some(())
+        }
+        _ => c.skip(1),
+    })?;
+    c.ws();
+    (c.i == c.b.len()).then_some(plain)
+}

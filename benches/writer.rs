@@ -46,6 +46,7 @@ fn main() {
             panic_mode: false,
             own_key: false,
             address: None,
+            trace: None,
         });
         handle.send_waiting(Record::Request(Box::new(row)));
     }

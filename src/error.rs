@@ -32,6 +32,9 @@ pub struct AttemptReport {
     /// tasks): audit row only (an internal address is never a client's to see).
     #[serde(skip)]
     pub address: Option<std::sync::Arc<str>>,
+    /// Its span, when the request is traced: audit row and trace only.
+    #[serde(skip)]
+    pub trace: Option<crate::ops::otel::AttemptTrace>,
 }
 
 #[derive(Debug)]

@@ -58,6 +58,8 @@ pub struct AppState {
     pub alerts_rx: Mutex<Option<tokio::sync::mpsc::Receiver<crate::ops::alerts::Signal>>>,
     /// Metrics, recent failovers, per-endpoint 4xx counts: the operator's figures.
     pub telemetry: crate::ops::telemetry::Telemetry,
+    /// Finished requests' spans waiting for the OTLP export task (`telemetry.otlp`).
+    pub traces: crate::ops::otel::Traces,
     /// The listener is on a loopback address: `/v1/*` then answers only `localhost` and IP
     /// literals as `Host` unless `server.allowed_hosts` says otherwise. Set once the socket is
     /// bound; true until then, the safe reading.
@@ -206,6 +208,7 @@ impl AppState {
             alerts,
             alerts_rx: Mutex::new(Some(alerts_rx)),
             telemetry: crate::ops::telemetry::Telemetry::new(),
+            traces: Default::default(),
             listen_loopback: std::sync::atomic::AtomicBool::new(true),
             startup: Startup::default(),
             cluster: std::sync::OnceLock::new(),
@@ -353,7 +356,9 @@ impl AppState {
         {
             self.store.send(crate::store::Record::Spend(vec![total]));
         }
-        self.telemetry.request(&self.config.load(), &row);
+        let cfg = self.config.load();
+        self.telemetry.request(&cfg, &row);
+        self.traces.record(&cfg, &row);
         if row.status == 503 {
             self.alerts.unavailable();
         }

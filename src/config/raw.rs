@@ -29,6 +29,37 @@ pub struct RawConfig {
     #[serde(default)]
     pub responses: RawResponses,
     pub audit: Option<RawAudit>,
+    #[serde(default)]
+    pub telemetry: RawTelemetry,
+}
+
+/// `telemetry:`: what the gateway exports of its requests.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTelemetry {
+    pub otlp: Option<RawOtlp>,
+}
+
+/// `telemetry.otlp:`: OpenTelemetry traces over OTLP/HTTP (protobuf).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawOtlp {
+    /// The collector's traces URL (`http://collector:4318/v1/traces`); a URL without a path
+    /// gets `/v1/traces`.
+    pub endpoint: String,
+    /// Headers sent with every export (`authorization`, an API key): `env:`, `file:`, `vault:`
+    /// or literal values.
+    pub headers: Option<BTreeMap<String, String>>,
+    /// The share of new traces recorded (default 1.0); a trace the client continues keeps the
+    /// client's decision.
+    pub sample_ratio: Option<f64>,
+    /// `service.name` of the spans (default `autohedge`).
+    pub service_name: Option<String>,
+    /// Export prompt and completion text (default false: never).
+    pub capture_content: Option<bool>,
+    /// The most spans waiting to be exported (default 4096): past it spans are dropped
+    /// (counted), never waited for.
+    pub max_queue_spans: Option<usize>,
 }
 
 /// `audit:`: where the audit trail is kept.

@@ -204,6 +204,7 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
     let auth = auth(&raw.auth, &raw.models, &raw.routes, fetched, &mut warnings)?;
     let alerts = alerts(raw.alerts.as_ref(), fetched, &mut warnings)?;
     let cluster = cluster(raw.cluster.as_ref(), fetched)?;
+    let otlp = otlp(raw.telemetry.otlp.as_ref(), fetched)?;
     let audit_pg = audit_pg(raw.audit.as_ref(), fetched)?;
     if raw.models.is_empty() {
         return Err(ConfigError(
@@ -803,10 +804,86 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
         discovered_extra: Vec::new(),
         alerts,
         cluster,
+        otlp,
         warnings,
     };
     cfg.chains = cfg.resolve_chains();
     Ok(cfg)
+}
+
+/// `telemetry.otlp:` → its settings. Header values are secrets: errors name their source.
+fn otlp(
+    raw: Option<&RawOtlp>,
+    fetched: &Fetched,
+) -> Result<Option<Arc<OtlpSettings>>, ConfigError> {
+    let Some(raw) = raw else {
+        return Ok(None);
+    };
+    let mut endpoint = reqwest::Url::parse(raw.endpoint.trim())
+        .map_err(|e| ConfigError(format!("at `telemetry.otlp.endpoint`: not a URL: {e}")))?;
+    if !matches!(endpoint.scheme(), "http" | "https") || endpoint.host_str().is_none() {
+        return Err(ConfigError(
+            "at `telemetry.otlp.endpoint`: an http:// or https:// URL with a host".into(),
+        ));
+    }
+    if matches!(endpoint.path(), "" | "/") {
+        endpoint.set_path("/v1/traces");
+    }
+    let mut display = endpoint.clone();
+    let _ = display.set_username("");
+    let _ = display.set_password(None);
+    display.set_query(None);
+    let mut headers = Vec::new();
+    for (k, v) in raw.headers.iter().flatten() {
+        let name = k.trim().to_ascii_lowercase();
+        if http::HeaderName::from_bytes(name.as_bytes()).is_err() {
+            return Err(ConfigError(format!(
+                "at `telemetry.otlp.headers`: `{}` is not a header name",
+                k.escape_debug()
+            )));
+        }
+        let value = required(&format!("telemetry.otlp.headers.{name}"), v, fetched)?;
+        if http::HeaderValue::from_str(value.expose()).is_err() {
+            return Err(ConfigError(format!(
+                "at `telemetry.otlp.headers.{name}` ({}): not a valid header value",
+                KeySource::parse(v)
+            )));
+        }
+        headers.push((name, value));
+    }
+    let sample_ratio = raw.sample_ratio.unwrap_or(1.0);
+    if !(0.0..=1.0).contains(&sample_ratio) {
+        return Err(ConfigError(
+            "at `telemetry.otlp.sample_ratio`: between 0 and 1".into(),
+        ));
+    }
+    let service_name = raw
+        .service_name
+        .clone()
+        .unwrap_or_else(|| "autohedge".into());
+    if service_name.is_empty()
+        || service_name.len() > 128
+        || service_name.chars().any(char::is_control)
+    {
+        return Err(ConfigError(
+            "at `telemetry.otlp.service_name`: 1 to 128 characters, no control characters".into(),
+        ));
+    }
+    let max_queue_spans = raw.max_queue_spans.unwrap_or(4096);
+    if !(1..=1_000_000).contains(&max_queue_spans) {
+        return Err(ConfigError(
+            "at `telemetry.otlp.max_queue_spans`: 1 to 1000000".into(),
+        ));
+    }
+    Ok(Some(Arc::new(OtlpSettings {
+        endpoint,
+        display: display.to_string(),
+        headers,
+        sample_ratio,
+        service_name,
+        capture_content: raw.capture_content.unwrap_or(false),
+        max_queue_spans,
+    })))
 }
 
 /// `cluster:` → its settings. The URL is a secret (it may hold a password): errors name its
@@ -1179,6 +1256,13 @@ pub(super) fn vault_refs(raw: &RawConfig) -> Vec<crate::config::vault::Ref> {
     }
     specs.extend(raw.auth.admin_key.as_deref());
     specs.extend(raw.cluster.as_ref().map(|c| c.redis.as_str()));
+    specs.extend(
+        raw.telemetry
+            .otlp
+            .iter()
+            .flat_map(|o| o.headers.iter().flatten())
+            .map(|(_, v)| v.as_str()),
+    );
     specs.extend(raw.audit.as_ref().and_then(|a| a.url.as_deref()));
     specs.extend(raw.auth.keys.iter().flatten().map(|k| k.key.as_str()));
     let mut refs: Vec<crate::config::vault::Ref> = specs

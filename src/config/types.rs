@@ -565,6 +565,8 @@ pub struct Config {
     pub cluster: Option<ClusterSettings>,
     /// `alerts:`; `None` without one (nothing is sent).
     pub alerts: Option<Alerts>,
+    /// `telemetry.otlp:`; `None`: no trace is exported.
+    pub otlp: Option<Arc<OtlpSettings>>,
 }
 
 /// What an alert is about. The names are the `alerts.events` contract.
@@ -672,6 +674,36 @@ pub struct DiscoveredEndpoint {
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct ConfigError(pub String);
+
+/// `telemetry.otlp:`, resolved.
+#[derive(Clone, PartialEq)]
+pub struct OtlpSettings {
+    /// Where spans are posted.
+    pub endpoint: reqwest::Url,
+    /// The endpoint without credentials or query: what logs and `/status` show.
+    pub display: String,
+    pub headers: Vec<(String, Secret)>,
+    pub sample_ratio: f64,
+    pub service_name: String,
+    pub capture_content: bool,
+    pub max_queue_spans: usize,
+}
+
+impl std::fmt::Debug for OtlpSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OtlpSettings")
+            .field("endpoint", &self.display)
+            .field(
+                "headers",
+                &self.headers.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+            )
+            .field("sample_ratio", &self.sample_ratio)
+            .field("service_name", &self.service_name)
+            .field("capture_content", &self.capture_content)
+            .field("max_queue_spans", &self.max_queue_spans)
+            .finish()
+    }
+}
 
 /// `cluster:`, resolved.
 #[derive(Clone)]

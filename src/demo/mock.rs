@@ -168,6 +168,8 @@ struct Counters {
     last_raw_body: Option<String>,
     /// The header names of the last inference call.
     last_header_names: Vec<String>,
+    /// The W3C `traceparent` of each inference call that carried one (the last 100).
+    traceparents: Vec<String>,
     /// The last four characters of each key seen on inference calls, in order (never whole keys).
     key_tails: Vec<String>,
     /// The same for every request (probes included).
@@ -433,6 +435,11 @@ impl Mock {
             .keys()
             .map(|n| n.as_str().to_string())
             .collect();
+        let traceparent = req
+            .headers()
+            .get("traceparent")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
         let missing_header = {
             let script = self.script();
             script
@@ -459,6 +466,7 @@ impl Mock {
                     "last_body": c.last_body,
                     "last_raw_body": c.last_raw_body,
                     "last_header_names": c.last_header_names,
+                    "traceparents": c.traceparents,
                     "key_tails": c.key_tails,
                     "key_tails_all": c.key_tails_all,
                     "sim": self.sim().map(|s| s.stats()),
@@ -503,6 +511,12 @@ impl Mock {
             if method == hyper::Method::POST && path != "/tokenize" {
                 c.requests += 1;
                 c.last_header_names = header_names;
+                if let Some(t) = traceparent {
+                    if c.traceparents.len() >= 100 {
+                        c.traceparents.remove(0);
+                    }
+                    c.traceparents.push(t);
+                }
             }
             *c.by_path.entry(path.clone()).or_default() += 1;
             if !body.is_null() {

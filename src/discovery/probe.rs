@@ -243,7 +243,7 @@ async fn probe_semantic(
         &req,
         false,
         secret.as_ref(),
-        "autohedge-semantic-probe",
+        crate::upstream::Ids::request("autohedge-semantic-probe"),
         Some(base),
         false,
     )

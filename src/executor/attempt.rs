@@ -162,7 +162,8 @@ pub(super) struct Attempt<'a> {
     pub ep: &'a Endpoint,
     pub key: Option<&'a Secret>,
     pub req: &'a Inbound,
-    pub request_id: &'a str,
+    /// The request's id, and the attempt span's `traceparent` when it is traced.
+    pub ids: upstream::Ids<'a>,
     /// The request's own deadline (`routing_policy.request_timeout`): caps every timeout here.
     pub deadline: Instant,
     /// `routing_policy.max_cooldown`: the longest stay-away an upstream's hint may ask for.
@@ -213,7 +214,7 @@ impl<'a> Attempt<'a> {
             self.req,
             stream,
             self.key,
-            self.request_id,
+            self.ids,
             self.base,
             self.translate,
         )

@@ -85,6 +85,8 @@ pub struct Caller {
     pub allowed: Option<std::collections::BTreeSet<String>>,
     /// A `/v1/responses` request's id and conversation ([`responses::plan`]).
     pub responses: Option<responses::ResponsesCtx>,
+    /// Its trace, when it has one (`telemetry.otlp`, or a client's `traceparent` passed on).
+    pub trace: Option<Box<crate::ops::otel::Trace>>,
 }
 
 /// One request's journey.
@@ -163,6 +165,10 @@ struct Run {
     /// Endpoints that answered this request's `/responses` with a 404 that may be about the
     /// request alone: this request goes to them translated, the others as the endpoint speaks.
     chat_here: Vec<String>,
+    /// The request's trace: each attempt's span id goes upstream in `traceparent`.
+    trace: Option<Box<crate::ops::otel::Trace>>,
+    /// The span of the attempt `attempt` last sent (read back when it is settled).
+    last_span: Option<crate::ops::otel::SpanId>,
 }
 
 /// Every request that reached the router has exactly one `requests` row. A `Run` dropped before
@@ -194,6 +200,7 @@ impl Drop for Run {
                 own_key: false,
                 internal: None,
                 address: None,
+                trace: None,
             });
         }
         let row = self.base_row(None, status, Some(class.as_str().into()));
@@ -277,6 +284,8 @@ pub fn execute(
         pin_lost: false,
         failed_at: Vec::new(),
         chat_here: Vec::new(),
+        trace: caller.trace,
+        last_span: None,
     });
     let client = run.client.clone().unwrap_or_default();
     for name in not_allowed {
@@ -345,6 +354,10 @@ struct Finished {
     key_idx: Option<usize>,
     t0: Instant,
     result: Result<Success, Failure>,
+    /// Its span, when the request is traced.
+    span: Option<crate::ops::otel::SpanId>,
+    /// A hedged copy.
+    hedge: bool,
 }
 
 /// What applying one attempt's outcome leads to.
@@ -743,6 +756,7 @@ impl Run {
             own_key: false,
             internal: None,
             address: None,
+            trace: None,
         });
     }
 
@@ -801,6 +815,8 @@ impl Run {
     /// Runs one attempt against `ep` with `key`: builds it, counts the call, sends it.
     async fn attempt(&mut self, ep: &Endpoint, key: Option<&Secret>) -> Result<Success, Failure> {
         let t0 = Instant::now();
+        let span = self.new_span();
+        self.last_span = span.as_ref().map(|s| s.0);
         let translate = self.translates(ep);
         let picked = self.address_for(ep, translate, &self.failed_at)?;
         let base = picked.as_ref().map(|p| p.base.clone());
@@ -816,7 +832,7 @@ impl Run {
             req: other.as_deref().unwrap_or(&self.req),
             translate,
             responses: self.responses.as_deref(),
-            request_id: &self.request_id,
+            ids: attempt_ids(&self.request_id, self.trace.as_deref(), span.as_ref()),
             deadline: self.deadline,
             max_cooldown: self.cfg.policy.max_cooldown,
             max_answer: self.cfg.max_response_bytes,
@@ -871,13 +887,14 @@ impl Run {
         let key = self.key_for(ep, key_idx).cloned();
         let key = key.as_ref();
         let req = self.request_for(ep, translate);
+        let span = self.new_span();
         let attempt = Attempt {
             ep,
             key,
             req: &req,
             translate,
             responses: self.responses.as_deref(),
-            request_id: &self.request_id,
+            ids: attempt_ids(&self.request_id, self.trace.as_deref(), span.as_ref()),
             deadline: self.deadline,
             max_cooldown: self.cfg.policy.max_cooldown,
             max_answer: self.cfg.max_response_bytes,
@@ -908,7 +925,8 @@ impl Run {
                 req: &req,
                 translate,
                 responses: responses.as_deref(),
-                request_id: &request_id,
+                // The traceparent is in the prepared request already.
+                ids: crate::upstream::Ids::request(&request_id),
                 deadline,
                 max_cooldown,
                 max_answer,
@@ -940,6 +958,31 @@ impl Run {
             t0,
             address,
             fut: Box::pin(fut),
+            span: span.map(|s| s.0),
+            hedge: false,
+        })
+    }
+
+    /// A new attempt's span, when the request is traced: its id and the `traceparent` it sends.
+    fn new_span(&self) -> Option<(crate::ops::otel::SpanId, String)> {
+        self.trace.as_ref().map(|t| {
+            let s = crate::ops::otel::SpanId::random();
+            (s, t.header(s))
+        })
+    }
+
+    /// An attempt's trace facts for its audit row: its span, when it was sent.
+    fn attempt_trace(
+        &self,
+        span: Option<crate::ops::otel::SpanId>,
+        t0: Instant,
+        hedge: bool,
+    ) -> Option<crate::ops::otel::AttemptTrace> {
+        span.map(|span| crate::ops::otel::AttemptTrace {
+            span,
+            started_ms: t0.saturating_duration_since(self.started).as_secs_f64() * 1000.0,
+            hedge,
+            continuation: false,
         })
     }
 
@@ -1070,6 +1113,8 @@ impl Run {
                         key_idx,
                         t0,
                         result,
+                        span: self.last_span.take(),
+                        hedge: false,
                     }
                 }
             };
@@ -1097,7 +1142,10 @@ impl Run {
             key_idx,
             t0,
             result,
+            span,
+            hedge,
         } = done;
+        let trace = self.attempt_trace(span, t0, hedge);
         let panic_mode = self.panic_mode.contains(&ep.name);
         let latency_ms = t0.elapsed().as_secs_f64() * 1000.0;
         let own_key = self.own_key_for(ep).is_some();
@@ -1122,6 +1170,7 @@ impl Run {
                     own_key,
                     internal: None,
                     address: success.address().cloned(),
+                    trace,
                 });
                 if !self.req.stream {
                     // Streams report their outcome when they end (see `StreamGuard`).
@@ -1166,6 +1215,7 @@ impl Run {
             own_key,
             internal,
             address: f.address.clone(),
+            trace,
         });
         // An address that failed for a reason of its own gets no other attempt of this request
         // while another address can take it.
@@ -1440,6 +1490,20 @@ fn address_fault(class: Outcome) -> bool {
         class,
         Outcome::Connect | Outcome::Connection | Outcome::FirstTokenTimeout | Outcome::Server
     )
+}
+
+/// What identifies an attempt made as `span` to its upstream: the request's id, the span's
+/// `traceparent` and the client's `tracestate`.
+fn attempt_ids<'a>(
+    request_id: &'a str,
+    trace: Option<&'a crate::ops::otel::Trace>,
+    span: Option<&'a (crate::ops::otel::SpanId, String)>,
+) -> crate::upstream::Ids<'a> {
+    crate::upstream::Ids {
+        request: request_id,
+        traceparent: span.map(|s| s.1.as_str()),
+        tracestate: trace.and_then(|t| t.ctx.tracestate.as_deref()),
+    }
 }
 
 /// Who saw a failure of a request of `client` ([`Witness`]): one key's failures alone eject

@@ -28,6 +28,10 @@ pub(super) struct Racing {
     /// The address it went to, when its endpoint has several.
     pub address: Option<Arc<str>>,
     pub fut: AttemptFuture,
+    /// Its span, when the request is traced.
+    pub span: Option<crate::ops::otel::SpanId>,
+    /// A hedged copy.
+    pub hedge: bool,
 }
 
 impl Racing {
@@ -36,6 +40,8 @@ impl Racing {
             key_idx: self.key_idx,
             t0: self.t0,
             result,
+            span: self.span,
+            hedge: self.hedge,
         }
     }
 }
@@ -67,6 +73,8 @@ impl Run {
                     key_idx: key_a,
                     t0: Instant::now(),
                     result: Err(f),
+                    span: None,
+                    hedge: false,
                 };
                 return (a.clone(), self.try_endpoint(a, Some(Box::new(done))).await);
             }
@@ -116,7 +124,11 @@ impl Run {
         self.current_hedge = None;
         if done.result.is_ok() {
             drop(other.fut);
-            self.cancelled(&other_ep, other.t0, &done_ep, other.address.clone());
+            self.cancelled(
+                &other_ep,
+                (other.t0, other.address.clone(), other.span, other.hedge),
+                &done_ep,
+            );
             if side == Side::Hedge {
                 self.hedge_won = true;
                 if let Some((key, _)) = &self.hedge {
@@ -132,7 +144,11 @@ impl Run {
             Settled::Done(EndpointOutcome::ClientError(s, h, b)) => {
                 // The client's own error: the other copy would get the same answer.
                 drop(other.fut);
-                self.cancelled(&other_ep, other.t0, &done_ep, other.address.clone());
+                self.cancelled(
+                    &other_ep,
+                    (other.t0, other.address.clone(), other.span, other.hedge),
+                    &done_ep,
+                );
                 return (done_ep, EndpointOutcome::ClientError(s, h, b));
             }
             Settled::Done(outcome) => self.note(&done_ep, outcome),
@@ -222,8 +238,9 @@ impl Run {
                 return None;
             }
             match self.start(&ep, key_idx, None) {
-                Ok(r) => {
+                Ok(mut r) => {
                     self.hedges_sent += 1;
+                    r.hedge = true;
                     return Some((ep, r));
                 }
                 Err(f) => {
@@ -232,6 +249,8 @@ impl Run {
                         key_idx,
                         t0: Instant::now(),
                         result: Err(f),
+                        span: None,
+                        hedge: true,
                     };
                     match self.settle(&ep, done) {
                         Settled::Done(o) => self.note(&ep, o),
@@ -244,13 +263,20 @@ impl Run {
     }
 
     /// Records the race's loser.
+    /// `lost`: its start, address, span and whether it was the hedge.
     fn cancelled(
         &mut self,
         loser: &Endpoint,
-        t0: Instant,
+        lost: (
+            Instant,
+            Option<Arc<str>>,
+            Option<crate::ops::otel::SpanId>,
+            bool,
+        ),
         winner: &Endpoint,
-        address: Option<Arc<str>>,
     ) {
+        let (t0, address, span, hedge) = lost;
+        let trace = self.attempt_trace(span, t0, hedge);
         let panic_mode = self.panic_mode.contains(&loser.name);
         self.attempts.push(AttemptReport {
             endpoint: loser.name.clone(),
@@ -265,6 +291,7 @@ impl Run {
             own_key: false,
             internal: None,
             address,
+            trace,
         });
     }
 }

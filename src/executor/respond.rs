@@ -39,6 +39,7 @@ impl Run {
                 own_key: false,
                 internal: None,
                 address: None,
+                trace: None,
             });
         }
         let err = ApiError::RequestTimeout {
@@ -123,6 +124,7 @@ impl Run {
             response_id: self.responses.as_ref().map(|r| r.id.to_string()),
             previous_response_id: self.responses.as_ref().and_then(|r| r.previous.clone()),
             attempts,
+            trace: self.trace.clone(),
         }
     }
 
@@ -419,6 +421,7 @@ fn attempt_rows(attempts: impl IntoIterator<Item = AttemptReport>) -> Vec<Attemp
             panic_mode: a.panic_mode,
             own_key: a.own_key,
             address: a.address.as_deref().map(str::to_string),
+            trace: a.trace,
         })
         .collect()
 }

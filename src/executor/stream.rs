@@ -107,6 +107,7 @@ impl StreamGuard {
         class: Outcome,
         status: Option<u16>,
         error: Option<String>,
+        trace: Option<crate::ops::otel::AttemptTrace>,
     ) {
         let latency_ms = self.started.elapsed().as_secs_f64() * 1000.0;
         if let Some(row) = self.row.as_mut() {
@@ -121,6 +122,7 @@ impl StreamGuard {
                 panic_mode: false,
                 own_key: self.own_key.is_some(),
                 address: address.map(str::to_string),
+                trace,
             });
         }
     }
@@ -206,6 +208,7 @@ impl StreamGuard {
                     panic_mode: false,
                     own_key: self.own_key.is_some(),
                     address: self.address.as_deref().map(str::to_string),
+                    trace: None,
                 });
                 tracing::warn!(request_id = %row.request_id, endpoint = %self.ep.name, class = class.as_str(), error = %detail, "stream failed after commit");
                 // A stream its server cut (the connection lost, or silent between events)
@@ -802,6 +805,7 @@ impl PassThrough {
             class,
             Some(200),
             Some(detail.clone()),
+            None,
         );
         self.guard.break_recorded = true;
         // A stream cut by its server (the connection lost, or silent between events) counts
@@ -871,6 +875,23 @@ impl PassThrough {
             };
             let base = picked.as_ref().map(|p| p.base.clone());
             let req = c.request(&ep);
+            // The continuing call's own span, when the request is traced.
+            let trace = self.guard.row.as_ref().and_then(|r| r.trace.as_deref());
+            let span = trace.map(|t| {
+                let s = crate::ops::otel::SpanId::random();
+                (s, t.header(s))
+            });
+            let tracestate = trace.and_then(|t| t.ctx.tracestate.clone());
+            let t0 = Instant::now();
+            let attempt_trace = span.as_ref().map(|(s, _)| crate::ops::otel::AttemptTrace {
+                span: *s,
+                started_ms: t0
+                    .saturating_duration_since(self.guard.started)
+                    .as_secs_f64()
+                    * 1000.0,
+                hedge: false,
+                continuation: true,
+            });
             let attempt = Attempt {
                 ep: &ep,
                 key: own_key.as_ref().or_else(|| {
@@ -879,7 +900,11 @@ impl PassThrough {
                         .and_then(|k| k.value.as_ref())
                 }),
                 req: &req,
-                request_id: &c.request_id,
+                ids: crate::upstream::Ids {
+                    request: &c.request_id,
+                    traceparent: span.as_ref().map(|s| s.1.as_str()),
+                    tracestate: tracestate.as_deref(),
+                },
                 deadline: c.deadline,
                 max_cooldown: cfg.policy.max_cooldown,
                 max_answer: cfg.max_response_bytes,
@@ -889,7 +914,6 @@ impl PassThrough {
                 translate: false,
                 responses: None,
             };
-            let t0 = Instant::now();
             let Ok((rb, _)) = attempt.prepare(true) else {
                 continue;
             };
@@ -936,6 +960,7 @@ impl PassThrough {
                         Outcome::Ok,
                         Some(200),
                         None,
+                        attempt_trace,
                     );
                     self.guard.address = base.as_deref().map(Arc::from);
                     if let Some(row) = self.guard.row.as_mut() {
@@ -990,6 +1015,7 @@ impl PassThrough {
                         f.class,
                         f.status,
                         Some(detail.clone()),
+                        attempt_trace,
                     );
                     // A failure of the request's own key is the client's, not the endpoint's.
                     if f.class.counts_against_endpoint() && own_key.is_none() {

@@ -273,6 +273,7 @@ async fn serve(
         Ok(k) => k,
         Err(err) => return refused(&app, &id, op, &inbound, client_name, err),
     };
+    let trace = crate::ops::otel::Trace::of_request(&cfg, &headers, &inbound);
     let caller = executor::Caller {
         client: client_name,
         admission,
@@ -280,6 +281,7 @@ async fn serve(
         arrived: Some(arrived),
         allowed,
         responses,
+        trace,
     };
     // Nothing below reads the client's headers (see `release_read_buffer`).
     drop(headers);
@@ -876,6 +878,9 @@ async fn status(
         // Per hedged route (`route:NAME`) or endpoint (`endpoint:NAME`): requests seen, hedged
         // copies sent, copies that won, and whole hedges the budget holds now.
         "hedging": hedging,
+        // OpenTelemetry export (`telemetry.otlp`): where spans go, and how many went, were
+        // dropped (queue full, collector refused or away) or wait.
+        "telemetry": app.traces.status(&cfg),
         "policy": {
             "success_threshold": cfg.policy.success_threshold,
             "window_seconds": cfg.policy.window.as_secs_f64(),

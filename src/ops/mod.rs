@@ -6,6 +6,7 @@
 pub mod alerts;
 pub mod logctx;
 pub mod logwriter;
+pub mod otel;
 pub mod reload;
 pub mod report;
 pub mod telemetry;

@@ -89,6 +89,18 @@ fn describe() {
         "autohedge_failovers_total",
         "Moves from an endpoint that failed to the next one tried (to=none: nothing was left)."
     );
+    describe_counter!(
+        "autohedge_otlp_spans_exported_total",
+        "Spans the OTLP collector accepted (telemetry.otlp)."
+    );
+    describe_counter!(
+        "autohedge_otlp_spans_dropped_total",
+        "Spans not exported: the queue was full, or the collector refused them or did not answer."
+    );
+    describe_counter!(
+        "autohedge_otlp_export_failures_total",
+        "OTLP exports that failed (each drops its batch)."
+    );
     describe_gauge!(
         "autohedge_endpoint_state",
         "1 for the endpoint's current state, 0 for the others."
@@ -804,6 +816,11 @@ fn json_line(buf: &mut Vec<u8>, row: &RequestRow, route: &str, now: SystemTime) 
         buf.extend_from_slice(b",\"client_key\":");
         json_str(buf, k);
     }
+    if let Some(t) = &row.trace {
+        buf.extend_from_slice(b",\"trace_id\":\"");
+        buf.extend_from_slice(t.id.as_bytes());
+        buf.push(b'"');
+    }
     buf.extend_from_slice(b",\"span\":{\"request_id\":");
     json_str(buf, &row.request_id);
     buf.extend_from_slice(b",\"name\":\"request\"}}\n");
@@ -840,6 +857,9 @@ fn text_line(buf: &mut Vec<u8>, row: &RequestRow, route: &str, now: SystemTime) 
     if let Some(k) = &row.client_key {
         let _ = write!(buf, " client_key={k}");
     }
+    if let Some(t) = &row.trace {
+        let _ = write!(buf, " trace_id={}", t.id);
+    }
     buf.push(b'\n');
 }
 
@@ -867,6 +887,7 @@ mod tests {
                     panic_mode: false,
                     own_key: false,
                     address: None,
+                    trace: None,
                 })
                 .collect(),
             ..RequestRow::new("r".into(), SystemTime::UNIX_EPOCH, "chat")

@@ -61,6 +61,8 @@ pub struct AttemptRow {
     pub own_key: bool,
     /// The address it went to, when its endpoint has several (`base_urls`, discovered tasks).
     pub address: Option<String>,
+    /// Its span, when the request is traced (not stored: the trail keeps the trace id).
+    pub trace: Option<crate::ops::otel::AttemptTrace>,
 }
 
 #[derive(Debug, Clone)]
@@ -97,6 +99,9 @@ pub struct RequestRow {
     pub response_id: Option<String>,
     /// `/v1/responses`: the response this request continued (the gateway's id).
     pub previous_response_id: Option<String>,
+    /// Its trace (W3C trace context and what its spans carry), when it has one: continued from
+    /// the client's `traceparent`, or started by the gateway with `telemetry.otlp`.
+    pub trace: Option<Box<crate::ops::otel::Trace>>,
 }
 
 impl RequestRow {
@@ -129,6 +134,7 @@ impl RequestRow {
             client_key: None,
             response_id: None,
             previous_response_id: None,
+            trace: None,
         }
     }
 }
@@ -505,7 +511,7 @@ impl Store {
 
 /// The `requests` columns the writer fills, `id` first: ids are given explicitly so that a
 /// batch's attempts can name their request row without reading it back row by row.
-const REQUEST_COLUMNS: [&str; 26] = [
+const REQUEST_COLUMNS: [&str; 27] = [
     "id",
     "request_id",
     "ts_ms",
@@ -532,6 +538,7 @@ const REQUEST_COLUMNS: [&str; 26] = [
     "client_key",
     "response_id",
     "previous_response_id",
+    "trace_id",
 ];
 
 const ATTEMPT_COLUMNS: [&str; 12] = [
@@ -572,6 +579,7 @@ mod test_util {
                     panic_mode: false,
                     own_key: false,
                     address: None,
+                    trace: None,
                     seq: 1,
                     endpoint: "a".into(),
                     class: class.parse().expect("a known outcome"),
@@ -583,6 +591,7 @@ mod test_util {
                     panic_mode: false,
                     own_key: false,
                     address: None,
+                    trace: None,
                     seq: 2,
                     endpoint: endpoint.into(),
                     class: crate::routing::outcome::Outcome::Ok,
@@ -665,6 +674,7 @@ mod tests {
             panic_mode: false,
             own_key: false,
             address: None,
+            trace: None,
         });
         let mut r = Record::Request(Box::new(row));
         r.make_safe();

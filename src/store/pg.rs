@@ -170,6 +170,10 @@ const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE attempts ADD COLUMN address TEXT;
     "#,
+    // 14: the request's trace id (W3C), when it was traced: one finds the other.
+    r#"
+    ALTER TABLE requests ADD COLUMN trace_id TEXT;
+    "#,
 ];
 
 /// The advisory lock every replica's migration takes (any constant; "autohedge" in ASCII).
@@ -1286,6 +1290,7 @@ fn request_params(id: i64, row: &RequestRow) -> Vec<Param> {
         Box::new(row.client_key.clone()),
         Box::new(row.response_id.clone()),
         Box::new(row.previous_response_id.clone()),
+        Box::new(row.trace.as_ref().map(|t| t.id.clone())),
     ]
 }
 
@@ -1391,7 +1396,8 @@ fn tables() -> Vec<(&'static str, Vec<(&'static str, Ty)>)> {
                 | "continued_from"
                 | "client_key"
                 | "response_id"
-                | "previous_response_id" => Text,
+                | "previous_response_id"
+                | "trace_id" => Text,
                 "latency_ms" | "ttft_ms" | "cost_usd" => Real,
                 _ => Int,
             };

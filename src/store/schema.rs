@@ -194,6 +194,11 @@ pub(super) const MIGRATIONS: &[&str] = &[
                attempt_latency_ms, 0, 0, NULL
         FROM requests WHERE attempt_class IS NOT NULL;
     "#,
+    // 14: the request's trace id (W3C), when it was traced (`telemetry.otlp`, or a client's
+    // `traceparent`): the access line carries it too, so one finds the other.
+    r#"
+    ALTER TABLE requests ADD COLUMN trace_id TEXT;
+    "#,
 ];
 
 /// The WAL file is truncated to this after checkpoints: a burst cannot leave it gigabytes large.

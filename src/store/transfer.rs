@@ -156,6 +156,7 @@ pub fn record(line: &str) -> Result<Record, String> {
                         .unwrap_or(false),
                     own_key: a.get("own_key").and_then(Value::as_bool).unwrap_or(false),
                     address: opt_str(a, "address"),
+                    trace: None,
                 });
             }
             let flag = |k: &str| v.get(k).and_then(Value::as_i64).unwrap_or(0) != 0;
@@ -183,6 +184,7 @@ pub fn record(line: &str) -> Result<Record, String> {
                 client_key: opt_str(&v, "client_key"),
                 response_id: opt_str(&v, "response_id"),
                 previous_response_id: opt_str(&v, "previous_response_id"),
+                trace: opt_str(&v, "trace_id").and_then(|t| crate::ops::otel::Trace::known(&t)),
                 ..RequestRow::new(request_id, at, operation)
             })))
         }
@@ -259,6 +261,7 @@ pub fn lines(r: &Record, out: &mut String) -> bool {
                 "client_key": row.client_key,
                 "response_id": row.response_id,
                 "previous_response_id": row.previous_response_id,
+                "trace_id": row.trace.as_ref().map(|t| t.id.as_str()),
                 "attempts": attempts,
             });
             let _ = writeln!(out, "{v}");
@@ -342,6 +345,7 @@ mod tests {
             panic_mode: true,
             own_key: false,
             address: None,
+            trace: None,
         });
         for r in [
             Record::Request(Box::new(row)),

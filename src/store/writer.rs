@@ -69,16 +69,16 @@ pub(super) fn writer(
 
 /// The SQLite writer's `requests` columns: [`REQUEST_COLUMNS`] and the request's one attempt
 /// when it is kept in the row ([`inline_attempt`]; PostgreSQL writes every attempt as a row).
-const SQLITE_REQUEST_COLUMNS: [&str; 29] = {
-    let mut c = [""; 29];
+const SQLITE_REQUEST_COLUMNS: [&str; 30] = {
+    let mut c = [""; 30];
     let mut i = 0;
     while i < REQUEST_COLUMNS.len() {
         c[i] = REQUEST_COLUMNS[i];
         i += 1;
     }
-    c[26] = "attempt_class";
-    c[27] = "attempt_status";
-    c[28] = "attempt_latency_ms";
+    c[27] = "attempt_class";
+    c[28] = "attempt_status";
+    c[29] = "attempt_latency_ms";
     c
 };
 
@@ -86,7 +86,7 @@ const SQLITE_REQUEST_COLUMNS: [&str; 29] = {
 /// [`SQLITE_REQUEST_COLUMNS`]: the rest hold their defaults (`NULL` or 0) and are left to them
 /// instead of bound — eleven values fewer a request.
 const REQUEST_PLAIN: [usize; 18] = [
-    0, 1, 2, 3, 4, 5, 6, 8, 9, 11, 12, 13, 14, 15, 23, 26, 27, 28,
+    0, 1, 2, 3, 4, 5, 6, 8, 9, 11, 12, 13, 14, 15, 23, 27, 28, 29,
 ];
 
 /// The `attempts` columns of a plain attempt (no error text, not tried in panic), as indices
@@ -119,6 +119,7 @@ fn plain_request(row: &RequestRow) -> bool {
         && row.continued_from.is_none()
         && row.response_id.is_none()
         && row.previous_response_id.is_none()
+        && row.trace.is_none()
 }
 
 fn plain_attempt(a: &AttemptRow) -> bool {
@@ -209,6 +210,7 @@ fn request_values(id: i64, row: &RequestRow) -> [Val<'_>; SQLITE_REQUEST_COLUMNS
         Val::text(row.client_key.as_deref()),
         Val::text(row.response_id.as_deref()),
         Val::text(row.previous_response_id.as_deref()),
+        Val::text(row.trace.as_ref().map(|t| t.id.as_str())),
         Val::text(one.map(|a| a.class.as_str())),
         Val::int(one.and_then(|a| a.status).map(i64::from)),
         Val::real(one.map(|a| a.latency_ms)),
@@ -591,6 +593,7 @@ mod tests {
                     panic_mode: k % 2 == 1,
                     own_key: false,
                     address: None,
+                    trace: None,
                     seq: k as u32 + 1,
                     endpoint: format!("e{k}"),
                     class: crate::routing::outcome::Outcome::Ok,
@@ -626,6 +629,7 @@ mod tests {
                     panic_mode: (i + k).is_multiple_of(5),
                     own_key: false,
                     address: None,
+                    trace: None,
                     seq: k as u32 + 1,
                     endpoint: format!("e{k}"),
                     class: [Outcome::Ok, Outcome::Timeout, Outcome::SkippedCooldown][k % 3],
@@ -729,6 +733,7 @@ mod tests {
             panic_mode: false,
             own_key: false,
             address: None,
+            trace: None,
         };
         let row = |i: u64, endpoint: Option<&str>, attempts: Vec<AttemptRow>| RequestRow {
             endpoint: endpoint.map(str::to_string),
@@ -859,6 +864,7 @@ mod tests {
                 panic_mode: false,
                 own_key: false,
                 address: None,
+                trace: None,
             }],
             ..RequestRow::new("new".into(), UNIX_EPOCH + Duration::from_secs(2), "chat")
         };

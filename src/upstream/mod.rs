@@ -110,6 +110,25 @@ impl serde::Serialize for Outgoing<'_> {
     }
 }
 
+/// What identifies an attempt to its upstream: the request's id (`x-request-id`) and, when the
+/// request is traced, the attempt span's W3C `traceparent` and the client's `tracestate`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Ids<'a> {
+    pub request: &'a str,
+    pub traceparent: Option<&'a str>,
+    pub tracestate: Option<&'a str>,
+}
+
+impl<'a> Ids<'a> {
+    /// A request's id alone (untraced).
+    pub fn request(request: &'a str) -> Ids<'a> {
+        Ids {
+            request,
+            ..Ids::default()
+        }
+    }
+}
+
 /// Builds the request for one attempt, with the endpoint's payload hygiene applied; returns it
 /// with the number of characters hygiene changed. `Err` when the request cannot be expressed in
 /// the endpoint's protocol (the executor skips the endpoint without holding it against it).
@@ -120,7 +139,7 @@ pub fn request<'a>(
     req: &Inbound,
     stream: bool,
     key: Option<&'a Secret>,
-    request_id: &'a str,
+    ids: Ids<'a>,
     discovered_base: Option<&str>,
     translate: bool,
 ) -> Result<(Prepared<'a>, u64), ollama::Unsupported> {
@@ -186,7 +205,7 @@ pub fn request<'a>(
             ep,
             op,
             key,
-            request_id,
+            ids,
             payload,
             uri: None,
         };
@@ -195,7 +214,7 @@ pub fn request<'a>(
         }
         // A header the `http` crate refuses: reqwest reports it as it always did.
         return Ok((
-            reqwest_request(ep, None, op, key, request_id, again.payload),
+            reqwest_request(ep, None, op, key, ids, again.payload),
             sanitized,
         ));
     }
@@ -210,7 +229,7 @@ pub fn request<'a>(
                 ep,
                 op,
                 key,
-                request_id,
+                ids,
                 payload,
                 uri,
             };
@@ -219,15 +238,12 @@ pub fn request<'a>(
             }
             // A header the `http` crate refuses: reqwest reports it as it always did.
             return Ok((
-                reqwest_request(ep, url, op, key, request_id, again.payload),
+                reqwest_request(ep, url, op, key, ids, again.payload),
                 sanitized,
             ));
         }
     }
-    Ok((
-        reqwest_request(ep, url, op, key, request_id, payload),
-        sanitized,
-    ))
+    Ok((reqwest_request(ep, url, op, key, ids, payload), sanitized))
 }
 
 /// The request through reqwest, to `url` (a discovered task's) or the endpoint's configured URL.
@@ -236,7 +252,7 @@ fn reqwest_request(
     url: Option<reqwest::Url>,
     op: Op,
     key: Option<&Secret>,
-    request_id: &str,
+    ids: Ids<'_>,
     payload: Bytes,
 ) -> Prepared<'static> {
     // Parsed once per config load; cloning a `Url` skips reqwest's parse (and IDNA) per call.
@@ -245,8 +261,14 @@ fn reqwest_request(
         .client
         .post(url)
         .header(reqwest::header::CONTENT_TYPE, "application/json")
-        .header("x-request-id", request_id)
+        .header("x-request-id", ids.request)
         .body(payload);
+    if let Some(t) = ids.traceparent {
+        rb = rb.header("traceparent", t);
+        if let Some(s) = ids.tracestate {
+            rb = rb.header("tracestate", s);
+        }
+    }
     if let Some(k) = key {
         rb = rb.bearer_auth(k.expose());
     }
@@ -264,7 +286,7 @@ pub struct Again<'a> {
     ep: &'a Endpoint,
     op: Op,
     key: Option<&'a Secret>,
-    request_id: &'a str,
+    ids: Ids<'a>,
     payload: Bytes,
     /// A discovered task's address; `None`: the endpoint's configured one.
     uri: Option<http::Uri>,
@@ -279,7 +301,7 @@ impl Again<'_> {
             self.ep,
             plain.paths[self.op as usize].clone(),
             self.key,
-            self.request_id,
+            self.ids,
             self.payload.clone(),
         )?;
         req.headers_mut()
@@ -294,13 +316,7 @@ impl Again<'_> {
             Some(u) => u.clone(),
             None => self.ep.uris[self.op as usize].clone(),
         };
-        direct_request(
-            self.ep,
-            uri,
-            self.key,
-            self.request_id,
-            self.payload.clone(),
-        )
+        direct_request(self.ep, uri, self.key, self.ids, self.payload.clone())
     }
 }
 
@@ -310,7 +326,7 @@ fn direct_request(
     ep: &Endpoint,
     uri: http::Uri,
     key: Option<&Secret>,
-    request_id: &str,
+    ids: Ids<'_>,
     payload: Bytes,
 ) -> Option<http::Request<Full<Bytes>>> {
     use http::header::{ACCEPT, AUTHORIZATION, CONTENT_TYPE, HeaderValue};
@@ -324,8 +340,14 @@ fn direct_request(
     h.insert(ACCEPT, HeaderValue::from_static("*/*"));
     h.insert(
         crate::wire::names::X_REQUEST_ID,
-        HeaderValue::from_str(request_id).ok()?,
+        HeaderValue::from_str(ids.request).ok()?,
     );
+    if let Some(t) = ids.traceparent {
+        h.insert("traceparent", HeaderValue::from_str(t).ok()?);
+        if let Some(s) = ids.tracestate.and_then(|s| HeaderValue::from_str(s).ok()) {
+            h.insert("tracestate", s);
+        }
+    }
     if let Some(k) = key {
         let mut v = HeaderValue::from_str(&format!("Bearer {}", k.expose())).ok()?;
         v.set_sensitive(true);
@@ -755,7 +777,8 @@ mod tests {
             "{\"model\": \"a\", \"messages\": [{\"role\":\"user\",\"content\":\"x\\u0007y\"}]}";
         let dirty_req = crate::wire::read_request(Op::Chat, Bytes::from(dirty)).unwrap();
         assert!(dirty_req.model_span().is_some(), "read as plain");
-        let (prepared, changed) = request(h, &dirty_req, false, None, "r", None, false).unwrap();
+        let (prepared, changed) =
+            request(h, &dirty_req, false, None, Ids::request("r"), None, false).unwrap();
         assert_eq!(changed, 1);
         let Prepared::Pooled(_, req, _) = prepared else {
             panic!("a plain-http endpoint's own connections")
@@ -772,7 +795,8 @@ mod tests {
         let sent_by = |raw: &str| {
             let req = crate::wire::read_request(Op::Chat, Bytes::from(raw.to_string())).unwrap();
             assert!(req.model_span().is_some(), "read as plain: {raw}");
-            let (prepared, _) = request(a, &req, false, None, "r", None, false).unwrap();
+            let (prepared, _) =
+                request(a, &req, false, None, Ids::request("r"), None, false).unwrap();
             let Prepared::Pooled(_, req, _) = prepared else {
                 panic!("a plain-http endpoint's own connections")
             };
@@ -831,7 +855,8 @@ mod tests {
         .unwrap();
         let plain = &cfg.endpoints["plain"];
         let key = plain.keys[0].value.as_ref();
-        let (prepared, _) = request(plain, &req, false, key, "req-1", None, false).unwrap();
+        let (prepared, _) =
+            request(plain, &req, false, key, Ids::request("req-1"), None, false).unwrap();
         let Prepared::Pooled(_, first, again) = prepared else {
             panic!("a plain-http endpoint's own connections")
         };
@@ -842,7 +867,8 @@ mod tests {
         let tls = &cfg.endpoints["tls"];
         let key = tls.keys[0].value.as_ref();
         for base in [None, Some("http://10.0.0.7:8000")] {
-            let (prepared, _) = request(tls, &req, false, key, "req-2", base, false).unwrap();
+            let (prepared, _) =
+                request(tls, &req, false, key, Ids::request("req-2"), base, false).unwrap();
             let Prepared::Direct(_, first, again) = prepared else {
                 panic!("the direct client ({base:?})")
             };
@@ -914,7 +940,8 @@ mod tests {
             body.as_object().unwrap().clone(),
             Default::default(),
         );
-        let (prepared, _) = request(ep, &req, false, None, "r-1", None, false).unwrap();
+        let (prepared, _) =
+            request(ep, &req, false, None, Ids::request("r-1"), None, false).unwrap();
         // A plain-http address goes over the endpoint's own connections, in origin form with
         // its `Host`; an https one over the direct client.
         let Prepared::Pooled(_, req, _) = &prepared else {

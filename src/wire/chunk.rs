@@ -466,6 +466,34 @@ mod tests {
             .boxed()
     }
 
+    /// How long each reader takes a chunk (release build: `cargo test --release --lib
+    /// scan_speed -- --ignored --nocapture`); prints, asserts nothing.
+    #[test]
+    #[ignore]
+    fn scan_speed() {
+        let c = r#"{"id":"chatcmpl-bench","object":"chat.completion.chunk","created":1700000000,"model":"bench","system_fingerprint":"fp_bench","choices":[{"index":0,"delta":{"content":" word17"},"logprobs":null,"finish_reason":null}]}"#;
+        let n = 2_000_000;
+        for (name, f) in [
+            (
+                "scan",
+                super::super::scan::read as fn(&str) -> Option<Plain>,
+            ),
+            ("serde", typed),
+            ("scan", super::super::scan::read),
+            ("serde", typed),
+        ] {
+            let t = std::time::Instant::now();
+            let mut bytes = 0;
+            for _ in 0..n {
+                bytes += f(std::hint::black_box(c)).map_or(0, |p| p.text_bytes);
+            }
+            println!(
+                "{name}: {:.1} ns a chunk ({bytes})",
+                t.elapsed().as_nanos() as f64 / n as f64
+            );
+        }
+    }
+
     /// The chunks servers send are read in one pass, not only declined to serde.
     #[test]
     fn real_chunks_take_the_one_pass_path() {

@@ -15,6 +15,19 @@ use super::chunk::Plain;
 /// Deeper values are declined (serde_json's own limit is 128).
 const MAX_DEPTH: u32 = 64;
 
+/// Whether the word holds a `"`, a `\\` or a control character (below 0x20): the bytes that end
+/// a string's plain run. Bit tricks as serde_json's own `skip_to_escape` uses.
+#[inline]
+fn special(w: u64) -> bool {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = 0x8080_8080_8080_8080;
+    let zero = |x: u64| x.wrapping_sub(ONES) & !x & HIGH;
+    let quote = zero(w ^ (ONES * u64::from(b'"')));
+    let slash = zero(w ^ (ONES * u64::from(b'\\')));
+    let control = w.wrapping_sub(ONES * 0x20) & !w & HIGH;
+    (quote | slash | control) != 0
+}
+
 struct Cur<'a> {
     b: &'a [u8],
     i: usize,
@@ -54,53 +67,78 @@ impl<'a> Cur<'a> {
         })
     }
 
-    /// A string (the cursor at its opening quote): its raw bytes and unescaped length.
+    /// A string (the cursor at its opening quote): its raw bytes and unescaped length. Plain
+    /// runs are skipped eight bytes at a time (a word holds no quote, backslash or control
+    /// character), the rest a byte at a time: a chunk's strings are mostly short keys.
     fn string(&mut self) -> Option<Str<'a>> {
         self.eat(b'"')?;
+        let b = self.b;
         let start = self.i;
+        let mut i = self.i;
         let mut len = 0usize;
         let mut escaped = false;
+        // Where the current run of plain bytes began.
+        let mut run = i;
         loop {
-            let rest = self.b.get(self.i..)?;
-            let n = memchr::memchr2(b'"', b'\\', rest)?;
-            // serde refuses control characters in strings.
-            if rest[..n].iter().any(|&c| c < 0x20) {
-                return None;
+            while let Some(w) = b.get(i..i + 8) {
+                let w = u64::from_le_bytes(w.try_into().ok()?);
+                if special(w) {
+                    break;
+                }
+                i += 8;
             }
-            len += n;
-            self.i += n;
-            if self.b[self.i] == b'"' {
-                let raw = &self.b[start..self.i];
+            let c = *b.get(i)?;
+            match c {
+                b'"' => {
+                    len += i - run;
+                    self.i = i + 1;
+                    return Some(Str {
+                        raw: &b[start..i],
+                        len,
+                        escaped,
+                    });
+                }
+                b'\\' => {
+                    len += i - run;
+                    escaped = true;
+                    self.i = i + 1;
+                    len += self.escape()?;
+                    i = self.i;
+                    run = i;
+                }
+                // serde refuses control characters in strings.
+                0..0x20 => return None,
+                _ => i += 1,
+            }
+        }
+    }
+
+    /// An escape after its backslash: the bytes it stands for.
+    fn escape(&mut self) -> Option<usize> {
+        match *self.b.get(self.i)? {
+            b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => {
                 self.i += 1;
-                return Some(Str { raw, len, escaped });
+                Some(1)
             }
-            escaped = true;
-            self.i += 1;
-            match *self.b.get(self.i)? {
-                b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => {
-                    len += 1;
-                    self.i += 1;
-                }
-                b'u' => {
-                    self.i += 1;
-                    let cp = self.hex4()?;
-                    len += match cp {
-                        0..=0x7f => 1,
-                        0x80..=0x7ff => 2,
-                        0xd800..=0xdbff => {
-                            // A high surrogate: only with its low half.
-                            self.lit(b"\\u")?;
-                            if !(0xdc00..=0xdfff).contains(&self.hex4()?) {
-                                return None;
-                            }
-                            4
+            b'u' => {
+                self.i += 1;
+                let cp = self.hex4()?;
+                Some(match cp {
+                    0..=0x7f => 1,
+                    0x80..=0x7ff => 2,
+                    0xd800..=0xdbff => {
+                        // A high surrogate: only with its low half.
+                        self.lit(b"\\u")?;
+                        if !(0xdc00..=0xdfff).contains(&self.hex4()?) {
+                            return None;
                         }
-                        0xdc00..=0xdfff => return None,
-                        _ => 3,
-                    };
-                }
-                _ => return None,
+                        4
+                    }
+                    0xdc00..=0xdfff => return None,
+                    _ => 3,
+                })
             }
+            _ => None,
         }
     }
 

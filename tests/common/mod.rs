@@ -7,6 +7,7 @@ pub mod cfg;
 pub mod clusters;
 pub mod endless;
 pub mod engine;
+pub mod otlp;
 pub mod pg_server;
 pub mod raw;
 pub mod redis_server;

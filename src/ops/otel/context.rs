@@ -1,0 +1,237 @@
+//! W3C Trace Context (`traceparent`, `tracestate`): what a client's span hands the gateway, and
+//! what the gateway hands each upstream call. A header that is not exactly the spec's shape is
+//! ignored (a new trace starts), never an error: a client's tracing must not fail its request.
+
+use std::fmt::Write as _;
+
+/// A trace's id (16 bytes, never all zero).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TraceId(pub [u8; 16]);
+
+/// A span's id (8 bytes, never all zero).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SpanId(pub [u8; 8]);
+
+/// Where a request's spans hang: its trace, the parent it continues (the client's span), whether
+/// they are recorded, and the vendors' `tracestate` passed along as it came.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TraceContext {
+    pub trace_id: TraceId,
+    /// The client's span, when a valid `traceparent` came with the request.
+    pub parent: Option<SpanId>,
+    /// The gateway's server span.
+    pub span: SpanId,
+    /// Recorded and exported (the client's sampled flag when it sent one, else the gateway's
+    /// `sample_ratio`).
+    pub sampled: bool,
+    /// The incoming `tracestate`, when it is well-formed enough to pass on (at most 512 bytes of
+    /// visible ASCII).
+    pub tracestate: Option<String>,
+}
+
+/// The most `tracestate` bytes passed on (the spec's 32 members fit in 512 for common vendors).
+const MAX_TRACESTATE: usize = 512;
+
+fn hex_val(b: u8) -> Option<u8> {
+    match b {
+        b'0'..=b'9' => Some(b - b'0'),
+        b'a'..=b'f' => Some(b - b'a' + 10),
+        _ => None,
+    }
+}
+
+/// Lower-case hex of exactly `N` bytes (the spec forbids upper case).
+fn hex<const N: usize>(s: &[u8]) -> Option<[u8; N]> {
+    if s.len() != 2 * N {
+        return None;
+    }
+    let mut out = [0u8; N];
+    for (i, pair) in s.chunks_exact(2).enumerate() {
+        out[i] = hex_val(pair[0])? << 4 | hex_val(pair[1])?;
+    }
+    Some(out)
+}
+
+/// A `traceparent` value: its trace, the parent span and whether the parent sampled. `None`
+/// for anything but version `00`'s exact shape (or a later version's first four fields, as the
+/// spec asks), an all-zero id, or version `ff`.
+pub fn parse_traceparent(value: &[u8]) -> Option<(TraceId, SpanId, bool)> {
+    let value = value.trim_ascii();
+    if value.len() < 55 {
+        return None;
+    }
+    let version = hex::<1>(&value[..2])?[0];
+    if version == 0xff || value[2] != b'-' || value[35] != b'-' || value[52] != b'-' {
+        return None;
+    }
+    // Version 00 is exactly 55 bytes; a later version may add fields after a dash.
+    if version == 0 && value.len() != 55 || version > 0 && value.len() > 55 && value[55] != b'-' {
+        return None;
+    }
+    let trace = hex::<16>(&value[3..35])?;
+    let span = hex::<8>(&value[36..52])?;
+    let flags = hex::<1>(&value[53..55])?[0];
+    if trace == [0; 16] || span == [0; 8] {
+        return None;
+    }
+    Some((TraceId(trace), SpanId(span), flags & 1 == 1))
+}
+
+/// A `tracestate` worth passing on: visible ASCII, spaces, commas and `=`, at most
+/// [`MAX_TRACESTATE`] bytes; `None` otherwise (dropped, as the spec allows).
+pub fn clean_tracestate(value: &[u8]) -> Option<String> {
+    let value = value.trim_ascii();
+    if value.is_empty()
+        || value.len() > MAX_TRACESTATE
+        || !value.iter().all(|b| (0x20..0x7f).contains(b))
+    {
+        return None;
+    }
+    std::str::from_utf8(value).ok().map(str::to_string)
+}
+
+/// `00-{trace}-{span}-{flags}`.
+pub fn traceparent(trace: TraceId, span: SpanId, sampled: bool) -> String {
+    let mut s = String::with_capacity(55);
+    s.push_str("00-");
+    for b in trace.0 {
+        let _ = write!(s, "{b:02x}");
+    }
+    s.push('-');
+    for b in span.0 {
+        let _ = write!(s, "{b:02x}");
+    }
+    s.push_str(if sampled { "-01" } else { "-00" });
+    s
+}
+
+impl TraceId {
+    pub fn random() -> TraceId {
+        TraceId(fastrand::u128(1..).to_be_bytes())
+    }
+
+    /// 32 lower-case hex digits, not all zero.
+    pub fn from_hex(s: &str) -> Option<TraceId> {
+        hex::<16>(s.as_bytes())
+            .filter(|b| *b != [0; 16])
+            .map(TraceId)
+    }
+
+    pub fn to_hex(self) -> String {
+        let mut s = String::with_capacity(32);
+        for b in self.0 {
+            let _ = write!(s, "{b:02x}");
+        }
+        s
+    }
+}
+
+impl SpanId {
+    pub fn random() -> SpanId {
+        SpanId(fastrand::u64(1..).to_be_bytes())
+    }
+}
+
+impl TraceContext {
+    /// The context of a request with these headers' values: the client's trace continued, or a
+    /// new one. `ratio` samples a new trace (a continued one keeps the client's decision).
+    pub fn start(traceparent: Option<&[u8]>, tracestate: Option<&[u8]>, ratio: f64) -> Self {
+        match traceparent.and_then(parse_traceparent) {
+            Some((trace_id, parent, sampled)) => TraceContext {
+                trace_id,
+                parent: Some(parent),
+                span: SpanId::random(),
+                sampled,
+                tracestate: tracestate.and_then(clean_tracestate),
+            },
+            None => TraceContext {
+                trace_id: TraceId::random(),
+                parent: None,
+                span: SpanId::random(),
+                sampled: ratio >= 1.0 || (ratio > 0.0 && fastrand::f64() < ratio),
+                tracestate: None,
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const EXAMPLE: &[u8] = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+    #[test]
+    fn the_specs_examples() {
+        let (t, s, sampled) = parse_traceparent(EXAMPLE).unwrap();
+        assert_eq!(t.to_hex(), "4bf92f3577b34da6a3ce929d0e0e4736");
+        assert_eq!(s.0, [0x00, 0xf0, 0x67, 0xaa, 0x0b, 0xa9, 0x02, 0xb7]);
+        assert!(sampled);
+        assert_eq!(traceparent(t, s, true).as_bytes(), EXAMPLE);
+        let (_, _, sampled) =
+            parse_traceparent(b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00").unwrap();
+        assert!(!sampled);
+        // A later version: its first fields are read, what follows a dash ignored.
+        assert!(
+            parse_traceparent(b"01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra")
+                .is_some()
+        );
+    }
+
+    #[test]
+    fn what_the_spec_refuses_is_ignored() {
+        for bad in [
+            &b""[..],
+            b"00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            b"00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            b"00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            b"ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+            b"00_4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            b"00-4bf92f3577b34da6a3ce929d0e0e473-600f067aa0ba902b7-01",
+            b"0x-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        ] {
+            assert_eq!(
+                parse_traceparent(bad),
+                None,
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        assert_eq!(clean_tracestate(b"vendor=a\n"), Some("vendor=a".into()));
+        assert_eq!(clean_tracestate(b"v=\x01"), None);
+        assert_eq!(clean_tracestate(&[b'a'; 600]), None);
+    }
+
+    #[test]
+    fn a_new_trace_follows_the_ratio_a_continued_one_the_client() {
+        let c = TraceContext::start(None, None, 1.0);
+        assert!(c.sampled && c.parent.is_none());
+        assert!(!TraceContext::start(None, None, 0.0).sampled);
+        let c = TraceContext::start(
+            Some(b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"),
+            Some(b"congo=t61rcWkgMzE"),
+            1.0,
+        );
+        assert!(!c.sampled, "the client's decision");
+        assert_eq!(c.trace_id.to_hex(), "4bf92f3577b34da6a3ce929d0e0e4736");
+        assert_ne!(Some(c.span), c.parent, "a span of its own");
+        assert_eq!(c.tracestate.as_deref(), Some("congo=t61rcWkgMzE"));
+    }
+
+    proptest! {
+        #[test]
+        fn any_bytes_give_a_context_or_none(b in proptest::collection::vec(any::<u8>(), 0..80)) {
+            let _ = parse_traceparent(&b);
+            let _ = clean_tracestate(&b);
+        }
+
+        #[test]
+        fn what_is_written_reads_back(t in any::<[u8; 16]>(), s in any::<[u8; 8]>(), sampled: bool) {
+            prop_assume!(t != [0; 16] && s != [0; 8]);
+            let text = traceparent(TraceId(t), SpanId(s), sampled);
+            prop_assert_eq!(parse_traceparent(text.as_bytes()), Some((TraceId(t), SpanId(s), sampled)));
+        }
+    }
+}

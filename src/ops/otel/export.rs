@@ -1,0 +1,269 @@
+//! The export side: a bounded queue of finished spans and the task that posts them in batches
+//! through `opentelemetry-otlp`'s HTTP exporter (protobuf). The request path only counts and
+//! queues; a full queue drops (counted), a collector that fails or hangs costs the batch (counted,
+//! with its error for `/status`), never a request's time.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use opentelemetry_otlp::{WithExportConfig, WithHttpConfig};
+use opentelemetry_sdk::trace::{SpanData, SpanExporter};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Config, OtlpSettings};
+use crate::state::AppState;
+use crate::store::RequestRow;
+
+/// Spans sent in one export at most.
+const BATCH: usize = 512;
+/// A batch waits at most this long for more spans.
+const LINGER: Duration = Duration::from_millis(500);
+/// One export's limit (the exporter's own timeout; the task also stops waiting then).
+const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
+/// What shutdown waits for the last spans.
+const FLUSH_FOR: Duration = Duration::from_secs(2);
+
+/// The request path's side: counts, and the queue's sender.
+pub struct Traces {
+    tx: mpsc::UnboundedSender<Vec<SpanData>>,
+    rx: Mutex<Option<mpsc::UnboundedReceiver<Vec<SpanData>>>>,
+    queued: Arc<AtomicUsize>,
+    pub exported: AtomicU64,
+    pub dropped: AtomicU64,
+    pub failed_exports: AtomicU64,
+    pub last_error: Mutex<Option<String>>,
+}
+
+impl Default for Traces {
+    fn default() -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        Traces {
+            tx,
+            rx: Mutex::new(Some(rx)),
+            queued: Arc::new(AtomicUsize::new(0)),
+            exported: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
+            failed_exports: AtomicU64::new(0),
+            last_error: Mutex::new(None),
+        }
+    }
+}
+
+impl Traces {
+    /// The finished request's spans, queued (never waited for): past `max_queue_spans` they are
+    /// dropped and counted.
+    pub fn record(&self, cfg: &Config, row: &RequestRow) {
+        let Some(settings) = &cfg.otlp else {
+            return;
+        };
+        if !row.trace.as_ref().is_some_and(|t| t.export) {
+            return;
+        }
+        let spans = super::spans::of(cfg, row);
+        let n = spans.len();
+        if n == 0 {
+            return;
+        }
+        let before = self.queued.fetch_add(n, Ordering::Relaxed);
+        if before + n > settings.max_queue_spans || self.tx.send(spans).is_err() {
+            self.queued.fetch_sub(n, Ordering::Relaxed);
+            self.dropped.fetch_add(n as u64, Ordering::Relaxed);
+            metrics::counter!("autohedge_otlp_spans_dropped_total").increment(n as u64);
+        }
+    }
+
+    /// Spans waiting to be exported.
+    pub fn queued(&self) -> usize {
+        self.queued.load(Ordering::Relaxed)
+    }
+
+    /// `/status.telemetry`.
+    pub fn status(&self, cfg: &Config) -> serde_json::Value {
+        let Some(o) = &cfg.otlp else {
+            return serde_json::json!({ "otlp": null });
+        };
+        serde_json::json!({
+            "otlp": {
+                "endpoint": o.display,
+                "sample_ratio": o.sample_ratio,
+                "service_name": o.service_name,
+                "capture_content": o.capture_content,
+                "spans_exported": self.exported.load(Ordering::Relaxed),
+                "spans_dropped": self.dropped.load(Ordering::Relaxed),
+                "failed_exports": self.failed_exports.load(Ordering::Relaxed),
+                "queued_spans": self.queued(),
+                "last_error": *self.last_error.lock().unwrap_or_else(|e| e.into_inner()),
+            }
+        })
+    }
+}
+
+/// reqwest (the gateway's own version) as the exporter's HTTP client.
+#[derive(Debug)]
+struct Client(reqwest::Client);
+
+#[async_trait::async_trait]
+impl opentelemetry_http::HttpClient for Client {
+    async fn send_bytes(
+        &self,
+        request: http::Request<Bytes>,
+    ) -> Result<http::Response<Bytes>, opentelemetry_http::HttpError> {
+        let (parts, body) = request.into_parts();
+        let mut rb = self
+            .0
+            .request(parts.method, parts.uri.to_string())
+            .timeout(EXPORT_TIMEOUT)
+            .body(body);
+        for (k, v) in &parts.headers {
+            rb = rb.header(k, v);
+        }
+        let resp = rb.send().await?;
+        let status = resp.status();
+        // A collector's answer is small; a larger one is read no further than this.
+        let mut body = Vec::new();
+        let mut resp = resp;
+        while let Some(chunk) = resp.chunk().await? {
+            if body.len() + chunk.len() > 1 << 20 {
+                break;
+            }
+            body.extend_from_slice(&chunk);
+        }
+        Ok(http::Response::builder()
+            .status(status)
+            .body(Bytes::from(body))?)
+    }
+}
+
+fn exporter(s: &OtlpSettings) -> Result<opentelemetry_otlp::SpanExporter, String> {
+    let client = reqwest::Client::builder()
+        .timeout(EXPORT_TIMEOUT)
+        .build()
+        .map_err(|e| e.to_string())?;
+    let headers: HashMap<String, String> = s
+        .headers
+        .iter()
+        .map(|(k, v)| (k.clone(), v.expose().to_string()))
+        .collect();
+    let mut e = opentelemetry_otlp::SpanExporter::builder()
+        .with_http()
+        .with_http_client(Client(client))
+        .with_endpoint(s.endpoint.as_str())
+        .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+        .with_timeout(EXPORT_TIMEOUT)
+        .with_headers(headers)
+        .build()
+        .map_err(|e| e.to_string())?;
+    e.set_resource(
+        &opentelemetry_sdk::Resource::builder_empty()
+            .with_service_name(s.service_name.clone())
+            .with_attribute(opentelemetry::KeyValue::new(
+                "service.version",
+                env!("CARGO_PKG_VERSION"),
+            ))
+            .build(),
+    );
+    Ok(e)
+}
+
+/// The export task: batches what `Traces::record` queued and posts it to the collector the
+/// current config names (rebuilt when a reload changes it). On shutdown, what is queued gets
+/// [`FLUSH_FOR`].
+pub async fn run(app: Arc<AppState>, cancel: CancellationToken) {
+    let Some(mut rx) = app
+        .traces
+        .rx
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take()
+    else {
+        return;
+    };
+    let mut built: Option<(Arc<OtlpSettings>, opentelemetry_otlp::SpanExporter)> = None;
+    let mut batch: Vec<SpanData> = Vec::new();
+    let mut stopping = false;
+    loop {
+        // Gather a batch: the first spans, then what comes within `LINGER`.
+        if batch.is_empty() {
+            let first = tokio::select! {
+                spans = rx.recv() => spans,
+                _ = cancel.cancelled(), if !stopping => {
+                    stopping = true;
+                    continue;
+                }
+                _ = tokio::time::sleep(FLUSH_FOR), if stopping => None,
+            };
+            let Some(spans) = first else { return };
+            batch.extend(spans);
+        }
+        let until = tokio::time::Instant::now() + LINGER;
+        while batch.len() < BATCH {
+            match tokio::time::timeout_at(until, rx.recv()).await {
+                Ok(Some(spans)) => batch.extend(spans),
+                Ok(None) | Err(_) => break,
+            }
+            if stopping {
+                break;
+            }
+        }
+        let spans = std::mem::take(&mut batch);
+        let n = spans.len();
+        app.traces.queued.fetch_sub(n, Ordering::Relaxed);
+        let settings = app.config.load().otlp.clone();
+        let Some(settings) = settings else {
+            // Tracing was turned off by a reload: what was queued is let go.
+            built = None;
+            app.traces.dropped.fetch_add(n as u64, Ordering::Relaxed);
+            continue;
+        };
+        if built.as_ref().is_none_or(|(s, _)| **s != *settings) {
+            built = match exporter(&settings) {
+                Ok(e) => Some((settings.clone(), e)),
+                Err(e) => {
+                    let e = redact(&e, &settings);
+                    fail(&app, n, format!("building the exporter: {e}"));
+                    continue;
+                }
+            };
+        }
+        let Some((_, exporter)) = &built else {
+            continue;
+        };
+        let result = tokio::time::timeout(EXPORT_TIMEOUT + Duration::from_secs(1), async {
+            exporter.export(spans).await
+        })
+        .await;
+        match result {
+            Ok(Ok(())) => {
+                app.traces.exported.fetch_add(n as u64, Ordering::Relaxed);
+                metrics::counter!("autohedge_otlp_spans_exported_total").increment(n as u64);
+            }
+            Ok(Err(e)) => fail(&app, n, redact(&e.to_string(), &settings)),
+            Err(_) => fail(&app, n, "the collector did not answer in time".into()),
+        }
+    }
+}
+
+/// `text` without the export's header values (an error may quote what was sent).
+fn redact(text: &str, s: &OtlpSettings) -> String {
+    let secrets: Vec<&str> = s.headers.iter().map(|(_, v)| v.expose()).collect();
+    crate::upstream::classify::redact(text, &secrets)
+}
+
+/// A batch the collector did not take: its spans are dropped (counted) and the error kept.
+fn fail(app: &AppState, n: usize, error: String) {
+    app.traces.failed_exports.fetch_add(1, Ordering::Relaxed);
+    app.traces.dropped.fetch_add(n as u64, Ordering::Relaxed);
+    metrics::counter!("autohedge_otlp_spans_dropped_total").increment(n as u64);
+    metrics::counter!("autohedge_otlp_export_failures_total").increment(1);
+    let error: String = error.chars().take(300).collect();
+    tracing::warn!(error = %error, spans = n, "OTLP export failed; spans dropped");
+    *app.traces
+        .last_error
+        .lock()
+        .unwrap_or_else(|e| e.into_inner()) = Some(error);
+}

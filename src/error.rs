@@ -34,7 +34,7 @@ pub struct AttemptReport {
     pub address: Option<std::sync::Arc<str>>,
     /// Its span, when the request is traced: audit row and trace only.
     #[serde(skip)]
-    pub trace: Option<crate::ops::otel::AttemptTrace>,
+    pub trace: Option<crate::wire::trace::AttemptTrace>,
 }
 
 #[derive(Debug)]

@@ -86,7 +86,7 @@ pub struct Caller {
     /// A `/v1/responses` request's id and conversation ([`responses::plan`]).
     pub responses: Option<responses::ResponsesCtx>,
     /// Its trace, when it has one (`telemetry.otlp`, or a client's `traceparent` passed on).
-    pub trace: Option<Box<crate::ops::otel::Trace>>,
+    pub trace: Option<Box<crate::wire::trace::Trace>>,
 }
 
 /// One request's journey.
@@ -166,9 +166,9 @@ struct Run {
     /// request alone: this request goes to them translated, the others as the endpoint speaks.
     chat_here: Vec<String>,
     /// The request's trace: each attempt's span id goes upstream in `traceparent`.
-    trace: Option<Box<crate::ops::otel::Trace>>,
+    trace: Option<Box<crate::wire::trace::Trace>>,
     /// The span of the attempt `attempt` last sent (read back when it is settled).
-    last_span: Option<crate::ops::otel::SpanId>,
+    last_span: Option<crate::wire::trace::SpanId>,
 }
 
 /// Every request that reached the router has exactly one `requests` row. A `Run` dropped before
@@ -355,7 +355,7 @@ struct Finished {
     t0: Instant,
     result: Result<Success, Failure>,
     /// Its span, when the request is traced.
-    span: Option<crate::ops::otel::SpanId>,
+    span: Option<crate::wire::trace::SpanId>,
     /// A hedged copy.
     hedge: bool,
 }
@@ -964,9 +964,9 @@ impl Run {
     }
 
     /// A new attempt's span, when the request is traced: its id and the `traceparent` it sends.
-    fn new_span(&self) -> Option<(crate::ops::otel::SpanId, String)> {
+    fn new_span(&self) -> Option<(crate::wire::trace::SpanId, String)> {
         self.trace.as_ref().map(|t| {
-            let s = crate::ops::otel::SpanId::random();
+            let s = crate::wire::trace::SpanId::random();
             (s, t.header(s))
         })
     }
@@ -974,11 +974,11 @@ impl Run {
     /// An attempt's trace facts for its audit row: its span, when it was sent.
     fn attempt_trace(
         &self,
-        span: Option<crate::ops::otel::SpanId>,
+        span: Option<crate::wire::trace::SpanId>,
         t0: Instant,
         hedge: bool,
-    ) -> Option<crate::ops::otel::AttemptTrace> {
-        span.map(|span| crate::ops::otel::AttemptTrace {
+    ) -> Option<crate::wire::trace::AttemptTrace> {
+        span.map(|span| crate::wire::trace::AttemptTrace {
             span,
             started_ms: t0.saturating_duration_since(self.started).as_secs_f64() * 1000.0,
             hedge,
@@ -1496,8 +1496,8 @@ fn address_fault(class: Outcome) -> bool {
 /// `traceparent` and the client's `tracestate`.
 fn attempt_ids<'a>(
     request_id: &'a str,
-    trace: Option<&'a crate::ops::otel::Trace>,
-    span: Option<&'a (crate::ops::otel::SpanId, String)>,
+    trace: Option<&'a crate::wire::trace::Trace>,
+    span: Option<&'a (crate::wire::trace::SpanId, String)>,
 ) -> crate::upstream::Ids<'a> {
     crate::upstream::Ids {
         request: request_id,

@@ -29,7 +29,7 @@ pub(super) struct Racing {
     pub address: Option<Arc<str>>,
     pub fut: AttemptFuture,
     /// Its span, when the request is traced.
-    pub span: Option<crate::ops::otel::SpanId>,
+    pub span: Option<crate::wire::trace::SpanId>,
     /// A hedged copy.
     pub hedge: bool,
 }
@@ -270,7 +270,7 @@ impl Run {
         lost: (
             Instant,
             Option<Arc<str>>,
-            Option<crate::ops::otel::SpanId>,
+            Option<crate::wire::trace::SpanId>,
             bool,
         ),
         winner: &Endpoint,

@@ -107,7 +107,7 @@ impl StreamGuard {
         class: Outcome,
         status: Option<u16>,
         error: Option<String>,
-        trace: Option<crate::ops::otel::AttemptTrace>,
+        trace: Option<crate::wire::trace::AttemptTrace>,
     ) {
         let latency_ms = self.started.elapsed().as_secs_f64() * 1000.0;
         if let Some(row) = self.row.as_mut() {
@@ -878,20 +878,22 @@ impl PassThrough {
             // The continuing call's own span, when the request is traced.
             let trace = self.guard.row.as_ref().and_then(|r| r.trace.as_deref());
             let span = trace.map(|t| {
-                let s = crate::ops::otel::SpanId::random();
+                let s = crate::wire::trace::SpanId::random();
                 (s, t.header(s))
             });
             let tracestate = trace.and_then(|t| t.ctx.tracestate.clone());
             let t0 = Instant::now();
-            let attempt_trace = span.as_ref().map(|(s, _)| crate::ops::otel::AttemptTrace {
-                span: *s,
-                started_ms: t0
-                    .saturating_duration_since(self.guard.started)
-                    .as_secs_f64()
-                    * 1000.0,
-                hedge: false,
-                continuation: true,
-            });
+            let attempt_trace = span
+                .as_ref()
+                .map(|(s, _)| crate::wire::trace::AttemptTrace {
+                    span: *s,
+                    started_ms: t0
+                        .saturating_duration_since(self.guard.started)
+                        .as_secs_f64()
+                        * 1000.0,
+                    hedge: false,
+                    continuation: true,
+                });
             let attempt = Attempt {
                 ep: &ep,
                 key: own_key.as_ref().or_else(|| {

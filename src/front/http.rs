@@ -273,7 +273,7 @@ async fn serve(
         Ok(k) => k,
         Err(err) => return refused(&app, &id, op, &inbound, client_name, err),
     };
-    let trace = crate::ops::otel::Trace::of_request(&cfg, &headers, &inbound);
+    let trace = crate::ops::otel::of_request(&cfg, &headers, &inbound);
     let caller = executor::Caller {
         client: client_name,
         admission,

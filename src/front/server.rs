@@ -258,7 +258,14 @@ impl Gateway {
             tasks.spawn(crate::ops::alerts::run(state.clone(), rx, cancel.clone()));
         }
         tasks.spawn(crate::ops::telemetry::upkeep(cancel.clone()));
-        tasks.spawn(crate::ops::otel::run(state.clone(), cancel.clone()));
+        {
+            let st = state.clone();
+            tasks.spawn(crate::ops::otel::run(
+                state.traces.clone(),
+                move || st.config.load().otlp.clone(),
+                cancel.clone(),
+            ));
+        }
         let cluster_settings = state.config.load().cluster.clone();
         if let Some(settings) = cluster_settings {
             let cluster = Arc::new(crate::cluster::Cluster::new(

@@ -62,7 +62,7 @@ pub struct AttemptRow {
     /// The address it went to, when its endpoint has several (`base_urls`, discovered tasks).
     pub address: Option<String>,
     /// Its span, when the request is traced (not stored: the trail keeps the trace id).
-    pub trace: Option<crate::ops::otel::AttemptTrace>,
+    pub trace: Option<crate::wire::trace::AttemptTrace>,
 }
 
 #[derive(Debug, Clone)]
@@ -101,7 +101,7 @@ pub struct RequestRow {
     pub previous_response_id: Option<String>,
     /// Its trace (W3C trace context and what its spans carry), when it has one: continued from
     /// the client's `traceparent`, or started by the gateway with `telemetry.otlp`.
-    pub trace: Option<Box<crate::ops::otel::Trace>>,
+    pub trace: Option<Box<crate::wire::trace::Trace>>,
 }
 
 impl RequestRow {

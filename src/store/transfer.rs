@@ -184,7 +184,7 @@ pub fn record(line: &str) -> Result<Record, String> {
                 client_key: opt_str(&v, "client_key"),
                 response_id: opt_str(&v, "response_id"),
                 previous_response_id: opt_str(&v, "previous_response_id"),
-                trace: opt_str(&v, "trace_id").and_then(|t| crate::ops::otel::Trace::known(&t)),
+                trace: opt_str(&v, "trace_id").and_then(|t| crate::wire::trace::Trace::known(&t)),
                 ..RequestRow::new(request_id, at, operation)
             })))
         }

@@ -10,6 +10,7 @@ pub mod request;
 pub mod responses;
 pub mod scan;
 pub mod sse;
+pub mod trace;
 
 use std::collections::BTreeSet;
 use std::sync::OnceLock;

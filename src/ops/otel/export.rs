@@ -16,7 +16,6 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, OtlpSettings};
-use crate::state::AppState;
 use crate::store::RequestRow;
 
 /// Spans sent in one export at most.
@@ -28,29 +27,34 @@ const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
 /// What shutdown waits for the last spans.
 const FLUSH_FOR: Duration = Duration::from_secs(2);
 
-/// The request path's side: counts, and the queue's sender.
-pub struct Traces {
+/// The request path's side (cheap to clone: the export task holds one): the queue's sender
+/// and the counts `/status` shows.
+#[derive(Clone)]
+pub struct Traces(Arc<Inner>);
+
+struct Inner {
     tx: mpsc::UnboundedSender<Vec<SpanData>>,
     rx: Mutex<Option<mpsc::UnboundedReceiver<Vec<SpanData>>>>,
-    queued: Arc<AtomicUsize>,
-    pub exported: AtomicU64,
-    pub dropped: AtomicU64,
-    pub failed_exports: AtomicU64,
-    pub last_error: Mutex<Option<String>>,
+    /// Spans queued and not yet taken by the export task: bounded by `max_queue_spans`.
+    queued: AtomicUsize,
+    exported: AtomicU64,
+    dropped: AtomicU64,
+    failed_exports: AtomicU64,
+    last_error: Mutex<Option<String>>,
 }
 
 impl Default for Traces {
     fn default() -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
-        Traces {
+        Traces(Arc::new(Inner {
             tx,
             rx: Mutex::new(Some(rx)),
-            queued: Arc::new(AtomicUsize::new(0)),
+            queued: AtomicUsize::new(0),
             exported: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
             failed_exports: AtomicU64::new(0),
             last_error: Mutex::new(None),
-        }
+        }))
     }
 }
 
@@ -69,17 +73,17 @@ impl Traces {
         if n == 0 {
             return;
         }
-        let before = self.queued.fetch_add(n, Ordering::Relaxed);
-        if before + n > settings.max_queue_spans || self.tx.send(spans).is_err() {
-            self.queued.fetch_sub(n, Ordering::Relaxed);
-            self.dropped.fetch_add(n as u64, Ordering::Relaxed);
+        let before = self.0.queued.fetch_add(n, Ordering::Relaxed);
+        if before + n > settings.max_queue_spans || self.0.tx.send(spans).is_err() {
+            self.0.queued.fetch_sub(n, Ordering::Relaxed);
+            self.0.dropped.fetch_add(n as u64, Ordering::Relaxed);
             metrics::counter!("autohedge_otlp_spans_dropped_total").increment(n as u64);
         }
     }
 
     /// Spans waiting to be exported.
     pub fn queued(&self) -> usize {
-        self.queued.load(Ordering::Relaxed)
+        self.0.queued.load(Ordering::Relaxed)
     }
 
     /// `/status.telemetry`.
@@ -93,11 +97,11 @@ impl Traces {
                 "sample_ratio": o.sample_ratio,
                 "service_name": o.service_name,
                 "capture_content": o.capture_content,
-                "spans_exported": self.exported.load(Ordering::Relaxed),
-                "spans_dropped": self.dropped.load(Ordering::Relaxed),
-                "failed_exports": self.failed_exports.load(Ordering::Relaxed),
+                "spans_exported": self.0.exported.load(Ordering::Relaxed),
+                "spans_dropped": self.0.dropped.load(Ordering::Relaxed),
+                "failed_exports": self.0.failed_exports.load(Ordering::Relaxed),
                 "queued_spans": self.queued(),
-                "last_error": *self.last_error.lock().unwrap_or_else(|e| e.into_inner()),
+                "last_error": *self.0.last_error.lock().unwrap_or_else(|e| e.into_inner()),
             }
         })
     }
@@ -170,17 +174,15 @@ fn exporter(s: &OtlpSettings) -> Result<opentelemetry_otlp::SpanExporter, String
     Ok(e)
 }
 
-/// The export task: batches what `Traces::record` queued and posts it to the collector the
-/// current config names (rebuilt when a reload changes it). On shutdown, what is queued gets
-/// [`FLUSH_FOR`].
-pub async fn run(app: Arc<AppState>, cancel: CancellationToken) {
-    let Some(mut rx) = app
-        .traces
-        .rx
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .take()
-    else {
+/// The export task: batches what `Traces::record` queued and posts it to the collector that
+/// `settings` names now (the current config's; the exporter is rebuilt when a reload changes
+/// it). On shutdown, what is queued gets [`FLUSH_FOR`].
+pub async fn run(
+    traces: Traces,
+    settings: impl Fn() -> Option<Arc<OtlpSettings>> + Send + 'static,
+    cancel: CancellationToken,
+) {
+    let Some(mut rx) = traces.0.rx.lock().unwrap_or_else(|e| e.into_inner()).take() else {
         return;
     };
     let mut built: Option<(Arc<OtlpSettings>, opentelemetry_otlp::SpanExporter)> = None;
@@ -212,12 +214,11 @@ pub async fn run(app: Arc<AppState>, cancel: CancellationToken) {
         }
         let spans = std::mem::take(&mut batch);
         let n = spans.len();
-        app.traces.queued.fetch_sub(n, Ordering::Relaxed);
-        let settings = app.config.load().otlp.clone();
-        let Some(settings) = settings else {
+        traces.0.queued.fetch_sub(n, Ordering::Relaxed);
+        let Some(settings) = settings() else {
             // Tracing was turned off by a reload: what was queued is let go.
             built = None;
-            app.traces.dropped.fetch_add(n as u64, Ordering::Relaxed);
+            traces.0.dropped.fetch_add(n as u64, Ordering::Relaxed);
             continue;
         };
         if built.as_ref().is_none_or(|(s, _)| **s != *settings) {
@@ -225,7 +226,7 @@ pub async fn run(app: Arc<AppState>, cancel: CancellationToken) {
                 Ok(e) => Some((settings.clone(), e)),
                 Err(e) => {
                     let e = redact(&e, &settings);
-                    fail(&app, n, format!("building the exporter: {e}"));
+                    fail(&traces, n, format!("building the exporter: {e}"));
                     continue;
                 }
             };
@@ -239,11 +240,11 @@ pub async fn run(app: Arc<AppState>, cancel: CancellationToken) {
         .await;
         match result {
             Ok(Ok(())) => {
-                app.traces.exported.fetch_add(n as u64, Ordering::Relaxed);
+                traces.0.exported.fetch_add(n as u64, Ordering::Relaxed);
                 metrics::counter!("autohedge_otlp_spans_exported_total").increment(n as u64);
             }
-            Ok(Err(e)) => fail(&app, n, redact(&e.to_string(), &settings)),
-            Err(_) => fail(&app, n, "the collector did not answer in time".into()),
+            Ok(Err(e)) => fail(&traces, n, redact(&e.to_string(), &settings)),
+            Err(_) => fail(&traces, n, "the collector did not answer in time".into()),
         }
     }
 }
@@ -255,14 +256,15 @@ fn redact(text: &str, s: &OtlpSettings) -> String {
 }
 
 /// A batch the collector did not take: its spans are dropped (counted) and the error kept.
-fn fail(app: &AppState, n: usize, error: String) {
-    app.traces.failed_exports.fetch_add(1, Ordering::Relaxed);
-    app.traces.dropped.fetch_add(n as u64, Ordering::Relaxed);
+fn fail(traces: &Traces, n: usize, error: String) {
+    traces.0.failed_exports.fetch_add(1, Ordering::Relaxed);
+    traces.0.dropped.fetch_add(n as u64, Ordering::Relaxed);
     metrics::counter!("autohedge_otlp_spans_dropped_total").increment(n as u64);
     metrics::counter!("autohedge_otlp_export_failures_total").increment(1);
     let error: String = error.chars().take(300).collect();
     tracing::warn!(error = %error, spans = n, "OTLP export failed; spans dropped");
-    *app.traces
+    *traces
+        .0
         .last_error
         .lock()
         .unwrap_or_else(|e| e.into_inner()) = Some(error);

@@ -15,9 +15,9 @@ use opentelemetry::trace::{
 use opentelemetry::{InstrumentationScope, KeyValue};
 use opentelemetry_sdk::trace::{SpanData, SpanEvents, SpanLinks};
 
-use super::{AttemptTrace, MAX_CONTENT, Trace, cut};
 use crate::config::Config;
 use crate::store::{AttemptRow, RequestRow};
+use crate::wire::trace::{AttemptTrace, MAX_CONTENT, Trace, cut};
 
 fn scope() -> InstrumentationScope {
     InstrumentationScope::builder("autohedge")

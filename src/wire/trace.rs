@@ -1,5 +1,6 @@
 //! W3C Trace Context (`traceparent`, `tracestate`): what a client's span hands the gateway, and
-//! what the gateway hands each upstream call. A header that is not exactly the spec's shape is
+//! what the gateway hands each upstream call; and what a request's trace carries to its spans
+//! (`crate::ops::otel` builds and exports them). A header that is not exactly the spec's shape is
 //! ignored (a new trace starts), never an error: a client's tracing must not fail its request.
 
 use std::fmt::Write as _;
@@ -153,6 +154,84 @@ impl TraceContext {
             },
         }
     }
+}
+
+/// What a request's trace carries besides its ids: filled on the way, read when its spans are
+/// built.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Trace {
+    pub ctx: TraceContext,
+    /// The trace id in hex, as the access line and the audit row (`trace_id`) write it.
+    pub id: String,
+    /// The completion limit the client asked for (`max_tokens`, `max_completion_tokens`,
+    /// `max_output_tokens`).
+    pub max_tokens: Option<u64>,
+    /// Whether spans are exported for it (`telemetry.otlp` set and the trace sampled): a trace
+    /// that is only propagated (no exporter) builds no span.
+    pub export: bool,
+    /// The prompt as the client sent it, with `capture_content: true` only (cut to
+    /// [`MAX_CONTENT`]).
+    pub input: Option<String>,
+}
+
+/// Per-attempt trace facts, kept on its audit row: its span id (sent upstream in
+/// `traceparent`), when it was sent (ms after the request began), and what kind of call it was.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttemptTrace {
+    pub span: SpanId,
+    pub started_ms: f64,
+    pub hedge: bool,
+    pub continuation: bool,
+}
+
+impl Trace {
+    /// A trace known only by its id (a row read back from an export): nothing is exported or
+    /// propagated from it.
+    pub fn known(id: &str) -> Option<Box<Trace>> {
+        let trace_id = TraceId::from_hex(id)?;
+        Some(Box::new(Trace {
+            id: trace_id.to_hex(),
+            ctx: TraceContext {
+                trace_id,
+                parent: None,
+                span: SpanId::random(),
+                sampled: false,
+                tracestate: None,
+            },
+            max_tokens: None,
+            export: false,
+            input: None,
+        }))
+    }
+}
+
+/// The most content bytes a span carries (`capture_content: true`).
+pub const MAX_CONTENT: usize = 16 * 1024;
+
+impl Trace {
+    /// The `traceparent` an upstream call made as span `span` carries: that span's, when the
+    /// gateway exports its spans; the client's own span's when it does not (the upstream's spans
+    /// then hang under a span that exists).
+    pub fn header(&self, span: SpanId) -> String {
+        let parent = if self.export {
+            span
+        } else {
+            self.ctx.parent.unwrap_or(span)
+        };
+        traceparent(self.ctx.trace_id, parent, self.ctx.sampled)
+    }
+}
+
+/// `s` cut to at most `max` bytes, at a character boundary.
+pub(crate) fn cut(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
 }
 
 #[cfg(test)]

@@ -37,6 +37,33 @@ pub struct AttemptReport {
     pub trace: Option<crate::wire::trace::AttemptTrace>,
 }
 
+/// Every class [`ApiError::class`] gives: a closed set, as the charts' series need.
+pub const GATEWAY_CLASSES: &[&str] = &[
+    "invalid_request",
+    "model_not_found",
+    "not_found",
+    "method_not_allowed",
+    "payload_too_large",
+    "unsupported_media_type",
+    "all_failed",
+    "request_timeout",
+    "overloaded",
+    "body_timeout",
+    "shutdown",
+    "forbidden",
+    "host_not_allowed",
+    "internal",
+    "invalid_api_key",
+    "model_not_allowed",
+    "rate_limit_exceeded",
+    "insufficient_quota",
+    "invalid_encrypted_key",
+    "vault_unavailable",
+    "previous_response_not_found",
+    "previous_response_unavailable",
+    "response_not_found",
+];
+
 #[derive(Debug)]
 pub enum ApiError {
     /// 400: the request is malformed or misses a required field.
@@ -154,6 +181,7 @@ impl ApiError {
     }
 
     /// The error class recorded in the audit trail.
+    /// The audit class of this error (one of [`GATEWAY_CLASSES`]).
     pub fn class(&self) -> &'static str {
         match self {
             ApiError::InvalidRequest { .. } => "invalid_request",

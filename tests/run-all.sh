@@ -9,7 +9,7 @@
 #
 # Every suite runs, and a suite that skips a test fails the run (tests/conftest.py). A partial run
 # names what it leaves out: `bash tests/run-all.sh --without vllm --without llamacpp` (Python
-# suites: sdk, docs, llamacpp, tokens, vllm; `swarm` for the Docker test; `benches` for the benches'
+# suites: sdk, docs, phoenix, llamacpp, tokens, vllm; `swarm` for the Docker test; `benches` for the benches'
 # smoke run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +31,10 @@ if ! python3 -c 'import openai, pytest, gguf, numpy, llama_cpp.server.app, tikto
 fi
 if ! without vllm; then
   bash tests/vllm/install.sh "$PWD/.cache/vllm-venv"
+fi
+# Arize Phoenix, a real OpenTelemetry trace receiver (tests/phoenix), in its own virtualenv.
+if ! without phoenix; then
+  bash tests/phoenix/install.sh "$PWD/.cache/phoenix-venv"
 fi
 # A real browser for the live status page (tests/docs): Debian's chromium.
 if ! command -v chromium >/dev/null; then
@@ -93,11 +97,12 @@ if ! without benches; then
   cargo test --locked --bench '*'
 fi
 SUITES=()
-for s in sdk docs llamacpp tokens vllm; do
+for s in sdk docs phoenix llamacpp tokens vllm; do
   without "$s" || SUITES+=("tests/$s")
 done
 # -rs lists every skip with its reason; a skip fails the run (tests/conftest.py).
 if [ ${#SUITES[@]} -gt 0 ]; then
   AUTOHEDGE_BIN="$PWD/target/debug/autohedge" AUTOHEDGE_VLLM_PYTHON="$PWD/.cache/vllm-venv/bin/python" \
+    AUTOHEDGE_PHOENIX="$PWD/.cache/phoenix-venv/bin/phoenix" \
     python3 -m pytest -q -rs "${SUITES[@]}"
 fi

@@ -875,6 +875,10 @@ async fn status(
         },
         // The last 50 moves from a failed endpoint to the next (newest first).
         "failovers": app.telemetry.failovers_json(),
+        // The last 15 minutes in ten-second buckets: requests, errors by class, failovers,
+        // hedges, and per endpoint the p50/p95 latency and time to first token (the charts on
+        // `/docs`).
+        "timeline": app.telemetry.timeline_json(),
         // Per hedged route (`route:NAME`) or endpoint (`endpoint:NAME`): requests seen, hedged
         // copies sent, copies that won, and whole hedges the budget holds now.
         "hedging": hedging,

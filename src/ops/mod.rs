@@ -10,3 +10,4 @@ pub mod otel;
 pub mod reload;
 pub mod report;
 pub mod telemetry;
+pub mod timeline;

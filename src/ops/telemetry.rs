@@ -293,6 +293,8 @@ pub struct Telemetry {
     failovers: Mutex<VecDeque<Failover>>,
     /// Per endpoint: (when, answered 4xx) for called attempts in the last `RATE_WINDOW`.
     answers: Mutex<HashMap<String, VecDeque<(Instant, bool)>>>,
+    /// The last 15 minutes in ten-second buckets, for the charts on `/docs`.
+    timeline: Mutex<super::timeline::Timeline>,
 }
 
 impl Telemetry {
@@ -354,6 +356,26 @@ impl Telemetry {
             }
         }
         let moves = failovers(row);
+        {
+            let served = row
+                .endpoint
+                .as_deref()
+                .filter(|_| row.status < 400)
+                .map(|ep| (ep, row.latency_ms, row.ttft_ms));
+            let sample = super::timeline::Sample {
+                error: (row.status >= 400).then(|| row.error_class.as_deref().unwrap_or("other")),
+                failovers: moves.len() as u32,
+                hedges: row.hedges,
+                served,
+            };
+            let now = SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            self.timeline
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .add(now, &sample);
+        }
         if !moves.is_empty() {
             let mut recent = self.failovers.lock().unwrap_or_else(|e| e.into_inner());
             for f in moves {
@@ -366,6 +388,17 @@ impl Telemetry {
             }
         }
         access_log(row, route);
+    }
+
+    /// The last 15 minutes in ten-second buckets (`/status.timeline`).
+    pub fn timeline_json(&self) -> Value {
+        let now = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        self.timeline
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .json(now)
     }
 
     /// The last failovers, newest first, for `/status`.

@@ -15,17 +15,19 @@ use super::chunk::Plain;
 /// Deeper values are declined (serde_json's own limit is 128).
 const MAX_DEPTH: u32 = 64;
 
-/// Whether the word holds a `"`, a `\\` or a control character (below 0x20): the bytes that end
-/// a string's plain run. Bit tricks as serde_json's own `skip_to_escape` uses.
+/// The bytes of the word (little-endian) that are a `"`, a `\\` or a control character (below
+/// 0x20), as their high bits: the bytes that end a string's plain run. Bit tricks as serde_json's
+/// own `skip_to_escape` uses; the lowest bit set is exact (a borrow only runs upward from a
+/// byte that matched), so it names the first such byte.
 #[inline]
-fn special(w: u64) -> bool {
+fn special(w: u64) -> u64 {
     const ONES: u64 = 0x0101_0101_0101_0101;
     const HIGH: u64 = 0x8080_8080_8080_8080;
     let zero = |x: u64| x.wrapping_sub(ONES) & !x & HIGH;
     let quote = zero(w ^ (ONES * u64::from(b'"')));
     let slash = zero(w ^ (ONES * u64::from(b'\\')));
     let control = w.wrapping_sub(ONES * 0x20) & !w & HIGH;
-    (quote | slash | control) != 0
+    quote | slash | control
 }
 
 struct Cur<'a> {
@@ -80,12 +82,20 @@ impl<'a> Cur<'a> {
         // Where the current run of plain bytes began.
         let mut run = i;
         loop {
+            // To the next byte that is not plain: eight at a time, the rest one by one.
             while let Some(w) = b.get(i..i + 8) {
-                let w = u64::from_le_bytes(w.try_into().ok()?);
-                if special(w) {
+                let m = special(u64::from_le_bytes(<[u8; 8]>::try_from(w).ok()?));
+                if m != 0 {
+                    i += (m.trailing_zeros() / 8) as usize;
                     break;
                 }
                 i += 8;
+            }
+            while let Some(&c) = b.get(i) {
+                if c == b'"' || c == b'\\' || c < 0x20 {
+                    break;
+                }
+                i += 1;
             }
             let c = *b.get(i)?;
             match c {
@@ -93,7 +103,7 @@ impl<'a> Cur<'a> {
                     len += i - run;
                     self.i = i + 1;
                     return Some(Str {
-                        raw: &b[start..i],
+                        raw: b.get(start..i)?,
                         len,
                         escaped,
                     });

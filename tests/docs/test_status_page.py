@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -182,5 +183,59 @@ def test_the_live_page_shows_an_endpoint_turning_unhealthy_and_back(stack, brows
     assert f"http://{gw}/v1/chat/completions" in curl and '"model": "chat"' in curl
     assert f'base_url="http://{gw}/v1"' in python and 'model="chat"' in python
     # No external asset: every resource the page loaded came from the gateway itself.
+    urls = page.eval("performance.getEntriesByType('resource').map(e => e.name)")
+    assert urls and all(u.startswith(f"http://{gw}/") for u in urls), urls
+
+
+def chat(gw, model="chat"):
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    req = urllib.request.Request(f"http://{gw}/v1/chat/completions", data=body,
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def dots(page, chart, series):
+    return page.eval(
+        f"document.querySelectorAll('figure[data-chart=\"{chart}\"] circle[data-series=\"{series}\"]').length")
+
+
+def test_the_charts_draw_the_last_minutes_failovers_and_errors(stack, browser):
+    gw = stack["gateway"]
+    page = open_tab(browser, f"http://{gw}/docs")
+    page.call("Page.enable")
+    page.wait_for(STATE, "healthy")
+    page.eval("window.__sameDocument = 'yes'")
+    # Served at the primary first, then the primary answers 500: each request fails over to the
+    # backup; then a model nobody serves: errors.
+    for _ in range(4):
+        assert chat(gw) == 200
+    set_script(stack["primary"], "rules:\n  - when: {path: /v1/chat/completions}\n    status: 500\n    error: engine crashed\n")
+    for _ in range(5):
+        assert chat(gw) == 200
+    for _ in range(3):
+        assert chat(gw, model="nobody-serves-this") == 404
+    # Without a reload the charts gain their points: requests, errors, failovers, and both
+    # endpoints' latency and time to first token.
+    page.wait_for("document.querySelectorAll('figure[data-chart=\"moves\"] circle[data-series=\"failovers\"]').length > 0", True)
+    assert dots(page, "traffic", "requests") >= 1
+    assert dots(page, "traffic", "errors") >= 1
+    assert dots(page, "latency", "backup p50") >= 1
+    assert dots(page, "latency", "primary p95") >= 1
+    assert dots(page, "ttft", "backup p50") >= 1
+    # The values drawn are the gateway's own: the failover chart's last point is what
+    # /status.timeline counted.
+    with urllib.request.urlopen(f"http://{gw}/status", timeout=10) as r:
+        timeline = json.load(r)["timeline"]
+    assert sum(b["failovers"] for b in timeline["buckets"]) == 5, timeline
+    assert sum(b["errors"].get("model_not_found", 0) for b in timeline["buckets"]) == 3, timeline
+    titles = page.eval(
+        "[...document.querySelectorAll('figure[data-chart=\"moves\"] circle[data-series=\"failovers\"] title')].map(t => t.textContent)")
+    assert sum(int(t.split(": ")[1].split(" ")[0]) for t in titles) == 5, titles
+    assert page.eval("window.__sameDocument") == "yes"
+    page.screenshot("docs-charts.png")
     urls = page.eval("performance.getEntriesByType('resource').map(e => e.name)")
     assert urls and all(u.startswith(f"http://{gw}/") for u in urls), urls

@@ -88,7 +88,7 @@ def env():
         fail = e.mock("fail", "name: fail\nrules: [{status: 503, error: overloaded}]\n")
         ok = e.mock("ok", 'name: ok\nreply: "Hello from ok"\n', flavor="vllm")
         slow = e.mock("slow", "name: slow\nrules: [{delay: 1500ms}]\n")
-        broken = e.mock("broken", 'name: broken\nreset_after: 2\nreply: "one two three four five six"\n')
+        broken = e.mock("broken", 'name: broken\nreply: "one two three four five six"\nrules: [{reset_after: 2}]\n')
         e.ups = {"fail": fail, "ok": ok, "slow": slow, "broken": broken}
         cfg = e.dir / "config.yaml"
         cfg.write_text(textwrap.dedent(f"""

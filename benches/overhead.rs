@@ -162,6 +162,7 @@ fn main() {
             match role {
                 "upstream" => upstream(tag).await,
                 "proxy" => proxy(target.expect("--target")).await,
+                "collector" => collector().await,
                 _ => panic!("unknown role"),
             }
         });
@@ -200,6 +201,30 @@ fn spawn_role(role: &str, extra: &[String]) -> (Child, SocketAddr) {
         .unwrap();
     let addr = listen_line(&mut child, "listening on ");
     (child, addr)
+}
+
+/// An OTLP/HTTP collector that takes every export (200, an empty `ExportTraceServiceResponse`)
+/// and counts the bytes: the traced gateway's receiver, never its limit.
+async fn collector() {
+    let listener = autohedge::front::server::bind("127.0.0.1:0").await.unwrap();
+    println!("listening on {}", listener.local_addr().unwrap());
+    loop {
+        let (s, _) = listener.accept().await.unwrap();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(|req: Request<Incoming>| async move {
+                let _ = req.into_body().collect().await;
+                Ok::<_, Infallible>(
+                    Response::builder()
+                        .header("content-type", "application/x-protobuf")
+                        .body(Full::new(Bytes::new()).boxed())
+                        .unwrap(),
+                )
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
+                .await;
+        });
+    }
 }
 
 async fn upstream(tag: String) {
@@ -684,6 +709,24 @@ async fn run() {
         )
         .with_body(counted),
     );
+    // Traced (issue #51): the same gateway exporting every request's spans (sample 1.0) to a
+    // collector of the bench's own; its figures beside the untraced gateway's.
+    let (mut col, col_addr) = spawn_role("collector", &[]);
+    let traced_dir = tmp.path().join("traced");
+    std::fs::create_dir_all(&traced_dir).unwrap();
+    let (mut gw_traced, gt) = start_gateway(
+        &traced_dir,
+        &format!(
+            "{}telemetry:\n  otlp: {{ endpoint: \"http://{col_addr}/v1/traces\", sample_ratio: 1.0, max_queue_spans: 100000 }}\n",
+            gateway_config(a, b, ["a", "b"])
+        ),
+    );
+    let traced_at = targets.len();
+    targets.push(Target::new(
+        "autohedge, traced (sample 1.0)",
+        format!("http://{gt}{path}"),
+        gw_traced.id(),
+    ));
     let c = client();
     let n = targets.len();
     for round in 0..rounds {
@@ -794,6 +837,21 @@ async fn run() {
 
     if with_cluster {
         cluster_report(&targets);
+    }
+    traced_report(&targets[2], &targets[traced_at], &targets[0]);
+    let traced_status = status_json(&c, gt).await;
+    let otlp = &traced_status["telemetry"]["otlp"];
+    println!(
+        "Traced gateway: spans exported {}, dropped {}, failed exports {}",
+        otlp["spans_exported"], otlp["spans_dropped"], otlp["failed_exports"]
+    );
+    assert!(
+        otlp["spans_exported"].as_u64().unwrap_or(0) > 0,
+        "the traced gateway exported spans: {otlp}"
+    );
+    for ch in [&mut gw_traced, &mut col] {
+        let _ = ch.kill();
+        let _ = ch.wait();
     }
     counted_report(&targets[counted_from..counted_from + 3]);
     // Every request of the counted gateway was counted (its audit rows say how many tokens).
@@ -1072,6 +1130,24 @@ async fn streams_part(
     println!(
         "Goal (issue #47): streams/s >= 0.5x the floor's ({how}): {ratio:.2}x {}",
         verdict(ratio >= 0.5)
+    );
+}
+
+/// The gateway with tracing on (every request's spans exported) beside the same gateway without.
+fn traced_report(plain: &Target, traced: &Target, direct: &Target) {
+    let (rps, rps_t) = (median(plain.rps.clone()), median(traced.rps.clone()));
+    let (cpu, cpu_t) = (median(plain.cpu_us.clone()), median(traced.cpu_us.clone()));
+    let added = |t: &Target, i: usize| pct(&t.lat[i], 99.0) - pct(&direct.lat[i], 99.0);
+    println!(
+        "\nTracing (telemetry.otlp, sample 1.0, a loopback collector): saturation {rps_t:.0} req/s against {rps:.0} untraced ({:.2}x); CPU µs/req {cpu_t:.1} against {cpu:.1} ({:.2}x); p99 added at 500/s {:.3} ms against {:.3}; at 5000/s {:.3} ms against {:.3}; peak RSS {:.1} MiB against {:.1}",
+        rps_t / rps,
+        cpu_t / cpu,
+        added(traced, 0),
+        added(plain, 0),
+        added(traced, 1),
+        added(plain, 1),
+        peak_rss_mb(traced.pid),
+        peak_rss_mb(plain.pid),
     );
 }
 

@@ -97,6 +97,8 @@ const PATHS: &[(&str, &str)] = &[
     ("RawClientKey", "auth.keys[]."),
     ("RawVault", "vault."),
     ("RawCluster", "cluster."),
+    ("RawTelemetry", "telemetry."),
+    ("RawOtlp", "telemetry.otlp."),
     ("RawResponses", "responses."),
     ("RawAudit", "audit."),
     ("RawApprole", "vault.approle."),
@@ -381,6 +383,7 @@ fn context_for(key: &str, ty: &str) -> (serde_yaml_ng::Value, Vec<String>) {
         ("audit.store", "audit: {}"),
         ("audit.", "audit: {store: postgres, url: 'postgres://u@127.0.0.1:9/d'}"),
         ("cluster.", "cluster: {redis: 'redis://127.0.0.1:9/0'}"),
+        ("telemetry.otlp.", "telemetry: {otlp: {endpoint: 'http://127.0.0.1:9/v1/traces'}}"),
     ]
     .iter()
     .find(|(p, _)| key.starts_with(p))

@@ -118,7 +118,7 @@ async fn every_request_has_one_audit_row_after_sigterm() {
     );
     assert!(failovers >= 10, "{failovers}");
     let version: i64 = one(&conn, "PRAGMA user_version");
-    assert_eq!(version, 13);
+    assert_eq!(version, 14);
 }
 
 #[tokio::test]
@@ -454,7 +454,7 @@ async fn migrations_from_empty_from_the_previous_version_and_at_once() {
         versions as usize - 1
     );
     let c = pg.client("older").await;
-    const HAS_COLUMN: &str = "SELECT COUNT(*) FROM information_schema.columns WHERE table_name = 'attempts' AND column_name = 'address'";
+    const HAS_COLUMN: &str = "SELECT COUNT(*) FROM information_schema.columns WHERE table_name = 'requests' AND column_name = 'trace_id'";
     assert_eq!(count(&c, HAS_COLUMN).await, 0);
     let mut old_gw = start(&cfg, &older, &[]);
     old_gw.ready().await;

@@ -127,9 +127,10 @@ struct Run {
     row_written: bool,
     /// The upstream call in flight, for the record when the request is cut off mid-attempt.
     /// (The endpoint's `Arc`, not its name: set on every attempt, it costs a refcount.)
-    current: Option<(Arc<Endpoint>, Instant)>,
+    /// Its span, when known here (a raced attempt's; a plain one's is `last_span`).
+    current: Option<(Arc<Endpoint>, Instant, Option<crate::wire::trace::SpanId>)>,
     /// A hedged copy in flight beside `current`.
-    current_hedge: Option<(Arc<Endpoint>, Instant)>,
+    current_hedge: Option<(Arc<Endpoint>, Instant, Option<crate::wire::trace::SpanId>)>,
     /// This request's hedging (`route:NAME` or `endpoint:NAME` budget, and the spec).
     hedge: Option<(String, crate::routing::hedge::Spec)>,
     hedges_sent: u32,
@@ -186,10 +187,7 @@ impl Drop for Run {
         } else {
             (499, Outcome::ClientClosed)
         };
-        for (ep, t0) in [self.current.take(), self.current_hedge.take()]
-            .into_iter()
-            .flatten()
-        {
+        for (ep, t0, trace) in self.in_flight() {
             self.attempts.push(AttemptReport {
                 endpoint: ep.name.clone(),
                 status: None,
@@ -200,7 +198,7 @@ impl Drop for Run {
                 own_key: false,
                 internal: None,
                 address: None,
-                trace: None,
+                trace,
             });
         }
         let row = self.base_row(None, status, Some(class.as_str().into()));
@@ -816,7 +814,6 @@ impl Run {
     async fn attempt(&mut self, ep: &Endpoint, key: Option<&Secret>) -> Result<Success, Failure> {
         let t0 = Instant::now();
         let span = self.new_span();
-        self.last_span = span.as_ref().map(|s| s.0);
         let translate = self.translates(ep);
         let picked = self.address_for(ep, translate, &self.failed_at)?;
         let base = picked.as_ref().map(|p| p.base.clone());
@@ -841,9 +838,11 @@ impl Run {
             max_event: self.cfg.max_event_bytes,
         };
         let (rb, sanitized) = attempt.prepare(self.req.stream)?;
-        // Counted here: a request the adapter could not express never left the gateway.
+        // Counted here: a request the adapter could not express never left the gateway (nor
+        // has it a span).
         self.sanitized = sanitized;
         self.calls += 1;
+        self.last_span = span.as_ref().map(|s| s.0);
         let sent = Instant::now();
         let result = if self.req.stream {
             attempt.stream(rb, t0).await
@@ -969,6 +968,34 @@ impl Run {
             let s = crate::wire::trace::SpanId::random();
             (s, t.header(s))
         })
+    }
+
+    /// The calls in flight (the current one and a hedged copy), taken for the record of a
+    /// request cut off while they ran, with their spans (their upstreams got their ids).
+    fn in_flight(
+        &mut self,
+    ) -> Vec<(
+        Arc<Endpoint>,
+        Instant,
+        Option<crate::wire::trace::AttemptTrace>,
+    )> {
+        let last = self.last_span.take();
+        let first = self
+            .current
+            .take()
+            .map(|(ep, t0, span)| (ep, t0, span.or(last), false));
+        let hedge = self
+            .current_hedge
+            .take()
+            .map(|(ep, t0, span)| (ep, t0, span, true));
+        first
+            .into_iter()
+            .chain(hedge)
+            .map(|(ep, t0, span, hedge)| {
+                let trace = self.attempt_trace(span, t0, hedge);
+                (ep, t0, trace)
+            })
+            .collect()
     }
 
     /// An attempt's trace facts for its audit row: its span, when it was sent.
@@ -1106,7 +1133,7 @@ impl Run {
                     };
                     let key = self.key_for(ep, key_idx).cloned();
                     let t0 = Instant::now();
-                    self.current = Some((ep.clone(), t0));
+                    self.current = Some((ep.clone(), t0, None));
                     let result = self.attempt(ep, key.as_ref()).await;
                     self.current = None;
                     Finished {

@@ -79,7 +79,7 @@ impl Run {
                 return (a.clone(), self.try_endpoint(a, Some(Box::new(done))).await);
             }
         };
-        self.current = Some((a.clone(), first.t0));
+        self.current = Some((a.clone(), first.t0, first.span));
         // Time in the selects and awaits below is upstream (or the hedge delay): not the
         // gateway's own.
         let t = Instant::now();
@@ -107,7 +107,7 @@ impl Run {
             let done = first.finish(result);
             return (a.clone(), self.try_endpoint(a, Some(Box::new(done))).await);
         };
-        self.current_hedge = Some((b.clone(), hedge.t0));
+        self.current_hedge = Some((b.clone(), hedge.t0, hedge.span));
         // Both run now. The first to finish decides: a success wins outright; a failure is
         // settled and the other carries on alone.
         let t = Instant::now();
@@ -161,7 +161,7 @@ impl Run {
         } else {
             &mut self.current
         };
-        *slot = Some((other_ep.clone(), survivor.t0));
+        *slot = Some((other_ep.clone(), survivor.t0, survivor.span));
         let t = Instant::now();
         let result = (&mut survivor.fut).await;
         self.waited += t.elapsed();
@@ -198,8 +198,9 @@ impl Run {
             return None;
         }
         match self.start(a, key_idx, Some(avoid)) {
-            Ok(r) => {
+            Ok(mut r) => {
                 self.hedges_sent += 1;
+                r.hedge = true;
                 Some((a.clone(), r))
             }
             Err(_) => {

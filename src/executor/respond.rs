@@ -24,10 +24,7 @@ use crate::wire;
 impl Run {
     /// The 504 when `routing_policy.request_timeout` passed before anything was served.
     pub(super) fn request_timed_out(&mut self) -> Response {
-        for (ep, t0) in [self.current.take(), self.current_hedge.take()]
-            .into_iter()
-            .flatten()
-        {
+        for (ep, t0, trace) in self.in_flight() {
             let panic_mode = self.panic_mode.contains(&ep.name);
             self.attempts.push(AttemptReport {
                 endpoint: ep.name.clone(),
@@ -39,7 +36,7 @@ impl Run {
                 own_key: false,
                 internal: None,
                 address: None,
-                trace: None,
+                trace,
             });
         }
         let err = ApiError::RequestTimeout {

@@ -357,13 +357,15 @@ impl Telemetry {
         }
         let moves = failovers(row);
         {
+            // A stream that broke after its commit (200, with an error class) is an error too.
+            let failed = row.status >= 400 || row.error_class.is_some();
             let served = row
                 .endpoint
                 .as_deref()
-                .filter(|_| row.status < 400)
+                .filter(|_| !failed)
                 .map(|ep| (ep, row.latency_ms, row.ttft_ms));
             let sample = super::timeline::Sample {
-                error: (row.status >= 400).then(|| row.error_class.as_deref().unwrap_or("other")),
+                error: failed.then(|| row.error_class.as_deref().unwrap_or("other")),
                 failovers: moves.len() as u32,
                 hedges: row.hedges,
                 served,

@@ -36,6 +36,9 @@ fn fnv(s: &str) -> u64 {
 
 /// Keys a tally names apart; beyond them the least seen share a slot (an overcount of the
 /// commonest key's failures, never an undercount: the tally errs toward ejecting nothing).
+/// Merged tallies (a window's buckets) may credit an evicted key's failures to another key's
+/// slot: the others' count can then be over by about a seventh, never the commonest key's
+/// failures counted in full.
 const TRACKED: usize = 8;
 
 /// Who saw a set of failures, and how many of them count: every sure one, every failure of the

@@ -22,9 +22,11 @@ pub struct TraceContext {
     pub parent: Option<SpanId>,
     /// The gateway's server span.
     pub span: SpanId,
-    /// Recorded and exported (the client's sampled flag when it sent one, else the gateway's
-    /// `sample_ratio`).
+    /// The sampled flag passed on: the client's when it sent one, else the gateway's draw.
     pub sampled: bool,
+    /// Recorded and exported: the gateway's draw by `sample_ratio`, for a continued trace only
+    /// when the client sampled it too (a client's flag can lower its share, never raise it).
+    pub recorded: bool,
     /// The incoming `tracestate`, when it is well-formed enough to pass on (at most 512 bytes of
     /// visible ASCII).
     pub tracestate: Option<String>,
@@ -133,6 +135,11 @@ impl SpanId {
     }
 }
 
+/// True with probability `ratio`.
+fn draw(ratio: f64) -> bool {
+    ratio >= 1.0 || (ratio > 0.0 && fastrand::f64() < ratio)
+}
+
 impl TraceContext {
     /// The context of a request with these headers' values: the client's trace continued, or a
     /// new one. `ratio` samples a new trace (a continued one keeps the client's decision).
@@ -143,15 +150,20 @@ impl TraceContext {
                 parent: Some(parent),
                 span: SpanId::random(),
                 sampled,
+                recorded: sampled && draw(ratio),
                 tracestate: tracestate.and_then(clean_tracestate),
             },
-            None => TraceContext {
-                trace_id: TraceId::random(),
-                parent: None,
-                span: SpanId::random(),
-                sampled: ratio >= 1.0 || (ratio > 0.0 && fastrand::f64() < ratio),
-                tracestate: None,
-            },
+            None => {
+                let sampled = draw(ratio);
+                TraceContext {
+                    trace_id: TraceId::random(),
+                    parent: None,
+                    span: SpanId::random(),
+                    sampled,
+                    recorded: sampled,
+                    tracestate: None,
+                }
+            }
         }
     }
 }
@@ -196,6 +208,7 @@ impl Trace {
                 parent: None,
                 span: SpanId::random(),
                 sampled: false,
+                recorded: false,
                 tracestate: None,
             },
             max_tokens: None,
@@ -293,7 +306,15 @@ mod tests {
             Some(b"congo=t61rcWkgMzE"),
             1.0,
         );
-        assert!(!c.sampled, "the client's decision");
+        assert!(!c.sampled && !c.recorded, "the client's decision");
+        // A client that samples everything is recorded at the gateway's ratio, no more.
+        let sampled = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        assert!(TraceContext::start(Some(sampled), None, 1.0).recorded);
+        assert!(!TraceContext::start(Some(sampled), None, 0.0).recorded);
+        assert!(
+            TraceContext::start(Some(sampled), None, 0.0).sampled,
+            "passed on as it came"
+        );
         assert_eq!(c.trace_id.to_hex(), "4bf92f3577b34da6a3ce929d0e0e4736");
         assert_ne!(Some(c.span), c.parent, "a span of its own");
         assert_eq!(c.tracestate.as_deref(), Some("congo=t61rcWkgMzE"));

@@ -31,7 +31,7 @@ pub fn of_request(
         return None;
     }
     let ctx = TraceContext::start(parent, state, otlp.map_or(0.0, |o| o.sample_ratio));
-    let export = otlp.is_some() && ctx.sampled;
+    let export = otlp.is_some() && ctx.recorded;
     let body = req.body();
     let max_tokens = ["max_tokens", "max_completion_tokens", "max_output_tokens"]
         .iter()

@@ -259,7 +259,13 @@ fn attempt_span(
     };
     let start = at(row.ts, t.started_ms);
     let row_end = at(row.ts, row.latency_ms);
-    let mut end = at(start, a.latency_ms);
+    // A continuation's row gives its time from the request's start (the stream's guard writes
+    // it); every other call's from its own.
+    let mut end = if t.continuation {
+        at(row.ts, a.latency_ms)
+    } else {
+        at(start, a.latency_ms)
+    };
     if row.stream && a.class == crate::routing::outcome::Outcome::Ok {
         // A committed stream's call lasts as long as its stream: to its break (the row that
         // records it, of the same endpoint, without a span of its own), else to the end.

@@ -370,13 +370,10 @@ impl Telemetry {
                 hedges: row.hedges,
                 served,
             };
-            let now = SystemTime::now()
-                .duration_since(SystemTime::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs());
             self.timeline
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .add(now, &sample);
+                .add(unix_now(), &sample);
         }
         if !moves.is_empty() {
             let mut recent = self.failovers.lock().unwrap_or_else(|e| e.into_inner());
@@ -394,13 +391,10 @@ impl Telemetry {
 
     /// The last 15 minutes in ten-second buckets (`/status.timeline`).
     pub fn timeline_json(&self) -> Value {
-        let now = SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
         self.timeline
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .json(now)
+            .json(unix_now())
     }
 
     /// The last failovers, newest first, for `/status`.
@@ -536,6 +530,13 @@ fn address_series(g: &Gauges) -> String {
 
 /// The route label: the requested model when the config names it (a route or an endpoint),
 /// else `other`.
+/// Seconds since the epoch (0 for a clock before it).
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
 fn route_label<'a>(cfg: &'a Config, model: Option<&str>) -> &'a str {
     match model {
         Some(m) => cfg

@@ -230,28 +230,8 @@ impl<'a> Cur<'a> {
         }
         match self.peek()? {
             b'"' => self.string().map(drop),
-            b'{' => {
-                self.i += 1;
-                if self.eat(b'}').is_some() {
-                    return Some(());
-                }
-                loop {
-                    if self.peek()? != b'"' {
-                        return None;
-                    }
-                    self.string()?;
-                    self.eat(b':')?;
-                    self.skip(depth + 1)?;
-                    match self.peek()? {
-                        b',' => self.i += 1,
-                        b'}' => {
-                            self.i += 1;
-                            return Some(());
-                        }
-                        _ => return None,
-                    }
-                }
-            }
+            // An ignored object: its keys are read as the fields' are (an escaped one declines).
+            b'{' => self.object(|c, _| c.skip(depth + 1)),
             b'[' => {
                 self.i += 1;
                 self.items(|c| c.skip(depth + 1)).map(drop)

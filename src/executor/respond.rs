@@ -226,6 +226,11 @@ impl Run {
                         &v,
                     );
                 }
+                // What the answer's spans say of it (a traced, exported request only).
+                let answered = self.trace.as_ref().filter(|t| t.export).map(|_| {
+                    let capture = self.cfg.otlp.as_ref().is_some_and(|o| o.capture_content);
+                    wire::trace::answered(&body, capture)
+                });
                 // Built as it is sent: `into_response` would set a content type only to have it
                 // replaced.
                 let mut resp = Response::new(Body::from(body));
@@ -237,6 +242,10 @@ impl Run {
                 self.headers(&mut resp, Some(&ep.name));
                 // The last step: the row takes the attempts and the request id.
                 let mut row = self.take_row(Some(&ep.name), status.as_u16());
+                if let (Some(t), Some((reasons, output))) = (row.trace.as_mut(), answered) {
+                    t.finish_reasons = reasons;
+                    t.output = output;
+                }
                 // Walking the body for an estimate is only needed when the upstream sent no usage.
                 let prompt_estimate = match (usage, self.counted_prompt) {
                     (Some(_), _) => 0,

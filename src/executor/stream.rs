@@ -99,6 +99,13 @@ impl StreamGuard {
         ep.secret_values_with(self.own_key.as_ref())
     }
 
+    /// A chunk said why its choice ended: kept for the request's spans, when it is traced.
+    fn finished_as(&mut self, name: &'static str) {
+        if let Some(t) = self.row.as_mut().and_then(|r| r.trace.as_mut()) {
+            wire::trace::note_finish(&mut t.finish_reasons, name);
+        }
+    }
+
     /// Adds an attempt to the row (continuation: the break, and each continuing attempt).
     fn push_attempt(
         &mut self,
@@ -364,6 +371,9 @@ impl PassThrough {
                 if p.content {
                     self.guard.out_chars += p.text_bytes;
                 }
+                if let Some(f) = p.finish {
+                    self.guard.finished_as(f);
+                }
                 continue;
             }
             if let Ok(v) = serde_json::from_str::<Value>(&ev.data) {
@@ -375,6 +385,19 @@ impl PassThrough {
                     ChunkKind::Error(message) => return Scanned::InBand { message, index },
                     ChunkKind::Content => self.guard.out_chars += chunk_text_chars(&v),
                     ChunkKind::Preamble => {}
+                }
+                for f in v
+                    .get("choices")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|c| c.get("finish_reason"))
+                    .filter(|f| !f.is_null())
+                {
+                    let name = f
+                        .as_str()
+                        .map_or("other", |s| wire::trace::finish_name(s.as_bytes()));
+                    self.guard.finished_as(name);
                 }
                 if let Some(c) = self.cont.as_mut() {
                     c.watch(&v);

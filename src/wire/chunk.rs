@@ -28,6 +28,51 @@ pub struct Plain {
     pub text_bytes: usize,
     /// Its `usage`, when it has one (counts that are not non-negative integers read as 0).
     pub usage: Option<Usage>,
+    /// The last choice's finish reason that is not `null`, by [`super::trace::finish_name`]
+    /// (a value that is not a string: `other`).
+    pub finish: Option<&'static str>,
+}
+
+/// A finish reason of any JSON type: a string by its name, anything else `other`.
+struct Finish(&'static str);
+
+impl<'de> Deserialize<'de> for Finish {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Any;
+        impl<'de> Visitor<'de> for Any {
+            type Value = Finish;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a finish reason")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Finish, E> {
+                Ok(Finish(super::trace::finish_name(v.as_bytes())))
+            }
+            fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Finish, E> {
+                Ok(Finish("other"))
+            }
+            fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Finish, E> {
+                Ok(Finish("other"))
+            }
+            fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Finish, E> {
+                Ok(Finish("other"))
+            }
+            fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Finish, E> {
+                Ok(Finish("other"))
+            }
+            fn visit_unit<E: serde::de::Error>(self) -> Result<Finish, E> {
+                Ok(Finish("other"))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<Finish, A::Error> {
+                while m.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(Finish("other"))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut s: A) -> Result<Finish, A::Error> {
+                while s.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(Finish("other"))
+            }
+        }
+        d.deserialize_any(Any)
+    }
 }
 
 /// `T` read from a JSON object only. A derived struct also reads from an array (its fields in
@@ -66,7 +111,7 @@ struct Chunk<'a> {
 #[derive(Deserialize)]
 struct Choice<'a> {
     #[serde(default)]
-    finish_reason: Option<IgnoredAny>,
+    finish_reason: Option<Finish>,
     #[serde(default, borrow)]
     text: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
@@ -134,9 +179,14 @@ fn typed(data: &str) -> Option<Plain> {
         .map(|ch| len(&ch.text) + ch.delta.as_ref().map_or(0, |d| len(&d.0.content)))
         .sum();
     let count = |n: &Option<serde_json::Number>| n.as_ref().and_then(|n| n.as_u64()).unwrap_or(0);
+    let finish = choices
+        .iter()
+        .rev()
+        .find_map(|ch| ch.finish_reason.as_ref().map(|f| f.0));
     Some(Plain {
         content,
         text_bytes,
+        finish,
         usage: c.usage.map(|Obj(u)| Usage {
             prompt: count(&u.prompt_tokens),
             completion: count(&u.completion_tokens),
@@ -196,12 +246,14 @@ mod tests {
         ];
         for (c, (content, text_bytes, usage)) in chunks.iter().zip(want) {
             let got = read(c).unwrap_or_else(|| panic!("typed path declined {c}"));
+            let finish = c.contains("\"stop\"").then_some("stop");
             assert_eq!(
                 got,
                 Plain {
                     content,
                     text_bytes,
-                    usage
+                    usage,
+                    finish,
                 },
                 "{c}"
             );
@@ -284,7 +336,19 @@ mod tests {
         ]);
         let choice = object(vec![
             field("index", one_of(&["0", "1"])),
-            field("finish_reason", one_of(&["null", "\"stop\"", "0"])),
+            field(
+                "finish_reason",
+                one_of(&[
+                    "null",
+                    "\"stop\"",
+                    "0",
+                    "\"length\"",
+                    "\"st\\u006fp\"",
+                    "{}",
+                    "[1]",
+                    "\"odd\"",
+                ]),
+            ),
             field("text", text()),
             field("delta", delta),
         ]);

@@ -325,6 +325,7 @@ fn once(seen: &mut bool) -> Option<()> {
 struct ChoiceRead {
     content: bool,
     text_bytes: usize,
+    finish: Option<&'static str>,
 }
 
 fn choice(c: &mut Cur<'_>) -> Option<ChoiceRead> {
@@ -334,7 +335,17 @@ fn choice(c: &mut Cur<'_>) -> Option<ChoiceRead> {
         b"finish_reason" => {
             once(&mut fr)?;
             if !c.null()? {
-                c.skip(3)?;
+                out.finish = Some(if c.peek()? == b'"' {
+                    // Compared as written: an escaped one is serde's to unescape.
+                    let s = c.string()?;
+                    if s.escaped {
+                        return None;
+                    }
+                    super::trace::finish_name(s.raw)
+                } else {
+                    c.skip(3)?;
+                    "other"
+                });
                 out.content = true;
             }
             Some(())
@@ -441,6 +452,7 @@ pub fn read(data: &str) -> Option<Plain> {
         content: false,
         text_bytes: 0,
         usage: None,
+        finish: None,
     };
     let mut seen = [false; 4];
     if c.peek()? != b'{' {
@@ -472,6 +484,9 @@ pub fn read(data: &str) -> Option<Plain> {
                 let ch = choice(c)?;
                 plain.content |= ch.content;
                 plain.text_bytes += ch.text_bytes;
+                if ch.finish.is_some() {
+                    plain.finish = ch.finish;
+                }
                 Some(())
             })
             .map(drop)

@@ -184,6 +184,76 @@ pub struct Trace {
     /// The prompt as the client sent it, with `capture_content: true` only (cut to
     /// [`MAX_CONTENT`]).
     pub input: Option<String>,
+    /// Why the answer ended, per choice ([`finish_name`]'s closed set; distinct, at most
+    /// [`MAX_FINISH`]): a full answer's, read when it is served; a stream's, as its chunks go by.
+    pub finish_reasons: Vec<&'static str>,
+    /// A full answer's text, with `capture_content: true` only (cut to [`MAX_CONTENT`]).
+    pub output: Option<String>,
+}
+
+/// Finish reasons a trace keeps.
+pub const MAX_FINISH: usize = 8;
+
+/// A finish reason by the name OpenAI's answers give it; any other is `other` (no upstream
+/// string becomes an attribute value).
+pub fn finish_name(s: &[u8]) -> &'static str {
+    match s {
+        b"stop" => "stop",
+        b"length" => "length",
+        b"tool_calls" => "tool_calls",
+        b"content_filter" => "content_filter",
+        b"function_call" => "function_call",
+        _ => "other",
+    }
+}
+
+/// Adds `name` to `reasons`, once, up to [`MAX_FINISH`].
+pub fn note_finish(reasons: &mut Vec<&'static str>, name: &'static str) {
+    if reasons.len() < MAX_FINISH && !reasons.contains(&name) {
+        reasons.push(name);
+    }
+}
+
+/// A full answer's finish reasons and, with `capture`, its text (choices' `message.content` or
+/// `text`, joined): read by a typed parse that borrows its strings and skips the rest. An answer
+/// of another shape gives nothing (the spans then carry no finish reason).
+pub fn answered(body: &[u8], capture: bool) -> (Vec<&'static str>, Option<String>) {
+    use std::borrow::Cow;
+    #[derive(serde::Deserialize)]
+    struct Answer<'a> {
+        #[serde(default, borrow)]
+        choices: Vec<Choice<'a>>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Choice<'a> {
+        #[serde(default, borrow)]
+        finish_reason: Option<Cow<'a, str>>,
+        #[serde(default, borrow)]
+        message: Option<Message<'a>>,
+        #[serde(default, borrow)]
+        text: Option<Cow<'a, str>>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Message<'a> {
+        #[serde(default, borrow)]
+        content: Option<Cow<'a, str>>,
+    }
+    let Ok(a) = serde_json::from_slice::<Answer<'_>>(body) else {
+        return (Vec::new(), None);
+    };
+    let mut reasons = Vec::new();
+    let mut text = String::new();
+    for c in &a.choices {
+        if let Some(f) = &c.finish_reason {
+            note_finish(&mut reasons, finish_name(f.as_bytes()));
+        }
+        if capture && text.len() < MAX_CONTENT {
+            let part = c.message.as_ref().and_then(|m| m.content.as_deref());
+            text.push_str(part.or(c.text.as_deref()).unwrap_or(""));
+        }
+    }
+    let output = (capture && !text.is_empty()).then(|| cut(&text, MAX_CONTENT).to_string());
+    (reasons, output)
 }
 
 /// Per-attempt trace facts, kept on its audit row: its span id (sent upstream in
@@ -214,6 +284,8 @@ impl Trace {
             max_tokens: None,
             export: false,
             input: None,
+            finish_reasons: Vec::new(),
+            output: None,
         }))
     }
 }
@@ -318,6 +390,20 @@ mod tests {
         assert_eq!(c.trace_id.to_hex(), "4bf92f3577b34da6a3ce929d0e0e4736");
         assert_ne!(Some(c.span), c.parent, "a span of its own");
         assert_eq!(c.tracestate.as_deref(), Some("congo=t61rcWkgMzE"));
+    }
+
+    #[test]
+    fn an_answers_finish_reasons_and_text() {
+        let body = br#"{"id":"x","choices":[{"index":0,"message":{"role":"assistant","content":"Hi"},"finish_reason":"stop"},{"index":1,"message":{"content":" there"},"finish_reason":"length"},{"index":2,"finish_reason":"stop"}]}"#;
+        assert_eq!(
+            answered(body, true),
+            (vec!["stop", "length"], Some("Hi there".into()))
+        );
+        assert_eq!(answered(body, false), (vec!["stop", "length"], None));
+        let odd = br#"{"choices":[{"finish_reason":"<script>","text":"t"}]}"#;
+        assert_eq!(answered(odd, true), (vec!["other"], Some("t".into())));
+        assert_eq!(answered(b"not json", true), (Vec::new(), None));
+        assert_eq!(answered(br#"{"choices":7}"#, true), (Vec::new(), None));
     }
 
     proptest! {

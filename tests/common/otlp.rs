@@ -48,6 +48,16 @@ pub fn attr(s: &Span, key: &str) -> Option<String> {
             AnyValue::IntValue(v) => v.to_string(),
             AnyValue::DoubleValue(v) => v.to_string(),
             AnyValue::BoolValue(v) => v.to_string(),
+            // An array of strings, joined with commas.
+            AnyValue::ArrayValue(a) => a
+                .values
+                .iter()
+                .filter_map(|v| match v.value.as_ref()? {
+                    AnyValue::StringValue(s) => Some(s.clone()),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+                .join(","),
             _ => return None,
         })
     })

@@ -50,5 +50,7 @@ pub fn of_request(
         max_tokens,
         export,
         input,
+        finish_reasons: Vec::new(),
+        output: None,
     }))
 }

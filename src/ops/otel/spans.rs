@@ -155,6 +155,9 @@ pub fn of(cfg: &Config, row: &RequestRow) -> Vec<SpanData> {
     if capture && let Some(input) = &trace.input {
         attrs.push(kv_str("gen_ai.input.messages", cut(input, MAX_CONTENT)));
     }
+    if capture && let Some(output) = &trace.output {
+        attrs.push(kv_str("gen_ai.output.messages", cut(output, MAX_CONTENT)));
+    }
     // A server error, or a stream that broke after its commit (the client got an error event).
     let status = if row.status >= 500 || (row.stream && row.error_class.is_some()) {
         Status::Error {
@@ -184,8 +187,21 @@ pub fn of(cfg: &Config, row: &RequestRow) -> Vec<SpanData> {
     spans
 }
 
-/// Tokens and the time to the first chunk, as the conventions name them.
+/// Tokens, the time to the first chunk and why the answer ended, as the conventions name them.
 fn usage(attrs: &mut Vec<KeyValue>, row: &RequestRow) {
+    if let Some(t) = row.trace.as_deref()
+        && !t.finish_reasons.is_empty()
+    {
+        attrs.push(KeyValue::new(
+            "gen_ai.response.finish_reasons",
+            opentelemetry::Value::Array(opentelemetry::Array::String(
+                t.finish_reasons
+                    .iter()
+                    .map(|r| opentelemetry::StringValue::from(*r))
+                    .collect(),
+            )),
+        ));
+    }
     if let Some(n) = row.tokens_in {
         attrs.push(kv_i64("gen_ai.usage.input_tokens", n));
     }

@@ -26,9 +26,9 @@ fn scope() -> InstrumentationScope {
 }
 
 fn at(t: SystemTime, ms: f64) -> SystemTime {
-    let ms = if ms.is_finite() { ms.max(0.0) } else { 0.0 };
-    t.checked_add(Duration::from_secs_f64((ms / 1000.0).min(1e9)))
-        .unwrap_or(t)
+    // Never a panic: a value no `Duration` holds (negative, NaN, huge) adds nothing.
+    let d = Duration::try_from_secs_f64((ms / 1000.0).min(1e9)).unwrap_or_default();
+    t.checked_add(d).unwrap_or(t)
 }
 
 fn path_of(operation: &str) -> &'static str {

@@ -12,10 +12,13 @@
 //! Run: `cargo bench --bench overhead` (about three minutes). Every server is its own process
 //! (this binary re-executed with `--role`), so CPU and memory are measured per process.
 
+mod common;
+
 use std::convert::Infallible;
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
+
+use common::{gateway_bin, peak_rss_mb, rss_now_mb, spawn_role};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -28,16 +31,6 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
-/// The gateway binary under test: this build's (`cargo bench` builds it with the release
-/// profile), or the one `AUTOHEDGE_BENCH_GATEWAY` names — `target/dist/autohedge`, say, the
-/// fat-LTO build the image ships.
-fn gateway_bin() -> std::path::PathBuf {
-    std::env::var_os("AUTOHEDGE_BENCH_GATEWAY")
-        .map(Into::into)
-        .unwrap_or_else(|| env!("CARGO_BIN_EXE_autohedge").into())
-}
-
-/// Fixed rates the latency targets are set at.
 const RATES: [u64; 2] = [500, 5_000];
 /// Seconds of each fixed-rate segment per round, so that every pooled p99 has at least 10,000
 /// samples: 500/s × 4 s × 5 rounds = 10,000; 5,000/s × 1 s × 5 rounds = 25,000.
@@ -161,7 +154,7 @@ fn main() {
         rt.block_on(async move {
             match role {
                 "upstream" => upstream(tag).await,
-                "proxy" => proxy(target.expect("--target")).await,
+                "proxy" => common::floor_proxy(target.expect("--target")).await,
                 "collector" => collector().await,
                 _ => panic!("unknown role"),
             }
@@ -176,31 +169,6 @@ fn main() {
         .build()
         .unwrap();
     rt.block_on(run());
-}
-
-fn listen_line(child: &mut Child, prefix: &str) -> SocketAddr {
-    let out = child.stdout.take().unwrap();
-    let mut lines = BufReader::new(out).lines();
-    let addr = loop {
-        let line = lines.next().expect("child printed its address").unwrap();
-        if let Some(rest) = line.split(prefix).nth(1) {
-            break rest.trim().parse().unwrap();
-        }
-    };
-    std::thread::spawn(move || for _ in lines {});
-    addr
-}
-
-fn spawn_role(role: &str, extra: &[String]) -> (Child, SocketAddr) {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .arg(format!("--role={role}"))
-        .args(extra)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let addr = listen_line(&mut child, "listening on ");
-    (child, addr)
 }
 
 /// An OTLP/HTTP collector that takes every export (200, an empty `ExportTraceServiceResponse`)
@@ -285,49 +253,6 @@ async fn upstream(tag: String) {
                             .body(Full::new(Bytes::from_static(body.as_bytes())).boxed())
                             .unwrap(),
                     )
-                }
-            });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(s), svc)
-                .await;
-        });
-    }
-}
-
-/// The floor: accept, forward the request to the upstream with a pooled client, stream the
-/// response back. No parsing, no policy.
-async fn proxy(target: String) {
-    let listener = autohedge::front::server::bind("127.0.0.1:0").await.unwrap();
-    println!("listening on {}", listener.local_addr().unwrap());
-    let mut conn = HttpConnector::new();
-    conn.set_nodelay(true);
-    let client: Client<HttpConnector, Incoming> = Client::builder(TokioExecutor::new()).build(conn);
-    let target: Arc<str> = target.into();
-    loop {
-        let (s, _) = listener.accept().await.unwrap();
-        let _ = s.set_nodelay(true);
-        let client = client.clone();
-        let target = target.clone();
-        tokio::spawn(async move {
-            let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-                let client = client.clone();
-                let target = target.clone();
-                async move {
-                    let (mut parts, body) = req.into_parts();
-                    let pq = parts
-                        .uri
-                        .path_and_query()
-                        .map(|p| p.as_str())
-                        .unwrap_or("/");
-                    parts.uri = format!("http://{target}{pq}").parse().unwrap();
-                    let resp = client.request(Request::from_parts(parts, body)).await;
-                    Ok::<_, Infallible>(match resp {
-                        Ok(r) => r.map(|b| b.boxed()),
-                        Err(_) => Response::builder()
-                            .status(502)
-                            .body(Full::new(Bytes::new()).map_err(|e| match e {}).boxed())
-                            .unwrap(),
-                    })
                 }
             });
             let _ = hyper::server::conn::http1::Builder::new()
@@ -458,36 +383,6 @@ async fn saturate_with(c: &HttpClient, url: &str, secs: f64, body: &'static str)
     (n, start.elapsed().as_secs_f64())
 }
 
-fn proc_cpu_secs(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let after = stat.rsplit(')').next().unwrap_or("");
-    let f: Vec<&str> = after.split_whitespace().collect();
-    let ticks: f64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0.0)
-        + f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0.0);
-    // USER_HZ is 100 on Linux.
-    ticks / 100.0
-}
-
-fn peak_rss_mb(pid: u32) -> f64 {
-    status_mb(pid, "VmHWM:")
-}
-
-/// A process's resident memory now, MiB.
-fn rss_now_mb(pid: u32) -> f64 {
-    status_mb(pid, "VmRSS:")
-}
-
-fn status_mb(pid: u32, field: &str) -> f64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find(|l| l.starts_with(field))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse::<f64>().ok())
-        .map(|kb| kb / 1024.0)
-        .unwrap_or(0.0)
-}
-
 /// One target of the comparison, with everything measured of it over the rounds.
 struct Target {
     name: &'static str,
@@ -534,9 +429,9 @@ impl Target {
             self.round_p99[i].push(pct(&l, 99.0));
             self.lat[i].append(&mut l);
         }
-        let cpu0 = proc_cpu_secs(self.pid);
+        let cpu0 = common::cpu_secs(self.pid);
         let (n, secs) = saturate_with(c, &self.url, saturation_secs(), self.body).await;
-        let cpu1 = proc_cpu_secs(self.pid);
+        let cpu1 = common::cpu_secs(self.pid);
         self.rps.push(n as f64 / secs);
         self.cpu_us.push((cpu1 - cpu0) * 1e6 / n.max(1) as f64);
     }
@@ -573,7 +468,7 @@ fn start_gateway(dir: &std::path::Path, config: &str) -> (Child, SocketAddr) {
         )
         .spawn()
         .unwrap();
-    let addr = listen_line(&mut child, "listening on http://");
+    let addr = common::listen_line(&mut child);
     (child, addr)
 }
 
@@ -1036,7 +931,7 @@ async fn stream_saturate(
     secs: f64,
     body: &'static str,
 ) -> (f64, f64, Vec<f64>, f64) {
-    let cpu0 = proc_cpu_secs(pid);
+    let cpu0 = common::cpu_secs(pid);
     let start = Instant::now();
     let deadline = start + Duration::from_secs_f64(secs);
     let mut handles = Vec::new();
@@ -1059,7 +954,7 @@ async fn stream_saturate(
         bytes += b;
     }
     let elapsed = start.elapsed().as_secs_f64();
-    let cpu = proc_cpu_secs(pid) - cpu0;
+    let cpu = common::cpu_secs(pid) - cpu0;
     let n = times.len().max(1) as f64;
     (
         n / elapsed,
@@ -1292,7 +1187,7 @@ async fn ollama_stream(dir: &std::path::Path) {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let o = listen_line(&mut mock, "listening on http://");
+    let o = common::listen_line(&mut mock);
     let gdir = dir.join("ollama-gw");
     std::fs::create_dir_all(&gdir).unwrap();
     let (mut gw, g) = start_gateway(

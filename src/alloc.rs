@@ -71,6 +71,29 @@ unsafe impl GlobalAlloc for Allocator {
     }
 }
 
+/// At most once a second on each runtime worker, when it goes idle (tokio's `on_thread_park`):
+/// the worker's free pages handed back to the system. mimalloc returns a thread's freed pages
+/// only while that thread allocates, so memory a burst left (10,000 connections' buffers, freed
+/// when they parked or closed) stayed resident while the workers had nothing to do: 60 s after
+/// 10,000 connections closed the gateway still held 123 MiB against 25 idle.
+pub fn on_worker_park() {
+    use std::cell::Cell;
+    use std::time::{Duration, Instant};
+    thread_local! {
+        static LAST: Cell<Option<Instant>> = const { Cell::new(None) };
+    }
+    let now = Instant::now();
+    if LAST
+        .get()
+        .is_some_and(|t| now.duration_since(t) < Duration::from_secs(1))
+    {
+        return;
+    }
+    LAST.set(Some(now));
+    // SAFETY: `mi_collect` takes no pointers; it only walks mimalloc's own free lists.
+    unsafe { mi::mi_collect(false) }
+}
+
 /// Returns the allocator's free pages to the system, after a one-off burst of scratch memory
 /// (building a token encoder).
 pub fn release_free_memory() {

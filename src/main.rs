@@ -210,6 +210,7 @@ fn main() -> ExitCode {
     });
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
+        .on_thread_park(autohedge::alloc::on_worker_park)
         .build()
     {
         Ok(rt) => rt,

@@ -397,6 +397,137 @@ async fn a_keep_alive_connection_gets_the_whole_header_timeout_for_each_request(
     assert_no_panic(&gw);
 }
 
+/// A `/metrics` value of the gateway (0 when absent).
+async fn metric(gw: &Gw, name: &str) -> f64 {
+    let text = reqwest::get(gw.url("/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// A keep-alive connection idle past `front::idle::PARK_AFTER` (1 s) is parked — hyper's
+/// connection and its buffers dropped, the socket kept — and its next request is served as
+/// any other: one sent whole, one whose head comes in pieces across a park (its bytes served in
+/// order), and two pipelined in one write. The park is seen in `/metrics`. (Two workers: the
+/// test's raw socket blocks one, the in-process upstream runs on the other.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_keep_alive_connection_is_parked_and_serves_what_comes_next() {
+    let a = MockUp::openai("name: a").await;
+    let gw = Gw::start(&format!(
+        "server: {{ header_timeout: 30s }}\nmodels:\n  a: {{ type: openai, base_url: \"{}\" }}\n",
+        a.base()
+    ));
+    gw.ready().await;
+    let mut s = std::net::TcpStream::connect(gw.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let body = r#"{"model":"a","messages":[{"role":"user","content":"hi"}]}"#;
+    let chat = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(chat.as_bytes()).unwrap();
+    assert!(read_response(&mut s).starts_with("HTTP/1.1 200"));
+    let parks_before = metric(&gw, "autohedge_http1_parks_total").await;
+    std::thread::sleep(Duration::from_millis(1_600));
+    // Parked: counted, the connection still open.
+    assert!(
+        metric(&gw, "autohedge_http1_connections_parked").await >= 1.0,
+        "the idle connection is parked"
+    );
+    assert!(metric(&gw, "autohedge_http1_parks_total").await > parks_before);
+    s.write_all(chat.as_bytes()).unwrap();
+    let second = read_response(&mut s);
+    assert!(second.starts_with("HTTP/1.1 200"), "{second}");
+    assert!(second.contains("Hello from a"), "{second}");
+    assert!(!second.to_ascii_lowercase().contains("connection: close"));
+
+    // A head in two pieces with a park between them (its first bytes read before the park).
+    std::thread::sleep(Duration::from_millis(1_600));
+    let (head, rest) = chat.split_at(40);
+    s.write_all(head.as_bytes()).unwrap();
+    std::thread::sleep(Duration::from_millis(1_600));
+    s.write_all(rest.as_bytes()).unwrap();
+    let third = read_response(&mut s);
+    assert!(third.starts_with("HTTP/1.1 200"), "{third}");
+    assert!(third.contains("Hello from a"), "{third}");
+
+    // Two requests in one write after a park: both answered, in order.
+    std::thread::sleep(Duration::from_millis(1_600));
+    let get = "GET /health HTTP/1.1\r\nhost: localhost\r\n\r\n";
+    s.write_all(format!("{chat}{get}").as_bytes()).unwrap();
+    let fourth = read_response(&mut s);
+    assert!(fourth.contains("Hello from a"), "{fourth}");
+    assert_eq!(
+        a.requests().await,
+        4,
+        "every chat reached the upstream once"
+    );
+    // The second response may have come in the same read as the first: read until it shows.
+    let mut both = fourth;
+    let mut buf = [0u8; 4096];
+    while both.matches("HTTP/1.1 200").count() < 2 {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "closed before the pipelined second answer");
+        both.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    assert_no_panic(&gw);
+}
+
+/// A head trickled in across parks keeps the deadline it began under: parks never give a slow
+/// client a fresh `server.header_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_trickled_across_parks_is_cut_off_at_its_own_header_timeout() {
+    let a = MockUp::openai("name: a").await;
+    let gw = Gw::start(&format!(
+        "server: {{ header_timeout: 3s }}\nmodels:\n  a: {{ type: openai, base_url: \"{}\" }}\n",
+        a.base()
+    ));
+    gw.ready().await;
+    let mut s = std::net::TcpStream::connect(gw.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"GET /health HTTP/1.1\r\nhost: localhost\r\n\r\n")
+        .unwrap();
+    assert!(read_response(&mut s).starts_with("HTTP/1.1 200"));
+    // The wait for the next head begins about now; a byte every 400 ms from here.
+    let began = Instant::now();
+    let parks_before = metric(&gw, "autohedge_http1_parks_total").await;
+    let head =
+        b"GET /health HTTP/1.1\r\nhost: localhost\r\nx-slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+    let mut cut = None;
+    for b in head.iter() {
+        std::thread::sleep(Duration::from_millis(400));
+        if s.write_all(&[*b]).is_err() {
+            cut = Some(began.elapsed());
+            break;
+        }
+        if began.elapsed() > Duration::from_secs(12) {
+            break;
+        }
+    }
+    // The trickle outlived several park points (every second of waiting).
+    assert!(
+        metric(&gw, "autohedge_http1_parks_total").await >= parks_before + 1.0,
+        "the connection parked as its head trickled in"
+    );
+    let cut = cut.unwrap_or_else(|| {
+        let mut probe = s.try_clone().unwrap();
+        let _ = probe.write_all(b"a");
+        wait_closed(s).expect("closed at its header timeout");
+        began.elapsed()
+    });
+    assert!(
+        cut < Duration::from_secs(8),
+        "a trickled head is cut off near its 3 s deadline, not kept alive by parks ({cut:?})"
+    );
+    assert_eq!(gw.chat("a", "x").await.status(), 200, "others are served");
+    assert_no_panic(&gw);
+}
+
 /// A client that asks for a stream and then reads nothing is let go after `server.send_timeout`
 /// without progress, and so is the upstream connection behind it: before, the gateway waited to
 /// write for ever, holding the client's connection, the request and the upstream's stream (the

@@ -31,6 +31,11 @@ pub struct SendDeadline<T> {
 }
 
 impl<T> SendDeadline<T> {
+    /// The socket (a parked connection waits for it to be readable: `front::idle`).
+    pub fn get_ref(&self) -> &T {
+        &self.inner
+    }
+
     pub fn new(inner: T, limit: Duration) -> Self {
         SendDeadline {
             inner,

@@ -472,10 +472,10 @@ async fn serve(
                 crate::front::send_deadline::SendDeadline::new(TokioIo::new(tcp), send_timeout);
             let ended = match proto {
                 Proto::Http1 => {
-                    let svc = hyper::service::service_fn(
-                        move |req: axum::http::Request<hyper::body::Incoming>| {
+                    let handler: crate::front::idle::Handler = std::sync::Arc::new(
+                        move |req: axum::http::Request<hyper::body::Incoming>| -> crate::front::idle::ResponseFuture {
                             let (router, state_) = (router.clone(), state_.clone());
-                            async move {
+                            Box::pin(async move {
                                 let mut resp =
                                     crate::front::http::dispatch(&state_, &router, req, peer).await;
                                 // Draining: the client's next request opens a new connection,
@@ -487,24 +487,20 @@ async fn serve(
                                     );
                                 }
                                 Ok::<_, std::convert::Infallible>(resp)
-                            }
+                            })
                         },
                     );
                     // The graceful drain and the hard stop, each waited for once a
-                    // connection (`front::stop`). `cancel` is set just before the drain
-                    // begins; the watcher is held until the connection ends so the drain
-                    // waits for it.
+                    // connection (`front::stop`); the connection parked while idle
+                    // (`front::idle`). `cancel` is set just before the drain begins; the
+                    // watcher is held until the connection ends so the drain waits for it.
                     let _drain_waits = watcher;
-                    let mut http1 = builders.0.clone();
-                    http1.timer(crate::front::timer::ConnTimer::new());
-                    crate::front::stop::Watched::new(
-                        &hard_stop,
-                        &cancel,
-                        http1.serve_connection(io, svc),
-                    )
-                    .await
+                    crate::front::idle::serve_http1(&builders.0, io, handler, &hard_stop, &cancel)
+                        .await
                 }
-                Proto::Http2 => {
+                // Boxed: an HTTP/1 connection's task (most of them, and every idle one) does
+                // not carry the HTTP/2 connection's state in its own.
+                Proto::Http2 => Box::pin(async move {
                     let (open, idle) = Streams::new();
                     let watched = open.clone();
                     let svc = hyper::service::service_fn(
@@ -546,7 +542,7 @@ async fn serve(
                                     // `send_timeout`: as `SendDeadline` for a socket that takes
                                     // nothing. Dropping the connection resets its streams.
                                     tracing::debug!(%peer, "HTTP/2 client took nothing of a response for server.send_timeout; connection closed");
-                                    return;
+                                    return Ok(());
                                 }
                             }
                             _ = cancel.cancelled(), if !closing => {
@@ -565,7 +561,8 @@ async fn serve(
                             }
                         }
                     }
-                }
+                })
+                .await,
             };
             if let Err(e) = ended {
                 tracing::debug!(error = %crate::upstream::error_chain(&e), "connection ended with an error");

@@ -18,51 +18,113 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use tokio::time::{Instant, Sleep};
 
 /// The timer a connection hands hyper (`http1::Builder::timer`); one per connection.
 #[derive(Clone, Default)]
 pub struct ConnTimer {
-    armed: Arc<Mutex<Option<Pin<Box<Sleep>>>>>,
+    shared: Arc<Mutex<Slot>>,
+    /// How long a wait for a head may last before the connection is asked to park
+    /// ([`ConnTimer::take_park`]); `None`: never.
+    park_after: Option<Duration>,
+}
+
+#[derive(Default)]
+struct Slot {
+    sleep: Option<Pin<Box<Sleep>>>,
+    /// Set when a wait for a head has lasted `park_after`: that wait's deadline.
+    park: Option<Instant>,
+    /// The latest the first head may finish: a connection served again for a head it had
+    /// begun (`front::idle`) keeps the deadline that head began under. Taken by the first sleep.
+    first: Option<Instant>,
 }
 
 impl ConnTimer {
     pub fn new() -> ConnTimer {
         ConnTimer::default()
     }
+
+    /// A timer that asks for the connection to be parked once a wait for a head has lasted
+    /// `park_after`, and ends no head later than `first_deadline`.
+    pub fn parking(park_after: Duration, first_deadline: Option<Instant>) -> ConnTimer {
+        ConnTimer {
+            shared: Arc::new(Mutex::new(Slot {
+                first: first_deadline,
+                ..Slot::default()
+            })),
+            park_after: Some(park_after),
+        }
+    }
+
+    /// The deadline of a wait for a head that has lasted `park_after`, once (then `None` until
+    /// another does).
+    pub fn take_park(&self) -> Option<Instant> {
+        lock(&self.shared).park.take()
+    }
 }
 
-fn lock(m: &Mutex<Option<Pin<Box<Sleep>>>>) -> MutexGuard<'_, Option<Pin<Box<Sleep>>>> {
-    // The slot holds a timer and nothing that a panic could leave half-written.
+fn lock(m: &Mutex<Slot>) -> MutexGuard<'_, Slot> {
+    // The slot holds a timer and an instant: nothing a panic could leave half-written.
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// One of hyper's sleeps: done at `deadline`, on the connection's shared timer.
 struct ConnSleep {
-    armed: Arc<Mutex<Option<Pin<Box<Sleep>>>>>,
+    shared: Arc<Mutex<Slot>>,
     deadline: Instant,
+    /// When this wait asks to be parked; `None` once it has (or never).
+    park_at: Option<Instant>,
+}
+
+impl ConnSleep {
+    /// What the connection's timer must fire for next: the park point while it is ahead.
+    fn target(&self) -> Instant {
+        match self.park_at {
+            Some(p) if p < self.deadline => p,
+            _ => self.deadline,
+        }
+    }
 }
 
 impl Future for ConnSleep {
     type Output = ();
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        let deadline = self.deadline;
-        let mut slot = lock(&self.armed);
-        let sleep = slot.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-        // Armed for a later deadline (an earlier sleep's that was reset later, or a clock
-        // that went back): brought forward to this one.
-        if sleep.deadline() > deadline {
-            sleep.as_mut().reset(deadline);
+        let this = self.get_mut();
+        let shared = this.shared.clone();
+        let mut slot = lock(&shared);
+        let target = this.target();
+        let sleep = slot
+            .sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(target)));
+        // Armed for a later time (an earlier sleep's that was reset later, or a clock that
+        // went back): brought forward to this one.
+        if sleep.deadline() > target {
+            sleep.as_mut().reset(target);
         }
         loop {
+            let Some(sleep) = slot.sleep.as_mut() else {
+                return Poll::Pending;
+            };
             match sleep.as_mut().poll(cx) {
                 Poll::Pending => return Poll::Pending,
                 // Fired at or after this deadline: due.
-                Poll::Ready(()) if sleep.deadline() >= deadline => return Poll::Ready(()),
-                // Fired for an earlier request's deadline: armed again for this one.
-                Poll::Ready(()) => sleep.as_mut().reset(deadline),
+                Poll::Ready(()) if sleep.deadline() >= this.deadline => return Poll::Ready(()),
+                Poll::Ready(()) => {
+                    // Fired at this wait's park point: the connection is asked to park.
+                    if this.park_at.is_some_and(|p| sleep.deadline() >= p) {
+                        this.park_at = None;
+                        slot.park = Some(this.deadline);
+                    }
+                    // Fired for an earlier time (the park point, an earlier request's
+                    // deadline): armed again for what this wait waits for next.
+                    let next = this.target();
+                    if let Some(sleep) = slot.sleep.as_mut() {
+                        sleep.as_mut().reset(next);
+                    }
+                }
             }
         }
     }
@@ -76,9 +138,14 @@ impl hyper::rt::Timer for ConnTimer {
     }
 
     fn sleep_until(&self, deadline: std::time::Instant) -> Pin<Box<dyn hyper::rt::Sleep>> {
+        let mut deadline: Instant = deadline.into();
+        if let Some(first) = lock(&self.shared).first.take() {
+            deadline = deadline.min(first);
+        }
         Box::pin(ConnSleep {
-            armed: self.armed.clone(),
-            deadline: deadline.into(),
+            shared: self.shared.clone(),
+            deadline,
+            park_at: self.park_after.map(|p| Instant::now() + p),
         })
     }
 
@@ -105,7 +172,10 @@ mod tests {
         let start = Instant::now();
         let mut first = t.sleep_until((start + Duration::from_secs(10)).into_std());
         assert!(!ready(&mut first));
-        assert!(lock(&t.armed).is_some(), "the connection's timer is made");
+        assert!(
+            lock(&t.shared).sleep.is_some(),
+            "the connection's timer is made"
+        );
         tokio::time::sleep(Duration::from_secs(4)).await;
         // The head came in: hyper drops its sleep; the next request's runs 10 s from now.
         drop(first);
@@ -114,7 +184,7 @@ mod tests {
         // The timer fires at the first deadline (10 s): not the second's, which waits on.
         tokio::time::sleep(Duration::from_secs(7)).await;
         assert!(!ready(&mut second), "not due at 11 s");
-        let armed = lock(&t.armed).as_ref().unwrap().deadline();
+        let armed = lock(&t.shared).sleep.as_ref().unwrap().deadline();
         assert_eq!(
             armed,
             start + Duration::from_secs(14),
@@ -154,5 +224,41 @@ mod tests {
         let before = Instant::now();
         t.sleep(Duration::from_secs(5)).await;
         assert!(Instant::now() >= before + Duration::from_secs(5));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_wait_asks_to_park_at_its_park_point_and_still_ends_at_its_deadline() {
+        let t = ConnTimer::parking(Duration::from_secs(1), None);
+        let start = Instant::now();
+        let mut wait = t.sleep(Duration::from_secs(10));
+        assert!(!ready(&mut wait));
+        assert_eq!(t.take_park(), None);
+        tokio::time::sleep(Duration::from_millis(1_100)).await;
+        assert!(!ready(&mut wait), "a park point is not the deadline");
+        assert_eq!(t.take_park(), Some(start + Duration::from_secs(10)));
+        assert_eq!(t.take_park(), None, "asked once");
+        tokio::time::sleep(Duration::from_secs(9)).await;
+        assert!(ready(&mut wait), "due at 10 s");
+        // A wait that ends before its park point never asks.
+        drop(wait);
+        let mut short = t.sleep(Duration::from_millis(500));
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert!(ready(&mut short));
+        assert_eq!(t.take_park(), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_head_served_again_keeps_the_deadline_it_began_under() {
+        let start = Instant::now();
+        let t = ConnTimer::parking(Duration::from_secs(1), Some(start + Duration::from_secs(3)));
+        // The first head ends by the deadline it began under, not 10 s from now.
+        let mut first = t.sleep(Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(3_100)).await;
+        assert!(ready(&mut first));
+        drop(first);
+        // Later heads get their whole timeout.
+        let mut second = t.sleep(Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(!ready(&mut second));
     }
 }

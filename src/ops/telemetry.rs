@@ -148,6 +148,14 @@ fn describe() {
         "autohedge_alerts_dropped_total",
         "Alerts dropped because the alert queue was full."
     );
+    describe_gauge!(
+        "autohedge_http1_connections_parked",
+        "HTTP/1 keep-alive client connections parked: idle, holding their socket and no buffers."
+    );
+    describe_counter!(
+        "autohedge_http1_parks_total",
+        "Times an idle HTTP/1 keep-alive client connection was parked."
+    );
     describe_counter!(
         "autohedge_out_of_files_total",
         "Upstream connections (requests' and probes') not made because the process was out of file descriptors."
@@ -459,6 +467,8 @@ impl Telemetry {
         counter!("autohedge_audit_dropped_total").absolute(g.audit_dropped);
         counter!("autohedge_alerts_dropped_total").absolute(g.alerts_dropped);
         counter!("autohedge_out_of_files_total").absolute(crate::upstream::out_of_files_count());
+        gauge!("autohedge_http1_connections_parked").set(crate::front::idle::parked_now() as f64);
+        counter!("autohedge_http1_parks_total").absolute(crate::front::idle::parks_total());
         if let Some((w, _)) = ACCESS_LOG.get() {
             counter!("autohedge_log_dropped_total").absolute(w.dropped_lines());
         }

@@ -11,6 +11,7 @@
 //! by tiktoken-rs instead ([`Family`] counting), built the first time one arrives. Both give
 //! Python tiktoken's counts (`tests/tokens`, and a property test between the two).
 
+pub mod hf;
 pub mod pool;
 pub mod truncate;
 
@@ -54,7 +55,7 @@ pub enum Counter {
     Tiktoken(Family),
     Hf {
         path: PathBuf,
-        tok: Arc<tokenizers::Tokenizer>,
+        tok: Arc<hf::HfTokenizer>,
     },
     Estimate,
 }
@@ -285,12 +286,12 @@ pub fn fast_count(f: Family, text: &str) -> u64 {
 
 /// Loaded tokenizer files, shared across endpoints and reloads; reloaded when the file changes.
 /// A loaded tokenizer and the file time it was loaded at.
-type Loaded = (Option<std::time::SystemTime>, Arc<tokenizers::Tokenizer>);
+type Loaded = (Option<std::time::SystemTime>, Arc<hf::HfTokenizer>);
 
 static HF: LazyLock<Mutex<HashMap<PathBuf, Loaded>>> = LazyLock::new(|| Mutex::new(HashMap::new()));
 
 /// Loads (or reuses) a `tokenizer.json`. No network: a path only.
-pub fn load_hf(path: &Path) -> Result<Arc<tokenizers::Tokenizer>, String> {
+pub fn load_hf(path: &Path) -> Result<Arc<hf::HfTokenizer>, String> {
     let mtime = std::fs::metadata(path).and_then(|m| m.modified()).ok();
     let mut cache = HF.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((t, tok)) = cache.get(path)
@@ -300,7 +301,7 @@ pub fn load_hf(path: &Path) -> Result<Arc<tokenizers::Tokenizer>, String> {
     }
     let tok = tokenizers::Tokenizer::from_file(path)
         .map_err(|e| format!("cannot load tokenizer {}: {e}", path.display()))?;
-    let tok = Arc::new(tok);
+    let tok = Arc::new(hf::HfTokenizer::new(tok));
     cache.insert(path.to_path_buf(), (mtime, tok.clone()));
     Ok(tok)
 }
@@ -326,10 +327,7 @@ impl Counter {
         }
         match self {
             Counter::Tiktoken(f) => count_bpe(*f, text),
-            Counter::Hf { tok, .. } => tok
-                .encode_fast(text, false)
-                .map(|e| e.len() as u64)
-                .unwrap_or_else(|_| estimate(text)),
+            Counter::Hf { tok, .. } => tok.count(text).unwrap_or_else(|_| estimate(text)),
             Counter::Estimate => estimate(text),
         }
     }

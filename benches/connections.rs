@@ -3,7 +3,7 @@
 //! upstream (`autohedge mock-upstream`):
 //!
 //! - **idle**: `AUTOHEDGE_BENCH_IDLE` (10,000) keep-alive client connections, each after one
-//!   request: the resident memory each adds, and a minute (`AUTOHEDGE_BENCH_SETTLE`, seconds)
+//!   request, on a process warmed by as many requests on 16 connections: the resident memory each adds, and a minute (`AUTOHEDGE_BENCH_SETTLE`, seconds)
 //!   after they close, how far above its idle size the process stays. Every 100th connection
 //!   sends a second request once all are open, so they are shown to be open, not closed.
 //! - **slow**: `AUTOHEDGE_BENCH_SLOW` (2,000) concurrent streams whose upstream writes one chunk
@@ -192,12 +192,24 @@ async fn idle(dir: &std::path::Path, up: SocketAddr) {
     let mut gateway_each = f64::NAN;
     let mut gateway_back = f64::NAN;
     for t in &targets {
-        // Warm: a few requests on a few connections, closed; then the idle size.
-        for _ in 0..20 {
-            let mut s = TcpStream::connect(t.addr).await.unwrap();
-            assert_eq!(roundtrip(&mut s, t.addr, SHORT).await.unwrap(), 200);
+        // Warm: as many requests as there will be connections, on 16 keep-alive connections
+        // (what serving them grows — the audit trail's page cache, metrics, the timeline — is
+        // then grown before the idle size is taken); then the idle size.
+        let warm: Vec<_> = (0..16)
+            .map(|_| {
+                let addr = t.addr;
+                tokio::spawn(async move {
+                    let mut s = TcpStream::connect(addr).await.unwrap();
+                    for _ in 0..n.div_ceil(16) {
+                        assert_eq!(roundtrip(&mut s, addr, SHORT).await.unwrap(), 200);
+                    }
+                })
+            })
+            .collect();
+        for w in warm {
+            w.await.unwrap();
         }
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        tokio::time::sleep(Duration::from_secs(3)).await;
         let before = rss_now_mb(t.pid);
         let opened = Instant::now();
         let conns: Vec<TcpStream> = futures_util::stream::iter(0..n)

@@ -3,16 +3,18 @@
 //! upstream (`autohedge mock-upstream`):
 //!
 //! - **idle**: `AUTOHEDGE_BENCH_IDLE` (10,000) keep-alive client connections, each after one
-//!   request, on a process warmed by as many requests on 16 connections: the resident memory each adds, and a minute (`AUTOHEDGE_BENCH_SETTLE`, seconds)
-//!   after they close, how far above its idle size the process stays. Every 100th connection
-//!   sends a second request once all are open, so they are shown to be open, not closed.
+//!   request, on a process warmed by as many requests on 16 connections: the resident memory
+//!   each adds, and a minute (`AUTOHEDGE_BENCH_SETTLE`, seconds) after they close, how far above
+//!   its idle size the process stays. Every 100th connection sends a second request once all
+//!   are open, so they are shown to be open, not closed.
 //! - **slow**: `AUTOHEDGE_BENCH_SLOW` (2,000) concurrent streams whose upstream writes one chunk
-//!   a second (started spread over a second, as streams arrive): the peak resident memory, and the p99 of other (short) requests sent at 100 a
-//!   second meanwhile, against the same requests' p99 before the streams.
+//!   a second (started spread over a second, as streams arrive): the peak resident memory, and
+//!   the p99 of other (short) requests sent at 100 a second meanwhile, against the same
+//!   requests' p99 before the streams.
 //! - **gaps**: 200 concurrent streams whose upstream writes a chunk every 20 ms (started spread
-//!   over 20 ms): the p99 of the
-//!   time between chunks as the client reads them, directly, through the floor and through the
-//!   gateway (rounds rotating the order), and what each proxy adds to the direct figure.
+//!   over 20 ms): the p99 of the time between chunks as the client reads them, directly,
+//!   through the floor and through the gateway (rounds rotating the order), and what each proxy
+//!   adds to the direct figure.
 //!
 //! Run: `cargo bench --bench connections` (about five minutes). Without `--bench` (the tests'
 //! smoke run) every count is small and nothing is judged.
@@ -243,7 +245,7 @@ async fn idle(dir: &std::path::Path, up: SocketAddr) {
         let after = rss_now_mb(t.pid);
         let back = after / before.max(1e-9);
         println!(
-            "{:8}: idle {before:.1} MiB, {n} open {held:.1} MiB ({each_kb:.1} KB a connection; opened in {open_secs:.1} s; {again} of them served a second request), {settle} s after they closed {after:.1} MiB ({:+.0} % of idle), peak {:.1} MiB",
+            "{:8}: idle {before:.1} MiB, {n} open {held:.1} MiB ({each_kb:.1} KiB a connection; opened in {open_secs:.1} s; {again} of them served a second request), {settle} s after they closed {after:.1} MiB ({:+.0} % of idle), peak {:.1} MiB",
             t.name,
             (back - 1.0) * 100.0,
             peak_rss_mb(t.pid)
@@ -254,7 +256,7 @@ async fn idle(dir: &std::path::Path, up: SocketAddr) {
         }
     }
     println!(
-        "gateway: {gateway_each:.1} KB a connection (goal ≤ 8 KB: {}); RSS {settle} s after they closed {:+.0} % of idle (goal within 20 %: {})",
+        "gateway: {gateway_each:.1} KiB a connection (goal ≤ 8 KB: {}); RSS {settle} s after they closed {:+.0} % of idle (goal within 20 %: {})",
         judged(gateway_each <= 8.0),
         (gateway_back - 1.0) * 100.0,
         judged(gateway_back <= 1.2)
@@ -385,24 +387,28 @@ async fn slow(dir: &std::path::Path) {
             .collect();
         // Sample the resident memory while they run.
         let pid = t.pid;
-        let sampler = tokio::spawn(async move {
-            let mut peak = 0f64;
-            loop {
-                peak = peak.max(rss_now_mb(pid));
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                if started.elapsed() > Duration::from_secs(600) {
-                    return peak;
+        let running = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let sampler = {
+            let running = running.clone();
+            tokio::spawn(async move {
+                let mut peak = 0f64;
+                while running.load(std::sync::atomic::Ordering::Relaxed) {
+                    peak = peak.max(rss_now_mb(pid));
+                    tokio::time::sleep(Duration::from_millis(200)).await;
                 }
-            }
-        });
+                peak
+            })
+        };
         tokio::time::sleep(Duration::from_secs(2)).await;
         let beside = p99(steady(&c, &url, 100, secs).await);
         let mut ok = 0;
         for s in streams {
             ok += usize::from(s.await.unwrap());
         }
-        sampler.abort();
-        let peak = rss_now_mb(t.pid).max(peak_rss_mb(t.pid));
+        running.store(false, std::sync::atomic::Ordering::Relaxed);
+        let sampled = sampler.await.unwrap_or(0.0);
+        // VmHWM covers what the 200 ms samples could miss; the samples, a process without it.
+        let peak = sampled.max(peak_rss_mb(t.pid));
         let took = started.elapsed().as_secs_f64();
         println!(
             "{:8}: {ok} of {n} streams whole in {took:.1} s; RSS {rss0:.1} MiB before, peak {peak:.1} MiB; short requests' p99 {alone:.3} ms alone, {beside:.3} ms beside the streams ({:+.3} ms)",

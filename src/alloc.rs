@@ -72,12 +72,16 @@ unsafe impl GlobalAlloc for Allocator {
 }
 
 /// At most once a second on each runtime worker, when it goes idle (tokio's `on_thread_park`):
-/// the worker's free pages handed back to the system (`mi_collect(true)`, which also frees the
-/// blocks other threads freed into its pages). mimalloc returns a thread's freed pages only
+/// the worker's freed blocks and pages collected. mimalloc returns a thread's freed pages only
 /// while that thread allocates, so memory a burst left (10,000 connections' buffers, freed when
 /// they parked or closed) stayed resident while the workers had nothing to do: 60 s after
 /// 10,000 connections closed the gateway still held 123 MiB against 25 idle (now about 40), and
 /// parked connections held 8.7 KB each instead of 4 (`benches/connections.rs`).
+///
+/// The forced collect (pages handed back to the system at once, which the next allocations
+/// fault in again) runs only on a worker whose last sleep lasted a second or more — one with
+/// little to do; a busy worker, which parks for moments between requests, only collects what
+/// is free (`mi_collect(false)`), so no request waits behind a purge under load.
 pub fn on_worker_park() {
     use std::cell::Cell;
     use std::time::{Duration, Instant};
@@ -85,6 +89,7 @@ pub fn on_worker_park() {
         static LAST: Cell<Option<Instant>> = const { Cell::new(None) };
     }
     let now = Instant::now();
+    PARKED_AT.set(Some(now));
     if LAST
         .get()
         .is_some_and(|t| now.duration_since(t) < Duration::from_secs(1))
@@ -92,8 +97,22 @@ pub fn on_worker_park() {
         return;
     }
     LAST.set(Some(now));
+    let idle = SLEPT.get() >= Duration::from_secs(1);
     // SAFETY: `mi_collect` takes no pointers; it only walks mimalloc's own free lists.
-    unsafe { mi::mi_collect(true) }
+    unsafe { mi::mi_collect(idle) }
+}
+
+thread_local! {
+    /// When this worker last went to sleep, and how long its last sleep lasted.
+    static PARKED_AT: std::cell::Cell<Option<std::time::Instant>> = const { std::cell::Cell::new(None) };
+    static SLEPT: std::cell::Cell<std::time::Duration> = const { std::cell::Cell::new(std::time::Duration::ZERO) };
+}
+
+/// When a runtime worker wakes (tokio's `on_thread_unpark`): how long it slept.
+pub fn on_worker_unpark() {
+    if let Some(at) = PARKED_AT.get() {
+        SLEPT.set(at.elapsed());
+    }
 }
 
 /// Returns the allocator's free pages to the system, after a one-off burst of scratch memory

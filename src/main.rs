@@ -211,6 +211,7 @@ fn main() -> ExitCode {
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .on_thread_park(autohedge::alloc::on_worker_park)
+        .on_thread_unpark(autohedge::alloc::on_worker_unpark)
         .build()
     {
         Ok(rt) => rt,

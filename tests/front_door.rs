@@ -528,6 +528,41 @@ async fn a_head_trickled_across_parks_is_cut_off_at_its_own_header_timeout() {
     assert_no_panic(&gw);
 }
 
+/// A parked connection's next head ends by the deadline its wait began under: a client that
+/// lets the connection park and then trickles a head gets no fresh `server.header_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_trickled_after_a_park_is_cut_off_at_the_wait_s_own_deadline() {
+    let gw = Gw::start(
+        "server: { header_timeout: 4s }\nmodels:\n  a: { type: openai, base_url: \"http://127.0.0.1:9/v1\" }\n",
+    );
+    gw.ready().await;
+    let mut s = std::net::TcpStream::connect(gw.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"GET /health HTTP/1.1\r\nhost: localhost\r\n\r\n")
+        .unwrap();
+    assert!(read_response(&mut s).starts_with("HTTP/1.1 200"));
+    let answered = Instant::now();
+    let parks_before = metric(&gw, "autohedge_http1_parks_total").await;
+    // Parked after a second of waiting; then a head trickled a byte every 400 ms.
+    std::thread::sleep(Duration::from_millis(2_500));
+    assert!(metric(&gw, "autohedge_http1_parks_total").await > parks_before);
+    let mut cut = None;
+    for b in b"GET /health HTTP/1.1\r\nhost: localhost\r\nx-slow: aaaaaaaaaaaaaaaaaaaaaaaa" {
+        if s.write_all(&[*b]).is_err() {
+            cut = Some(answered.elapsed());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(400));
+    }
+    let cut = cut.unwrap_or_else(|| answered.elapsed());
+    // The wait's deadline is 4 s after the answer; a fresh one from the wake would be 6.5 s.
+    assert!(
+        cut < Duration::from_millis(6_000),
+        "cut off by the wait's own deadline, not a fresh one from the wake ({cut:?})"
+    );
+    assert_no_panic(&gw);
+}
+
 /// A client that asks for a stream and then reads nothing is let go after `server.send_timeout`
 /// without progress, and so is the upstream connection behind it: before, the gateway waited to
 /// write for ever, holding the client's connection, the request and the upstream's stream (the

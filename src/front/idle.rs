@@ -80,21 +80,38 @@ pub type ResponseFuture = Pin<
     Box<dyn Future<Output = Result<axum::response::Response, std::convert::Infallible>> + Send>,
 >;
 
+/// What a stretch's socket has seen, shared with its [`Parkable`].
+#[derive(Default)]
+struct Seen {
+    /// Any byte handed to hyper.
+    read_any: AtomicBool,
+    /// The last write waited for the client (hyper still holds bytes it has not sent).
+    write_blocked: AtomicBool,
+}
+
 /// A socket read from `prefix` first: bytes of a head a parked connection had begun. Notes
-/// whether it has handed hyper any byte.
+/// what it has seen ([`Seen`]).
 pub struct Rewind {
     prefix: Bytes,
     inner: ClientIo,
-    read_any: Arc<AtomicBool>,
+    seen: Arc<Seen>,
 }
 
 impl Rewind {
-    fn new(inner: ClientIo, prefix: Bytes, read_any: Arc<AtomicBool>) -> Rewind {
+    fn new(inner: ClientIo, prefix: Bytes, seen: Arc<Seen>) -> Rewind {
         Rewind {
             prefix,
             inner,
-            read_any,
+            seen,
         }
+    }
+
+    /// Notes whether a write waited.
+    fn wrote<T>(&self, r: Poll<std::io::Result<T>>) -> Poll<std::io::Result<T>> {
+        self.seen
+            .write_blocked
+            .store(r.is_pending(), Ordering::Relaxed);
+        r
     }
 }
 
@@ -108,7 +125,7 @@ impl Read for Rewind {
             let n = self.prefix.len().min(buf.remaining());
             buf.put_slice(&self.prefix[..n]);
             self.prefix.advance(n);
-            self.read_any.store(true, Ordering::Relaxed);
+            self.seen.read_any.store(true, Ordering::Relaxed);
             return Poll::Ready(Ok(()));
         }
         // SAFETY: `dst` is the cursor's unfilled memory; the socket fills the front of it
@@ -119,7 +136,7 @@ impl Read for Rewind {
         ready!(Pin::new(&mut self.inner).poll_read(cx, rb.unfilled()))?;
         let n = rb.filled().len();
         if n > 0 {
-            self.read_any.store(true, Ordering::Relaxed);
+            self.seen.read_any.store(true, Ordering::Relaxed);
         }
         // SAFETY: the first `n` bytes were just filled.
         unsafe { buf.advance(n) };
@@ -133,7 +150,8 @@ impl Write for Rewind {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
+        let r = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.wrote(r)
     }
 
     fn poll_write_vectored(
@@ -141,7 +159,8 @@ impl Write for Rewind {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+        let r = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.wrote(r)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -149,7 +168,8 @@ impl Write for Rewind {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
+        let r = Pin::new(&mut self.inner).poll_flush(cx);
+        self.wrote(r)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
@@ -171,7 +191,9 @@ enum Ended {
 }
 
 /// A hyper HTTP/1 connection that parks when its timer asks ([`ConnTimer::take_park`]) while it
-/// waits for a head.
+/// waits for a head. Polled as hyper's own future (which flushes and shuts the socket down when
+/// the connection ends) except once a park is under way, when hyper is asked to close without
+/// touching the socket and hand its parts back.
 struct Parkable {
     conn: Option<http1::Connection<Rewind, Counted>>,
     timer: ConnTimer,
@@ -179,13 +201,32 @@ struct Parkable {
     /// this stretch of it began.
     started: Arc<AtomicU64>,
     started_before: u64,
-    /// Whether this stretch has read any byte.
-    read_any: Arc<AtomicBool>,
+    seen: Arc<Seen>,
     /// Asked to park: the wait's deadline, and how many requests had started then.
     parking: Option<(tokio::time::Instant, u64)>,
     drained: bool,
-    /// The socket being shut down after hyper closed the connection.
-    closing: Option<Rewind>,
+}
+
+impl Parkable {
+    /// Whether the park asked for still stands: no request started since (hyper, asked to
+    /// close, answers it with `connection: close` and ends as that says) and no drain came.
+    fn parking(&self) -> Option<tokio::time::Instant> {
+        let (deadline, started) = self.parking?;
+        (!self.drained && self.started.load(Ordering::Relaxed) == started).then_some(deadline)
+    }
+
+    /// Whether a park may be asked for now: hyper waits for a head and holds nothing unsent,
+    /// and this stretch has read no byte of its first head (hyper, which holds a new
+    /// connection busy until its first answer, would close it after that answer).
+    fn may_park(&self) -> bool {
+        let first_head_begun = self.seen.read_any.load(Ordering::Relaxed)
+            && self.started.load(Ordering::Relaxed) == self.started_before;
+        let busy = self.parking.is_some()
+            || self.drained
+            || self.seen.write_blocked.load(Ordering::Relaxed)
+            || first_head_begun;
+        !busy
+    }
 }
 
 impl Future for Parkable {
@@ -194,62 +235,63 @@ impl Future for Parkable {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
         loop {
-            if let Some(io) = this.closing.as_mut() {
-                // As hyper ends a connection it closes: a shutdown, whose failure is the
-                // client's business.
-                let _ = ready!(Pin::new(io).poll_shutdown(cx));
-                this.closing = None;
-                return Poll::Ready(Ok(Ended::Closed));
-            }
+            let parking = this.parking();
             let Some(conn) = this.conn.as_mut() else {
                 return Poll::Ready(Ok(Ended::Closed));
             };
-            match conn.poll_without_shutdown(cx) {
-                Poll::Ready(Ok(())) => {
-                    let Some(conn) = this.conn.take() else {
-                        continue;
-                    };
-                    let parts = conn.into_parts();
-                    match this.parking {
-                        // Parked only if no request started since it was asked (one that did
-                        // was answered with `connection: close`) and no drain came.
-                        Some((deadline, started))
-                            if !this.drained && this.started.load(Ordering::Relaxed) == started =>
-                        {
-                            return Poll::Ready(Ok(Ended::Parked {
-                                io: parts.io.inner,
-                                begun: parts.read_buf.chain_rest(parts.io.prefix),
-                                deadline,
-                            }));
-                        }
-                        _ => this.closing = Some(parts.io),
-                    }
-                }
-                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                Poll::Pending => {
-                    // A stretch that has read bytes of its first head is not parked: hyper,
-                    // which holds a new connection busy until its first answer, would close it
-                    // after that answer (`connection: close`). Its head comes or times out.
-                    if let Some(deadline) = this.timer.take_park()
-                        && this.parking.is_none()
-                        && !this.drained
-                        && !(this.read_any.load(Ordering::Relaxed)
-                            && this.started.load(Ordering::Relaxed) == this.started_before)
-                    {
-                        this.parking = Some((deadline, this.started.load(Ordering::Relaxed)));
-                        Pin::new(conn).graceful_shutdown();
-                        continue;
-                    }
-                    return Poll::Pending;
-                }
-            }
+            let Some(deadline) = parking else {
+                // hyper's own future: its end flushes and shuts the socket down.
+                let r = ready!(Pin::new(conn).poll(cx));
+                this.conn = None;
+                return Poll::Ready(r.map(|()| Ended::Closed));
+            };
+            ready!(conn.poll_without_shutdown(cx))?;
+            let Some(conn) = this.conn.take() else {
+                continue;
+            };
+            let parts = conn.into_parts();
+            return Poll::Ready(Ok(Ended::Parked {
+                io: parts.io.inner,
+                begun: join(parts.read_buf, parts.io.prefix),
+                deadline,
+            }));
         }
     }
 }
 
-impl Drains for Parkable {
+impl Parkable {
+    /// Polls hyper, then asks for a park if the timer says the wait for a head has lasted
+    /// [`PARK_AFTER`] and a park may be asked for now.
+    fn poll_parking(&mut self, cx: &mut Context<'_>) -> Poll<hyper::Result<Ended>> {
+        let r = Pin::new(&mut *self).poll(cx);
+        if r.is_pending()
+            && let Some(deadline) = self.timer.take_park()
+            && self.may_park()
+        {
+            self.parking = Some((deadline, self.started.load(Ordering::Relaxed)));
+            if let Some(conn) = self.conn.as_mut() {
+                Pin::new(conn).graceful_shutdown();
+            }
+            return Pin::new(&mut *self).poll(cx);
+        }
+        r
+    }
+}
+
+/// The front of a stretch's service: [`Parkable::poll_parking`] as a future.
+struct Stretch(Parkable);
+
+impl Future for Stretch {
+    type Output = hyper::Result<Ended>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.get_mut().0.poll_parking(cx)
+    }
+}
+
+impl Drains for Stretch {
     fn drain(self: Pin<&mut Self>) {
-        let this = self.get_mut();
+        let this = &mut self.get_mut().0;
         this.drained = true;
         if let Some(conn) = this.conn.as_mut() {
             Pin::new(conn).graceful_shutdown();
@@ -259,20 +301,17 @@ impl Drains for Parkable {
 
 /// Bytes of a head begun: what hyper had read of them, then what it had not yet read of the
 /// bytes an earlier park handed it.
-trait ChainRest {
-    fn chain_rest(self, rest: Bytes) -> Bytes;
-}
-
-impl ChainRest for Bytes {
-    fn chain_rest(self, rest: Bytes) -> Bytes {
-        if self.is_empty() {
-            return rest;
-        }
-        let mut v = Vec::with_capacity(self.len() + rest.len());
-        v.extend_from_slice(&self);
-        v.extend_from_slice(&rest);
-        Bytes::from(v)
+fn join(read: Bytes, rest: Bytes) -> Bytes {
+    if read.is_empty() {
+        return rest;
     }
+    if rest.is_empty() {
+        return read;
+    }
+    let mut v = Vec::with_capacity(read.len() + rest.len());
+    v.extend_from_slice(&read);
+    v.extend_from_slice(&rest);
+    Bytes::from(v)
 }
 
 /// Serves an HTTP/1 connection: hyper while requests come, parked (the socket alone) while
@@ -290,7 +329,7 @@ pub async fn serve_http1(
     let mut first_deadline = None;
     loop {
         let timer = ConnTimer::parking(PARK_AFTER, first_deadline);
-        let read_any = Arc::new(AtomicBool::new(false));
+        let seen = Arc::new(Seen::default());
         let conn = {
             // Dropped here, not held (with its timer) while the connection is parked.
             let mut b = builder.clone();
@@ -299,23 +338,22 @@ pub async fn serve_http1(
                 handler: handler.clone(),
                 started: started.clone(),
             };
-            b.serve_connection(Rewind::new(io, begun, read_any.clone()), counted)
+            b.serve_connection(Rewind::new(io, begun, seen.clone()), counted)
         };
-        let parkable = Parkable {
+        let stretch = Stretch(Parkable {
             conn: Some(conn),
             timer,
             started_before: started.load(Ordering::Relaxed),
-            read_any,
+            seen,
             started: started.clone(),
             parking: None,
             drained: false,
-            closing: None,
-        };
+        });
         let Ended::Parked {
             io: parked,
             begun: head,
             deadline,
-        } = Watched::new(stop, drain, parkable).await?
+        } = Watched::new(stop, drain, stretch).await?
         else {
             return Ok(());
         };
@@ -328,7 +366,9 @@ pub async fn serve_http1(
             continue;
         }
         begun = Bytes::new();
-        first_deadline = None;
+        // The next head is still the one this wait began for: it ends by this wait's deadline
+        // (a wake, or a request begun just before it, gets no fresh `header_timeout`).
+        first_deadline = Some(deadline);
         // Parked: the socket alone waits for the next request.
         let _parked = ParkedGuard::new();
         tokio::select! {

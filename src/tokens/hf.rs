@@ -1,5 +1,6 @@
 //! Counting through a Hugging Face `tokenizer.json` (vLLM's and Ollama's models): the count
-//! `encode_fast(text, false)` would hold, without building that encoding.
+//! `encode_fast(text, false)` would hold before any `truncation` or `padding` the file sets (a
+//! count is of the whole text), without building that encoding.
 //!
 //! The tokenizer's own steps run as `encode_fast` runs them — added tokens split out, the rest
 //! normalized — then each piece's tokens come from the model, once for each distinct piece
@@ -112,7 +113,7 @@ impl HfTokenizer {
                 } else {
                     Cow::Borrowed(segment)
                 };
-            f.pieces(&segment, |piece| {
+            let whole = f.pieces(&segment, |piece| {
                 if failed.is_some() {
                     return;
                 }
@@ -130,6 +131,11 @@ impl HfTokenizer {
                     Err(e) => failed = Some(e),
                 }
             });
+            if !whole {
+                // A match of nothing (a pattern whose matches can be empty where they sit):
+                // the rules of each engine differ there, so the tokenizer's own counts.
+                return self.count_general(text);
+            }
         }
         match failed {
             Some(e) => Err(e),
@@ -140,13 +146,15 @@ impl HfTokenizer {
 
 /// A byte-level pre-tokenizer's split, by the `regex` crate.
 struct FastSplit {
-    /// The pattern, its lookahead tail replaced by `\s+`.
+    /// The pattern, its lookahead tail replaced by `\s+` in a group of its own ([`TAIL_GROUP`]).
     re: regex::Regex,
-    /// The pattern's alternatives before that tail (`None`: it had none): a whitespace match
-    /// they do not make at its start came from the tail.
-    head: Option<regex::Regex>,
+    /// Whether the pattern had that tail.
+    tail: bool,
     add_prefix_space: bool,
 }
+
+/// The name of the group the tail's `\s+` is matched in.
+const TAIL_GROUP: &str = "autohedge_tail";
 
 impl FastSplit {
     /// The fast split for `tok`'s pre-tokenizer, if it is one of the byte-level shapes and its
@@ -179,40 +187,49 @@ impl FastSplit {
     }
 
     fn new(pattern: &str, add_prefix_space: bool) -> Option<FastSplit> {
-        let (full, head) = match pattern.strip_suffix(TAIL) {
-            Some(h) => (format!("{h}|\\s+"), Some(regex::Regex::new(h).ok()?)),
-            None => (pattern.to_string(), None),
+        let (full, tail) = match pattern.strip_suffix(TAIL) {
+            Some(h) => (format!("(?:{h})|(?P<{TAIL_GROUP}>\\s+)"), true),
+            None => (pattern.to_string(), false),
         };
         // Lookarounds and backreferences do not compile here: the tokenizer's own then.
         let re = regex::Regex::new(&full).ok()?;
-        // A pattern that can match nothing splits by rules of each engine's own.
-        if re.is_match("") || head.as_ref().is_some_and(|h| h.is_match("")) {
+        // A pattern that matches nothing at all splits by rules of each engine's own (one that
+        // matches nothing only where it sits is caught as it splits: `pieces`).
+        if re.is_match("") {
             return None;
         }
         Some(FastSplit {
             re,
-            head,
+            tail,
             add_prefix_space,
         })
     }
 
     /// Calls `f` with each piece of `text` in order: the pattern's matches and what lies
-    /// between them, as `Split` with `Isolated` makes them.
-    fn pieces<'t>(&self, text: &'t str, mut f: impl FnMut(&'t str)) {
+    /// between them, as `Split` with `Isolated` makes them. `false` (and not every piece
+    /// given) if a match was empty.
+    fn pieces<'t>(&self, text: &'t str, mut f: impl FnMut(&'t str)) -> bool {
         let mut pos = 0;
         while pos < text.len() {
             let Some(m) = self.re.find_at(text, pos) else {
                 f(&text[pos..]);
-                return;
+                return true;
             };
+            if m.start() == m.end() {
+                return false;
+            }
             if m.start() > pos {
                 f(&text[pos..m.start()]);
             }
             let mut end = m.end();
-            if let Some(head) = &self.head
+            // Only a match that begins with a space can be the tail's; the groups (a slower
+            // search, over this match alone) say whether it is.
+            if self.tail
                 && m.as_str().starts_with(char::is_whitespace)
-                // Leftmost-first: had the earlier alternatives matched here, this is theirs.
-                && head.find_at(text, m.start()).map(|h| h.start()) != Some(m.start())
+                && self
+                    .re
+                    .captures_at(text, m.start())
+                    .is_some_and(|c| c.name(TAIL_GROUP).is_some())
             {
                 // The tail's run of whitespace: `\s+(?!\S)` gives back its last character
                 // when a non-space follows (a run of one is `\s+`'s, kept whole).
@@ -228,6 +245,7 @@ impl FastSplit {
             f(&text[m.start()..end]);
             pos = end;
         }
+        true
     }
 }
 
@@ -382,6 +400,36 @@ mod tests {
         }
         // The added tokens are what the texts say they are: one token each.
         assert_eq!(KINDS[0].1.count("<|im_start|>").unwrap(), 1);
+    }
+
+    /// A pattern whose matches can be empty where they sit (`\b` alone): counting neither
+    /// loops nor differs, the tokenizer's own pre-tokenizer takes over.
+    #[test]
+    fn a_pattern_that_matches_nothing_somewhere_counts_by_the_tokenizers_own_rules() {
+        let pattern = r"\p{L}*\b|\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+        let tok = bpe(
+            Sequence::new(vec![
+                Split::new(
+                    SplitPattern::Regex(pattern.into()),
+                    SplitDelimiterBehavior::Isolated,
+                    false,
+                )
+                .unwrap()
+                .into(),
+                ByteLevel::new(false, true, false).into(),
+            ]),
+            ByteLevel::alphabet().into_iter().collect(),
+        );
+        assert!(tok.splits_fast(), "the pattern compiles here");
+        for t in [
+            "a b",
+            "The gateway routes.",
+            "  x  ",
+            "12 ab!!",
+            &CORPUS.repeat(2),
+        ] {
+            assert_eq!(tok.count(t).unwrap(), reference(&tok, t), "{t:?}");
+        }
     }
 
     proptest! {

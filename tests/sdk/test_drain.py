@@ -40,26 +40,36 @@ def _health(port):
 
 
 class Spread(httpx.HTTPTransport):
-    """Sends each request (a retry too) to the next gateway in turn, and counts per port what
-    came back: answers by status, and connections that failed."""
+    """Sends each request to the next gateway in turn, a retry to another gateway than the one
+    whose connection just failed (as a balancer redispatches), and counts per port what came
+    back: answers by status, and connections that failed. Without the redispatch, all three of
+    a request's attempts could land on the gateway being restarted (the SDK's retries come
+    within about 1.5 s; a restart on a loaded machine can take longer), which says nothing of
+    how the gateways drain."""
 
     def __init__(self, ports):
         super().__init__()
         self._next = itertools.cycle(ports)
         self._lock = threading.Lock()
+        self._failed = threading.local()
         self.answers = {p: {} for p in ports}
         self.errors = {p: 0 for p in ports}
 
     def handle_request(self, request):
+        avoid = getattr(self._failed, "port", None)
         with self._lock:
             port = next(self._next)
+            if port == avoid:
+                port = next(self._next)
         request.url = request.url.copy_with(port=port)
         try:
             resp = super().handle_request(request)
         except httpx.TransportError:
+            self._failed.port = port
             with self._lock:
                 self.errors[port] += 1
             raise
+        self._failed.port = None
         with self._lock:
             self.answers[port][resp.status_code] = self.answers[port].get(resp.status_code, 0) + 1
         return resp

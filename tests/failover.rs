@@ -1352,12 +1352,7 @@ async fn a_gateway_out_of_file_descriptors_blames_no_endpoint() {
     assert_eq!(header(&r, "x-autohedge-endpoint"), "a");
     assert_eq!(a.requests().await, 1);
     // Counted for an operator's alert: the requests' eight attempts and the probes'.
-    let metrics = reqwest::get(gw.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = gw.metrics().await;
     let n: f64 = metrics
         .lines()
         .find_map(|l| l.strip_prefix("autohedge_out_of_files_total "))

@@ -397,19 +397,6 @@ async fn a_keep_alive_connection_gets_the_whole_header_timeout_for_each_request(
     assert_no_panic(&gw);
 }
 
-/// A `/metrics` value of the gateway (0 when absent).
-async fn metric(gw: &Gw, name: &str) -> f64 {
-    let text = reqwest::get(gw.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
 /// A keep-alive connection idle past `front::idle::PARK_AFTER` (1 s) is parked — hyper's
 /// connection and its buffers dropped, the socket kept — and its next request is served as
 /// any other: one sent whole, one whose head comes in pieces across a park (its bytes served in
@@ -432,14 +419,14 @@ async fn an_idle_keep_alive_connection_is_parked_and_serves_what_comes_next() {
     );
     s.write_all(chat.as_bytes()).unwrap();
     assert!(read_response(&mut s).starts_with("HTTP/1.1 200"));
-    let parks_before = metric(&gw, "autohedge_http1_parks_total").await;
+    let parks_before = gw.metric("autohedge_http1_parks_total").await;
     std::thread::sleep(Duration::from_millis(1_600));
     // Parked: counted, the connection still open.
     assert!(
-        metric(&gw, "autohedge_http1_connections_parked").await >= 1.0,
+        gw.metric("autohedge_http1_connections_parked").await >= 1.0,
         "the idle connection is parked"
     );
-    assert!(metric(&gw, "autohedge_http1_parks_total").await > parks_before);
+    assert!(gw.metric("autohedge_http1_parks_total").await > parks_before);
     s.write_all(chat.as_bytes()).unwrap();
     let second = read_response(&mut s);
     assert!(second.starts_with("HTTP/1.1 200"), "{second}");
@@ -495,7 +482,7 @@ async fn a_head_trickled_across_parks_is_cut_off_at_its_own_header_timeout() {
     assert!(read_response(&mut s).starts_with("HTTP/1.1 200"));
     // The wait for the next head begins about now; a byte every 400 ms from here.
     let began = Instant::now();
-    let parks_before = metric(&gw, "autohedge_http1_parks_total").await;
+    let parks_before = gw.metric("autohedge_http1_parks_total").await;
     let head =
         b"GET /health HTTP/1.1\r\nhost: localhost\r\nx-slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
     let mut cut = None;
@@ -511,7 +498,7 @@ async fn a_head_trickled_across_parks_is_cut_off_at_its_own_header_timeout() {
     }
     // The trickle outlived several park points (every second of waiting).
     assert!(
-        metric(&gw, "autohedge_http1_parks_total").await >= parks_before + 1.0,
+        gw.metric("autohedge_http1_parks_total").await >= parks_before + 1.0,
         "the connection parked as its head trickled in"
     );
     let cut = cut.unwrap_or_else(|| {
@@ -542,10 +529,10 @@ async fn a_head_trickled_after_a_park_is_cut_off_at_the_wait_s_own_deadline() {
         .unwrap();
     assert!(read_response(&mut s).starts_with("HTTP/1.1 200"));
     let answered = Instant::now();
-    let parks_before = metric(&gw, "autohedge_http1_parks_total").await;
+    let parks_before = gw.metric("autohedge_http1_parks_total").await;
     // Parked after a second of waiting; then a head trickled a byte every 400 ms.
     std::thread::sleep(Duration::from_millis(2_500));
-    assert!(metric(&gw, "autohedge_http1_parks_total").await > parks_before);
+    assert!(gw.metric("autohedge_http1_parks_total").await > parks_before);
     let mut cut = None;
     for b in b"GET /health HTTP/1.1\r\nhost: localhost\r\nx-slow: aaaaaaaaaaaaaaaaaaaaaaaa" {
         if s.write_all(&[*b]).is_err() {

@@ -461,12 +461,7 @@ async fn metrics_show_each_address() {
         1,
         "the bad replica was tried once"
     );
-    let text = reqwest::get(gw.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = gw.metrics().await;
     for (url, ejections) in [(good.base(), 0), (bad.base(), 1)] {
         let line = format!(
             "autohedge_address_ejections_total{{endpoint=\"m\",address=\"{url}\"}} {ejections}"

@@ -1089,12 +1089,7 @@ async fn a_clients_own_key_failing_at_a_replica_ejects_it_for_no_one() {
         r0.requests().await > before,
         "the refusing replica serves the others"
     );
-    let metrics = reqwest::get(gw.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = gw.metrics().await;
     assert!(
         metrics.contains(&format!(
             "autohedge_address_ejections_total{{endpoint=\"m\",address=\"{}\"}} 0",

@@ -394,12 +394,7 @@ async fn a_collector_that_refuses_or_hangs_costs_spans_never_a_request() {
         assert!(std::time::Instant::now() < deadline, "{o}");
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
-    let metrics = reqwest::get(gw.url("/metrics"))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = gw.metrics().await;
     assert!(
         metrics
             .lines()

@@ -229,24 +229,22 @@ impl Parkable {
     }
 }
 
-impl Future for Parkable {
-    type Output = hyper::Result<Ended>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.get_mut();
+impl Parkable {
+    /// Polls hyper: as its own future (whose end flushes and shuts the socket down), or, once a
+    /// park stands, without the shutdown, handing the parts back.
+    fn poll_conn(&mut self, cx: &mut Context<'_>) -> Poll<hyper::Result<Ended>> {
         loop {
-            let parking = this.parking();
-            let Some(conn) = this.conn.as_mut() else {
+            let parking = self.parking();
+            let Some(conn) = self.conn.as_mut() else {
                 return Poll::Ready(Ok(Ended::Closed));
             };
             let Some(deadline) = parking else {
-                // hyper's own future: its end flushes and shuts the socket down.
                 let r = ready!(Pin::new(conn).poll(cx));
-                this.conn = None;
+                self.conn = None;
                 return Poll::Ready(r.map(|()| Ended::Closed));
             };
             ready!(conn.poll_without_shutdown(cx))?;
-            let Some(conn) = this.conn.take() else {
+            let Some(conn) = self.conn.take() else {
                 continue;
             };
             let parts = conn.into_parts();
@@ -259,39 +257,31 @@ impl Future for Parkable {
     }
 }
 
-impl Parkable {
+impl Future for Parkable {
+    type Output = hyper::Result<Ended>;
+
     /// Polls hyper, then asks for a park if the timer says the wait for a head has lasted
     /// [`PARK_AFTER`] and a park may be asked for now.
-    fn poll_parking(&mut self, cx: &mut Context<'_>) -> Poll<hyper::Result<Ended>> {
-        let r = Pin::new(&mut *self).poll(cx);
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let r = this.poll_conn(cx);
         if r.is_pending()
-            && let Some(deadline) = self.timer.take_park()
-            && self.may_park()
+            && let Some(deadline) = this.timer.take_park()
+            && this.may_park()
         {
-            self.parking = Some((deadline, self.started.load(Ordering::Relaxed)));
-            if let Some(conn) = self.conn.as_mut() {
+            this.parking = Some((deadline, this.started.load(Ordering::Relaxed)));
+            if let Some(conn) = this.conn.as_mut() {
                 Pin::new(conn).graceful_shutdown();
             }
-            return Pin::new(&mut *self).poll(cx);
+            return this.poll_conn(cx);
         }
         r
     }
 }
 
-/// The front of a stretch's service: [`Parkable::poll_parking`] as a future.
-struct Stretch(Parkable);
-
-impl Future for Stretch {
-    type Output = hyper::Result<Ended>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.get_mut().0.poll_parking(cx)
-    }
-}
-
-impl Drains for Stretch {
+impl Drains for Parkable {
     fn drain(self: Pin<&mut Self>) {
-        let this = &mut self.get_mut().0;
+        let this = self.get_mut();
         this.drained = true;
         if let Some(conn) = this.conn.as_mut() {
             Pin::new(conn).graceful_shutdown();
@@ -340,7 +330,7 @@ pub async fn serve_http1(
             };
             b.serve_connection(Rewind::new(io, begun, seen.clone()), counted)
         };
-        let stretch = Stretch(Parkable {
+        let stretch = Parkable {
             conn: Some(conn),
             timer,
             started_before: started.load(Ordering::Relaxed),
@@ -348,7 +338,7 @@ pub async fn serve_http1(
             started: started.clone(),
             parking: None,
             drained: false,
-        });
+        };
         let Ended::Parked {
             io: parked,
             begun: head,

@@ -323,14 +323,12 @@ mod tests {
         HfTokenizer::new(tok)
     }
 
-    static KINDS: LazyLock<Vec<(&str, HfTokenizer)>> = LazyLock::new(|| {
-        let alphabet = || ByteLevel::alphabet().into_iter().collect::<Vec<_>>();
-        let gpt2 = bpe(ByteLevel::default(), alphabet());
-        let gpt2_no_prefix = bpe(ByteLevel::new(false, true, true), alphabet());
-        let llama3 = bpe(
+    /// A BPE behind a `Split` on `pattern` then a regex-less `ByteLevel` (Llama 3's shape).
+    fn split_then_byte_level(pattern: &str) -> HfTokenizer {
+        bpe(
             Sequence::new(vec![
                 Split::new(
-                    SplitPattern::Regex(LLAMA3.into()),
+                    SplitPattern::Regex(pattern.into()),
                     SplitDelimiterBehavior::Isolated,
                     false,
                 )
@@ -338,8 +336,15 @@ mod tests {
                 .into(),
                 ByteLevel::new(false, true, false).into(),
             ]),
-            alphabet(),
-        );
+            ByteLevel::alphabet().into_iter().collect(),
+        )
+    }
+
+    static KINDS: LazyLock<Vec<(&str, HfTokenizer)>> = LazyLock::new(|| {
+        let alphabet = || ByteLevel::alphabet().into_iter().collect::<Vec<_>>();
+        let gpt2 = bpe(ByteLevel::default(), alphabet());
+        let gpt2_no_prefix = bpe(ByteLevel::new(false, true, true), alphabet());
+        let llama3 = split_then_byte_level(LLAMA3);
         let metaspace = bpe(Metaspace::new('▁', PrependScheme::First, true), Vec::new());
         let mut word_piece = Tokenizer::new(WordPiece::default());
         word_piece.with_normalizer(Some(BertNormalizer::default()));
@@ -407,19 +412,7 @@ mod tests {
     #[test]
     fn a_pattern_that_matches_nothing_somewhere_counts_by_the_tokenizers_own_rules() {
         let pattern = r"\p{L}*\b|\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
-        let tok = bpe(
-            Sequence::new(vec![
-                Split::new(
-                    SplitPattern::Regex(pattern.into()),
-                    SplitDelimiterBehavior::Isolated,
-                    false,
-                )
-                .unwrap()
-                .into(),
-                ByteLevel::new(false, true, false).into(),
-            ]),
-            ByteLevel::alphabet().into_iter().collect(),
-        );
+        let tok = split_then_byte_level(pattern);
         assert!(tok.splits_fast(), "the pattern compiles here");
         for t in [
             "a b",

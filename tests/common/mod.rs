@@ -349,6 +349,25 @@ impl Gw {
             .unwrap()
     }
 
+    /// `/metrics` as text.
+    pub async fn metrics(&self) -> String {
+        reqwest::get(self.url("/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    }
+
+    /// One unlabelled `/metrics` value (0 when absent).
+    pub async fn metric(&self, name: &str) -> f64 {
+        self.metrics()
+            .await
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+            .unwrap_or(0.0)
+    }
+
     /// One SIGHUP: the gateway reloads its config.
     pub fn hup(&self) {
         assert!(signal(self.pid(), "HUP"), "kill -HUP {}", self.pid());

@@ -1577,6 +1577,95 @@ async fn one_keys_flood_weighs_no_more_than_the_other_keys_failures() {
     gw.stop();
 }
 
+/// Key A's easy requests, answered at the route's first endpoint, outnumber eight to one the
+/// requests of keys B and C, which that endpoint fails (and the second serves). Everyone's
+/// success rate there stays above `success_threshold` (what `/status` shows); routing reads B's
+/// and C's outcomes as they are and puts the endpoint behind its fallback, so their requests stop
+/// meeting its failures first. One key's answers, however many, hide nothing from the others.
+#[tokio::test]
+async fn one_keys_answers_keep_no_endpoint_failing_the_others_ahead() {
+    let a = MockUp::openai(
+        "name: a\nrules: [{when: {contains: HARD}, status: 500, error: \"engine crashed\"}]",
+    )
+    .await;
+    let b = MockUp::openai("name: b").await;
+    let cfg = format!(
+        r#"models:
+  a: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
+  b: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
+routes:
+  chat: [a, b]
+auth:
+  keys:
+    - {{ name: busy, key: env:KEY_A }}
+    - {{ name: victim, key: env:KEY_B }}
+    - {{ name: third, key: env:KEY_C }}
+health: {{ probe_interval: 1h, eject_after: 1000 }}
+routing_policy: {{ min_samples: 5 }}
+"#,
+        a.base(),
+        b.base()
+    );
+    const KEY_C: &str = "sk-third-0123456789";
+    let mut gw = Gw::start_with_env(&cfg, &keys_env(&[("KEY_C", KEY_C)]));
+    gw.ready().await;
+    let easy = json!([{"role": "user", "content": "hello"}]);
+    let hard = json!([{"role": "user", "content": "HARD question"}]);
+    let busy = |n: usize| {
+        let (gw, easy) = (&gw, &easy);
+        async move {
+            for _ in 0..n {
+                let r = say(gw, KEY_A, "chat", easy).await;
+                assert_eq!(r.status(), 200);
+                assert_eq!(header(&r, "x-autohedge-endpoint"), "a", "A's served at a");
+            }
+        }
+    };
+    busy(16).await;
+    // Three failures of two other keys (too few to judge before the third), A's answers
+    // between them.
+    for (i, key) in [KEY_B, KEY_C, KEY_B].into_iter().enumerate() {
+        let before = chat_calls_of(&a.stats().await);
+        let r = say(&gw, key, "chat", &hard).await;
+        assert_eq!(r.status(), 200, "failed over");
+        assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+        assert_eq!(
+            chat_calls_of(&a.stats().await),
+            before + 1,
+            "the request met a's failure first"
+        );
+        if i < 2 {
+            busy(8).await;
+        }
+    }
+    let st = gw.status().await;
+    let everyone = st["endpoints"]["a"]["success_rate"].as_f64().unwrap();
+    assert!(
+        everyone > 0.85,
+        "A's answers keep everyone's rate above the threshold: {}",
+        st["endpoints"]["a"]
+    );
+    assert_eq!(
+        st["endpoints"]["a"]["state"], "degraded",
+        "routing's rate, the others' outcomes: {}",
+        st["endpoints"]["a"]
+    );
+    // B's and C's next requests go to b first: a is not called.
+    for key in [KEY_B, KEY_C] {
+        let before = chat_calls_of(&a.stats().await);
+        let r = say(&gw, key, "chat", &hard).await;
+        assert_eq!(r.status(), 200);
+        assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+        assert_eq!(
+            chat_calls_of(&a.stats().await),
+            before,
+            "a is behind its fallback for the others: {}",
+            gw.status().await["endpoints"]["a"]
+        );
+    }
+    gw.stop();
+}
+
 /// Key A sends long prompts in varied scripts, many at once, each counted on the counting
 /// threads (the gateway's shared CPU for long counts); key B's short requests, counted on the
 /// request path, are all answered while A's are still being counted — the counting of one key's

@@ -1201,9 +1201,12 @@ impl Run {
                 });
                 if !self.req.stream {
                     // Streams report their outcome when they end (see `StreamGuard`).
-                    self.app
-                        .registry
-                        .apply(ep, &self.cfg.policy, Effect::Success { latency_ms });
+                    let who = answered_by(&self.cfg, self.client.as_deref());
+                    self.app.registry.apply(
+                        ep,
+                        &self.cfg.policy,
+                        Effect::Success { latency_ms, who },
+                    );
                 }
                 return Settled::Done(EndpointOutcome::Served(Box::new(success)));
             }
@@ -1540,6 +1543,12 @@ pub(crate) fn witness(cfg: &Config, client: Option<&str>, class: Outcome) -> Wit
     Witness::of(client, cfg.auth.keys.as_ref().map_or(0, Vec::len), sure)
 }
 
+/// Who saw an answer to a request of `client` ([`Witness`]): one key's answers weigh no more
+/// than the others' in a failure rate.
+pub(crate) fn answered_by(cfg: &Config, client: Option<&str>) -> Witness {
+    Witness::of(client, cfg.auth.keys.as_ref().map_or(0, Vec::len), false)
+}
+
 /// How an attempt's address did: an answer teaches its latency; a failure of the address's own
 /// (no connection, the connection lost, a 5xx, a timeout) counts toward ejecting it alone as its
 /// client key saw it ([`witness`]) — unless the attempt was made with the request's own key
@@ -1556,9 +1565,13 @@ fn address_feedback(
     let Some(ep) = ep else { return };
     let t = &tuning(cfg, ep);
     match result {
-        Ok(_) => app
-            .registry
-            .address_answered(endpoint, base, sent.elapsed(), t),
+        Ok(_) => app.registry.address_answered(
+            endpoint,
+            base,
+            sent.elapsed(),
+            answered_by(cfg, client),
+            t,
+        ),
         Err(f) if address_fault(f.class) && !own_key => {
             app.registry
                 .address_failed(endpoint, base, witness(cfg, client, f.class), t)

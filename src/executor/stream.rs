@@ -190,6 +190,7 @@ impl StreamGuard {
                     &self.cfg.policy,
                     Effect::Success {
                         latency_ms: ttft_ms,
+                        who: super::answered_by(&self.cfg, row.client_key.as_deref()),
                     },
                 );
             }

@@ -3,7 +3,10 @@
 //! a silent first token may come from what one client asked (a prompt that crashes the model, a
 //! prompt too long to start in time), so such failures eject an address or an endpoint for
 //! everyone only once a second client key saw them too. One key's requests can never take a
-//! server away from the other keys (it still fails over, its own requests retried elsewhere).
+//! server away from the other keys (it still fails over, its own requests retried elsewhere),
+//! and one key's answers can never keep a server failing the others: a rate weighs each key's
+//! outcomes at most as much as the others' together and is judged with any one key left out
+//! ([`Tally`]).
 
 /// Who saw a failure.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -112,61 +115,232 @@ impl Witnesses {
     }
 }
 
-/// A server's last [`WINDOW`] outcomes with their witnesses, and its current run of failures:
-/// the failure rate and the failures in a row an ejection reads, counting only what
-/// [`Witnesses::counted`] lets through.
-#[derive(Clone, Debug)]
+/// Answers and failures by who saw them: what a failure *rate* reads. Each client key's
+/// outcomes weigh at most as much as everyone else's together, the commonest failing key's
+/// failures count at most as much as the others' failures ([`Witnesses::counted`]'s rule), and
+/// the rate is the worst that holds with any one key left out: so one key's answers (its own
+/// easy prompts, however many) cannot hide a server failing the other keys, and its failures
+/// (however many) cannot convict a server serving them. What one key can still do is what any
+/// second witness does: corroborate another key's failures (the rule asks for two).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Tally {
+    /// Keys with (answers, failures) (`n == 0`: an empty slot), kept by the Space-Saving rule
+    /// on their outcomes: a new key when all are taken replaces the least seen and inherits its
+    /// counts.
+    keys: [(u64, u32, u32); TRACKED],
+    sure: (u32, u32),
+}
+
+impl Tally {
+    /// One outcome of `w`'s: an answer or a failure.
+    pub fn add(&mut self, w: Witness, failed: bool) {
+        let (ok, bad) = if failed { (0, 1) } else { (1, 0) };
+        self.add_n(w, ok, bad);
+    }
+
+    fn add_n(&mut self, w: Witness, ok: u32, bad: u32) {
+        if ok == 0 && bad == 0 {
+            return;
+        }
+        let k = match w {
+            Witness::Sure => {
+                self.sure.0 = self.sure.0.saturating_add(ok);
+                self.sure.1 = self.sure.1.saturating_add(bad);
+                return;
+            }
+            Witness::Key(k) => k,
+        };
+        let seen = |s: &(u64, u32, u32)| u64::from(s.1) + u64::from(s.2);
+        let slot = match self.keys.iter().position(|s| seen(s) > 0 && s.0 == k) {
+            Some(i) => i,
+            None => {
+                let Some(i) = (0..TRACKED).min_by_key(|i| seen(&self.keys[*i])) else {
+                    return;
+                };
+                self.keys[i].0 = k;
+                i
+            }
+        };
+        let s = &mut self.keys[slot];
+        s.1 = s.1.saturating_add(ok);
+        s.2 = s.2.saturating_add(bad);
+    }
+
+    /// Both tallies together.
+    pub fn merge(&mut self, other: Tally) {
+        for (k, ok, bad) in other.keys {
+            self.add_n(Witness::Key(k), ok, bad);
+        }
+        self.add_n(Witness::Sure, other.sure.0, other.sure.1);
+    }
+
+    /// Every outcome, whoever saw it.
+    pub fn total(&self) -> u64 {
+        let s = u64::from(self.sure.0) + u64::from(self.sure.1);
+        s + self
+            .keys
+            .iter()
+            .map(|(_, ok, bad)| u64::from(*ok) + u64::from(*bad))
+            .sum::<u64>()
+    }
+
+    /// The failure rate that counts, once the outcomes it reads weigh `min`: the highest of the
+    /// rate of everyone's outcomes and the rates with one key left out (see [`Tally`]). `None`
+    /// while no such set of outcomes weighs `min`.
+    pub fn failure_rate(&self, min: f64) -> Option<f64> {
+        let min = min.max(1.0);
+        let all = judge(&self.keys, self.sure, None);
+        let without = (0..TRACKED)
+            .filter(|i| self.keys[*i].1 > 0 || self.keys[*i].2 > 0)
+            .map(|i| judge(&self.keys, self.sure, Some(i)));
+        std::iter::once(all)
+            .chain(without)
+            .filter(|(_, weight)| *weight >= min)
+            .map(|(counted, weight)| counted / weight)
+            .max_by(f64::total_cmp)
+    }
+}
+
+/// The failures that count and the outcomes they are out of, for the keys (but `left_out`)
+/// and the sure witness: the key seen most weighs at most as much as the rest together (its
+/// answers and failures scaled alike), then the commonest failing key's failures count at most
+/// as much as the other failures.
+fn judge(
+    keys: &[(u64, u32, u32); TRACKED],
+    sure: (u32, u32),
+    left_out: Option<usize>,
+) -> (f64, f64) {
+    let kept = || {
+        keys.iter()
+            .enumerate()
+            .filter(move |(i, _)| Some(*i) != left_out)
+            .map(|(_, (_, ok, bad))| (f64::from(*ok), f64::from(*bad)))
+    };
+    let n_sure = f64::from(sure.0) + f64::from(sure.1);
+    let n_keys: f64 = kept().map(|(ok, bad)| ok + bad).sum();
+    let top = kept().map(|(ok, bad)| ok + bad).fold(0.0, f64::max);
+    let rest = n_sure + n_keys - top;
+    let scale = if top > rest && top > 0.0 {
+        rest / top
+    } else {
+        1.0
+    };
+    // The top key's share scaled (the first key seen that many times, as `top` was found).
+    let mut scaled = false;
+    let mut weight = n_sure;
+    let mut failed = f64::from(sure.1);
+    let mut commonest = 0.0f64;
+    for (ok, bad) in kept() {
+        let s = if !scaled && ok + bad == top {
+            scaled = true;
+            scale
+        } else {
+            1.0
+        };
+        weight += (ok + bad) * s;
+        failed += bad * s;
+        commonest = commonest.max(bad * s);
+    }
+    let others = failed - commonest;
+    (failed.min(2.0 * others), weight)
+}
+
+/// A server's last outcomes, [`WINDOW`] of each client key's (and of the sure witness's), and
+/// its current run of failures: the failure rate ([`Tally::failure_rate`]) and the failures in
+/// a row ([`Witnesses::counted`]) an ejection reads. Each key keeps its own window, so one
+/// key's flood of requests pushes no other key's outcomes out.
+#[derive(Clone, Debug, Default)]
 pub struct Record {
-    /// Ring of outcomes: `None` served, `Some(w)` failed as `w` saw.
-    ring: [Option<Witness>; WINDOW],
-    next: usize,
-    seen: usize,
+    lanes: [Lane; TRACKED],
+    sure: Lane,
+    /// Outcomes recorded: a lane's `used` says how recently (the least recent makes room).
+    tick: u32,
     /// The current run of failures and its witnesses.
     run: Witnesses,
 }
 
-/// Outcomes the failure rate reads.
-pub const WINDOW: usize = 20;
+/// One witness's last [`WINDOW`] outcomes, newest in the lowest bit (`1`: failed).
+#[derive(Clone, Copy, Debug, Default)]
+struct Lane {
+    key: u64,
+    bits: u32,
+    len: u8,
+    used: u32,
+}
 
-impl Default for Record {
-    fn default() -> Record {
-        Record {
-            ring: [None; WINDOW],
-            next: 0,
-            seen: 0,
-            run: Witnesses::default(),
-        }
+impl Lane {
+    fn push(&mut self, failed: bool) {
+        self.bits = (self.bits << 1) | u32::from(failed);
+        self.len = (self.len + 1).min(WINDOW as u8);
+    }
+
+    /// (answers, failures) in the window.
+    fn counts(&self) -> (u32, u32) {
+        let mask = (1u32 << self.len) - 1;
+        let bad = (self.bits & mask).count_ones();
+        (u32::from(self.len) - bad, bad)
     }
 }
 
+/// Outcomes of each witness the failure rate reads.
+pub const WINDOW: usize = 20;
+const _: () = assert!(WINDOW < 32);
+
 impl Record {
-    fn push(&mut self, o: Option<Witness>) {
-        self.ring[self.next] = o;
-        self.next = (self.next + 1) % WINDOW;
-        self.seen = (self.seen + 1).min(WINDOW);
+    fn push(&mut self, w: Witness, failed: bool) {
+        self.tick = self.tick.wrapping_add(1);
+        let lane = match w {
+            Witness::Sure => &mut self.sure,
+            Witness::Key(k) => {
+                let i = match self.lanes.iter().position(|l| l.len > 0 && l.key == k) {
+                    Some(i) => i,
+                    None => {
+                        // An empty lane, or else the least recently used one's key is forgotten.
+                        let tick = self.tick;
+                        let i = (0..TRACKED)
+                            .max_by_key(|i| {
+                                let l = &self.lanes[*i];
+                                (l.len == 0, tick.wrapping_sub(l.used))
+                            })
+                            .unwrap_or(0);
+                        self.lanes[i] = Lane {
+                            key: k,
+                            ..Lane::default()
+                        };
+                        i
+                    }
+                };
+                &mut self.lanes[i]
+            }
+        };
+        lane.used = self.tick;
+        lane.push(failed);
     }
 
-    fn window(&self) -> Witnesses {
-        let mut w = Witnesses::default();
-        for o in self.ring.iter().take(self.seen).flatten() {
-            w.add(*o);
+    /// The window's outcomes by witness.
+    fn tally(&self) -> Tally {
+        let mut t = Tally::default();
+        for (i, l) in self.lanes.iter().enumerate().filter(|(_, l)| l.len > 0) {
+            let (ok, bad) = l.counts();
+            t.keys[i] = (l.key, ok, bad);
         }
-        w
+        t.sure = self.sure.counts();
+        t
     }
 
-    /// A request served: the run of failures ends.
-    pub fn served(&mut self) {
-        self.push(None);
+    /// A request of `w`'s served: the run of failures ends.
+    pub fn served(&mut self, w: Witness) {
+        self.push(w, false);
         self.run = Witnesses::default();
     }
 
     /// A failure as `w` saw it. Whether it added to what counts against the server (in the
-    /// run or the window): a failure that did not may steer nothing.
+    /// run or the rate): a failure that did not may steer nothing.
     pub fn failed(&mut self, w: Witness) -> bool {
-        let (run, window) = (self.run.counted(), self.window().counted());
-        self.push(Some(w));
+        let (run, rate) = (self.run.counted(), self.rate(1).unwrap_or(0.0));
+        self.push(w, true);
         self.run.add(w);
-        self.run.counted() > run || self.window().counted() > window
+        self.run.counted() > run || self.rate(1).unwrap_or(0.0) > rate
     }
 
     /// A probe failed: a sure failure in the run, not an outcome of the window (which is the
@@ -190,13 +364,10 @@ impl Record {
         u32::try_from(self.run.total()).unwrap_or(u32::MAX)
     }
 
-    /// The share of the last outcomes whose failures count, once `min` are known and some do.
+    /// The failure rate that counts ([`Tally::failure_rate`]) once the outcomes it reads weigh
+    /// `min`, when some failures count.
     pub fn rate(&self, min: usize) -> Option<f64> {
-        if self.seen < min.max(1) {
-            return None;
-        }
-        let counted = self.window().counted();
-        (counted > 0).then(|| counted as f64 / self.seen as f64)
+        self.tally().failure_rate(min as f64).filter(|r| *r > 0.0)
     }
 }
 
@@ -206,6 +377,9 @@ mod tests {
 
     const A: Witness = Witness::Key(1);
     const B: Witness = Witness::Key(2);
+    const C: Witness = Witness::Key(3);
+    /// What ejects an address (`balance::RATE_EJECT`).
+    const RATE_EJECT: f64 = 0.25;
 
     #[test]
     fn one_key_alone_convinces_nobody() {
@@ -222,7 +396,11 @@ mod tests {
             2,
             "a second key's failure lets through one of the first key's, not all fifty"
         );
-        assert_eq!(r.rate(10), Some(0.1), "two of the window's twenty count");
+        assert_eq!(
+            r.rate(10),
+            None,
+            "B's one outcome and A's weighed as much: two, too few to judge"
+        );
         assert!(!r.failed(A), "the flood adds nothing more");
         assert_eq!(r.run(), 2);
         for _ in 0..3 {
@@ -234,6 +412,103 @@ mod tests {
             14,
             "others' seven failures let seven of the first key's count"
         );
+    }
+
+    /// Key A's easy requests, however many, answered at an address that fails a third of key
+    /// B's and key C's: the rate reads B's and C's outcomes as they are (before each key had a
+    /// window of its own, A's answers filled the shared one and read 0.1).
+    #[test]
+    fn a_busy_keys_answers_hide_no_failures_of_the_others() {
+        let mut r = Record::default();
+        for i in 0..WINDOW {
+            for k in [B, C] {
+                if i % 3 == 0 {
+                    r.failed(k);
+                } else {
+                    r.served(k);
+                }
+            }
+        }
+        let others = r.rate(10).expect("B and C judged");
+        assert!((others - 14.0 / 40.0).abs() < 1e-9, "{others}");
+        for _ in 0..500 {
+            r.served(A);
+        }
+        assert_eq!(
+            r.rate(10),
+            Some(others),
+            "A's 500 answers change nothing the others' outcomes say"
+        );
+        // As before each key had its own window: one ring of the last 20 outcomes, A's 19.
+        let mut shared = Tally::default();
+        shared.add(B, true);
+        for _ in 0..19 {
+            shared.add(A, false);
+        }
+        let hidden = shared.failure_rate(10.0).unwrap_or(0.0);
+        assert!(hidden < RATE_EJECT, "{hidden}");
+        let mut r = Record::default();
+        for _ in 0..WINDOW {
+            r.served(A);
+        }
+        for _ in 0..3 {
+            r.failed(B);
+            r.failed(C);
+        }
+        for _ in 0..2 {
+            r.served(B);
+            r.served(C);
+        }
+        let rate = r.rate(10).expect("judged");
+        assert!(
+            rate >= RATE_EJECT,
+            "B and C fail 3 of 5, A's twenty answers aside: {rate}"
+        );
+    }
+
+    /// Key A's failures, however many, at an address answering keys B and C: nothing counts;
+    /// one failure of B's lets one of A's count, not all.
+    #[test]
+    fn a_busy_keys_failures_convict_no_server_answering_the_others() {
+        let mut r = Record::default();
+        for _ in 0..WINDOW {
+            r.served(B);
+            r.served(C);
+        }
+        for _ in 0..500 {
+            r.failed(A);
+        }
+        assert_eq!(r.rate(10), None, "A's failures alone count for nothing");
+        assert!(r.failed(B));
+        let rate = r.rate(10).expect("B's failure counts");
+        assert!(rate < 0.1, "B's one and one of A's, of sixty: {rate}");
+    }
+
+    /// Each key keeps its own window: a flood of another key's outcomes pushes none out; a
+    /// key beyond the tracked ones takes the lane least recently used.
+    #[test]
+    fn each_key_keeps_its_own_window() {
+        let mut r = Record::default();
+        r.failed(B);
+        r.failed(C);
+        for _ in 0..100 {
+            r.served(A);
+        }
+        let t = r.tally();
+        assert_eq!(t.total(), 2 + WINDOW as u64, "A's window holds its last 20");
+        for k in 10..(10 + TRACKED as u64 - 3) {
+            r.served(Witness::Key(k));
+        }
+        r.served(A);
+        r.served(B);
+        r.served(C);
+        r.served(Witness::Key(99));
+        let keys: Vec<u64> = r.lanes.iter().map(|l| l.key).collect();
+        assert!(
+            !keys.contains(&10),
+            "the least recently used lane went: {keys:?}"
+        );
+        assert!(keys.contains(&99) && keys.contains(&1) && keys.contains(&2));
     }
 
     #[test]
@@ -283,7 +558,7 @@ mod tests {
         let mut r = Record::default();
         r.failed(Witness::Sure);
         assert_eq!(r.run(), 1);
-        r.served();
+        r.served(Witness::Sure);
         assert_eq!(r.run(), 0);
         r.failed(A);
         assert_eq!(r.run(), 0, "a new run, one key's");
@@ -299,16 +574,84 @@ mod tests {
         let mut r = Record::default();
         r.failed(A);
         r.failed(B);
-        for _ in 0..(WINDOW - 2) {
-            r.served();
+        for _ in 0..(WINDOW - 1) {
+            r.served(A);
+            r.served(B);
         }
-        assert_eq!(r.rate(10), Some(0.1));
-        r.served();
-        r.served();
+        assert_eq!(r.rate(10), Some(0.05), "one of each key's twenty");
+        r.served(A);
+        r.served(B);
         assert_eq!(r.rate(10), None, "both failures left the window");
         let mut short = Record::default();
         short.failed(Witness::Sure);
         assert_eq!(short.rate(10), None, "too few outcomes yet");
+    }
+
+    #[test]
+    fn a_tally_merges_and_many_even_keys_count_every_outcome() {
+        let mut t = Tally::default();
+        for k in 0..6u64 {
+            for i in 0..10 {
+                t.add(Witness::Key(k), i < 3);
+            }
+        }
+        let mut merged = Tally::default();
+        merged.merge(t);
+        merged.merge(t);
+        assert_eq!(merged.total(), 120);
+        for x in [t, merged] {
+            let r = x.failure_rate(10.0).expect("judged");
+            assert!((r - 0.3).abs() < 1e-9, "{r}");
+        }
+        let mut alone = Tally::default();
+        for _ in 0..50 {
+            alone.add(A, true);
+        }
+        assert_eq!(
+            alone.failure_rate(1.0),
+            None,
+            "one key alone weighs nothing"
+        );
+    }
+
+    fn tally_of(keys: &[(u32, u32)], sure: (u32, u32)) -> Tally {
+        let mut t = Tally::default();
+        for (k, (ok, bad)) in keys.iter().enumerate() {
+            t.add_n(Witness::Key(k as u64 + 1), *ok, *bad);
+        }
+        t.add_n(Witness::Sure, sure.0, sure.1);
+        t
+    }
+
+    proptest::proptest! {
+        /// Whatever the outcomes: a rate in [0, 1] or none; and one more key's outcomes,
+        /// answers or failures however many, never bring the rate below what the others'
+        /// outcomes say together.
+        #[test]
+        fn one_more_key_never_lowers_the_others_rate(
+            keys in proptest::collection::vec((0u32..40, 0u32..40), 1..(TRACKED - 1)),
+            sure in (0u32..10, 0u32..10),
+            extra in (0u32..100_000, 0u32..100_000),
+            min in 1u32..30,
+        ) {
+            let others = tally_of(&keys, sure);
+            let mut with = others;
+            with.add_n(Witness::Key(1_000), extra.0, extra.1);
+            for t in [others, with] {
+                if let Some(r) = t.failure_rate(f64::from(min)) {
+                    proptest::prop_assert!((0.0..=1.0).contains(&r), "{r}");
+                }
+            }
+            let (counted, weight) = judge(&others.keys, others.sure, None);
+            if weight >= f64::from(min) {
+                let floor = counted / weight;
+                let r = with.failure_rate(f64::from(min));
+                proptest::prop_assert!(
+                    r.is_some_and(|r| r >= floor - 1e-9),
+                    "others say {floor}, with one more key {r:?}"
+                );
+            }
+        }
     }
 
     #[test]

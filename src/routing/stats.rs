@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::routing::blame::{Witness, Witnesses};
+use crate::routing::blame::{Tally, Witness};
 
 /// The window is split into this many buckets. Twelve keeps the error of "what fell out of the
 /// window" under 1/12 of its length while costing a dozen counters per endpoint.
@@ -20,8 +20,9 @@ pub struct Counts {
     /// The largest prompt + completion (tokens) of a request served in full: what the endpoint
     /// has shown it holds, the floor under any context window learned from an error.
     pub served_max: u64,
-    /// Who saw the failures: one client key's alone demote nothing ([`Counts::routing_rate`]).
-    pub witnesses: Witnesses,
+    /// Who saw the answers and the failures: one client key's alone demote nothing, and hide
+    /// nothing ([`Counts::routing_rate`]).
+    pub tally: Tally,
 }
 
 impl Counts {
@@ -39,13 +40,15 @@ impl Counts {
         }
     }
 
-    /// The success rate routing demotes on: failures only one client key saw (its content may
-    /// be their cause) are left out, so one key cannot push an endpoint behind its fallbacks
-    /// for everyone. `/status` shows [`Counts::rate`], every failure.
+    /// The success rate routing demotes on ([`Tally::failure_rate`]): failures only one client
+    /// key saw (its content may be their cause) are left out, so one key cannot push an
+    /// endpoint behind its fallbacks for everyone, and one key's answers weigh no more than the
+    /// others', so one key cannot keep an endpoint failing the others ahead of its fallbacks.
+    /// `/status` shows [`Counts::rate`], every outcome.
     pub fn routing_rate(&self, min_samples: u32) -> Option<f64> {
-        let failed = self.witnesses.counted().min(self.failed);
-        let total = self.ok + failed;
-        (total > 0 && total >= u64::from(min_samples)).then(|| self.ok as f64 / total as f64)
+        self.tally
+            .failure_rate(f64::from(min_samples))
+            .map(|failed| 1.0 - failed)
     }
 }
 
@@ -132,16 +135,15 @@ impl RollingWindow {
         &mut self.buckets[last].counts
     }
 
-    /// An outcome: `None` served, `Some(who)` failed as `who` saw it.
-    pub fn record(&mut self, now: Instant, failed: Option<Witness>) {
+    /// An outcome as `who` saw it: served, or `failed`.
+    pub fn record(&mut self, now: Instant, who: Witness, failed: bool) {
         let c = self.current(now);
-        match failed {
-            None => c.ok += 1,
-            Some(who) => {
-                c.failed += 1;
-                c.witnesses.add(who);
-            }
+        if failed {
+            c.failed += 1;
+        } else {
+            c.ok += 1;
         }
+        c.tally.add(who, failed);
     }
 
     /// A request of `tokens` (prompt + completion) was served in full.
@@ -160,7 +162,7 @@ impl RollingWindow {
                 sum.ok += c.ok;
                 sum.failed += c.failed;
                 sum.served_max = sum.served_max.max(c.served_max);
-                sum.witnesses.merge(c.witnesses);
+                sum.tally.merge(c.tally);
             }
         }
         sum
@@ -245,11 +247,11 @@ mod tests {
         let mut w = RollingWindow::new(Duration::from_secs(60));
         let t0 = Instant::now();
         for _ in 0..5 {
-            w.record(t0, Some(Witness::Sure));
+            w.record(t0, Witness::Sure, true);
         }
         tokio::time::advance(Duration::from_secs(30)).await;
         for _ in 0..5 {
-            w.record(Instant::now(), None);
+            w.record(Instant::now(), Witness::Sure, false);
         }
         let c = w.counts(Instant::now());
         assert_eq!((c.ok, c.failed), (5, 5));
@@ -266,10 +268,10 @@ mod tests {
     async fn a_resized_window_keeps_what_fits_and_forgets_by_its_new_length() {
         let mut w = RollingWindow::new(Duration::from_secs(60));
         for _ in 0..5 {
-            w.record(Instant::now(), Some(Witness::Sure));
+            w.record(Instant::now(), Witness::Sure, true);
         }
         tokio::time::advance(Duration::from_secs(30)).await;
-        w.record(Instant::now(), None);
+        w.record(Instant::now(), Witness::Sure, false);
         w.resize(Duration::from_secs(40), Instant::now());
         let c = w.counts(Instant::now());
         assert_eq!((c.ok, c.failed), (1, 5), "30 s old: inside 40 s");
@@ -281,9 +283,9 @@ mod tests {
             "41 s old: out of 40 s (it had 60)"
         );
         // Buckets are as wide as the new window makes them: 40 s / 12.
-        w.record(Instant::now(), None);
+        w.record(Instant::now(), Witness::Sure, false);
         tokio::time::advance(Duration::from_millis(3_400)).await;
-        w.record(Instant::now(), Some(Witness::Sure));
+        w.record(Instant::now(), Witness::Sure, true);
         tokio::time::advance(Duration::from_millis(36_700)).await;
         let c = w.counts(Instant::now());
         assert_eq!(
@@ -312,7 +314,7 @@ mod tests {
             ok: 1,
             failed: 1,
             served_max: 0,
-            witnesses: Witnesses::default(),
+            tally: Tally::default(),
         };
         assert_eq!(c.rate(10), None);
         assert_eq!(c.rate(2), Some(0.5));
@@ -325,33 +327,60 @@ mod tests {
         let mut w = RollingWindow::new(Duration::from_secs(60));
         let now = Instant::now();
         for _ in 0..8 {
-            w.record(now, Some(Witness::Key(1)));
+            w.record(now, Witness::Key(1), true);
         }
-        w.record(now, None);
-        w.record(now, None);
+        w.record(now, Witness::Key(2), false);
+        w.record(now, Witness::Key(2), false);
         let c = w.counts(now);
         assert_eq!(c.rate(2), Some(0.2));
         assert_eq!(c.routing_rate(2), Some(1.0));
-        assert_eq!(c.routing_rate(3), None, "two answers are too few to judge");
+        assert_eq!(
+            c.routing_rate(5),
+            None,
+            "key 1's eight weigh as key 2's two: four are too few to judge"
+        );
         tokio::time::advance(Duration::from_secs(20)).await;
         let now = Instant::now();
-        w.record(now, Some(Witness::Key(2)));
+        w.record(now, Witness::Key(2), true);
         let c = w.counts(now);
         assert_eq!(
             c.routing_rate(2),
-            Some(0.5),
-            "a second key's one failure lets one of the first key's eight count, not all"
+            Some(1.0 - 2.0 / 6.0),
+            "key 2's one failure lets one of key 1's count, not all: two of six"
         );
         for k in 3..10 {
-            w.record(now, Some(Witness::Key(k)));
+            w.record(now, Witness::Key(k), true);
         }
         let c = w.counts(now);
+        assert!(c.rate(2).unwrap() < 0.2, "/status: {:?}", c.rate(2));
         assert_eq!(
             c.routing_rate(2),
-            c.rate(2),
-            "as many other keys' failures as the first key's: every failure counts"
+            Some(0.0),
+            "eight keys failed every request, one key had answers: with it left out, nothing \
+             is served"
         );
-        assert!(c.rate(2).unwrap() < 0.2);
+    }
+
+    /// Key 1's easy requests, a thousand answers in the window, beside keys 2 and 3 failing
+    /// half of theirs: routing reads the endpoint as the other keys meet it (before answers had
+    /// witnesses, 0.99), `/status`'s rate as everyone does.
+    #[tokio::test(start_paused = true)]
+    async fn one_keys_answers_keep_no_endpoint_failing_the_others_ahead() {
+        let mut w = RollingWindow::new(Duration::from_secs(60));
+        let now = Instant::now();
+        for i in 0..10 {
+            for k in [2, 3] {
+                w.record(now, Witness::Key(k), i % 2 == 0);
+            }
+        }
+        let others = w.counts(now).routing_rate(10).expect("judged");
+        assert!((others - 0.5).abs() < 1e-9, "{others}");
+        for _ in 0..1000 {
+            w.record(now, Witness::Key(1), false);
+        }
+        let c = w.counts(now);
+        assert!(c.rate(10).unwrap() > 0.99, "everyone's: {:?}", c.rate(10));
+        assert_eq!(c.routing_rate(10), Some(others));
     }
 
     #[test]

@@ -103,9 +103,17 @@ impl Registry {
         Ok(Some(Picked { base, in_flight }))
     }
 
-    /// An attempt at `base` answered in `rtt`: its latency estimate learns it.
-    pub fn address_answered(&self, endpoint: &str, base: &str, rtt: Duration, t: &Tuning) {
-        self.with_address(endpoint, base, |a, now| a.observe(rtt, now, t));
+    /// An attempt at `base` answered in `rtt`, to a request `who` sent: its latency estimate
+    /// learns it.
+    pub fn address_answered(
+        &self,
+        endpoint: &str,
+        base: &str,
+        rtt: Duration,
+        who: Witness,
+        t: &Tuning,
+    ) {
+        self.with_address(endpoint, base, |a, now| a.observe(rtt, now, t, who));
     }
 
     /// An attempt at `base` ran out of its time after `rtt`: learned as latency only.

@@ -13,8 +13,8 @@ use crate::routing::observed::Fact;
 /// What one attempt's outcome does to the endpoint's state.
 #[derive(Debug, Clone)]
 pub enum Effect {
-    /// Served: counts as a success.
-    Success { latency_ms: f64 },
+    /// Served: counts as a success, seen by `who` (the request's key, [`Witness`]).
+    Success { latency_ms: f64, who: Witness },
     /// Counts against the endpoint (connect error, timeout, 5xx, broken stream), as `who` saw
     /// it: a run of failures one client key alone saw ejects nothing ([`Witness`]).
     Failure {
@@ -39,9 +39,9 @@ impl Registry {
         let now = Instant::now();
         let mut rt = lock(&rt);
         match effect {
-            Effect::Success { latency_ms } => {
+            Effect::Success { latency_ms, who } => {
                 rt.health.observe_traffic(now, None, "", &policy.health);
-                rt.window.record(now, None);
+                rt.window.record(now, who, false);
                 rt.latency.observe(latency_ms);
                 rt.samples.push(latency_ms);
                 rt.requests += 1;
@@ -49,7 +49,7 @@ impl Registry {
                 false
             }
             Effect::Failure { class, detail, who } => {
-                rt.window.record(now, Some(who));
+                rt.window.record(now, who, true);
                 rt.requests += 1;
                 rt.failures += 1;
                 rt.last_error = Some((format!("{class}: {detail}"), SystemTime::now()));

@@ -423,3 +423,89 @@ async fn a_collector_that_refuses_or_hangs_costs_spans_never_a_request() {
     assert_eq!(seen.as_array().unwrap().last(), Some(&json!(parent)));
     gw.stop();
 }
+
+/// Key A floods requests while the collector hangs (the exporter holds one batch for its 5 s
+/// timeout): the queue takes A's spans up to half its spans (or, with long prompts captured,
+/// half its bytes) and drops the rest (counted); key B's spans, sent after the flood, are all
+/// queued and all reach the collector once it answers again.
+#[tokio::test]
+async fn one_keys_flood_of_spans_drops_none_of_another_keys() {
+    const KEY_B: &str = "sk-team-b-secret-000002";
+    for (limits, prompt) in [
+        ("max_queue_spans: 40", "hi".to_string()),
+        (
+            "max_queue_spans: 100000, max_queue_bytes: 256KiB",
+            "long prompt ".repeat(1500),
+        ),
+    ] {
+        let up = MockUp::openai("name: a").await;
+        let col = Collector::start().await;
+        let cfg = format!(
+            "models:\n  a: {{ type: openai, base_url: \"{}\" }}\nauth:\n  keys:\n    - {{ name: team-a, key: env:KEY_A }}\n    - {{ name: team-b, key: env:KEY_B }}\nhealth: {{ probe_interval: 1h }}\ntelemetry:\n  otlp: {{ endpoint: \"{}\", capture_content: true, {limits} }}\n",
+            up.base(),
+            col.url()
+        );
+        let mut gw = Gw::start_with_env(&cfg, &[("KEY_A", KEY_A), ("KEY_B", KEY_B)]);
+        gw.ready().await;
+        let send = |key: &'static str, content: String| {
+            let gw = &gw;
+            async move {
+                let r = reqwest::Client::new()
+                    .post(gw.url("/v1/chat/completions"))
+                    .bearer_auth(key)
+                    .json(
+                        &json!({"model": "a", "messages": [{"role": "user", "content": content}]}),
+                    )
+                    .send()
+                    .await
+                    .unwrap();
+                assert_eq!(r.status(), 200);
+            }
+        };
+        col.set(Mode::Hang);
+        send(KEY_A, "first".into()).await;
+        // The export task takes the first request's spans and waits on the hung collector.
+        tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
+        for _ in 0..60 {
+            send(KEY_A, prompt.clone()).await;
+        }
+        let dropped = |st: &serde_json::Value| st["telemetry"]["otlp"]["spans_dropped"].as_u64();
+        let after_flood = dropped(&gw.status().await).unwrap();
+        assert!(
+            after_flood >= 60,
+            "{limits}: A's flood was dropped ({after_flood})"
+        );
+        for i in 0..5 {
+            send(KEY_B, format!("victim request {i}")).await;
+        }
+        let st = gw.status().await;
+        assert_eq!(
+            dropped(&st),
+            Some(after_flood),
+            "{limits}: none of B's dropped: {}",
+            st["telemetry"]
+        );
+        col.set(Mode::Accept);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            let b_servers = col
+                .spans()
+                .iter()
+                .filter(|s| {
+                    s.kind == SpanKind::Server as i32
+                        && attr(s, "autohedge.client_key").as_deref() == Some("team-b")
+                })
+                .count();
+            if b_servers == 5 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{limits}: {b_servers} of B's 5 request spans reached the collector: {}",
+                gw.status().await["telemetry"]
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        gw.stop();
+    }
+}

@@ -60,6 +60,8 @@ pub struct RawOtlp {
     /// The most spans waiting to be exported (default 4096): past it spans are dropped
     /// (counted), never waited for.
     pub max_queue_spans: Option<usize>,
+    /// The most bytes of spans waiting to be exported (default 32 MiB).
+    pub max_queue_bytes: Option<ByteSize>,
 }
 
 /// `audit:`: where the audit trail is kept.

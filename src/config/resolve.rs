@@ -875,6 +875,12 @@ fn otlp(
             "at `telemetry.otlp.max_queue_spans`: 1 to 1000000".into(),
         ));
     }
+    let max_queue_bytes = raw.max_queue_bytes.map_or(32 << 20, |b| b.0);
+    if !((64 << 10)..=(4u64 << 30)).contains(&max_queue_bytes) {
+        return Err(ConfigError(
+            "at `telemetry.otlp.max_queue_bytes`: 64KiB to 4GiB".into(),
+        ));
+    }
     Ok(Some(Arc::new(OtlpSettings {
         endpoint,
         display: display.to_string(),
@@ -883,6 +889,7 @@ fn otlp(
         service_name,
         capture_content: raw.capture_content.unwrap_or(false),
         max_queue_spans,
+        max_queue_bytes: usize::try_from(max_queue_bytes).unwrap_or(usize::MAX),
     })))
 }
 

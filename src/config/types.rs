@@ -687,6 +687,7 @@ pub struct OtlpSettings {
     pub service_name: String,
     pub capture_content: bool,
     pub max_queue_spans: usize,
+    pub max_queue_bytes: usize,
 }
 
 impl std::fmt::Debug for OtlpSettings {
@@ -701,6 +702,7 @@ impl std::fmt::Debug for OtlpSettings {
             .field("service_name", &self.service_name)
             .field("capture_content", &self.capture_content)
             .field("max_queue_spans", &self.max_queue_spans)
+            .field("max_queue_bytes", &self.max_queue_bytes)
             .finish()
     }
 }

@@ -319,10 +319,57 @@ pub(crate) fn cut(s: &str, max: usize) -> &str {
     &s[..end]
 }
 
+/// The first `max` bytes (at most, at a character boundary) of `v` as JSON, without writing
+/// the rest: a prompt of megabytes costs a span's capture no more than its cut.
+pub(crate) fn json_prefix(v: &serde_json::Value, max: usize) -> String {
+    /// A writer that takes `max` bytes and then refuses (which stops serialising).
+    struct Capped(Vec<u8>, usize);
+    impl std::io::Write for Capped {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            let room = self.1 - self.0.len();
+            if room == 0 {
+                return Err(std::io::ErrorKind::WriteZero.into());
+            }
+            let n = buf.len().min(room);
+            self.0.extend_from_slice(&buf[..n]);
+            Ok(n)
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut w = Capped(Vec::with_capacity(max.min(4096)), max);
+    // An error only says the cap was reached: what was written is the prefix.
+    let _ = serde_json::to_writer(&mut w, v);
+    match String::from_utf8(w.0) {
+        Ok(s) => s,
+        Err(e) => {
+            let valid = e.utf8_error().valid_up_to();
+            let mut bytes = e.into_bytes();
+            bytes.truncate(valid);
+            String::from_utf8(bytes).unwrap_or_default()
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    proptest! {
+        /// The capped JSON is the full JSON's own prefix, cut as [`cut`] cuts it.
+        #[test]
+        fn a_capped_json_is_the_full_ones_cut(
+            text in "\\PC{0,300}",
+            n in 0usize..40,
+            max in 0usize..600,
+        ) {
+            let v = serde_json::json!([{"role": "user", "content": text}, n]);
+            let full = v.to_string();
+            prop_assert_eq!(json_prefix(&v, max), cut(&full, max));
+        }
+    }
 
     const EXAMPLE: &[u8] = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 

@@ -1,7 +1,9 @@
 //! The export side: a bounded queue of finished spans and the task that posts them in batches
 //! through `opentelemetry-otlp`'s HTTP exporter (protobuf). The request path only counts and
 //! queues; a full queue drops (counted), a collector that fails or hangs costs the batch (counted,
-//! with its error for `/status`), never a request's time.
+//! with its error for `/status`), never a request's time. The queue is bounded in spans and in
+//! bytes, and with several client keys no key holds more than half of either: one key's flood
+//! of requests (or of long prompts with `capture_content`) never drops another key's spans.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -33,10 +35,13 @@ const FLUSH_FOR: Duration = Duration::from_secs(2);
 pub struct Traces(Arc<Inner>);
 
 struct Inner {
-    tx: mpsc::UnboundedSender<Vec<SpanData>>,
-    rx: Mutex<Option<mpsc::UnboundedReceiver<Vec<SpanData>>>>,
+    tx: mpsc::UnboundedSender<Queued>,
+    rx: Mutex<Option<mpsc::UnboundedReceiver<Queued>>>,
     /// Spans queued and not yet taken by the export task: bounded by `max_queue_spans`.
     queued: AtomicUsize,
+    /// What is queued, in all and by client key: bounded by `max_queue_spans` and
+    /// `max_queue_bytes`, and a key's share by half of each.
+    held: Mutex<Held>,
     exported: AtomicU64,
     dropped: AtomicU64,
     failed_exports: AtomicU64,
@@ -50,6 +55,7 @@ impl Default for Traces {
             tx,
             rx: Mutex::new(Some(rx)),
             queued: AtomicUsize::new(0),
+            held: Mutex::new(Held::default()),
             exported: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
             failed_exports: AtomicU64::new(0),
@@ -58,9 +64,86 @@ impl Default for Traces {
     }
 }
 
+/// One request's spans on their way to the export task.
+struct Queued {
+    key: String,
+    spans: Vec<SpanData>,
+    bytes: usize,
+}
+
+/// Spans and bytes queued, in all and by client key (`""`: requests without one).
+#[derive(Default)]
+struct Held {
+    spans: usize,
+    bytes: usize,
+    by_key: HashMap<String, (usize, usize)>,
+}
+
+impl Held {
+    /// Takes `n` spans of `bytes` for `key` if they fit: the queue's bounds, and with `shared`
+    /// (several client keys) half of each for any one key.
+    fn admit(
+        &mut self,
+        key: &str,
+        (n, bytes): (usize, usize),
+        s: &OtlpSettings,
+        shared: bool,
+    ) -> bool {
+        let (ks, kb) = self.by_key.get(key).copied().unwrap_or_default();
+        let fits = self.spans + n <= s.max_queue_spans
+            && self.bytes + bytes <= s.max_queue_bytes
+            && (!shared
+                || (ks + n <= s.max_queue_spans.div_ceil(2)
+                    && kb + bytes <= s.max_queue_bytes.div_ceil(2)));
+        if fits {
+            self.spans += n;
+            self.bytes += bytes;
+            let e = self.by_key.entry(key.to_string()).or_default();
+            *e = (e.0 + n, e.1 + bytes);
+        }
+        fits
+    }
+
+    /// `key`'s `n` spans of `bytes` left the queue.
+    fn release(&mut self, key: &str, (n, bytes): (usize, usize)) {
+        self.spans = self.spans.saturating_sub(n);
+        self.bytes = self.bytes.saturating_sub(bytes);
+        if let Some(e) = self.by_key.get_mut(key) {
+            *e = (e.0.saturating_sub(n), e.1.saturating_sub(bytes));
+            if e.0 == 0 && e.1 == 0 {
+                self.by_key.remove(key);
+            }
+        }
+    }
+}
+
+/// What a span holds in memory, about: its strings and a fixed part for the rest.
+fn span_bytes(s: &SpanData) -> usize {
+    fn kvs(attrs: &[opentelemetry::KeyValue]) -> usize {
+        attrs
+            .iter()
+            .map(|kv| {
+                48 + kv.key.as_str().len()
+                    + match &kv.value {
+                        opentelemetry::Value::String(v) => v.as_str().len(),
+                        _ => 16,
+                    }
+            })
+            .sum()
+    }
+    let events: usize = s
+        .events
+        .events
+        .iter()
+        .map(|e| 64 + e.name.len() + kvs(&e.attributes))
+        .sum();
+    256 + s.name.len() + kvs(&s.attributes) + events
+}
+
 impl Traces {
-    /// The finished request's spans, queued (never waited for): past `max_queue_spans` they are
-    /// dropped and counted.
+    /// The finished request's spans, queued (never waited for): past `max_queue_spans` or
+    /// `max_queue_bytes` (or, with several client keys, past half of either for the request's
+    /// key) they are dropped and counted.
     pub fn record(&self, cfg: &Config, row: &RequestRow) {
         let Some(settings) = &cfg.otlp else {
             return;
@@ -73,12 +156,31 @@ impl Traces {
         if n == 0 {
             return;
         }
-        let before = self.0.queued.fetch_add(n, Ordering::Relaxed);
-        if before + n > settings.max_queue_spans || self.0.tx.send(spans).is_err() {
-            self.0.queued.fetch_sub(n, Ordering::Relaxed);
-            self.0.dropped.fetch_add(n as u64, Ordering::Relaxed);
-            metrics::counter!("autohedge_otlp_spans_dropped_total").increment(n as u64);
+        let bytes = spans.iter().map(span_bytes).sum();
+        let key = row.client_key.clone().unwrap_or_default();
+        let shared = cfg.auth.keys.as_ref().is_some_and(|k| k.len() > 1);
+        let admitted = self.held().admit(&key, (n, bytes), settings, shared);
+        if admitted {
+            self.0.queued.fetch_add(n, Ordering::Relaxed);
+            let q = Queued { key, spans, bytes };
+            if let Err(mpsc::error::SendError(q)) = self.0.tx.send(q) {
+                self.taken(&q.key, (n, q.bytes));
+            } else {
+                return;
+            }
         }
+        self.0.dropped.fetch_add(n as u64, Ordering::Relaxed);
+        metrics::counter!("autohedge_otlp_spans_dropped_total").increment(n as u64);
+    }
+
+    fn held(&self) -> std::sync::MutexGuard<'_, Held> {
+        self.0.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// `key`'s `n` spans of `bytes` left the queue (taken for export, or not sent).
+    fn taken(&self, key: &str, (n, bytes): (usize, usize)) {
+        self.held().release(key, (n, bytes));
+        self.0.queued.fetch_sub(n, Ordering::Relaxed);
     }
 
     /// Spans waiting to be exported.
@@ -199,13 +301,17 @@ pub async fn run(
                 }
                 _ = tokio::time::sleep(FLUSH_FOR), if stopping => None,
             };
-            let Some(spans) = first else { return };
-            batch.extend(spans);
+            let Some(q) = first else { return };
+            traces.taken(&q.key, (q.spans.len(), q.bytes));
+            batch.extend(q.spans);
         }
         let until = tokio::time::Instant::now() + LINGER;
         while batch.len() < BATCH {
             match tokio::time::timeout_at(until, rx.recv()).await {
-                Ok(Some(spans)) => batch.extend(spans),
+                Ok(Some(q)) => {
+                    traces.taken(&q.key, (q.spans.len(), q.bytes));
+                    batch.extend(q.spans);
+                }
                 Ok(None) | Err(_) => break,
             }
             if stopping {
@@ -214,7 +320,6 @@ pub async fn run(
         }
         let spans = std::mem::take(&mut batch);
         let n = spans.len();
-        traces.0.queued.fetch_sub(n, Ordering::Relaxed);
         let Some(settings) = settings() else {
             // Tracing was turned off by a reload: what was queued is let go.
             built = None;

@@ -14,7 +14,7 @@ mod spans;
 
 pub use export::{Traces, run};
 
-use crate::wire::trace::{MAX_CONTENT, Trace, TraceContext, cut, parse_traceparent};
+use crate::wire::trace::{MAX_CONTENT, Trace, TraceContext, json_prefix, parse_traceparent};
 
 /// A request's trace: with `telemetry.otlp`, the client's trace continued or a new one
 /// (sampled by `sample_ratio`); without it, only a client's valid `traceparent`, passed on
@@ -43,7 +43,7 @@ pub fn of_request(
                 .iter()
                 .find_map(|k| body.get(*k))
         })
-        .map(|v| cut(&v.to_string(), MAX_CONTENT).to_string());
+        .map(|v| json_prefix(v, MAX_CONTENT));
     Some(Box::new(Trace {
         id: ctx.trace_id.to_hex(),
         ctx,

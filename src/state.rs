@@ -74,6 +74,8 @@ pub struct AppState {
     /// next start).
     pub cluster: std::sync::OnceLock<Arc<crate::cluster::Cluster>>,
     /// `/v1/responses`: which endpoint produced each response id, and the kept history.
+    /// Answers kept to serve when every attempt fails (`last_resort:`).
+    pub last_resort: crate::executor::last_resort::LastResort,
     pub conversations: crate::routing::conversations::Conversations,
 }
 
@@ -213,6 +215,7 @@ impl AppState {
             startup: Startup::default(),
             cluster: std::sync::OnceLock::new(),
             conversations: Default::default(),
+            last_resort: Default::default(),
             standbys_up: Mutex::new(Default::default()),
         })
     }

@@ -89,6 +89,7 @@ const PATHS: &[(&str, &str)] = &[
     ("RawTruncation", "routing_policy.truncation."),
     ("RawRouteFull", "routes.<name>."),
     ("RawHedge", "hedge."),
+    ("RawLastResort", "routes.<name>.last_resort."),
     ("RawHealth", "health."),
     ("RawDocker", "docker."),
     ("RawRemediation", "docker.remediation."),
@@ -342,7 +343,9 @@ fn default_values(key: &str, cell: &str) -> Option<Vec<(Option<&'static str>, St
     }
     // A share of another key's default.
     if let Some(of) = cell.strip_prefix("a quarter of `") {
-        let other = format!("responses.{}", of.trim_end_matches('`'));
+        // A sibling key: the same parent as `key`'s.
+        let parent = &key[..key.rfind('.').map_or(0, |i| i + 1)];
+        let other = format!("{parent}{}", of.trim_end_matches('`'));
         let (_, c) = documented_defaults()
             .into_iter()
             .find(|(k, _)| *k == other)
@@ -354,7 +357,6 @@ fn default_values(key: &str, cell: &str) -> Option<Vec<(Option<&'static str>, St
             format!("{}{unit}", n.parse::<u64>().unwrap() / 4),
         )]);
     }
-    let _ = key;
     Some(vec![(None, plain(cell))])
 }
 
@@ -371,6 +373,7 @@ fn context_for(key: &str, ty: &str) -> (serde_yaml_ng::Value, Vec<String>) {
         ("models.<name>.timeouts.", "models: {m: {timeouts: {}}}"),
         ("models.<name>.cost.", "models: {m: {cost: {}}}"),
         ("models.<name>.base_url", "models: {m: {base_url: null}}"),
+        ("routes.<name>.last_resort.", "routes: {r: {chain: [m], last_resort: {}}}"),
         ("routes.<name>.", "routes: {r: {chain: [m]}}"),
         ("hedge.", "routes: {r: {chain: [m], hedge: {after: 100ms}}}"),
         ("docker.remediation.standby[].", "docker: {remediation: {standby: [{primary: m, service: s}]}}"),

@@ -434,7 +434,7 @@ async fn one_keys_flood_of_spans_drops_none_of_another_keys() {
     for (limits, prompt) in [
         ("max_queue_spans: 40", "hi".to_string()),
         (
-            "max_queue_spans: 100000, max_queue_bytes: 256KiB",
+            "max_queue_spans: 100000, max_queue_bytes: 1MiB",
             "long prompt ".repeat(1500),
         ),
     ] {
@@ -466,7 +466,7 @@ async fn one_keys_flood_of_spans_drops_none_of_another_keys() {
         send(KEY_A, "first".into()).await;
         // The export task takes the first request's spans and waits on the hung collector.
         tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
-        for _ in 0..60 {
+        for _ in 0..80 {
             send(KEY_A, prompt.clone()).await;
         }
         let dropped = |st: &serde_json::Value| st["telemetry"]["otlp"]["spans_dropped"].as_u64();

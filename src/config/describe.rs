@@ -49,6 +49,13 @@ pub fn describe(cfg: &Config) -> String {
         }
         let _ = writeln!(out, "route {name}: {}{extra}", chain.join(" -> "));
     }
+    for (name, l) in &cfg.last_resort {
+        let _ = writeln!(
+            out,
+            "last_resort {name}: ttl={:?} max_bytes={} max_bytes_per_key={} shared={}",
+            l.ttl, l.max_bytes, l.max_bytes_per_key, l.shared
+        );
+    }
     let _ = writeln!(
         out,
         "policy: success_threshold={} window={:?} min_samples={} max_wait={:?} cache_ttl={:?} default_cooldown={:?}",

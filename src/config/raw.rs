@@ -330,6 +330,23 @@ pub struct RawRouteFull {
     /// Carry a committed stream that breaks on at the next endpoint able to continue an
     /// assistant message (requests without tools).
     pub continue_streams: Option<bool>,
+    /// Answers kept to serve when every attempt of a request fails.
+    pub last_resort: Option<RawLastResort>,
+}
+
+/// `last_resort:` (a route's, or an endpoint's for requests that name it): 2xx answers kept
+/// under an exact key, served only when every attempt of the same request failed.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawLastResort {
+    /// How long a kept answer may serve (default 24h).
+    pub ttl: Option<Dur>,
+    /// The most bytes kept for this route (default 256MiB).
+    pub max_bytes: Option<ByteSize>,
+    /// The most bytes kept for one client key (default a quarter of `max_bytes`).
+    pub max_bytes_per_key: Option<ByteSize>,
+    /// Serve one key's kept answers to another key's same request (default false).
+    pub shared: Option<bool>,
 }
 
 /// `hedge:` (a route's, or an endpoint's for requests where it is tried first).
@@ -471,6 +488,8 @@ pub struct RawEndpoint {
     pub discover: Option<Discover>,
     /// Hedge requests first tried on this endpoint (a route's own `hedge:` takes precedence).
     pub hedge: Option<RawHedge>,
+    /// Answers kept to serve when every attempt of a request naming this endpoint fails.
+    pub last_resort: Option<RawLastResort>,
     /// How attempts spread over the endpoint's addresses: `random`, `least_loaded`, or a map
     /// (`strategy`, `affinity`, `affinity_load`, `max_ejection_percent`); read by
     /// `resolve::balance`, which names what is wrong.

@@ -212,7 +212,14 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
         ));
     }
     let mut endpoints = BTreeMap::new();
+    let mut last_resort = BTreeMap::new();
     for (name, ep) in raw.models {
+        if let Some(l) = &ep.last_resort {
+            last_resort.insert(
+                name.clone(),
+                last_resort_spec(&format!("models.{name}.last_resort"), l)?,
+            );
+        }
         let at = format!("models.{name}");
         // `base_urls`: each an address of the endpoint, checked as `base_url` is (credentials
         // go in `api_key` or `headers`: a URL of several is shown per address in `/status`).
@@ -552,6 +559,14 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
     let mut route_hedge = BTreeMap::new();
     let mut route_continue = BTreeSet::new();
     for (route, r) in raw.routes {
+        if let RawRoute::Full(f) = &r
+            && let Some(l) = &f.last_resort
+        {
+            last_resort.insert(
+                route.clone(),
+                last_resort_spec(&format!("routes.{route}.last_resort"), l)?,
+            );
+        }
         match r {
             RawRoute::Chain(c) => {
                 routes.insert(route, c);
@@ -790,6 +805,7 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
         route_overflow,
         route_hedge,
         route_continue,
+        last_resort,
         auth,
         vault,
         vault_digest,
@@ -876,9 +892,9 @@ fn otlp(
         ));
     }
     let max_queue_bytes = raw.max_queue_bytes.map_or(32 << 20, |b| b.0);
-    if !((64 << 10)..=(4u64 << 30)).contains(&max_queue_bytes) {
+    if !((1 << 20)..=(4u64 << 30)).contains(&max_queue_bytes) {
         return Err(ConfigError(
-            "at `telemetry.otlp.max_queue_bytes`: 64KiB to 4GiB".into(),
+            "at `telemetry.otlp.max_queue_bytes`: 1MiB to 4GiB".into(),
         ));
     }
     Ok(Some(Arc::new(OtlpSettings {
@@ -1506,4 +1522,32 @@ fn secret_parts(value: &str) -> impl Iterator<Item = &str> {
         .map(|(_, t)| t.trim())
         .filter(|t| !t.is_empty());
     std::iter::once(value.trim()).chain(token)
+}
+
+/// `last_resort:` at `at`, checked: a ttl from 1s to 30 days, bytes from 64KiB to 64GiB, a key's
+/// share no more than the whole.
+fn last_resort_spec(
+    at: &str,
+    l: &super::raw::RawLastResort,
+) -> Result<super::types::LastResortSpec, ConfigError> {
+    let ttl = l.ttl.map_or(Duration::from_secs(86_400), |d| d.0);
+    if !(Duration::from_secs(1)..=Duration::from_secs(30 * 86_400)).contains(&ttl) {
+        return Err(ConfigError(format!("at `{at}.ttl`: 1s to 30d")));
+    }
+    let max_bytes = l.max_bytes.map_or(256 << 20, |b| b.0);
+    if !((64 << 10)..=(64u64 << 30)).contains(&max_bytes) {
+        return Err(ConfigError(format!("at `{at}.max_bytes`: 64KiB to 64GiB")));
+    }
+    let max_bytes_per_key = l.max_bytes_per_key.map_or(max_bytes / 4, |b| b.0);
+    if max_bytes_per_key == 0 || max_bytes_per_key > max_bytes {
+        return Err(ConfigError(format!(
+            "at `{at}.max_bytes_per_key`: more than 0, at most `max_bytes`"
+        )));
+    }
+    Ok(super::types::LastResortSpec {
+        ttl,
+        max_bytes,
+        max_bytes_per_key,
+        shared: l.shared.unwrap_or(false),
+    })
 }

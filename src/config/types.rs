@@ -544,6 +544,8 @@ pub struct Config {
     pub route_hedge: BTreeMap<String, crate::routing::hedge::Spec>,
     /// Routes with `continue_streams: true`.
     pub route_continue: BTreeSet<String>,
+    /// `last_resort:` by the model a request names (a route, or an endpoint).
+    pub last_resort: BTreeMap<String, LastResortSpec>,
     /// `auth:`: client keys and the admin key, as digests only.
     pub auth: Auth,
     /// `vault:`, resolved; `None` without one.
@@ -778,4 +780,13 @@ impl Default for Balance {
             max_ejection_percent: 50.0,
         }
     }
+}
+
+/// `last_resort:`, resolved.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LastResortSpec {
+    pub ttl: Duration,
+    pub max_bytes: u64,
+    pub max_bytes_per_key: u64,
+    pub shared: bool,
 }

@@ -35,6 +35,7 @@ use crate::wire::{Inbound, Op};
 mod attempt;
 mod context;
 mod deadline;
+pub mod last_resort;
 mod race;
 mod respond;
 pub mod responses;
@@ -170,6 +171,8 @@ struct Run {
     trace: Option<Box<crate::wire::trace::Trace>>,
     /// The span of the attempt `attempt` last sent (read back when it is settled).
     last_span: Option<crate::wire::trace::SpanId>,
+    /// Where its answer is kept and looked up, when its model has `last_resort:`.
+    last_resort: Option<Box<last_resort::Slot>>,
 }
 
 /// Every request that reached the router has exactly one `requests` row. A `Run` dropped before
@@ -284,7 +287,18 @@ pub fn execute(
         chat_here: Vec::new(),
         trace: caller.trace,
         last_span: None,
+        last_resort: None,
     });
+    if let Some(spec) = run.cfg.last_resort.get(&run.req.model) {
+        run.last_resort = last_resort::Slot::of(
+            run.req.op,
+            &run.req.model,
+            run.client.as_deref(),
+            run.req.body(),
+            *spec,
+        )
+        .map(Box::new);
+    }
     let client = run.client.clone().unwrap_or_default();
     for name in not_allowed {
         run.skipped(
@@ -433,6 +447,9 @@ impl Run {
             return self.respond_passthrough(&ep, status, headers, body);
         }
         if let Some(resp) = self.responses_refusal() {
+            return resp;
+        }
+        if let Some(resp) = self.served_from_last_resort() {
             return resp;
         }
         self.all_failed()
@@ -1569,7 +1586,7 @@ fn address_feedback(
             endpoint,
             base,
             sent.elapsed(),
-            answered_by(cfg, client),
+            (!own_key).then(|| answered_by(cfg, client)),
             t,
         ),
         Err(f) if address_fault(f.class) && !own_key => {

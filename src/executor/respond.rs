@@ -174,6 +174,44 @@ impl Run {
         resp
     }
 
+    /// Where every attempt failed: the answer kept for this very request (`last_resort:`),
+    /// with `x-autohedge-served-from: last_resort` and its `age`; its row says so
+    /// (`error_class: last_resort`, status 200) with the failed attempts before it. Nothing
+    /// is billed.
+    pub(super) fn served_from_last_resort(&mut self) -> Option<Response> {
+        let slot = self.last_resort.as_deref()?;
+        let (kept, age) = slot.find(&self.app.last_resort)?;
+        tracing::warn!(request_id = %self.request_id, model = %self.req.model, attempts = self.attempts.len(), age_s = age.as_secs(), "all upstreams failed; served the last resort");
+        metrics::counter!("autohedge_last_resort_served_total").increment(1);
+        let row = self.base_row(None, 200, Some("last_resort".into()));
+        self.send_row(row);
+        let mut resp = match kept {
+            super::last_resort::Kept::Full { content_type, body } => {
+                let mut r = Response::new(Body::from(body));
+                r.headers_mut().insert(header::CONTENT_TYPE, content_type);
+                r
+            }
+            super::last_resort::Kept::Stream(events) => {
+                let mut r = Response::new(Body::from(events));
+                let h = r.headers_mut();
+                h.insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("text/event-stream"),
+                );
+                h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+                r
+            }
+        };
+        self.headers(&mut resp, None);
+        let h = resp.headers_mut();
+        h.insert(
+            crate::wire::names::X_AUTOHEDGE_SERVED_FROM,
+            HeaderValue::from_static("last_resort"),
+        );
+        h.insert(header::AGE, HeaderValue::from(age.as_secs()));
+        Some(resp)
+    }
+
     pub(super) fn all_failed(&mut self) -> Response {
         let real: Vec<&AttemptReport> = self
             .attempts
@@ -231,14 +269,25 @@ impl Run {
                     let capture = self.cfg.otlp.as_ref().is_some_and(|o| o.capture_content);
                     wire::trace::answered(&body, capture)
                 });
+                let content_type =
+                    content_type.unwrap_or(HeaderValue::from_static("application/json"));
+                if status.is_success()
+                    && let Some(slot) = self.last_resort.as_deref()
+                {
+                    slot.keep(
+                        &self.app.last_resort,
+                        super::last_resort::Kept::Full {
+                            content_type: content_type.clone(),
+                            body: body.clone(),
+                        },
+                    );
+                }
                 // Built as it is sent: `into_response` would set a content type only to have it
                 // replaced.
                 let mut resp = Response::new(Body::from(body));
                 *resp.status_mut() = status;
-                resp.headers_mut().insert(
-                    header::CONTENT_TYPE,
-                    content_type.unwrap_or(HeaderValue::from_static("application/json")),
-                );
+                resp.headers_mut()
+                    .insert(header::CONTENT_TYPE, content_type);
                 self.headers(&mut resp, Some(&ep.name));
                 // The last step: the row takes the attempts and the request id.
                 let mut row = self.take_row(Some(&ep.name), status.as_u16());
@@ -332,6 +381,11 @@ impl Run {
                     prior: self.billed.take(),
                     responses,
                     address,
+                    keep: self
+                        .last_resort
+                        .as_deref()
+                        .map(|s| Box::new(super::last_resort::Capture::new(s.clone()))),
+                    whole: false,
                 };
                 let cont = self.continuation(&ep, &prelude);
                 // The start of an event the first reads left unfinished waits for its end.
@@ -358,7 +412,14 @@ impl Run {
                     cont,
                     held,
                 };
-                let body = Body::from_stream(futures_util::stream::unfold(Box::new(state), pump));
+                let body = if state.guard.keep.is_some() {
+                    Body::from_stream(futures_util::stream::unfold(
+                        Box::new(state),
+                        super::stream::pump_kept,
+                    ))
+                } else {
+                    Body::from_stream(futures_util::stream::unfold(Box::new(state), pump))
+                };
                 let mut resp = Response::new(body);
                 let h = resp.headers_mut();
                 h.insert(

@@ -57,6 +57,11 @@ pub(super) struct StreamGuard {
     pub prior: Option<Leg>,
     /// A `/v1/responses` stream's own part: its events' numbering and the turn it leaves.
     pub responses: Option<Box<StreamResponses>>,
+    /// What the client got, for the last resort (`last_resort:`): kept when the stream ends
+    /// whole, let go at a break, an error or past a key's share.
+    pub keep: Option<Box<super::last_resort::Capture>>,
+    /// The stream ended with `[DONE]` and nothing failed.
+    pub whole: bool,
 }
 
 /// What a committed `/v1/responses` stream needs besides the chat path's: its response (for the
@@ -138,6 +143,11 @@ impl StreamGuard {
         let Some(mut row) = self.row.take() else {
             return;
         };
+        if failure.is_some() {
+            self.keep = None;
+        } else {
+            self.whole = true;
+        }
         // In-band error texts are upstream bytes: redacted like every other upstream error.
         let failure = failure.map(|(class, detail)| {
             let secrets = self.secrets(&self.ep);
@@ -247,6 +257,12 @@ impl Drop for StreamGuard {
                 Outcome::ClientClosed,
                 "client disconnected mid-stream".into(),
             )));
+        }
+        // Every byte the client got has gone through `pump_kept` by now.
+        if self.whole
+            && let Some(k) = self.keep.take()
+        {
+            k.keep(&self.app.last_resort);
         }
     }
 }
@@ -477,6 +493,19 @@ impl PassThrough {
         out.extend_from_slice(&b[..end]);
         out.freeze()
     }
+}
+
+/// [`pump`], with each piece the client gets added to what the last resort may keep.
+pub(super) async fn pump_kept(
+    st: Box<PassThrough>,
+) -> Option<(Result<Bytes, std::io::Error>, Box<PassThrough>)> {
+    let (out, mut st) = pump(st).await?;
+    if let (Ok(b), Some(k)) = (&out, st.guard.keep.as_mut())
+        && !k.push(b)
+    {
+        st.guard.keep = None;
+    }
+    Some((out, st))
 }
 
 /// The next piece of a committed stream. The state is boxed: `unfold` moves it into every
@@ -832,6 +861,8 @@ impl PassThrough {
             None,
         );
         self.guard.break_recorded = true;
+        // A continued stream is two upstreams' words: never a last resort.
+        self.guard.keep = None;
         // A stream cut by its server (the connection lost, or silent between events) counts
         // against that address as a failed attempt does; one that ran out of its total time was
         // being served — its length is the request's, not the address's fault.

@@ -156,8 +156,10 @@ impl Address {
     }
 
     /// A response in `rtt` to a request `who` sent: the estimate jumps to a slower one at once
-    /// (the peak) and moves toward a faster one by the decay; a failure streak ends.
-    pub fn observe(&mut self, rtt: Duration, now: Instant, t: &Tuning, who: Witness) {
+    /// (the peak) and moves toward a faster one by the decay; a failure streak ends. `None`: an
+    /// answer to a request made with the client's own upstream key, whose failures are not
+    /// counted either — its latency only.
+    pub fn observe(&mut self, rtt: Duration, now: Instant, t: &Tuning, who: Option<Witness>) {
         let measured = rtt.as_secs_f64();
         let current = self.rtt(now, t);
         self.rtt = if !std::mem::replace(&mut self.measured, true) || measured > current {
@@ -169,7 +171,9 @@ impl Address {
             current * w + measured * (1.0 - w)
         };
         self.stamp = now;
-        self.record.served(who);
+        if let Some(who) = who {
+            self.record.served(who);
+        }
     }
 
     /// Failures in a row, whoever saw them (`/status`).
@@ -473,7 +477,7 @@ impl Addresses {
 /// has had [`RATE_MIN`]. Only an address failing far more than a busy server's occasional error:
 /// a healthy replica's retry is rarer than one in four.
 const RATE_EJECT: f64 = 0.25;
-const RATE_MIN: usize = 10;
+use crate::routing::blame::RATE_MIN;
 
 /// The most addresses an endpoint holds (as `base_urls` may list: `config::MAX_ADDRESSES`).
 pub const MAX: usize = 64;
@@ -609,8 +613,8 @@ mod tests {
             assert_eq!(a.pick(now, &t, &mut rng), Some(1));
         }
         a.list[0].in_flight = 0;
-        a.list[1].observe(Duration::from_secs(2), now, &t, Witness::Sure);
-        a.list[0].observe(Duration::from_millis(50), now, &t, Witness::Sure);
+        a.list[1].observe(Duration::from_secs(2), now, &t, Some(Witness::Sure));
+        a.list[0].observe(Duration::from_millis(50), now, &t, Some(Witness::Sure));
         assert_eq!(a.pick(now, &t, &mut rng), Some(0));
         // A stale queue sample is ignored, a fresh one counts.
         a.list[1] = Address::new(a.list[1].url.clone(), now, &t);
@@ -628,7 +632,7 @@ mod tests {
         let now = Instant::now();
         let mut a = fleet(3, now, &t);
         for (i, ms) in [(0, 40), (1, 40), (2, 160)] {
-            a.list[i].observe(Duration::from_millis(ms), now, &t, Witness::Sure);
+            a.list[i].observe(Duration::from_millis(ms), now, &t, Some(Witness::Sure));
         }
         let mut rng = fastrand::Rng::with_seed(1);
         let mut sent = [0u32; 3];
@@ -648,8 +652,8 @@ mod tests {
         let t = Tuning::default();
         let now = Instant::now();
         let mut a = fleet(2, now, &t);
-        a.list[0].observe(Duration::from_millis(1), now, &t, Witness::Sure);
-        a.list[1].observe(Duration::from_millis(50), now, &t, Witness::Sure);
+        a.list[0].observe(Duration::from_millis(1), now, &t, Some(Witness::Sure));
+        a.list[1].observe(Duration::from_millis(50), now, &t, Some(Witness::Sure));
         assert!(!a.failed(0, Witness::Sure, now, &t));
         let mut rng = fastrand::Rng::with_seed(5);
         for _ in 0..20 {
@@ -662,7 +666,7 @@ mod tests {
         let t = Tuning::default();
         let now = Instant::now();
         let mut a = Address::new("u", now, &t);
-        a.observe(Duration::from_secs(5), now, &t, Witness::Sure);
+        a.observe(Duration::from_secs(5), now, &t, Some(Witness::Sure));
         assert!((a.rtt(now, &t) - 5.0).abs() < 1e-9);
         tokio::time::advance(Duration::from_secs(30)).await;
         assert!(
@@ -672,9 +676,9 @@ mod tests {
         );
         // A faster answer moves the estimate down by the decay; a slower one sets it at once.
         let now = Instant::now();
-        a.observe(Duration::from_millis(10), now, &t, Witness::Sure);
+        a.observe(Duration::from_millis(10), now, &t, Some(Witness::Sure));
         assert!(a.rtt(now, &t) < 0.3);
-        a.observe(Duration::from_secs(1), now, &t, Witness::Sure);
+        a.observe(Duration::from_secs(1), now, &t, Some(Witness::Sure));
         assert!((a.rtt(now, &t) - 1.0).abs() < 1e-9);
     }
 
@@ -855,7 +859,7 @@ mod tests {
         let now = Instant::now();
         let mut a = fleet(3, now, &t);
         // The first address much slower: P2C would all but never pick it; random does.
-        a.list[0].observe(Duration::from_secs(5), now, &t, Witness::Sure);
+        a.list[0].observe(Duration::from_secs(5), now, &t, Some(Witness::Sure));
         let key = Some(conversation_key("one conversation"));
         let mut rng = fastrand::Rng::with_seed(7);
         let mut seen = [0; 3];
@@ -939,7 +943,7 @@ mod tests {
         let now = Instant::now();
         let mut a = fleet(2, now, &t);
         for i in 0..2 {
-            a.list[i].observe(Duration::from_millis(2), now, &t, Witness::Sure);
+            a.list[i].observe(Duration::from_millis(2), now, &t, Some(Witness::Sure));
         }
         a.update(&urls(3), now, &t);
         let mut rng = fastrand::Rng::with_seed(3);
@@ -1008,7 +1012,7 @@ mod tests {
                     break;
                 }
             } else {
-                a.list[0].observe(Duration::from_millis(20), now, &t, Witness::Sure);
+                a.list[0].observe(Duration::from_millis(20), now, &t, Some(Witness::Sure));
             }
         }
         let n = ejected_at.expect("ejected by its rate");
@@ -1019,7 +1023,7 @@ mod tests {
             if n % 10 == 0 {
                 assert!(!a.failed(1, Witness::Sure, now, &t), "ejected at {n}");
             } else {
-                a.list[1].observe(Duration::from_millis(20), now, &t, Witness::Sure);
+                a.list[1].observe(Duration::from_millis(20), now, &t, Some(Witness::Sure));
             }
         }
         assert!(a.list[1].usable(now));
@@ -1033,7 +1037,7 @@ mod tests {
         let now = Instant::now();
         let mut a = fleet(3, now, &t);
         for i in 0..3 {
-            a.list[i].observe(Duration::from_millis(20), now, &t, Witness::Sure);
+            a.list[i].observe(Duration::from_millis(20), now, &t, Some(Witness::Sure));
         }
         let keys: Vec<u64> = (0..64)
             .map(|c| conversation_key(&format!("c{c}")))
@@ -1054,6 +1058,24 @@ mod tests {
         assert!(!a.failed(0, Witness::Key(9), now, &t));
         assert!(a.list[0].usable(now));
         assert!(a.failed(0, Witness::Key(10), now, &t));
+        assert!(!a.list[0].usable(now));
+    }
+
+    /// Keys A and B fail every request at an address, key C's answers come between them (so no
+    /// run of failures ever grows): it is ejected by its rate.
+    #[tokio::test(start_paused = true)]
+    async fn answers_between_two_keys_failures_keep_no_failing_address() {
+        let t = Tuning::default();
+        let now = Instant::now();
+        let mut a = fleet(3, now, &t);
+        let mut ejected = false;
+        for _ in 0..15 {
+            for k in [Witness::Key(1), Witness::Key(2)] {
+                ejected |= a.failed(0, k, now, &t);
+                a.list[0].observe(Duration::from_millis(20), now, &t, Some(Witness::Key(3)));
+            }
+        }
+        assert!(ejected, "ejected by its rate");
         assert!(!a.list[0].usable(now));
     }
 }

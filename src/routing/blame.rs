@@ -115,19 +115,30 @@ impl Witnesses {
     }
 }
 
+/// Slots a rate's witnesses are told apart by: a key's slot is fixed by its name's hash, the
+/// same in every bucket and on every replica, so no key's outcomes are ever credited to another
+/// slot by eviction or a merge. Two keys in one slot (one chance in 16 for a pair) are one
+/// witness: their failures corroborate nothing of each other's (the rule errs toward ejecting
+/// nothing), and neither can be left out without the other.
+pub const SLOTS: usize = 16;
+
+/// The slot of a key's hash (its top bits, after a multiplicative mix).
+fn slot(k: u64) -> usize {
+    (k.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 60) as usize
+}
+
 /// Answers and failures by who saw them: what a failure *rate* reads. Each client key's
 /// outcomes weigh at most as much as everyone else's together, the commonest failing key's
 /// failures count at most as much as the others' failures ([`Witnesses::counted`]'s rule), and
-/// the rate is the worst that holds with any one key left out: so one key's answers (its own
-/// easy prompts, however many) cannot hide a server failing the other keys, and its failures
-/// (however many) cannot convict a server serving them. What one key can still do is what any
-/// second witness does: corroborate another key's failures (the rule asks for two).
+/// the rate is the worst that holds with any one key left out: one key's answers (its own easy
+/// prompts, however many) never bring the rate below what the other keys' outcomes say
+/// together, and its failures (however many) convict no server that answers the others. What
+/// one key can still do is what any second witness does: corroborate another key's failures
+/// (the rule asks for two), or be one more key with answers among several.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Tally {
-    /// Keys with (answers, failures) (`n == 0`: an empty slot), kept by the Space-Saving rule
-    /// on their outcomes: a new key when all are taken replaces the least seen and inherits its
-    /// counts.
-    keys: [(u64, u32, u32); TRACKED],
+    /// (answers, failures) by slot ([`SLOTS`]).
+    keys: [(u32, u32); SLOTS],
     sure: (u32, u32),
 }
 
@@ -139,39 +150,22 @@ impl Tally {
     }
 
     fn add_n(&mut self, w: Witness, ok: u32, bad: u32) {
-        if ok == 0 && bad == 0 {
-            return;
-        }
-        let k = match w {
-            Witness::Sure => {
-                self.sure.0 = self.sure.0.saturating_add(ok);
-                self.sure.1 = self.sure.1.saturating_add(bad);
-                return;
-            }
-            Witness::Key(k) => k,
+        let s = match w {
+            Witness::Sure => &mut self.sure,
+            Witness::Key(k) => &mut self.keys[slot(k)],
         };
-        let seen = |s: &(u64, u32, u32)| u64::from(s.1) + u64::from(s.2);
-        let slot = match self.keys.iter().position(|s| seen(s) > 0 && s.0 == k) {
-            Some(i) => i,
-            None => {
-                let Some(i) = (0..TRACKED).min_by_key(|i| seen(&self.keys[*i])) else {
-                    return;
-                };
-                self.keys[i].0 = k;
-                i
-            }
-        };
-        let s = &mut self.keys[slot];
-        s.1 = s.1.saturating_add(ok);
-        s.2 = s.2.saturating_add(bad);
+        s.0 = s.0.saturating_add(ok);
+        s.1 = s.1.saturating_add(bad);
     }
 
     /// Both tallies together.
     pub fn merge(&mut self, other: Tally) {
-        for (k, ok, bad) in other.keys {
-            self.add_n(Witness::Key(k), ok, bad);
+        for (s, o) in self.keys.iter_mut().zip(other.keys) {
+            s.0 = s.0.saturating_add(o.0);
+            s.1 = s.1.saturating_add(o.1);
         }
-        self.add_n(Witness::Sure, other.sure.0, other.sure.1);
+        self.sure.0 = self.sure.0.saturating_add(other.sure.0);
+        self.sure.1 = self.sure.1.saturating_add(other.sure.1);
     }
 
     /// Every outcome, whoever saw it.
@@ -180,7 +174,7 @@ impl Tally {
         s + self
             .keys
             .iter()
-            .map(|(_, ok, bad)| u64::from(*ok) + u64::from(*bad))
+            .map(|(ok, bad)| u64::from(*ok) + u64::from(*bad))
             .sum::<u64>()
     }
 
@@ -190,8 +184,12 @@ impl Tally {
     pub fn failure_rate(&self, min: f64) -> Option<f64> {
         let min = min.max(1.0);
         let all = judge(&self.keys, self.sure, None);
-        let without = (0..TRACKED)
-            .filter(|i| self.keys[*i].1 > 0 || self.keys[*i].2 > 0)
+        if self.sure.1 == 0 && self.keys.iter().all(|(_, bad)| *bad == 0) {
+            // Nothing failed (the common case): no set of outcomes reads otherwise.
+            return (all.1 >= min).then_some(0.0);
+        }
+        let without = (0..SLOTS)
+            .filter(|i| self.keys[*i].0 > 0 || self.keys[*i].1 > 0)
             .map(|i| judge(&self.keys, self.sure, Some(i)));
         std::iter::once(all)
             .chain(without)
@@ -205,16 +203,12 @@ impl Tally {
 /// and the sure witness: the key seen most weighs at most as much as the rest together (its
 /// answers and failures scaled alike), then the commonest failing key's failures count at most
 /// as much as the other failures.
-fn judge(
-    keys: &[(u64, u32, u32); TRACKED],
-    sure: (u32, u32),
-    left_out: Option<usize>,
-) -> (f64, f64) {
+fn judge(keys: &[(u32, u32); SLOTS], sure: (u32, u32), left_out: Option<usize>) -> (f64, f64) {
     let kept = || {
         keys.iter()
             .enumerate()
             .filter(move |(i, _)| Some(*i) != left_out)
-            .map(|(_, (_, ok, bad))| (f64::from(*ok), f64::from(*bad)))
+            .map(|(_, (ok, bad))| (f64::from(*ok), f64::from(*bad)))
     };
     let n_sure = f64::from(sure.0) + f64::from(sure.1);
     let n_keys: f64 = kept().map(|(ok, bad)| ok + bad).sum();
@@ -245,16 +239,15 @@ fn judge(
     (failed.min(2.0 * others), weight)
 }
 
-/// A server's last outcomes, [`WINDOW`] of each client key's (and of the sure witness's), and
-/// its current run of failures: the failure rate ([`Tally::failure_rate`]) and the failures in
-/// a row ([`Witnesses::counted`]) an ejection reads. Each key keeps its own window, so one
-/// key's flood of requests pushes no other key's outcomes out.
+/// A server's last outcomes, [`WINDOW`] of each witness slot's ([`SLOTS`]: a client key's,
+/// by its name's hash) and of the sure witness's, and its current run of failures: the failure
+/// rate ([`Tally::failure_rate`]) and the failures in a row ([`Witnesses::counted`]) an ejection
+/// reads. Each slot keeps its own window, so one key's flood of requests pushes no other key's
+/// outcomes out (but those of a key sharing its slot).
 #[derive(Clone, Debug, Default)]
 pub struct Record {
-    lanes: [Lane; TRACKED],
+    lanes: [Lane; SLOTS],
     sure: Lane,
-    /// Outcomes recorded: a lane's `used` says how recently (the least recent makes room).
-    tick: u32,
     /// The current run of failures and its witnesses.
     run: Witnesses,
 }
@@ -262,10 +255,8 @@ pub struct Record {
 /// One witness's last [`WINDOW`] outcomes, newest in the lowest bit (`1`: failed).
 #[derive(Clone, Copy, Debug, Default)]
 struct Lane {
-    key: u64,
     bits: u32,
     len: u8,
-    used: u32,
 }
 
 impl Lane {
@@ -284,45 +275,24 @@ impl Lane {
 
 /// Outcomes of each witness the failure rate reads.
 pub const WINDOW: usize = 20;
+
+/// The outcomes (as [`Tally::failure_rate`] weighs them) a rate is judged on at the least.
+pub const RATE_MIN: usize = 10;
 const _: () = assert!(WINDOW < 32);
 
 impl Record {
     fn push(&mut self, w: Witness, failed: bool) {
-        self.tick = self.tick.wrapping_add(1);
-        let lane = match w {
-            Witness::Sure => &mut self.sure,
-            Witness::Key(k) => {
-                let i = match self.lanes.iter().position(|l| l.len > 0 && l.key == k) {
-                    Some(i) => i,
-                    None => {
-                        // An empty lane, or else the least recently used one's key is forgotten.
-                        let tick = self.tick;
-                        let i = (0..TRACKED)
-                            .max_by_key(|i| {
-                                let l = &self.lanes[*i];
-                                (l.len == 0, tick.wrapping_sub(l.used))
-                            })
-                            .unwrap_or(0);
-                        self.lanes[i] = Lane {
-                            key: k,
-                            ..Lane::default()
-                        };
-                        i
-                    }
-                };
-                &mut self.lanes[i]
-            }
-        };
-        lane.used = self.tick;
-        lane.push(failed);
+        match w {
+            Witness::Sure => self.sure.push(failed),
+            Witness::Key(k) => self.lanes[slot(k)].push(failed),
+        }
     }
 
     /// The window's outcomes by witness.
     fn tally(&self) -> Tally {
         let mut t = Tally::default();
-        for (i, l) in self.lanes.iter().enumerate().filter(|(_, l)| l.len > 0) {
-            let (ok, bad) = l.counts();
-            t.keys[i] = (l.key, ok, bad);
+        for (s, l) in t.keys.iter_mut().zip(&self.lanes) {
+            *s = l.counts();
         }
         t.sure = self.sure.counts();
         t
@@ -334,13 +304,14 @@ impl Record {
         self.run = Witnesses::default();
     }
 
-    /// A failure as `w` saw it. Whether it added to what counts against the server (in the
-    /// run or the rate): a failure that did not may steer nothing.
+    /// A failure as `w` saw it. Whether failures count against the server now (the run's,
+    /// or the window's rate once [`RATE_MIN`] outcomes are judged): while none does — one
+    /// key's alone — it may steer nothing.
     pub fn failed(&mut self, w: Witness) -> bool {
-        let (run, rate) = (self.run.counted(), self.rate(1).unwrap_or(0.0));
+        let run = self.run.counted();
         self.push(w, true);
         self.run.add(w);
-        self.run.counted() > run || self.rate(1).unwrap_or(0.0) > rate
+        self.run.counted() > run || self.rate(RATE_MIN).is_some()
     }
 
     /// A probe failed: a sure failure in the run, not an outcome of the window (which is the
@@ -484,31 +455,41 @@ mod tests {
         assert!(rate < 0.1, "B's one and one of A's, of sixty: {rate}");
     }
 
-    /// Each key keeps its own window: a flood of another key's outcomes pushes none out; a
-    /// key beyond the tracked ones takes the lane least recently used.
+    /// Each key keeps its own window: a flood of another key's outcomes pushes none out.
     #[test]
     fn each_key_keeps_its_own_window() {
+        let slots: std::collections::BTreeSet<usize> =
+            [1u64, 2, 3].iter().map(|k| slot(*k)).collect();
+        assert_eq!(slots.len(), 3, "A, B and C have slots of their own");
         let mut r = Record::default();
         r.failed(B);
         r.failed(C);
         for _ in 0..100 {
             r.served(A);
         }
-        let t = r.tally();
-        assert_eq!(t.total(), 2 + WINDOW as u64, "A's window holds its last 20");
-        for k in 10..(10 + TRACKED as u64 - 3) {
-            r.served(Witness::Key(k));
-        }
-        r.served(A);
-        r.served(B);
-        r.served(C);
-        r.served(Witness::Key(99));
-        let keys: Vec<u64> = r.lanes.iter().map(|l| l.key).collect();
-        assert!(
-            !keys.contains(&10),
-            "the least recently used lane went: {keys:?}"
+        assert_eq!(
+            r.tally().total(),
+            2 + WINDOW as u64,
+            "A's window holds its last 20"
         );
-        assert!(keys.contains(&99) && keys.contains(&1) && keys.contains(&2));
+    }
+
+    /// Keys A and B fail every request, key C's answers come between: the run never grows (an
+    /// answer ends it), the rate does, and every failure says so (the ejection reads it).
+    #[test]
+    fn failures_keep_counting_while_the_rate_stays_high() {
+        let mut r = Record::default();
+        let mut said = Vec::new();
+        for _ in 0..12 {
+            said.push(r.failed(A));
+            r.served(C);
+            said.push(r.failed(B));
+            r.served(C);
+        }
+        assert_eq!(r.run(), 0, "C's answers end every run");
+        assert!(said[12..].iter().all(|s| *s), "{said:?}");
+        let rate = r.rate(10).expect("judged");
+        assert!(rate >= RATE_EJECT, "A and B fail all theirs: {rate}");
     }
 
     #[test]
@@ -629,14 +610,17 @@ mod tests {
         /// outcomes say together.
         #[test]
         fn one_more_key_never_lowers_the_others_rate(
-            keys in proptest::collection::vec((0u32..40, 0u32..40), 1..(TRACKED - 1)),
+            keys in proptest::collection::vec((0u32..40, 0u32..40), 1..8),
             sure in (0u32..10, 0u32..10),
             extra in (0u32..100_000, 0u32..100_000),
             min in 1u32..30,
         ) {
             let others = tally_of(&keys, sure);
             let mut with = others;
-            with.add_n(Witness::Key(1_000), extra.0, extra.1);
+            // A key of a slot of its own (one sharing a slot is one witness with that key).
+            let used: Vec<usize> = (1..=keys.len() as u64).map(slot).collect();
+            let extra_key = (1_000u64..).find(|k| !used.contains(&slot(*k))).unwrap_or(1_000);
+            with.add_n(Witness::Key(extra_key), extra.0, extra.1);
             for t in [others, with] {
                 if let Some(r) = t.failure_rate(f64::from(min)) {
                     proptest::prop_assert!((0.0..=1.0).contains(&r), "{r}");

@@ -31,6 +31,8 @@ pub mod names {
     pub const X_AUTOHEDGE_ENDPOINT: HeaderName = HeaderName::from_static("x-autohedge-endpoint");
     pub const X_AUTOHEDGE_ATTEMPTS: HeaderName = HeaderName::from_static("x-autohedge-attempts");
     pub const X_AUTOHEDGE_HEDGED: HeaderName = HeaderName::from_static("x-autohedge-hedged");
+    pub const X_AUTOHEDGE_SERVED_FROM: HeaderName =
+        HeaderName::from_static("x-autohedge-served-from");
     pub const X_AUTOHEDGE_TRUNCATED: HeaderName = HeaderName::from_static("x-autohedge-truncated");
 }
 

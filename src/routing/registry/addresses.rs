@@ -103,14 +103,14 @@ impl Registry {
         Ok(Some(Picked { base, in_flight }))
     }
 
-    /// An attempt at `base` answered in `rtt`, to a request `who` sent: its latency estimate
-    /// learns it.
+    /// An attempt at `base` answered in `rtt`, to a request `who` sent (`None`: made with the
+    /// client's own upstream key): its latency estimate learns it.
     pub fn address_answered(
         &self,
         endpoint: &str,
         base: &str,
         rtt: Duration,
-        who: Witness,
+        who: Option<Witness>,
         t: &Tuning,
     ) {
         self.with_address(endpoint, base, |a, now| a.observe(rtt, now, t, who));

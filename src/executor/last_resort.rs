@@ -1,0 +1,472 @@
+//! The last resort (`last_resort:` on a route, or on an endpoint for requests that name it):
+//! 2xx answers kept under an exact key — the request's canonical body (object keys sorted, the
+//! `model` as the client asked it), the model it named, and the client key's name unless
+//! `shared: true` — and served only where every attempt of the same request failed, instead of
+//! the 503. A full answer is kept as its body; a stream as the events it was, only when it
+//! ended in `[DONE]` whole (not broken, not continued elsewhere). Never an error, never a
+//! request with `n > 1` or a `seed` (whether an answer honoured it cannot be told).
+//!
+//! Bounded in memory: each model's shelf by `max_bytes`, each client key's part of it by
+//! `max_bytes_per_key` (its own oldest go first: one key's answers never push out another's),
+//! answers past `ttl` are let go; an answer larger than a key's share is not kept.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::HeaderValue;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use tokio::time::Instant;
+
+use crate::config::LastResortSpec;
+use crate::op::Op;
+
+/// What an answer is kept under.
+pub type Key = [u8; 32];
+
+/// A kept answer.
+#[derive(Clone, Debug)]
+pub enum Kept {
+    /// A full answer's body and content type.
+    Full {
+        content_type: HeaderValue,
+        body: Bytes,
+    },
+    /// A stream's events as the client got them, `[DONE]` last.
+    Stream(Bytes),
+}
+
+impl Kept {
+    fn bytes(&self) -> usize {
+        match self {
+            Kept::Full { body, .. } => body.len(),
+            Kept::Stream(b) => b.len(),
+        }
+    }
+}
+
+/// The key of a request that may be kept and served, or `None` when it may not: only chat and
+/// completions, without `n > 1` or `seed`. `client` is the key's name (`None` with `shared`).
+pub fn key_of(
+    op: Op,
+    model: &str,
+    client: Option<&str>,
+    body: &serde_json::Map<String, Value>,
+) -> Option<Key> {
+    if !matches!(op, Op::Chat | Op::Completions) {
+        return None;
+    }
+    let n = body.get("n");
+    if n.is_some_and(|n| !n.is_null() && n.as_u64() != Some(1)) {
+        return None;
+    }
+    if body.get("seed").is_some_and(|s| !s.is_null()) {
+        return None;
+    }
+    let mut h = Sha256::new();
+    for part in [op.name(), model, client.unwrap_or("")] {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part.as_bytes());
+    }
+    h.update([u8::from(client.is_some())]);
+    canonical_map(&mut h, body);
+    Some(h.finalize().into())
+}
+
+/// `v` as JSON with every object's keys in order, into `h`.
+fn canonical(h: &mut Sha256, v: &Value) {
+    match v {
+        Value::Object(m) => canonical_map(h, m),
+        Value::Array(a) => {
+            h.update(b"[");
+            for v in a {
+                canonical(h, v);
+                h.update(b",");
+            }
+            h.update(b"]");
+        }
+        other => h.update(other.to_string().as_bytes()),
+    }
+}
+
+/// Where a request's answer may be kept: its model, key, owner and the spec.
+#[derive(Clone, Debug)]
+pub struct Slot {
+    pub model: String,
+    pub key: Key,
+    /// The client key's name (`""` for none): whose share the answer takes.
+    pub owner: String,
+    pub spec: LastResortSpec,
+}
+
+impl Slot {
+    /// The slot of a request to `model` with `last_resort:` as `spec`, of client key `client`;
+    /// `None` when the request may not be kept ([`key_of`]).
+    pub fn of(
+        op: Op,
+        model: &str,
+        client: Option<&str>,
+        body: &serde_json::Map<String, Value>,
+        spec: LastResortSpec,
+    ) -> Option<Slot> {
+        let owner = client.unwrap_or("");
+        let key = key_of(op, model, (!spec.shared).then_some(owner), body)?;
+        Some(Slot {
+            model: model.to_string(),
+            key,
+            owner: owner.to_string(),
+            spec,
+        })
+    }
+
+    pub fn keep(&self, store: &LastResort, kept: Kept) {
+        store.keep(&self.model, self.key, &self.owner, kept, &self.spec);
+    }
+
+    pub fn find(&self, store: &LastResort) -> Option<(Kept, Duration)> {
+        store.find(&self.model, &self.key, self.spec.ttl)
+    }
+}
+
+/// A stream's events as they reach the client, kept when it ends whole (`[DONE]`, nothing
+/// broken or continued): no more than a key's share.
+pub struct Capture {
+    pub slot: Slot,
+    buf: bytes::BytesMut,
+}
+
+impl Capture {
+    pub fn new(slot: Slot) -> Capture {
+        Capture {
+            slot,
+            buf: bytes::BytesMut::new(),
+        }
+    }
+
+    /// Adds what was sent; `false` once it is more than a key's share (nothing is kept).
+    pub fn push(&mut self, b: &[u8]) -> bool {
+        let cap = self
+            .slot
+            .spec
+            .max_bytes_per_key
+            .min(self.slot.spec.max_bytes);
+        if (self.buf.len() + b.len()) as u64 > cap {
+            return false;
+        }
+        self.buf.extend_from_slice(b);
+        true
+    }
+
+    /// The whole stream, kept.
+    pub fn keep(self, store: &LastResort) {
+        let Capture { slot, buf } = self;
+        slot.keep(store, Kept::Stream(buf.freeze()));
+    }
+}
+
+/// An object with its keys in order, into `h`.
+fn canonical_map(h: &mut Sha256, m: &serde_json::Map<String, Value>) {
+    let mut keys: Vec<&String> = m.keys().collect();
+    keys.sort();
+    h.update(b"{");
+    for k in keys {
+        h.update(Value::String(k.clone()).to_string().as_bytes());
+        h.update(b":");
+        if let Some(v) = m.get(k) {
+            canonical(h, v);
+        }
+        h.update(b",");
+    }
+    h.update(b"}");
+}
+
+/// One kept answer.
+struct Entry {
+    kept: Kept,
+    at: Instant,
+    owner: String,
+    /// Its place in its owner's order (a later keep of the same key supersedes it).
+    n: u64,
+}
+
+/// One model's kept answers.
+#[derive(Default)]
+struct Shelf {
+    entries: HashMap<Key, Entry>,
+    /// Each owner's keys in the order they were kept, with their bytes in all.
+    owners: HashMap<String, (VecDeque<(Key, u64)>, usize)>,
+    bytes: usize,
+    n: u64,
+}
+
+impl Shelf {
+    fn remove(&mut self, key: &Key) {
+        if let Some(e) = self.entries.remove(key) {
+            let size = e.kept.bytes();
+            self.bytes = self.bytes.saturating_sub(size);
+            if let Some((_, b)) = self.owners.get_mut(&e.owner) {
+                *b = b.saturating_sub(size);
+            }
+        }
+    }
+
+    /// `owner`'s oldest key still standing, taken off its order.
+    fn pop_oldest(&mut self, owner: &str) -> Option<Key> {
+        loop {
+            let (order, _) = self.owners.get_mut(owner)?;
+            let (key, n) = order.pop_front()?;
+            if self.entries.get(&key).is_some_and(|e| e.n == n) {
+                return Some(key);
+            }
+        }
+    }
+
+    /// Lets go of what is past `ttl` (each owner's order is oldest first), then of each key's
+    /// oldest past its share, then — while the shelf is over `max_bytes` — of the oldest of the
+    /// owner holding the most (a key keeping little never loses its answers to one keeping
+    /// much).
+    fn evict(&mut self, now: Instant, spec: &LastResortSpec) {
+        let owners: Vec<String> = self.owners.keys().cloned().collect();
+        for owner in &owners {
+            loop {
+                let front = self.owners.get(owner).and_then(|(o, _)| o.front().copied());
+                let Some((key, n)) = front else { break };
+                let stale = match self.entries.get(&key) {
+                    Some(e) if e.n == n => now.saturating_duration_since(e.at) > spec.ttl,
+                    _ => true,
+                };
+                if !stale {
+                    break;
+                }
+                if let Some((o, _)) = self.owners.get_mut(owner) {
+                    o.pop_front();
+                }
+                if self.entries.get(&key).is_some_and(|e| e.n == n) {
+                    self.remove(&key);
+                }
+            }
+            while self
+                .owners
+                .get(owner)
+                .is_some_and(|(_, b)| *b as u64 > spec.max_bytes_per_key)
+            {
+                match self.pop_oldest(owner) {
+                    Some(k) => self.remove(&k),
+                    None => break,
+                }
+            }
+        }
+        while self.bytes as u64 > spec.max_bytes {
+            // The owner holding the most; of equals, the one whose oldest was kept first.
+            let most = self
+                .owners
+                .iter()
+                .max_by_key(|(_, (o, b))| {
+                    (*b, std::cmp::Reverse(o.front().map_or(u64::MAX, |f| f.1)))
+                })
+                .map(|(o, _)| o.clone());
+            match most.and_then(|o| self.pop_oldest(&o)) {
+                Some(k) => self.remove(&k),
+                None => break,
+            }
+        }
+        self.owners.retain(|_, (o, b)| *b > 0 || !o.is_empty());
+    }
+}
+
+/// The kept answers of every model with `last_resort:`.
+#[derive(Default)]
+pub struct LastResort {
+    shelves: Mutex<HashMap<String, Shelf>>,
+}
+
+impl LastResort {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Shelf>> {
+        self.shelves.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Keeps `kept` for `model` under `key`, as `owner`'s (the client key's name, `""` for
+    /// none). An answer larger than a key's share is not kept.
+    pub fn keep(&self, model: &str, key: Key, owner: &str, kept: Kept, spec: &LastResortSpec) {
+        let size = kept.bytes();
+        if size as u64 > spec.max_bytes_per_key.min(spec.max_bytes) {
+            return;
+        }
+        let now = Instant::now();
+        let mut g = self.lock();
+        let shelf = g.entry(model.to_string()).or_default();
+        shelf.remove(&key);
+        shelf.n += 1;
+        let n = shelf.n;
+        shelf.entries.insert(
+            key,
+            Entry {
+                kept,
+                at: now,
+                owner: owner.to_string(),
+                n,
+            },
+        );
+        shelf.bytes = shelf.bytes.saturating_add(size);
+        let (order, bytes) = shelf.owners.entry(owner.to_string()).or_default();
+        order.push_back((key, n));
+        *bytes = bytes.saturating_add(size);
+        shelf.evict(now, spec);
+        // An owner churning one key leaves superseded places behind: bounded by what stands.
+        if let Some((order, _)) = shelf.owners.get_mut(owner)
+            && order.len() > 2 * shelf.entries.len() + 64
+        {
+            let entries = &shelf.entries;
+            order.retain(|(k, n)| entries.get(k).is_some_and(|e| e.n == *n));
+        }
+    }
+
+    /// The answer kept for `model` under `key` within `ttl`, with its age.
+    pub fn find(&self, model: &str, key: &Key, ttl: Duration) -> Option<(Kept, Duration)> {
+        let now = Instant::now();
+        let g = self.lock();
+        let e = g.get(model)?.entries.get(key)?;
+        let age = now.saturating_duration_since(e.at);
+        (age <= ttl).then(|| (e.kept.clone(), age))
+    }
+
+    /// Bytes kept, in all.
+    pub fn bytes(&self) -> usize {
+        self.lock().values().map(|s| s.bytes).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn spec(max: u64, per_key: u64) -> LastResortSpec {
+        LastResortSpec {
+            ttl: Duration::from_secs(60),
+            max_bytes: max,
+            max_bytes_per_key: per_key,
+            shared: false,
+        }
+    }
+
+    fn full(n: usize) -> Kept {
+        Kept::Full {
+            content_type: HeaderValue::from_static("application/json"),
+            body: Bytes::from(vec![b'x'; n]),
+        }
+    }
+
+    fn obj(v: Value) -> serde_json::Map<String, Value> {
+        v.as_object().cloned().unwrap()
+    }
+
+    fn k(i: u8) -> Key {
+        [i; 32]
+    }
+
+    #[test]
+    fn the_key_is_exact_and_never_one_keys_for_another() {
+        let body = obj(
+            json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}),
+        );
+        let same = obj(
+            json!({"temperature": 0, "messages": [{"content": "hi", "role": "user"}], "model": "m"}),
+        );
+        let a = key_of(Op::Chat, "m", Some("team-a"), &body).unwrap();
+        assert_eq!(
+            Some(a),
+            key_of(Op::Chat, "m", Some("team-a"), &same),
+            "key order aside"
+        );
+        for (why, other) in [
+            ("another key", key_of(Op::Chat, "m", Some("team-b"), &body)),
+            ("shared", key_of(Op::Chat, "m", None, &body)),
+            (
+                "another model",
+                key_of(Op::Chat, "n", Some("team-a"), &body),
+            ),
+            (
+                "another temperature",
+                key_of(
+                    Op::Chat,
+                    "m",
+                    Some("team-a"),
+                    &obj(
+                        json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.5}),
+                    ),
+                ),
+            ),
+            (
+                "a stream",
+                key_of(
+                    Op::Chat,
+                    "m",
+                    Some("team-a"),
+                    &obj(
+                        json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "stream": true}),
+                    ),
+                ),
+            ),
+        ] {
+            assert_ne!(other, Some(a), "{why}");
+            assert!(other.is_some(), "{why}");
+        }
+        // A name that runs into the body cannot pass for another split.
+        assert_ne!(
+            key_of(Op::Chat, "m", Some("ab"), &obj(json!({"x": "c"}))),
+            key_of(Op::Chat, "m", Some("a"), &obj(json!({"x": "bc"})))
+        );
+        assert_eq!(key_of(Op::Chat, "m", None, &obj(json!({"n": 2}))), None);
+        assert_eq!(key_of(Op::Chat, "m", None, &obj(json!({"seed": 7}))), None);
+        assert!(key_of(Op::Chat, "m", None, &obj(json!({"n": 1, "seed": null}))).is_some());
+        assert_eq!(key_of(Op::Embeddings, "m", None, &obj(json!({}))), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn one_keys_answers_never_push_out_anothers_and_age_out() {
+        let lr = LastResort::default();
+        let s = spec(1000, 400);
+        lr.keep("m", k(0), "b", full(300), &s);
+        for i in 1..50 {
+            lr.keep("m", k(i), "a", full(100), &s);
+        }
+        assert!(lr.find("m", &k(0), s.ttl).is_some(), "b's answer stands");
+        assert!(lr.find("m", &k(49), s.ttl).is_some(), "a's newest stands");
+        assert!(
+            lr.find("m", &k(45), s.ttl).is_none(),
+            "a's older went: its share is 400"
+        );
+        assert!(lr.bytes() <= 700, "{}", lr.bytes());
+        lr.keep("m", k(99), "c", full(401), &s);
+        assert!(
+            lr.find("m", &k(99), s.ttl).is_none(),
+            "over a key's share: not kept"
+        );
+        // Five keys of 300 each: the shelf holds 1000, the key holding most gives first.
+        for (i, o) in ["c", "d", "e"].iter().enumerate() {
+            lr.keep("m", k(100 + i as u8), o, full(300), &s);
+        }
+        assert!(lr.bytes() <= 1000);
+        assert!(lr.find("m", &k(102), s.ttl).is_some(), "the newest stands");
+        tokio::time::advance(Duration::from_secs(61)).await;
+        assert!(lr.find("m", &k(102), s.ttl).is_none(), "past ttl");
+        lr.keep("m", k(200), "f", full(10), &s);
+        assert_eq!(lr.bytes(), 10, "what aged out is let go at the next keep");
+    }
+
+    #[test]
+    fn a_key_kept_again_supersedes_and_churn_stays_bounded() {
+        let lr = LastResort::default();
+        let s = spec(1 << 20, 1 << 20);
+        for _ in 0..10_000 {
+            lr.keep("m", k(1), "a", full(10), &s);
+        }
+        assert_eq!(lr.bytes(), 10);
+        let g = lr.lock();
+        let order = &g["m"].owners["a"].0;
+        assert!(order.len() <= 2 + 64 + 1, "{}", order.len());
+    }
+}

@@ -6,6 +6,8 @@ mod common;
 
 use std::time::Duration;
 
+use common::clusters::until_clustered;
+use common::redis_server::Redis;
 use common::trail::db_rows;
 use common::*;
 use serde_json::{Value, json};
@@ -244,4 +246,54 @@ async fn one_keys_answers_never_push_out_anothers() {
     let r = send(&gw, KEY_A, &ask("A's question 199")).await;
     assert_eq!(header(&r, "x-autohedge-served-from"), "last_resort");
     gw.stop();
+}
+
+/// With `cluster:`, an answer one replica kept serves the same request at another replica that
+/// never saw it, when every endpoint fails there; still only to the key it answered.
+#[tokio::test]
+async fn the_shared_copy_serves_another_replica() {
+    let redis = Redis::start();
+    let a = MockUp::openai("name: a\nreply: \"Kept on one replica.\"").await;
+    let b = MockUp::openai("name: b").await;
+    let cfg = format!(
+        "{}cluster: {{ redis: env:AUTOHEDGE_REDIS_URL, key_prefix: \"lr:\", timeout: 2s }}\n",
+        config(&a, &b, "")
+    );
+    let url = redis.url();
+    let env = [
+        ("KEY_A", KEY_A),
+        ("KEY_B", KEY_B),
+        ("AUTOHEDGE_REDIS_URL", url.as_str()),
+    ];
+    let (mut one, mut two) = (
+        Gw::start_with_env(&cfg, &env),
+        Gw::start_with_env(&cfg, &env),
+    );
+    until_clustered(&[&one, &two], 2).await;
+    let q = ask("Shared question");
+    let first = send(&one, KEY_A, &q).await;
+    assert_eq!(first.status(), 200);
+    let kept = first.bytes().await.unwrap();
+    a.set_script(DOWN).await;
+    b.set_script(DOWN).await;
+    // Replica one shares it off its request path: replica two is asked until it is there.
+    let mut served = None;
+    for _ in 0..50 {
+        let r = send(&two, KEY_A, &q).await;
+        if r.status() == 200 {
+            assert_eq!(header(&r, "x-autohedge-served-from"), "last_resort");
+            served = Some(r.bytes().await.unwrap());
+            break;
+        }
+        assert_eq!(r.status(), 503);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(served.as_ref(), Some(&kept), "the answer replica one kept");
+    assert_eq!(
+        send(&two, KEY_B, &q).await.status(),
+        503,
+        "never another key's"
+    );
+    one.stop();
+    two.stop();
 }

@@ -27,6 +27,7 @@ use tokio::sync::{Notify, mpsc};
 mod admit;
 mod facts;
 mod keeper;
+mod kept;
 mod lease;
 mod settle;
 mod turns;

@@ -65,19 +65,47 @@ impl Cluster {
         mode: &str,
     ) -> redis::ScriptInvocation<'_> {
         let who = client.unwrap_or("");
+        let shelf = Shelf {
+            by_time: self.key(&["turns"]),
+            key_prefix: self.key(&["turns", "k", ""]),
+            sizes: self.key(&["turnsize"]),
+            bytes: self.key(&["turnbytes"]),
+            value_prefix: self.key(&["resp", ""]),
+        };
+        self.bounded_call(
+            &shelf,
+            (id, who),
+            json.as_bytes(),
+            ms,
+            (bounds.max_bytes, bounds.max_bytes_per_key),
+            mode,
+        )
+    }
+
+    /// `turn.lua` on `shelf`: `put` keeps `value` under `id` for `ms`, as `who`'s, within
+    /// (`most` in all, `share` a key's); `delete` forgets it.
+    pub(super) fn bounded_call(
+        &self,
+        shelf: &Shelf,
+        (id, who): (&str, &str),
+        value: &[u8],
+        ms: u64,
+        (most, share): (u64, u64),
+        mode: &str,
+    ) -> redis::ScriptInvocation<'_> {
         let mut inv = self.turn.prepare_invoke();
-        inv.key(self.key(&["turns"]))
-            .key(self.key(&["turns", "k", who]))
-            .key(self.key(&["turnsize"]))
-            .key(self.key(&["turnbytes"]))
+        inv.key(&shelf.by_time)
+            .key(format!("{}{who}", shelf.key_prefix))
+            .key(&shelf.sizes)
+            .key(&shelf.bytes)
             .arg(id)
-            .arg(json)
+            .arg(value)
             .arg(ms)
-            .arg(bounds.max_bytes)
-            .arg(bounds.max_bytes_per_key)
+            .arg(most)
+            .arg(share)
             .arg(who)
-            .arg(self.key(&["resp", ""]))
-            .arg(self.key(&["turns", "k", ""]))
+            .arg(&shelf.value_prefix)
+            .arg(&shelf.key_prefix)
             .arg(mode);
         inv
     }
@@ -92,4 +120,14 @@ impl Cluster {
         let inv = self.turn_call(id, client, "", 1, none, "delete");
         let _ = self.call::<i64>(&inv).await;
     }
+}
+
+/// The store's keys of one bounded shelf (`turn.lua`): values by time, each key's by time (the
+/// prefix and the key's name), each value's size and owner, the bytes kept, the values' prefix.
+pub(super) struct Shelf {
+    pub by_time: String,
+    pub key_prefix: String,
+    pub sizes: String,
+    pub bytes: String,
+    pub value_prefix: String,
 }

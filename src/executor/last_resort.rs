@@ -12,7 +12,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use http::HeaderValue;
@@ -22,6 +22,7 @@ use tokio::time::Instant;
 
 use crate::config::LastResortSpec;
 use crate::op::Op;
+use crate::state::AppState;
 
 /// What an answer is kept under.
 pub type Key = [u8; 32];
@@ -44,6 +45,42 @@ impl Kept {
             Kept::Full { body, .. } => body.len(),
             Kept::Stream(b) => b.len(),
         }
+    }
+
+    /// As the shared store keeps it: `F` or `S`, when it was kept (Unix ms, 8 bytes LE), the
+    /// content type's length (2 bytes LE) and the content type, then the body.
+    pub fn encode(&self, at_unix_ms: u64) -> Vec<u8> {
+        let (kind, ct, body): (u8, &[u8], &Bytes) = match self {
+            Kept::Full { content_type, body } => (b'F', content_type.as_bytes(), body),
+            Kept::Stream(b) => (b'S', b"", b),
+        };
+        let ct = &ct[..ct.len().min(u16::MAX as usize)];
+        let mut out = Vec::with_capacity(11 + ct.len() + body.len());
+        out.push(kind);
+        out.extend_from_slice(&at_unix_ms.to_le_bytes());
+        out.extend_from_slice(&(ct.len() as u16).to_le_bytes());
+        out.extend_from_slice(ct);
+        out.extend_from_slice(body);
+        out
+    }
+
+    /// What [`Kept::encode`] wrote, and when it was kept; `None` for anything else (the store's
+    /// bytes are read as any outside bytes are: a value that is not one is no answer).
+    pub fn decode(b: &[u8]) -> Option<(Kept, u64)> {
+        let kind = *b.first()?;
+        let at = u64::from_le_bytes(b.get(1..9)?.try_into().ok()?);
+        let n = usize::from(u16::from_le_bytes(b.get(9..11)?.try_into().ok()?));
+        let ct = b.get(11..11 + n)?;
+        let body = Bytes::copy_from_slice(b.get(11 + n..)?);
+        let kept = match kind {
+            b'F' => Kept::Full {
+                content_type: HeaderValue::from_bytes(ct).ok()?,
+                body,
+            },
+            b'S' if ct.is_empty() => Kept::Stream(body),
+            _ => return None,
+        };
+        Some((kept, at))
     }
 }
 
@@ -121,13 +158,50 @@ impl Slot {
         })
     }
 
-    pub fn keep(&self, store: &LastResort, kept: Kept) {
-        store.keep(&self.model, self.key, &self.owner, kept, &self.spec);
+    /// Keeps `kept` here, and with `cluster:` in the shared store too (off the request path).
+    pub fn keep(&self, app: &AppState, kept: Kept) {
+        if let Some(cluster) = app.cluster.get()
+            && let Ok(rt) = tokio::runtime::Handle::try_current()
+            && (kept.bytes() as u64) <= self.spec.max_bytes_per_key.min(self.spec.max_bytes)
+        {
+            let value = kept.encode(unix_ms(SystemTime::now()));
+            let (cluster, slot) = (cluster.clone(), self.clone());
+            rt.spawn(async move {
+                cluster
+                    .put_kept(&slot.model, &slot.id(), &slot.owner, value, slot.spec)
+                    .await;
+            });
+        }
+        app.last_resort
+            .keep(&self.model, self.key, &self.owner, kept, &self.spec);
     }
 
-    pub fn find(&self, store: &LastResort) -> Option<(Kept, Duration)> {
-        store.find(&self.model, &self.key, self.spec.ttl)
+    /// The answer kept for this request within `ttl`, with its age: this replica's, else (with
+    /// `cluster:`) one another replica shared, asked within `cluster.timeout`.
+    pub async fn find(&self, app: &AppState) -> Option<(Kept, Duration)> {
+        if let Some(found) = app.last_resort.find(&self.model, &self.key, self.spec.ttl) {
+            return Some(found);
+        }
+        let cluster = app.cluster.get()?;
+        let deadline = tokio::time::Instant::now() + cluster.settings().timeout;
+        let max = self.spec.max_bytes_per_key.min(self.spec.max_bytes) + 64 * 1024;
+        let raw = cluster
+            .get_kept(&self.model, &self.id(), max, deadline)
+            .await?;
+        let (kept, at) = Kept::decode(&raw)?;
+        let age = Duration::from_millis(unix_ms(SystemTime::now()).saturating_sub(at));
+        (age <= self.spec.ttl).then_some((kept, age))
     }
+
+    /// The key as the shared store names it (hex).
+    pub fn id(&self) -> String {
+        self.key.iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// A stream's events as they reach the client, kept when it ends whole (`[DONE]`, nothing
@@ -160,9 +234,9 @@ impl Capture {
     }
 
     /// The whole stream, kept.
-    pub fn keep(self, store: &LastResort) {
+    pub fn keep(self, app: &AppState) {
         let Capture { slot, buf } = self;
-        slot.keep(store, Kept::Stream(buf.freeze()));
+        slot.keep(app, Kept::Stream(buf.freeze()));
     }
 }
 
@@ -455,6 +529,31 @@ mod tests {
         assert!(lr.find("m", &k(102), s.ttl).is_none(), "past ttl");
         lr.keep("m", k(200), "f", full(10), &s);
         assert_eq!(lr.bytes(), 10, "what aged out is let go at the next keep");
+    }
+
+    proptest::proptest! {
+        /// The shared store's bytes: what was encoded comes back; anything else is an answer
+        /// or nothing, never a panic.
+        #[test]
+        fn a_kept_answer_decodes_as_encoded_and_any_bytes_never_panic(
+            body in proptest::collection::vec(proptest::num::u8::ANY, 0..200),
+            at in proptest::num::u64::ANY,
+            stream in proptest::bool::ANY,
+            junk in proptest::collection::vec(proptest::num::u8::ANY, 0..64),
+        ) {
+            let kept = if stream {
+                Kept::Stream(Bytes::from(body.clone()))
+            } else {
+                Kept::Full {
+                    content_type: HeaderValue::from_static("application/json; charset=utf-8"),
+                    body: Bytes::from(body.clone()),
+                }
+            };
+            let (back, when) = Kept::decode(&kept.encode(at)).expect("decodes");
+            proptest::prop_assert_eq!(when, at);
+            proptest::prop_assert_eq!(back.encode(at), kept.encode(at));
+            let _ = Kept::decode(&junk);
+        }
     }
 
     #[test]

@@ -449,7 +449,7 @@ impl Run {
         if let Some(resp) = self.responses_refusal() {
             return resp;
         }
-        if let Some(resp) = self.served_from_last_resort() {
+        if let Some(resp) = self.served_from_last_resort().await {
             return resp;
         }
         self.all_failed()

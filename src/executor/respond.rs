@@ -178,9 +178,9 @@ impl Run {
     /// with `x-autohedge-served-from: last_resort` and its `age`; its row says so
     /// (`error_class: last_resort`, status 200) with the failed attempts before it. Nothing
     /// is billed.
-    pub(super) fn served_from_last_resort(&mut self) -> Option<Response> {
+    pub(super) async fn served_from_last_resort(&mut self) -> Option<Response> {
         let slot = self.last_resort.as_deref()?;
-        let (kept, age) = slot.find(&self.app.last_resort)?;
+        let (kept, age) = slot.find(&self.app).await?;
         tracing::warn!(request_id = %self.request_id, model = %self.req.model, attempts = self.attempts.len(), age_s = age.as_secs(), "all upstreams failed; served the last resort");
         metrics::counter!("autohedge_last_resort_served_total").increment(1);
         let row = self.base_row(None, 200, Some("last_resort".into()));
@@ -275,7 +275,7 @@ impl Run {
                     && let Some(slot) = self.last_resort.as_deref()
                 {
                     slot.keep(
-                        &self.app.last_resort,
+                        &self.app,
                         super::last_resort::Kept::Full {
                             content_type: content_type.clone(),
                             body: body.clone(),

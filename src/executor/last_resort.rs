@@ -20,9 +20,9 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 
+use crate::cluster::Cluster;
 use crate::config::LastResortSpec;
 use crate::op::Op;
-use crate::state::AppState;
 
 /// What an answer is kept under.
 pub type Key = [u8; 32];
@@ -159,8 +159,8 @@ impl Slot {
     }
 
     /// Keeps `kept` here, and with `cluster:` in the shared store too (off the request path).
-    pub fn keep(&self, app: &AppState, kept: Kept) {
-        if let Some(cluster) = app.cluster.get()
+    pub fn keep(&self, (store, cluster): Stores<'_>, kept: Kept) {
+        if let Some(cluster) = cluster
             && let Ok(rt) = tokio::runtime::Handle::try_current()
             && (kept.bytes() as u64) <= self.spec.max_bytes_per_key.min(self.spec.max_bytes)
         {
@@ -172,17 +172,16 @@ impl Slot {
                     .await;
             });
         }
-        app.last_resort
-            .keep(&self.model, self.key, &self.owner, kept, &self.spec);
+        store.keep(&self.model, self.key, &self.owner, kept, &self.spec);
     }
 
     /// The answer kept for this request within `ttl`, with its age: this replica's, else (with
     /// `cluster:`) one another replica shared, asked within `cluster.timeout`.
-    pub async fn find(&self, app: &AppState) -> Option<(Kept, Duration)> {
-        if let Some(found) = app.last_resort.find(&self.model, &self.key, self.spec.ttl) {
+    pub async fn find(&self, (store, cluster): Stores<'_>) -> Option<(Kept, Duration)> {
+        if let Some(found) = store.find(&self.model, &self.key, self.spec.ttl) {
             return Some(found);
         }
-        let cluster = app.cluster.get()?;
+        let cluster = cluster?;
         let deadline = tokio::time::Instant::now() + cluster.settings().timeout;
         let max = self.spec.max_bytes_per_key.min(self.spec.max_bytes) + 64 * 1024;
         let raw = cluster
@@ -198,6 +197,9 @@ impl Slot {
         self.key.iter().map(|b| format!("{b:02x}")).collect()
     }
 }
+
+/// This replica's kept answers, and the shared store (`cluster:`) when there is one.
+pub type Stores<'a> = (&'a LastResort, Option<&'a std::sync::Arc<Cluster>>);
 
 fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(SystemTime::UNIX_EPOCH)
@@ -234,9 +236,9 @@ impl Capture {
     }
 
     /// The whole stream, kept.
-    pub fn keep(self, app: &AppState) {
+    pub fn keep(self, stores: Stores<'_>) {
         let Capture { slot, buf } = self;
-        slot.keep(app, Kept::Stream(buf.freeze()));
+        slot.keep(stores, Kept::Stream(buf.freeze()));
     }
 }
 

@@ -180,7 +180,9 @@ impl Run {
     /// is billed.
     pub(super) async fn served_from_last_resort(&mut self) -> Option<Response> {
         let slot = self.last_resort.as_deref()?;
-        let (kept, age) = slot.find(&self.app).await?;
+        let (kept, age) = slot
+            .find((&self.app.last_resort, self.app.cluster.get()))
+            .await?;
         tracing::warn!(request_id = %self.request_id, model = %self.req.model, attempts = self.attempts.len(), age_s = age.as_secs(), "all upstreams failed; served the last resort");
         metrics::counter!("autohedge_last_resort_served_total").increment(1);
         let row = self.base_row(None, 200, Some("last_resort".into()));
@@ -275,7 +277,7 @@ impl Run {
                     && let Some(slot) = self.last_resort.as_deref()
                 {
                     slot.keep(
-                        &self.app,
+                        (&self.app.last_resort, self.app.cluster.get()),
                         super::last_resort::Kept::Full {
                             content_type: content_type.clone(),
                             body: body.clone(),

@@ -262,7 +262,7 @@ impl Drop for StreamGuard {
         if self.whole
             && let Some(k) = self.keep.take()
         {
-            k.keep(&self.app);
+            k.keep((&self.app.last_resort, self.app.cluster.get()));
         }
     }
 }

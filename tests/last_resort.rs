@@ -297,3 +297,75 @@ async fn the_shared_copy_serves_another_replica() {
     one.stop();
     two.stop();
 }
+
+/// `cache:`: a `temperature: 0` request answered once is answered again from the kept answer
+/// before any upstream call (`x-autohedge-served-from: cache`); a warmer one, one without a
+/// temperature (unless the route says so) or another key's goes upstream; a cache without
+/// `last_resort:` serves nothing when every endpoint fails.
+#[tokio::test]
+async fn a_cached_answer_serves_temperature_zero_before_any_call() {
+    let a = MockUp::openai("name: a").await;
+    let b = MockUp::openai("name: b").await;
+    let cfg = format!(
+        r#"models:
+  a: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
+  b: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
+routes:
+  chat: {{ chain: [a, b], cache: {{ ttl: 1h }} }}
+  loose: {{ chain: [a, b], cache: {{ ttl: 1h, temperature_absent: true }} }}
+auth:
+  keys:
+    - {{ name: team-a, key: env:KEY_A }}
+    - {{ name: team-b, key: env:KEY_B }}
+health: {{ probe_interval: 1h }}
+"#,
+        a.base(),
+        b.base()
+    );
+    let mut gw = Gw::start_with_env(&cfg, &[("KEY_A", KEY_A), ("KEY_B", KEY_B)]);
+    gw.ready().await;
+    let calls = || async { a.requests().await + b.requests().await };
+    let q = ask("Cached question");
+    let before = calls().await;
+    let first = send(&gw, KEY_A, &q).await;
+    assert_eq!(first.status(), 200);
+    let kept = first.bytes().await.unwrap();
+    assert_eq!(calls().await, before + 1, "the first goes upstream");
+    let r = send(&gw, KEY_A, &q).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(header(&r, "x-autohedge-served-from"), "cache");
+    assert_eq!(header(&r, "x-autohedge-attempts"), "0");
+    assert_eq!(r.bytes().await.unwrap(), kept);
+    assert_eq!(calls().await, before + 1, "no upstream call");
+    let mut warmer = q.clone();
+    warmer["temperature"] = json!(0.7);
+    let mut unset = q.clone();
+    unset.as_object_mut().unwrap().remove("temperature");
+    for (why, key, body) in [
+        ("a warmer request", KEY_A, &warmer),
+        ("a warmer request again", KEY_A, &warmer),
+        ("no temperature", KEY_A, &unset),
+        ("no temperature again", KEY_A, &unset),
+        ("another key", KEY_B, &q),
+    ] {
+        let n = calls().await;
+        let r = send(&gw, key, body).await;
+        assert_eq!(r.status(), 200, "{why}");
+        assert_eq!(header(&r, "x-autohedge-served-from"), "", "{why}");
+        assert_eq!(calls().await, n + 1, "{why}: upstream");
+    }
+    // `temperature_absent: true`: a request without one is served from the cache too.
+    let mut loose = unset.clone();
+    loose["model"] = json!("loose");
+    assert_eq!(send(&gw, KEY_A, &loose).await.status(), 200);
+    let n = calls().await;
+    let r = send(&gw, KEY_A, &loose).await;
+    assert_eq!(header(&r, "x-autohedge-served-from"), "cache");
+    assert_eq!(calls().await, n);
+    // A cache alone is no last resort.
+    a.set_script(DOWN).await;
+    b.set_script(DOWN).await;
+    let r = send(&gw, KEY_A, &warmer).await;
+    assert_eq!(r.status(), 503, "kept, but no last_resort: on the route");
+    gw.stop();
+}

@@ -332,11 +332,24 @@ pub struct RawRouteFull {
     pub continue_streams: Option<bool>,
     /// Answers kept to serve when every attempt of a request fails.
     pub last_resort: Option<RawLastResort>,
+    /// Answers kept to serve the same temperature-0 request before any upstream call.
+    pub cache: Option<RawCache>,
+}
+
+/// `cache:` on a route: a kept answer (the same key as `last_resort:`'s) serves the very same
+/// request of a `temperature: 0` before any upstream is called.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawCache {
+    /// How old a kept answer may be to serve (default 5m).
+    pub ttl: Option<Dur>,
+    /// Requests without `temperature` are served from the cache too (default false).
+    pub temperature_absent: Option<bool>,
 }
 
 /// `last_resort:` (a route's, or an endpoint's for requests that name it): 2xx answers kept
 /// under an exact key, served only when every attempt of the same request failed.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawLastResort {
     /// How long a kept answer may serve (default 24h).

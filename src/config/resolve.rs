@@ -560,12 +560,32 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
     let mut route_continue = BTreeSet::new();
     for (route, r) in raw.routes {
         if let RawRoute::Full(f) = &r
-            && let Some(l) = &f.last_resort
+            && (f.last_resort.is_some() || f.cache.is_some())
         {
-            last_resort.insert(
-                route.clone(),
-                last_resort_spec(&format!("routes.{route}.last_resort"), l)?,
-            );
+            let mut spec = match &f.last_resort {
+                Some(l) => last_resort_spec(&format!("routes.{route}.last_resort"), l)?,
+                None => {
+                    let mut s = last_resort_spec("", &super::raw::RawLastResort::default())?;
+                    s.last_resort = None;
+                    s
+                }
+            };
+            if let Some(c) = &f.cache {
+                let at = format!("routes.{route}.cache");
+                let ttl = c.ttl.map_or(Duration::from_secs(300), |d| d.0);
+                if !(Duration::from_secs(1)..=Duration::from_secs(30 * 86_400)).contains(&ttl) {
+                    return Err(ConfigError(format!("at `{at}.ttl`: 1s to 30d")));
+                }
+                spec.cache = Some(super::types::CacheSpec {
+                    ttl,
+                    temperature_absent: c.temperature_absent.unwrap_or(false),
+                });
+                spec.ttl = match spec.last_resort {
+                    Some(l) => l.max(ttl),
+                    None => ttl,
+                };
+            }
+            last_resort.insert(route.clone(), spec);
         }
         match r {
             RawRoute::Chain(c) => {
@@ -1549,5 +1569,7 @@ fn last_resort_spec(
         max_bytes,
         max_bytes_per_key,
         shared: l.shared.unwrap_or(false),
+        last_resort: Some(ttl),
+        cache: None,
     })
 }

@@ -782,11 +782,25 @@ impl Default for Balance {
     }
 }
 
-/// `last_resort:`, resolved.
+/// `last_resort:` and `cache:`, resolved: how a model's answers are kept, and what serves them.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LastResortSpec {
+    /// How long an answer is kept: the longer of its uses'.
     pub ttl: Duration,
     pub max_bytes: u64,
     pub max_bytes_per_key: u64,
     pub shared: bool,
+    /// `last_resort:`: served where every attempt failed, this old at most.
+    pub last_resort: Option<Duration>,
+    /// `cache:`: served before any attempt.
+    pub cache: Option<CacheSpec>,
+}
+
+/// `cache:`, resolved.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CacheSpec {
+    /// How old a kept answer may be to serve.
+    pub ttl: Duration,
+    /// Requests without `temperature` are served too.
+    pub temperature_absent: bool,
 }

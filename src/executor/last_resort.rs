@@ -175,10 +175,12 @@ impl Slot {
         store.keep(&self.model, self.key, &self.owner, kept, &self.spec);
     }
 
-    /// The answer kept for this request within `ttl`, with its age: this replica's, else (with
-    /// `cluster:`) one another replica shared, asked within `cluster.timeout`.
+    /// The answer kept for this request, for the last resort (`last_resort:`'s age), with
+    /// its age: this replica's, else (with `cluster:`) one another replica shared, asked within
+    /// `cluster.timeout`.
     pub async fn find(&self, (store, cluster): Stores<'_>) -> Option<(Kept, Duration)> {
-        if let Some(found) = store.find(&self.model, &self.key, self.spec.ttl) {
+        let ttl = self.spec.last_resort?;
+        if let Some(found) = store.find(&self.model, &self.key, ttl) {
             return Some(found);
         }
         let cluster = cluster?;
@@ -189,7 +191,26 @@ impl Slot {
             .await?;
         let (kept, at) = Kept::decode(&raw)?;
         let age = Duration::from_millis(unix_ms(SystemTime::now()).saturating_sub(at));
-        (age <= self.spec.ttl).then_some((kept, age))
+        (age <= ttl).then_some((kept, age))
+    }
+
+    /// The answer kept for this very request, for the cache (`cache:`): only for a request of
+    /// `temperature: 0` (or none, where the route says so), this replica's, within the cache's
+    /// age.
+    pub fn cached(
+        &self,
+        store: &LastResort,
+        body: &serde_json::Map<String, Value>,
+    ) -> Option<(Kept, Duration)> {
+        let c = self.spec.cache?;
+        let zero = match body.get("temperature") {
+            None | Some(Value::Null) => c.temperature_absent,
+            Some(t) => t.as_f64() == Some(0.0),
+        };
+        if !zero {
+            return None;
+        }
+        store.find(&self.model, &self.key, c.ttl)
     }
 
     /// The key as the shared store names it (hex).
@@ -425,6 +446,8 @@ mod tests {
             max_bytes: max,
             max_bytes_per_key: per_key,
             shared: false,
+            last_resort: Some(Duration::from_secs(60)),
+            cache: None,
         }
     }
 

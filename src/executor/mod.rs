@@ -409,6 +409,9 @@ impl Run {
         if *TEST_HOOKS && self.req.model == "__autohedge_test_panic__" {
             panic!("test-triggered panic inside the executor");
         }
+        if let Some(resp) = self.served_from_cache() {
+            return resp;
+        }
         let mut truncated_once = false;
         loop {
             if let Some(resp) = self.pass(&chain).await {

@@ -187,6 +187,29 @@ impl Run {
         metrics::counter!("autohedge_last_resort_served_total").increment(1);
         let row = self.base_row(None, 200, Some("last_resort".into()));
         self.send_row(row);
+        Some(self.kept_response(kept, age, "last_resort"))
+    }
+
+    /// Before any attempt: the answer kept for this very request of `temperature: 0`
+    /// (`cache:`), with `x-autohedge-served-from: cache` and its `age`; its row: status 200,
+    /// no endpoint, no attempt, nothing billed.
+    pub(super) fn served_from_cache(&mut self) -> Option<Response> {
+        let slot = self.last_resort.as_deref()?;
+        let (kept, age) = slot.cached(&self.app.last_resort, self.req.body())?;
+        metrics::counter!("autohedge_cache_served_total").increment(1);
+        let row = self.base_row(None, 200, None);
+        self.send_row(row);
+        Some(self.kept_response(kept, age, "cache"))
+    }
+
+    /// A kept answer as the response, with the request's headers, `x-autohedge-served-from:
+    /// {from}` and `age`.
+    fn kept_response(
+        &self,
+        kept: super::last_resort::Kept,
+        age: std::time::Duration,
+        from: &'static str,
+    ) -> Response {
         let mut resp = match kept {
             super::last_resort::Kept::Full { content_type, body } => {
                 let mut r = Response::new(Body::from(body));
@@ -208,10 +231,10 @@ impl Run {
         let h = resp.headers_mut();
         h.insert(
             crate::wire::names::X_AUTOHEDGE_SERVED_FROM,
-            HeaderValue::from_static("last_resort"),
+            HeaderValue::from_static(from),
         );
         h.insert(header::AGE, HeaderValue::from(age.as_secs()));
-        Some(resp)
+        resp
     }
 
     pub(super) fn all_failed(&mut self) -> Response {

@@ -112,6 +112,7 @@ fn class_name(class: &str) -> &'static str {
         .iter()
         .map(|o| o.as_str())
         .chain(crate::error::GATEWAY_CLASSES.iter().copied())
+        .chain(["last_resort"])
         .find(|c| *c == class)
         .unwrap_or("other")
 }

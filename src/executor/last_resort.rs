@@ -11,7 +11,7 @@
 //! answers past `ttl` are let go; an answer larger than a key's share is not kept.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
@@ -227,39 +227,95 @@ fn unix_ms(t: SystemTime) -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-/// A stream's events as they reach the client, kept when it ends whole (`[DONE]`, nothing
-/// broken or continued): no more than a key's share.
-pub struct Capture {
-    pub slot: Slot,
-    buf: bytes::BytesMut,
+/// The bytes of streams being captured ([`Capture`]), in all and by client key: a key's
+/// streams in flight hold at most its share (`max_bytes_per_key`), all of them at most
+/// `max_bytes` — one key's many long streams cannot hold memory the others' need.
+#[derive(Default)]
+pub struct Inflight {
+    held: Mutex<(usize, HashMap<String, usize>)>,
 }
 
-impl Capture {
-    pub fn new(slot: Slot) -> Capture {
-        Capture {
-            slot,
-            buf: bytes::BytesMut::new(),
+impl Inflight {
+    fn lock(&self) -> std::sync::MutexGuard<'_, (usize, HashMap<String, usize>)> {
+        self.held.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes `n` more bytes for `owner`, if they fit `spec`'s bounds.
+    fn take(&self, owner: &str, n: usize, spec: &LastResortSpec) -> bool {
+        let mut g = self.lock();
+        let mine = g.1.get(owner).copied().unwrap_or(0);
+        let fits = (mine + n) as u64 <= spec.max_bytes_per_key.min(spec.max_bytes)
+            && (g.0 + n) as u64 <= spec.max_bytes;
+        if fits {
+            g.0 += n;
+            *g.1.entry(owner.to_string()).or_default() += n;
+        }
+        fits
+    }
+
+    fn give_back(&self, owner: &str, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let mut g = self.lock();
+        g.0 = g.0.saturating_sub(n);
+        if let Some(m) = g.1.get_mut(owner) {
+            *m = m.saturating_sub(n);
+            if *m == 0 {
+                g.1.remove(owner);
+            }
         }
     }
 
-    /// Adds what was sent; `false` once it is more than a key's share (nothing is kept).
+    /// Bytes held by streams being captured.
+    pub fn bytes(&self) -> usize {
+        self.lock().0
+    }
+}
+
+/// A stream's events as they reach the client, kept when it ends whole (`[DONE]`, nothing
+/// broken or continued): no more than [`Inflight`] lets it hold.
+pub struct Capture {
+    pub slot: Slot,
+    buf: bytes::BytesMut,
+    /// What it took of [`Inflight`]: given back when it is dropped.
+    held: usize,
+    inflight: Arc<Inflight>,
+}
+
+impl Capture {
+    pub fn new(slot: Slot, inflight: Arc<Inflight>) -> Capture {
+        Capture {
+            slot,
+            buf: bytes::BytesMut::new(),
+            held: 0,
+            inflight,
+        }
+    }
+
+    /// Adds what was sent; `false` once it no longer fits (nothing is kept).
     pub fn push(&mut self, b: &[u8]) -> bool {
-        let cap = self
-            .slot
-            .spec
-            .max_bytes_per_key
-            .min(self.slot.spec.max_bytes);
-        if (self.buf.len() + b.len()) as u64 > cap {
+        if !self
+            .inflight
+            .take(&self.slot.owner, b.len(), &self.slot.spec)
+        {
             return false;
         }
+        self.held += b.len();
         self.buf.extend_from_slice(b);
         true
     }
 
     /// The whole stream, kept.
-    pub fn keep(self, stores: Stores<'_>) {
-        let Capture { slot, buf } = self;
-        slot.keep(stores, Kept::Stream(buf.freeze()));
+    pub fn keep(mut self, stores: Stores<'_>) {
+        let buf = std::mem::take(&mut self.buf);
+        self.slot.keep(stores, Kept::Stream(buf.freeze()));
+    }
+}
+
+impl Drop for Capture {
+    fn drop(&mut self) {
+        self.inflight.give_back(&self.slot.owner, self.held);
     }
 }
 
@@ -377,6 +433,7 @@ impl Shelf {
 #[derive(Default)]
 pub struct LastResort {
     shelves: Mutex<HashMap<String, Shelf>>,
+    inflight: Arc<Inflight>,
 }
 
 impl LastResort {
@@ -427,6 +484,11 @@ impl LastResort {
         let e = g.get(model)?.entries.get(key)?;
         let age = now.saturating_duration_since(e.at);
         (age <= ttl).then(|| (e.kept.clone(), age))
+    }
+
+    /// What streams being captured hold.
+    pub fn inflight(&self) -> Arc<Inflight> {
+        self.inflight.clone()
     }
 
     /// Bytes kept, in all.
@@ -579,6 +641,37 @@ mod tests {
             proptest::prop_assert_eq!(back.encode(at), kept.encode(at));
             let _ = Kept::decode(&junk);
         }
+    }
+
+    /// One key's streams being captured hold at most its share, all at most `max_bytes`; what
+    /// a capture held is given back when it ends, kept or not.
+    #[test]
+    fn streams_in_flight_hold_a_keys_share_at_most() {
+        let lr = LastResort::default();
+        let s = spec(1000, 300);
+        let slot = |owner: &str| Slot {
+            model: "m".into(),
+            key: k(1),
+            owner: owner.into(),
+            spec: s,
+        };
+        let mut a: Vec<Capture> = (0..5)
+            .map(|_| Capture::new(slot("a"), lr.inflight()))
+            .collect();
+        let pushed = a
+            .iter_mut()
+            .map(|c| c.push(&[0; 100]))
+            .filter(|p| *p)
+            .count();
+        assert_eq!(pushed, 3, "A's share is 300");
+        let mut b = Capture::new(slot("b"), lr.inflight());
+        assert!(b.push(&[0; 300]), "B's share is its own");
+        assert_eq!(lr.inflight().bytes(), 600);
+        drop(a);
+        assert_eq!(lr.inflight().bytes(), 300, "given back");
+        b.keep((&lr, None));
+        assert_eq!(lr.inflight().bytes(), 0);
+        assert_eq!(lr.bytes(), 300, "kept");
     }
 
     #[test]

@@ -406,10 +406,12 @@ impl Run {
                     prior: self.billed.take(),
                     responses,
                     address,
-                    keep: self
-                        .last_resort
-                        .as_deref()
-                        .map(|s| Box::new(super::last_resort::Capture::new(s.clone()))),
+                    keep: self.last_resort.as_deref().map(|s| {
+                        Box::new(super::last_resort::Capture::new(
+                            s.clone(),
+                            self.app.last_resort.inflight(),
+                        ))
+                    }),
                     whole: false,
                 };
                 let cont = self.continuation(&ep, &prelude);

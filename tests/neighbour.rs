@@ -1589,22 +1589,11 @@ async fn one_keys_answers_keep_no_endpoint_failing_the_others_ahead() {
     )
     .await;
     let b = MockUp::openai("name: b").await;
-    let cfg = format!(
-        r#"models:
-  a: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
-  b: {{ type: openai, base_url: "{}", model: gpt-4o-mini }}
-routes:
-  chat: [a, b]
-auth:
-  keys:
-    - {{ name: busy, key: env:KEY_A }}
-    - {{ name: victim, key: env:KEY_B }}
-    - {{ name: third, key: env:KEY_C }}
-health: {{ probe_interval: 1h, eject_after: 1000 }}
-routing_policy: {{ min_samples: 5 }}
-"#,
-        a.base(),
-        b.base()
+    // A third key, beside the hostile (here: busy) and the victim keys.
+    let cfg = chat_of_two(
+        &a,
+        &b,
+        "    - { name: third, key: env:KEY_C }\nhealth: { probe_interval: 1h, eject_after: 1000 }\nrouting_policy: { min_samples: 5 }\n",
     );
     const KEY_C: &str = "sk-third-0123456789";
     let mut gw = Gw::start_with_env(&cfg, &keys_env(&[("KEY_C", KEY_C)]));

@@ -356,3 +356,61 @@ def test_client_keys_through_the_sdk(keyed):
         ok.chat.completions.create(model="chat", messages=msg)
     assert e.value.code == "rate_limit_exceeded"
     assert e.value.response.headers["x-ratelimit-limit-requests"] == "2"
+
+
+@pytest.fixture(scope="module")
+def kept():
+    """A route with `last_resort:` over one mock upstream; yields (client, the mock's address)."""
+    tmp = tempfile.TemporaryDirectory()
+    d = pathlib.Path(tmp.name)
+    log = open(d / "log.txt", "w")
+    procs = []
+    try:
+        ok_script = d / "ok.yaml"
+        ok_script.write_text('name: up\nreply: "Paris is the capital of France."\n')
+        up, up_addr = _start(["mock-upstream", "--listen", "127.0.0.1:0", "--flavor", "openai", "--script", str(ok_script)], log)
+        procs.append(up)
+        gw, client = _serve(d, f"""
+            models:
+              up: {{ type: openai, base_url: "http://{up_addr}/v1" }}
+            routes:
+              chat: {{ chain: [up], last_resort: {{ ttl: 1h }} }}
+            health: {{ probe_interval: 1h }}
+        """, log)
+        procs.append(gw)
+        yield client, up_addr
+    finally:
+        _stop(procs, log, tmp)
+
+
+def test_the_sdk_reads_a_last_resort_answer_and_stream(kept):
+    import urllib.request
+
+    client, up_addr = kept
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    first = client.chat.completions.create(model="chat", messages=msgs, temperature=0)
+    text = first.choices[0].message.content
+    assert text
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(model="chat", messages=msgs, temperature=0, stream=True)
+        if c.choices
+    )
+    assert streamed
+    # The upstream goes down: every attempt fails.
+    req = urllib.request.Request(f"http://{up_addr}/__mock/script", data=b"rules: [{status: 503}]", method="POST")
+    urllib.request.urlopen(req, timeout=5).read()
+    raw = client.chat.completions.with_raw_response.create(model="chat", messages=msgs, temperature=0)
+    assert raw.headers["x-autohedge-served-from"] == "last_resort"
+    assert int(raw.headers["age"]) >= 0
+    assert raw.parse().choices[0].message.content == text
+    again = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(model="chat", messages=msgs, temperature=0, stream=True)
+        if c.choices
+    )
+    assert again == streamed
+    # Another question: nothing kept, the 503.
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "Other?"}], temperature=0)
+    assert e.value.status_code == 503

@@ -362,7 +362,8 @@ impl AppState {
         let cfg = self.config.load();
         self.telemetry.request(&cfg, &row);
         self.traces.record(&cfg, &row);
-        if row.status == 503 {
+        // A last resort's answer is a 200, but every upstream failed it: an outage all the same.
+        if row.status == 503 || row.error_class.as_deref() == Some("last_resort") {
             self.alerts.unavailable();
         }
         self.store

@@ -1,7 +1,8 @@
 -- Keeps a `/v1/responses` turn for the other replicas, bounded as each replica bounds its own
 -- (`responses.history_max_bytes` in all, `history_max_bytes_per_key` a client key): the turns
 -- past their lifetime go, then the key's own oldest while it is over its share, then the
--- oldest of all while the whole is over. A turn larger than a key's share is not kept.
+-- oldest of the key holding the most while the whole is over. A turn larger than a key's share
+-- is not kept. (The last resort's kept answers use it too, a shelf a model.)
 -- KEYS: 1 the turns by time (id -> when kept), 2 this key's turns by time, 3 each turn's size
 --       and key (id -> 'bytes key'), 4 the bytes kept (field '_all', and 'k:' .. key)
 -- ARGV: 1 the turn's id, 2 its JSON, 3 its lifetime (ms), 4 the most bytes in all, 5 the most
@@ -58,10 +59,33 @@ while bytes_of('k:' .. who) > share do
   -- Gone from the key's set whatever its size entry said (one missing must not loop).
   redis.call('ZREM', KEYS[2], oldest)
 end
+-- Over the whole: the key holding the most gives its oldest (a key keeping little never loses
+-- its values to one keeping much); the oldest of all when no key's can be found.
 while bytes_of('_all') > most do
-  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
+  local fields = redis.call('HGETALL', KEYS[4])
+  local top, top_bytes = nil, -1
+  for i = 1, #fields, 2 do
+    local f = fields[i]
+    if string.sub(f, 1, 2) == 'k:' then
+      local b = tonumber(fields[i + 1]) or 0
+      if b > top_bytes then
+        top, top_bytes = string.sub(f, 3), b
+      end
+    end
+  end
+  local oldest = nil
+  if top then
+    oldest = redis.call('ZRANGE', key_prefix .. top, 0, 0)[1]
+  end
+  if not oldest then
+    oldest = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
+  end
   if not oldest then break end
   drop(oldest)
+  if top then
+    redis.call('ZREM', key_prefix .. top, oldest)
+  end
+  redis.call('ZREM', KEYS[1], oldest)
 end
 for i = 1, 4 do
   redis.call('PEXPIRE', KEYS[i], life + 60000)

@@ -47,15 +47,17 @@ impl Kept {
         }
     }
 
-    /// As the shared store keeps it: `F` or `S`, when it was kept (Unix ms, 8 bytes LE), the
-    /// content type's length (2 bytes LE) and the content type, then the body.
-    pub fn encode(&self, at_unix_ms: u64) -> Vec<u8> {
+    /// As the shared store keeps it: the key it is kept under (32 bytes), `F` or `S`, when it
+    /// was kept (Unix ms, 8 bytes LE), the content type's length (2 bytes LE) and the content
+    /// type, then the body.
+    pub fn encode(&self, key: &Key, at_unix_ms: u64) -> Vec<u8> {
         let (kind, ct, body): (u8, &[u8], &Bytes) = match self {
             Kept::Full { content_type, body } => (b'F', content_type.as_bytes(), body),
             Kept::Stream(b) => (b'S', b"", b),
         };
         let ct = &ct[..ct.len().min(u16::MAX as usize)];
-        let mut out = Vec::with_capacity(11 + ct.len() + body.len());
+        let mut out = Vec::with_capacity(43 + ct.len() + body.len());
+        out.extend_from_slice(key);
         out.push(kind);
         out.extend_from_slice(&at_unix_ms.to_le_bytes());
         out.extend_from_slice(&(ct.len() as u16).to_le_bytes());
@@ -64,9 +66,14 @@ impl Kept {
         out
     }
 
-    /// What [`Kept::encode`] wrote, and when it was kept; `None` for anything else (the store's
-    /// bytes are read as any outside bytes are: a value that is not one is no answer).
-    pub fn decode(b: &[u8]) -> Option<(Kept, u64)> {
+    /// What [`Kept::encode`] wrote under `key`, and when it was kept; `None` for anything else
+    /// (the store's bytes are read as any outside bytes are: a value that is not one, or that
+    /// was kept under another key, is no answer).
+    pub fn decode(key: &Key, b: &[u8]) -> Option<(Kept, u64)> {
+        if b.get(..32)? != key.as_slice() {
+            return None;
+        }
+        let b = &b[32..];
         let kind = *b.first()?;
         let at = u64::from_le_bytes(b.get(1..9)?.try_into().ok()?);
         let n = usize::from(u16::from_le_bytes(b.get(9..11)?.try_into().ok()?));
@@ -133,6 +140,8 @@ fn canonical(h: &mut Sha256, v: &Value) {
 pub struct Slot {
     pub model: String,
     pub key: Key,
+    /// The request asked for a stream: only a stream answers it.
+    pub stream: bool,
     /// The client key's name (`""` for none): whose share the answer takes.
     pub owner: String,
     pub spec: LastResortSpec,
@@ -153,6 +162,7 @@ impl Slot {
         Some(Slot {
             model: model.to_string(),
             key,
+            stream: body.get("stream").and_then(Value::as_bool) == Some(true),
             owner: owner.to_string(),
             spec,
         })
@@ -160,16 +170,24 @@ impl Slot {
 
     /// Keeps `kept` here, and with `cluster:` in the shared store too (off the request path).
     pub fn keep(&self, (store, cluster): Stores<'_>, kept: Kept) {
+        if matches!(kept, Kept::Stream(_)) != self.stream {
+            return;
+        }
+        // Shared only for the last resort (a cache is each replica's own), a bounded number
+        // of writes at once: past it an answer is kept here only.
         if let Some(cluster) = cluster
+            && self.spec.last_resort.is_some()
             && let Ok(rt) = tokio::runtime::Handle::try_current()
             && (kept.bytes() as u64) <= self.spec.max_bytes_per_key.min(self.spec.max_bytes)
+            && let Some(permit) = store.sharing.clone().try_acquire_owned().ok()
         {
-            let value = kept.encode(unix_ms(SystemTime::now()));
+            let value = kept.encode(&self.key, unix_ms(SystemTime::now()));
             let (cluster, slot) = (cluster.clone(), self.clone());
             rt.spawn(async move {
                 cluster
                     .put_kept(&slot.model, &slot.id(), &slot.owner, value, slot.spec)
                     .await;
+                drop(permit);
             });
         }
         store.keep(&self.model, self.key, &self.owner, kept, &self.spec);
@@ -189,7 +207,10 @@ impl Slot {
         let raw = cluster
             .get_kept(&self.model, &self.id(), max, deadline)
             .await?;
-        let (kept, at) = Kept::decode(&raw)?;
+        let (kept, at) = Kept::decode(&self.key, &raw)?;
+        if matches!(kept, Kept::Stream(_)) != self.stream {
+            return None;
+        }
         let age = Duration::from_millis(unix_ms(SystemTime::now()).saturating_sub(at));
         (age <= ttl).then_some((kept, age))
     }
@@ -335,6 +356,12 @@ fn canonical_map(h: &mut Sha256, m: &serde_json::Map<String, Value>) {
     h.update(b"}");
 }
 
+/// What an entry is charged: its body, its owner's name and a fixed part for the rest (the key
+/// twice, the content type, the maps' own).
+fn cost(kept: &Kept, owner: &str) -> usize {
+    kept.bytes() + owner.len() + 256
+}
+
 /// One kept answer.
 struct Entry {
     kept: Kept,
@@ -347,6 +374,8 @@ struct Entry {
 /// One model's kept answers.
 #[derive(Default)]
 struct Shelf {
+    /// The bounds it was last kept under (what a sweep applies).
+    spec: Option<LastResortSpec>,
     entries: HashMap<Key, Entry>,
     /// Each owner's keys in the order they were kept, with their bytes in all.
     owners: HashMap<String, (VecDeque<(Key, u64)>, usize)>,
@@ -357,7 +386,7 @@ struct Shelf {
 impl Shelf {
     fn remove(&mut self, key: &Key) {
         if let Some(e) = self.entries.remove(key) {
-            let size = e.kept.bytes();
+            let size = cost(&e.kept, &e.owner);
             self.bytes = self.bytes.saturating_sub(size);
             if let Some((_, b)) = self.owners.get_mut(&e.owner) {
                 *b = b.saturating_sub(size);
@@ -429,11 +458,28 @@ impl Shelf {
     }
 }
 
+/// Keeps between two sweeps of every shelf.
+const SWEEP_EVERY: u64 = 256;
+
+/// Writes to the shared store at once at most (each holds its answer's copy until the store
+/// answers, `cluster`'s background timeout at most).
+const SHARING: usize = 64;
+
 /// The kept answers of every model with `last_resort:`.
-#[derive(Default)]
 pub struct LastResort {
     shelves: Mutex<HashMap<String, Shelf>>,
     inflight: Arc<Inflight>,
+    sharing: Arc<tokio::sync::Semaphore>,
+}
+
+impl Default for LastResort {
+    fn default() -> LastResort {
+        LastResort {
+            shelves: Mutex::default(),
+            inflight: Arc::default(),
+            sharing: Arc::new(tokio::sync::Semaphore::new(SHARING)),
+        }
+    }
 }
 
 impl LastResort {
@@ -444,13 +490,14 @@ impl LastResort {
     /// Keeps `kept` for `model` under `key`, as `owner`'s (the client key's name, `""` for
     /// none). An answer larger than a key's share is not kept.
     pub fn keep(&self, model: &str, key: Key, owner: &str, kept: Kept, spec: &LastResortSpec) {
-        let size = kept.bytes();
+        let size = cost(&kept, owner);
         if size as u64 > spec.max_bytes_per_key.min(spec.max_bytes) {
             return;
         }
         let now = Instant::now();
         let mut g = self.lock();
         let shelf = g.entry(model.to_string()).or_default();
+        shelf.spec = Some(*spec);
         shelf.remove(&key);
         shelf.n += 1;
         let n = shelf.n;
@@ -474,6 +521,16 @@ impl LastResort {
         {
             let entries = &shelf.entries;
             order.retain(|(k, n)| entries.get(k).is_some_and(|e| e.n == *n));
+        }
+        // Now and then every shelf lets go of what aged out (a model no longer kept for, or
+        // kept for rarely, holds nothing past its ttl); an emptied one goes.
+        if n.is_multiple_of(SWEEP_EVERY) {
+            for shelf in g.values_mut() {
+                if let Some(spec) = shelf.spec {
+                    shelf.evict(now, &spec);
+                }
+            }
+            g.retain(|_, s| !s.entries.is_empty());
         }
     }
 
@@ -586,36 +643,92 @@ mod tests {
         assert_eq!(key_of(Op::Embeddings, "m", None, &obj(json!({}))), None);
     }
 
+    /// What an answer of `n` bytes' cost is: its body is 257 bytes less (a one-letter owner).
+    fn costing(n: usize) -> Kept {
+        full(n - 257)
+    }
+
     #[tokio::test(start_paused = true)]
     async fn one_keys_answers_never_push_out_anothers_and_age_out() {
         let lr = LastResort::default();
-        let s = spec(1000, 400);
-        lr.keep("m", k(0), "b", full(300), &s);
+        let s = spec(10_000, 4_000);
+        lr.keep("m", k(0), "b", costing(3_000), &s);
         for i in 1..50 {
-            lr.keep("m", k(i), "a", full(100), &s);
+            lr.keep("m", k(i), "a", costing(1_000), &s);
         }
         assert!(lr.find("m", &k(0), s.ttl).is_some(), "b's answer stands");
         assert!(lr.find("m", &k(49), s.ttl).is_some(), "a's newest stands");
         assert!(
-            lr.find("m", &k(45), s.ttl).is_none(),
-            "a's older went: its share is 400"
+            lr.find("m", &k(46), s.ttl).is_some(),
+            "a's fourth newest stands"
         );
-        assert!(lr.bytes() <= 700, "{}", lr.bytes());
-        lr.keep("m", k(99), "c", full(401), &s);
+        assert!(
+            lr.find("m", &k(45), s.ttl).is_none(),
+            "a's older went: its share is 4,000"
+        );
+        assert_eq!(lr.bytes(), 7_000);
+        lr.keep("m", k(99), "c", costing(4_001), &s);
         assert!(
             lr.find("m", &k(99), s.ttl).is_none(),
             "over a key's share: not kept"
         );
-        // Five keys of 300 each: the shelf holds 1000, the key holding most gives first.
-        for (i, o) in ["c", "d", "e"].iter().enumerate() {
-            lr.keep("m", k(100 + i as u8), o, full(300), &s);
-        }
-        assert!(lr.bytes() <= 1000);
-        assert!(lr.find("m", &k(102), s.ttl).is_some(), "the newest stands");
+        lr.keep("m", k(100), "c", costing(3_000), &s);
+        assert_eq!(lr.bytes(), 10_000, "the whole, exactly");
+        // Past the whole, the key holding the most (a: 4,000) gives first.
+        lr.keep("m", k(101), "d", costing(3_000), &s);
+        assert!(lr.bytes() <= 10_000, "{}", lr.bytes());
+        assert!(lr.find("m", &k(46), s.ttl).is_none(), "a's oldest went first");
+        assert!(lr.find("m", &k(100), s.ttl).is_some(), "c's stands");
+        assert!(lr.find("m", &k(101), s.ttl).is_some(), "the newest stands");
         tokio::time::advance(Duration::from_secs(61)).await;
-        assert!(lr.find("m", &k(102), s.ttl).is_none(), "past ttl");
-        lr.keep("m", k(200), "f", full(10), &s);
-        assert_eq!(lr.bytes(), 10, "what aged out is let go at the next keep");
+        assert!(lr.find("m", &k(101), s.ttl).is_none(), "past ttl");
+        lr.keep("m", k(200), "f", costing(300), &s);
+        assert_eq!(lr.bytes(), 300, "what aged out is let go at the next keep");
+    }
+
+    #[test]
+    fn a_key_kept_again_supersedes_and_churn_stays_bounded() {
+        let lr = LastResort::default();
+        let s = spec(1 << 20, 1 << 20);
+        for _ in 0..10_000 {
+            lr.keep("m", k(1), "a", costing(300), &s);
+        }
+        assert_eq!(lr.bytes(), 300);
+        let g = lr.lock();
+        let order = &g["m"].owners["a"].0;
+        assert!(order.len() <= 2 + 64 + 1, "{}", order.len());
+    }
+
+    /// One key's streams being captured hold at most its share, all at most `max_bytes`; what
+    /// a capture held is given back when it ends, kept or not.
+    #[test]
+    fn streams_in_flight_hold_a_keys_share_at_most() {
+        let lr = LastResort::default();
+        let s = spec(2_000, 600);
+        let slot = |owner: &str| Slot {
+            model: "m".into(),
+            key: k(1),
+            stream: true,
+            owner: owner.into(),
+            spec: s,
+        };
+        let mut a: Vec<Capture> = (0..8)
+            .map(|_| Capture::new(slot("a"), lr.inflight()))
+            .collect();
+        let pushed = a
+            .iter_mut()
+            .map(|c| c.push(&[0; 100]))
+            .filter(|p| *p)
+            .count();
+        assert_eq!(pushed, 6, "A's share is 600");
+        let mut b = Capture::new(slot("b"), lr.inflight());
+        assert!(b.push(&[0; 300]), "B's share is its own");
+        assert_eq!(lr.inflight().bytes(), 900);
+        drop(a);
+        assert_eq!(lr.inflight().bytes(), 300, "given back");
+        b.keep((&lr, None));
+        assert_eq!(lr.inflight().bytes(), 0);
+        assert_eq!(lr.bytes(), 300 + 257, "kept");
     }
 
     proptest::proptest! {
@@ -636,54 +749,14 @@ mod tests {
                     body: Bytes::from(body.clone()),
                 }
             };
-            let (back, when) = Kept::decode(&kept.encode(at)).expect("decodes");
+            let (back, when) = Kept::decode(&k(7), &kept.encode(&k(7), at)).expect("decodes");
             proptest::prop_assert_eq!(when, at);
-            proptest::prop_assert_eq!(back.encode(at), kept.encode(at));
-            let _ = Kept::decode(&junk);
+            proptest::prop_assert_eq!(back.encode(&k(7), at), kept.encode(&k(7), at));
+            proptest::prop_assert!(Kept::decode(&k(8), &kept.encode(&k(7), at)).is_none(), "another key's");
+            let _ = Kept::decode(&k(7), &junk);
+            let mut keyed = k(7).to_vec();
+            keyed.extend_from_slice(&junk);
+            let _ = Kept::decode(&k(7), &keyed);
         }
-    }
-
-    /// One key's streams being captured hold at most its share, all at most `max_bytes`; what
-    /// a capture held is given back when it ends, kept or not.
-    #[test]
-    fn streams_in_flight_hold_a_keys_share_at_most() {
-        let lr = LastResort::default();
-        let s = spec(1000, 300);
-        let slot = |owner: &str| Slot {
-            model: "m".into(),
-            key: k(1),
-            owner: owner.into(),
-            spec: s,
-        };
-        let mut a: Vec<Capture> = (0..5)
-            .map(|_| Capture::new(slot("a"), lr.inflight()))
-            .collect();
-        let pushed = a
-            .iter_mut()
-            .map(|c| c.push(&[0; 100]))
-            .filter(|p| *p)
-            .count();
-        assert_eq!(pushed, 3, "A's share is 300");
-        let mut b = Capture::new(slot("b"), lr.inflight());
-        assert!(b.push(&[0; 300]), "B's share is its own");
-        assert_eq!(lr.inflight().bytes(), 600);
-        drop(a);
-        assert_eq!(lr.inflight().bytes(), 300, "given back");
-        b.keep((&lr, None));
-        assert_eq!(lr.inflight().bytes(), 0);
-        assert_eq!(lr.bytes(), 300, "kept");
-    }
-
-    #[test]
-    fn a_key_kept_again_supersedes_and_churn_stays_bounded() {
-        let lr = LastResort::default();
-        let s = spec(1 << 20, 1 << 20);
-        for _ in 0..10_000 {
-            lr.keep("m", k(1), "a", full(10), &s);
-        }
-        assert_eq!(lr.bytes(), 10);
-        let g = lr.lock();
-        let order = &g["m"].owners["a"].0;
-        assert!(order.len() <= 2 + 64 + 1, "{}", order.len());
     }
 }

@@ -296,7 +296,11 @@ impl Run {
                 });
                 let content_type =
                     content_type.unwrap_or(HeaderValue::from_static("application/json"));
+                // Never an answer to a shortened conversation (it answers another request), nor
+                // one made with the client's own upstream key (its account's, not the gateway's).
                 if status.is_success()
+                    && self.truncation.is_none()
+                    && self.own_key_for(&ep).is_none()
                     && let Some(slot) = self.last_resort.as_deref()
                 {
                     slot.keep(
@@ -406,12 +410,18 @@ impl Run {
                     prior: self.billed.take(),
                     responses,
                     address,
-                    keep: self.last_resort.as_deref().map(|s| {
-                        Box::new(super::last_resort::Capture::new(
-                            s.clone(),
-                            self.app.last_resort.inflight(),
-                        ))
-                    }),
+                    // As a full answer: never a shortened conversation's, nor one made with the
+                    // client's own upstream key.
+                    keep: self
+                        .last_resort
+                        .as_deref()
+                        .filter(|_| self.truncation.is_none() && self.own_key_for(&ep).is_none())
+                        .map(|s| {
+                            Box::new(super::last_resort::Capture::new(
+                                s.clone(),
+                                self.app.last_resort.inflight(),
+                            ))
+                        }),
                     whole: false,
                 };
                 let cont = self.continuation(&ep, &prelude);

@@ -677,7 +677,10 @@ mod tests {
         // Past the whole, the key holding the most (a: 4,000) gives first.
         lr.keep("m", k(101), "d", costing(3_000), &s);
         assert!(lr.bytes() <= 10_000, "{}", lr.bytes());
-        assert!(lr.find("m", &k(46), s.ttl).is_none(), "a's oldest went first");
+        assert!(
+            lr.find("m", &k(46), s.ttl).is_none(),
+            "a's oldest went first"
+        );
         assert!(lr.find("m", &k(100), s.ttl).is_some(), "c's stands");
         assert!(lr.find("m", &k(101), s.ttl).is_some(), "the newest stands");
         tokio::time::advance(Duration::from_secs(61)).await;

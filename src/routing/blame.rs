@@ -140,6 +140,9 @@ pub struct Tally {
     /// (answers, failures) by slot ([`SLOTS`]).
     keys: [(u32, u32); SLOTS],
     sure: (u32, u32),
+    /// A key's outcome was added: without one (no client keys, or one) the slots are all
+    /// empty, and a merge or a rate reads the sure witness alone.
+    keyed: bool,
 }
 
 impl Tally {
@@ -152,17 +155,23 @@ impl Tally {
     fn add_n(&mut self, w: Witness, ok: u32, bad: u32) {
         let s = match w {
             Witness::Sure => &mut self.sure,
-            Witness::Key(k) => &mut self.keys[slot(k)],
+            Witness::Key(k) => {
+                self.keyed = true;
+                &mut self.keys[slot(k)]
+            }
         };
         s.0 = s.0.saturating_add(ok);
         s.1 = s.1.saturating_add(bad);
     }
 
     /// Both tallies together.
-    pub fn merge(&mut self, other: Tally) {
-        for (s, o) in self.keys.iter_mut().zip(other.keys) {
-            s.0 = s.0.saturating_add(o.0);
-            s.1 = s.1.saturating_add(o.1);
+    pub fn merge(&mut self, other: &Tally) {
+        if other.keyed {
+            self.keyed = true;
+            for (s, o) in self.keys.iter_mut().zip(other.keys) {
+                s.0 = s.0.saturating_add(o.0);
+                s.1 = s.1.saturating_add(o.1);
+            }
         }
         self.sure.0 = self.sure.0.saturating_add(other.sure.0);
         self.sure.1 = self.sure.1.saturating_add(other.sure.1);
@@ -183,6 +192,12 @@ impl Tally {
     /// while no such set of outcomes weighs `min`.
     pub fn failure_rate(&self, min: f64) -> Option<f64> {
         let min = min.max(1.0);
+        if !self.keyed {
+            // The sure witness alone (the common case of a gateway without client keys): its
+            // own rate, what `judge` reads of it (read on every request's ranking).
+            let n = f64::from(self.sure.0) + f64::from(self.sure.1);
+            return (n >= min).then(|| f64::from(self.sure.1) / n);
+        }
         let all = judge(&self.keys, self.sure, None);
         if self.sure.1 == 0 && self.keys.iter().all(|(_, bad)| *bad == 0) {
             // Nothing failed (the common case): no set of outcomes reads otherwise.
@@ -293,6 +308,7 @@ impl Record {
         let mut t = Tally::default();
         for (s, l) in t.keys.iter_mut().zip(&self.lanes) {
             *s = l.counts();
+            t.keyed |= l.len > 0;
         }
         t.sure = self.sure.counts();
         t
@@ -577,13 +593,24 @@ mod tests {
             }
         }
         let mut merged = Tally::default();
-        merged.merge(t);
-        merged.merge(t);
+        merged.merge(&t);
+        merged.merge(&t);
         assert_eq!(merged.total(), 120);
         for x in [t, merged] {
             let r = x.failure_rate(10.0).expect("judged");
             assert!((r - 0.3).abs() < 1e-9, "{r}");
         }
+        let mut sure = Tally::default();
+        for i in 0..20 {
+            sure.add(Witness::Sure, i % 4 == 0);
+        }
+        let (counted, weight) = judge(&sure.keys, sure.sure, None);
+        assert_eq!(
+            sure.failure_rate(10.0),
+            Some(counted / weight),
+            "the sure witness alone"
+        );
+        assert_eq!(sure.failure_rate(10.0), Some(0.25));
         let mut alone = Tally::default();
         for _ in 0..50 {
             alone.add(A, true);

@@ -162,7 +162,7 @@ impl RollingWindow {
                 sum.ok += c.ok;
                 sum.failed += c.failed;
                 sum.served_max = sum.served_max.max(c.served_max);
-                sum.tally.merge(c.tally);
+                sum.tally.merge(&c.tally);
             }
         }
         sum

@@ -1,6 +1,7 @@
 """End-to-end: the official OpenAI Python SDK pointed at the real gateway binary, with
 mock-upstream processes (the same binary) as backends on 127.0.0.1."""
 
+import contextlib
 import os
 import pathlib
 import signal
@@ -312,32 +313,40 @@ def test_the_sdk_reads_a_continued_stream_as_one(hedged):
     assert len({c.id for c in chunks}) == 1
 
 
-@pytest.fixture(scope="module")
-def keyed():
-    """A gateway with client keys: one limited to the `chat` route at 2 requests a minute.
-    Yields a function making an SDK client with a given api_key."""
+@contextlib.contextmanager
+def _one_upstream(reply, cfg, env=None):
+    """One OpenAI mock upstream answering `reply`, and a gateway whose config is `cfg` with
+    `{up}` the mock's address. Yields (client, the mock's address)."""
     tmp = tempfile.TemporaryDirectory()
     d = pathlib.Path(tmp.name)
     log = open(d / "log.txt", "w")
     procs = []
     try:
         ok_script = d / "ok.yaml"
-        ok_script.write_text('name: up\nreply: "Hello, key holder"\n')
+        ok_script.write_text(f'name: up\nreply: "{reply}"\n')
         up, up_addr = _start(["mock-upstream", "--listen", "127.0.0.1:0", "--flavor", "openai", "--script", str(ok_script)], log)
         procs.append(up)
-        gw, client = _serve(d, f"""
+        gw, client = _serve(d, cfg.replace("{up}", up_addr), log, env)
+        procs.append(gw)
+        yield client, up_addr
+    finally:
+        _stop(procs, log, tmp)
+
+
+@pytest.fixture(scope="module")
+def keyed():
+    """A gateway with client keys: one limited to the `chat` route at 2 requests a minute.
+    Yields a function making an SDK client with a given api_key."""
+    with _one_upstream("Hello, key holder", """
             models:
-              up: {{ type: openai, base_url: "http://{up_addr}/v1" }}
+              up: { type: openai, base_url: "http://{up}/v1" }
             routes:
               chat: [up]
             auth:
               keys:
-                - {{ name: sdk-user, key: env:SDK_CLIENT_KEY, models: [chat], rpm: 2 }}
-        """, log, dict(os.environ, SDK_CLIENT_KEY="sk-sdk-client-key-1234"))
-        procs.append(gw)
+                - { name: sdk-user, key: env:SDK_CLIENT_KEY, models: [chat], rpm: 2 }
+        """, dict(os.environ, SDK_CLIENT_KEY="sk-sdk-client-key-1234")) as (client, _):
         yield lambda key: openai.OpenAI(base_url=str(client.base_url), api_key=key, max_retries=0, timeout=10)
-    finally:
-        _stop(procs, log, tmp)
 
 
 def test_client_keys_through_the_sdk(keyed):
@@ -361,26 +370,14 @@ def test_client_keys_through_the_sdk(keyed):
 @pytest.fixture(scope="module")
 def kept():
     """A route with `last_resort:` over one mock upstream; yields (client, the mock's address)."""
-    tmp = tempfile.TemporaryDirectory()
-    d = pathlib.Path(tmp.name)
-    log = open(d / "log.txt", "w")
-    procs = []
-    try:
-        ok_script = d / "ok.yaml"
-        ok_script.write_text('name: up\nreply: "Paris is the capital of France."\n')
-        up, up_addr = _start(["mock-upstream", "--listen", "127.0.0.1:0", "--flavor", "openai", "--script", str(ok_script)], log)
-        procs.append(up)
-        gw, client = _serve(d, f"""
+    with _one_upstream("Paris is the capital of France.", """
             models:
-              up: {{ type: openai, base_url: "http://{up_addr}/v1" }}
+              up: { type: openai, base_url: "http://{up}/v1" }
             routes:
-              chat: {{ chain: [up], last_resort: {{ ttl: 1h }} }}
-            health: {{ probe_interval: 1h }}
-        """, log)
-        procs.append(gw)
-        yield client, up_addr
-    finally:
-        _stop(procs, log, tmp)
+              chat: { chain: [up], last_resort: { ttl: 1h } }
+            health: { probe_interval: 1h }
+        """) as pair:
+        yield pair
 
 
 def test_the_sdk_reads_a_last_resort_answer_and_stream(kept):

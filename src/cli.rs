@@ -783,3 +783,243 @@ pub async fn spawn_mock(
     let handle = tokio::spawn(mock::serve(listener, m, cancel));
     Ok((addr, handle))
 }
+
+/// `autohedge replay`'s options.
+pub struct ReplayArgs {
+    pub to: Option<String>,
+    pub key: Option<String>,
+    pub url: Option<String>,
+    pub config: Option<PathBuf>,
+    pub diff: bool,
+    pub json: bool,
+}
+
+/// `autohedge replay ID`: asks the running gateway to send a kept request again
+/// (`POST /admin/replay/{id}`) and prints what came back.
+pub async fn replay(id: &str, args: ReplayArgs) -> anyhow::Result<ExitCode> {
+    let url = match args.url {
+        Some(u) => u,
+        None => {
+            let listen = load_config(args.config)
+                .map(|(c, _)| c.listen)
+                .unwrap_or_else(|_| "127.0.0.1:8000".into());
+            format!("http://{listen}")
+        }
+    };
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(660))
+        .build()?;
+    let mut ask = serde_json::Map::new();
+    if let Some(to) = &args.to {
+        ask.insert("to".into(), to.clone().into());
+    }
+    if let Some(k) = &args.key {
+        ask.insert("key".into(), k.clone().into());
+    }
+    let path: String = id
+        .bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect();
+    let mut req = client
+        .post(format!("{}/admin/replay/{path}", url.trim_end_matches('/')))
+        .header("content-type", "application/json")
+        .body(serde_json::Value::Object(ask).to_string());
+    if let Ok(k) = std::env::var("AUTOHEDGE_ADMIN_KEY")
+        && !k.trim().is_empty()
+    {
+        req = req.bearer_auth(k.trim());
+    }
+    let resp = req
+        .send()
+        .await
+        .with_context(|| format!("no gateway answering at {url}"))?;
+    let status = resp.status();
+    let body: serde_json::Value = resp
+        .json()
+        .await
+        .context("the gateway's answer is not JSON")?;
+    if !status.is_success() {
+        let msg = body["error"]["message"].as_str().unwrap_or("(no message)");
+        crate::say!("{id}: not replayed ({status}): {msg}");
+        return Ok(ExitCode::FAILURE);
+    }
+    if args.json {
+        crate::say!("{}", serde_json::to_string_pretty(&body)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let o = &body["original"];
+    let s = |v: &serde_json::Value| match v {
+        serde_json::Value::Null => "-".to_string(),
+        serde_json::Value::String(s) => s.clone(),
+        v => v.to_string(),
+    };
+    crate::say!(
+        "replayed {id} as {} (client key {}{})",
+        s(&body["request_id"]),
+        s(&body["client_key"]),
+        args.to
+            .as_deref()
+            .map(|t| format!(", to {t}"))
+            .unwrap_or_default()
+    );
+    crate::say!(
+        "  before: {} from {} ({})",
+        s(&o["status"]),
+        s(&o["endpoint"]),
+        s(&o["error_class"])
+    );
+    crate::say!(
+        "  now:    {} from {} after {} attempt(s)",
+        s(&body["status"]),
+        s(&body["endpoint"]),
+        s(&body["attempts"])
+    );
+    if args.diff {
+        let old = answer_text(&o["response"]);
+        let new = answer_text(&body["response"]);
+        crate::say!("");
+        for line in side_by_side(&old, &new, 60) {
+            crate::say!("{line}");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// An answer as lines to compare: a JSON body pretty-printed; a stream's events as the text its
+/// chunks carried, with why it ended.
+pub fn answer_text(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::Null => "(no answer kept)".into(),
+        serde_json::Value::String(s) if s.contains("data:") => {
+            let (mut text, mut finish) = (String::new(), Vec::new());
+            for line in s.lines() {
+                let Some(data) = line.strip_prefix("data:").map(str::trim) else {
+                    continue;
+                };
+                let Ok(ev) = serde_json::from_str::<serde_json::Value>(data) else {
+                    continue;
+                };
+                for c in ev["choices"].as_array().into_iter().flatten() {
+                    if let Some(t) = c["delta"]["content"].as_str().or(c["text"].as_str()) {
+                        text.push_str(t);
+                    }
+                    if let Some(f) = c["finish_reason"].as_str() {
+                        finish.push(f.to_string());
+                    }
+                }
+                if let Some(m) = ev["error"]["message"].as_str() {
+                    finish.push(format!("error: {m}"));
+                }
+            }
+            format!("(stream) {text}\nfinish: {}", finish.join(", "))
+        }
+        serde_json::Value::String(s) => s.clone(),
+        v => serde_json::to_string_pretty(v).unwrap_or_default(),
+    }
+}
+
+/// `old` and `new` as two columns of `width` characters, lines matched by their longest common
+/// subsequence: `|` between lines that differ, `<` a line only the old has, `>` only the new.
+pub fn side_by_side(old: &str, new: &str, width: usize) -> Vec<String> {
+    let a: Vec<&str> = old.lines().collect();
+    let b: Vec<&str> = new.lines().collect();
+    let col = |s: &str| {
+        let mut c: String = s.chars().take(width).collect();
+        let n = c.chars().count();
+        c.extend(std::iter::repeat_n(' ', width - n));
+        c
+    };
+    let mut out = vec![format!("{} | {}", col("old"), col("new"))];
+    // Past a few thousand lines the table would be large: compare line by line instead.
+    let (n, m) = (a.len(), b.len());
+    let lcs = (n.saturating_mul(m) <= 4_000_000).then(|| {
+        let mut t = vec![0u32; (n + 1) * (m + 1)];
+        for i in (0..n).rev() {
+            for j in (0..m).rev() {
+                t[i * (m + 1) + j] = if a[i] == b[j] {
+                    t[(i + 1) * (m + 1) + j + 1] + 1
+                } else {
+                    t[(i + 1) * (m + 1) + j].max(t[i * (m + 1) + j + 1])
+                };
+            }
+        }
+        t
+    });
+    let (mut i, mut j) = (0, 0);
+    while i < n || j < m {
+        let same = i < n && j < m && a[i] == b[j];
+        let step = match &lcs {
+            _ if same => 0,
+            Some(t) if i < n && j < m => {
+                let down = t[(i + 1) * (m + 1) + j];
+                let right = t[i * (m + 1) + j + 1];
+                let here = t[i * (m + 1) + j];
+                if down == here && right == here {
+                    3
+                } else if down >= right {
+                    1
+                } else {
+                    2
+                }
+            }
+            None if i < n && j < m => 3,
+            _ if i < n => 1,
+            _ => 2,
+        };
+        match step {
+            0 => {
+                out.push(format!("{}   {}", col(a[i]), col(b[j])));
+                i += 1;
+                j += 1;
+            }
+            1 => {
+                out.push(format!("{} < {}", col(a[i]), col("")));
+                i += 1;
+            }
+            2 => {
+                out.push(format!("{} > {}", col(""), col(b[j])));
+                j += 1;
+            }
+            _ => {
+                out.push(format!("{} | {}", col(a[i]), col(b[j])));
+                i += 1;
+                j += 1;
+            }
+        }
+    }
+    out.iter().map(|l| l.trim_end().to_string()).collect()
+}
+
+#[cfg(test)]
+mod replay_tests {
+    use super::*;
+
+    #[test]
+    fn side_by_side_lines_up_what_is_common_and_marks_what_is_not() {
+        let old = "{\n  \"a\": 1,\n  \"b\": 2,\n  \"c\": 3\n}";
+        let new = "{\n  \"a\": 1,\n  \"b\": 5,\n  \"c\": 3,\n  \"d\": 4\n}";
+        let lines = side_by_side(old, new, 12);
+        let marks: Vec<char> = lines[1..]
+            .iter()
+            .map(|l| l.chars().nth(13).unwrap_or(' '))
+            .collect();
+        assert_eq!(lines.len(), 1 + 6, "{lines:#?}");
+        assert_eq!(marks, vec![' ', ' ', '|', '|', '>', ' '], "{lines:#?}");
+        assert!(side_by_side("", "x", 5)[1].contains("> x"));
+        assert!(side_by_side("x", "", 5)[1].starts_with("x"));
+    }
+
+    #[test]
+    fn a_streams_answer_reads_as_its_text() {
+        let sse = serde_json::Value::String(
+            "data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"}}]}\n\ndata: {\"choices\":[{\"delta\":{\"content\":\"lo\"},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n".into(),
+        );
+        assert_eq!(answer_text(&sse), "(stream) Hello\nfinish: stop");
+    }
+}

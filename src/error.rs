@@ -62,6 +62,8 @@ pub const GATEWAY_CLASSES: &[&str] = &[
     "previous_response_not_found",
     "previous_response_unavailable",
     "response_not_found",
+    "replay_not_found",
+    "not_replayable",
 ];
 
 #[derive(Debug)]
@@ -127,6 +129,11 @@ pub enum ApiError {
     },
     /// 404: `GET`/`DELETE /v1/responses/{id}` for an id this client key does not own.
     ResponseNotFound(String),
+    /// 404: `POST /admin/replay/{id}` for a request whose body the trail does not hold.
+    ReplayNotFound(String),
+    /// 409: a kept request that cannot be replayed as it was (its body was cut, it was made
+    /// with the client's own upstream key, its id is several keys' requests).
+    NotReplayable(String),
 }
 
 /// Which limit a client key hit, with OpenAI's own headers for it.
@@ -158,7 +165,9 @@ impl ApiError {
             ApiError::ModelNotFound(_)
             | ApiError::NotFound(_)
             | ApiError::PreviousResponseNotFound(_)
-            | ApiError::ResponseNotFound(_) => StatusCode::NOT_FOUND,
+            | ApiError::ResponseNotFound(_)
+            | ApiError::ReplayNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::NotReplayable(_) => StatusCode::CONFLICT,
             ApiError::PreviousResponseUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
@@ -207,6 +216,8 @@ impl ApiError {
             ApiError::PreviousResponseNotFound(_) => "previous_response_not_found",
             ApiError::PreviousResponseUnavailable { .. } => "previous_response_unavailable",
             ApiError::ResponseNotFound(_) => "response_not_found",
+            ApiError::ReplayNotFound(_) => "replay_not_found",
+            ApiError::NotReplayable(_) => "not_replayable",
         }
     }
 
@@ -284,6 +295,18 @@ impl ApiError {
             ),
             ApiError::Unavailable(m) => (m.clone(), "server_error", None, Some("shutdown")),
             ApiError::Forbidden(m) => (m.clone(), "permission_error", None, Some("forbidden")),
+            ApiError::ReplayNotFound(m) => (
+                m.clone(),
+                "invalid_request_error",
+                None,
+                Some("replay_not_found"),
+            ),
+            ApiError::NotReplayable(m) => (
+                m.clone(),
+                "invalid_request_error",
+                None,
+                Some("not_replayable"),
+            ),
             ApiError::HostNotAllowed => (
                 "This request's Host is not one this gateway serves (server.allowed_hosts): a page whose name was pointed at this address (DNS rebinding) may not use it.".into(),
                 "permission_error",

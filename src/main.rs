@@ -145,6 +145,29 @@ enum Command {
         #[command(subcommand)]
         action: EndpointAction,
     },
+    /// Send a request the audit trail kept (`audit.capture_bodies`) again through the running
+    /// gateway, as the client key that sent it; its new row says `replay_of`.
+    Replay {
+        /// The request id (`x-request-id`) to replay.
+        id: String,
+        /// Send it to this endpoint alone (the key must cover it).
+        #[arg(long)]
+        to: Option<String>,
+        /// Print the old and the new answer side by side.
+        #[arg(long)]
+        diff: bool,
+        /// The running gateway (default: http://<server.listen of the config>).
+        #[arg(long)]
+        url: Option<String>,
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// The client key whose request it was, when the id names several keys' requests.
+        #[arg(long)]
+        key: Option<String>,
+        /// Print the gateway's JSON answer.
+        #[arg(long)]
+        json: bool,
+    },
     /// Exit 0 if the gateway at URL answers /health (for container health checks).
     Healthcheck {
         #[arg(long, default_value = "http://127.0.0.1:8000")]
@@ -205,7 +228,8 @@ fn main() -> ExitCode {
         | Command::Report { .. }
         | Command::Audit { .. }
         | Command::CheckConfig { .. }
-        | Command::CountTokens { .. } => "warn",
+        | Command::CountTokens { .. }
+        | Command::Replay { .. } => "warn",
         _ => "info",
     });
     let rt = match tokio::runtime::Builder::new_multi_thread()
@@ -289,6 +313,28 @@ fn main() -> ExitCode {
                     },
             } => cli::endpoint_clear(&name, &data_dir, url, config).await,
             Command::Healthcheck { url } => cli::healthcheck(&url).await,
+            Command::Replay {
+                id,
+                to,
+                diff,
+                url,
+                config,
+                key,
+                json,
+            } => {
+                cli::replay(
+                    &id,
+                    cli::ReplayArgs {
+                        to,
+                        key,
+                        url,
+                        config,
+                        diff,
+                        json,
+                    },
+                )
+                .await
+            }
         }
     });
     match result {

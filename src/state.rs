@@ -76,6 +76,10 @@ pub struct AppState {
     /// `/v1/responses`: which endpoint produced each response id, and the kept history.
     /// Answers kept to serve when every attempt fails (`last_resort:`).
     pub last_resort: crate::executor::last_resort::LastResort,
+    /// Captured bodies waiting for the audit writer (`audit.capture_bodies`).
+    pub bodies: crate::store::bodies::Budget,
+    /// Where this gateway's audit trail is (set once at start), for `replay` to read.
+    pub trail: std::sync::OnceLock<crate::store::bodies::Trail>,
     pub conversations: crate::routing::conversations::Conversations,
 }
 
@@ -216,6 +220,8 @@ impl AppState {
             cluster: std::sync::OnceLock::new(),
             conversations: Default::default(),
             last_resort: Default::default(),
+            bodies: Default::default(),
+            trail: std::sync::OnceLock::new(),
             standbys_up: Mutex::new(Default::default()),
         })
     }

@@ -454,7 +454,7 @@ async fn migrations_from_empty_from_the_previous_version_and_at_once() {
         versions as usize - 1
     );
     let c = pg.client("older").await;
-    const HAS_COLUMN: &str = "SELECT COUNT(*) FROM information_schema.columns WHERE table_name = 'requests' AND column_name = 'trace_id'";
+    const HAS_COLUMN: &str = "SELECT COUNT(*) FROM information_schema.columns WHERE table_name = 'requests' AND column_name = 'replay_of'";
     assert_eq!(count(&c, HAS_COLUMN).await, 0);
     let mut old_gw = start(&cfg, &older, &[]);
     old_gw.ready().await;

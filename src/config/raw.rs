@@ -77,6 +77,22 @@ pub struct RawAudit {
     /// While PostgreSQL is away, records wait in a spool in the data dir, at most this many
     /// bytes (default 1GiB); past it records are dropped (counted).
     pub spool_max_bytes: Option<ByteSize>,
+    /// Which requests keep their bodies in the trail, for `autohedge replay`: `none`
+    /// (default), `failed` (an error, or any failed attempt), `all`.
+    pub capture_bodies: Option<CaptureBodies>,
+    /// The most of each body kept (default 256KiB; 1KiB to 16MiB): a longer one is cut, and a
+    /// cut request cannot be replayed.
+    pub max_body_bytes: Option<ByteSize>,
+}
+
+/// `audit.capture_bodies`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CaptureBodies {
+    #[default]
+    None,
+    Failed,
+    All,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]

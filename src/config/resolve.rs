@@ -808,6 +808,20 @@ pub(super) fn build(raw: RawConfig, fetched: &Fetched) -> Result<Config, ConfigE
             Some(d) => Some(d.0),
             None => Some(Duration::from_secs(30 * 86_400)),
         },
+        capture_bodies: raw
+            .audit
+            .as_ref()
+            .and_then(|a| a.capture_bodies)
+            .unwrap_or_default(),
+        capture_max_bytes: match raw.audit.as_ref().and_then(|a| a.max_body_bytes) {
+            None => DEFAULT_CAPTURE_MAX_BYTES,
+            Some(b) if (1 << 10..=16 << 20).contains(&b.0) => b.0 as usize,
+            Some(_) => {
+                return Err(ConfigError(
+                    "at `audit.max_body_bytes`: 1KiB to 16MiB".into(),
+                ));
+            }
+        },
         shutdown_grace: or_default(raw.server.shutdown_grace, Duration::from_secs(30)),
         drain_delay: or_default(raw.server.drain_delay, Duration::from_secs(5)),
         header_timeout: or_default(raw.server.header_timeout, Duration::from_secs(10)),
@@ -1188,6 +1202,10 @@ fn hedge_spec(at: &str, h: &RawHedge) -> Result<crate::routing::hedge::Spec, Con
         tools: h.tools.unwrap_or(false),
     })
 }
+
+/// `audit.max_body_bytes`' default: enough for a long RAG prompt; a longer body is cut (and a
+/// cut request is not replayed).
+const DEFAULT_CAPTURE_MAX_BYTES: usize = 256 << 10;
 
 /// `audit.spool_max_bytes`' default: what waits in the data dir while PostgreSQL is away.
 pub const DEFAULT_SPOOL_MAX_BYTES: u64 = 1 << 30;

@@ -517,6 +517,10 @@ pub struct Config {
     pub audit_queue: usize,
     /// `None`: keep the audit trail forever.
     pub audit_retention: Option<Duration>,
+    /// `audit.capture_bodies`: which requests keep their (redacted) bodies for replay.
+    pub capture_bodies: CaptureBodies,
+    /// `audit.max_body_bytes`: the most of each kept body.
+    pub capture_max_bytes: usize,
     pub shutdown_grace: Duration,
     /// `server.drain_delay`.
     pub drain_delay: Duration,

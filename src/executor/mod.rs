@@ -33,6 +33,7 @@ use crate::upstream::classify;
 use crate::wire::{Inbound, Op};
 
 mod attempt;
+mod capture;
 mod context;
 mod deadline;
 pub mod last_resort;
@@ -88,6 +89,8 @@ pub struct Caller {
     pub responses: Option<responses::ResponsesCtx>,
     /// Its trace, when it has one (`telemetry.otlp`, or a client's `traceparent` passed on).
     pub trace: Option<Box<crate::wire::trace::Trace>>,
+    /// `autohedge replay`: the request id this request replays.
+    pub replay_of: Option<String>,
 }
 
 /// One request's journey.
@@ -173,6 +176,12 @@ struct Run {
     last_span: Option<crate::wire::trace::SpanId>,
     /// Where its answer is kept and looked up, when its model has `last_resort:`.
     last_resort: Option<Box<last_resort::Slot>>,
+    /// Its bodies for the audit row (`audit.capture_bodies`).
+    audit: Option<Box<capture::Audit>>,
+    /// The full answer the client gets, for `audit` (set just before the row is sent).
+    audit_response: Option<Bytes>,
+    /// `autohedge replay`: the request this one replays.
+    replay_of: Option<String>,
 }
 
 /// Every request that reached the router has exactly one `requests` row. A `Run` dropped before
@@ -288,7 +297,11 @@ pub fn execute(
         trace: caller.trace,
         last_span: None,
         last_resort: None,
+        audit: None,
+        audit_response: None,
+        replay_of: caller.replay_of,
     });
+    run.audit = capture::Audit::of(&run.cfg, &run.req);
     if let Some(spec) = run.cfg.last_resort.get(&run.req.model) {
         run.last_resort = last_resort::Slot::of(
             run.req.op,
@@ -783,6 +796,16 @@ impl Run {
         self.row_written = true;
         if let Some(billed) = self.billed.take() {
             billed.add_to(&mut row);
+        }
+        if let Some(audit) = self.audit.take() {
+            let response = self.audit_response.take();
+            audit.attach(
+                &self.app,
+                &self.cfg,
+                &mut row,
+                response.as_deref(),
+                self.own_key.as_ref(),
+            );
         }
         self.app.record_request(row, self.admission.take());
     }

@@ -56,6 +56,9 @@ impl Run {
     /// `error_class`) and the `x-autohedge-*` headers.
     pub(super) fn gateway_error(&mut self, err: ApiError, error_class: &str) -> Response {
         let row = self.base_row(None, err.status().as_u16(), Some(error_class.into()));
+        if self.audit.is_some() {
+            self.audit_response = Some(Bytes::from(err.body().to_string()));
+        }
         self.send_row(row);
         let mut resp = err.into_response();
         self.headers(&mut resp, None);
@@ -122,6 +125,8 @@ impl Run {
             previous_response_id: self.responses.as_ref().and_then(|r| r.previous.clone()),
             attempts,
             trace: self.trace.clone(),
+            replay_of: self.replay_of.clone(),
+            bodies: None,
         }
     }
 
@@ -159,6 +164,9 @@ impl Run {
     ) -> Response {
         let class = classify::classify_status(status.as_u16(), &String::from_utf8_lossy(&body));
         let row = self.base_row(Some(endpoint), status.as_u16(), Some(class.as_str().into()));
+        if self.audit.is_some() {
+            self.audit_response = Some(body.clone());
+        }
         self.send_row(row);
         let mut resp = (status, body).into_response();
         for (k, v) in headers.iter() {
@@ -311,6 +319,9 @@ impl Run {
                         },
                     );
                 }
+                if self.audit.is_some() {
+                    self.audit_response = Some(body.clone());
+                }
                 // Built as it is sent: `into_response` would set a content type only to have it
                 // replaced.
                 let mut resp = Response::new(Body::from(body));
@@ -423,6 +434,8 @@ impl Run {
                             ))
                         }),
                     whole: false,
+                    audit: self.audit.take(),
+                    pending: None,
                 };
                 let cont = self.continuation(&ep, &prelude);
                 // The start of an event the first reads left unfinished waits for its end.
@@ -449,7 +462,7 @@ impl Run {
                     cont,
                     held,
                 };
-                let body = if state.guard.keep.is_some() {
+                let body = if state.guard.keep.is_some() || state.guard.audit.is_some() {
                     Body::from_stream(futures_util::stream::unfold(
                         Box::new(state),
                         super::stream::pump_kept,

@@ -62,6 +62,10 @@ pub(super) struct StreamGuard {
     pub keep: Option<Box<super::last_resort::Capture>>,
     /// The stream ended with `[DONE]` and nothing failed.
     pub whole: bool,
+    /// Its bodies for the audit row (`audit.capture_bodies`): with it, the finished row waits
+    /// in `pending` until every byte the client got has gone through `pump_kept`.
+    pub audit: Option<Box<super::capture::Audit>>,
+    pub pending: Option<(crate::store::RequestRow, Option<crate::clients::Admission>)>,
 }
 
 /// What a committed `/v1/responses` stream needs besides the chat path's: its response (for the
@@ -246,6 +250,10 @@ impl StreamGuard {
                 );
             }
         }
+        if self.audit.is_some() {
+            self.pending = Some((row, self.admission.take()));
+            return;
+        }
         self.app.record_request(row, self.admission.take());
     }
 }
@@ -263,6 +271,12 @@ impl Drop for StreamGuard {
             && let Some(k) = self.keep.take()
         {
             k.keep((&self.app.last_resort, self.app.cluster.get()));
+        }
+        if let Some((mut row, admission)) = self.pending.take() {
+            if let Some(audit) = self.audit.take() {
+                audit.attach(&self.app, &self.cfg, &mut row, None, self.own_key.as_ref());
+            }
+            self.app.record_request(row, admission);
         }
     }
 }
@@ -504,6 +518,9 @@ pub(super) async fn pump_kept(
         && !k.push(b)
     {
         st.guard.keep = None;
+    }
+    if let (Ok(b), Some(a)) = (&out, st.guard.audit.as_mut()) {
+        a.push(b);
     }
     Some((out, st))
 }

@@ -15,7 +15,7 @@ use serde_json::json;
 use futures_util::FutureExt;
 
 use crate::clients;
-use crate::config::ClientKey;
+use crate::config::{Auth, ClientKey};
 use crate::error::ApiError;
 use crate::executor;
 use crate::state::AppState;
@@ -111,7 +111,7 @@ fn request_id(headers: &HeaderMap) -> String {
 
 /// A random UUID v4. fastrand instead of the OS generator: request ids need uniqueness, not
 /// cryptographic strength, and `getrandom` costs a syscall per request.
-fn new_request_id() -> String {
+pub(super) fn new_request_id() -> String {
     let mut b = fastrand::u128(..).to_be_bytes();
     b[6] = (b[6] & 0x0f) | 0x40;
     b[8] = (b[8] & 0x3f) | 0x80;
@@ -127,27 +127,66 @@ async fn proxy(app: Arc<AppState>, op: Op, headers: HeaderMap, body: Body) -> Re
     let id = request_id(&headers);
     // Everything logged while this request is served carries its id (`logctx`).
     let ctx: Arc<str> = Arc::from(id.as_str());
-    crate::ops::logctx::InRequest::new(ctx.clone(), serve(app, op, headers, body, id, ctx)).await
+    crate::ops::logctx::InRequest::new(ctx.clone(), serve(app, op, headers, body, id, ctx, None))
+        .await
 }
 
-async fn serve(
+/// A replay's identity inside the front door: whose request it runs as, what it replays, and
+/// the endpoint the operator sent it to.
+pub struct ReplayAs {
+    pub key: Option<String>,
+    pub of: String,
+    pub to: Option<String>,
+}
+
+/// The client key a replay runs as, checked against the config as it is now: `Err` when the key
+/// is gone (or the gateway's keys changed so that it cannot be named).
+pub fn client_of<'a>(auth: &'a Auth, r: &ReplayAs) -> Result<Option<&'a ClientKey>, ApiError> {
+    match (&auth.keys, &r.key) {
+        (None, None) => Ok(None),
+        (Some(keys), Some(name)) => keys.iter().find(|k| &k.name == name).map(Some).ok_or_else(|| {
+            ApiError::Forbidden(format!(
+                "client key `{name}` that sent request {} is no longer one of auth.keys: it is not replayed",
+                r.of
+            ))
+        }),
+        (Some(_), None) => Err(ApiError::Forbidden(format!(
+            "request {} was sent without a client key, and the gateway now has auth.keys: it is not replayed under any key",
+            r.of
+        ))),
+        (None, Some(name)) => Err(ApiError::Forbidden(format!(
+            "client key `{name}` that sent request {} is gone (the gateway has no auth.keys now): it is not replayed",
+            r.of
+        ))),
+    }
+}
+
+/// A request through the front door: a client's, or a replay of a kept one (`replay`: it runs
+/// as the key that sent it, named, not presented).
+pub(super) async fn serve(
     app: Arc<AppState>,
     op: Op,
     headers: HeaderMap,
     body: Body,
     id: String,
     ctx: Arc<str>,
+    replay: Option<Box<ReplayAs>>,
 ) -> Response {
     let arrived = tokio::time::Instant::now();
     let cfg = app.config.load_full();
     let loopback = app
         .listen_loopback
         .load(std::sync::atomic::Ordering::Relaxed);
-    if !clients::host_allowed(cfg.allowed_hosts.as_deref(), loopback, &headers) {
+    if replay.is_none() && !clients::host_allowed(cfg.allowed_hosts.as_deref(), loopback, &headers)
+    {
         return with_request_id(ApiError::HostNotAllowed.into_response(), &id);
     }
     // Who is asking comes first: an unknown caller gets nothing else of the gateway's work.
-    let client = match clients::identify(&cfg.auth, &headers) {
+    let identified = match &replay {
+        None => clients::identify(&cfg.auth, &headers),
+        Some(r) => client_of(&cfg.auth, r),
+    };
+    let client = match identified {
         Ok(c) => c,
         Err(e) => return with_request_id(e.into_response(), &id),
     };
@@ -208,6 +247,16 @@ async fn serve(
         let err = ApiError::ModelNotFound(inbound.model.clone());
         let err = counted(&app, client, err).await;
         return refused(&app, &id, op, &inbound, client_name, err);
+    };
+    // A replay the operator sent to one endpoint goes there alone (the key's allow-list still
+    // applies below).
+    let chain = match replay.as_ref().and_then(|r| r.to.as_ref()) {
+        Some(to) if cfg.endpoints.contains_key(to) => Arc::from(vec![to.clone()]),
+        Some(to) => {
+            let err = ApiError::invalid(format!("`to`: there is no endpoint named `{to}`"));
+            return refused(&app, &id, op, &inbound, client_name, err);
+        }
+        None => chain,
     };
     let allowed = client
         .and_then(|c| c.models.as_ref())
@@ -282,6 +331,7 @@ async fn serve(
         allowed,
         responses,
         trace,
+        replay_of: replay.map(|r| r.of),
     };
     // Nothing below reads the client's headers (see `release_read_buffer`).
     drop(headers);
@@ -1018,7 +1068,7 @@ async fn clear_endpoint(
     }
 }
 
-async fn method_not_allowed() -> Response {
+pub(super) async fn method_not_allowed() -> Response {
     ApiError::MethodNotAllowed.into_response()
 }
 

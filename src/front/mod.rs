@@ -6,6 +6,7 @@
 
 pub mod http;
 pub mod idle;
+pub mod replay;
 pub mod selfwake;
 pub mod send_deadline;
 pub mod server;

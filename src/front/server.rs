@@ -211,6 +211,10 @@ impl Gateway {
             &opened.persisted,
             opened.spend,
         );
+        let _ = state.trail.set(match &state.config.load().audit_pg {
+            Some(pg) => crate::store::bodies::Trail::Postgres(pg.clone()),
+            None => crate::store::bodies::Trail::Sqlite(crate::store::db_path(&opts.data_dir)),
+        });
         if let Ok(mut up) = state.standbys_up.lock() {
             up.extend(opened.standbys_up);
         }
@@ -330,7 +334,8 @@ impl Gateway {
             });
         }
 
-        let app = crate::front::http::router(state.clone());
+        let app = crate::front::http::router(state.clone())
+            .merge(crate::front::replay::routes(state.clone()));
         let server = tokio::spawn(serve(
             opts.listener,
             app,

@@ -10,6 +10,7 @@ use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+pub mod bodies;
 pub mod pg;
 mod raw;
 mod read;
@@ -102,6 +103,10 @@ pub struct RequestRow {
     /// Its trace (W3C trace context and what its spans carry), when it has one: continued from
     /// the client's `traceparent`, or started by the gateway with `telemetry.otlp`.
     pub trace: Option<Box<crate::wire::trace::Trace>>,
+    /// `autohedge replay`: the request this one replayed (its request id).
+    pub replay_of: Option<String>,
+    /// Its bodies, when `audit.capture_bodies` keeps them ([`bodies`]).
+    pub bodies: Option<Box<bodies::Bodies>>,
 }
 
 impl RequestRow {
@@ -135,6 +140,8 @@ impl RequestRow {
             response_id: None,
             previous_response_id: None,
             trace: None,
+            replay_of: None,
+            bodies: None,
         }
     }
 }
@@ -180,8 +187,13 @@ impl RequestRow {
             &mut self.client_key,
             &mut self.response_id,
             &mut self.previous_response_id,
+            &mut self.replay_of,
         ] {
             safe_opt(s);
+        }
+        if let Some(b) = &mut self.bodies {
+            safe_text(&mut b.request);
+            safe_opt(&mut b.response);
         }
         for a in &mut self.attempts {
             safe_text(&mut a.endpoint);
@@ -511,7 +523,7 @@ impl Store {
 
 /// The `requests` columns the writer fills, `id` first: ids are given explicitly so that a
 /// batch's attempts can name their request row without reading it back row by row.
-const REQUEST_COLUMNS: [&str; 27] = [
+const REQUEST_COLUMNS: [&str; 28] = [
     "id",
     "request_id",
     "ts_ms",
@@ -539,6 +551,7 @@ const REQUEST_COLUMNS: [&str; 27] = [
     "response_id",
     "previous_response_id",
     "trace_id",
+    "replay_of",
 ];
 
 const ATTEMPT_COLUMNS: [&str; 12] = [

@@ -174,6 +174,19 @@ const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE requests ADD COLUMN trace_id TEXT;
     "#,
+    // 15: replay: the request a row replayed, and the bodies kept beside a row.
+    r#"
+    ALTER TABLE requests ADD COLUMN replay_of TEXT;
+    CREATE TABLE request_bodies (
+        request_row BIGINT PRIMARY KEY,
+        request_id TEXT NOT NULL,
+        request_body TEXT NOT NULL,
+        request_cut BIGINT NOT NULL DEFAULT 0,
+        response_body TEXT,
+        response_cut BIGINT NOT NULL DEFAULT 0
+    );
+    CREATE INDEX request_bodies_request_id ON request_bodies(request_id);
+    "#,
 ];
 
 /// The advisory lock every replica's migration takes (any constant; "autohedge" in ASCII).
@@ -204,6 +217,23 @@ async fn connect(url: &str) -> Result<Client, String> {
         }
     });
     Ok(client)
+}
+
+/// `replay`: the kept requests of id `request_id` in PostgreSQL, newest first, on a connection
+/// of its own, within `within`.
+pub async fn find_kept(
+    settings: &PgSettings,
+    request_id: &str,
+    within: Duration,
+) -> Result<Vec<super::bodies::Source>, String> {
+    tokio::time::timeout(within, async {
+        let client = connect(settings.url.expose()).await?;
+        super::bodies::find_pg(&client, request_id)
+            .await
+            .map_err(|e| error_text(&e))
+    })
+    .await
+    .map_err(|_| format!("no answer within {within:?}"))?
 }
 
 /// An error without anything of the URL (tokio-postgres never prints the password; the text
@@ -1257,7 +1287,27 @@ async fn insert_requests(
             })
         })
         .collect();
-    insert_rows(tx, "attempts", &ATTEMPT_COLUMNS, attempts).await
+    insert_rows(tx, "attempts", &ATTEMPT_COLUMNS, attempts).await?;
+    // Kept bodies (`audit.capture_bodies`): rare, one statement each. A batch sent again
+    // (its token) is skipped whole before this, so no body is written twice.
+    for (id, r) in ids.iter().zip(requests) {
+        if let Some(b) = &r.bodies {
+            tx.execute(
+                "INSERT INTO request_bodies (request_row, request_id, request_body, request_cut, response_body, response_cut) VALUES ($1, $2, $3, $4, $5, $6)",
+                &[
+                    id,
+                    &r.request_id,
+                    &b.request,
+                    &i64::from(b.request_cut),
+                    &b.response,
+                    &i64::from(b.response_cut),
+                ],
+            )
+            .await
+            .map_err(e)?;
+        }
+    }
+    Ok(())
 }
 
 /// A request's values in [`REQUEST_COLUMNS`] order, with its id first.
@@ -1291,6 +1341,7 @@ fn request_params(id: i64, row: &RequestRow) -> Vec<Param> {
         Box::new(row.response_id.clone()),
         Box::new(row.previous_response_id.clone()),
         Box::new(row.trace.as_ref().map(|t| t.id.clone())),
+        Box::new(row.replay_of.clone()),
     ]
 }
 
@@ -1336,6 +1387,12 @@ async fn prune(client: &mut Client, before: SystemTime) -> Result<(), String> {
         let tx = client.transaction().await.map_err(e)?;
         tx.execute(
             "DELETE FROM attempts WHERE request_row IN (SELECT id FROM requests WHERE ts_ms < $1 ORDER BY id LIMIT $2)",
+            &[&t, &limit],
+        )
+        .await
+        .map_err(e)?;
+        tx.execute(
+            "DELETE FROM request_bodies WHERE request_row IN (SELECT id FROM requests WHERE ts_ms < $1 ORDER BY id LIMIT $2)",
             &[&t, &limit],
         )
         .await
@@ -1397,7 +1454,8 @@ fn tables() -> Vec<(&'static str, Vec<(&'static str, Ty)>)> {
                 | "client_key"
                 | "response_id"
                 | "previous_response_id"
-                | "trace_id" => Text,
+                | "trace_id"
+                | "replay_of" => Text,
                 "latency_ms" | "ttft_ms" | "cost_usd" => Real,
                 _ => Int,
             };
@@ -1416,6 +1474,17 @@ fn tables() -> Vec<(&'static str, Vec<(&'static str, Ty)>)> {
     vec![
         ("requests", requests),
         ("attempts", attempts),
+        (
+            "request_bodies",
+            vec![
+                ("request_row", Int),
+                ("request_id", Text),
+                ("request_body", Text),
+                ("request_cut", Int),
+                ("response_body", Text),
+                ("response_cut", Int),
+            ],
+        ),
         (
             "endpoint_events",
             vec![
@@ -1509,7 +1578,7 @@ fn snapshot_on(
             let names: Vec<&str> = cols.iter().map(|(n, _)| *n).collect();
             let (filter, params): (&str, Vec<&(dyn ToSql + Sync)>) = match table {
                 "requests" | "endpoint_events" => ("WHERE ts_ms >= $1", vec![&from]),
-                "attempts" => match &first {
+                "attempts" | "request_bodies" => match &first {
                     Some(f) => ("WHERE request_row >= $1", vec![f]),
                     None => ("WHERE false", vec![]),
                 },

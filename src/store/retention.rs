@@ -24,6 +24,7 @@ pub fn prune(conn: &Connection, before: SystemTime) -> rusqlite::Result<usize> {
     loop {
         let tx = conn.unchecked_transaction()?;
         total += tx.execute(sql::PRUNE_ATTEMPTS, params![t, limit])?;
+        total += tx.execute(sql::PRUNE_BODIES, params![t, limit])?;
         let n = tx.execute(sql::PRUNE_REQUESTS, params![t, limit])?;
         tx.commit()?;
         total += n;

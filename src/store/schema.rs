@@ -199,6 +199,21 @@ pub(super) const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE requests ADD COLUMN trace_id TEXT;
     "#,
+    // 15: replay (`audit.capture_bodies`, `autohedge replay`): the request a row replayed, and
+    // the bodies kept beside a row (redacted, cut at `audit.max_body_bytes`; `*_cut` says so),
+    // found by request id (only rows with bodies are indexed: the capture is opt-in).
+    r#"
+    ALTER TABLE requests ADD COLUMN replay_of TEXT;
+    CREATE TABLE request_bodies (
+        request_row INTEGER PRIMARY KEY,
+        request_id TEXT NOT NULL,
+        request_body TEXT NOT NULL,
+        request_cut INTEGER NOT NULL DEFAULT 0,
+        response_body TEXT,
+        response_cut INTEGER NOT NULL DEFAULT 0
+    );
+    CREATE INDEX request_bodies_request_id ON request_bodies(request_id);
+    "#,
 ];
 
 /// The WAL file is truncated to this after checkpoints: a burst cannot leave it gigabytes large.

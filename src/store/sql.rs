@@ -64,6 +64,13 @@ pub const PRUNE_ATTEMPTS: &str = concat!(
     first_row!(),
     " LIMIT ?2)"
 );
+pub const PRUNE_BODIES: &str = concat!(
+    "DELETE FROM request_bodies WHERE request_row IN (SELECT id FROM requests WHERE id < ",
+    first_row!(),
+    " LIMIT ?2)"
+);
+/// The writer: a request's kept bodies (`audit.capture_bodies`).
+pub const INSERT_BODIES: &str = "INSERT OR REPLACE INTO request_bodies (request_row, request_id, request_body, request_cut, response_body, response_cut) VALUES (?1, ?2, ?3, ?4, ?5, ?6)";
 pub const PRUNE_REQUESTS: &str = concat!(
     "DELETE FROM requests WHERE id IN (SELECT id FROM requests WHERE id < ",
     first_row!(),
@@ -75,7 +82,7 @@ pub const PRUNE_EVENTS: &str = "DELETE FROM endpoint_events WHERE id IN (SELECT 
 pub const PRUNE_MARKS: &str = "DELETE FROM request_marks WHERE before_ms < (SELECT max(before_ms) FROM request_marks WHERE before_ms <= ?1)";
 
 /// Every query above, named, for the plan test.
-pub const ALL: [(&str, &str); 14] = [
+pub const ALL: [(&str, &str); 15] = [
     ("FIRST_ROW_SINCE", FIRST_ROW_SINCE),
     ("ATTEMPTS_FROM_ROW", ATTEMPTS_FROM_ROW),
     ("REQUESTS_BETWEEN", REQUESTS_BETWEEN),
@@ -87,6 +94,7 @@ pub const ALL: [(&str, &str); 14] = [
     ("FALLBACKS_FROM_SINCE", FALLBACKS_FROM_SINCE),
     ("SPEND", SPEND),
     ("PRUNE_ATTEMPTS", PRUNE_ATTEMPTS),
+    ("PRUNE_BODIES", PRUNE_BODIES),
     ("PRUNE_REQUESTS", PRUNE_REQUESTS),
     ("PRUNE_EVENTS", PRUNE_EVENTS),
     ("PRUNE_MARKS", PRUNE_MARKS),

@@ -47,6 +47,27 @@ pub fn export(conn: &Connection, since: SystemTime, out: &mut dyn Write) -> anyh
             attempts.entry(row).or_default().push(a);
         }
     }
+    let mut bodies: std::collections::HashMap<i64, Value> = Default::default();
+    {
+        let mut st = conn.prepare(
+            "SELECT request_row, request_body, request_cut, response_body, response_cut FROM request_bodies WHERE request_row >= ?1",
+        )?;
+        let rows = st.query_map([first_row], |r| {
+            Ok((
+                r.get::<_, i64>(0)?,
+                json!({
+                    "request": r.get::<_, String>(1)?,
+                    "request_cut": r.get::<_, i64>(2)? != 0,
+                    "response": r.get::<_, Option<String>>(3)?,
+                    "response_cut": r.get::<_, i64>(4)? != 0,
+                }),
+            ))
+        })?;
+        for r in rows {
+            let (row, b) = r?;
+            bodies.insert(row, b);
+        }
+    }
     let cols = super::REQUEST_COLUMNS;
     let mut st = conn.prepare(&format!(
         "SELECT {} FROM requests WHERE id >= ?2 AND ts_ms >= ?1 ORDER BY id",
@@ -76,6 +97,9 @@ pub fn export(conn: &Connection, since: SystemTime, out: &mut dyn Write) -> anyh
             "attempts".into(),
             Value::Array(attempts.remove(&id).unwrap_or_default()),
         );
+        if let Some(b) = bodies.remove(&id) {
+            o.insert("bodies".into(), b);
+        }
         writeln!(out, "{}", Value::Object(o))?;
         n += 1;
     }
@@ -185,6 +209,20 @@ pub fn record(line: &str) -> Result<Record, String> {
                 response_id: opt_str(&v, "response_id"),
                 previous_response_id: opt_str(&v, "previous_response_id"),
                 trace: opt_str(&v, "trace_id").and_then(|t| crate::wire::trace::Trace::known(&t)),
+                replay_of: opt_str(&v, "replay_of"),
+                bodies: match v.get("bodies") {
+                    None | Some(Value::Null) => None,
+                    Some(b) => Some(Box::new(super::bodies::Bodies::stored(
+                        opt_str(b, "request").ok_or("`bodies` with no `request`")?,
+                        b.get("request_cut")
+                            .and_then(Value::as_bool)
+                            .unwrap_or(false),
+                        opt_str(b, "response"),
+                        b.get("response_cut")
+                            .and_then(Value::as_bool)
+                            .unwrap_or(false),
+                    ))),
+                },
                 ..RequestRow::new(request_id, at, operation)
             })))
         }
@@ -235,7 +273,7 @@ pub fn lines(r: &Record, out: &mut String) -> bool {
                     })
                 })
                 .collect();
-            let v = json!({
+            let mut v = json!({
                 "kind": "request",
                 "request_id": row.request_id,
                 "ts_ms": super::ms(row.ts),
@@ -262,8 +300,17 @@ pub fn lines(r: &Record, out: &mut String) -> bool {
                 "response_id": row.response_id,
                 "previous_response_id": row.previous_response_id,
                 "trace_id": row.trace.as_ref().map(|t| t.id.as_str()),
+                "replay_of": row.replay_of,
                 "attempts": attempts,
             });
+            if let Some(b) = &row.bodies {
+                v["bodies"] = json!({
+                    "request": b.request,
+                    "request_cut": b.request_cut,
+                    "response": b.response,
+                    "response_cut": b.response_cut,
+                });
+            }
             let _ = writeln!(out, "{v}");
             true
         }

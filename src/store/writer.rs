@@ -69,16 +69,16 @@ pub(super) fn writer(
 
 /// The SQLite writer's `requests` columns: [`REQUEST_COLUMNS`] and the request's one attempt
 /// when it is kept in the row ([`inline_attempt`]; PostgreSQL writes every attempt as a row).
-const SQLITE_REQUEST_COLUMNS: [&str; 30] = {
-    let mut c = [""; 30];
+const SQLITE_REQUEST_COLUMNS: [&str; 31] = {
+    let mut c = [""; 31];
     let mut i = 0;
     while i < REQUEST_COLUMNS.len() {
         c[i] = REQUEST_COLUMNS[i];
         i += 1;
     }
-    c[27] = "attempt_class";
-    c[28] = "attempt_status";
-    c[29] = "attempt_latency_ms";
+    c[28] = "attempt_class";
+    c[29] = "attempt_status";
+    c[30] = "attempt_latency_ms";
     c
 };
 
@@ -86,7 +86,7 @@ const SQLITE_REQUEST_COLUMNS: [&str; 30] = {
 /// [`SQLITE_REQUEST_COLUMNS`]: the rest hold their defaults (`NULL` or 0) and are left to them
 /// instead of bound — eleven values fewer a request.
 const REQUEST_PLAIN: [usize; 18] = [
-    0, 1, 2, 3, 4, 5, 6, 8, 9, 11, 12, 13, 14, 15, 23, 27, 28, 29,
+    0, 1, 2, 3, 4, 5, 6, 8, 9, 11, 12, 13, 14, 15, 23, 28, 29, 30,
 ];
 
 /// The `attempts` columns of a plain attempt (no error text, not tried in panic), as indices
@@ -120,6 +120,7 @@ fn plain_request(row: &RequestRow) -> bool {
         && row.response_id.is_none()
         && row.previous_response_id.is_none()
         && row.trace.is_none()
+        && row.replay_of.is_none()
 }
 
 fn plain_attempt(a: &AttemptRow) -> bool {
@@ -211,6 +212,7 @@ fn request_values(id: i64, row: &RequestRow) -> [Val<'_>; SQLITE_REQUEST_COLUMNS
         Val::text(row.response_id.as_deref()),
         Val::text(row.previous_response_id.as_deref()),
         Val::text(row.trace.as_ref().map(|t| t.id.as_str())),
+        Val::text(row.replay_of.as_deref()),
         Val::text(one.map(|a| a.class.as_str())),
         Val::int(one.and_then(|a| a.status).map(i64::from)),
         Val::real(one.map(|a| a.latency_ms)),
@@ -563,6 +565,21 @@ impl<'c> Statements<'c> {
                 let all = attempt_values(id, row, a);
                 values.extend(shape.iter().map(|&c| all[c]));
             })?;
+        }
+        // Kept bodies (`audit.capture_bodies`): rare, one statement each.
+        for (id, row) in &requests {
+            if let Some(b) = &row.bodies {
+                self.conn
+                    .prepare_cached(super::sql::INSERT_BODIES)?
+                    .execute(params![
+                        id,
+                        row.request_id,
+                        b.request,
+                        b.request_cut,
+                        b.response,
+                        b.response_cut
+                    ])?;
+            }
         }
         Ok(())
     }

@@ -118,7 +118,7 @@ async fn every_request_has_one_audit_row_after_sigterm() {
     );
     assert!(failovers >= 10, "{failovers}");
     let version: i64 = one(&conn, "PRAGMA user_version");
-    assert_eq!(version, 14);
+    assert_eq!(version, 15);
 }
 
 #[tokio::test]

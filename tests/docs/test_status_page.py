@@ -78,6 +78,15 @@ class Page:
 
 @pytest.fixture
 def stack(tmp_path):
+    yield from _stack(tmp_path, "")
+
+
+@pytest.fixture
+def replay_stack(tmp_path):
+    yield from _stack(tmp_path, "audit: { capture_bodies: failed }\n")
+
+
+def _stack(tmp_path, extra):
     procs = []
     log = open(tmp_path / "servers.log", "w")
     try:
@@ -92,7 +101,7 @@ def stack(tmp_path):
             f"  backup: {{ type: openai, base_url: 'http://{backup_addr}/v1', model: m }}\n"
             "routing_policy: { fallback_chain: [primary, backup], slow_start: 0 }\n"
             "routes:\n  chat: [primary, backup]\n"
-            "health: { probe_interval: 200ms, flip_after: 1 }\n"
+            "health: { probe_interval: 200ms, flip_after: 1 }\n" + extra
         )
         gw, gw_addr = start_autohedge(
             BIN, ["serve", "--listen", "127.0.0.1:0", "--config", str(cfg), "--data-dir", str(tmp_path / "data")], log)
@@ -246,3 +255,39 @@ def test_the_charts_draw_the_last_minutes_failovers_and_errors(stack, browser):
     page.screenshot("docs-charts.png")
     urls = page.eval("performance.getEntriesByType('resource').map(e => e.name)")
     assert urls and all(u.startswith(f"http://{gw}/") for u in urls), urls
+
+
+def test_a_failover_is_replayed_from_the_page_to_the_endpoint_chosen(replay_stack, browser):
+    gw = replay_stack["gateway"]
+    # The primary answers 500: the request fails over to the backup, and its body is kept.
+    set_script(replay_stack["primary"], "rules:\n  - when: {path: /v1/chat/completions}\n    status: 500\n    error: engine crashed\n")
+    body = json.dumps({"model": "chat", "messages": [{"role": "user", "content": "replay me"}]}).encode()
+    req = urllib.request.Request(f"http://{gw}/v1/chat/completions", data=body,
+                                 headers={"content-type": "application/json", "x-request-id": "docs-replay-1"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200
+        assert r.headers["x-autohedge-endpoint"] == "backup"
+    page = open_tab(browser, f"http://{gw}/docs")
+    page.call("Page.enable")
+    button = "document.querySelector('button[data-replay=\"docs-replay-1\"]')"
+    page.wait_for(f"!!{button}", True)
+    # The primary is back; the operator sends the request to it.
+    set_script(replay_stack["primary"], "")
+    page.eval("(() => { const s = document.querySelector('select[data-replay-to=\"docs-replay-1\"]');"
+              " s.value = 'primary'; s.dispatchEvent(new Event('change')); })()")
+    page.eval(f"{button}.click()")
+    result = "(document.querySelector('[data-replay-result=\"docs-replay-1\"]') || {}).textContent || ''"
+    page.wait_for(f"({result}).startsWith('→ 200 from primary')", True)
+    text = page.eval(result)
+    new_id = text.split("(")[1].rstrip(")")
+    page.screenshot("docs-replay.png")
+    # The trail has the replay's row: the primary served it, and it names what it replayed.
+    import sqlite3
+    db = replay_stack["tmp"] / "data" / "autohedge.db"
+    deadline = time.time() + 10
+    row = None
+    while time.time() < deadline and row is None:
+        with sqlite3.connect(db) as conn:
+            row = conn.execute("SELECT endpoint, status, replay_of FROM requests WHERE request_id = ?", (new_id,)).fetchone()
+        time.sleep(0.2)
+    assert row == ("primary", 200, "docs-replay-1"), row

@@ -374,3 +374,86 @@ async fn a_request_kept_in_postgres_is_replayed() {
     .await;
     assert!(ok, "the replay's row says replay_of in PostgreSQL");
 }
+
+/// Kept bodies wait for the writer within a bound (64 × `audit.max_body_bytes`), one key at most
+/// half of it: with the writer held up (the test holds the database's write lock), team-a's
+/// flood reaches its half and loses its later bodies (counted), while team-b's request, sent
+/// after the flood, keeps its body — and every row of both keys is written once the writer goes
+/// on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_keys_flood_of_bodies_keeps_none_of_another_keys_out() {
+    let a = MockUp::openai("name: a").await;
+    let b = MockUp::openai("name: b").await;
+    let keys = "    - { name: team-a, key: env:KEY_A }\n    - { name: team-b, key: env:KEY_B }";
+    let cfg = config(&a, &b, keys, "").replace(
+        "audit: { capture_bodies: failed, max_body_bytes: 4KiB }",
+        "audit: { capture_bodies: all, max_body_bytes: 1KiB }",
+    );
+    let gw = Gw::start_with_env(&cfg, &[("KEY_A", KEY_A), ("KEY_B", KEY_B)]);
+    gw.ready().await;
+    let big = |who: &str| json!({"model": "chat", "messages": [{"role": "user", "content": format!("{who} {}", "y".repeat(2000))}]});
+    assert_eq!(send(&gw, KEY_B, "warm", &big("warm")).await.status(), 200);
+    kept(&gw, "warm").await;
+
+    // The writer is held: what is sent now waits in memory.
+    let lock = rusqlite::Connection::open(gw.db()).unwrap();
+    lock.execute_batch("BEGIN IMMEDIATE").unwrap();
+    let flood: Vec<_> = (0..100)
+        .map(|i| {
+            let (url, body) = (gw.url("/v1/chat/completions"), big("team-a"));
+            tokio::spawn(async move {
+                reqwest::Client::new()
+                    .post(url)
+                    .bearer_auth(KEY_A)
+                    .header("x-request-id", format!("flood-{i}"))
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+            })
+        })
+        .collect();
+    for f in flood {
+        assert_eq!(f.await.unwrap(), 200);
+    }
+    let dropped = gw.metric("autohedge_audit_bodies_dropped_total").await;
+    assert!(
+        dropped >= 1.0,
+        "team-a's flood reached its share: {dropped}"
+    );
+    // team-b, after the flood, while the writer is still held.
+    assert_eq!(
+        send(&gw, KEY_B, "team-b-1", &big("team-b")).await.status(),
+        200
+    );
+    assert_eq!(
+        gw.metric("autohedge_audit_bodies_dropped_total").await,
+        dropped,
+        "team-b's body was not refused"
+    );
+    lock.execute_batch("ROLLBACK").unwrap();
+    drop(lock);
+
+    let k = kept(&gw, "team-b-1").await;
+    assert_eq!(k.len(), 1, "team-b's body kept");
+    assert!(k[0][0].as_str().unwrap().contains("team-b"));
+    let ok = eventually(Duration::from_secs(10), || async {
+        rows(
+            &gw,
+            "SELECT count(*) FROM requests WHERE request_id LIKE 'flood-%'",
+        ) == vec!["100"]
+    })
+    .await;
+    assert!(ok, "every row of the flood written");
+    let with_bodies: i64 = audit_rows(
+        &gw,
+        "SELECT count(*) FROM request_bodies WHERE request_id LIKE 'flood-%'",
+    )[0][0]
+        .as_i64()
+        .unwrap();
+    assert!(
+        with_bodies < 100 && with_bodies as f64 + dropped == 100.0,
+        "{with_bodies} kept, {dropped} dropped"
+    );
+}

@@ -91,7 +91,7 @@ impl Audit {
             row.client_key.as_deref(),
             kept.bytes() as u64,
             shared,
-            bodies::HELD_MAX_BYTES,
+            bodies::held_max_bytes(self.max),
         ) {
             Some(charge) => {
                 kept.charge = Some(charge);

@@ -195,10 +195,13 @@ fn cut(mut text: String, max: usize) -> (String, bool) {
     (text, true)
 }
 
-/// The most captured bytes waiting for the writer, all requests together.
-pub const HELD_MAX_BYTES: u64 = 64 << 20;
+/// The most captured bytes waiting for the writer, all requests together: room for 64 bodies
+/// of the longest kept (`audit.max_body_bytes`), at most 64 MiB.
+pub fn held_max_bytes(max_body_bytes: usize) -> u64 {
+    (64 * max_body_bytes as u64).min(64 << 20)
+}
 
-/// Captured bodies waiting for the writer: at most [`HELD_MAX_BYTES`] in all and, with several
+/// Captured bodies waiting for the writer: at most [`held_max_bytes`] in all and, with several
 /// client keys, at most half of that for one key.
 #[derive(Default)]
 pub struct Budget {

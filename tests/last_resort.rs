@@ -139,7 +139,7 @@ async fn a_kept_answer_serves_only_the_same_request_of_the_same_key_when_all_fai
 
     // The row: served from the last resort, after both failures, nothing billed.
     let sql = format!(
-        "SELECT status || ' ' || error_class || ' ' || coalesce(endpoint, '-') || ' ' || coalesce(cost_usd, 0) FROM requests WHERE request_id = '{id}'"
+        "SELECT status || ' ' || error_class || ' ' || coalesce(endpoint, '-') || ' ' || coalesce(cost_usd, 0) || ' ' || served_from FROM requests WHERE request_id = '{id}'"
     );
     assert!(
         eventually(Duration::from_secs(5), || async {
@@ -148,7 +148,10 @@ async fn a_kept_answer_serves_only_the_same_request_of_the_same_key_when_all_fai
         .await,
         "the row was written"
     );
-    assert_eq!(db_rows(&gw, &sql), vec!["200 last_resort - 0".to_string()]);
+    assert_eq!(
+        db_rows(&gw, &sql),
+        vec!["200 last_resort - 0 last_resort".to_string()]
+    );
     let sql = format!(
         "SELECT endpoint || ' ' || class FROM attempts WHERE request_id = '{id}' ORDER BY seq"
     );
@@ -335,8 +338,21 @@ health: {{ probe_interval: 1h }}
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "x-autohedge-served-from"), "cache");
     assert_eq!(header(&r, "x-autohedge-attempts"), "0");
+    let cached_id = header(&r, "x-request-id");
     assert_eq!(r.bytes().await.unwrap(), kept);
     assert_eq!(calls().await, before + 1, "no upstream call");
+    // Its row says so: 200, no endpoint, no error class, served from the cache.
+    let sql = format!(
+        "SELECT status || ' ' || coalesce(error_class, '-') || ' ' || coalesce(endpoint, '-') || ' ' || served_from FROM requests WHERE request_id = '{cached_id}'"
+    );
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            !db_rows(&gw, &sql).is_empty()
+        })
+        .await,
+        "the cache's row was written"
+    );
+    assert_eq!(db_rows(&gw, &sql), vec!["200 - - cache".to_string()]);
     let mut warmer = q.clone();
     warmer["temperature"] = json!(0.7);
     let mut unset = q.clone();

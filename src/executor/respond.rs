@@ -126,6 +126,7 @@ impl Run {
             attempts,
             trace: self.trace.clone(),
             replay_of: self.replay_of.clone(),
+            served_from: None,
             bodies: None,
         }
     }
@@ -193,7 +194,8 @@ impl Run {
             .await?;
         tracing::warn!(request_id = %self.request_id, model = %self.req.model, attempts = self.attempts.len(), age_s = age.as_secs(), "all upstreams failed; served the last resort");
         metrics::counter!("autohedge_last_resort_served_total").increment(1);
-        let row = self.base_row(None, 200, Some("last_resort".into()));
+        let mut row = self.base_row(None, 200, Some("last_resort".into()));
+        row.served_from = Some("last_resort");
         self.send_row(row);
         Some(self.kept_response(kept, age, "last_resort"))
     }
@@ -205,7 +207,8 @@ impl Run {
         let slot = self.last_resort.as_deref()?;
         let (kept, age) = slot.cached(&self.app.last_resort, self.req.body())?;
         metrics::counter!("autohedge_cache_served_total").increment(1);
-        let row = self.base_row(None, 200, None);
+        let mut row = self.base_row(None, 200, None);
+        row.served_from = Some("cache");
         self.send_row(row);
         Some(self.kept_response(kept, age, "cache"))
     }

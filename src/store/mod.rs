@@ -105,6 +105,8 @@ pub struct RequestRow {
     pub trace: Option<Box<crate::wire::trace::Trace>>,
     /// `autohedge replay`: the request this one replayed (its request id).
     pub replay_of: Option<String>,
+    /// A kept answer served it: `last_resort` (every attempt failed) or `cache`.
+    pub served_from: Option<&'static str>,
     /// Its bodies, when `audit.capture_bodies` keeps them ([`bodies`]).
     pub bodies: Option<Box<bodies::Bodies>>,
 }
@@ -141,6 +143,7 @@ impl RequestRow {
             previous_response_id: None,
             trace: None,
             replay_of: None,
+            served_from: None,
             bodies: None,
         }
     }
@@ -523,7 +526,7 @@ impl Store {
 
 /// The `requests` columns the writer fills, `id` first: ids are given explicitly so that a
 /// batch's attempts can name their request row without reading it back row by row.
-const REQUEST_COLUMNS: [&str; 28] = [
+const REQUEST_COLUMNS: [&str; 29] = [
     "id",
     "request_id",
     "ts_ms",
@@ -552,6 +555,7 @@ const REQUEST_COLUMNS: [&str; 28] = [
     "previous_response_id",
     "trace_id",
     "replay_of",
+    "served_from",
 ];
 
 const ATTEMPT_COLUMNS: [&str; 12] = [

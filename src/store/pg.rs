@@ -174,9 +174,11 @@ const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE requests ADD COLUMN trace_id TEXT;
     "#,
-    // 15: replay: the request a row replayed, and the bodies kept beside a row.
+    // 15: replay: the request a row replayed, and the bodies kept beside a row; the kept answer
+    // (last resort, cache) that served a row.
     r#"
     ALTER TABLE requests ADD COLUMN replay_of TEXT;
+    ALTER TABLE requests ADD COLUMN served_from TEXT;
     CREATE TABLE request_bodies (
         request_row BIGINT PRIMARY KEY,
         request_id TEXT NOT NULL,
@@ -1342,6 +1344,7 @@ fn request_params(id: i64, row: &RequestRow) -> Vec<Param> {
         Box::new(row.previous_response_id.clone()),
         Box::new(row.trace.as_ref().map(|t| t.id.clone())),
         Box::new(row.replay_of.clone()),
+        Box::new(row.served_from),
     ]
 }
 
@@ -1455,7 +1458,8 @@ fn tables() -> Vec<(&'static str, Vec<(&'static str, Ty)>)> {
                 | "response_id"
                 | "previous_response_id"
                 | "trace_id"
-                | "replay_of" => Text,
+                | "replay_of"
+                | "served_from" => Text,
                 "latency_ms" | "ttft_ms" | "cost_usd" => Real,
                 _ => Int,
             };

@@ -201,9 +201,11 @@ pub(super) const MIGRATIONS: &[&str] = &[
     "#,
     // 15: replay (`audit.capture_bodies`, `autohedge replay`): the request a row replayed, and
     // the bodies kept beside a row (redacted, cut at `audit.max_body_bytes`; `*_cut` says so),
-    // found by request id (only rows with bodies are indexed: the capture is opt-in).
+    // found by request id (only rows with bodies are indexed: the capture is opt-in). And the
+    // kept answer that served a row: `last_resort` or `cache` (`last_resort:`, `cache:`).
     r#"
     ALTER TABLE requests ADD COLUMN replay_of TEXT;
+    ALTER TABLE requests ADD COLUMN served_from TEXT;
     CREATE TABLE request_bodies (
         request_row INTEGER PRIMARY KEY,
         request_id TEXT NOT NULL,

@@ -210,6 +210,11 @@ pub fn record(line: &str) -> Result<Record, String> {
                 previous_response_id: opt_str(&v, "previous_response_id"),
                 trace: opt_str(&v, "trace_id").and_then(|t| crate::wire::trace::Trace::known(&t)),
                 replay_of: opt_str(&v, "replay_of"),
+                served_from: match v.get("served_from").and_then(Value::as_str) {
+                    Some("cache") => Some("cache"),
+                    Some("last_resort") => Some("last_resort"),
+                    _ => None,
+                },
                 bodies: match v.get("bodies") {
                     None | Some(Value::Null) => None,
                     Some(b) => Some(Box::new(super::bodies::Bodies::stored(
@@ -301,6 +306,7 @@ pub fn lines(r: &Record, out: &mut String) -> bool {
                 "previous_response_id": row.previous_response_id,
                 "trace_id": row.trace.as_ref().map(|t| t.id.as_str()),
                 "replay_of": row.replay_of,
+                "served_from": row.served_from,
                 "attempts": attempts,
             });
             if let Some(b) = &row.bodies {

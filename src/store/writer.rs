@@ -69,16 +69,16 @@ pub(super) fn writer(
 
 /// The SQLite writer's `requests` columns: [`REQUEST_COLUMNS`] and the request's one attempt
 /// when it is kept in the row ([`inline_attempt`]; PostgreSQL writes every attempt as a row).
-const SQLITE_REQUEST_COLUMNS: [&str; 31] = {
-    let mut c = [""; 31];
+const SQLITE_REQUEST_COLUMNS: [&str; 32] = {
+    let mut c = [""; 32];
     let mut i = 0;
     while i < REQUEST_COLUMNS.len() {
         c[i] = REQUEST_COLUMNS[i];
         i += 1;
     }
-    c[28] = "attempt_class";
-    c[29] = "attempt_status";
-    c[30] = "attempt_latency_ms";
+    c[29] = "attempt_class";
+    c[30] = "attempt_status";
+    c[31] = "attempt_latency_ms";
     c
 };
 
@@ -86,7 +86,7 @@ const SQLITE_REQUEST_COLUMNS: [&str; 31] = {
 /// [`SQLITE_REQUEST_COLUMNS`]: the rest hold their defaults (`NULL` or 0) and are left to them
 /// instead of bound — eleven values fewer a request.
 const REQUEST_PLAIN: [usize; 18] = [
-    0, 1, 2, 3, 4, 5, 6, 8, 9, 11, 12, 13, 14, 15, 23, 28, 29, 30,
+    0, 1, 2, 3, 4, 5, 6, 8, 9, 11, 12, 13, 14, 15, 23, 29, 30, 31,
 ];
 
 /// The `attempts` columns of a plain attempt (no error text, not tried in panic), as indices
@@ -121,6 +121,7 @@ fn plain_request(row: &RequestRow) -> bool {
         && row.previous_response_id.is_none()
         && row.trace.is_none()
         && row.replay_of.is_none()
+        && row.served_from.is_none()
 }
 
 fn plain_attempt(a: &AttemptRow) -> bool {
@@ -213,6 +214,7 @@ fn request_values(id: i64, row: &RequestRow) -> [Val<'_>; SQLITE_REQUEST_COLUMNS
         Val::text(row.previous_response_id.as_deref()),
         Val::text(row.trace.as_ref().map(|t| t.id.as_str())),
         Val::text(row.replay_of.as_deref()),
+        Val::text(row.served_from),
         Val::text(one.map(|a| a.class.as_str())),
         Val::int(one.and_then(|a| a.status).map(i64::from)),
         Val::real(one.map(|a| a.latency_ms)),

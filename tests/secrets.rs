@@ -924,6 +924,7 @@ vault:
   address: "{}"
   token: env:TEST_VAULT_TOKEN
   transit_key: autohedge
+audit: {{ capture_bodies: failed }}
 "#,
             quoting.base(),
             b.base(),
@@ -949,6 +950,29 @@ vault:
     let r = chat_with(&gw, "chat", Some(&own)).await;
     assert_eq!(r.status(), 200);
     assert_eq!(header(&r, "x-autohedge-endpoint"), "b");
+    let failed_over = header(&r, "x-request-id");
+    // Its body is kept (`audit.capture_bodies`), but it is not replayed: the gateway's keys
+    // would answer where the client's own key did.
+    let kept = eventually(Duration::from_secs(10), || async {
+        audit_rows(&gw, "SELECT count(*) FROM request_bodies")[0][0].as_i64() == Some(2)
+    })
+    .await;
+    assert!(kept, "both requests' bodies kept");
+    let replay = reqwest::Client::new()
+        .post(gw.url(&format!("/admin/replay/{failed_over}")))
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(replay.status(), 409);
+    let why: Value = replay.json().await.unwrap();
+    assert!(
+        why["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("own upstream key"),
+        "{why}"
+    );
     let st = gw.status().await.to_string();
     assert!(
         st.contains("backend failed for credential"),
@@ -960,6 +984,14 @@ vault:
         "SELECT error FROM attempts WHERE class = 'server_error'",
     );
     assert_eq!(rows.len(), 1, "{rows:?}");
+    let bodies = audit_rows(&gw, "SELECT response_body FROM request_bodies");
+    assert!(
+        bodies.iter().any(|r| r[0]
+            .as_str()
+            .unwrap_or("")
+            .contains("invalid request for credential")),
+        "the 400's answer is kept: {bodies:?}"
+    );
     let db = std::fs::read(gw.db()).unwrap();
     let log = gw.log();
     assert!(

@@ -585,6 +585,7 @@ auth:
     - {{ name: team, key: env:TEAM_KEY }}
     - {{ name: other, key: env:OTHER_KEY }}
 health: {{ probe_interval: 1h }}
+audit: {{ capture_bodies: failed }}
 "#,
         a.base(),
         b.base()
@@ -630,7 +631,10 @@ health: {{ probe_interval: 1h }}
     let pg_cfg = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(
         pg_cfg.path(),
-        format!("{cfg}audit: {{ store: postgres, url: env:AUTOHEDGE_PG_URL }}\n"),
+        cfg.replace(
+            "audit: { capture_bodies: failed }",
+            "audit: { store: postgres, url: env:AUTOHEDGE_PG_URL, capture_bodies: failed }",
+        ),
     )
     .unwrap();
     let pg_cfg = pg_cfg.path().to_str().unwrap();
@@ -641,6 +645,26 @@ health: {{ probe_interval: 1h }}
     assert!(err.contains("0 refused, 0 not written"), "{err}");
     let pgc = pg.client("moved").await;
     assert_eq!(count(&pgc, "SELECT COUNT(*) FROM requests").await, 60);
+    // The kept bodies moved with their rows, byte for byte.
+    let sqlite_bodies: Vec<String> = audit_rows(
+        &gw,
+        "SELECT request_id || request_body || coalesce(response_body, '') || request_cut || response_cut FROM request_bodies ORDER BY 1",
+    )
+    .into_iter()
+    .map(|r| r[0].as_str().unwrap().to_string())
+    .collect();
+    assert!(!sqlite_bodies.is_empty(), "failovers kept");
+    let pg_bodies: Vec<String> = pgc
+        .query(
+            "SELECT b.request_id || b.request_body || coalesce(b.response_body, '') || b.request_cut || b.response_cut FROM request_bodies b JOIN requests r ON r.id = b.request_row ORDER BY 1",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(sqlite_bodies, pg_bodies);
     for args in [
         vec!["stats", "--since", "1h", "--json"],
         vec!["stats", "--since", "1h", "--json", "--by-key"],

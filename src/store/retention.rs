@@ -62,10 +62,21 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let opened = Store::open(dir.path(), 100).unwrap();
         let h = opened.store.handle();
+        let bodies = || {
+            Some(Box::new(crate::store::bodies::Bodies::stored(
+                "{}".into(),
+                false,
+                None,
+                false,
+            )))
+        };
         let mut old = row("old", "b", "server_error");
         old.ts = SystemTime::now() - Duration::from_secs(3600);
+        old.bodies = bodies();
         h.send(Record::Request(Box::new(old)));
-        h.send(Record::Request(Box::new(row("new", "b", "server_error"))));
+        let mut new = row("new", "b", "server_error");
+        new.bodies = bodies();
+        h.send(Record::Request(Box::new(new)));
         h.send(Record::Prune(SystemTime::now() - Duration::from_secs(60)));
         drop(h);
         opened.store.close();
@@ -82,6 +93,14 @@ mod tests {
             .query_row("SELECT COUNT(*) FROM attempts", [], |r| r.get(0))
             .unwrap();
         assert_eq!(n, 2, "only the new request's attempts remain");
+        let kept: String = conn
+            .query_row(
+                "SELECT group_concat(request_id) FROM request_bodies",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert_eq!(kept, "new", "the old request's bodies went with it");
     }
 
     #[test]

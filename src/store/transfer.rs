@@ -388,6 +388,14 @@ mod tests {
         row.hedges = 2;
         row.hedge_won = true;
         row.client_key = Some("team".into());
+        row.replay_of = Some("req-0".into());
+        row.served_from = Some("cache");
+        row.bodies = Some(Box::new(crate::store::bodies::Bodies::stored(
+            "{\"model\":\"m\"}".into(),
+            true,
+            Some("data: x\n\n".into()),
+            false,
+        )));
         row.attempts.push(AttemptRow {
             seq: 1,
             endpoint: "a".into(),
@@ -415,6 +423,10 @@ mod tests {
             assert_eq!(text.matches('\n').count(), 1, "{text}");
             let back = record(text.trim_end()).unwrap();
             assert_eq!(format!("{r:?}"), format!("{back:?}"));
+            if let (Record::Request(r), Record::Request(back)) = (&r, &back) {
+                let (r, back) = (r.bodies.as_ref().unwrap(), back.bodies.as_ref().unwrap());
+                assert_eq!((&r.request, &r.response), (&back.request, &back.response));
+            }
         }
         assert!(!lines(&Record::Prune(UNIX_EPOCH), &mut String::new()));
     }

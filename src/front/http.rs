@@ -1045,27 +1045,28 @@ async fn clear_endpoint(
     if let Err(e) = clients::admin(&cfg.auth, &headers, peer) {
         return e.into_response();
     }
-    let json = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.trim_start().starts_with("application/json"));
-    if !json {
-        return ApiError::UnsupportedMediaType(
-            headers
-                .get(header::CONTENT_TYPE)
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("none")
-                .chars()
-                .take(100)
-                .collect(),
-        )
-        .into_response();
+    if let Err(e) = json_only(&headers) {
+        return e.into_response();
     }
     if app.registry.clear(&name) {
         axum::Json(json!({"cleared": name})).into_response()
     } else {
         ApiError::NotFound(format!("/admin/endpoints/{name} (no such endpoint)")).into_response()
     }
+}
+
+/// Admin calls that change something take `application/json` only: a page elsewhere cannot make
+/// a browser send that without a preflight the gateway never answers.
+pub(super) fn json_only(headers: &HeaderMap) -> Result<(), ApiError> {
+    let kind = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok());
+    if kind.is_some_and(|v| v.trim_start().starts_with("application/json")) {
+        return Ok(());
+    }
+    Err(ApiError::UnsupportedMediaType(
+        kind.unwrap_or("none").chars().take(100).collect(),
+    ))
 }
 
 pub(super) async fn method_not_allowed() -> Response {

@@ -171,22 +171,7 @@ async fn run(
 ) -> Result<Response, ApiError> {
     let cfg = app.config.load_full();
     clients::admin(&cfg.auth, &headers, peer)?;
-    // JSON only: a page elsewhere cannot make a browser send it without a preflight.
-    let json = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.trim_start().starts_with("application/json"));
-    if !json {
-        return Err(ApiError::UnsupportedMediaType(
-            headers
-                .get(header::CONTENT_TYPE)
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("none")
-                .chars()
-                .take(100)
-                .collect(),
-        ));
-    }
+    super::http::json_only(&headers)?;
     let ask: Ask = if body.iter().all(u8::is_ascii_whitespace) {
         Ask::default()
     } else {

@@ -333,7 +333,7 @@ pub fn report(
 ) -> anyhow::Result<ExitCode> {
     let window =
         config::duration::parse_duration(since).map_err(|e| anyhow::anyhow!("--since: {e}"))?;
-    let (data_dir, _snapshot) = trail_dirs(data_dir, config, window)?;
+    let (data_dir, _snapshot) = trail_dirs(data_dir, config, window, false)?;
     let data_dir = &data_dir[..];
     let from = SystemTime::now()
         .checked_sub(window)
@@ -407,6 +407,7 @@ fn trail_dirs(
     data_dir: &[PathBuf],
     config: Option<&Path>,
     window: Duration,
+    bodies: bool,
 ) -> anyhow::Result<(Vec<PathBuf>, Option<Snapshot>)> {
     let Some(path) = config else {
         return Ok((data_dir.to_vec(), None));
@@ -424,7 +425,7 @@ fn trail_dirs(
         fastrand::u64(..)
     ));
     let snap = Snapshot(dir.clone());
-    store::pg::snapshot(pg, from, &dir).context("reading the PostgreSQL audit store")?;
+    store::pg::snapshot(pg, from, &dir, bodies).context("reading the PostgreSQL audit store")?;
     Ok((vec![dir], Some(snap)))
 }
 
@@ -437,7 +438,8 @@ pub fn audit_export(
 ) -> anyhow::Result<ExitCode> {
     let window =
         config::duration::parse_duration(since).map_err(|e| anyhow::anyhow!("--since: {e}"))?;
-    let (dirs, _snapshot) = trail_dirs(&[data_dir.to_path_buf()], config, window)?;
+    // Only the export carries the kept bodies.
+    let (dirs, _snapshot) = trail_dirs(&[data_dir.to_path_buf()], config, window, true)?;
     let (_, conn) = store::open_trails(&dirs)?
         .into_iter()
         .next()
@@ -511,7 +513,7 @@ pub fn stats(
 ) -> anyhow::Result<ExitCode> {
     let window =
         config::duration::parse_duration(since).map_err(|e| anyhow::anyhow!("--since: {e}"))?;
-    let (data_dir, _snapshot) = trail_dirs(data_dir, config, window)?;
+    let (data_dir, _snapshot) = trail_dirs(data_dir, config, window, false)?;
     let data_dir = &data_dir[..];
     let (paths, trails): (Vec<PathBuf>, Vec<rusqlite::Connection>) =
         store::open_trails(data_dir)?.into_iter().unzip();

@@ -31,7 +31,7 @@ type Limiter = RateLimiter<NotKeyed, InMemoryState, DefaultClock, StateInformati
 
 /// The key a request presents: `Authorization: Bearer …` (what the OpenAI SDKs send as
 /// `api_key`) or `x-api-key`.
-fn presented(headers: &HeaderMap) -> Option<&str> {
+pub fn presented(headers: &HeaderMap) -> Option<&str> {
     headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())

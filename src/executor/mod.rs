@@ -33,7 +33,7 @@ use crate::upstream::classify;
 use crate::wire::{Inbound, Op};
 
 mod attempt;
-mod capture;
+pub mod capture;
 mod context;
 mod deadline;
 pub mod last_resort;
@@ -91,6 +91,8 @@ pub struct Caller {
     pub trace: Option<Box<crate::wire::trace::Trace>>,
     /// `autohedge replay`: the request id this request replays.
     pub replay_of: Option<String>,
+    /// For `audit.capture_bodies`: what the front door saw of the request.
+    pub capture: Option<capture::CaptureIn>,
 }
 
 /// One request's journey.
@@ -301,7 +303,13 @@ pub fn execute(
         audit_response: None,
         replay_of: caller.replay_of,
     });
-    run.audit = capture::Audit::of(&run.cfg, &run.req);
+    run.audit = capture::Audit::of(
+        &run.cfg,
+        &run.req,
+        run.own_key.is_some(),
+        run.client.as_deref(),
+        caller.capture,
+    );
     if let Some(spec) = run.cfg.last_resort.get(&run.req.model) {
         run.last_resort = last_resort::Slot::of(
             run.req.op,

@@ -272,6 +272,13 @@ impl Drop for StreamGuard {
         {
             k.keep((&self.app.last_resort, self.app.cluster.get()));
         }
+        self.send_pending();
+    }
+}
+
+impl StreamGuard {
+    /// The finished row held for its bodies (`audit`), with them, to the trail.
+    pub(super) fn send_pending(&mut self) {
         if let Some((mut row, admission)) = self.pending.take() {
             if let Some(audit) = self.audit.take() {
                 audit.attach(&self.app, &self.cfg, &mut row, None, self.own_key.as_ref());
@@ -520,7 +527,12 @@ pub(super) async fn pump_kept(
         st.guard.keep = None;
     }
     if let (Ok(b), Some(a)) = (&out, st.guard.audit.as_mut()) {
-        a.push(b);
+        a.push(&st.guard.app, b);
+    }
+    // The stream has ended for the client: this was its last piece, so the row can go now (not
+    // when the body is dropped, which a client that stops reading can put off).
+    if st.finished {
+        st.guard.send_pending();
     }
     Some((out, st))
 }

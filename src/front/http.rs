@@ -248,16 +248,25 @@ pub(super) async fn serve(
         let err = counted(&app, client, err).await;
         return refused(&app, &id, op, &inbound, client_name, err);
     };
-    // A replay the operator sent to one endpoint goes there alone (the key's allow-list still
-    // applies below).
-    let chain = match replay.as_ref().and_then(|r| r.to.as_ref()) {
-        Some(to) if cfg.endpoints.contains_key(to) => Arc::from(vec![to.clone()]),
-        Some(to) => {
-            let err = ApiError::invalid(format!("`to`: there is no endpoint named `{to}`"));
-            return refused(&app, &id, op, &inbound, client_name, err);
+    // A replay the operator sent to one endpoint goes there alone (below, once a Responses
+    // conversation has been planned; the key's allow-list still applies).
+    let to = replay.as_ref().and_then(|r| r.to.clone());
+    if let Some(to) = &to
+        && !cfg.endpoints.contains_key(to)
+    {
+        let err = ApiError::invalid(format!("`to`: there is no endpoint named `{to}`"));
+        return refused(&app, &id, op, &inbound, client_name, err);
+    }
+    // What the audit row keeps of the request (`audit.capture_bodies`): the body as it came
+    // (a Responses continuation is joined to its conversation below) and the presented key,
+    // which no kept body may hold.
+    let capture = (cfg.capture_bodies != crate::config::CaptureBodies::None).then(|| {
+        executor::capture::CaptureIn {
+            original: (op == Op::Responses).then(|| inbound.clone()),
+            presented: clients::presented(&headers)
+                .map(|k| crate::config::Secret::new(k.to_string())),
         }
-        None => chain,
-    };
+    });
     let allowed = client
         .and_then(|c| c.models.as_ref())
         .map(|m| cfg.covered_by(m));
@@ -322,6 +331,10 @@ pub(super) async fn serve(
         Ok(k) => k,
         Err(err) => return refused(&app, &id, op, &inbound, client_name, err),
     };
+    let chain = match to {
+        Some(to) => Arc::from(vec![to]),
+        None => chain,
+    };
     let trace = crate::ops::otel::of_request(&cfg, &headers, &inbound);
     let caller = executor::Caller {
         client: client_name,
@@ -332,6 +345,7 @@ pub(super) async fn serve(
         responses,
         trace,
         replay_of: replay.map(|r| r.of),
+        capture,
     };
     // Nothing below reads the client's headers (see `release_read_buffer`).
     drop(headers);

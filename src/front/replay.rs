@@ -78,16 +78,17 @@ fn still_covered(
 }
 
 /// The kept requests of `id`, newest first, from this gateway's trail.
-async fn find(app: &AppState, id: &str) -> Result<Vec<Source>, ApiError> {
+async fn find(app: &AppState, id: &str, key: Option<&str>) -> Result<Vec<Source>, ApiError> {
     let unreadable =
         |e: String| ApiError::Unavailable(format!("the audit trail could not be read: {e}"));
     match app.trail.get() {
         None => Err(unreadable("the gateway has no trail".into())),
         Some(Trail::Sqlite(path)) => {
-            let (path, id) = (path.clone(), id.to_string());
+            let (path, id, key) = (path.clone(), id.to_string(), key.map(str::to_string));
             let read = tokio::task::spawn_blocking(move || {
                 let conn = crate::store::open_connection(&path).map_err(|e| e.to_string())?;
-                crate::store::bodies::find_sqlite(&conn, &id).map_err(|e| e.to_string())
+                crate::store::bodies::find_sqlite(&conn, &id, key.as_deref())
+                    .map_err(|e| e.to_string())
             });
             match tokio::time::timeout(READ_WITHIN, read).await {
                 Ok(Ok(r)) => r.map_err(unreadable),
@@ -95,7 +96,7 @@ async fn find(app: &AppState, id: &str) -> Result<Vec<Source>, ApiError> {
                 Err(_) => Err(unreadable(format!("no answer within {READ_WITHIN:?}"))),
             }
         }
-        Some(Trail::Postgres(pg)) => crate::store::pg::find_kept(pg, id, READ_WITHIN)
+        Some(Trail::Postgres(pg)) => crate::store::pg::find_kept(pg, id, key, READ_WITHIN)
             .await
             .map_err(unreadable),
     }
@@ -184,8 +185,12 @@ async fn run(
     if id.is_empty() || id.len() > 128 {
         return Err(ApiError::invalid("a request id is 1 to 128 characters"));
     }
-    let src = pick(find(&app, &id).await?, &id, ask.key.as_deref())?;
-    if src.own_key {
+    let src = pick(
+        find(&app, &id, ask.key.as_deref()).await?,
+        &id,
+        ask.key.as_deref(),
+    )?;
+    if src.bodies.own_key {
         return Err(ApiError::NotReplayable(format!(
             "request {id} was made with the client's own upstream key (x-encrypted-key), which is never kept: a replay would use the gateway's keys instead"
         )));
@@ -287,7 +292,6 @@ mod tests {
             error_class: None,
             stream: false,
             client_key: key.map(str::to_string),
-            own_key: false,
             bodies: crate::store::bodies::Bodies::stored("{}".into(), false, None, false),
         }
     }

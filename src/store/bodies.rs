@@ -29,6 +29,8 @@ pub struct Bodies {
     /// The answer the client got (a JSON body, or a stream's events as sent), redacted and cut.
     pub response: Option<String>,
     pub response_cut: bool,
+    /// The request carried its own upstream key (`x-encrypted-key`): never replayed.
+    pub own_key: bool,
     /// Its bytes' hold on the [`Budget`], let go when the row is written or dropped.
     pub(crate) charge: Option<Charge>,
 }
@@ -41,6 +43,7 @@ impl Clone for Bodies {
             request_cut: self.request_cut,
             response: self.response.clone(),
             response_cut: self.response_cut,
+            own_key: self.own_key,
             charge: None,
         }
     }
@@ -53,6 +56,7 @@ impl std::fmt::Debug for Bodies {
             .field("request_cut", &self.request_cut)
             .field("response_bytes", &self.response.as_ref().map(String::len))
             .field("response_cut", &self.response_cut)
+            .field("own_key", &self.own_key)
             .finish()
     }
 }
@@ -70,6 +74,7 @@ impl Bodies {
             request_cut,
             response,
             response_cut,
+            own_key: false,
             charge: None,
         }
     }
@@ -89,12 +94,22 @@ pub fn wanted(mode: CaptureBodies, row: &RequestRow) -> bool {
         CaptureBodies::Failed => {
             !(200..300).contains(&row.status)
                 || row.error_class.is_some()
-                || row
-                    .attempts
-                    .iter()
-                    .any(|a| a.class != Outcome::Ok && !a.class.is_skip())
+                || row.attempts.iter().any(|a| failed(a.class))
         }
     }
+}
+
+/// An attempt that failed: not served, not skipped, and not one of the gateway's own moves
+/// (a hedge's losing copy, a request an endpoint was told not to get).
+fn failed(class: Outcome) -> bool {
+    !matches!(
+        class,
+        Outcome::Ok
+            | Outcome::HedgeCancelled
+            | Outcome::Unsupported
+            | Outcome::ResponsesUnsupported
+            | Outcome::PreviousResponseLost
+    ) && !class.is_skip()
 }
 
 /// Object keys whose values are credentials, wherever they are in a body (compared
@@ -159,7 +174,8 @@ fn redact_value(v: &mut Value, secrets: &[&str], depth: usize) {
             }
         }
         Value::Object(map) if depth < 64 => {
-            map.retain(|k, _| !secret_field(k));
+            // A credential's field goes, and so does a field whose very name holds a secret.
+            map.retain(|k, _| !secret_field(k) && redact_text(k, secrets) == *k);
             for (_, i) in map.iter_mut() {
                 redact_value(i, secrets, depth + 1);
             }
@@ -173,6 +189,14 @@ fn redact_value(v: &mut Value, secrets: &[&str], depth: usize) {
 /// A body as kept: JSON with credential fields removed and secrets replaced (text otherwise,
 /// redacted as text), cut at `max` bytes on a character boundary; `true` when cut.
 pub fn kept_text(raw: &[u8], secrets: &[&str], max: usize) -> (String, bool) {
+    // Far past the bound, the body is not parsed (it would be kept cut anyway): its first
+    // `max` bytes, and enough after them that a secret across the cut is still caught, are
+    // redacted as text.
+    if raw.len() > max.saturating_mul(4) {
+        let head = &raw[..raw.len().min(max.saturating_add(4096))];
+        let (text, _) = cut(redact_text(&String::from_utf8_lossy(head), secrets), max);
+        return (text, true);
+    }
     let text = match serde_json::from_slice::<Value>(raw) {
         Ok(mut v) => {
             redact_value(&mut v, secrets, 0);
@@ -257,6 +281,13 @@ impl Budget {
     }
 }
 
+impl Charge {
+    /// Takes `other`'s hold into this one (both of one budget and key).
+    pub fn absorb(&mut self, mut other: Charge) {
+        self.bytes += std::mem::take(&mut other.bytes);
+    }
+}
+
 impl Drop for Charge {
     fn drop(&mut self) {
         let mut h = self.inner.lock().unwrap_or_else(|e| e.into_inner());
@@ -291,31 +322,37 @@ pub struct Source {
     pub error_class: Option<String>,
     pub stream: bool,
     pub client_key: Option<String>,
-    /// An attempt was made with the client's own upstream key (`x-encrypted-key`).
-    pub own_key: bool,
     pub bodies: Bodies,
 }
 
-/// The lookup both stores run (`?1`/`$1`: the request id), newest first, a few at most: a
-/// client's `x-request-id` can repeat another's.
+/// The lookup both stores run (`?1`/`$1`: the request id; `?2`/`$2`: the client key's name,
+/// when the operator named one), newest first, a few at most: a client's `x-request-id` can
+/// repeat another's (the key is filtered here, so another key's requests of that id hide none).
 macro_rules! find_sql {
-    ($p:literal) => {
+    ($id:literal, $key:literal) => {
         concat!(
             "SELECT r.request_id, r.ts_ms, r.operation, r.requested_model, r.endpoint, r.status, r.error_class, r.stream, r.client_key,
-                    b.request_body, b.request_cut, b.response_body, b.response_cut,
-                    (SELECT count(*) FROM attempts a WHERE a.request_row = r.id AND a.own_key <> 0)
+                    b.request_body, b.request_cut, b.response_body, b.response_cut, b.own_key
              FROM request_bodies b JOIN requests r ON r.id = b.request_row
              WHERE b.request_id = ",
-            $p,
-            " ORDER BY r.id DESC LIMIT 16"
+            $id,
+            " AND (",
+            $key,
+            " IS NULL OR r.client_key = ",
+            $key,
+            ") ORDER BY r.id DESC LIMIT 16"
         )
     };
 }
 
 /// The kept requests of id `request_id` in a SQLite trail, newest first.
-pub fn find_sqlite(conn: &rusqlite::Connection, request_id: &str) -> rusqlite::Result<Vec<Source>> {
-    let mut st = conn.prepare(find_sql!("?1"))?;
-    let rows = st.query_map([request_id], |r| {
+pub fn find_sqlite(
+    conn: &rusqlite::Connection,
+    request_id: &str,
+    key: Option<&str>,
+) -> rusqlite::Result<Vec<Source>> {
+    let mut st = conn.prepare(find_sql!("?1", "?2"))?;
+    let rows = st.query_map(rusqlite::params![request_id, key], |r| {
         Ok(Source {
             request_id: r.get(0)?,
             ts_ms: r.get(1)?,
@@ -326,13 +363,15 @@ pub fn find_sqlite(conn: &rusqlite::Connection, request_id: &str) -> rusqlite::R
             error_class: r.get(6)?,
             stream: r.get::<_, i64>(7)? != 0,
             client_key: r.get(8)?,
-            bodies: Bodies::stored(
-                r.get(9)?,
-                r.get::<_, i64>(10)? != 0,
-                r.get(11)?,
-                r.get::<_, i64>(12)? != 0,
-            ),
-            own_key: r.get::<_, i64>(13)? > 0,
+            bodies: Bodies {
+                own_key: r.get::<_, i64>(13)? != 0,
+                ..Bodies::stored(
+                    r.get(9)?,
+                    r.get::<_, i64>(10)? != 0,
+                    r.get(11)?,
+                    r.get::<_, i64>(12)? != 0,
+                )
+            },
         })
     })?;
     rows.collect()
@@ -342,8 +381,11 @@ pub fn find_sqlite(conn: &rusqlite::Connection, request_id: &str) -> rusqlite::R
 pub async fn find_pg(
     client: &tokio_postgres::Client,
     request_id: &str,
+    key: Option<&str>,
 ) -> Result<Vec<Source>, tokio_postgres::Error> {
-    let rows = client.query(find_sql!("$1"), &[&request_id]).await?;
+    let rows = client
+        .query(find_sql!("$1", "$2::text"), &[&request_id, &key])
+        .await?;
     rows.iter()
         .map(|r| {
             Ok(Source {
@@ -356,13 +398,15 @@ pub async fn find_pg(
                 error_class: r.try_get(6)?,
                 stream: r.try_get::<_, i64>(7)? != 0,
                 client_key: r.try_get(8)?,
-                bodies: Bodies::stored(
-                    r.try_get(9)?,
-                    r.try_get::<_, i64>(10)? != 0,
-                    r.try_get(11)?,
-                    r.try_get::<_, i64>(12)? != 0,
-                ),
-                own_key: r.try_get::<_, i64>(13)? > 0,
+                bodies: Bodies {
+                    own_key: r.try_get::<_, i64>(13)? != 0,
+                    ..Bodies::stored(
+                        r.try_get(9)?,
+                        r.try_get::<_, i64>(10)? != 0,
+                        r.try_get(11)?,
+                        r.try_get::<_, i64>(12)? != 0,
+                    )
+                },
             })
         })
         .collect()
@@ -378,7 +422,7 @@ mod tests {
         let body = serde_json::json!({
             "model": "chat",
             "api_key": "sk-live-aaaaaaaaaaaaaaaaaaaaaaaa",
-            "metadata": {"Authorization": "Bearer abc", "team": "red"},
+            "metadata": {"Authorization": "Bearer abc", "team": "red", "upstream-secret-123": 1},
             "messages": [
                 {"role": "user", "content": "my key is sk-proj-ABCDEFGHIJKLMNOPQRSTUV and the upstream's is upstream-secret-123"},
                 {"role": "user", "content": "key_value pairs stay"}
@@ -406,6 +450,31 @@ mod tests {
         assert_eq!(v["messages"][1]["content"], "key_value pairs stay");
         assert_eq!(v["max_tokens"], 5);
         assert!(text.contains("[REDACTED]"));
+    }
+
+    #[test]
+    fn failed_keeps_errors_and_failovers_not_a_hedges_losing_copy() {
+        use crate::store::test_util::row;
+        let served = row("r", "a", "ok");
+        assert!(!wanted(CaptureBodies::Failed, &served));
+        assert!(wanted(CaptureBodies::All, &served));
+        assert!(!wanted(CaptureBodies::None, &row("r", "a", "server_error")));
+        assert!(wanted(
+            CaptureBodies::Failed,
+            &row("r", "a", "server_error")
+        ));
+        let mut hedged = row("r", "a", "ok");
+        hedged.attempts.push(crate::store::AttemptRow {
+            class: Outcome::HedgeCancelled,
+            ..hedged.attempts[0].clone()
+        });
+        assert!(
+            !wanted(CaptureBodies::Failed, &hedged),
+            "a hedge's loser is no failure"
+        );
+        let mut refused = row("r", "a", "ok");
+        refused.status = 429;
+        assert!(wanted(CaptureBodies::Failed, &refused));
     }
 
     #[test]

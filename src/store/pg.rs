@@ -185,7 +185,8 @@ const MIGRATIONS: &[&str] = &[
         request_body TEXT NOT NULL,
         request_cut BIGINT NOT NULL DEFAULT 0,
         response_body TEXT,
-        response_cut BIGINT NOT NULL DEFAULT 0
+        response_cut BIGINT NOT NULL DEFAULT 0,
+        own_key BIGINT NOT NULL DEFAULT 0
     );
     CREATE INDEX request_bodies_request_id ON request_bodies(request_id);
     "#,
@@ -226,11 +227,12 @@ async fn connect(url: &str) -> Result<Client, String> {
 pub async fn find_kept(
     settings: &PgSettings,
     request_id: &str,
+    key: Option<&str>,
     within: Duration,
 ) -> Result<Vec<super::bodies::Source>, String> {
     tokio::time::timeout(within, async {
         let client = connect(settings.url.expose()).await?;
-        super::bodies::find_pg(&client, request_id)
+        super::bodies::find_pg(&client, request_id, key)
             .await
             .map_err(|e| error_text(&e))
     })
@@ -702,7 +704,16 @@ impl Writer {
     fn hold(&mut self, records: Vec<Record>, token: &str) {
         let mut lost = 0u64;
         let mut marked = false;
-        for r in records {
+        for mut r in records {
+            // Past half the spool, rows go on without their kept bodies: a body never costs a
+            // row (or a key's spend) its place.
+            if let (Record::Request(row), Some(spool)) = (&mut r, &self.spool)
+                && row.bodies.is_some()
+                && spool.past_half()
+            {
+                row.bodies = None;
+                metrics::counter!("autohedge_audit_bodies_dropped_total").increment(1);
+            }
             match r {
                 Record::Prune(_) | Record::Flush(_) => {}
                 Record::Request(_) | Record::Event(_) | Record::Spend(_) => match &mut self.spool {
@@ -914,6 +925,11 @@ impl Spool {
 
     /// Appends `self.line` within the limit; `false` (nothing appended) when it would pass it
     /// or cannot be written (a partial write is cut back off: the file stays whole lines).
+    /// More than half of `max_bytes` waits in it.
+    fn past_half(&self) -> bool {
+        self.len.saturating_sub(self.done) > self.max_bytes / 2
+    }
+
     fn append(&mut self) -> bool {
         use std::io::Write;
         let n = self.line.len() as u64;
@@ -1295,7 +1311,7 @@ async fn insert_requests(
     for (id, r) in ids.iter().zip(requests) {
         if let Some(b) = &r.bodies {
             tx.execute(
-                "INSERT INTO request_bodies (request_row, request_id, request_body, request_cut, response_body, response_cut) VALUES ($1, $2, $3, $4, $5, $6)",
+                "INSERT INTO request_bodies (request_row, request_id, request_body, request_cut, response_body, response_cut, own_key) VALUES ($1, $2, $3, $4, $5, $6, $7)",
                 &[
                     id,
                     &r.request_id,
@@ -1303,6 +1319,7 @@ async fn insert_requests(
                     &i64::from(b.request_cut),
                     &b.response,
                     &i64::from(b.response_cut),
+                    &i64::from(b.own_key),
                 ],
             )
             .await
@@ -1387,27 +1404,18 @@ async fn prune(client: &mut Client, before: SystemTime) -> Result<(), String> {
     let t = ms(before);
     let limit = super::PRUNE_BATCH as i64;
     loop {
-        let tx = client.transaction().await.map_err(e)?;
-        tx.execute(
-            "DELETE FROM attempts WHERE request_row IN (SELECT id FROM requests WHERE ts_ms < $1 ORDER BY id LIMIT $2)",
-            &[&t, &limit],
-        )
-        .await
-        .map_err(e)?;
-        tx.execute(
-            "DELETE FROM request_bodies WHERE request_row IN (SELECT id FROM requests WHERE ts_ms < $1 ORDER BY id LIMIT $2)",
-            &[&t, &limit],
-        )
-        .await
-        .map_err(e)?;
-        let n = tx
+        // The ids are picked once, so a request's attempts and bodies go with it even when
+        // another replica commits older rows meanwhile.
+        let n = client
             .execute(
-                "DELETE FROM requests WHERE id IN (SELECT id FROM requests WHERE ts_ms < $1 ORDER BY id LIMIT $2)",
+                "WITH gone AS (SELECT id FROM requests WHERE ts_ms < $1 ORDER BY id LIMIT $2),
+                      a AS (DELETE FROM attempts WHERE request_row IN (SELECT id FROM gone)),
+                      b AS (DELETE FROM request_bodies WHERE request_row IN (SELECT id FROM gone))
+                 DELETE FROM requests WHERE id IN (SELECT id FROM gone)",
                 &[&t, &limit],
             )
             .await
             .map_err(e)?;
-        tx.commit().await.map_err(e)?;
         if (n as usize) < super::PRUNE_BATCH {
             break;
         }
@@ -1487,6 +1495,7 @@ fn tables() -> Vec<(&'static str, Vec<(&'static str, Ty)>)> {
                 ("request_cut", Int),
                 ("response_body", Text),
                 ("response_cut", Int),
+                ("own_key", Int),
             ],
         ),
         (
@@ -1538,8 +1547,14 @@ fn tables() -> Vec<(&'static str, Vec<(&'static str, Ty)>)> {
 
 /// Copies the trail from `since` on (requests, their attempts, endpoint events; all endpoint
 /// state, spend and standbys) into a new SQLite database in `dir`, for the readers.
-pub fn snapshot(settings: &PgSettings, since: SystemTime, dir: &Path) -> anyhow::Result<()> {
-    own_runtime(|rt| snapshot_on(rt, settings, since, dir))
+/// `bodies`: the kept bodies too (`audit export`; the readers of figures need none).
+pub fn snapshot(
+    settings: &PgSettings,
+    since: SystemTime,
+    dir: &Path,
+    bodies: bool,
+) -> anyhow::Result<()> {
+    own_runtime(|rt| snapshot_on(rt, settings, since, dir, bodies))
 }
 
 /// Runs `f` with a runtime of its own on a thread of its own: the CLI's callers may already be
@@ -1564,6 +1579,7 @@ fn snapshot_on(
     settings: &PgSettings,
     since: SystemTime,
     dir: &Path,
+    bodies: bool,
 ) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
     let mut sqlite = super::open_connection(&super::db_path(dir))?;
@@ -1579,6 +1595,9 @@ fn snapshot_on(
             .get(0);
         let tx = sqlite.transaction()?;
         for (table, cols) in tables() {
+            if table == "request_bodies" && !bodies {
+                continue;
+            }
             let names: Vec<&str> = cols.iter().map(|(n, _)| *n).collect();
             let (filter, params): (&str, Vec<&(dyn ToSql + Sync)>) = match table {
                 "requests" | "endpoint_events" => ("WHERE ts_ms >= $1", vec![&from]),

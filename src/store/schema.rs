@@ -212,7 +212,8 @@ pub(super) const MIGRATIONS: &[&str] = &[
         request_body TEXT NOT NULL,
         request_cut INTEGER NOT NULL DEFAULT 0,
         response_body TEXT,
-        response_cut INTEGER NOT NULL DEFAULT 0
+        response_cut INTEGER NOT NULL DEFAULT 0,
+        own_key INTEGER NOT NULL DEFAULT 0
     );
     CREATE INDEX request_bodies_request_id ON request_bodies(request_id);
     "#,

@@ -70,7 +70,7 @@ pub const PRUNE_BODIES: &str = concat!(
     " LIMIT ?2)"
 );
 /// The writer: a request's kept bodies (`audit.capture_bodies`).
-pub const INSERT_BODIES: &str = "INSERT OR REPLACE INTO request_bodies (request_row, request_id, request_body, request_cut, response_body, response_cut) VALUES (?1, ?2, ?3, ?4, ?5, ?6)";
+pub const INSERT_BODIES: &str = "INSERT OR REPLACE INTO request_bodies (request_row, request_id, request_body, request_cut, response_body, response_cut, own_key) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)";
 pub const PRUNE_REQUESTS: &str = concat!(
     "DELETE FROM requests WHERE id IN (SELECT id FROM requests WHERE id < ",
     first_row!(),

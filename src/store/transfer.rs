@@ -7,7 +7,7 @@
 use std::io::{BufRead, Write};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use rusqlite::Connection;
+use rusqlite::{Connection, OptionalExtension};
 use serde_json::{Value, json};
 
 use super::{AttemptRow, EndpointEvent, Record, RequestRow};
@@ -47,27 +47,10 @@ pub fn export(conn: &Connection, since: SystemTime, out: &mut dyn Write) -> anyh
             attempts.entry(row).or_default().push(a);
         }
     }
-    let mut bodies: std::collections::HashMap<i64, Value> = Default::default();
-    {
-        let mut st = conn.prepare(
-            "SELECT request_row, request_body, request_cut, response_body, response_cut FROM request_bodies WHERE request_row >= ?1",
-        )?;
-        let rows = st.query_map([first_row], |r| {
-            Ok((
-                r.get::<_, i64>(0)?,
-                json!({
-                    "request": r.get::<_, String>(1)?,
-                    "request_cut": r.get::<_, i64>(2)? != 0,
-                    "response": r.get::<_, Option<String>>(3)?,
-                    "response_cut": r.get::<_, i64>(4)? != 0,
-                }),
-            ))
-        })?;
-        for r in rows {
-            let (row, b) = r?;
-            bodies.insert(row, b);
-        }
-    }
+    // A row's kept bodies, read as its line is written (never all of them at once).
+    let mut bodies = conn.prepare(
+        "SELECT request_body, request_cut, response_body, response_cut, own_key FROM request_bodies WHERE request_row = ?1",
+    )?;
     let cols = super::REQUEST_COLUMNS;
     let mut st = conn.prepare(&format!(
         "SELECT {} FROM requests WHERE id >= ?2 AND ts_ms >= ?1 ORDER BY id",
@@ -97,7 +80,18 @@ pub fn export(conn: &Connection, since: SystemTime, out: &mut dyn Write) -> anyh
             "attempts".into(),
             Value::Array(attempts.remove(&id).unwrap_or_default()),
         );
-        if let Some(b) = bodies.remove(&id) {
+        let kept = bodies
+            .query_row([id], |r| {
+                Ok(json!({
+                    "request": r.get::<_, String>(0)?,
+                    "request_cut": r.get::<_, i64>(1)? != 0,
+                    "response": r.get::<_, Option<String>>(2)?,
+                    "response_cut": r.get::<_, i64>(3)? != 0,
+                    "own_key": r.get::<_, i64>(4)? != 0,
+                }))
+            })
+            .optional()?;
+        if let Some(b) = kept {
             o.insert("bodies".into(), b);
         }
         writeln!(out, "{}", Value::Object(o))?;
@@ -217,16 +211,19 @@ pub fn record(line: &str) -> Result<Record, String> {
                 },
                 bodies: match v.get("bodies") {
                     None | Some(Value::Null) => None,
-                    Some(b) => Some(Box::new(super::bodies::Bodies::stored(
-                        opt_str(b, "request").ok_or("`bodies` with no `request`")?,
-                        b.get("request_cut")
-                            .and_then(Value::as_bool)
-                            .unwrap_or(false),
-                        opt_str(b, "response"),
-                        b.get("response_cut")
-                            .and_then(Value::as_bool)
-                            .unwrap_or(false),
-                    ))),
+                    Some(b) => Some(Box::new(super::bodies::Bodies {
+                        own_key: b.get("own_key").and_then(Value::as_bool).unwrap_or(false),
+                        ..super::bodies::Bodies::stored(
+                            opt_str(b, "request").ok_or("`bodies` with no `request`")?,
+                            b.get("request_cut")
+                                .and_then(Value::as_bool)
+                                .unwrap_or(false),
+                            opt_str(b, "response"),
+                            b.get("response_cut")
+                                .and_then(Value::as_bool)
+                                .unwrap_or(false),
+                        )
+                    })),
                 },
                 ..RequestRow::new(request_id, at, operation)
             })))
@@ -315,6 +312,7 @@ pub fn lines(r: &Record, out: &mut String) -> bool {
                     "request_cut": b.request_cut,
                     "response": b.response,
                     "response_cut": b.response_cut,
+                    "own_key": b.own_key,
                 });
             }
             let _ = writeln!(out, "{v}");

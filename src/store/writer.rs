@@ -579,7 +579,8 @@ impl<'c> Statements<'c> {
                         b.request,
                         b.request_cut,
                         b.response,
-                        b.response_cut
+                        b.response_cut,
+                        b.own_key
                     ])?;
             }
         }

@@ -457,3 +457,66 @@ async fn one_keys_flood_of_bodies_keeps_none_of_another_keys_out() {
         "{with_bodies} kept, {dropped} dropped"
     );
 }
+
+/// A `/v1/responses` continuation keeps the body its client sent — the gateway's own
+/// `previous_response_id` and its new input, not the upstream's id (native) nor the whole
+/// conversation joined to it (translated to chat) — and replays as the continuation it was.
+#[tokio::test]
+async fn a_responses_continuation_keeps_and_replays_what_its_client_sent() {
+    let native = MockUp::openai("name: native\nreply: \"Hi Ada.\"").await;
+    let chat = MockUp::start(
+        autohedge::demo::mock::Flavor::Ollama,
+        "name: chat\nreply: \"Hi again.\"\nmodels: [qwen]",
+    )
+    .await;
+    let gw = Gw::start(&format!(
+        r#"models:
+  native: {{ type: openai, base_url: "{}" }}
+  chat: {{ type: ollama, base_url: "http://{}", model: qwen }}
+health: {{ probe_interval: 1h }}
+audit: {{ capture_bodies: all }}
+"#,
+        native.base(),
+        chat.addr
+    ));
+    gw.ready().await;
+    for model in ["native", "chat"] {
+        let r = gw
+            .post(
+                "/v1/responses",
+                json!({"model": model, "input": "My name is Ada."}),
+            )
+            .await;
+        assert_eq!(r.status(), 200);
+        let id = r.json::<Value>().await.unwrap()["id"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let r = gw
+            .post(
+                "/v1/responses",
+                json!({"model": model, "input": "Who am I?", "previous_response_id": id}),
+            )
+            .await;
+        assert_eq!(r.status(), 200, "{model}");
+        let second = header(&r, "x-request-id");
+        let k = kept(&gw, &second).await;
+        let body: Value = serde_json::from_str(k[0][0].as_str().unwrap()).unwrap();
+        assert_eq!(
+            body,
+            json!({"model": model, "input": "Who am I?", "previous_response_id": id}),
+            "{model}: the client's own body"
+        );
+        let (status, out) = replay(&gw, &second, json!({})).await;
+        assert_eq!(
+            (status, &out["status"]),
+            (200, &json!(200)),
+            "{model}: {out}"
+        );
+        assert_eq!(
+            out["response"]["previous_response_id"],
+            id.as_str(),
+            "{model}: {out}"
+        );
+    }
+}

@@ -47,12 +47,15 @@ impl Audit {
         request: &Arc<Inbound>,
         own_key: bool,
         client: Option<&str>,
-        given: Option<CaptureIn>,
+        given: Option<Box<CaptureIn>>,
     ) -> Option<Box<Audit>> {
         if cfg.capture_bodies == CaptureBodies::None {
             return None;
         }
-        let (original, presented) = given.map_or((None, None), |g| (g.original, g.presented));
+        let (original, presented) = given.map_or((None, None), |g| {
+            let g = *g;
+            (g.original, g.presented)
+        });
         Some(Box::new(Audit {
             mode: cfg.capture_bodies,
             max: cfg.capture_max_bytes,

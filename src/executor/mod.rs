@@ -92,7 +92,7 @@ pub struct Caller {
     /// `autohedge replay`: the request id this request replays.
     pub replay_of: Option<String>,
     /// For `audit.capture_bodies`: what the front door saw of the request.
-    pub capture: Option<capture::CaptureIn>,
+    pub capture: Option<Box<capture::CaptureIn>>,
 }
 
 /// One request's journey.

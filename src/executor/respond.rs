@@ -309,10 +309,10 @@ impl Run {
                     content_type.unwrap_or(HeaderValue::from_static("application/json"));
                 // Never an answer to a shortened conversation (it answers another request), nor
                 // one made with the client's own upstream key (its account's, not the gateway's).
-                if status.is_success()
+                if let Some(slot) = self.last_resort.as_deref()
+                    && status.is_success()
                     && self.truncation.is_none()
                     && self.own_key_for(&ep).is_none()
-                    && let Some(slot) = self.last_resort.as_deref()
                 {
                     slot.keep(
                         (&self.app.last_resort, self.app.cluster.get()),

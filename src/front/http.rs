@@ -250,8 +250,7 @@ pub(super) async fn serve(
     };
     // A replay the operator sent to one endpoint goes there alone (below, once a Responses
     // conversation has been planned; the key's allow-list still applies).
-    let to = replay.as_ref().and_then(|r| r.to.clone());
-    if let Some(to) = &to
+    if let Some(to) = replay.as_ref().and_then(|r| r.to.as_ref())
         && !cfg.endpoints.contains_key(to)
     {
         let err = ApiError::invalid(format!("`to`: there is no endpoint named `{to}`"));
@@ -260,12 +259,13 @@ pub(super) async fn serve(
     // What the audit row keeps of the request (`audit.capture_bodies`): the body as it came
     // (a Responses continuation is joined to its conversation below) and the presented key,
     // which no kept body may hold.
+    // (Boxed: the request's future holds it across its waits, and is moved whole.)
     let capture = (cfg.capture_bodies != crate::config::CaptureBodies::None).then(|| {
-        executor::capture::CaptureIn {
+        Box::new(executor::capture::CaptureIn {
             original: (op == Op::Responses).then(|| inbound.clone()),
             presented: clients::presented(&headers)
                 .map(|k| crate::config::Secret::new(k.to_string())),
-        }
+        })
     });
     let allowed = client
         .and_then(|c| c.models.as_ref())
@@ -331,8 +331,8 @@ pub(super) async fn serve(
         Ok(k) => k,
         Err(err) => return refused(&app, &id, op, &inbound, client_name, err),
     };
-    let chain = match to {
-        Some(to) => Arc::from(vec![to]),
+    let chain = match replay.as_ref().and_then(|r| r.to.as_ref()) {
+        Some(to) => Arc::from(vec![to.clone()]),
         None => chain,
     };
     let trace = crate::ops::otel::of_request(&cfg, &headers, &inbound);

@@ -974,6 +974,12 @@ async fn streams_report(c: &HttpClient, floor: (&str, u32), gateway: (&str, u32)
         ("each event written apart", STREAM_REQUEST),
         ("the whole stream written at once", STREAM_REQUEST_BURST),
     ] {
+        // `AUTOHEDGE_BENCH_STREAMS=burst` (or `apart`): one of the two (for profiling it).
+        match std::env::var("AUTOHEDGE_BENCH_STREAMS").as_deref() {
+            Ok("burst") if body == STREAM_REQUEST => continue,
+            Ok("apart") if body == STREAM_REQUEST_BURST => continue,
+            _ => {}
+        }
         streams_part(c, floor, gateway, how, body).await;
     }
 }

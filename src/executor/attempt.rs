@@ -537,6 +537,7 @@ impl<'a> Attempt<'a> {
         let mut held = 0usize;
         let mut usage = None;
         let mut out_chars = 0usize;
+        let mut skim = wire::scan::Skim::default();
         loop {
             let next = match within!(timer, self.deadline, rest.next()) {
                 None => {
@@ -599,7 +600,7 @@ impl<'a> Attempt<'a> {
                 // (an upstream that writes fast puts much of its stream in this first read).
                 if produced.is_none()
                     && ev.event.as_deref() != Some("error")
-                    && let Some(p) = wire::chunk::read(&ev.data)
+                    && let Some(p) = wire::chunk::read_next(&mut skim, &ev.data)
                 {
                     if let Some(u) = p.usage {
                         usage = Some(u);

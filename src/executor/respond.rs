@@ -464,6 +464,7 @@ impl Run {
                     timer: Box::pin(tokio::time::sleep_until(deadline)),
                     cont,
                     held,
+                    skim: Default::default(),
                 };
                 let body = if state.guard.keep.is_some() || state.guard.audit.is_some() {
                     Body::from_stream(futures_util::stream::unfold(

@@ -312,6 +312,8 @@ pub(super) struct PassThrough {
     /// The upstream's unfinished event: sent once its blank line arrives, dropped if the stream
     /// breaks first. Bounded by the parser (`limits.max_event_bytes`).
     pub held: BytesMut,
+    /// The stream's chunks read against the last one read in full.
+    pub skim: wire::scan::Skim,
 }
 
 /// What one upstream read held, as `PassThrough::scan` read it.
@@ -401,7 +403,7 @@ impl PassThrough {
             }
             // The plain chunk, read without a `Value` tree (a continuation watches the tree).
             if self.cont.is_none()
-                && let Some(p) = wire::chunk::read(&ev.data)
+                && let Some(p) = wire::chunk::read_next(&mut self.skim, &ev.data)
             {
                 if let Some(u) = p.usage {
                     self.guard.usage = Some(u);

@@ -148,6 +148,11 @@ pub fn read(data: &str) -> Option<Plain> {
     super::scan::read(data).or_else(|| typed(data))
 }
 
+/// [`read`] for the next chunk of a stream, against the stream's last (see [`super::scan::Skim`]).
+pub fn read_next(skim: &mut super::scan::Skim, data: &str) -> Option<Plain> {
+    skim.read(data).or_else(|| typed(data))
+}
+
 /// [`read`] through serde's derive: the reference [`super::scan`] is held to.
 fn typed(data: &str) -> Option<Plain> {
     let Obj(c): Obj<Chunk<'_>> = serde_json::from_str(data).ok()?;
@@ -479,11 +484,102 @@ mod tests {
             }
         }
 
+        /// A stream's chunks read against the last one read in full answer what each read
+        /// alone does: chunks of one shape whose generated strings (valid, escaped, broken)
+        /// and sometimes other bytes differ from chunk to chunk.
+        #[test]
+        fn skimming_agrees_with_reading_each_chunk(chunks in same_shape()) {
+            let mut skim = super::super::scan::Skim::default();
+            for data in &chunks {
+                prop_assert_eq!(skim.read(data), super::super::scan::read(data), "{}", data);
+            }
+            let mut skim = super::super::scan::Skim::default();
+            for data in &chunks {
+                prop_assert_eq!(read_next(&mut skim, data), read(data), "{}", data);
+            }
+        }
+
+        /// Arbitrary text after a learned shape never panics the skim.
+        #[test]
+        fn skimming_arbitrary_text_never_panics(s in "[{}\\[\\]\",:a-z0-9 \\\\]{0,200}") {
+            let mut skim = super::super::scan::Skim::default();
+            let shape = r#"{"choices":[{"delta":{"content":"a"},"finish_reason":null}],"obfuscation":"x"}"#;
+            prop_assert!(skim.read(shape).is_some());
+            let _ = skim.read(&s);
+            let _ = skim.read(&format!(r#"{{"choices":[{{"delta":{{"content":"{s}"}},"finish_reason":null}}],"obfuscation":"x"}}"#));
+        }
+
         /// Arbitrary bytes near a chunk's shape never panic the scan.
         #[test]
         fn the_scan_never_panics(s in "[{}\\[\\]\",:a-z0-9.eE+\\\\ -]{0,120}") {
             let _ = super::super::scan::read(&s);
         }
+    }
+
+    /// Chunks of a few shapes (content, reasoning, a tool call, OpenAI's `obfuscation`, legacy
+    /// `text`, a finish, usage) with their strings drawn from valid, escaped and broken JSON
+    /// strings, and now and then another byte changed: what a [`super::super::scan::Skim`]
+    /// sees in a stream.
+    fn same_shape() -> BoxedStrategy<Vec<String>> {
+        let s = prop_oneof![
+            4 => "[a-z é中😀]{0,12}".prop_map(|t| format!("\"{t}\"")),
+            1 => one_of(&[
+                "\"\"",
+                "\"\\ud83d\\ude00\"",
+                "\"\\ud83d\"",
+                "\"a\\u0000\"",
+                "\"\\x\"",
+                "\"\\/\\b\\f\\n\\r\\t\\\"\\\\\"",
+                "\"tab\there\"",
+                "\"a\\\"",
+                "\"open",
+                "null",
+                "1",
+            ]),
+        ];
+        let finish = one_of(&["null", "null", "null", "\"stop\"", "\"length\"", "1"]);
+        let chunk = (s.clone(), s.clone(), s, finish, 0..12usize);
+        (0..6usize, proptest::collection::vec(chunk, 1..8))
+            .prop_map(|(shape, chunks)| {
+                chunks
+                    .into_iter()
+                    .map(|(a, b, c, f, odd)| shaped(shape, &a, &b, &c, &f, odd))
+                    .collect()
+            })
+            .boxed()
+    }
+
+    /// One chunk of `shape` (see [`same_shape`]) with its strings and finish reason; `odd`
+    /// below 3 changes a byte outside them.
+    fn shaped(shape: usize, a: &str, b: &str, c: &str, f: &str, odd: usize) -> String {
+        let mut out = match shape {
+            0 => format!(
+                "{{\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"choices\":[{{\"index\":0,\"delta\":{{\"content\":{a}}},\"finish_reason\":{f}}}],\"usage\":null,\"obfuscation\":{b}}}"
+            ),
+            1 => format!(
+                "{{\"choices\":[{{\"delta\":{{\"reasoning_content\":{a},\"content\":{b}}},\"finish_reason\":{f}}}]}}"
+            ),
+            2 => format!(
+                "{{\"choices\":[{{\"delta\":{{\"tool_calls\":[{{\"index\":0,\"function\":{{\"arguments\":{a}}}}}]}},\"finish_reason\":{f}}}],\"obfuscation\":{c}}}"
+            ),
+            3 => {
+                format!("{{\"choices\":[{{\"text\":{a},\"finish_reason\":{f}}},{{\"text\":{b}}}]}}")
+            }
+            4 => format!(
+                "{{\"choices\":[{{\"delta\":{{\"refusal\":{a}}}}}],\"usage\":{{\"prompt_tokens\":3,\"completion_tokens\":4}},\"obfuscation\":{c}}}"
+            ),
+            _ => format!(
+                " {{ \"choices\" : [ {{ \"delta\" : {{ \"content\" : {a} }} }} ] , \"obfuscation\" : {b} }} "
+            ),
+        };
+        // Now and then a byte outside the strings changed too.
+        if odd < 3 {
+            let at = out.len() * (odd + 1) / 4;
+            if out.is_char_boundary(at) && out.is_char_boundary(at + 1) {
+                out.replace_range(at..at + 1, ["1", "\"", " "][odd]);
+            }
+        }
+        out
     }
 
     /// Chunks whose strings and numbers take every odd form JSON allows, or nearly: escapes,
@@ -556,6 +652,19 @@ mod tests {
                 t.elapsed().as_nanos() as f64 / n as f64
             );
         }
+        // Against the stream's shape (two chunks alternating, so every read compares).
+        let d = c.replace("word17", "word18");
+        let mut skim = super::super::scan::Skim::default();
+        let t = std::time::Instant::now();
+        let mut bytes = 0;
+        for i in 0..n {
+            let data = if i % 2 == 0 { c } else { &d[..] };
+            bytes += read_next(&mut skim, std::hint::black_box(data)).map_or(0, |p| p.text_bytes);
+        }
+        println!(
+            "skim: {:.1} ns a chunk ({bytes})",
+            t.elapsed().as_nanos() as f64 / n as f64
+        );
     }
 
     /// The chunks servers send are read in one pass, not only declined to serde.
@@ -576,6 +685,76 @@ mod tests {
         )
         .unwrap();
         assert_eq!(p.text_bytes, 1 + 2 + 4);
+    }
+
+    /// Real servers' streams: from the second content chunk on, a chunk is read against the
+    /// last (only its strings), and answers what reading it alone does.
+    #[test]
+    fn real_streams_are_skimmed() {
+        let streams: [&[&str]; 3] = [
+            // OpenAI, with `obfuscation` changing in every chunk.
+            &[
+                r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"gpt-4o","service_tier":"default","system_fingerprint":"fp_1","choices":[{"index":0,"delta":{"role":"assistant","content":"","refusal":null},"logprobs":null,"finish_reason":null}],"usage":null,"obfuscation":"Xy"}"#,
+                r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"gpt-4o","service_tier":"default","system_fingerprint":"fp_1","choices":[{"index":0,"delta":{"content":"Hello"},"logprobs":null,"finish_reason":null}],"usage":null,"obfuscation":"abc"}"#,
+                r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"gpt-4o","service_tier":"default","system_fingerprint":"fp_1","choices":[{"index":0,"delta":{"content":" \"wor\u00e9ld\"\n"},"logprobs":null,"finish_reason":null}],"usage":null,"obfuscation":"Q"}"#,
+                r#"{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"gpt-4o","service_tier":"default","system_fingerprint":"fp_1","choices":[{"index":0,"delta":{"content":""},"logprobs":null,"finish_reason":null}],"usage":null,"obfuscation":"Qxyzzy"}"#,
+            ],
+            // vLLM.
+            &[
+                r#"{"id":"chatcmpl-2","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}"#,
+                r#"{"id":"chatcmpl-2","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{"content":"To"},"logprobs":null,"finish_reason":null}]}"#,
+                r#"{"id":"chatcmpl-2","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{"content":" be"},"logprobs":null,"finish_reason":null}]}"#,
+            ],
+            // A tool call's arguments, piece by piece.
+            &[
+                r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":""}}]},"finish_reason":null}]}"#,
+                r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\"ci"}}]},"finish_reason":null}]}"#,
+                r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"ty\": 1}"}}]},"finish_reason":null}]}"#,
+            ],
+        ];
+        for stream in streams {
+            let mut skim = super::super::scan::Skim::default();
+            for (i, c) in stream.iter().enumerate() {
+                if i >= 2 {
+                    assert!(skim.like(c.as_bytes()).is_some(), "not skimmed: {c}");
+                }
+                let got = skim.read(c);
+                assert!(got.is_some(), "declined {c}");
+                assert_eq!(got, typed(c), "{c}");
+            }
+        }
+        // Another byte outside the strings: read in full, and the new shape kept.
+        let mut skim = super::super::scan::Skim::default();
+        let a = r#"{"choices":[{"delta":{"content":"a"},"finish_reason":null}]}"#;
+        let b = r#"{"choices":[{"delta":{"content":"a"},"finish_reason":"stop"}]}"#;
+        skim.read(a);
+        assert!(skim.like(b.as_bytes()).is_none());
+        assert_eq!(skim.read(b).and_then(|p| p.finish), Some("stop"));
+        assert!(skim.like(b.as_bytes()).is_some());
+    }
+
+    /// The streams of one shape the agreement above is tested on are mostly read against
+    /// their shape, not only in full.
+    #[test]
+    fn same_shape_streams_are_mostly_skimmed() {
+        use proptest::strategy::ValueTree;
+        let mut runner = proptest::test_runner::TestRunner::deterministic();
+        let (mut skimmed, mut text) = (0, 0);
+        for _ in 0..300 {
+            let chunks = same_shape().new_tree(&mut runner).unwrap().current();
+            let mut skim = super::super::scan::Skim::default();
+            for c in &chunks {
+                if let Some(p) = skim.like(c.as_bytes()) {
+                    skimmed += 1;
+                    text += usize::from(p.text_bytes > 0);
+                }
+                skim.read(c);
+            }
+        }
+        assert!(
+            skimmed >= 150 && text >= 80,
+            "{skimmed} skimmed, {text} with text"
+        );
     }
 
     /// The generator reaches the typed path's answers, content and preambles both, so the

@@ -33,7 +33,35 @@ fn special(w: u64) -> u64 {
 struct Cur<'a> {
     b: &'a [u8],
     i: usize,
+    /// Where the strings a [`Skim`] lets vary lie, when a chunk is read to learn its shape.
+    holes: Option<Vec<Hole>>,
 }
+
+/// What a string [`Hole`] stands for in the chunk's reading.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum HoleKind {
+    /// A choice's `delta.content` or `text`: its bytes are the text's, and content if not empty.
+    Text,
+    /// A delta's `refusal`, `reasoning_content` or `reasoning`: content if not empty.
+    Flag,
+    /// A string read by nothing (`obfuscation`, a tool call's `arguments`): any value will do.
+    Opaque,
+}
+
+/// A string value of a learned chunk that the next chunks may change: from its opening quote to
+/// after its closing one.
+#[derive(Clone, Copy, Debug)]
+struct Hole {
+    start: usize,
+    end: usize,
+    len: usize,
+    kind: HoleKind,
+}
+
+/// Keys whose string values no rule reads, wherever they are: a hole of their own, so a chunk
+/// whose only change is there still matches its shape (OpenAI's `obfuscation` changes in
+/// every chunk, a tool call's `arguments` in every piece of it).
+const OPAQUE: [&[u8]; 2] = [b"obfuscation", b"arguments"];
 
 /// A string's content: bytes once unescaped, and whether it held an escape.
 #[derive(Clone, Copy)]
@@ -231,7 +259,7 @@ impl<'a> Cur<'a> {
         match self.peek()? {
             b'"' => self.string().map(drop),
             // An ignored object: its keys are read as the fields' are (an escaped one declines).
-            b'{' => self.object(|c, _| c.skip(depth + 1)),
+            b'{' => self.object(|c, key| c.value(key, depth + 1)),
             b'[' => {
                 self.i += 1;
                 self.items(|c| c.skip(depth + 1)).map(drop)
@@ -310,6 +338,32 @@ impl<'a> Cur<'a> {
         }
         self.string().map(Some)
     }
+
+    /// [`Cur::opt_str`], the string noted as a hole of `kind` when learning a shape.
+    fn hole_str(&mut self, kind: HoleKind) -> Option<Option<Str<'a>>> {
+        let start = self.i;
+        let s = self.opt_str()?;
+        if let (Some(s), Some(holes)) = (s, self.holes.as_mut()) {
+            // `opt_str` skipped any space before the quote: the hole starts at the quote.
+            let start = start + self.b[start..self.i].iter().position(|&c| c == b'"')?;
+            holes.push(Hole {
+                start,
+                end: self.i,
+                len: s.len,
+                kind,
+            });
+        }
+        Some(s)
+    }
+
+    /// A value no rule reads, skipped; a string under an [`OPAQUE`] key is a hole when
+    /// learning a shape.
+    fn value(&mut self, key: &[u8], depth: u32) -> Option<()> {
+        if self.holes.is_some() && OPAQUE.contains(&key) && self.peek()? == b'"' {
+            return self.hole_str(HoleKind::Opaque).map(drop);
+        }
+        self.skip(depth)
+    }
 }
 
 /// Sets a field's seen flag; a field given twice is declined (serde refuses it).
@@ -324,6 +378,8 @@ fn once(seen: &mut bool) -> Option<()> {
 #[derive(Default)]
 struct ChoiceRead {
     content: bool,
+    /// Content from what no hole can change: a finish reason, tool calls, a function call.
+    fixed: bool,
     text_bytes: usize,
     finish: Option<&'static str>,
 }
@@ -347,12 +403,13 @@ fn choice(c: &mut Cur<'_>) -> Option<ChoiceRead> {
                     "other"
                 });
                 out.content = true;
+                out.fixed = true;
             }
             Some(())
         }
         b"text" => {
             once(&mut text)?;
-            if let Some(s) = c.opt_str()? {
+            if let Some(s) = c.hole_str(HoleKind::Text)? {
                 out.text_bytes += s.len;
                 out.content |= s.len > 0;
             }
@@ -366,19 +423,21 @@ fn choice(c: &mut Cur<'_>) -> Option<ChoiceRead> {
             if c.peek()? != b'{' {
                 return None;
             }
-            let (content, bytes) = delta_of(c)?;
+            let (content, fixed, bytes) = delta_of(c)?;
             out.content |= content;
+            out.fixed |= fixed;
             out.text_bytes += bytes;
             Some(())
         }
-        _ => c.skip(3),
+        _ => c.value(key, 3),
     })?;
     Some(out)
 }
 
-/// A delta object: whether it carries content, and its `content`'s bytes.
-fn delta_of(c: &mut Cur<'_>) -> Option<(bool, usize)> {
-    let (mut content, mut bytes) = (false, 0usize);
+/// A delta object: whether it carries content, whether from what no hole can change, and its
+/// `content`'s bytes.
+fn delta_of(c: &mut Cur<'_>) -> Option<(bool, bool, usize)> {
+    let (mut content, mut fixed, mut bytes) = (false, false, 0usize);
     let mut seen = [false; 6];
     c.object(|c, key| {
         let slot = match key {
@@ -388,12 +447,17 @@ fn delta_of(c: &mut Cur<'_>) -> Option<(bool, usize)> {
             b"reasoning" => 3,
             b"tool_calls" => 4,
             b"function_call" => 5,
-            _ => return c.skip(4),
+            _ => return c.value(key, 4),
         };
         once(&mut seen[slot])?;
         match slot {
             0..=3 => {
-                if let Some(s) = c.opt_str()? {
+                let kind = if slot == 0 {
+                    HoleKind::Text
+                } else {
+                    HoleKind::Flag
+                };
+                if let Some(s) = c.hole_str(kind)? {
                     content |= s.len > 0;
                     if slot == 0 {
                         bytes = s.len;
@@ -406,19 +470,22 @@ fn delta_of(c: &mut Cur<'_>) -> Option<(bool, usize)> {
                         return None;
                     }
                     c.i += 1;
-                    content |= c.items(|c| c.skip(5))? > 0;
+                    let calls = c.items(|c| c.skip(5))? > 0;
+                    content |= calls;
+                    fixed |= calls;
                 }
             }
             _ => {
                 if !c.null()? {
                     c.skip(4)?;
                     content = true;
+                    fixed = true;
                 }
             }
         }
         Some(())
     })?;
-    Some((content, bytes))
+    Some((content, fixed, bytes))
 }
 
 fn usage_of(c: &mut Cur<'_>) -> Option<Usage> {
@@ -442,12 +509,118 @@ fn usage_of(c: &mut Cur<'_>) -> Option<Usage> {
     })
 }
 
+/// The most of a chunk a [`Skim`] keeps as its shape; a longer chunk is read in full.
+const MAX_SHAPE: usize = 8 * 1024;
+
+/// A stream's chunks read against the last one read in full. A server sends hundreds of chunks
+/// a stream that differ only in the strings it generates (`delta.content`, `obfuscation`, a
+/// tool call's `arguments`): the bytes around those strings are compared with the last chunk
+/// [`read`] accepted, and only the strings are read. Where every other byte is equal, every
+/// key, number and structure is, so the reading is the last chunk's but for what the strings
+/// give: their text bytes and whether they make it content. Anything else — a byte that
+/// differs outside those strings, a string that does not end where JSON says, an escape that
+/// is not valid — is read in full by [`read`], whose shape is kept for the next.
+#[derive(Debug, Default)]
+pub struct Skim {
+    /// The last chunk read in full, or empty.
+    shape: Vec<u8>,
+    holes: Vec<Hole>,
+    /// Its reading's content without the holes, its usage and finish reason.
+    fixed: bool,
+    usage: Option<Usage>,
+    finish: Option<&'static str>,
+}
+
+impl Skim {
+    /// [`read`]'s answer for `data`, mostly without reading it whole.
+    pub fn read(&mut self, data: &str) -> Option<Plain> {
+        if !self.shape.is_empty()
+            && let Some(p) = self.like(data.as_bytes())
+        {
+            return Some(p);
+        }
+        self.learn(data)
+    }
+
+    /// `data` against the shape: the reading if only its holes differ.
+    pub(crate) fn like(&self, d: &[u8]) -> Option<Plain> {
+        let t = &self.shape[..];
+        let (mut at, mut from) = (0usize, 0usize);
+        let mut plain = Plain {
+            content: self.fixed,
+            text_bytes: 0,
+            usage: self.usage,
+            finish: self.finish,
+        };
+        for h in &self.holes {
+            let same = t.get(from..h.start)?;
+            if d.get(at..at + same.len())? != same || d.get(at + same.len()) != Some(&b'"') {
+                return None;
+            }
+            let mut c = Cur {
+                b: d,
+                i: at + same.len(),
+                holes: None,
+            };
+            let s = c.string()?;
+            match h.kind {
+                HoleKind::Text => {
+                    plain.text_bytes += s.len;
+                    plain.content |= s.len > 0;
+                }
+                HoleKind::Flag => plain.content |= s.len > 0,
+                HoleKind::Opaque => {}
+            }
+            at = c.i;
+            from = h.end;
+        }
+        (d.get(at..)? == t.get(from..)?).then_some(plain)
+    }
+
+    /// `data` read in full; its shape kept when it was read in one pass and is not too long.
+    fn learn(&mut self, data: &str) -> Option<Plain> {
+        self.shape.clear();
+        let mut holes = std::mem::take(&mut self.holes);
+        holes.clear();
+        let mut c = Cur {
+            b: data.as_bytes(),
+            i: 0,
+            holes: (data.len() <= MAX_SHAPE).then_some(holes),
+        };
+        let read = read_in(&mut c);
+        self.holes = c.holes.take().unwrap_or_default();
+        let (plain, fixed) = read?;
+        // The holes account for every text byte the reading found (else no shape is kept).
+        let text: usize = self
+            .holes
+            .iter()
+            .filter(|h| h.kind == HoleKind::Text)
+            .map(|h| h.len)
+            .sum();
+        if data.len() <= MAX_SHAPE && text == plain.text_bytes {
+            self.shape.extend_from_slice(data.as_bytes());
+            self.fixed = fixed;
+            self.usage = plain.usage;
+            self.finish = plain.finish;
+        }
+        Some(plain)
+    }
+}
+
 /// The chunk read in one pass, or `None` where the typed reader must decide (see the module).
 pub fn read(data: &str) -> Option<Plain> {
     let mut c = Cur {
         b: data.as_bytes(),
         i: 0,
+        holes: None,
     };
+    read_in(&mut c).map(|(p, _)| p)
+}
+
+/// [`read`] on a cursor (which may be learning a shape); with whether the chunk is content by
+/// what no hole can change.
+fn read_in(c: &mut Cur<'_>) -> Option<(Plain, bool)> {
+    let mut fixed = false;
     let mut plain = Plain {
         content: false,
         text_bytes: 0,
@@ -483,6 +656,7 @@ pub fn read(data: &str) -> Option<Plain> {
                 }
                 let ch = choice(c)?;
                 plain.content |= ch.content;
+                fixed |= ch.fixed;
                 plain.text_bytes += ch.text_bytes;
                 if ch.finish.is_some() {
                     plain.finish = ch.finish;
@@ -502,8 +676,8 @@ pub fn read(data: &str) -> Option<Plain> {
             plain.usage = Some(usage_of(c)?);
             Some(())
         }
-        _ => c.skip(1),
+        _ => c.value(key, 1),
     })?;
     c.ws();
-    (c.i == c.b.len()).then_some(plain)
+    (c.i == c.b.len()).then_some((plain, fixed))
 }

@@ -566,13 +566,6 @@ impl<'a> Attempt<'a> {
                 }
                 Some(Some(Ok(b))) => b,
             };
-            let events = parser.push(&next).map_err(|e| {
-                Failure::new(
-                    Outcome::Malformed,
-                    Some(status),
-                    format!("invalid SSE: {}", e.0),
-                )
-            })?;
             // Held until the first content chunk: bounded like a whole answer, so an upstream
             // sending preamble (role chunks, comments) without end cannot grow it for the whole
             // of `timeouts.first_token`.
@@ -587,20 +580,24 @@ impl<'a> Attempt<'a> {
                     ),
                 ));
             }
-            prelude.push(next);
             let mut commit = false;
             let mut done_seen = false;
-            for ev in events {
+            // The first failure an event gives; the events after it are not read.
+            let mut failed: Option<Failure> = None;
+            let read = parser.push_each(&next, |ev| {
+                if failed.is_some() {
+                    return;
+                }
                 if ev.data.trim() == "[DONE]" {
                     done_seen = true;
                     commit = true;
-                    continue;
+                    return;
                 }
                 // The plain chunk, read without a `Value` tree, as the committed stream reads it
                 // (an upstream that writes fast puts much of its stream in this first read).
                 if produced.is_none()
-                    && ev.event.as_deref() != Some("error")
-                    && let Some(p) = wire::chunk::read_next(&mut skim, &ev.data)
+                    && ev.event != Some("error")
+                    && let Some(p) = wire::chunk::read_next(&mut skim, ev.data)
                 {
                     if let Some(u) = p.usage {
                         usage = Some(u);
@@ -609,19 +606,25 @@ impl<'a> Attempt<'a> {
                         out_chars += p.text_bytes;
                         commit = true;
                     }
-                    continue;
+                    return;
                 }
-                let v: Value = match serde_json::from_str(&ev.data) {
+                let v: Value = match serde_json::from_str(ev.data) {
                     Ok(v) => v,
-                    Err(_) if ev.event.as_deref() == Some("error") => {
-                        return Err(Failure::new(Outcome::InBand, Some(status), ev.data));
+                    Err(_) if ev.event == Some("error") => {
+                        failed = Some(Failure::new(
+                            Outcome::InBand,
+                            Some(status),
+                            ev.data.to_string(),
+                        ));
+                        return;
                     }
                     Err(e) => {
-                        return Err(Failure::new(
+                        failed = Some(Failure::new(
                             Outcome::Malformed,
                             Some(status),
                             format!("SSE data is not JSON: {e}"),
                         ));
+                        return;
                     }
                 };
                 if produced.is_some() {
@@ -647,7 +650,7 @@ impl<'a> Attempt<'a> {
                         } else {
                             Outcome::InBand
                         };
-                        return Err(Failure::new(class, Some(status), m).billed(usage));
+                        failed = Some(Failure::new(class, Some(status), m).billed(usage));
                     }
                     ChunkKind::Content => {
                         out_chars += if produced.is_some() {
@@ -659,7 +662,19 @@ impl<'a> Attempt<'a> {
                     }
                     ChunkKind::Preamble => {}
                 }
+            });
+            // Bytes that are not SSE fail the attempt whatever their events said.
+            read.map_err(|e| {
+                Failure::new(
+                    Outcome::Malformed,
+                    Some(status),
+                    format!("invalid SSE: {}", e.0),
+                )
+            })?;
+            if let Some(f) = failed {
+                return Err(f);
             }
+            prelude.push(next);
             if commit {
                 return Ok(Success::Stream {
                     prelude,

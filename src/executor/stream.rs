@@ -387,43 +387,61 @@ impl PassThrough {
         });
     }
 
-    /// Reads one upstream read's events for usage, `[DONE]` and in-band errors.
+    /// Reads one upstream read's events for usage, `[DONE]` and in-band errors. Each event is
+    /// lent by the parser (no copy of its data) and a plain chunk read against the stream's
+    /// last ([`wire::scan::Skim`]).
     fn scan(&mut self, b: &Bytes) -> Scanned {
-        let events = match self.parser.push(b) {
-            Ok(e) => e,
-            Err(e) => return Scanned::Invalid(e.0),
-        };
         if self.guard.responses.is_some() {
-            return self.scan_responses(events);
+            return match self.parser.push(b) {
+                Ok(events) => self.scan_responses(events),
+                Err(e) => Scanned::Invalid(e.0),
+            };
         }
-        for (index, ev) in events.into_iter().enumerate() {
+        let was_done = self.done_seen;
+        let mut found = Scanned::Events;
+        let mut index = 0usize;
+        let (guard, skim, cont, done_seen) = (
+            &mut self.guard,
+            &mut self.skim,
+            &mut self.cont,
+            &mut self.done_seen,
+        );
+        let read = self.parser.push_each(b, |ev| {
+            let at = index;
+            index += 1;
+            // What follows an error event is not read: the stream ends at it.
+            if !matches!(found, Scanned::Events) {
+                return;
+            }
             if ev.data.trim() == "[DONE]" {
-                self.done_seen = true;
-                continue;
+                *done_seen = true;
+                return;
             }
             // The plain chunk, read without a `Value` tree (a continuation watches the tree).
-            if self.cont.is_none()
-                && let Some(p) = wire::chunk::read_next(&mut self.skim, &ev.data)
+            if cont.is_none()
+                && let Some(p) = wire::chunk::read_next(skim, ev.data)
             {
                 if let Some(u) = p.usage {
-                    self.guard.usage = Some(u);
+                    guard.usage = Some(u);
                 }
                 if p.content {
-                    self.guard.out_chars += p.text_bytes;
+                    guard.out_chars += p.text_bytes;
                 }
                 if let Some(f) = p.finish {
-                    self.guard.finished_as(f);
+                    guard.finished_as(f);
                 }
-                continue;
+                return;
             }
-            if let Ok(v) = serde_json::from_str::<Value>(&ev.data) {
+            if let Ok(v) = serde_json::from_str::<Value>(ev.data) {
                 if let Some(u) = wire::usage_of(&v) {
-                    self.guard.usage = Some(u);
+                    guard.usage = Some(u);
                 }
                 match wire::classify_chunk(&v) {
-                    // What follows an error event is not read: the stream ends at it.
-                    ChunkKind::Error(message) => return Scanned::InBand { message, index },
-                    ChunkKind::Content => self.guard.out_chars += chunk_text_chars(&v),
+                    ChunkKind::Error(message) => {
+                        found = Scanned::InBand { message, index: at };
+                        return;
+                    }
+                    ChunkKind::Content => guard.out_chars += chunk_text_chars(&v),
                     ChunkKind::Preamble => {}
                 }
                 for f in v
@@ -437,14 +455,19 @@ impl PassThrough {
                     let name = f
                         .as_str()
                         .map_or("other", |s| wire::trace::finish_name(s.as_bytes()));
-                    self.guard.finished_as(name);
+                    guard.finished_as(name);
                 }
-                if let Some(c) = self.cont.as_mut() {
+                if let Some(c) = cont.as_mut() {
                     c.watch(&v);
                 }
             }
+        });
+        if let Err(e) = read {
+            // An unreadable read ends the stream as broken, whatever came before it in it.
+            self.done_seen = was_done;
+            return Scanned::Invalid(e.0);
         }
-        Scanned::Events
+        found
     }
 
     /// [`PassThrough::scan`] for a Responses stream: its end (`response.completed`) is its

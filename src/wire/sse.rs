@@ -9,6 +9,13 @@ pub struct SseEvent {
     pub data: String,
 }
 
+/// One event as [`SseParser::push_each`] lends it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Event<'a> {
+    pub event: Option<&'a str>,
+    pub data: &'a str,
+}
+
 #[derive(Debug)]
 pub struct SseParser {
     /// The start of a line the last push did not finish.
@@ -93,12 +100,32 @@ impl SseParser {
         &self.ends
     }
 
-    /// Feeds bytes; returns the events they completed. Lines are found with `memchr` and read
-    /// where they lie; only the unfinished end of a push is copied, to be completed by the next.
+    /// Feeds bytes; returns the events they completed. See [`SseParser::push_each`], which
+    /// lends each event instead.
     pub fn push(&mut self, bytes: &[u8]) -> Result<Vec<SseEvent>, SseError> {
         let mut out = Vec::new();
+        self.push_each(bytes, |e| {
+            out.push(SseEvent {
+                event: e.event.map(str::to_string),
+                data: e.data.to_string(),
+            })
+        })?;
+        Ok(out)
+    }
+
+    /// Feeds bytes; hands `each` the events they completed, in order, lent for the call. Lines
+    /// are found with `memchr` and read where they lie: an event whose one `data:` line lies in
+    /// these bytes is lent from them, not copied; only the unfinished end of a push is copied,
+    /// to be completed by the next. On an error, events before it may have been handed over.
+    pub fn push_each<'b>(
+        &mut self,
+        bytes: &'b [u8],
+        mut each: impl FnMut(Event<'_>),
+    ) -> Result<(), SseError> {
         self.ends.clear();
         let mut rest = bytes;
+        // The event's one `data:` line so far, when it lies in `bytes`.
+        let mut lent: Option<&'b str> = None;
         // Where in `bytes` the last blank line ended (`None`: not in this push).
         let mut boundary = None;
         // A `\r\n` split between two pushes. An empty push (a zero-length body frame) between
@@ -116,23 +143,23 @@ impl SseParser {
         while let Some(i) = memchr::memchr2(b'\n', b'\r', rest) {
             let (head, end) = (&rest[..i], rest[i]);
             let blank = head.is_empty() && self.line.is_empty();
-            let before = out.len();
-            if self.line.is_empty() {
+            let sent = if self.line.is_empty() {
                 if head.len() > MAX_LINE {
                     return Err(too_long());
                 }
-                self.line_done(head, &mut out)?;
+                self.line_done(head, Some(&mut lent), &mut each)?
             } else {
                 if self.line.len() + head.len() > MAX_LINE {
                     return Err(too_long());
                 }
                 let mut line = std::mem::take(&mut self.line);
                 line.extend_from_slice(head);
-                self.line_done(&line, &mut out)?;
+                let sent = self.line_done(&line, None, &mut each);
                 // The buffer is kept for the next unfinished line.
                 line.clear();
                 self.line = line;
-            }
+                sent?
+            };
             rest = &rest[i + 1..];
             if end == b'\r' {
                 match rest.first() {
@@ -144,7 +171,7 @@ impl SseParser {
             let at = bytes.len() - rest.len();
             if blank {
                 boundary = Some(at);
-                if out.len() > before {
+                if sent {
                     self.ends.push(at);
                 }
             } else {
@@ -155,6 +182,10 @@ impl SseParser {
                     return Err(self.too_large());
                 }
             }
+        }
+        // The unfinished event's lent line is the next push's to complete: copied.
+        if let Some(d) = lent {
+            self.data.push_str(d);
         }
         if !rest.is_empty() {
             if self.line.len() + rest.len() > MAX_LINE {
@@ -169,7 +200,7 @@ impl SseParser {
         if self.pending > self.max_event {
             return Err(self.too_large());
         }
-        Ok(out)
+        Ok(())
     }
 
     fn too_large(&self) -> SseError {
@@ -179,32 +210,63 @@ impl SseParser {
         ))
     }
 
-    fn line_done(&mut self, line: &[u8], out: &mut Vec<SseEvent>) -> Result<(), SseError> {
+    /// A whole line. `lent` is where a line of the push's own bytes may leave the event's only
+    /// `data:` line (`None` for a line joined across pushes). Whether an event was handed over.
+    fn line_done<'b>(
+        &mut self,
+        line: &'b [u8],
+        lent: Option<&mut Option<&'b str>>,
+        each: &mut impl FnMut(Event<'_>),
+    ) -> Result<bool, SseError> {
         if line.is_empty() {
+            let lent = lent.and_then(Option::take);
             if self.has_data || self.event.is_some() {
-                out.push(SseEvent {
-                    event: self.event.take(),
-                    data: std::mem::take(&mut self.data),
+                each(Event {
+                    event: self.event.as_deref(),
+                    data: lent.unwrap_or(&self.data),
                 });
+                self.event = None;
+                // Its buffer is kept for the next event that needs one.
+                self.data.clear();
                 self.has_data = false;
+                return Ok(true);
             }
-            return Ok(());
+            return Ok(false);
         }
-        let Some((field, value)) = field_of(line)? else {
-            return Ok(());
+        // The common line first: `data:`, read without looking for its colon.
+        let (field, value) = match line.strip_prefix(b"data:") {
+            Some(v) => {
+                let v =
+                    std::str::from_utf8(v).map_err(|_| SseError("SSE line is not UTF-8".into()))?;
+                ("data", v.strip_prefix(' ').unwrap_or(v))
+            }
+            None => match field_of(line)? {
+                Some(fv) => fv,
+                None => return Ok(false),
+            },
         };
         match field {
-            "data" => {
-                if self.has_data {
-                    self.data.push('\n');
+            "data" => match lent {
+                Some(slot) if !self.has_data => {
+                    *slot = Some(value);
+                    self.has_data = true;
                 }
-                self.data.push_str(value);
-                self.has_data = true;
-            }
+                slot => {
+                    // A second `data:` line (or a joined one): the event's data is copied.
+                    if let Some(first) = slot.and_then(Option::take) {
+                        self.data.push_str(first);
+                    }
+                    if self.has_data {
+                        self.data.push('\n');
+                    }
+                    self.data.push_str(value);
+                    self.has_data = true;
+                }
+            },
             "event" => self.event = Some(value.to_string()),
             _ => {}
         }
-        Ok(())
+        Ok(false)
     }
 
     /// Whether a partial event is buffered (bytes after the last blank line).

@@ -588,6 +588,58 @@ async fn a_continued_stream_has_no_gap_and_both_legs_are_billed() {
     );
 }
 
+/// An upstream read that turns out unreadable is dropped whole, so nothing in it counts: when
+/// one read holds a content event and then an event over `limits.max_event_bytes`, the client
+/// never gets that content, and the continuation is asked to go on from what the client has —
+/// not from text it never got.
+///
+/// Fails if: `PassThrough::scan` (src/executor/stream.rs) applies what a read's events teach
+/// (text, usage, finish, the continuation's watch) before the read has parsed whole: `cont` is
+/// then asked to continue "Hello there " and the client's text skips "there ".
+#[tokio::test]
+async fn an_unreadable_read_teaches_nothing_of_its_events() {
+    let both = format!("{}data: {}\n\n", content_event("there "), "x".repeat(2000));
+    let (brk, _) = raw_sse_upstream(vec![content_event("Hello "), both], Ending::Break).await;
+    let cont = MockUp::start(
+        autohedge::demo::mock::Flavor::Vllm,
+        "reply: \"Hello my old friend\"",
+    )
+    .await;
+    let mut gw = Gw::start(&format!(
+        "models:\n  brk: {{ type: vllm, base_url: \"{brk}\" }}\n  cont: {{ type: vllm, base_url: \"{}\" }}\nroutes:\n  chat:\n    chain: [brk, cont]\n    continue_streams: true\nlimits:\n  max_event_bytes: 1024\n",
+        cont.base()
+    ));
+    let r = gw
+        .post(
+            "/v1/chat/completions",
+            json!({"model": "chat", "stream": true, "messages": [{"role": "user", "content": "greet"}]}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    let raw = r.text().await.unwrap();
+    let events = whole_events(&raw);
+    let text: String = events
+        .iter()
+        .filter_map(|v| {
+            v.pointer("/choices/0/delta/content")
+                .and_then(Value::as_str)
+        })
+        .collect();
+    // The read was refused and the stream carried on by `cont`.
+    assert_eq!(
+        cont.requests().await,
+        1,
+        "cont carried the stream on: {raw}"
+    );
+    assert!(raw.contains("continued on cont after brk broke"), "{raw}");
+    let sent = cont.stats().await["last_body"].clone();
+    let prefix = sent["messages"].as_array().unwrap().last().unwrap()["content"].clone();
+    assert_eq!(prefix, "Hello ", "cont goes on from what the client has");
+    assert_eq!(text, "Hello my old friend", "{raw}");
+    assert!(!raw.contains("there"), "{raw}");
+    gw.stop();
+}
+
 /// One continuation per request: a committed stream that breaks on `a` is continued on `c1`;
 /// when the continuation breaks too, it is not continued again — not on `c2` (able to continue,
 /// healthy, next in the chain) nor on `c1` once more — and the client's stream ends with the

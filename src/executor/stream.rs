@@ -316,6 +316,18 @@ pub(super) struct PassThrough {
     pub skim: wire::scan::Skim,
 }
 
+/// What the events of one upstream read teach, applied once the read has parsed whole.
+#[derive(Default)]
+struct Learned {
+    done: bool,
+    usage: Option<Usage>,
+    out_chars: usize,
+    /// Finish reasons, in order (a `Vec` allocates only when one comes).
+    finishes: Vec<&'static str>,
+    /// The chunks a continuation watches, in order (only with continuation on).
+    watched: Vec<Value>,
+}
+
 /// What one upstream read held, as `PassThrough::scan` read it.
 enum Scanned {
     /// Whole events (or part of one): pass on.
@@ -389,7 +401,10 @@ impl PassThrough {
 
     /// Reads one upstream read's events for usage, `[DONE]` and in-band errors. Each event is
     /// lent by the parser (no copy of its data) and a plain chunk read against the stream's
-    /// last ([`wire::scan::Skim`]).
+    /// last ([`wire::scan::Skim`]). What the events teach is applied only once the whole read
+    /// has parsed: a read that turns out unreadable is dropped whole (the client gets none of
+    /// it), so none of its events may count — not their text, usage or finish, nor what a
+    /// continuation carries on from.
     fn scan(&mut self, b: &Bytes) -> Scanned {
         if self.guard.responses.is_some() {
             return match self.parser.push(b) {
@@ -397,15 +412,10 @@ impl PassThrough {
                 Err(e) => Scanned::Invalid(e.0),
             };
         }
-        let was_done = self.done_seen;
+        let mut learned = Learned::default();
         let mut found = Scanned::Events;
         let mut index = 0usize;
-        let (guard, skim, cont, done_seen) = (
-            &mut self.guard,
-            &mut self.skim,
-            &mut self.cont,
-            &mut self.done_seen,
-        );
+        let (skim, watching) = (&mut self.skim, self.cont.is_some());
         let read = self.parser.push_each(b, |ev| {
             let at = index;
             index += 1;
@@ -414,34 +424,32 @@ impl PassThrough {
                 return;
             }
             if ev.data.trim() == "[DONE]" {
-                *done_seen = true;
+                learned.done = true;
                 return;
             }
             // The plain chunk, read without a `Value` tree (a continuation watches the tree).
-            if cont.is_none()
-                && let Some(p) = wire::chunk::read_next(skim, ev.data)
-            {
+            if !watching && let Some(p) = wire::chunk::read_next(skim, ev.data) {
                 if let Some(u) = p.usage {
-                    guard.usage = Some(u);
+                    learned.usage = Some(u);
                 }
                 if p.content {
-                    guard.out_chars += p.text_bytes;
+                    learned.out_chars += p.text_bytes;
                 }
                 if let Some(f) = p.finish {
-                    guard.finished_as(f);
+                    learned.finishes.push(f);
                 }
                 return;
             }
             if let Ok(v) = serde_json::from_str::<Value>(ev.data) {
                 if let Some(u) = wire::usage_of(&v) {
-                    guard.usage = Some(u);
+                    learned.usage = Some(u);
                 }
                 match wire::classify_chunk(&v) {
                     ChunkKind::Error(message) => {
                         found = Scanned::InBand { message, index: at };
                         return;
                     }
-                    ChunkKind::Content => guard.out_chars += chunk_text_chars(&v),
+                    ChunkKind::Content => learned.out_chars += chunk_text_chars(&v),
                     ChunkKind::Preamble => {}
                 }
                 for f in v
@@ -455,17 +463,30 @@ impl PassThrough {
                     let name = f
                         .as_str()
                         .map_or("other", |s| wire::trace::finish_name(s.as_bytes()));
-                    guard.finished_as(name);
+                    learned.finishes.push(name);
                 }
-                if let Some(c) = cont.as_mut() {
-                    c.watch(&v);
+                if watching {
+                    learned.watched.push(v);
                 }
             }
         });
         if let Err(e) = read {
-            // An unreadable read ends the stream as broken, whatever came before it in it.
-            self.done_seen = was_done;
             return Scanned::Invalid(e.0);
+        }
+        if learned.done {
+            self.done_seen = true;
+        }
+        if let Some(u) = learned.usage {
+            self.guard.usage = Some(u);
+        }
+        self.guard.out_chars += learned.out_chars;
+        for f in learned.finishes {
+            self.guard.finished_as(f);
+        }
+        if let Some(c) = self.cont.as_mut() {
+            for v in &learned.watched {
+                c.watch(v);
+            }
         }
         found
     }

@@ -723,6 +723,16 @@ mod tests {
                 assert_eq!(got, typed(c), "{c}");
             }
         }
+        // Nested past the scan's depth, an `obfuscation` string is declined as the scan
+        // declines it, not learned as a hole.
+        let deep = format!(
+            "{}{{\"obfuscation\":\"x\"}}{}",
+            "{\"a\":".repeat(64),
+            "}".repeat(64)
+        );
+        let mut skim = super::super::scan::Skim::default();
+        assert_eq!(super::super::scan::read(&deep), None);
+        assert_eq!(skim.read(&deep), None);
         // Another byte outside the strings: read in full, and the new shape kept.
         let mut skim = super::super::scan::Skim::default();
         let a = r#"{"choices":[{"delta":{"content":"a"},"finish_reason":null}]}"#;

@@ -359,6 +359,10 @@ impl<'a> Cur<'a> {
     /// A value no rule reads, skipped; a string under an [`OPAQUE`] key is a hole when
     /// learning a shape.
     fn value(&mut self, key: &[u8], depth: u32) -> Option<()> {
+        // As deep as `skip` declines, whatever the value.
+        if depth > MAX_DEPTH {
+            return None;
+        }
         if self.holes.is_some() && OPAQUE.contains(&key) && self.peek()? == b'"' {
             return self.hole_str(HoleKind::Opaque).map(drop);
         }

@@ -40,6 +40,9 @@ impl Default for SseParser {
     }
 }
 
+/// The most of an event's data buffer kept for the next event.
+const KEEP_DATA: usize = 64 * 1024;
+
 /// A line longer than this is not SSE from an LLM server; refusing it bounds memory on garbage.
 const MAX_LINE: usize = 4 * 1024 * 1024;
 
@@ -140,17 +143,23 @@ impl SseParser {
                 }
             }
         }
-        while let Some(i) = memchr::memchr2(b'\n', b'\r', rest) {
+        let lines = loop {
+            let Some(i) = memchr::memchr2(b'\n', b'\r', rest) else {
+                break Ok(());
+            };
             let (head, end) = (&rest[..i], rest[i]);
             let blank = head.is_empty() && self.line.is_empty();
             let sent = if self.line.is_empty() {
                 if head.len() > MAX_LINE {
-                    return Err(too_long());
+                    break Err(too_long());
                 }
-                self.line_done(head, Some(&mut lent), &mut each)?
+                match self.line_done(head, Some(&mut lent), &mut each) {
+                    Ok(sent) => sent,
+                    Err(e) => break Err(e),
+                }
             } else {
                 if self.line.len() + head.len() > MAX_LINE {
-                    return Err(too_long());
+                    break Err(too_long());
                 }
                 let mut line = std::mem::take(&mut self.line);
                 line.extend_from_slice(head);
@@ -158,7 +167,10 @@ impl SseParser {
                 // The buffer is kept for the next unfinished line.
                 line.clear();
                 self.line = line;
-                sent?
+                match sent {
+                    Ok(sent) => sent,
+                    Err(e) => break Err(e),
+                }
             };
             rest = &rest[i + 1..];
             if end == b'\r' {
@@ -179,14 +191,16 @@ impl SseParser {
                 // checked by `MAX_LINE` and below.
                 let since = boundary.map_or(self.pending + at, |b| at - b);
                 if since > self.max_event {
-                    return Err(self.too_large());
+                    break Err(self.too_large());
                 }
             }
-        }
-        // The unfinished event's lent line is the next push's to complete: copied.
+        };
+        // The unfinished event's lent line is the next push's to complete: copied (after an
+        // error too, so the parser's state is what the bytes before it made).
         if let Some(d) = lent {
             self.data.push_str(d);
         }
+        lines?;
         if !rest.is_empty() {
             if self.line.len() + rest.len() > MAX_LINE {
                 return Err(too_long());
@@ -226,8 +240,13 @@ impl SseParser {
                     data: lent.unwrap_or(&self.data),
                 });
                 self.event = None;
-                // Its buffer is kept for the next event that needs one.
-                self.data.clear();
+                // Its buffer is kept for the next event that needs one, unless a large event
+                // grew it.
+                if self.data.capacity() > KEEP_DATA {
+                    self.data = String::new();
+                } else {
+                    self.data.clear();
+                }
                 self.has_data = false;
                 return Ok(true);
             }
@@ -316,6 +335,18 @@ mod tests {
             got.extend(p.push(std::slice::from_ref(b)).unwrap());
         }
         assert_eq!(got, whole);
+    }
+
+    /// An error in a push leaves the parser as the bytes before it made it: an event whose
+    /// `data:` line was lent from the failing push still has that data.
+    #[test]
+    fn an_error_mid_push_keeps_what_came_before_it() {
+        let mut p = SseParser::new();
+        assert!(p.push(b"data: abc\n\xff\n").is_err());
+        assert!(p.has_partial());
+        let ev = p.push(b"\n").unwrap();
+        assert_eq!(ev.len(), 1);
+        assert_eq!(ev[0].data, "abc");
     }
 
     #[test]

@@ -225,7 +225,9 @@ async fn idle(dir: &std::path::Path, up: SocketAddr) {
             .collect()
             .await;
         let open_secs = opened.elapsed().as_secs_f64();
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        // Idle connections as they stay: parked a second after their request, and the freed
+        // buffers handed back by a quiet second later (`alloc::start_purger`).
+        tokio::time::sleep(Duration::from_secs(4)).await;
         let held = rss_now_mb(t.pid);
         // Still open: a second request on every 100th.
         let mut conns = conns;

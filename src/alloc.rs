@@ -100,6 +100,9 @@ pub fn on_worker_park() {
     let idle = SLEPT.get() >= Duration::from_secs(1);
     // SAFETY: `mi_collect` takes no pointers; it only walks mimalloc's own free lists.
     unsafe { mi::mi_collect(idle) }
+    if !idle {
+        BUSY_COLLECTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 thread_local! {
@@ -115,6 +118,73 @@ pub fn on_worker_unpark() {
     }
 }
 
+/// Collects workers made while busy (`on_worker_park` after a short sleep), for the purger.
+static BUSY_COLLECTS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Starts the thread that lets a quiet process hand back what its last burst freed. A worker
+/// hands its free pages to the system only in a forced collect, which it makes when it parks
+/// after a sleep of a second or more; so after a burst (10,000 connections parked or closed, and
+/// nothing else to do) the pages stayed resident until something woke the workers — a probe, a
+/// timer, the next request — whenever that came. This thread, a second after the workers were
+/// last busy, wakes each of them with an empty task: each wakes from its sleep, parks again and
+/// makes that collect. It costs a wake a second while nothing is happening and two empty tasks
+/// after a burst.
+pub fn start_purger(rt: tokio::runtime::Handle) {
+    use std::sync::atomic::Ordering;
+    let spawned = std::thread::Builder::new()
+        .name("autohedge-purge".into())
+        .spawn(move || {
+            let workers = rt.metrics().num_workers();
+            let mut quiet = Quiet::new(BUSY_COLLECTS.load(Ordering::Relaxed));
+            loop {
+                std::thread::sleep(std::time::Duration::from_secs(1));
+                if quiet.tick(BUSY_COLLECTS.load(Ordering::Relaxed)) {
+                    for _ in 0..workers {
+                        drop(rt.spawn(async {}));
+                    }
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot start the allocator's purge thread: a quiet gateway hands freed memory back only when its workers next wake");
+    }
+}
+
+/// The purger's policy, a tick a second: wake the workers on the first two quiet ticks after a
+/// busy one (a worker's collect may follow the burst's end by up to a second), then not again
+/// until they have been busy.
+#[derive(Debug)]
+struct Quiet {
+    /// The busy collects counted at the last tick.
+    seen: u64,
+    /// Wakes left to send.
+    due: u8,
+}
+
+impl Quiet {
+    fn new(count: u64) -> Quiet {
+        Quiet {
+            seen: count,
+            due: 0,
+        }
+    }
+
+    /// Whether to wake the workers now, the busy collects counting `count`.
+    fn tick(&mut self, count: u64) -> bool {
+        if count != self.seen {
+            // Still busy: wait for a quiet second.
+            self.seen = count;
+            self.due = 2;
+            return false;
+        }
+        if self.due == 0 {
+            return false;
+        }
+        self.due -= 1;
+        true
+    }
+}
+
 /// Returns the allocator's free pages to the system, after a one-off burst of scratch memory
 /// (building a token encoder).
 pub fn release_free_memory() {
@@ -125,6 +195,28 @@ pub fn release_free_memory() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Wakes come on the two quiet ticks after a busy one, never while busy, never when
+    /// nothing has happened, and again after the next busy spell.
+    #[test]
+    fn the_purger_wakes_the_workers_twice_after_a_burst_and_then_rests() {
+        let mut q = Quiet::new(7);
+        let ticks = |q: &mut Quiet, counts: &[u64]| -> Vec<bool> {
+            counts.iter().map(|&c| q.tick(c)).collect()
+        };
+        // Nothing happened since the start: no wake.
+        assert_eq!(ticks(&mut q, &[7, 7, 7]), [false; 3]);
+        // Busy for three ticks, then quiet: two wakes, then rest.
+        assert_eq!(
+            ticks(&mut q, &[8, 12, 15, 15, 15, 15, 15]),
+            [false, false, false, true, true, false, false]
+        );
+        // Busy again in the middle of the wakes: wait for quiet again.
+        assert_eq!(
+            ticks(&mut q, &[16, 16, 17, 17, 17, 17]),
+            [false, true, false, true, true, false]
+        );
+    }
 
     /// Every alignment from a byte to a page, sizes around mimalloc's size classes (a word,
     /// the 1 KiB small-block limit, beyond it), allocated, zeroed, grown and shrunk: every block

@@ -250,7 +250,10 @@ fn main() -> ExitCode {
                 config,
                 listen,
                 data_dir,
-            } => cli::serve(config, listen, data_dir).await,
+            } => {
+                autohedge::alloc::start_purger(tokio::runtime::Handle::current());
+                cli::serve(config, listen, data_dir).await
+            }
             Command::MockUpstream {
                 listen,
                 flavor,

@@ -341,11 +341,11 @@ impl<'a> Cur<'a> {
 
     /// [`Cur::opt_str`], the string noted as a hole of `kind` when learning a shape.
     fn hole_str(&mut self, kind: HoleKind) -> Option<Option<Str<'a>>> {
+        // Past any space: a string's hole starts at its quote.
+        self.peek()?;
         let start = self.i;
         let s = self.opt_str()?;
         if let (Some(s), Some(holes)) = (s, self.holes.as_mut()) {
-            // `opt_str` skipped any space before the quote: the hole starts at the quote.
-            let start = start + self.b[start..self.i].iter().position(|&c| c == b'"')?;
             holes.push(Hole {
                 start,
                 end: self.i,

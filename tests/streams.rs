@@ -83,6 +83,17 @@ fn whole_events(raw: &str) -> Vec<Value> {
         .collect()
 }
 
+/// The text a stream's chunks carried, in order (`delta.content` of their first choice).
+fn delta_text(events: &[Value]) -> String {
+    events
+        .iter()
+        .filter_map(|v| {
+            v.pointer("/choices/0/delta/content")
+                .and_then(Value::as_str)
+        })
+        .collect()
+}
+
 fn error_event(message: &str) -> String {
     format!(
         "data: {}\n\n",
@@ -248,13 +259,7 @@ async fn a_stream_broken_mid_event_reaches_the_client_as_whole_events() {
     assert_eq!(r.status(), 200);
     let raw = r.text().await.unwrap();
     let events = whole_events(&raw);
-    let text: String = events
-        .iter()
-        .filter_map(|v| {
-            v.pointer("/choices/0/delta/content")
-                .and_then(Value::as_str)
-        })
-        .collect();
+    let text = delta_text(&events);
     assert_eq!(text, "Hello world ", "{raw}");
     assert!(
         !raw.contains(":\"par"),
@@ -546,13 +551,7 @@ async fn a_continued_stream_has_no_gap_and_both_legs_are_billed() {
     assert_eq!(r.status(), 200);
     let raw = r.text().await.unwrap();
     let events = whole_events(&raw);
-    let text: String = events
-        .iter()
-        .filter_map(|v| {
-            v.pointer("/choices/0/delta/content")
-                .and_then(Value::as_str)
-        })
-        .collect();
+    let text = delta_text(&events);
     assert_eq!(cont.requests().await, 1, "cont carried the stream on");
     let sent = cont.stats().await["last_body"].clone();
     let prefix = sent["messages"].as_array().unwrap().last().unwrap()["content"].clone();
@@ -618,13 +617,7 @@ async fn an_unreadable_read_teaches_nothing_of_its_events() {
     assert_eq!(r.status(), 200);
     let raw = r.text().await.unwrap();
     let events = whole_events(&raw);
-    let text: String = events
-        .iter()
-        .filter_map(|v| {
-            v.pointer("/choices/0/delta/content")
-                .and_then(Value::as_str)
-        })
-        .collect();
+    let text = delta_text(&events);
     // The read was refused and the stream carried on by `cont`.
     assert_eq!(
         cont.requests().await,

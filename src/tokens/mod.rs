@@ -149,10 +149,10 @@ fn fast(f: Family) -> Option<&'static tiktoken::CoreBpe> {
             Family::O200k => "o200k_base",
             Family::Cl100k => "cl100k_base",
         };
-        // Compiled in (the crate's `vocab-*` features).
-        let e = tiktoken::get_encoding(name);
-        // Building it left about 10 MB of freed scratch (the decompressed list of tokens) in the
-        // allocator's pages: hand them back now rather than keep them resident.
+        // Compiled in (the crate's `vocab-*` features). Our copy of the crate builds it without
+        // a map of every token (vendor/tiktoken/PATCHES.md); what scratch it frees as it goes
+        // (the decompressor's window) is returned at once, and the rest after.
+        let e = crate::alloc::purging_at_once(|| tiktoken::get_encoding(name));
         crate::alloc::release_free_memory();
         e
     })
@@ -740,6 +740,40 @@ mod tests {
             for f in [Family::O200k, Family::Cl100k] {
                 prop_assert_eq!(fast_count(f, &text), reference_count(f, &text), "{:?} {:?}", f, text);
             }
+        }
+    }
+
+    /// The fast crate's vocabulary (our copy builds it without a map: vendor/tiktoken) holds
+    /// every token tiktoken-rs's does: each rank decodes to the same bytes, and each token's
+    /// text encodes to the same ids (its own rank, where the pre-tokenizer keeps it whole), so
+    /// the lookups find every token of every length class (1, 2, 3–8 bytes, longer).
+    #[test]
+    fn every_token_is_held_as_tiktoken_rs_holds_it() {
+        for (f, regular) in [(Family::O200k, 199_998u32), (Family::Cl100k, 100_256)] {
+            let ours = fast(f).expect("compiled in");
+            let reference = match f {
+                Family::O200k => tiktoken_rs::o200k_base_singleton(),
+                Family::Cl100k => tiktoken_rs::cl100k_base_singleton(),
+            };
+            let (mut whole, mut long) = (0u32, 0u32);
+            for rank in 0..regular {
+                let bytes = reference.decode_bytes(&[rank]).expect("a regular rank");
+                assert_eq!(ours.decode(&[rank]), bytes, "{f:?} rank {rank}");
+                let Ok(text) = std::str::from_utf8(&bytes) else {
+                    continue;
+                };
+                let ids = ours.encode(text);
+                assert_eq!(ids, reference.encode_ordinary(text), "{f:?} {text:?}");
+                if ids == [rank] {
+                    whole += 1;
+                    long += u32::from(bytes.len() > 8);
+                }
+            }
+            assert!(
+                whole > regular / 2,
+                "{f:?}: only {whole} tokens found whole"
+            );
+            assert!(long > 1_000, "{f:?}: only {long} long tokens found whole");
         }
     }
 

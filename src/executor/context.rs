@@ -72,10 +72,9 @@ impl Run {
         }
         let counter = &ep.counter;
         if !counter.ready() {
-            // Built the first time a prompt needs it (a few hundred ms, once per process), on
+            // Built the first time a prompt needs it (60 ms for o200k, once per process), on
             // the blocking pool; requests that arrive meanwhile wait for the same build.
-            let c = counter.clone();
-            let _ = tokio::task::spawn_blocking(move || c.warm()).await;
+            counter.built().await;
         }
         let key = counter.method();
         if let Some(c) = self.counts.get(&key) {

@@ -162,12 +162,12 @@ pub fn family_for_model(model: &str) -> Option<Family> {
 /// Awaits `cell`'s one build: the first caller runs `build` on the blocking pool, and every
 /// caller waits for it in `cell`'s queue, not on a thread. A caller dropped while its build runs
 /// hands the wait to the next (the build itself goes on: `build` must be safe to run again, as
-/// a `OnceLock`'s initialiser is).
+/// a `OnceLock`'s initialiser is); a build that panicked leaves `cell` empty, so the next caller
+/// builds again on the blocking pool rather than on its async worker.
 async fn built_once(cell: &tokio::sync::OnceCell<()>, build: impl FnOnce() + Send + 'static) {
-    cell.get_or_init(|| async move {
-        let _ = tokio::task::spawn_blocking(build).await;
-    })
-    .await;
+    let _ = cell
+        .get_or_try_init(|| async move { tokio::task::spawn_blocking(build).await })
+        .await;
 }
 
 /// The `tiktoken` crate's encoder (`None` only if its vocabulary were missing from the build:
@@ -773,22 +773,24 @@ mod tests {
     }
 
     /// Requests that need an encoder while it is built wait for the one build, on no thread
-    /// of their own: the build runs once, however many wait, and none goes on before it ends.
+    /// of their own: one blocking task runs however many wait, none goes on before the build
+    /// ends, and a build that panicked is run again by the next caller.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn callers_during_a_build_wait_for_it_without_a_thread_each() {
         use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
         static CELL: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
-        static RAN: AtomicUsize = AtomicUsize::new(0);
+        // Blocking tasks started (a thread each), and builds finished.
+        static ENTERED: AtomicUsize = AtomicUsize::new(0);
         static DONE: AtomicBool = AtomicBool::new(false);
+        let build = || {
+            ENTERED.fetch_add(1, Ordering::SeqCst);
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            DONE.store(true, Ordering::SeqCst);
+        };
         let callers: Vec<_> = (0..100)
             .map(|_| {
-                tokio::spawn(async {
-                    built_once(&CELL, || {
-                        RAN.fetch_add(1, Ordering::SeqCst);
-                        std::thread::sleep(std::time::Duration::from_millis(200));
-                        DONE.store(true, Ordering::SeqCst);
-                    })
-                    .await;
+                tokio::spawn(async move {
+                    built_once(&CELL, build).await;
                     DONE.load(Ordering::SeqCst)
                 })
             })
@@ -797,10 +799,26 @@ mod tests {
             assert!(c.await.unwrap(), "a caller went on before the build ended");
         }
         assert_eq!(
-            RAN.load(Ordering::SeqCst),
+            ENTERED.load(Ordering::SeqCst),
             1,
-            "one build, one blocking thread"
+            "one blocking task, not one a caller"
         );
+
+        // A build that panics leaves the cell empty: the next caller builds again.
+        static RETRY: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+        static TRIES: AtomicUsize = AtomicUsize::new(0);
+        built_once(&RETRY, || {
+            TRIES.fetch_add(1, Ordering::SeqCst);
+            panic!("a failed build");
+        })
+        .await;
+        assert!(RETRY.get().is_none(), "a panicked build is not a build");
+        built_once(&RETRY, || {
+            TRIES.fetch_add(1, Ordering::SeqCst);
+        })
+        .await;
+        assert_eq!(TRIES.load(Ordering::SeqCst), 2);
+        assert!(RETRY.get().is_some());
     }
 
     /// The fast crate's vocabulary (our copy builds it without a map: vendor/tiktoken) holds

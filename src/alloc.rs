@@ -244,28 +244,6 @@ pub fn release_free_memory() {
 mod tests {
     use super::*;
 
-    /// Freed memory goes back at once while a burst runs (nested too), and the delay is put
-    /// back after it, even when the burst panics.
-    #[test]
-    fn the_purge_delay_is_zero_during_a_burst_and_restored_after() {
-        // The one other caller builds the token encoders: have them built (waiting for a build
-        // another test started) so that no burst of theirs overlaps this test's.
-        for f in [crate::tokens::Family::O200k, crate::tokens::Family::Cl100k] {
-            crate::tokens::Counter::Tiktoken(f).warm();
-        }
-        let before = purge_delay();
-        assert_ne!(before, 0, "mimalloc delays purging by default");
-        let inner = purging_at_once(|| {
-            assert_eq!(purge_delay(), 0);
-            purging_at_once(purge_delay)
-        });
-        assert_eq!(inner, 0, "nested: still at once");
-        assert_eq!(purge_delay(), before);
-        let panicked = std::panic::catch_unwind(|| purging_at_once(|| panic!("a failed build")));
-        assert!(panicked.is_err());
-        assert_eq!(purge_delay(), before, "restored after a panic");
-    }
-
     /// Wakes come on the two quiet ticks after a busy one, never while busy, never when
     /// nothing has happened, and again after the next busy spell.
     #[test]

@@ -772,6 +772,30 @@ mod tests {
         }
     }
 
+    /// `alloc::purging_at_once` (here, beside the encoders' builds it runs): freed memory goes
+    /// back at once while a burst runs (nested too), and the delay is put back after it, even
+    /// when the burst panics.
+    #[test]
+    fn the_purge_delay_is_zero_during_a_burst_and_restored_after() {
+        use crate::alloc::{purge_delay, purging_at_once};
+        // The one other caller builds the encoders: have them built (waiting for a build another
+        // test started) so that no burst of theirs overlaps this test's.
+        for f in [Family::O200k, Family::Cl100k] {
+            Counter::Tiktoken(f).warm();
+        }
+        let before = purge_delay();
+        assert_ne!(before, 0, "mimalloc delays purging by default");
+        let inner = purging_at_once(|| {
+            assert_eq!(purge_delay(), 0);
+            purging_at_once(purge_delay)
+        });
+        assert_eq!(inner, 0, "nested: still at once");
+        assert_eq!(purge_delay(), before);
+        let panicked = std::panic::catch_unwind(|| purging_at_once(|| panic!("a failed build")));
+        assert!(panicked.is_err());
+        assert_eq!(purge_delay(), before, "restored after a panic");
+    }
+
     /// Requests that need an encoder while it is built wait for the one build, on no thread
     /// of their own: one blocking task runs however many wait, none goes on before the build
     /// ends, and a build that panicked is run again by the next caller.

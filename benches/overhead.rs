@@ -448,6 +448,36 @@ impl Target {
     }
 }
 
+/// The counted prompt's three targets (issue #47): the upstream directly and the floor sent the
+/// 1.2 KB prompt, and a gateway (started here, in `dir/counted`) whose endpoints'
+/// `context_window: 1000` make it count that prompt on every request.
+fn counted_targets(
+    dir: &std::path::Path,
+    (a, up_a): (SocketAddr, u32),
+    b: SocketAddr,
+    (p, px): (SocketAddr, u32),
+    path: &str,
+) -> (Child, [Target; 3]) {
+    let counted_dir = dir.join("counted");
+    std::fs::create_dir_all(&counted_dir).unwrap();
+    let (gw, gc) = start_gateway(
+        &counted_dir,
+        &gateway_config_with(a, b, ["a", "b"], ", context_window: 1000"),
+    );
+    let counted: &'static str = COUNTED.as_str();
+    let targets = [
+        Target::new("direct, 1.2 KB", format!("http://{a}{path}"), up_a).with_body(counted),
+        Target::new("floor, 1.2 KB", format!("http://{p}{path}"), px).with_body(counted),
+        Target::new(
+            "autohedge, 1.2 KB counted",
+            format!("http://{gc}{path}"),
+            gw.id(),
+        )
+        .with_body(counted),
+    ];
+    (gw, targets)
+}
+
 fn start_gateway(dir: &std::path::Path, config: &str) -> (Child, SocketAddr) {
     let cfg = dir.join("config.yaml");
     std::fs::write(&cfg, config).unwrap();
@@ -553,24 +583,8 @@ async fn run() {
     // `AUTOHEDGE_BENCH_PART=counted`: only the counted prompt's rounds (direct, floor, gateway).
     if std::env::var("AUTOHEDGE_BENCH_PART").as_deref() == Ok("counted") {
         let (mut px, p) = spawn_role("proxy", &[format!("--target={a}")]);
-        let counted_dir = tmp.path().join("counted");
-        std::fs::create_dir_all(&counted_dir).unwrap();
-        let (mut gw, gc) = start_gateway(
-            &counted_dir,
-            &gateway_config_with(a, b, ["a", "b"], ", context_window: 1000"),
-        );
-        let counted: &'static str = COUNTED.as_str();
-        let mut targets = vec![
-            Target::new("direct, 1.2 KB", format!("http://{a}{path}"), up_a.id())
-                .with_body(counted),
-            Target::new("floor, 1.2 KB", format!("http://{p}{path}"), px.id()).with_body(counted),
-            Target::new(
-                "autohedge, 1.2 KB counted",
-                format!("http://{gc}{path}"),
-                gw.id(),
-            )
-            .with_body(counted),
-        ];
+        let (mut gw, targets) = counted_targets(tmp.path(), (a, up_a.id()), b, (p, px.id()), path);
+        let mut targets = Vec::from(targets);
         let c = client();
         for round in 0..rounds {
             for i in 0..targets.len() {
@@ -627,28 +641,10 @@ async fn run() {
     // The counted prompt (issue #47): a gateway whose endpoints' `context_window: 1000` makes it
     // count the 1.2 KB prompt on every request, beside the direct call and the floor sent the
     // same body.
-    let counted_dir = tmp.path().join("counted");
-    std::fs::create_dir_all(&counted_dir).unwrap();
-    let (mut gw_counted, gc) = start_gateway(
-        &counted_dir,
-        &gateway_config_with(a, b, ["a", "b"], ", context_window: 1000"),
-    );
-    let counted: &'static str = COUNTED.as_str();
+    let (mut gw_counted, counted) =
+        counted_targets(tmp.path(), (a, up_a.id()), b, (p, px.id()), path);
     let counted_from = targets.len();
-    targets.push(
-        Target::new("direct, 1.2 KB", format!("http://{a}{path}"), up_a.id()).with_body(counted),
-    );
-    targets.push(
-        Target::new("floor, 1.2 KB", format!("http://{p}{path}"), px.id()).with_body(counted),
-    );
-    targets.push(
-        Target::new(
-            "autohedge, 1.2 KB counted",
-            format!("http://{gc}{path}"),
-            gw_counted.id(),
-        )
-        .with_body(counted),
-    );
+    targets.extend(counted);
     // Traced (issue #51): the same gateway exporting every request's spans (sample 1.0) to a
     // collector of the bench's own; its figures beside the untraced gateway's.
     let (mut col, col_addr) = spawn_role("collector", &[]);
@@ -799,7 +795,9 @@ async fn run() {
         .args(["-TERM", &gw_counted.id().to_string()])
         .status();
     let _ = gw_counted.wait();
-    let db = rusqlite::Connection::open(counted_dir.join("data").join("autohedge.db")).unwrap();
+    let db =
+        rusqlite::Connection::open(tmp.path().join("counted").join("data").join("autohedge.db"))
+            .unwrap();
     let (rows, counted_rows): (i64, i64) = db
         .query_row(
             "SELECT COUNT(*), COUNT(prompt_tokens_counted) FROM requests",
